@@ -1,0 +1,33 @@
+# The two entry points: `make up` serves the built-in model, `make test` runs the checks.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: up test install lint typecheck pytest clean
+
+up: $(STAMP)
+	$(BIN)/pdserve up
+
+test: $(STAMP) lint typecheck pytest
+
+install: $(STAMP)
+
+# torch is pinned here (and in constraints.txt): an unpinned torch pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
