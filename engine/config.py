@@ -1,0 +1,47 @@
+"""Engine configuration: frozen dataclasses composed into one EngineConfig.
+
+Command-line parsing lives in pdserve.cli; this module only holds values and
+derived properties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # KV pool budget in bytes. None: on GPU `gpu_memory_utilization` of free memory
+    # after weights; on CPU DEFAULT_CPU_KV_BYTES.
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    # Explicit block count (tests, tiny budgets); overrides kv_cache_memory.
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    # Per-step token budget shared by decode tokens and prefill chunks.
+    max_num_batched_tokens: int = 2048
+    # None: the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # When False a prompt must be prefilled in one step (it must fit the budget).
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    dtype: str = "float32"  # float32 | float16 | bfloat16
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    # torch intra-op threads; None leaves torch's default. Workers sharing a host set it.
+    num_threads: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
