@@ -1,0 +1,30 @@
+"""Session-wide fixtures shared by all test packages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory `tiny_model_dir(family="llama", **overrides) -> Path`, built once per session.
+
+    The returned directory is shared by every test in the session: do not modify it
+    (copy it first if a test needs to corrupt a checkpoint).
+    """
+    cache: dict[tuple[str, tuple[tuple[str, Any], ...]], Path] = {}
+
+    def factory(family: str = "llama", **overrides: Any) -> Path:
+        key = (family, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"tiny-{family}")
+            cache[key] = make_tiny_model(out, family, **overrides)
+        return cache[key]
+
+    return factory

@@ -1,0 +1,114 @@
+"""Tiny random-weight Hugging Face checkpoints for tests.
+
+`make_tiny_model(out_dir, family)` builds a model from a `transformers` config,
+seeded so the same family always gives the same weights, and saves it in the
+Hugging Face layout (`config.json`, `model.safetensors`, `generation_config.json`)
+exactly as a real checkpoint would be laid out.
+
+Norm weights and biases are randomised after HF's init (which sets them to 1 and
+0): otherwise a model that ignored them would still match the reference. The
+init scale is raised so logits are decisive and greedy argmax is not decided by
+float noise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("llama", "llama31", "mistral", "qwen2", "qwen3", "tied", "mqa")
+
+_BASE: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 384,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.1,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+# family -> (transformers config class name, overrides, generation_config eos ids)
+_FAMILY_SPECS: dict[str, tuple[str, dict[str, Any], int | list[int]]] = {
+    "llama": ("LlamaConfig", {"rope_theta": 10000.0}, 2),
+    "llama31": (
+        "LlamaConfig",
+        {
+            "vocab_size": 320,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        },
+        [2, 3],
+    ),
+    "mistral": ("MistralConfig", {"sliding_window": None, "head_dim": 16}, 2),
+    "qwen2": ("Qwen2Config", {"vocab_size": 352, "rope_theta": 1000000.0}, [2, 5]),
+    # Explicit head_dim (32) differs from hidden/heads (16), as in real Qwen3.
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "rope_theta": 1000000.0}, [2, 3]),
+    "tied": ("LlamaConfig", {"tie_word_embeddings": True, "vocab_size": 256}, 2),
+    "mqa": ("LlamaConfig", {"num_key_value_heads": 1, "num_attention_heads": 4}, 2),
+}
+
+
+def make_hf_config(family: str = "llama", **overrides: Any) -> Any:
+    """The `transformers` config object for `family`, with `overrides` applied last."""
+    import transformers
+
+    if family not in _FAMILY_SPECS:
+        raise ValueError(f"unknown tiny model family {family!r}; known: {', '.join(FAMILIES)}")
+    cls_name, fam_overrides, _ = _FAMILY_SPECS[family]
+    kwargs = {**_BASE, **fam_overrides, **overrides}
+    if "rope_theta" in kwargs or "rope_scaling" in kwargs:
+        # transformers >= 5 folds theta and scaling into rope_parameters.
+        rope = dict(kwargs.pop("rope_scaling", None) or {"rope_type": "default"})
+        rope["rope_theta"] = kwargs.pop("rope_theta", 10000.0)
+        kwargs["rope_parameters"] = rope
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def _randomise_norms_and_biases(model: Any, scale: float) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + scale * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(scale * torch.randn_like(p))
+
+
+def make_hf_model(family: str = "llama", seed: int = 0, **overrides: Any) -> Any:
+    """A float32 random-weight `AutoModelForCausalLM` for `family`, deterministic in `seed`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = make_hf_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomise_norms_and_biases(model, scale=0.2)
+    return model.eval()
+
+
+def make_tiny_model(out_dir: Path, family: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    """Write a tiny checkpoint for `family` into `out_dir` (created) and return `out_dir`.
+
+    `overrides` go to the `transformers` config (e.g. `hidden_size=768`).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = make_hf_model(family, seed=seed, **overrides)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    eos = _FAMILY_SPECS[family][2]
+    gen = {"bos_token_id": model.config.bos_token_id, "eos_token_id": eos, "do_sample": False}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return out_dir
