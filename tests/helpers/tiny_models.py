@@ -93,7 +93,8 @@ def make_hf_model(family: str = "llama", seed: int = 0, **overrides: Any) -> Any
     from transformers import AutoModelForCausalLM
 
     config = make_hf_config(family, **overrides)
-    torch.manual_seed(seed)
+    # Distinct weights per family even where the configs coincide in shape.
+    torch.manual_seed(seed * 1000 + FAMILIES.index(family))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomise_norms_and_biases(model, scale=0.2)
     return model.eval()

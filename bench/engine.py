@@ -1,0 +1,203 @@
+"""Engine throughput beside Hugging Face `transformers` on the same weights, same run.
+
+    python -m bench.engine [--quick] [--models default,125m] [--batches 1,8,32]
+
+For each model and batch size: prefill tokens/s (B prompts of `--prompt-len`
+tokens, time to the first token) and decode tokens/s (the next `--decode-tokens`
+tokens of each), for the engine (greedy, paged KV, continuous batching) and for
+`transformers.generate` with its own KV cache. Decode time for both is the total
+minus the prefill time. Ratio = engine / transformers (> 1: the engine is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from pdserve.sampling_params import SamplingParams
+
+# ~125M parameters: the issue's reference shape.
+LLAMA_125M: dict[str, Any] = {
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "intermediate_size": 2048,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+class Throughput(NamedTuple):
+    prefill_tok_s: float
+    decode_tok_s: float
+
+
+class Row(NamedTuple):
+    model: str
+    batch: int
+    engine: Throughput
+    hf: Throughput
+
+
+def build_125m(out_dir: Path) -> Path:
+    """A random-weight Llama of the 125M shape, saved in the Hugging Face layout."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA_125M))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def build_default(out_dir: Path) -> Path:
+    from engine.default_model import write_default_model
+
+    return write_default_model(out_dir)
+
+
+def _prompts(batch: int, length: int, vocab: int, salt: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(salt)
+    return torch.randint(3, vocab, (batch, length), generator=g).tolist()
+
+
+def _best(fn: Callable[[], Throughput], reps: int) -> Throughput:
+    runs = [fn() for _ in range(reps)]
+    return Throughput(max(r.prefill_tok_s for r in runs), max(r.decode_tok_s for r in runs))
+
+
+def engine_run(engine: LLMEngine, prompts: list[list[int]], decode_tokens: int) -> Throughput:
+    params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", p, params)
+    t0 = time.perf_counter()
+    engine.step()  # the budget holds every prompt: one prefill step, first tokens out
+    t1 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    t2 = time.perf_counter()
+    n = len(prompts)
+    return Throughput(n * len(prompts[0]) / (t1 - t0), n * decode_tokens / (t2 - t1))
+
+
+def hf_run(model: Any, prompts: list[list[int]], decode_tokens: int) -> Throughput:
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+
+    def gen(new: int) -> float:
+        t = time.perf_counter()
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        return time.perf_counter() - t
+
+    t_prefill = gen(1)
+    t_total = gen(decode_tokens + 1)
+    n = len(prompts)
+    return Throughput(
+        n * ids.shape[1] / t_prefill, n * decode_tokens / max(t_total - t_prefill, 1e-9)
+    )
+
+
+def bench_model(
+    name: str, model_dir: Path, batches: list[int], args: argparse.Namespace
+) -> list[Row]:
+    from transformers import AutoModelForCausalLM
+
+    max_batch = max(batches)
+    cfg = EngineConfig(
+        model_dir=str(model_dir),
+        cache=CacheConfig(
+            num_blocks=max_batch * ((args.prompt_len + args.decode_tokens + 1) // 16 + 2) + 1,
+            enable_prefix_caching=False,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_batch, max_num_batched_tokens=max_batch * args.prompt_len
+        ),
+    )
+    engine = LLMEngine(cfg)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab = engine.vocab_size
+    warm = _prompts(2, 8, vocab, 99)
+    engine_run(engine, warm, 2)
+    hf_run(hf, warm, 2)
+    rows = []
+    for b in batches:
+        prompts = _prompts(b, args.prompt_len, vocab, b)
+
+        def run_engine(p: list[list[int]] = prompts) -> Throughput:
+            return engine_run(engine, p, args.decode_tokens)
+
+        def run_hf(p: list[list[int]] = prompts) -> Throughput:
+            return hf_run(hf, p, args.decode_tokens)
+
+        with torch.inference_mode():
+            e, h = _best(run_engine, args.reps), _best(run_hf, args.reps)
+        rows.append(Row(name, b, e, h))
+        print(format_row(rows[-1]), flush=True)
+    return rows
+
+
+HEADER = (
+    f"{'model':>8} {'batch':>5} | {'prefill tok/s':>13} {'hf':>9} {'ratio':>6} | "
+    f"{'decode tok/s':>12} {'hf':>9} {'ratio':>6}"
+)
+
+
+def format_row(r: Row) -> str:
+    return (
+        f"{r.model:>8} {r.batch:>5} | {r.engine.prefill_tok_s:>13.0f} {r.hf.prefill_tok_s:>9.0f} "
+        f"{r.engine.prefill_tok_s / r.hf.prefill_tok_s:>6.2f} | {r.engine.decode_tok_s:>12.0f} "
+        f"{r.hf.decode_tok_s:>9.0f} {r.engine.decode_tok_s / r.hf.decode_tok_s:>6.2f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="short prompts, few tokens, one rep")
+    ap.add_argument("--models", default="default,125m", help="comma list of default,125m")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--decode-tokens", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args(argv)
+    args.prompt_len = args.prompt_len or (32 if args.quick else 128)
+    args.decode_tokens = args.decode_tokens or (16 if args.quick else 64)
+    args.reps = args.reps or (1 if args.quick else 3)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    builders = {"default": build_default, "125m": build_125m}
+    print(
+        f"torch threads {torch.get_num_threads()}, prompt {args.prompt_len} tokens, "
+        f"{args.decode_tokens} decode tokens, best of {args.reps}"
+    )
+    print(HEADER)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            model_dir = builders[name](Path(tmp) / name)
+            bench_model(name, model_dir, batches, args)
+
+
+if __name__ == "__main__":
+    main()

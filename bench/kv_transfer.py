@@ -1,0 +1,143 @@
+"""KV-transfer micro-benchmark: one request's KV, prefill process -> decode process.
+
+For each model shape and transport, a decode-side receiver runs in its own
+process (as in deployment); this process is the prefill side. One run = begin
+-> send_all -> the sender sees the receiver's ack of the complete, verified
+transfer: that is the per-request handoff latency. GB/s = KV bytes / latency.
+numpy memcpy GB/s of the same byte count is measured in the same run.
+
+    .venv/bin/python -m bench.kv_transfer                  # both shapes, all transports
+    .venv/bin/python -m bench.kv_transfer --tokens 1024 --runs 3 --transports shm ipc
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import time
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from kv_transfer.api import TransferState
+from kv_transfer.links import ZmqLinkFactory
+from kv_transfer.receiver import ZmqReceiver
+from kv_transfer.sender import Sender
+from kv_transfer.shm_pool import create_shm_pool
+from pdserve.kv_layout import KVLayout
+
+SHAPES = {
+    "llama-125m": KVLayout(
+        "bench-125m", num_layers=12, num_kv_heads=4, head_dim=64, block_size=16, dtype="float16"
+    ),
+    "llama3-8b": KVLayout(
+        "bench-8b", num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16"
+    ),
+}
+TRANSPORTS = ["shm", "ipc", "tcp"]
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def receiver_main(shape: str, transport: str, num_blocks: int, conn: Connection) -> None:
+    """Decode side: serve `expect`/`forget` requests over a pipe until told to stop."""
+    layout = SHAPES[shape]
+    shm = create_shm_pool(layout, num_blocks) if transport == "shm" else None
+    pool = shm if shm is not None else np.zeros(layout.pool_shape(num_blocks), np.float16)
+    with ZmqReceiver(layout, pool, transport=transport) as receiver:
+        conn.send(receiver.address)
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "stop":
+                break
+            if cmd[0] == "expect":
+                receiver.expect(cmd[1], "bench", cmd[2], lease_s=120)
+            else:
+                ok = receiver.poll(cmd[1]) is TransferState.COMPLETE
+                receiver.forget(cmd[1])
+                conn.send(ok)
+                continue
+            conn.send("ok")
+    if shm is not None:
+        shm.close()
+        shm.unlink()
+
+
+def bench_one(shape: str, transport: str, tokens: int, runs: int) -> tuple[float, float]:
+    """Median handoff latency (s) and GB/s of one transport and shape."""
+    layout = SHAPES[shape]
+    n = -(-tokens // layout.block_size)
+    nbytes = n * layout.num_layers * layout.block_bytes_per_layer
+    rng = np.random.default_rng(0)
+    src_pool = rng.integers(0, 1 << 15, layout.pool_shape(n + 1), dtype=np.int16).view(np.float16)
+    src_ids = [int(b) for b in rng.permutation(np.arange(1, n + 1))]
+    dst_ids = [int(b) for b in rng.permutation(np.arange(1, n + 1))]
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=receiver_main, args=(shape, transport, n + 1, child))
+    proc.start()
+    address = parent.recv()
+    times = []
+    with Sender(layout, src_pool, links=ZmqLinkFactory()) as sender:
+        for i in range(runs + 1):  # run 0 warms up connections and page mappings
+            tid = f"t{i}"
+            parent.send(("expect", tid, dst_ids))
+            parent.recv()
+            t0 = time.perf_counter()
+            sender.begin(tid, "bench", address, src_ids, dst_ids, lease_s=120)
+            sender.send_all(tid)
+            while not (state := sender.poll(tid)).terminal:
+                time.sleep(0.0002)
+            elapsed = time.perf_counter() - t0
+            if state is not TransferState.COMPLETE:
+                raise RuntimeError(f"{transport}: {state.name}: {sender.reason(tid)}")
+            sender.forget(tid)
+            parent.send(("forget", tid))
+            if not parent.recv():
+                raise RuntimeError("receiver did not see COMPLETE")
+            if i:
+                times.append(elapsed)
+    parent.send(("stop",))
+    proc.join(30)
+    median = statistics.median(times)
+    return median, nbytes / median / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--transports", nargs="+", default=TRANSPORTS, choices=TRANSPORTS)
+    args = ap.parse_args()
+    print(
+        f"{'shape':<12} {'MiB':>7} {'transport':<9} {'latency ms':>11} {'GB/s':>7} "
+        f"{'memcpy GB/s':>12} {'% memcpy':>9}"
+    )
+    for shape in args.shapes:
+        layout = SHAPES[shape]
+        nbytes = (
+            -(-args.tokens // layout.block_size) * layout.block_size * layout.kv_bytes_per_token
+        )
+        for transport in args.transports:
+            latency, gbps = bench_one(shape, transport, args.tokens, args.runs)
+            copy = memcpy_gbps(nbytes)
+            print(
+                f"{shape:<12} {nbytes / 2**20:>7.1f} {transport:<9} {latency * 1e3:>11.2f} "
+                f"{gbps:>7.2f} {copy:>12.2f} {100 * gbps / copy:>8.0f}%",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

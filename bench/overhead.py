@@ -1,0 +1,161 @@
+"""Full-stack overhead: decode tokens/s through `pdserve up` vs the engine alone.
+
+    .venv/bin/python bench/overhead.py --batches 1,16,32
+
+For each batch B: the single-process `LLMEngine` (all cores, the colocated
+shape) runs B requests together and its decode step time is measured once all
+B are decoding; then `pdserve up` serves B concurrent streaming requests of the
+same shape and the client measures the per-stream decode rate. Prints
+full-stack / engine decode tokens/s per B and the added per-token latency
+(full-stack TPOT - engine step). Targets of issue 7: >= 0.9x at 16 and 32; at
+B = 1 the ITL p50 <= 1.15x the engine's step time. The engine runs before the
+server starts, so the two never compete for cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.loadgen.compare import split_args
+from bench.loadgen.config import (
+    BenchConfig,
+    EndpointConfig,
+    LoadConfig,
+    OutputConfig,
+    WorkloadConfig,
+)
+from bench.loadgen.launch import default_tokenizer, pdserve_up
+from bench.loadgen.runner import run_benchmark
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineDecode:
+    batch: int
+    step_s: float  # mean decode step with all `batch` sequences running
+    tokens_per_s: float
+
+
+def measure_engine(
+    model_dir: str | None, batch: int, prompt_len: int, output_len: int, threads: int
+) -> EngineDecode:
+    """Decode rate of the single-process engine at `batch` (imports torch)."""
+    import numpy as np
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from pdserve.sampling_params import SamplingParams
+
+    if model_dir is None:
+        from engine.default_model import default_model_dir
+
+        model_dir = str(default_model_dir())
+    eng = LLMEngine(EngineConfig(model_dir=model_dir, num_threads=threads))
+    rng = np.random.default_rng(batch)
+
+    def prompt() -> list[int]:
+        return [int(x) for x in rng.integers(10, eng.vocab_size, prompt_len)]
+
+    greedy = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    eng.generate([prompt()], dataclasses.replace(greedy, max_tokens=4))  # warm-up
+    for i in range(batch):
+        eng.add_request(f"r{i}", prompt(), greedy)
+    started: set[str] = set()
+    while len(started) < batch:  # prefill (and the first token) of every request
+        started.update(o.request_id for o in eng.step() if o.outputs[0].token_ids)
+    steps, tokens, t0 = 0, 0, time.perf_counter()
+    while eng.has_unfinished():
+        outs = eng.step()
+        steps += 1
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    elapsed = time.perf_counter() - t0
+    return EngineDecode(batch, elapsed / max(1, steps), tokens / elapsed if elapsed else 0.0)
+
+
+def fmt(value: float | None, scale: float = 1000.0) -> str:
+    return "-" if value is None else f"{value * scale:.2f}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,16,32")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument(
+        "--model", default=None, help="model dir (default: built-in); pass the same via --up-args"
+    )
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads")
+    ap.add_argument("--up-args", default="--colocated")
+    ap.add_argument("--output-json", default=None)
+    return ap.parse_args(argv)
+
+
+def bench_config(
+    args: argparse.Namespace, base_url: str, batch: int, tok: str | None
+) -> BenchConfig:
+    return BenchConfig(
+        endpoint=EndpointConfig(base_url=base_url),
+        workload=WorkloadConfig(
+            input_len=args.prompt_len, output_len=args.output_len, tokenizer_dir=tok
+        ),
+        load=LoadConfig(concurrency=batch, warmup=batch, num_requests=batch, max_duration_s=600),
+        output=OutputConfig(progress=sys.stderr.isatty()),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    tok = args.model or default_tokenizer()
+    engine = {
+        b: measure_engine(args.model, b, args.prompt_len, args.output_len, args.threads)
+        for b in batches
+    }
+    stack: dict[int, dict] = {}
+    with pdserve_up("overhead", split_args(args.up_args)) as server:
+        for b in batches:
+            stack[b] = run_benchmark(bench_config(args, server.base_url, b, tok)).runs[0].summary
+    print(f"{'batch':>6}{'engine tok/s':>14}{'stack tok/s':>13}{'ratio':>8}{'step ms':>9}"
+          f"{'TPOT ms':>9}{'added ms':>10}{'ITL p50 ms':>12}")  # fmt: skip
+    rows = []
+    for b in batches:
+        e, s = engine[b], stack[b]
+        per_stream = s["decode_rate_per_stream"] or 0.0
+        stack_rate = per_stream * b  # all b streams decode together
+        tpot = s["tpot"]["p50"]
+        row = {
+            "batch": b,
+            "engine_decode_tok_s": e.tokens_per_s,
+            "engine_step_s": e.step_s,
+            "stack_decode_tok_s": stack_rate,
+            "ratio": stack_rate / e.tokens_per_s if e.tokens_per_s else None,
+            "stack_tpot_p50_s": tpot,
+            "added_per_token_s": None if tpot is None else tpot - e.step_s,
+            "stack_itl_p50_s": s["itl"]["p50"],
+        }
+        rows.append(row)
+        print(f"{b:>6}{e.tokens_per_s:>14.1f}{stack_rate:>13.1f}{fmt(row['ratio'], 1):>8}"
+              f"{fmt(e.step_s):>9}{fmt(tpot):>9}{fmt(row['added_per_token_s']):>10}"
+              f"{fmt(s['itl']['p50']):>12}")  # fmt: skip
+    for row in rows:
+        if row["batch"] >= 16 and row["ratio"] is not None:
+            print(
+                f"target batch {row['batch']}: ratio {row['ratio']:.3f} >= 0.9: {row['ratio'] >= 0.9}"
+            )
+        if row["batch"] == 1 and row["stack_itl_p50_s"] is not None:
+            r = row["stack_itl_p50_s"] / row["engine_step_s"]
+            print(f"target batch 1: ITL p50 / engine step = {r:.3f} <= 1.15: {r <= 1.15}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows, "full_stack": stack}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

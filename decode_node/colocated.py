@@ -1,0 +1,86 @@
+"""The colocated worker: prefill and decode in one engine, chunked prefill mixed
+into decode steps. The baseline disaggregation must beat.
+
+A request's life here:
+1. `RunRequest` arrives: the engine queues it (WAITING).
+2. Engine steps prefill it in chunks alongside running decodes (RUNNING).
+3. Every step's new tokens go to the gateway as one `TokenBatch`.
+4. It finishes (stop/length) or an `Abort` removes it; its blocks return.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from decode_node.engine_glue import StatsMirror, wire_deltas
+from decode_node.runtime import NodeLoad, NodeRegistration, Sender
+from decode_node.worker_metrics import WorkerMetrics
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from pdserve import protocol as p
+from pdserve.sampling_params import SamplingParams, SamplingParamsError
+
+log = logging.getLogger(__name__)
+
+
+class ColocatedNode:
+    role = "colocated"
+
+    def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, send: Sender,
+                 metrics: WorkerMetrics) -> None:  # fmt: skip
+        self.worker_id = worker_id
+        self.engine = engine
+        self.runner = runner
+        self.send = send
+        self.metrics = metrics
+        self.stats = StatsMirror(metrics)
+        self._live: set[str] = set()
+
+    def registration(self) -> NodeRegistration:
+        layout = self.runner.layout
+        s = self.engine.stats()
+        return NodeRegistration("", "", layout.compat_hash, s.num_total_blocks, layout.block_size)
+
+    def handle(self, msg: p.Message) -> None:
+        if isinstance(msg, p.RunRequest):
+            self._add(msg)
+        elif isinstance(msg, p.Abort):
+            for rid in msg.request_ids:
+                if rid in self._live:
+                    self.engine.abort(rid)
+                    self._live.discard(rid)
+                    self.metrics.aborts.inc()
+
+    def _add(self, msg: p.RunRequest) -> None:
+        try:
+            params = SamplingParams.from_dict(msg.params)
+            self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), params)
+        except (SamplingParamsError, ValueError) as e:
+            self.send(p.RequestFailed(msg.request_id, f"invalid request: {e}", retryable=False))
+            return
+        self._live.add(msg.request_id)
+        self.metrics.requests.inc()
+        self.metrics.prefill_requests.inc()
+
+    def step(self) -> bool:
+        if not self.engine.has_unfinished():
+            return False
+        outputs = self.engine.step()
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        deltas = wire_deltas(outputs)
+        if deltas:
+            self.send(p.TokenBatch(self.worker_id, deltas))
+        return True
+
+    def load(self) -> NodeLoad:
+        return self.stats.update(self.engine.stats())
+
+    def busy(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def close(self) -> None:
+        for rid in list(self._live):
+            self.engine.abort(rid)
+        self._live.clear()

@@ -1,0 +1,68 @@
+"""Glue between the engine and the worker nodes: building the engine, turning
+engine outputs into wire deltas, and mirroring engine stats into metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from decode_node.runtime import NodeLoad
+from decode_node.worker_metrics import WorkerMetrics
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from pdserve import protocol as p
+
+
+def build_engine(config: EngineConfig, kv_buffer: Any = None) -> tuple[LLMEngine, ModelRunner]:
+    if config.num_threads:
+        import torch
+
+        torch.set_num_threads(config.num_threads)
+    runner = ModelRunner(config, kv_buffer=kv_buffer)
+    return LLMEngine(config, runner=runner), runner
+
+
+def wire_logprobs(c: CompletionOutput) -> list[Any] | None:
+    if c.logprobs is None:
+        return None
+    return [[lp.token_id, lp.logprob, [[int(a), float(b)] for a, b in lp.top]] for lp in c.logprobs]
+
+
+def wire_deltas(outputs: Iterable[RequestOutput]) -> list[p.TokenDelta]:
+    """Every non-empty choice delta of one step; engine-side aborts are not reported."""
+    deltas = []
+    for out in outputs:
+        for c in out.outputs:
+            if c.finish_reason == "abort" or (not c.token_ids and c.finish_reason is None):
+                continue
+            reason = c.finish_reason
+            deltas.append(p.TokenDelta(
+                out.request_id, c.index, list(c.token_ids), wire_logprobs(c), reason,
+                out.num_cached_tokens,
+            ))  # fmt: skip
+    return deltas
+
+
+class StatsMirror:
+    """Turns the engine's cumulative stats into counter increments and a NodeLoad."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self.metrics = metrics
+        self._prompt = 0
+        self._generated = 0
+
+    def update(self, s: EngineStats, queued_prefill_tokens: int = 0) -> NodeLoad:
+        m = self.metrics
+        if s.num_prompt_tokens_computed > self._prompt:
+            m.prefill_tokens.inc(s.num_prompt_tokens_computed - self._prompt)
+            self._prompt = s.num_prompt_tokens_computed
+        if s.num_generated_tokens > self._generated:
+            m.decode_tokens.inc(s.num_generated_tokens - self._generated)
+            self._generated = s.num_generated_tokens
+        m.set_preemptions(s.num_preemptions)
+        return NodeLoad(
+            queued_prefill_tokens, s.num_free_blocks, s.num_total_blocks, s.num_running,
+            s.num_waiting + s.num_waiting_for_kv,
+        )  # fmt: skip

@@ -1,0 +1,98 @@
+"""Build and run one worker process of any role (prefill, decode, colocated)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from decode_node.engine_glue import build_engine
+from decode_node.runtime import Node, RuntimeConfig, WorkerRuntime
+from decode_node.worker_metrics import WorkerMetrics
+from engine.config import EngineConfig
+from pdserve.transport import WorkerChannel, new_worker_id
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    role: str  # prefill | decode | colocated
+    gateway: str
+    worker_id: str | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
+    heartbeat_s: float = 0.5
+    kv_host: str = "127.0.0.1"
+    kv_transport: str = "auto"  # auto | tcp | shm
+
+
+def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions) -> int:
+    worker_id = opts.worker_id or new_worker_id(opts.role)
+    metrics = WorkerMetrics(opts.role, worker_id)
+    channel = WorkerChannel(opts.gateway, worker_id)
+    rt_cfg = RuntimeConfig(opts.gateway, worker_id, opts.metrics_host, opts.metrics_port, opts.heartbeat_s)
+    runtime = WorkerRuntime(rt_cfg, channel, metrics)
+    node, cleanup = build_node(engine_cfg, opts, worker_id, channel, metrics)
+    try:
+        return runtime.run(node)
+    finally:
+        for fn in cleanup:
+            fn()
+
+
+def build_node(engine_cfg: EngineConfig, opts: WorkerOptions, worker_id: str, channel: WorkerChannel,
+               metrics: WorkerMetrics) -> tuple[Node, list[Any]]:  # fmt: skip
+    send = channel.send
+    if opts.role == "colocated":
+        from decode_node.colocated import ColocatedNode
+
+        engine, runner = build_engine(engine_cfg)
+        return ColocatedNode(worker_id, engine, runner, send, metrics), []
+    if opts.role == "prefill":
+        from prefill_node.node import PrefillNode
+
+        from kv_transfer.links import ZmqLinkFactory
+        from kv_transfer.sender import Sender
+
+        engine, runner = build_engine(engine_cfg)
+        sender = Sender(runner.layout, pool_array(runner), links=ZmqLinkFactory())
+        return PrefillNode(worker_id, engine, runner, sender, send, metrics), []
+    from decode_node.node import DecodeNode
+    from engine.model_runner import ModelRunner
+    from kv_transfer.receiver import ZmqReceiver
+
+    cleanup: list[Any] = []
+    shm_pool = None
+    if opts.kv_transport != "tcp" and engine_cfg.device == "cpu":
+        from kv_transfer.shm_pool import create_shm_pool
+
+        layout = ModelRunner.layout_for(engine_cfg)
+        num_blocks = engine_cfg.cache.num_blocks or ModelRunner.num_blocks_for_bytes(
+            layout, engine_cfg.cache.kv_cache_memory or default_kv_bytes()
+        )
+        shm_pool = create_shm_pool(layout, num_blocks)
+        cleanup.append(shm_pool.unlink)
+    engine, runner = build_engine(engine_cfg, kv_buffer=shm_pool.array if shm_pool else None)
+    if shm_pool is not None:
+        receiver = ZmqReceiver(runner.layout, shm_pool, transport="shm+tcp", host=opts.kv_host)
+    else:
+        receiver = ZmqReceiver(runner.layout, pool_array(runner), transport="tcp", host=opts.kv_host)
+    kv_shm = shm_pool.descriptor.name if shm_pool else ""
+    return DecodeNode(worker_id, engine, runner, receiver, send, metrics, kv_shm), cleanup
+
+
+def pool_array(runner: Any) -> Any:
+    """The runner's CPU KV pool as a numpy view (bfloat16 as raw 16-bit patterns)."""
+    import torch
+
+    kv = runner.pool.kv
+    if kv.device.type != "cpu":
+        raise ValueError("KV transfer from a GPU pool needs the CUDA transport; use --device cpu")
+    return (kv.view(torch.uint16) if kv.dtype == torch.bfloat16 else kv).numpy()
+
+
+def default_kv_bytes() -> int:
+    from engine.config import DEFAULT_CPU_KV_BYTES
+
+    return DEFAULT_CPU_KV_BYTES

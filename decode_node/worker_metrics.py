@@ -1,0 +1,106 @@
+"""A worker's Prometheus metrics and its small HTTP server (`/health`, `/metrics`).
+
+Each worker owns one `CollectorRegistry` (no process-global registry), served
+from a daemon thread on a loopback port. The same gauges travel in heartbeats
+so the gateway can re-export the fleet.
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+
+class WorkerMetrics:
+    def __init__(self, role: str, worker_id: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        labels = {"role": role, "worker": worker_id}
+        names = list(labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=r).labels(**labels)  # type: ignore[no-any-return]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=r).labels(**labels)  # type: ignore[no-any-return]
+
+        self.kv_usage = gauge("llm_kv_cache_usage_ratio", "KV cache blocks in use (0-1)")
+        self.batch_size = gauge("llm_current_batch_size", "Sequences in the running batch")
+        self.waiting = gauge("llm_waiting_sequences", "Sequences waiting to be scheduled")
+        self.free_blocks = gauge("llm_kv_free_blocks", "Free KV blocks")
+        self.prefill_tokens = counter("llm_prefill_tokens", "Prompt tokens computed")
+        self.decode_tokens = counter("llm_decode_tokens", "Output tokens generated")
+        self.prefill_requests = counter("llm_prefill_requests", "Prefill computations run")
+        self.requests = counter("llm_worker_requests", "Requests accepted by this worker")
+        self.transfer_bytes = counter("llm_kv_transfer_bytes", "KV bytes transferred")
+        self.transfer_failures = counter("llm_kv_transfer_failures", "Failed KV transfers")
+        self.preemptions = counter("llm_preemptions", "Sequences preempted for recompute")
+        self.aborts = counter("llm_worker_aborts", "Requests aborted on this worker")
+        self.transfer_seconds = Histogram(
+            "llm_kv_transfer_seconds",
+            "KV transfer latency",
+            names,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        ).labels(**labels)
+        self._last_preemptions = 0
+
+    def set_preemptions(self, total: int) -> None:
+        if total > self._last_preemptions:
+            self.preemptions.inc(total - self._last_preemptions)
+            self._last_preemptions = total
+
+    def gauges(self) -> dict[str, float]:
+        """Values carried in heartbeats for the gateway to re-export."""
+        return {
+            "llm_kv_cache_usage_ratio": float(self.kv_usage._value.get()),
+            "llm_current_batch_size": float(self.batch_size._value.get()),
+            "llm_prefill_tokens_count": float(self.prefill_tokens._value.get()),
+            "llm_decode_tokens_count": float(self.decode_tokens._value.get()),
+            "llm_prefill_requests_count": float(self.prefill_requests._value.get()),
+        }
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsServer:
+    """`GET /health` and `GET /metrics` on (host, port); port 0 picks a free one."""
+
+    def __init__(self, metrics: WorkerMetrics, host: str, port: int, health: Any) -> None:
+        outer_metrics, outer_health = metrics, health
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server API)
+                if self.path.startswith("/metrics"):
+                    body, ctype, code = outer_metrics.render(), CONTENT_TYPE_LATEST, 200
+                elif self.path.startswith("/health"):
+                    ok = bool(outer_health())
+                    body = b'{"status":"ok"}' if ok else b'{"status":"stopping"}'
+                    ctype, code = "application/json", 200 if ok else 503
+                else:
+                    body, ctype, code = b"not found", "text/plain", 404
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                return
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,213 @@
+"""Paged attention: one backend interface, and a gather + SDPA implementation for CPU.
+
+Per step the runner flattens all sequences' new tokens into one batch ordered
+single-token chunks first (decodes, batched together), then multi-token chunks
+(prefill chunks, one SDPA call each). `AttentionMetadata` is built once per
+step and shared by every layer.
+
+Pool views handed to a backend are one layer's K and V, each
+`[num_blocks, block_size, num_kv_heads, head_dim]`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.runner_types import SeqChunk
+
+
+@dataclass(frozen=True)
+class PrefillSeq:
+    """One multi-token chunk: flat rows [q_start, q_end) at positions [start_pos, ctx_len)."""
+
+    q_start: int
+    q_end: int
+    start_pos: int
+    ctx_len: int
+    block_table: torch.Tensor  # [ceil(ctx_len / block_size)] long
+    # [n, ctx_len] bool, True = may attend; None when the chunk is the whole
+    # context (start_pos == 0) and plain causal attention applies.
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """Single-token chunks, flat rows [0, num_seqs), attended together with padding."""
+
+    num_seqs: int
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] long, padded with the null block
+    max_ctx_len: int
+    mask: torch.Tensor | None  # [num_seqs, 1, 1, max_ctx_len] bool; None if all lengths equal
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: pool slot of each flat token's new K/V
+    decode: DecodeBatch | None
+    prefills: tuple[PrefillSeq, ...]
+    num_tokens: int
+
+
+class AttentionBackend(abc.ABC):
+    """Writes this step's K/V into the pool and attends through block tables."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] (RoPE applied) -> attention output [T, H * D].
+
+        Must write k/v at `meta.slot_mapping` of k_cache/v_cache before returning.
+        """
+
+
+def order_chunks(chunks: Sequence[SeqChunk]) -> list[int]:
+    """Chunk indices in flat-batch order: single-token chunks first, then the rest."""
+    singles = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
+    multis = [i for i, c in enumerate(chunks) if len(c.token_ids) != 1]
+    return singles + multis
+
+
+def _slots(chunk: SeqChunk, block_size: int) -> torch.Tensor:
+    pos = torch.arange(chunk.start_pos, chunk.end_pos)
+    blocks = torch.tensor(chunk.block_table[: (chunk.end_pos + block_size - 1) // block_size])
+    return blocks[pos // block_size] * block_size + pos % block_size
+
+
+def build_metadata(
+    chunks: Sequence[SeqChunk], order: Sequence[int], block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """Metadata for chunks laid out in `order` (see `order_chunks`)."""
+    ordered = [chunks[i] for i in order]
+    num_dec = 0
+    while num_dec < len(ordered) and len(ordered[num_dec].token_ids) == 1:
+        num_dec += 1
+    slot_parts: list[torch.Tensor] = []
+    decode = None
+    if num_dec:
+        dec = ordered[:num_dec]
+        dec_slots = [
+            c.block_table[c.start_pos // block_size] * block_size + c.start_pos % block_size
+            for c in dec
+        ]
+        slot_parts.append(torch.tensor(dec_slots, dtype=torch.long))
+        decode = _decode_batch(dec, block_size, device)
+    prefills = []
+    row = num_dec
+    for c in ordered[num_dec:]:
+        n = len(c.token_ids)
+        slot_parts.append(_slots(c, block_size))
+        nblk = (c.end_pos + block_size - 1) // block_size
+        mask = None
+        if c.start_pos > 0:
+            q_pos = torch.arange(c.start_pos, c.end_pos)[:, None]
+            mask = (torch.arange(c.end_pos)[None, :] <= q_pos).to(device)
+        table = torch.tensor(c.block_table[:nblk], dtype=torch.long, device=device)
+        prefills.append(PrefillSeq(row, row + n, c.start_pos, c.end_pos, table, mask))
+        row += n
+    slot_mapping = (
+        torch.cat(slot_parts).to(device) if slot_parts else torch.empty(0, dtype=torch.long)
+    )
+    return AttentionMetadata(slot_mapping, decode, tuple(prefills), row)
+
+
+def _decode_batch(dec: Sequence[SeqChunk], block_size: int, device: torch.device) -> DecodeBatch:
+    ctx = [c.start_pos + 1 for c in dec]
+    max_ctx = max(ctx)
+    max_blocks = (max_ctx + block_size - 1) // block_size
+    tables = [
+        c.block_table[:max_blocks] + [0] * (max_blocks - len(c.block_table[:max_blocks]))
+        for c in dec
+    ]
+    mask = None
+    if min(ctx) != max_ctx:
+        lens = torch.tensor(ctx, dtype=torch.long)
+        mask = (torch.arange(max_ctx)[None, :] < lens[:, None]).view(len(dec), 1, 1, max_ctx)
+        mask = mask.to(device)
+    return DecodeBatch(
+        len(dec), torch.tensor(tables, dtype=torch.long, device=device), max_ctx, mask
+    )
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Gather each sequence's context through its block table, then SDPA.
+
+    Decodes: one SDPA call for all of them. The query heads sharing a KV head
+    are laid out as that head's query rows ([B, KVH, G, D]), so GQA needs no
+    repeated K/V. Prefill chunks: one causal SDPA call each.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_blocks, block_size, kvh, d = k_cache.shape
+        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        outs = []
+        if meta.decode is not None:
+            b = meta.decode.num_seqs
+            outs.append(self._decode(q[:b], k_cache, v_cache, meta.decode))
+        for p in meta.prefills:
+            outs.append(self._prefill(q[p.q_start : p.q_end], k, v, k_cache, v_cache, p))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: DecodeBatch
+    ) -> torch.Tensor:
+        b, h, d = q.shape
+        kvh = k_cache.shape[2]
+        L = dec.max_ctx_len
+        keys = k_cache[dec.block_tables].view(b, -1, kvh, d)[:, :L].transpose(1, 2)
+        vals = v_cache[dec.block_tables].view(b, -1, kvh, d)[:, :L].transpose(1, 2)
+        qg = q.view(b, kvh, h // kvh, d)
+        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=dec.mask)
+        return out.reshape(b, h * d)
+
+    @staticmethod
+    def _prefill(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        p: PrefillSeq,
+    ) -> torch.Tensor:
+        n, h, d = q.shape
+        kvh = k_cache.shape[2]
+        if p.start_pos == 0:
+            # The whole context is this chunk: attend to the fresh k/v directly.
+            keys, vals = k[p.q_start : p.q_end], v[p.q_start : p.q_end]
+        else:
+            keys = k_cache[p.block_table].view(-1, kvh, d)[: p.ctx_len]
+            vals = v_cache[p.block_table].view(-1, kvh, d)[: p.ctx_len]
+        rep = h // kvh
+        keys = keys.transpose(0, 1)
+        vals = vals.transpose(0, 1)
+        if rep > 1:
+            keys = keys.repeat_interleave(rep, dim=0)
+            vals = vals.repeat_interleave(rep, dim=0)
+        qh = q.transpose(0, 1)
+        if p.mask is None:
+            out = F.scaled_dot_product_attention(qh, keys, vals, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=p.mask)
+        return out.transpose(0, 1).reshape(n, h * d)

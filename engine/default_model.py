@@ -1,0 +1,297 @@
+"""The built-in default model: a deterministic random-weight Llama checkpoint.
+
+`write_default_model(dir)` writes a complete Hugging Face directory —
+`config.json`, `generation_config.json`, `model.safetensors`, `tokenizer.json`,
+`tokenizer_config.json` (with a Llama-3-style chat template) — so every code
+path that loads real checkpoints loads this one too. The tokenizer is a real
+byte-level BPE trained on `engine.corpus`; the weights are N(0, 0.02) from a
+fixed seed. Two builds give byte-identical files.
+
+`default_model_dir()` returns `<PDSERVE_HOME>/models/pdserve-tiny-llama`,
+building it on first use (in a temporary directory renamed into place, so
+concurrent first uses are safe).
+
+This module deliberately needs only numpy, safetensors and tokenizers — not
+torch — so torch-free processes (the gateway) can resolve the default model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from engine.corpus import corpus_text
+from pdserve import envs
+
+DEFAULT_MODEL_NAME = "pdserve-tiny-llama"
+# Bump when the writing code changes the files; corpus, shape, seed and template
+# changes are caught by the fingerprint. A cached model that differs is rebuilt.
+DEFAULT_MODEL_VERSION = 2
+VERSION_FILE = "pdserve-model.json"
+_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    VERSION_FILE,
+)
+
+BOS_TOKEN = "<|begin_of_text|>"
+END_OF_TEXT_TOKEN = "<|end_of_text|>"
+START_HEADER_TOKEN = "<|start_header_id|>"
+END_HEADER_TOKEN = "<|end_header_id|>"
+EOT_TOKEN = "<|eot_id|>"
+# Trained first, so they get ids 0..4 in this order.
+SPECIAL_TOKENS = (BOS_TOKEN, END_OF_TEXT_TOKEN, START_HEADER_TOKEN, END_HEADER_TOKEN, EOT_TOKEN)
+
+CHAT_TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if message['role'] not in ['system', 'user', 'assistant'] %}\n"
+    "        {{- raise_exception('Unsupported chat role: ' + message['role']"
+    " + ' (expected system, user or assistant)') }}\n"
+    "    {%- endif %}\n"
+    "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + (message['content'] | trim) + '<|eot_id|>' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+
+@dataclass(frozen=True)
+class DefaultModelSpec:
+    """Shape and seed of the generated checkpoint (the defaults are the default model)."""
+
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    intermediate_size: int = 688
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    init_std: float = 0.02
+    # lm_head is drawn wider than the rest so logits are decisive: with 0.02 the
+    # top-2 logit gap is often ~1e-3, and greedy output would flip under mere
+    # float-ordering differences (batched vs alone, bf16 on GPU).
+    lm_head_std: float = 0.2
+    target_vocab_size: int = 2048
+    seed: int = 1234
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def train_tokenizer(vocab_size: int = 2048) -> Tokenizer:
+    """Train the byte-level BPE on the built-in corpus (deterministic)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        # Every byte is in the vocabulary, so any text (any language, emoji) encodes.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus_text().split("\n\n"), trainer=trainer)
+    bos_id = tok.token_to_id(BOS_TOKEN)
+    # Like Llama 3: encode(add_special_tokens=True) prepends BOS.
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS_TOKEN} $A",
+                pair=f"{BOS_TOKEN} $A {BOS_TOKEN}:1 $B:1",
+                special_tokens=[(BOS_TOKEN, bos_id)],
+            ),
+        ]
+    )
+    return tok
+
+
+def _ids(tok: Tokenizer) -> dict[str, int]:
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    assert all(v is not None for v in ids.values()), ids
+    return ids  # type: ignore[return-value]
+
+
+def _hf_config(spec: DefaultModelSpec, vocab_size: int, ids: Mapping[str, int]) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "initializer_range": spec.init_std,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": ids[BOS_TOKEN],
+        "eos_token_id": [ids[END_OF_TEXT_TOKEN], ids[EOT_TOKEN]],
+        "torch_dtype": "float32",
+    }
+
+
+def _tokenizer_config(spec: DefaultModelSpec, tok: Tokenizer) -> dict[str, Any]:
+    added = {
+        str(tok.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t in SPECIAL_TOKENS
+    }
+    return {
+        "added_tokens_decoder": added,
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOT_TOKEN,
+        "pad_token": END_OF_TEXT_TOKEN,
+        "chat_template": CHAT_TEMPLATE,
+        # Keep decode exactly what tokenizer.json's decoder produces.
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+        "model_max_length": spec.max_position_embeddings,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+
+
+def _weights(spec: DefaultModelSpec, vocab_size: int) -> dict[str, np.ndarray]:
+    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "self_attn.q_proj.weight"] = (q, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
+        shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, spec.intermediate_size)
+    shapes["lm_head.weight"] = (vocab_size, h)
+    rng = np.random.default_rng(spec.seed)
+    std = {name: np.float32(spec.init_std) for name in shapes}
+    std["lm_head.weight"] = np.float32(spec.lm_head_std)
+    # Drawn in one fixed order so the bytes never depend on dict or file ordering.
+    out = {n: rng.standard_normal(shape, dtype=np.float32) * std[n] for n, shape in shapes.items()}
+    for i in range(spec.num_layers):
+        out[f"model.layers.{i}.input_layernorm.weight"] = np.ones(h, dtype=np.float32)
+        out[f"model.layers.{i}.post_attention_layernorm.weight"] = np.ones(h, dtype=np.float32)
+    out["model.norm.weight"] = np.ones(h, dtype=np.float32)
+    return out
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write_default_model(out_dir: Path, spec: DefaultModelSpec | None = None) -> Path:
+    """Write the checkpoint into `out_dir` (created if missing) and return it.
+
+    Existing files of the same names are overwritten; other files are left alone.
+    """
+    spec = spec or DefaultModelSpec()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(spec.target_vocab_size)
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    ids = _ids(tok)
+    tok.save(str(out_dir / "tokenizer.json"), pretty=False)
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(spec, tok))
+    _write_json(out_dir / "config.json", _hf_config(spec, vocab_size, ids))
+    _write_json(
+        out_dir / "generation_config.json",
+        {"bos_token_id": ids[BOS_TOKEN], "eos_token_id": [ids[END_OF_TEXT_TOKEN], ids[EOT_TOKEN]]},
+    )
+    save_file(
+        _weights(spec, vocab_size), str(out_dir / "model.safetensors"), metadata={"format": "pt"}
+    )
+    _write_json(
+        out_dir / VERSION_FILE,
+        {
+            "name": DEFAULT_MODEL_NAME,
+            "version": DEFAULT_MODEL_VERSION,
+            "fingerprint": _fingerprint(spec),
+        },
+    )
+    for f in _FILES:
+        (out_dir / f).chmod(0o644)  # safetensors writes 0600; the model is shared data
+    return out_dir
+
+
+def _fingerprint(spec: DefaultModelSpec) -> str:
+    """Hash of every input of the build, so an edit to any of them is noticed."""
+    key = f"{DEFAULT_MODEL_VERSION}|{spec!r}|{CHAT_TEMPLATE}|{corpus_text()}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _is_current(path: Path) -> bool:
+    try:
+        meta = json.loads((path / VERSION_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(
+        meta.get("version") == DEFAULT_MODEL_VERSION
+        and meta.get("fingerprint") == _fingerprint(DefaultModelSpec())
+    )
+
+
+def default_model_dir() -> Path:
+    """`<PDSERVE_HOME>/models/pdserve-tiny-llama`, built on first use.
+
+    Safe under concurrency: each builder writes a private temporary directory and
+    renames it into place; a loser of the race discards its copy and uses the winner's.
+    """
+    path = envs.home() / "models" / DEFAULT_MODEL_NAME
+    if _is_current(path):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=path.parent))
+    try:
+        write_default_model(tmp)
+        tmp.chmod(0o755)  # mkdtemp creates 0700
+        if path.exists() and not _is_current(path):
+            # A stale (older version or half-copied by hand) model: move it aside first.
+            stale = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.stale-", dir=path.parent))
+            with contextlib.suppress(OSError):  # another process may have moved it first
+                os.replace(path, stale / "old")
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not _is_current(path):  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -1,0 +1,356 @@
+"""LLMEngine: requests in, tokens out, one scheduler step at a time.
+
+    engine = LLMEngine(EngineConfig(model_dir=...))
+    engine.add_request("r1", prompt_ids, SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+The same engine serves three roles:
+- single process / colocated: `add_request` + `step` (or `generate`);
+- prefill node: `add_request(..., prefill_only=True)` finishes once the first
+  token(s) are sampled (FINISHED_PREFILLED) and keeps the KV blocks until
+  `release`; `held_blocks` names them for the transfer;
+- decode node: `reserve_remote` allocates blocks the prefill KV is written into,
+  `start_remote` marks the prompt computed elsewhere and decodes from token 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.block_manager import BlockCopy, BlockManager
+from engine.config import EngineConfig
+from engine.outputs import (
+    EngineStats,
+    GenerationResult,
+    RequestOutput,
+    build_outputs,
+    generation_result,
+)
+from engine.sampler import Sampler, SampleRow, request_seed
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Request, SequenceStatus, TokenLogprob, finish_status
+from engine.sequence import Sequence as Seq
+from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+
+@dataclass
+class _StepDeltas:
+    """Tokens each (request, choice) gained during one step, in order."""
+
+    tokens: dict[str, dict[int, list[int]]] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, list[TokenLogprob]]] = field(default_factory=dict)
+
+    def add(self, seq: Seq, token_id: int, logprob: TokenLogprob | None) -> None:
+        self.tokens.setdefault(seq.request_id, {}).setdefault(seq.choice_index, []).append(token_id)
+        if logprob is not None:
+            per_req = self.logprobs.setdefault(seq.request_id, {})
+            per_req.setdefault(seq.choice_index, []).append(logprob)
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model runner."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        if runner is None:
+            from engine.model_runner import ModelRunner
+
+            runner = ModelRunner(config)
+        self.config = config
+        self.runner = runner
+        self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
+        self.vocab_size = runner.model_config.vocab_size
+        self.max_model_len = runner.max_model_len
+        self.block_manager = BlockManager(
+            runner.num_blocks, runner.layout.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.sampler = Sampler()
+        self._requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_counter = itertools.count()
+        self._num_generated = 0
+
+    # ---------------------------------------------------------------- requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        output_token_ids: Sequence[int] = (),
+    ) -> None:
+        """Queue a request; ValueError if it can never fit (length, KV capacity, budget).
+
+        `output_token_ids` resumes a sequence (n=1) that already generated these tokens
+        elsewhere (recovery): they are prefilled with the prompt, count toward
+        max_tokens and penalties, and the next draw is output token index len(...).
+        """
+        req = self._new_request(request_id, prompt_token_ids, params, prefill_only, output_token_ids)
+        self.scheduler.add(req.seqs[0])
+
+    def step(self, layer_hook: Callable[[int], None] | None = None) -> list[RequestOutput]:
+        """Run one scheduler step; return what each touched request gained."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        logits = self._execute(batch, layer_hook)
+        self.scheduler.mark_computed(batch)
+        return self._postprocess(batch, logits)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request in any state and free its blocks; False if unknown."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if seq.status is SequenceStatus.FINISHED_PREFILLED:
+                self.scheduler.release(seq)
+                seq.status = SequenceStatus.FINISHED_ABORTED
+            elif not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[GenerationResult]:
+        """Run `prompts` to completion together; the single-process reference."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{next(self._request_counter)}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        reqs = {rid: self._requests[rid] for rid in ids}
+        while any(not r.finished for r in reqs.values()):
+            self.step()
+        return [generation_result(reqs[rid]) for rid in ids]
+
+    # -------------------------------------------------------------- prefill node
+    def held_blocks(self, request_id: str) -> list[int]:
+        """Blocks holding a FINISHED_PREFILLED request's prompt KV ([] if none held)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return []
+        for seq in req.seqs:
+            if seq.status is SequenceStatus.FINISHED_PREFILLED:
+                return self.block_manager.block_table(seq.seq_id)
+        return []
+
+    def release(self, request_id: str) -> None:
+        """The KV transfer was acked: free a prefill-only request's held blocks."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if seq.status is SequenceStatus.FINISHED_PREFILLED:
+                self.scheduler.release(seq)
+
+    # --------------------------------------------------------------- decode node
+    def reserve_remote(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        output_token_ids: Sequence[int] = (),
+    ) -> list[int] | None:
+        """Allocate blocks for the prompt's KV (WAITING_FOR_KV); None if no room now.
+
+        `output_token_ids`: tokens already generated (recovery); their KV arrives with
+        the prompt's, as in `add_request`.
+        """
+        req = self._new_request(request_id, prompt_token_ids, params, False, output_token_ids)
+        seq = req.seqs[0]
+        if self.block_manager.allocate_slots(seq.seq_id, seq.num_tokens, 0) is None:
+            del self._requests[request_id]
+            return None
+        self.scheduler.add_waiting_for_kv(seq)
+        return self.block_manager.block_table(seq.seq_id)
+
+    def start_remote(
+        self,
+        request_id: str,
+        first_token_ids: Sequence[int],
+        first_logprobs: Sequence[TokenLogprob | None] | None = None,
+    ) -> RequestOutput:
+        """The prompt KV is in the reserved blocks: append each choice's first token, run.
+
+        Returns finish reasons of choices the first token already ends (no new tokens).
+        """
+        req = self._requests[request_id]
+        parent = req.seqs[0]
+        if parent.status is not SequenceStatus.WAITING_FOR_KV:
+            raise ValueError(f"request {request_id!r} is not waiting for KV")
+        if len(first_token_ids) != req.params.n:
+            raise ValueError(f"need {req.params.n} first tokens, got {len(first_token_ids)}")
+        parent.num_computed_tokens = parent.num_tokens
+        self.block_manager.cache_full_blocks(parent.seq_id, parent.token_ids, parent.num_computed_tokens)
+        self._fork_choices(parent)
+        lps = list(first_logprobs) if first_logprobs is not None else [None] * len(req.seqs)
+        live = []
+        for seq, tok, lp in zip(req.seqs, first_token_ids, lps, strict=True):
+            seq.append_token(int(tok), lp)
+            status = finish_status(seq, self.eos_token_ids, self.max_model_len)
+            if status is None:
+                live.append(seq)
+            else:
+                self.scheduler.finish(seq, status)
+        self.scheduler.admit(live)
+        out = build_outputs([req], {}, {}, include_finished=True)[0]
+        if req.finished:
+            del self._requests[request_id]
+        return out
+
+    # --------------------------------------------------------------------- stats
+    def stats(self) -> EngineStats:
+        s, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_waiting_for_kv=len(s.waiting_for_kv),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_allocatable,
+            kv_usage=bm.usage,
+            num_prompt_tokens_computed=s.num_prompt_tokens_computed,
+            num_cached_tokens_hit=s.num_cached_tokens_hit,
+            num_generated_tokens=self._num_generated,
+            num_preemptions=s.num_preemptions,
+        )
+
+    # ----------------------------------------------------------------- internals
+    def _new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        prefill_only: bool,
+        output_token_ids: Sequence[int] = (),
+    ) -> Request:
+        params.validate()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = [int(t) for t in prompt_token_ids]
+        outputs = [int(t) for t in output_token_ids]
+        if outputs and (params.n != 1 or len(outputs) >= params.max_tokens):
+            raise ValueError("resumed output tokens need n=1 and fewer than max_tokens of them")
+        self._check_fits(prompt + outputs, params, len(prompt))
+        counter = next(self._request_counter)
+        seed = params.seed if params.seed is not None else request_seed(self.config.seed, counter)
+        seq = Seq(
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            choice_index=0,
+            prompt_token_ids=prompt,
+            params=params,
+            sampling_seed=seed,
+            output_token_ids=outputs,
+            pending_forks=params.n - 1,
+            prefill_only=prefill_only,
+        )
+        req = Request(request_id, prompt, params, prefill_only, [seq])
+        self._requests[request_id] = req
+        return req
+
+    def _check_fits(self, tokens: list[int], params: SamplingParams, prompt_len: int) -> None:
+        if not prompt_len:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        total = prompt_len + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        bm = self.block_manager
+        if bm.blocks_for(total) > bm.num_allocatable:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens needs {bm.blocks_for(total)} KV blocks; "
+                f"the cache has {bm.num_allocatable}"
+            )
+        sc = self.config.scheduler
+        if not sc.enable_chunked_prefill and total > sc.max_num_batched_tokens:
+            raise ValueError(
+                f"{total} tokens exceed max_num_batched_tokens {sc.max_num_batched_tokens} "
+                "and chunked prefill is off"
+            )
+
+    def _execute(
+        self, batch: SchedulerOutput, layer_hook: Callable[[int], None] | None
+    ) -> torch.Tensor:
+        if batch.block_copies:
+            self._copy_blocks(batch.block_copies)
+        return self.runner.execute(batch.chunks, layer_hook)
+
+    def _copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """Copy-on-write: duplicate shared blocks (all layers, K and V) before writing."""
+        kv = self.runner.pool.kv
+        src = torch.tensor([c.src for c in copies], dtype=torch.long, device=kv.device)
+        dst = torch.tensor([c.dst for c in copies], dtype=torch.long, device=kv.device)
+        kv[:, :, dst] = kv[:, :, src]
+
+    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        rows, seqs = self._sample_rows(batch)
+        samples = self.sampler(logits, rows)
+        deltas = _StepDeltas()
+        touched: dict[str, Request] = {}
+        for seq, sample in zip(seqs, samples, strict=True):
+            seq.append_token(sample.token_id, sample.logprob)
+            self._num_generated += 1
+            deltas.add(seq, sample.token_id, sample.logprob)
+            touched[seq.request_id] = self._requests[seq.request_id]
+            status = finish_status(seq, self.eos_token_ids, self.max_model_len)
+            if status is not None:
+                self.scheduler.finish(seq, status)
+        outputs = build_outputs(list(touched.values()), deltas.tokens, deltas.logprobs)
+        for req in touched.values():
+            if req.finished and not req.holds_blocks:
+                del self._requests[req.request_id]
+        return outputs
+
+    def _sample_rows(self, batch: SchedulerOutput) -> tuple[list[SampleRow], list[Seq]]:
+        """One row per choice whose chunk reached its end; the n>1 fork happens here."""
+        rows: list[SampleRow] = []
+        seqs: list[Seq] = []
+        logits_index = 0
+        for chunk, seq in zip(batch.chunks, batch.seqs, strict=True):
+            if not chunk.need_logits:
+                continue
+            for s in [seq, *self._fork_choices(seq)]:
+                rows.append(
+                    SampleRow(
+                        logits_index,
+                        s.params,
+                        s.sampling_seed,
+                        s.choice_index,
+                        len(s.output_token_ids),
+                        s.prompt_token_ids,
+                        s.output_token_ids,
+                    )
+                )
+                seqs.append(s)
+            logits_index += 1
+        return rows, seqs
+
+    def _fork_choices(self, parent: Seq) -> list[Seq]:
+        """Create the parent's pending sibling choices, sharing its blocks copy-on-write."""
+        children = []
+        req = self._requests[parent.request_id]
+        for _ in range(parent.pending_forks):
+            child = parent.fork(next(self._seq_ids), len(req.seqs))
+            self.scheduler.fork(parent, child)
+            req.seqs.append(child)
+            children.append(child)
+        parent.pending_forks = 0
+        return children

@@ -1,0 +1,151 @@
+"""Load a local Hugging Face checkpoint directory into an engine model.
+
+Only `safetensors` files are read (never pickle). Every failure is a
+`CheckpointError` whose message is one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
+from engine.models import MODEL_REGISTRY, LlamaForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message is one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Parse and validate the model config; raise CheckpointError if unusable."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise CheckpointError(f"model directory {d} does not exist")
+    try:
+        cfg = ModelConfig.from_hf_dir(d)
+    except ModelConfigError as e:
+        raise CheckpointError(str(e)) from e
+    if cfg.architecture not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(
+            f"unsupported architecture {cfg.architecture!r} in {d / 'config.json'}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return cfg
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> file holding it (a single file maps every name to itself).
+
+    A single `model.safetensors` is returned as {"*": path}.
+    """
+    single = model_dir / SINGLE_FILE
+    index = model_dir / INDEX_FILE
+    if single.is_file():
+        return {"*": single}
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+        files = {name: model_dir / fname for name, fname in weight_map.items()}
+        for path in sorted(set(files.values())):
+            if not path.is_file():
+                raise CheckpointError(f"weight shard {path} listed in {INDEX_FILE} is missing")
+        return files
+    raise CheckpointError(
+        f"no weights in {model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found"
+    )
+
+
+class _Tensors:
+    """Lazy access to checkpoint tensors across one or many safetensors files."""
+
+    def __init__(self, files: dict[str, Path], stack: ExitStack) -> None:
+        self._files = files
+        self._stack = stack
+        self._open: dict[Path, Any] = {}
+        self._keys: dict[Path, set[str]] = {}
+
+    def _handle(self, path: Path) -> Any:
+        if path not in self._open:
+            try:
+                handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
+                self._keys[path] = set(handle.keys())
+                self._open[path] = handle
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"{path} is truncated or corrupt: {e}") from e
+        return self._open[path]
+
+    def _path_of(self, name: str) -> Path | None:
+        if "*" in self._files:
+            path = self._files["*"]
+            self._handle(path)
+            return path if name in self._keys[path] else None
+        return self._files.get(name)
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        path = self._path_of(name)
+        if path is None:
+            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+        handle = self._handle(path)
+        if name not in self._keys[path]:
+            raise CheckpointError(
+                f"checkpoint is missing tensor {name!r} (expected in {path.name})"
+            )
+        try:
+            got = tuple(handle.get_slice(name).get_shape())
+        except Exception as e:
+            raise CheckpointError(f"{path} is truncated or corrupt reading {name!r}: {e}") from e
+        if got != shape:
+            raise CheckpointError(
+                f"shape mismatch for tensor {name!r}: expected {list(shape)}, got {list(got)}"
+            )
+        try:
+            return handle.get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"{path} is truncated or corrupt reading {name!r}: {e}") from e
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str
+) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Build the model for `model_dir` and fill its weights; returns (config, model)."""
+    return load_model_with(model_dir, dtype, device, max_positions=None)
+
+
+def load_model_with(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_positions: int | None,
+) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """`load_model` with RoPE tables sized for `max_positions` (default: the model's maximum)."""
+    d = Path(model_dir)
+    cfg = load_config(d)
+    files = weight_files(d)
+    dev = torch.device(device)
+    model = MODEL_REGISTRY[cfg.architecture](cfg, dtype, dev, max_positions=max_positions)
+    params = dict(model.named_parameters())
+    specs = model.weight_specs()
+    unfilled = set(params) - {s.param for s in specs}
+    if unfilled:  # a model bug, not a checkpoint problem
+        raise RuntimeError(f"weight_specs() leaves parameters unfilled: {sorted(unfilled)}")
+    with ExitStack() as stack, torch.no_grad():
+        tensors = _Tensors(files, stack)
+        for spec in specs:
+            parts = [tensors.get(name, shape) for name, shape in spec.sources]
+            value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            params[spec.param].copy_(value.to(dtype))
+    return cfg, model.eval()

@@ -1,0 +1,218 @@
+"""ModelConfig: the architecture facts the engine needs, parsed from a Hugging Face dir.
+
+Reads `config.json` (both the transformers >= 5 `rope_parameters` form and the
+older `rope_theta` + `rope_scaling` form) and `generation_config.json` for eos ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.kv_layout import KVLayout
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+class ModelConfigError(ValueError):
+    """config.json is missing, unreadable or lacks a required field."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rope scaling parameters; only `llama3` and `default` (none) are implemented."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2, or attention_bias=True)
+    o_proj_bias: bool = False  # bias on o_proj (only with attention_bias=True on Llama)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    rope_scaling: RopeScaling | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    torch_dtype: str | None = None
+    hidden_act: str = "silu"
+    # Mistral-style sliding window. Not implemented as a window: the runner caps
+    # max_model_len at it, where full attention and windowed attention agree.
+    sliding_window: int | None = None
+    # sha256 of config.json bytes; stable identity for KV compatibility hashes.
+    model_id: str = field(default="", compare=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> ModelConfig:
+        """Parse `path/config.json` (+ `generation_config.json` if present)."""
+        d = Path(path)
+        cfg_path = d / "config.json"
+        if not d.is_dir():
+            raise ModelConfigError(f"model directory {d} does not exist")
+        if not cfg_path.is_file():
+            raise ModelConfigError(f"{cfg_path} is missing")
+        raw = cfg_path.read_bytes()
+        try:
+            cfg = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(
+                f"{cfg_path} is not valid JSON: {e.msg} at line {e.lineno}"
+            ) from e
+        if not isinstance(cfg, dict):
+            raise ModelConfigError(f"{cfg_path} must hold a JSON object")
+        gen: dict[str, Any] = {}
+        gen_path = d / "generation_config.json"
+        if gen_path.is_file():
+            try:
+                loaded = json.loads(gen_path.read_bytes())
+            except json.JSONDecodeError as e:
+                raise ModelConfigError(f"{gen_path} is not valid JSON: {e.msg}") from e
+            gen = loaded if isinstance(loaded, dict) else {}
+        model_id = hashlib.sha256(raw).hexdigest()[:16]
+        return cls.from_dict(cfg, gen, model_id=model_id, source=str(cfg_path))
+
+    @classmethod
+    def from_dict(
+        cls,
+        cfg: dict[str, Any],
+        gen: dict[str, Any] | None = None,
+        model_id: str = "",
+        source: str = "config.json",
+    ) -> ModelConfig:
+        """Build from parsed config.json (and generation_config.json) dicts."""
+        gen = gen or {}
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else str(cfg.get("model_type", "<none>"))
+
+        def need(key: str) -> Any:
+            if key not in cfg or cfg[key] is None:
+                raise ModelConfigError(f"{source} lacks required field {key!r}")
+            return cfg[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        theta, scaling = _parse_rope(cfg)
+        model_type = str(cfg.get("model_type", ""))
+        is_qwen2 = model_type == "qwen2" or arch == "Qwen2ForCausalLM"
+        is_mistral = model_type == "mistral" or arch == "MistralForCausalLM"
+        # Mistral never has attention biases; Llama and Qwen3 put attention_bias on
+        # q/k/v/o alike; Qwen2 always has q/k/v bias and never o bias.
+        attn_bias = bool(cfg.get("attention_bias", False)) and not is_mistral
+        qkv_bias = attn_bias or is_qwen2
+        o_bias = attn_bias and not is_qwen2
+        window = cfg.get("sliding_window")
+        if is_qwen2 and not cfg.get("use_sliding_window", False):
+            window = None
+        eos = _eos_ids(gen.get("eos_token_id"), cfg.get("eos_token_id"))
+        bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+        return cls(
+            architecture=str(arch),
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=qkv_bias,
+            o_proj_bias=o_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3" or arch == "Qwen3ForCausalLM",
+            rope_scaling=scaling,
+            eos_token_ids=eos,
+            bos_token_id=int(bos) if isinstance(bos, int) else None,
+            torch_dtype=str(dtype) if dtype else None,
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+            sliding_window=int(window) if window else None,
+            model_id=model_id,
+        )
+
+
+def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from `rope_parameters` (transformers >= 5) or `rope_theta`/`rope_scaling`."""
+    params = cfg.get("rope_parameters")
+    scaling_raw = cfg.get("rope_scaling")
+    theta = cfg.get("rope_theta")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+        scaling_raw = params
+    rope_type = "default"
+    if isinstance(scaling_raw, dict):
+        rope_type = str(scaling_raw.get("rope_type") or scaling_raw.get("type") or "default")
+    theta_f = float(theta) if theta is not None else 10000.0
+    if rope_type == "default" or not isinstance(scaling_raw, dict):
+        return theta_f, None
+    if rope_type != "llama3":
+        raise ModelConfigError(f"unsupported rope scaling type {rope_type!r} (supported: llama3)")
+    return theta_f, RopeScaling(
+        rope_type="llama3",
+        factor=float(scaling_raw["factor"]),
+        low_freq_factor=float(scaling_raw.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling_raw.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            scaling_raw.get("original_max_position_embeddings", 8192)
+        ),
+    )
+
+
+def _eos_ids(gen_eos: Any, cfg_eos: Any) -> tuple[int, ...]:
+    """generation_config's eos ids win; fall back to config.json's. Either may be int or list."""
+    for value in (gen_eos, cfg_eos):
+        if value is None:
+            continue
+        if isinstance(value, int):
+            return (value,)
+        if isinstance(value, list):
+            return tuple(int(v) for v in value)
+    return ()
+
+
+def kv_layout(model_config: ModelConfig, block_size: int, dtype: str) -> KVLayout:
+    """The KV pool layout for this model; needs no weights and allocates nothing."""
+    return KVLayout(
+        model_id=model_config.model_id,
+        num_layers=model_config.num_layers,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        block_size=block_size,
+        dtype=dtype,
+    )

@@ -1,0 +1,151 @@
+"""ModelRunner: owns the weights and the KV pool, and runs one step over SeqChunks.
+
+    runner = ModelRunner(EngineConfig(model_dir=...))
+    logits = runner.execute([SeqChunk(prompt, 0, [1, 2], True)])   # [1, vocab] float32
+
+Block ids are bookkeeping done elsewhere (the block manager); the runner only
+reads block tables and writes K/V at the slots they imply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionBackend, TorchPagedAttention, build_metadata, order_chunks
+from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.kv_pool import TORCH_DTYPES, KVPool
+from engine.loader import load_config, load_model_with
+from engine.model_config import ModelConfig, kv_layout
+from engine.runner_types import SeqChunk
+from pdserve.kv_layout import KVLayout
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The longest sequence (prompt + output) the runner accepts."""
+    limit = model_config.max_position_embeddings
+    if model_config.sliding_window is not None:
+        # Attention is full, not windowed: within the window the two are identical.
+        limit = min(limit, model_config.sliding_window)
+    requested = config.scheduler.max_model_len
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's limit of {limit} positions"
+        )
+    return requested
+
+
+class ModelRunner:
+    """Runs the model on a batch of SeqChunks over a paged KV pool."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_buffer: torch.Tensor | np.ndarray | None = None,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.dtype not in TORCH_DTYPES:
+            raise ValueError(
+                f"unsupported dtype {config.dtype!r}; choose one of {sorted(TORCH_DTYPES)}"
+            )
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = TORCH_DTYPES[config.dtype]
+        self.block_size = config.cache.block_size
+        max_len = resolve_max_model_len(config, load_config(config.model_dir))
+        self.model_config, self.model = load_model_with(
+            config.model_dir, self.dtype, self.device, max_positions=max_len
+        )
+        self.max_model_len = max_len
+        self.layout: KVLayout = kv_layout(self.model_config, self.block_size, config.dtype)
+        if kv_buffer is not None:
+            self.pool = KVPool(self.layout, buffer=kv_buffer)
+        else:
+            self.pool = KVPool(self.layout, self._num_blocks_from_budget(), device=self.device)
+        self.num_blocks = self.pool.num_blocks
+        self.backend = backend or TorchPagedAttention()
+        self._kv_layers = self.pool.all_layer_views()
+
+    @classmethod
+    def layout_for(cls, config: EngineConfig) -> KVLayout:
+        """The KV layout this config's runner will use; reads config.json only."""
+        return kv_layout(load_config(config.model_dir), config.cache.block_size, config.dtype)
+
+    @staticmethod
+    def num_blocks_for_bytes(layout: KVLayout, budget_bytes: int) -> int:
+        """Blocks (including the null block) that fit in `budget_bytes`."""
+        return budget_bytes // (layout.block_bytes_per_layer * layout.num_layers)
+
+    def _num_blocks_from_budget(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        budget = cache.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * cache.gpu_memory_utilization)
+            else:
+                budget = DEFAULT_CPU_KV_BYTES
+        n = self.num_blocks_for_bytes(self.layout, budget)
+        if n < 2:
+            raise ValueError(f"KV cache budget of {budget} bytes holds fewer than 2 blocks")
+        return n
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        chunks: Sequence[SeqChunk],
+        layer_hook: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Compute one step; float32 logits [chunks with need_logits, vocab] in chunk order.
+
+        `layer_hook(i)` is called once layer i's K/V for all chunks is in the pool.
+        On CUDA the writes are queued on the current stream when the hook runs;
+        work the hook enqueues on that stream is ordered after them.
+        """
+        if not chunks:
+            return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32)
+        self._check(chunks)
+        order = order_chunks(chunks)
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        last_row: dict[int, int] = {}
+        for i in order:
+            c = chunks[i]
+            ids.extend(c.token_ids)
+            positions.append(torch.arange(c.start_pos, c.end_pos))
+            last_row[i] = len(ids) - 1
+        meta = build_metadata(chunks, order, self.block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.cat(positions).to(self.device)
+        hidden = self.model(input_ids, pos, meta, self._kv_layers, self.backend, layer_hook)
+        rows = [last_row[i] for i, c in enumerate(chunks) if c.need_logits]
+        if not rows:
+            return torch.empty(
+                0, self.model_config.vocab_size, dtype=torch.float32, device=self.device
+            )
+        sel = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        return self.model.compute_logits(sel).float()
+
+    def _check(self, chunks: Sequence[SeqChunk]) -> None:
+        bs = self.block_size
+        for c in chunks:
+            if not c.token_ids:
+                raise ValueError("a SeqChunk must carry at least one token")
+            if c.start_pos < 0 or c.end_pos > self.max_model_len:
+                raise ValueError(
+                    f"chunk covers positions [{c.start_pos}, {c.end_pos}) beyond max_model_len {self.max_model_len}"
+                )
+            needed = (c.end_pos + bs - 1) // bs
+            if len(c.block_table) < needed:
+                raise ValueError(f"block table has {len(c.block_table)} blocks, {needed} needed")
+            table = c.block_table[:needed]
+            if min(table) < 0 or max(table) >= self.num_blocks:
+                raise ValueError(f"block id out of range [0, {self.num_blocks}) in block table")

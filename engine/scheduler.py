@@ -1,0 +1,218 @@
+"""The step scheduler shared by the prefill node, the decode node and a colocated worker.
+
+Life of a request (one `Sequence` per choice):
+
+1. `add` queues it WAITING (decode node: `add_waiting_for_kv` holds it in
+   WAITING_FOR_KV with reserved blocks; it is never scheduled until `admit`).
+2. A step first gives each RUNNING sequence its uncomputed tokens (one decode
+   token, or the next chunk of a prefill), then admits WAITING sequences FCFS
+   into the leftover token budget, a prefill split into chunks when it does not
+   fit (chunked prefill). Admission looks up the prefix cache first.
+3. Blocks are allocated as tokens are scheduled. When none are left the
+   latest-admitted RUNNING sequence is preempted by recompute: its blocks are
+   freed, its progress reset, and it goes back to the front of WAITING.
+4. After the model runs, `mark_computed` advances `num_computed_tokens` and
+   registers newly full blocks in the prefix cache; the engine samples and
+   appends a token to every sequence whose chunk reached its end.
+5. `finish` ends a sequence (stopped, length, aborted) and frees its blocks, or,
+   for a prefill-only request (FINISHED_PREFILLED), keeps them until `release`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from engine.block_manager import NO_HIT, BlockCopy, BlockManager
+from engine.config import SchedulerConfig
+from engine.runner_types import SeqChunk
+from engine.sequence import Sequence, SequenceStatus
+
+
+class ScheduledSeq(NamedTuple):
+    seq: Sequence
+    num_new_tokens: int
+
+
+class SchedulerOutput(NamedTuple):
+    """One step: chunks for the runner, their sequences (same order), and side effects."""
+
+    chunks: list[SeqChunk]
+    seqs: list[Sequence]
+    preempted: list[Sequence]
+    # Copy-on-write pairs the runner must copy before executing the chunks.
+    block_copies: list[BlockCopy]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """Continuous batching at token granularity over one block manager."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.waiting_for_kv: dict[int, Sequence] = {}
+        self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_cached_tokens_hit = 0
+
+    # ------------------------------------------------------------ queue entry
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_waiting_for_kv(self, seq: Sequence) -> None:
+        """Blocks are already allocated to `seq.seq_id`; hold it until `admit`."""
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        self.waiting_for_kv[seq.seq_id] = seq
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """KV arrived for these (now computed) sequences: run them, or queue if full."""
+        for seq in seqs:
+            self.waiting_for_kv.pop(seq.seq_id, None)
+            if len(self.running) < self.config.max_num_seqs:
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            else:
+                seq.status = SequenceStatus.WAITING
+                self.waiting.append(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares `parent`'s blocks (copy-on-write) and runs beside it."""
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.status = parent.status
+        if parent.status is SequenceStatus.RUNNING:
+            self.running.append(child)
+
+    # --------------------------------------------------------------- stepping
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        copies: list[BlockCopy] = []
+        budget = self._schedule_running(budget, scheduled, preempted, copies)
+        # After a preemption there is no room to admit anything new this step.
+        if not preempted:
+            self._schedule_waiting(budget, scheduled, copies)
+        chunks = [self._chunk(s.seq, s.num_new_tokens) for s in scheduled]
+        for chunk, s in zip(chunks, scheduled, strict=True):
+            prompt_end = s.seq.num_prompt_tokens
+            self.num_prompt_tokens_computed += max(0, min(chunk.end_pos, prompt_end) - chunk.start_pos)
+        return SchedulerOutput(chunks, [s.seq for s in scheduled], preempted, copies)
+
+    def mark_computed(self, output: SchedulerOutput) -> None:
+        """The runner computed `output`: advance progress and cache full blocks."""
+        for chunk, seq in zip(output.chunks, output.seqs, strict=True):
+            seq.num_computed_tokens = chunk.end_pos
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End `seq` wherever it is; free its blocks unless it is FINISHED_PREFILLED."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.waiting_for_kv.pop(seq.seq_id, None)
+        if status is not SequenceStatus.FINISHED_PREFILLED:
+            self.block_manager.free(seq.seq_id)
+        seq.status = status
+
+    def release(self, seq: Sequence) -> None:
+        """Free the blocks a FINISHED_PREFILLED sequence held for its KV transfer."""
+        self.block_manager.free(seq.seq_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+
+    # -------------------------------------------------------------- internals
+    def _schedule_running(
+        self,
+        budget: int,
+        scheduled: list[ScheduledSeq],
+        preempted: list[Sequence],
+        copies: list[BlockCopy],
+    ) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            alloc = None
+            while alloc is None:
+                end = seq.num_computed_tokens + num_new
+                alloc = self.block_manager.allocate_slots(seq.seq_id, end, seq.num_computed_tokens)
+                if alloc is None:
+                    # Victims come from the tail (latest admitted); never from already
+                    # scheduled sequences, which all sit before index i.
+                    victim = self.running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        return budget
+            copies.extend(alloc.copies)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(
+        self, budget: int, scheduled: list[ScheduledSeq], copies: list[BlockCopy]
+    ) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            width = seq.num_choices_when_running
+            if self.running and len(self.running) + width > self.config.max_num_seqs:
+                break
+            first_admission = seq.num_computed_tokens == 0 and not bm.has_owner(seq.seq_id)
+            prefix = bm.match_prefix(seq.token_ids) if first_admission else NO_HIT
+            computed = max(seq.num_computed_tokens, prefix.num_tokens)
+            num_new = seq.num_tokens - computed
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            alloc = bm.allocate_slots(seq.seq_id, computed + num_new, computed, prefix)
+            if alloc is None:
+                break
+            copies.extend(alloc.copies)
+            if prefix.num_tokens:
+                self.num_cached_tokens_hit += prefix.num_tokens
+                if seq.num_cached_tokens == 0:
+                    seq.num_cached_tokens = min(prefix.num_tokens, seq.num_prompt_tokens)
+            seq.num_computed_tokens = computed
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.seq_id)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _chunk(self, seq: Sequence, num_new: int) -> SeqChunk:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        return SeqChunk(
+            token_ids=seq.token_ids[start:end],
+            start_pos=start,
+            block_table=self.block_manager.block_table(seq.seq_id),
+            need_logits=end == seq.num_tokens,
+        )

@@ -1,0 +1,434 @@
+"""ClusterBackend: the GenerationBackend that drives real workers over ZeroMQ.
+
+Life of a request (one *attempt*; recovery starts a new attempt):
+
+1. Pick workers. With prefill and decode pools: the decode worker with the
+   most free KV, then the prefill worker with the fewest queued tokens. With
+   only a colocated pool: the least loaded colocated worker.
+2. Disaggregated: send `DecodeReserve`, wait for `ReserveResult` (blocks are
+   reserved BEFORE any KV is written), then send `PrefillRequest` with the
+   reserved block ids. Colocated: send `RunRequest`.
+3. `FirstToken` from prefill is yielded at once (TTFT) and forwarded to the
+   decode worker as `StartDecode`; decode admits the sequence once the KV
+   transfer is complete and streams `TokenBatch` deltas.
+4. A worker that fails the request, or goes silent, ends the attempt: the
+   gateway re-prefills prompt + tokens already streamed on another worker and
+   continues, at most `max_recoveries` times. Only an empty pool is an error.
+5. Closing the iterator (disconnect, stop string, deadline) sends `Abort` to
+   every worker the request touched.
+
+Each attempt has its own worker-side request id (`<id>#<attempt>`), so late
+messages of an abandoned attempt are recognised and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from gateway.backend import (
+    BackendError,
+    BackendErrorKind,
+    FleetSample,
+    GenerateRequest,
+    ReadyState,
+    TokenDelta,
+    TokenLogprob,
+    TopLogprob,
+)
+from gateway.registry import WorkerInfo, WorkerRegistry
+from gateway.router import blocks_needed, pick_colocated, pick_decode, pick_prefill
+from pdserve import protocol as p
+from pdserve.transport import LOOPBACK, new_id
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    control_host: str = LOOPBACK
+    control_port: int = 0  # 0: a free port, see ClusterBackend.control_address
+    heartbeat_timeout_s: float = 3.0
+    max_recoveries: int = 3
+    reserve_timeout_s: float = 10.0
+    reserve_retry_s: float = 0.05  # a full decode worker is retried after this
+    no_worker_wait_s: float = 0.0  # how long to wait for an empty pool to fill
+
+
+@dataclass(frozen=True)
+class _WorkerLost:
+    worker_id: str
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class _Flight:
+    req: GenerateRequest
+    events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    generated: list[list[int]] = field(default_factory=list)
+    finished: list[bool] = field(default_factory=list)
+    attempt: int = 0
+    wid: str = ""  # worker-side request id of the current attempt
+    workers: set[str] = field(default_factory=set)  # workers of the current attempt
+    decode_id: str = ""
+    transfer_id: str = ""
+    reserved_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+
+def _to_logprobs(raw: Any) -> list[TokenLogprob] | None:
+    if raw is None:
+        return None
+    return [
+        TokenLogprob(int(t), float(lp), tuple(TopLogprob(int(a), float(b)) for a, b in top))
+        for t, lp, top in raw
+    ]
+
+
+class ClusterBackend:
+    def __init__(self, config: ClusterConfig | None = None) -> None:
+        self.config = config or ClusterConfig()
+        self.registry = WorkerRegistry(self.config.heartbeat_timeout_s)
+        self.control_address = ""
+        self._flights: dict[str, _Flight] = {}  # by worker-side request id
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle -------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._sock is not None:
+            return
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        host, port = self.config.control_host, self.config.control_port
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        self.control_address = f"tcp://{host}:{port}"
+        self._sock = sock
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._reap_loop())]
+        log.info("control plane listening on %s", self.control_address)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    # --- queries ---------------------------------------------------------
+
+    def _mode(self) -> str | None:
+        if self.registry.pool("prefill") and self.registry.pool("decode"):
+            return "disagg"
+        if self.registry.pool("colocated"):
+            return "colocated"
+        return None
+
+    def ready(self) -> ReadyState:
+        counts = {r: len(self.registry.pool(r)) for r in p.ROLES}
+        if self._mode() is None:
+            return ReadyState(False, "need a prefill and a decode worker, or a colocated one", counts)
+        return ReadyState(True, "", counts)
+
+    def workers(self) -> Sequence[Mapping[str, Any]]:
+        now = time.monotonic()
+        return [w.describe(now) for w in self.registry.all()]
+
+    def fleet_metrics(self) -> Sequence[FleetSample]:
+        out: list[FleetSample] = []
+        for w in self.registry.all():
+            labels = {"role": w.role, "worker": w.worker_id}
+            hb = w.load
+            total = hb.total_blocks if hb else w.reg.total_blocks
+            free = hb.free_blocks if hb else total
+            usage = (total - free) / total if total else 0.0
+            out.append(FleetSample("llm_kv_cache_usage_ratio", "KV cache usage (0-1)", labels, usage))
+            if w.role != "prefill":
+                running = float(hb.running_seqs) if hb else 0.0
+                out.append(FleetSample("llm_current_batch_size", "Running sequences", labels, running))
+            for name, value in sorted((hb.gauges if hb else {}).items()):
+                if name.startswith("llm_") and name not in ("llm_kv_cache_usage_ratio", "llm_current_batch_size"):
+                    out.append(FleetSample(name, "Worker-reported gauge", labels, float(value)))
+        return out
+
+    # --- request flow ----------------------------------------------------
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        n = req.params.n
+        flight = _Flight(req, generated=[[] for _ in range(n)], finished=[False] * n)
+        try:
+            while not flight.done:
+                try:
+                    await self._launch(flight)
+                    async for delta in self._follow(flight):
+                        yield delta
+                except _AttemptFailed as e:
+                    self._recover_or_raise(flight, e.reason)
+        finally:
+            self._end_attempt(flight, abort=not flight.done)
+
+    def _recover_or_raise(self, flight: _Flight, reason: str) -> None:
+        self._end_attempt(flight, abort=True)
+        started = any(flight.generated)
+        if flight.attempt > self.config.max_recoveries:
+            raise BackendError(BackendErrorKind.FAILED, f"request failed after recoveries: {reason}")
+        if started and flight.req.params.n > 1:
+            raise BackendError(BackendErrorKind.FAILED, f"n > 1 stream lost mid-way: {reason}")
+        log.warning("recovering %s (attempt %d): %s", flight.req.request_id, flight.attempt, reason)
+
+    def _attempt_inputs(self, flight: _Flight) -> tuple[list[int], dict[str, Any], int]:
+        """Prompt, params and output offset of the next attempt: prompt + tokens already streamed."""
+        params = flight.req.params
+        done = flight.generated[0] if params.n == 1 else []
+        prompt = list(flight.req.prompt_token_ids) + done
+        if done:
+            params = replace(params, max_tokens=params.max_tokens - len(done))
+        return prompt, params.to_dict(), len(done)
+
+    async def _launch(self, flight: _Flight) -> None:
+        flight.attempt += 1
+        flight.wid = f"{flight.req.request_id}#{flight.attempt}"
+        flight.workers = set()
+        flight.decode_id = flight.transfer_id = ""
+        self._flights[flight.wid] = flight
+        prompt, params, offset = self._attempt_inputs(flight)
+        mode = await self._wait_mode(flight)
+        if mode == "colocated":
+            w = pick_colocated(self.registry.pool("colocated"))
+            assert w is not None
+            self._assign(flight, w, len(prompt))
+            self._send(w.worker_id, p.RunRequest(flight.wid, prompt, params, offset))
+            return
+        decode = await self._reserve(flight, prompt, params, offset)
+        prefill = pick_prefill(self.registry.pool("prefill"))
+        if prefill is None:
+            raise BackendError(BackendErrorKind.NO_WORKERS, "no prefill worker registered")
+        self._assign(flight, prefill, len(prompt))
+        msg = p.PrefillRequest(
+            flight.wid, prompt, params, flight.transfer_id, decode.worker_id,
+            decode.reg.host_id, decode.reg.kv_address, decode.reg.kv_shm,
+            flight.reserved_blocks, offset,
+        )  # fmt: skip
+        self._send(prefill.worker_id, msg)
+
+    async def _wait_mode(self, flight: _Flight) -> str:
+        deadline = time.monotonic() + self.config.no_worker_wait_s
+        while True:
+            mode = self._mode()
+            if mode is not None:
+                return mode
+            if time.monotonic() >= deadline:
+                raise BackendError(
+                    BackendErrorKind.NO_WORKERS, "no prefill+decode or colocated worker registered",
+                    retry_after=1.0,
+                )  # fmt: skip
+            await asyncio.sleep(0.05)
+
+    async def _reserve(self, flight: _Flight, prompt: list[int], params: dict[str, Any], offset: int) -> WorkerInfo:
+        """Reserve destination blocks on a decode worker; retry while all are full."""
+        deadline = time.monotonic() + self.config.reserve_timeout_s
+        while True:
+            decode = pick_decode(self.registry.pool("decode"))
+            if decode is None:
+                raise BackendError(BackendErrorKind.NO_WORKERS, "no decode worker registered", retry_after=1.0)
+            flight.transfer_id = new_id("xfer")
+            self._assign(flight, decode, 0, blocks=blocks_needed(len(prompt), decode.reg.block_size))
+            flight.decode_id = decode.worker_id
+            self._send(decode.worker_id, p.DecodeReserve(flight.wid, flight.transfer_id, prompt, params, offset))
+            result = await self._next_event(flight, deadline)
+            if isinstance(result, p.ReserveResult) and result.transfer_id == flight.transfer_id:
+                if result.ok:
+                    flight.reserved_blocks = result.block_ids
+                    return decode
+                self._unassign(flight, decode.worker_id)
+                if time.monotonic() > deadline:
+                    raise BackendError(BackendErrorKind.OVERLOADED, f"decode refused: {result.refused}", retry_after=1.0)
+                await asyncio.sleep(self.config.reserve_retry_s)
+                continue
+            self._check_failure(flight, result)
+
+    async def _follow(self, flight: _Flight) -> AsyncIterator[TokenDelta]:
+        while not flight.done:
+            ev = await self._next_event(flight, flight.req.deadline)
+            if isinstance(ev, p.FirstToken):
+                for d in self._first_token(flight, ev):
+                    yield d
+            elif isinstance(ev, p.TokenDelta):
+                d = self._record(flight, ev.index, ev.token_ids, ev.finish_reason, ev.logprobs, ev.cached_tokens, ev.timings)
+                if d is not None:
+                    yield d
+            else:
+                self._check_failure(flight, ev)
+
+    def _first_token(self, flight: _Flight, ev: p.FirstToken) -> list[TokenDelta]:
+        out = []
+        for i, tok in enumerate(ev.token_ids):
+            lp = [ev.logprobs[i]] if i < len(ev.logprobs) and ev.logprobs[i] is not None else None
+            reason = ev.finish_reasons[i] if i < len(ev.finish_reasons) else None
+            d = self._record(flight, i, [tok], reason, lp, ev.cached_tokens, ev.timings or None)
+            if d is not None:
+                out.append(d)
+        if flight.done:
+            self._send(flight.decode_id, p.Abort([flight.wid], "finished at first token"))
+        else:
+            self._send(flight.decode_id, p.StartDecode(flight.wid, ev.transfer_id, list(ev.token_ids), list(ev.logprobs)))
+        return out
+
+    def _record(
+        self, flight: _Flight, index: int, token_ids: list[int], reason: str | None,
+        logprobs: Any, cached: int, timings: dict[str, float] | None,
+    ) -> TokenDelta | None:  # fmt: skip
+        if not 0 <= index < len(flight.finished) or flight.finished[index]:
+            return None
+        flight.generated[index].extend(token_ids)
+        if reason is not None:
+            flight.finished[index] = True
+        return TokenDelta(index, list(token_ids), _to_logprobs(logprobs), reason, cached, timings)
+
+    def _check_failure(self, flight: _Flight, ev: Any) -> None:
+        if isinstance(ev, p.RequestFailed):
+            if not ev.retryable:
+                raise BackendError(BackendErrorKind.INVALID if "invalid" in ev.reason else BackendErrorKind.FAILED, ev.reason)
+            raise _AttemptFailed(ev.reason)
+        if isinstance(ev, _WorkerLost) and ev.worker_id in flight.workers:
+            raise _AttemptFailed(f"worker {ev.worker_id} lost")
+
+    async def _next_event(self, flight: _Flight, deadline: float | None) -> Any:
+        timeout = None if deadline is None else deadline - time.monotonic()
+        if timeout is not None and timeout <= 0:
+            raise BackendError(BackendErrorKind.TIMEOUT, "request deadline passed")
+        try:
+            return await asyncio.wait_for(flight.events.get(), timeout)
+        except asyncio.TimeoutError:
+            if deadline is flight.req.deadline:
+                raise BackendError(BackendErrorKind.TIMEOUT, "request deadline passed") from None
+            raise _AttemptFailed("decode reservation timed out") from None
+
+    # --- bookkeeping -----------------------------------------------------
+
+    def _assign(self, flight: _Flight, w: WorkerInfo, tokens: int, blocks: int = 0) -> None:
+        flight.workers.add(w.worker_id)
+        w.inflight.add(flight.wid)
+        w.pending_tokens += tokens
+        w.pending_blocks += blocks
+        w.pending_seqs += 1 if blocks or w.role == "colocated" else 0
+
+    def _unassign(self, flight: _Flight, worker_id: str) -> None:
+        flight.workers.discard(worker_id)
+        w = self.registry.get(worker_id)
+        if w is not None:
+            w.inflight.discard(flight.wid)
+
+    def _end_attempt(self, flight: _Flight, abort: bool) -> None:
+        if not flight.wid:
+            return
+        for wid in list(flight.workers):
+            if abort:
+                self._send(wid, p.Abort([flight.wid], "aborted"))
+            self._unassign(flight, wid)
+        self._flights.pop(flight.wid, None)
+
+    def _send(self, worker_id: str, msg: p.Message) -> None:
+        if self._sock is None or not worker_id:
+            return
+        try:
+            self._sock.send_multipart([worker_id.encode(), p.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # unroutable: the worker is gone; the reaper recovers
+            log.debug("send to %s failed: %s", worker_id, e)
+
+    # --- control-plane loops ----------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 2:
+                continue
+            sender = frames[0].decode(errors="replace")
+            try:
+                msg = p.decode(frames[1])
+            except p.ProtocolError as e:
+                log.warning("dropped malformed frame from %r: %s", sender[:64], e)
+                continue
+            self._handle(sender, msg)
+
+    def _handle(self, sender: str, msg: p.Message) -> None:
+        now = time.monotonic()
+        if isinstance(msg, p.RegisterWorker):
+            outcome = self.registry.register(msg, now) if msg.worker_id == sender else None
+            accepted = bool(outcome and outcome.accepted)
+            reason = outcome.reason if outcome else "worker id does not match the connection"
+            if accepted:
+                log.info("worker %s (%s) registered", msg.worker_id, msg.role)
+            else:
+                log.warning("refused worker %s: %s", sender, reason)
+            self._send(sender, p.RegisterAck(msg.worker_id, accepted, reason))
+        elif isinstance(msg, p.Heartbeat):
+            if msg.worker_id != sender or not self.registry.heartbeat(msg, now):
+                self._send(sender, p.RegisterAck(sender, False, "unknown worker"))
+        elif isinstance(msg, p.Deregister):
+            self._deregister(sender, msg)
+        elif isinstance(msg, p.TokenBatch):
+            self.registry.touch(sender, now)
+            for d in msg.deltas:
+                self._deliver(sender, d.request_id, d)
+        elif isinstance(msg, (p.ReserveResult, p.FirstToken, p.RequestFailed)):
+            self.registry.touch(sender, now)
+            self._deliver(sender, msg.request_id, msg)
+
+    def _deliver(self, sender: str, wid: str, event: Any) -> None:
+        flight = self._flights.get(wid)
+        if flight is not None and sender in flight.workers:
+            flight.events.put_nowait(event)
+
+    def _deregister(self, sender: str, msg: p.Deregister) -> None:
+        w = self.registry.get(sender)
+        if w is None:
+            return
+        if msg.final:
+            self._lost(self.registry.remove(sender))
+        else:
+            w.draining = True  # routable no more; in-flight requests still finish there
+
+    def _lost(self, w: WorkerInfo | None) -> None:
+        if w is None:
+            return
+        log.warning("worker %s (%s) removed, %d requests in flight", w.worker_id, w.role, len(w.inflight))
+        for wid in list(w.inflight):
+            flight = self._flights.get(wid)
+            if flight is not None:
+                flight.events.put_nowait(_WorkerLost(w.worker_id))
+
+    async def _reap_loop(self) -> None:
+        interval = max(0.05, self.config.heartbeat_timeout_s / 6)
+        while True:
+            await asyncio.sleep(interval)
+            for w in self.registry.expire(time.monotonic()):
+                self._lost(w)

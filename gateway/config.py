@@ -1,0 +1,82 @@
+"""Gateway configuration: frozen dataclasses, composed. The CLI builds them; nothing here
+reads the environment or parses arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.backend import PRIORITIES
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Size limits enforced by input validation (gateway/validation.py)."""
+
+    max_body_bytes: int = 1 << 20
+    max_header_bytes: int = 16 << 10  # one header line / field
+    max_messages: int = 256
+    max_prompt_tokens: int | None = None  # None: only max_model_len bounds the prompt
+    max_n: int = 8
+    max_tokens: int | None = None  # None: only max_model_len bounds it
+    max_stop: int = 4
+    max_stop_len: int = 256  # characters per stop string
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_header_bytes", "max_messages", "max_n", "max_stop"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """Admission limits of one priority class."""
+
+    max_depth: int = 256  # requests waiting for a slot; beyond it -> 503
+    max_wait_s: float = 30.0  # longest wait for a slot; beyond it -> 503
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Admission control: at most `max_in_flight` requests are inside the backend;
+    the rest wait in one bounded queue per priority class (see gateway/admission.py)."""
+
+    max_in_flight: int = 256
+    interactive: QueueLimits = field(default_factory=QueueLimits)
+    batch: QueueLimits = field(default_factory=lambda: QueueLimits(max_depth=1024, max_wait_s=300.0))
+    # A batch request waiting longer than this is served as if it were interactive,
+    # so a steady interactive stream cannot starve batch forever. None: strict priority.
+    batch_aging_s: float | None = 60.0
+    retry_after_s: int = 1  # Retry-After header on 503s
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1:
+            raise ValueError("max_in_flight must be >= 1")
+
+    def queue(self, priority: str) -> QueueLimits:
+        if priority not in PRIORITIES:
+            raise ValueError(f"unknown priority {priority!r}")
+        limits: QueueLimits = getattr(self, priority)
+        return limits
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = "pdserve-default"  # the served model id (the `model` field must match)
+    model_dir: str | None = None
+    max_model_len: int = 2048
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    metrics_protected: bool = False  # require the API key on /metrics too
+    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
+    request_timeout_s: float | None = None  # per-request deadline from arrival
+    default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default)
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if any(not k for k in self.api_keys):
+            raise ValueError("api keys must be non-empty")

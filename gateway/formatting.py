@@ -1,0 +1,137 @@
+"""OpenAI response shapes for completions and chat completions, streaming and not.
+
+One `ResponseBuilder` per request turns `ChoiceUpdate`s into stream chunks, or
+accumulates them into the final non-streaming body.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.backend import TokenLogprob
+from gateway.generation import ChoiceUpdate
+from gateway.tokenizer import Tokenizer
+from gateway.validation import CHAT
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+@dataclass
+class _Accumulated:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ResponseBuilder:
+    def __init__(self, kind: str, request_id: str, model: str, tokenizer: Tokenizer, n: int, want_logprobs: bool) -> None:
+        self._kind = kind
+        self.id = ("chatcmpl-" if kind == CHAT else "cmpl-") + request_id
+        self._model = model
+        self._tok = tokenizer
+        self._want_logprobs = want_logprobs
+        self._created = int(time.time())
+        self._acc = [_Accumulated() for _ in range(n)]
+        self._text_offset = [0] * n  # completions logprobs.text_offset, per choice
+
+    # -- streaming ------------------------------------------------------------
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self._kind == CHAT else "text_completion"
+        return {"id": self.id, "object": obj, "created": self._created, "model": self._model, "choices": choices}
+
+    def role_chunk(self) -> dict[str, Any]:
+        """Chat streams open every choice with the assistant role."""
+        return self._envelope(
+            [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+             for i in range(len(self._acc))]
+        )
+
+    def chunk(self, u: ChoiceUpdate) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": u.index}
+        if self._kind == CHAT:
+            choice["delta"] = {"content": u.text} if u.text or u.finish_reason is None else {}
+        else:
+            choice["text"] = u.text
+        choice["logprobs"] = self._logprobs(u.index, u.logprobs, u.text) if self._want_logprobs else None
+        choice["finish_reason"] = u.finish_reason
+        if u.finish_reason is not None:
+            choice["stop_reason"] = u.stop_reason
+        return self._envelope([choice])
+
+    def final_chunk(self, usage_obj: dict[str, Any] | None, timings: dict[str, float] | None) -> dict[str, Any]:
+        """The last chunk before [DONE]: no choices, usage and/or the pdserve_timings extension."""
+        out = self._envelope([])
+        if usage_obj is not None:
+            out["usage"] = usage_obj
+        if timings is not None:
+            out["pdserve_timings"] = timings
+        return out
+
+    # -- non-streaming --------------------------------------------------------
+
+    def add(self, u: ChoiceUpdate) -> None:
+        acc = self._acc[u.index]
+        acc.text.append(u.text)
+        if u.logprobs:
+            acc.logprobs.extend(u.logprobs)
+        if u.finish_reason is not None:
+            acc.finish_reason, acc.stop_reason = u.finish_reason, u.stop_reason
+
+    def final(self, usage_obj: dict[str, Any]) -> dict[str, Any]:
+        choices = []
+        for i, acc in enumerate(self._acc):
+            text = "".join(acc.text)
+            lp = self._logprobs(i, acc.logprobs, text) if self._want_logprobs else None
+            if self._kind == CHAT:
+                choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": text}}
+            else:
+                choice = {"index": i, "text": text}
+            choice.update(logprobs=lp, finish_reason=acc.finish_reason, stop_reason=acc.stop_reason)
+            choices.append(choice)
+        obj = "chat.completion" if self._kind == CHAT else "text_completion"
+        return {"id": self.id, "object": obj, "created": self._created, "model": self._model,
+                "choices": choices, "usage": usage_obj}
+
+    # -- logprobs -------------------------------------------------------------
+
+    def _token(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob] | None, text: str) -> dict[str, Any] | None:
+        entries = entries or []
+        if self._kind == CHAT:
+            return {"content": [self._chat_entry(e) for e in entries]}
+        tokens = [self._token(e.token_id) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(self._text_offset[index])
+            self._text_offset[index] += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._token(t.token_id): t.logprob for t in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, e: TokenLogprob) -> dict[str, Any]:
+        tok = self._token(e.token_id)
+        return {
+            "token": tok,
+            "logprob": e.logprob,
+            "bytes": list(tok.encode("utf-8")),
+            "top_logprobs": [
+                {"token": (t := self._token(a.token_id)), "logprob": a.logprob, "bytes": list(t.encode("utf-8"))}
+                for a in e.top
+            ],
+        }

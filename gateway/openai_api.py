@@ -1,0 +1,279 @@
+"""`POST /v1/completions` and `POST /v1/chat/completions`.
+
+The life of a request in the gateway:
+1. parse: content type, body size, JSON, parameters (gateway/validation.py);
+2. tokenize: chat template + encoding, then the context-length check;
+3. queue_wait: admission (gateway/admission.py) — 503 with Retry-After past the limits;
+4. generate: `Generation.first()` waits for the first output, so errors before any
+   output get a real status code; then the rest is streamed (SSE) or collected;
+5. one JSON log line, histograms and counters, whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from gateway import sse
+from gateway.backend import BackendError, GenerateRequest
+from gateway.chat_template import ChatTemplateError
+from gateway.errors import APIError, from_backend, invalid, unavailable
+from gateway.formatting import ResponseBuilder, usage
+from gateway.generation import ChoiceUpdate, Generation
+from gateway.state import STATE, GatewayState
+from gateway.timing import RequestTimer
+from gateway.validation import (
+    CHAT,
+    COMPLETION,
+    ParsedRequest,
+    check_content_type,
+    check_prompt,
+    decode_body,
+    parse_request,
+    too_large,
+)
+
+log = logging.getLogger("pdserve.gateway")
+
+REQUEST_ID_HEADER = "x-request-id"
+TIMINGS_HEADER = "x-pdserve-timings"
+PRIORITY_HEADER = "x-pdserve-priority"
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+CLIENT_CLOSED = 499  # nginx's convention, for logs and metrics only
+
+
+def request_id(request: web.Request) -> str:
+    """The client's x-request-id when it is sane, else a fresh one."""
+    rid = request.headers.get(REQUEST_ID_HEADER, "")
+    return rid if _REQUEST_ID_RE.match(rid) else uuid.uuid4().hex
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _RequestRun(request, COMPLETION).serve()
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _RequestRun(request, CHAT).serve()
+
+
+class _RequestRun:
+    """One generation request, from body bytes to the last byte of the response."""
+
+    def __init__(self, request: web.Request, kind: str) -> None:
+        self.request = request
+        self.kind = kind
+        self.state: GatewayState = request.app[STATE]
+        self.timer = RequestTimer()
+        self.arrival = time.monotonic()
+        self.rid = request_id(request)
+        self.want_timings = request.headers.get(TIMINGS_HEADER, "").strip().lower() in ("1", "true", "yes")
+        self.status = 200
+        self.error: str | None = None
+        self.parsed: ParsedRequest | None = None
+        self.prompt_len = 0
+        self.gen: Generation | None = None
+
+    async def serve(self) -> web.StreamResponse:
+        self.state.enter()
+        try:
+            return await self._serve()
+        except APIError as e:
+            self.status, self.error = e.status, e.code
+            if e.reason:
+                self.state.metrics.rejected.labels(reason=e.reason).inc()
+            e.headers[REQUEST_ID_HEADER] = self.rid
+            return e.response()
+        except asyncio.CancelledError:
+            # The client went away (aiohttp cancels the handler): closing the generation
+            # on the way out aborted the request in the backend.
+            self.status, self.error = CLIENT_CLOSED, "client_disconnected"
+            raise
+        except Exception:
+            # A bug: the error middleware answers a 500 envelope without the traceback.
+            self.status, self.error = 500, "internal_error"
+            raise
+        finally:
+            self.state.leave()
+            self._record()
+
+    async def _serve(self) -> web.StreamResponse:
+        state = self.state
+        if state.draining:
+            raise unavailable("server is shutting down", "draining", state.config.admission.retry_after_s, "draining")
+        with self.timer.measure("parse"):
+            parsed = await self._parse()
+        with self.timer.measure("tokenize"):
+            ids = self._tokenize(parsed)
+            parsed = check_prompt(parsed, len(ids), state.tokenizer.vocab_size, state.config)
+        self.parsed, self.prompt_len = parsed, len(ids)
+        with self.timer.measure("queue_wait"):
+            admission = await state.admission.acquire(parsed.priority)
+        try:
+            state.metrics.queue_wait.labels(priority=parsed.priority).observe(admission.wait_s)
+            return await self._generate(parsed, ids)
+        finally:
+            state.admission.release()
+
+    async def _parse(self) -> ParsedRequest:
+        config = self.state.config
+        check_content_type(self.request.headers.get("Content-Type", ""))
+        raw = await self._read_body(config.limits.max_body_bytes)
+        body = decode_body(raw, config.limits)
+        return parse_request(self.kind, body, config, self.request.headers.get(PRIORITY_HEADER))
+
+    async def _read_body(self, limit: int) -> bytes:
+        length = self.request.content_length
+        if length is not None and length > limit:
+            raise too_large(limit)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            chunk = await self.request.content.readany()
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+
+    def _tokenize(self, parsed: ParsedRequest) -> list[int]:
+        tok = self.state.tokenizer
+        if parsed.prompt_token_ids is not None:
+            return list(parsed.prompt_token_ids)
+        if parsed.prompt_text is not None:
+            return tok.encode(parsed.prompt_text, add_special_tokens=True)
+        assert parsed.messages is not None
+        try:
+            prompt = tok.apply_chat_template(list(parsed.messages), add_generation_prompt=True)
+        except ChatTemplateError as e:
+            raise invalid("messages", f"cannot apply the chat template: {str(e)[:200]}", "invalid_messages") from None
+        return tok.encode(prompt, add_special_tokens=False)
+
+    async def _generate(self, parsed: ParsedRequest, ids: list[int]) -> web.StreamResponse:
+        state = self.state
+        timeout = state.config.request_timeout_s
+        greq = GenerateRequest(
+            request_id=self.rid,
+            prompt_token_ids=ids,
+            params=parsed.params,
+            priority=parsed.priority,
+            deadline=self.arrival + timeout if timeout is not None else None,
+        )
+        self.gen = gen = Generation(
+            state.backend, greq, state.tokenizer, self.timer,
+            stop=parsed.stop, skip_special_tokens=parsed.skip_special_tokens,
+            include_stop_str=parsed.include_stop_str,
+            on_first_token=lambda: state.metrics.ttft.observe(self.timer.elapsed()),
+        )
+        builder = ResponseBuilder(
+            self.kind, self.rid, state.config.model_name, state.tokenizer, parsed.params.n,
+            parsed.params.logprobs is not None,
+        )
+        try:
+            try:
+                first = await gen.first()
+            except BackendError as e:
+                raise from_backend(e, state.config.admission.retry_after_s) from None
+            if parsed.stream:
+                return await self._stream(parsed, builder, first)
+            return await self._collect(builder, first)
+        finally:
+            await gen.aclose()
+
+    def _usage(self) -> dict[str, Any]:
+        assert self.gen is not None
+        s = self.gen.stats
+        return usage(self.prompt_len, s.completion_tokens, s.cached_tokens)
+
+    async def _collect(self, builder: ResponseBuilder, first: ChoiceUpdate | None) -> web.Response:
+        assert self.gen is not None
+        if first is not None:
+            builder.add(first)
+        try:
+            async for update in self.gen.rest():
+                builder.add(update)
+        except BackendError as e:
+            raise from_backend(e, self.state.config.admission.retry_after_s) from None
+        with self.timer.measure("respond"):
+            body = json.dumps(builder.final(self._usage())).encode()
+            headers = {REQUEST_ID_HEADER: self.rid}
+        if self.want_timings:
+            headers[TIMINGS_HEADER] = json.dumps(self.timer.result(), separators=(",", ":"))
+        return web.Response(body=body, content_type="application/json", headers=headers)
+
+    async def _stream(self, parsed: ParsedRequest, builder: ResponseBuilder, first: ChoiceUpdate | None) -> web.StreamResponse:
+        assert self.gen is not None
+        resp = web.StreamResponse(headers={**sse.SSE_HEADERS, REQUEST_ID_HEADER: self.rid})
+        with self.timer.measure("respond"):
+            await resp.prepare(self.request)
+            if self.kind == CHAT:
+                await resp.write(sse.event(builder.role_chunk()))
+        try:
+            await self._stream_events(parsed, builder, first, resp)
+        except ConnectionResetError:
+            # The client went away mid-stream; the caller closes the generation (abort).
+            self.status, self.error = CLIENT_CLOSED, "client_disconnected"
+        return resp
+
+    async def _stream_events(
+        self, parsed: ParsedRequest, builder: ResponseBuilder, first: ChoiceUpdate | None, resp: web.StreamResponse
+    ) -> None:
+        assert self.gen is not None
+        update = first
+        updates = self.gen.rest()
+        try:
+            while update is not None:
+                with self.timer.measure("respond"):
+                    await resp.write(sse.event(builder.chunk(update)))
+                update = await anext(updates, None)
+        except BackendError as e:
+            # Streaming already started: the status is sent, so the error is the last event.
+            err = from_backend(e, self.state.config.admission.retry_after_s)
+            self.status, self.error = err.status, err.code
+            await resp.write(sse.event(err.body()))
+            await resp.write(sse.DONE)
+            return
+        with self.timer.measure("respond"):
+            if parsed.include_usage or self.want_timings:
+                usage_obj = self._usage() if parsed.include_usage else None
+                timings = self.timer.result() if self.want_timings else None
+                await resp.write(sse.event(builder.final_chunk(usage_obj, timings)))
+            await resp.write(sse.DONE)
+            await resp.write_eof()
+
+    def _record(self) -> None:
+        """Metrics and the per-request JSON log line, whatever the outcome."""
+        m = self.state.metrics
+        timings = self.timer.result()
+        endpoint = "chat" if self.kind == CHAT else "completions"
+        m.requests.labels(endpoint=endpoint, status=str(self.status)).inc()
+        record: dict[str, Any] = {
+            "event": "request", "request_id": self.rid, "endpoint": endpoint, "status": self.status,
+        }
+        if self.error:
+            record["error"] = self.error
+        if self.parsed is not None:
+            record.update(priority=self.parsed.priority, stream=self.parsed.stream, n=self.parsed.params.n,
+                          prompt_tokens=self.prompt_len, user=self.parsed.user)
+        if self.gen is not None:
+            s = self.gen.stats
+            m.prompt_tokens.inc(self.prompt_len)
+            m.generation_tokens.inc(s.completion_tokens)
+            m.cached_tokens.inc(s.cached_tokens)
+            m.e2e.observe(timings["e2e"])
+            m.observe_stages(timings)
+            n = self.parsed.params.n if self.parsed is not None else 1
+            per_choice = s.completion_tokens / n  # choices decode side by side
+            if s.first_token_at is not None and s.last_token_at is not None and per_choice > 1:
+                m.tpot.observe((s.last_token_at - s.first_token_at) / (per_choice - 1))
+            record.update(completion_tokens=s.completion_tokens, cached_tokens=s.cached_tokens,
+                          finish_reasons=[s.finish_reasons.get(i) for i in range(n)])
+        record["timings"] = {k: round(v, 6) for k, v in timings.items()}
+        log.info(json.dumps(record, separators=(",", ":")))

@@ -1,0 +1,134 @@
+"""Worker registry: who is alive, in which pool, with what load.
+
+Fed by `RegisterWorker` / `Heartbeat` / `Deregister` messages. A worker joins
+its pool on registration and leaves it on deregistration or after being
+silent for longer than the heartbeat timeout; `expire()` returns the removed
+workers so the cluster can recover their in-flight requests. Plain Python, no
+I/O: the cluster owns the sockets and the clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.protocol import Heartbeat, RegisterWorker
+
+
+@dataclass
+class WorkerInfo:
+    reg: RegisterWorker
+    registered_at: float
+    last_seen: float
+    load: Heartbeat | None = None
+    # Requests routed here and not yet finished, by request id.
+    inflight: set[str] = field(default_factory=set)
+    # Work handed out since the last heartbeat (optimistic load between heartbeats).
+    pending_tokens: int = 0
+    pending_blocks: int = 0
+    pending_seqs: int = 0
+    draining: bool = False  # deregistered but still finishing its in-flight requests
+
+    @property
+    def worker_id(self) -> str:
+        return self.reg.worker_id
+
+    @property
+    def role(self) -> str:
+        return self.reg.role
+
+    @property
+    def free_blocks(self) -> int:
+        free = self.load.free_blocks if self.load else self.reg.total_blocks
+        return free - self.pending_blocks
+
+    @property
+    def running(self) -> int:
+        base = (self.load.running_seqs + self.load.waiting_seqs) if self.load else 0
+        return base + self.pending_seqs
+
+    @property
+    def queued_tokens(self) -> int:
+        return (self.load.queued_prefill_tokens if self.load else 0) + self.pending_tokens
+
+    def describe(self, now: float) -> dict[str, Any]:
+        load = self.load
+        return {
+            "id": self.worker_id,
+            "role": self.role,
+            "host_id": self.reg.host_id,
+            "pid": self.reg.pid,
+            "metrics_port": self.reg.metrics_port,
+            "compat_hash": self.reg.compat_hash,
+            "total_blocks": self.reg.total_blocks,
+            "free_blocks": load.free_blocks if load else self.reg.total_blocks,
+            "running_seqs": load.running_seqs if load else 0,
+            "waiting_seqs": load.waiting_seqs if load else 0,
+            "queued_prefill_tokens": load.queued_prefill_tokens if load else 0,
+            "inflight_requests": len(self.inflight),
+            "draining": self.draining,
+            "last_heartbeat_age_s": round(now - self.last_seen, 3),
+            "gauges": dict(load.gauges) if load else {},
+        }
+
+
+@dataclass(frozen=True)
+class RegisterOutcome:
+    accepted: bool
+    reason: str = ""
+
+
+class WorkerRegistry:
+    def __init__(self, heartbeat_timeout_s: float) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._workers: dict[str, WorkerInfo] = {}
+
+    def register(self, reg: RegisterWorker, now: float) -> RegisterOutcome:
+        """Add (or refresh) a worker. All workers must share one KV compatibility hash."""
+        others = [w for w in self._workers.values() if w.worker_id != reg.worker_id]
+        if others and any(w.reg.compat_hash != reg.compat_hash for w in others):
+            return RegisterOutcome(False, "compat_hash differs from the registered workers")
+        old = self._workers.get(reg.worker_id)
+        info = WorkerInfo(reg=reg, registered_at=now, last_seen=now)
+        if old is not None:
+            info.inflight = old.inflight
+        self._workers[reg.worker_id] = info
+        return RegisterOutcome(True)
+
+    def heartbeat(self, hb: Heartbeat, now: float) -> bool:
+        """Record load; False when the worker is unknown (it should re-register)."""
+        info = self._workers.get(hb.worker_id)
+        if info is None:
+            return False
+        info.last_seen = now
+        info.load = hb
+        info.pending_tokens = info.pending_blocks = info.pending_seqs = 0
+        return True
+
+    def touch(self, worker_id: str, now: float) -> None:
+        info = self._workers.get(worker_id)
+        if info is not None:
+            info.last_seen = now
+
+    def remove(self, worker_id: str) -> WorkerInfo | None:
+        return self._workers.pop(worker_id, None)
+
+    def expire(self, now: float) -> list[WorkerInfo]:
+        """Remove and return every worker silent for longer than the timeout."""
+        dead = [w for w in self._workers.values() if now - w.last_seen > self.heartbeat_timeout_s]
+        for w in dead:
+            del self._workers[w.worker_id]
+        return dead
+
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        return self._workers.get(worker_id)
+
+    def pool(self, role: str) -> list[WorkerInfo]:
+        """Routable workers of one role (draining workers excluded)."""
+        return [w for w in self._workers.values() if w.role == role and not w.draining]
+
+    def all(self) -> list[WorkerInfo]:
+        return list(self._workers.values())
+
+    def __len__(self) -> int:
+        return len(self._workers)

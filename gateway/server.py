@@ -1,0 +1,222 @@
+"""The gateway's aiohttp application and process entry point.
+
+`build_app(config, backend, tokenizer)` wires routes, middlewares (OpenAI error
+envelope, API keys), admission and metrics into an `aiohttp.web.Application`; the
+backend is started on app startup and closed on cleanup. `run_gateway(...)` serves
+it until SIGTERM/SIGINT, then drains: `/ready` and new generation requests answer
+503, in-flight requests finish for up to `drain_timeout_s`, the rest are cancelled
+(which aborts them in the backend), and it returns exit code 0.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+GET /v1/models/{model}, GET /v1/workers, GET /health, GET /ready, GET /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from gateway.admission import AdmissionController
+from gateway.auth import check_authorization, is_protected
+from gateway.backend import GenerationBackend
+from gateway.config import GatewayConfig
+from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+from gateway.openai_api import REQUEST_ID_HEADER, chat_completions, completions
+from gateway.state import STATE, GatewayState
+from gateway.tokenizer import Tokenizer
+
+log = logging.getLogger("pdserve.gateway")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_CODE_BY_STATUS = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 400: "bad_request"}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves in OpenAI's envelope; tracebacks only go to the log."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return APIError(e.status, e.reason, code=_CODE_BY_STATUS.get(e.status)).response()
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return APIError(500, "internal server error", code="internal_error").response()
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    state = request.app[STATE]
+    keys = state.config.api_keys
+    if keys and is_protected(request.path, state.config.metrics_protected):
+        try:
+            check_authorization(request.headers.get("Authorization"), keys)
+        except APIError as e:
+            state.metrics.rejected.labels(reason="unauthorized").inc()
+            e.headers[REQUEST_ID_HEADER] = request.headers.get(REQUEST_ID_HEADER, "")[:128]
+            raise
+    return await handler(request)
+
+
+@web.middleware
+async def header_limit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Oversized headers get a 431 envelope naming the header. aiohttp's own parser limit
+    is set a few times higher (make_runner) and only catches the truly huge ones."""
+    limit = request.app[STATE].config.limits.max_header_bytes
+    for name, value in request.headers.items():
+        if len(name) + len(value) > limit:
+            raise APIError(431, f"header exceeds {limit} bytes", param=name[:64], code="header_too_large",
+                           reason="invalid")
+    return await handler(request)
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=json.dumps(obj).encode(), content_type="application/json")
+
+
+async def health(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.draining:
+        return _json({"ready": False, "reason": "draining"}, 503)
+    rs = state.backend.ready()
+    body = {"ready": rs.ready, "reason": rs.reason, **dict(rs.detail)}
+    return _json(body, 200 if rs.ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _model_card(config: GatewayConfig, created: int) -> dict[str, Any]:
+    return {"id": config.model_name, "object": "model", "created": created, "owned_by": "pdserve",
+            "max_model_len": config.max_model_len}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    config = request.app[STATE].config
+    return _json({"object": "list", "data": [_model_card(config, request.app[_CREATED])]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    config = request.app[STATE].config
+    name = request.match_info["model"]
+    if name != config.model_name:
+        raise APIError(404, f"The model '{name[:64]}' does not exist.", param="model", code="model_not_found")
+    return _json(_model_card(config, request.app[_CREATED]))
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    workers = [dict(w) for w in request.app[STATE].backend.workers()]
+    return _json({"object": "list", "data": workers})
+
+
+_CREATED: web.AppKey[int] = web.AppKey("pdserve_created", int)
+
+
+def build_app(config: GatewayConfig, backend: GenerationBackend, tokenizer: Tokenizer) -> web.Application:
+    """The gateway app. The backend is started on app startup and closed on cleanup."""
+    app = web.Application(middlewares=[error_middleware, header_limit_middleware, auth_middleware])
+    admission = AdmissionController(config.admission)
+    app[STATE] = GatewayState(
+        config=config, backend=backend, tokenizer=tokenizer, admission=admission,
+        metrics=GatewayMetrics(admission, backend),
+    )
+    app[_CREATED] = int(time.time())
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/v1/workers", list_workers)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+
+    async def start_backend(_: web.Application) -> None:
+        await backend.start()
+
+    async def close_backend(_: web.Application) -> None:
+        await backend.close()
+
+    app.on_startup.append(start_backend)
+    app.on_cleanup.append(close_backend)
+    return app
+
+
+def make_runner(app: web.Application, config: GatewayConfig) -> web.AppRunner:
+    """An AppRunner with the gateway's server settings: handlers are cancelled when the
+    client disconnects (that is what aborts a request in the backend), and header sizes
+    are bounded: header_limit_middleware answers 431 past the configured limit, aiohttp's
+    parser a plain 400 past four times it."""
+    parser_limit = 4 * config.limits.max_header_bytes + 1024
+    return web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=1.0,  # graceful draining happened before cleanup
+        max_line_size=parser_limit,
+        max_field_size=parser_limit,
+    )
+
+
+async def serve_gateway(
+    config: GatewayConfig,
+    backend: GenerationBackend,
+    tokenizer: Tokenizer,
+    stop: asyncio.Event | None = None,
+) -> int:
+    """Serve until `stop` is set (or SIGTERM/SIGINT), drain, clean up; return the exit code."""
+    stop = stop or asyncio.Event()
+    app = build_app(config, backend, tokenizer)
+    runner = make_runner(app, config)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    host, port = runner.addresses[0][:2]
+    # The one line on stdout: launchers and tests read the URL from it.
+    print(f"pdserve gateway listening on http://{host}:{port}", flush=True)
+    log.info(json.dumps({"event": "listening", "host": host, "port": port, "model": config.model_name}))
+    try:
+        await stop.wait()
+        state = app[STATE]
+        state.start_draining()
+        log.info(json.dumps({"event": "draining", "active": state.active, "timeout_s": config.drain_timeout_s}))
+        drained = await state.wait_idle(config.drain_timeout_s)
+        log.info(json.dumps({"event": "drained" if drained else "drain_timeout", "active": state.active}))
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+    return 0
+
+
+def run_gateway(config: GatewayConfig, backend: GenerationBackend, tokenizer: Tokenizer) -> int:
+    """Blocking entry point for `pdserve gateway`: uvloop when available; returns the exit code."""
+    coro = serve_gateway(config, backend, tokenizer)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return int(uvloop.run(coro))

@@ -1,0 +1,143 @@
+"""Tokenizer: a model's `tokenizer.json` plus its special tokens and chat template.
+
+Torch-free (the gateway never imports torch): it uses the `tokenizers` library
+directly and reads the special-token facts from `tokenizer_config.json` and
+`generation_config.json`, the way Hugging Face `transformers` would.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from gateway.chat_template import load_chat_template, render_chat_template
+
+
+class TokenizerError(ValueError):
+    """The model directory has no usable tokenizer."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise TokenizerError(f"{path} is not valid JSON: {e}") from e
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config stores special tokens as a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [int(v) for v in value if isinstance(v, int)]
+    return []
+
+
+class Tokenizer:
+    """Encode/decode text and render chat prompts for one model."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
+        bos_token_id: int | None = None,
+    ) -> None:
+        self._tok = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        eos_ids: list[int] = []
+        if eos_token is not None and (tid := tokenizer.token_to_id(eos_token)) is not None:
+            eos_ids.append(tid)
+        eos_ids.extend(i for i in extra_eos_token_ids if i not in eos_ids)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_ids)
+        if bos_token is not None and (tid := tokenizer.token_to_id(bos_token)) is not None:
+            bos_token_id = tid
+        self.bos_token_id: int | None = bos_token_id
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.all_special_ids: tuple[int, ...] = tuple(
+            sorted(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        )
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> Tokenizer:
+        """Load `tokenizer.json`, `tokenizer_config.json` (special tokens, chat
+        template), `chat_template.jinja` and `generation_config.json` (eos ids)."""
+        d = Path(path)
+        tok_file = d / "tokenizer.json"
+        if not tok_file.is_file():
+            raise TokenizerError(f"{d} has no tokenizer.json")
+        try:
+            hf = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # the Rust side raises plain Exception
+            raise TokenizerError(f"cannot load {tok_file}: {e}") from e
+        tcfg = _read_json(d / "tokenizer_config.json")
+        gen = _read_json(d / "generation_config.json")
+        cfg = _read_json(d / "config.json")
+        gen_eos = _as_id_list(gen.get("eos_token_id", cfg.get("eos_token_id")))
+        bos_id = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        return cls(
+            hf,
+            chat_template=load_chat_template(d, tcfg),
+            bos_token=_token_content(tcfg.get("bos_token")),
+            eos_token=_token_content(tcfg.get("eos_token")),
+            extra_eos_token_ids=gen_eos,
+            bos_token_id=bos_id if isinstance(bos_id, int) else None,
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with add_special_tokens, the tokenizer's own
+        post-processor adds what the model expects (e.g. BOS)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
+        """The rendered prompt string. Encode it with add_special_tokens=False: the
+        template already contains BOS. Raises ChatTemplateError without a template."""
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **extra,
+        )
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Render and encode a chat prompt (no extra special tokens added)."""
+        prompt = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(prompt, add_special_tokens=False)

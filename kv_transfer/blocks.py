@@ -1,0 +1,108 @@
+"""Block-level operations on a KV pool array: validation, chunk planning, gather/scatter.
+
+The pool is `kv[layer, K/V, block, slot, kv_head, head_dim]` (see
+pdserve/kv_layout.py). A frame holds layers [l0, l1) of an ordered list of
+blocks as a contiguous array of shape (l1 - l0, 2, n, slot, head, dim); it has
+`(l1 - l0) * 2 * n` checksum rows of one (layer, K/V, block) each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.kv_layout import NULL_BLOCK, KVLayout
+
+# numpy has no bfloat16: such pools are handled as their raw 16-bit patterns.
+NUMPY_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+                "bfloat16": np.dtype(np.uint16)}
+
+
+def numpy_dtype(layout: KVLayout) -> np.dtype:
+    return NUMPY_DTYPES[layout.dtype]
+
+
+def check_pool(layout: KVLayout, pool: np.ndarray) -> int:
+    """Raise ValueError unless `pool` is a C-contiguous pool of `layout`; return its block count."""
+    if pool.ndim != 6 or pool.shape != layout.pool_shape(pool.shape[2]):
+        raise ValueError(f"pool shape {pool.shape} does not match layout {layout.pool_shape(0)}")
+    if pool.dtype != numpy_dtype(layout):
+        raise ValueError(f"pool dtype {pool.dtype} does not match layout dtype {layout.dtype}")
+    if not pool.flags.c_contiguous:
+        raise ValueError("pool must be C-contiguous")
+    return int(pool.shape[2])
+
+
+def check_block_ids(ids: Sequence[int], num_blocks: int, what: str) -> tuple[int, ...]:
+    """Block ids must be distinct, never the null block, and inside the pool."""
+    out = tuple(int(b) for b in ids)
+    if not out:
+        raise ValueError(f"{what}: no blocks")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{what}: duplicate block ids")
+    bad = [b for b in out if b == NULL_BLOCK or not 0 < b < num_blocks]
+    if bad:
+        raise ValueError(f"{what}: block ids {bad[:4]} outside 1..{num_blocks - 1}")
+    return out
+
+
+def frame_nbytes(layout: KVLayout, num_layers: int, num_blocks: int) -> int:
+    return num_layers * num_blocks * layout.block_bytes_per_layer
+
+
+def frame_rows(num_layers: int, num_blocks: int) -> int:
+    return num_layers * 2 * num_blocks
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """Layers [layer_start, layer_end) of the transfer's blocks [first, last)."""
+
+    layer_start: int
+    layer_end: int
+    first: int
+    last: int
+
+
+def plan_chunks(layout: KVLayout, num_blocks: int, layer_start: int, layer_end: int,
+                max_bytes: int) -> list[ChunkSpan]:
+    """Split a layer range of a transfer into frames of at most `max_bytes` (one block minimum)."""
+    per_layer = frame_nbytes(layout, 1, num_blocks)
+    spans: list[ChunkSpan] = []
+    if per_layer <= max_bytes:
+        step = max(1, max_bytes // per_layer)
+        for l0 in range(layer_start, layer_end, step):
+            spans.append(ChunkSpan(l0, min(l0 + step, layer_end), 0, num_blocks))
+        return spans
+    per_chunk = max(1, max_bytes // layout.block_bytes_per_layer)
+    for layer in range(layer_start, layer_end):
+        for b0 in range(0, num_blocks, per_chunk):
+            spans.append(ChunkSpan(layer, layer + 1, b0, min(b0 + per_chunk, num_blocks)))
+    return spans
+
+
+def gather(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int],
+           buffer: np.ndarray | None = None) -> np.ndarray:
+    """Copy layers [l0, l1) of blocks `ids` into a contiguous frame.
+
+    The frame lives in `buffer` (a flat uint8 array of exactly the frame's size)
+    when given -- reusing buffers avoids a page fault per 4 KiB of fresh memory,
+    which costs more than the copy itself. A per-block loop of slice copies is
+    ~3x faster here than numpy fancy indexing over the block axis.
+    """
+    shape = (l1 - l0, 2, len(ids)) + pool.shape[3:]
+    if buffer is None:
+        out = np.empty(shape, dtype=pool.dtype)
+    else:
+        out = buffer.view(pool.dtype).reshape(shape)
+    for j, b in enumerate(ids):
+        out[:, :, j] = pool[l0:l1, :, b]
+    return out
+
+
+def scatter(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int], frame: np.ndarray) -> None:
+    """Write a frame produced by `gather` into blocks `ids` of `pool`."""
+    for j, b in enumerate(ids):
+        pool[l0:l1, :, b] = frame[:, :, j]

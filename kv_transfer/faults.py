@@ -1,0 +1,48 @@
+"""Fault injection for tests: corrupt, drop or delay KV frames. Off by default.
+
+The environment variable PDSERVE_KV_FAULTS is read here and nowhere else, e.g.
+`PDSERVE_KV_FAULTS="corrupt_chunk=2,delay_s=0.05"`, so faults can be switched
+on in a worker process started by a test.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+ENV_VAR = "PDSERVE_KV_FAULTS"
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    corrupt_chunk: int = -1  # sender: flip one byte of its n-th data chunk (0-based)
+    drop_chunk: int = -1  # sender: silently drop its n-th data chunk
+    delay_s: float = 0.0  # sender: sleep before every data chunk
+    drop_acks: bool = False  # receiver: never send the final Ack
+
+    @property
+    def active(self) -> bool:
+        return self != FaultConfig()
+
+    @classmethod
+    def parse(cls, text: str) -> FaultConfig:
+        """Parse `key=value,...`; unknown keys are errors."""
+        known = {f.name: f.type for f in fields(cls)}
+        values: dict[str, object] = {}
+        for item in filter(None, (s.strip() for s in text.split(","))):
+            key, _, raw = item.partition("=")
+            if key not in known:
+                raise ValueError(f"unknown fault {key!r}; known: {sorted(known)}")
+            kind = known[key]
+            if kind == "bool":
+                values[key] = raw.lower() in ("1", "true", "yes")
+            elif kind == "float":
+                values[key] = float(raw)
+            else:
+                values[key] = int(raw)
+        return cls(**values)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> FaultConfig:
+        return cls.parse((os.environ if env is None else env).get(ENV_VAR, ""))

@@ -1,0 +1,139 @@
+"""Decode-side receiver over ZeroMQ (tcp://, ipc://) and shared memory.
+
+A ROUTER socket bound to loopback (or a private ipc path carrying pid + random
+suffix) on a background I/O thread; all bookkeeping is in `ReceiverCore`. With
+a pool created by `create_shm_pool` and `transport="shm"`, the address is
+`shm+ipc://...`: same-host senders then write blocks straight into the pool
+and send only control headers, which this side verifies over its own memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import tempfile
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import zmq
+
+from kv_transfer import wire
+from kv_transfer.api import TransferState
+from kv_transfer.faults import FaultConfig
+from kv_transfer.links import Waker
+from kv_transfer.receiver_core import ReceiverCore, ReceiverStats
+from kv_transfer.shm_pool import ShmPool
+from pdserve.kv_layout import KVLayout
+
+TRANSPORTS = ("tcp", "ipc", "shm", "shm+ipc", "shm+tcp")
+TICK_MS = 20
+MAX_MESSAGES_PER_ROUND = 256
+
+
+class ZmqReceiver:
+    """Implements `kv_transfer.api.KVReceiver`. Call `close()` (or use `with`)."""
+
+    def __init__(self, layout: KVLayout, pool: np.ndarray | ShmPool, *, transport: str = "ipc",
+                 host: str = "127.0.0.1", faults: FaultConfig | None = None,
+                 grace_s: float = 1.0,
+                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r} not in {TRANSPORTS}")
+        shared = transport.startswith("shm")
+        if shared and not isinstance(pool, ShmPool):
+            raise ValueError("the shm transport needs a pool from create_shm_pool()")
+        array = pool.array if isinstance(pool, ShmPool) else pool
+        self._waker = Waker()
+        self.core = ReceiverCore(
+            layout, array, shm=pool.descriptor if shared and isinstance(pool, ShmPool) else None,
+            grace_s=grace_s, max_frame_bytes=max_frame_bytes,
+            faults=FaultConfig.from_env() if faults is None else faults, wake=self._waker.wake)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # zmq drops a connection that sends a frame above this before buffering it.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + wire.MAX_HEADER_BYTES)
+        self._ipc_path = ""
+        inner = transport.removeprefix("shm").removeprefix("+") or "ipc"
+        if inner == "tcp":
+            self._sock.bind(f"tcp://{host}:0")
+        else:
+            self._ipc_path = os.path.join(
+                tempfile.gettempdir(), f"pdkv-{os.getpid()}-{secrets.token_hex(6)}.sock")
+            self._sock.bind(f"ipc://{self._ipc_path}")
+        endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._address = ("shm+" if shared else "") + endpoint
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-receiver-io", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def expect(self, transfer_id: str, request_id: str, dst_block_ids: Sequence[int],
+               lease_s: float) -> None:
+        self.core.expect(transfer_id, request_id, dst_block_ids, lease_s)
+
+    def poll(self, transfer_id: str) -> TransferState:
+        return self.core.poll(transfer_id)
+
+    def reason(self, transfer_id: str) -> str:
+        return self.core.reason(transfer_id)
+
+    def cancel(self, transfer_id: str) -> None:
+        self.core.cancel(transfer_id)
+
+    def forget(self, transfer_id: str) -> None:
+        self.core.forget(transfer_id)
+
+    def stats(self) -> ReceiverStats:
+        return self.core.stats()
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._waker.wake()
+        self._thread.join()
+        self._sock.close(linger=0)
+        self._ctx.term()
+        self._waker.close()
+        if self._ipc_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._ipc_path)
+
+    def __enter__(self) -> ZmqReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._waker.fileno(), zmq.POLLIN)
+        while not self._stop.is_set():
+            poller.poll(TICK_MS)
+            self._waker.drain()
+            for _ in range(MAX_MESSAGES_PER_ROUND):
+                try:
+                    frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                if len(frames) not in (2, 3):
+                    self.core.note_malformed()
+                    continue
+                frame = frames[2].buffer if len(frames) == 3 else None
+                self.core.handle(frames[0].bytes, frames[1].buffer, frame)
+            self.core.tick()
+            self._send_replies()
+
+    def _send_replies(self) -> None:
+        for peer, msg in self.core.take_outbox():
+            # Peer gone or congested: it fails the transfer at its own deadline.
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.send_multipart([peer, wire.encode(msg)], flags=zmq.NOBLOCK)

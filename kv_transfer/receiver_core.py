@@ -1,0 +1,351 @@
+"""Decode-side transfer bookkeeping, independent of any socket.
+
+`ReceiverCore` owns the reservation table. Transports feed it decoded peer
+messages (`handle`) and send what it queues in its outbox; the worker thread
+calls `expect/poll/cancel/forget`. One lock guards the table *and* every write
+into the pool, which gives the lease rule for inline (socket) transfers:
+
+  * data is written only under the lock, only for a live (non-terminal)
+    reservation, and only before its deadline;
+  * `poll` evaluates expiry under the same lock,
+so once `poll` reports a terminal state no write to those blocks is in progress
+or will ever start; the worker may free them.
+
+Shared memory is different: the *sender* writes into this pool directly. The
+rule there (same host, so both sides read the same CLOCK_MONOTONIC):
+
+  * a sender writes only after a `Grant`, which carries the reservation's
+    absolute deadline, and starts no chunk copy at or after that deadline;
+  * the receiver treats a granted shared-memory reservation as possibly being
+    written until the sender's writes are known to be over (all chunks
+    committed, or the sender sent `Abort`, which it does only after its last
+    write) or until deadline + `grace_s` (covering one chunk copy started just
+    before the deadline). Until then a failed or cancelled reservation reports
+    TRANSFERRING / CANCELLING, never a terminal state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kv_transfer import wire
+from kv_transfer.api import TransferState, UnknownTransfer
+from kv_transfer.blocks import (
+    check_block_ids,
+    check_pool,
+    frame_nbytes,
+    frame_rows,
+    gather,
+    scatter,
+)
+from kv_transfer.checksum import frame_checksum
+from kv_transfer.faults import FaultConfig
+from pdserve.kv_layout import KVLayout
+
+PENDING_CLAIM_TTL_S = 30.0
+MAX_PENDING_CLAIMS = 4096
+
+
+@dataclass(frozen=True)
+class ReceiverStats:
+    malformed: int  # headers that failed to decode or validate
+    rejected: int  # well-formed messages refused (unknown transfer, bad blocks, mismatch)
+    completed: int
+
+
+@dataclass
+class _Reservation:
+    transfer_id: str
+    request_id: str
+    dst_ids: tuple[int, ...]
+    index: dict[int, int]
+    deadline: float
+    covered: np.ndarray  # [layer, block position] -> arrived and verified
+    state: TransferState = TransferState.RESERVED
+    reason: str = ""
+    peer: bytes | None = None
+    shm_granted: bool = False
+    writer_done: bool = False
+    cancel_sent: bool = False
+    final: TransferState | None = field(default=None)  # outcome waiting for the writer to stop
+
+
+class ReceiverCore:
+    def __init__(self, layout: KVLayout, pool: np.ndarray, *, shm: wire.ShmDescriptor | None,
+                 grace_s: float, max_frame_bytes: int, faults: FaultConfig,
+                 wake: Callable[[], None], clock: Callable[[], float] = time.monotonic) -> None:
+        self.layout = layout
+        self.pool = pool
+        self.num_blocks = check_pool(layout, pool)
+        self.shm = shm
+        self.grace_s = grace_s
+        self.max_frame_bytes = max_frame_bytes
+        self.faults = faults
+        self._wake = wake
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._res: dict[str, _Reservation] = {}
+        self._reserved_blocks: set[int] = set()
+        self._pending: dict[str, tuple[bytes, wire.Claim, float]] = {}
+        self._outbox: list[tuple[bytes, wire.Message]] = []
+        self._malformed = self._rejected = self._completed = 0
+        self._scratch = np.empty(0, np.uint8)  # reused for verifying shared-memory chunks
+
+    # ---------------------------------------------------------------- worker API
+    def expect(self, transfer_id: str, request_id: str, dst_block_ids: Sequence[int],
+               lease_s: float) -> None:
+        ids = check_block_ids(dst_block_ids, self.num_blocks, "dst_block_ids")
+        if not lease_s > 0:
+            raise ValueError("lease_s must be positive")
+        with self._lock:
+            if transfer_id in self._res:
+                raise ValueError(f"transfer {transfer_id!r} already expected")
+            overlap = self._reserved_blocks.intersection(ids)
+            if overlap:
+                raise ValueError(f"blocks {sorted(overlap)[:4]} already reserved by a transfer")
+            self._reserved_blocks.update(ids)
+            self._res[transfer_id] = _Reservation(
+                transfer_id, request_id, ids, {b: i for i, b in enumerate(ids)},
+                self._clock() + lease_s, np.zeros((self.layout.num_layers, len(ids)), bool))
+            pending = self._pending.pop(transfer_id, None)
+            if pending is not None:
+                self._on_claim(pending[0], pending[1])
+        self._wake()
+
+    def poll(self, transfer_id: str) -> TransferState:
+        with self._lock:
+            res = self._get(transfer_id)
+            self._expire(res, self._clock())
+            return res.state
+
+    def reason(self, transfer_id: str) -> str:
+        with self._lock:
+            return self._get(transfer_id).reason
+
+    def cancel(self, transfer_id: str) -> None:
+        with self._lock:
+            res = self._get(transfer_id)
+            if res.state.terminal or res.state is TransferState.CANCELLING:
+                return
+            self._finish(res, TransferState.ABORTED, "cancelled by receiver")
+            self._send_cancel(res, "cancelled by receiver")
+        self._wake()
+
+    def forget(self, transfer_id: str) -> None:
+        with self._lock:
+            res = self._get(transfer_id)
+            self._expire(res, self._clock())
+            if not res.state.terminal:
+                raise ValueError(f"transfer {transfer_id!r} is {res.state.name}; cancel it first")
+            del self._res[transfer_id]
+            self._reserved_blocks.difference_update(res.dst_ids)
+
+    def stats(self) -> ReceiverStats:
+        with self._lock:
+            return ReceiverStats(self._malformed, self._rejected, self._completed)
+
+    # ---------------------------------------------------------------- transport side
+    def take_outbox(self) -> list[tuple[bytes, wire.Message]]:
+        with self._lock:
+            out, self._outbox = self._outbox, []
+            return out
+
+    def tick(self) -> None:
+        """Expire leases and stale pending claims (called periodically by the I/O thread)."""
+        now = self._clock()
+        with self._lock:
+            for res in self._res.values():
+                self._expire(res, now)
+            for tid, (peer, _claim, until) in list(self._pending.items()):
+                if now >= until:
+                    del self._pending[tid]
+                    self._outbox.append((peer, wire.Ack(tid, False, "no reservation for transfer")))
+
+    def note_malformed(self) -> None:
+        """A message with the wrong number of parts, seen by the transport."""
+        with self._lock:
+            self._malformed += 1
+
+    def handle(self, peer: bytes, header: bytes | memoryview, frame: memoryview | None) -> None:
+        """Process one message from `peer`. Never raises on bad input: it counts and drops."""
+        try:
+            msg = wire.decode(header)
+        except wire.WireError:
+            with self._lock:
+                self._malformed += 1
+            return
+        with self._lock:
+            if isinstance(msg, wire.Hello):
+                self._on_hello(peer, msg)
+            elif isinstance(msg, wire.Claim):
+                self._on_claim(peer, msg)
+            elif isinstance(msg, wire.Chunk):
+                self._on_chunk(peer, msg, frame)
+            elif isinstance(msg, wire.Abort):
+                self._on_abort(peer, msg)
+            else:
+                self._rejected += 1
+
+    # ---------------------------------------------------------------- message handlers
+    def _on_hello(self, peer: bytes, msg: wire.Hello) -> None:
+        mine = self.layout.compat_hash
+        ok = msg.compat_hash == mine
+        reason = "" if ok else (
+            f"compatibility hash mismatch: receiver {mine} != sender {msg.compat_hash}")
+        self._outbox.append((peer, wire.HelloAck(mine, ok, reason, self.max_frame_bytes,
+                                                 self.shm if ok else None)))
+
+    def _on_claim(self, peer: bytes, msg: wire.Claim) -> None:
+        tid = msg.transfer_id
+        if msg.compat_hash != self.layout.compat_hash:
+            self._reject(peer, tid, "compatibility hash mismatch: receiver "
+                         f"{self.layout.compat_hash} != sender {msg.compat_hash}")
+            return
+        res = self._res.get(tid)
+        if res is None:
+            if len(self._pending) >= MAX_PENDING_CLAIMS:
+                self._reject(peer, tid, "no reservation for transfer")
+            else:  # the sender may be faster than the decode worker's expect()
+                self._pending[tid] = (peer, msg, self._clock() + PENDING_CLAIM_TTL_S)
+            return
+        self._expire(res, self._clock())
+        if res.state.terminal or res.state is TransferState.CANCELLING:
+            self._reject(peer, tid, f"transfer is {res.state.name}: {res.reason}")
+        elif res.peer is not None and res.peer != peer:
+            self._reject(peer, tid, "transfer already claimed by another sender")
+        elif sorted(msg.dst_block_ids) != sorted(res.dst_ids):
+            self._reject(peer, tid, "claimed blocks differ from the reserved blocks")
+        else:
+            res.peer = peer
+            res.state = TransferState.TRANSFERRING
+            res.shm_granted = self.shm is not None
+            self._outbox.append((peer, wire.Grant(tid, res.deadline)))
+
+    def _on_chunk(self, peer: bytes, msg: wire.Chunk, frame: memoryview | None) -> None:
+        res = self._res.get(msg.transfer_id)
+        problem = self._chunk_problem(peer, msg, frame, res)
+        if problem:
+            self._rejected += 1
+            if res is not None and res.peer == peer and not res.state.terminal:
+                self._fail(res, problem)
+            return
+        assert res is not None
+        n_layers = msg.layer_end - msg.layer_start
+        rows = frame_rows(n_layers, len(msg.dst_block_ids))
+        if msg.inline:
+            assert frame is not None
+            data = np.frombuffer(frame, dtype=self.pool.dtype).reshape(
+                (n_layers, 2, len(msg.dst_block_ids)) + self.pool.shape[3:])
+        else:
+            if self._scratch.nbytes < msg.nbytes:
+                self._scratch = np.empty(msg.nbytes, np.uint8)
+            data = gather(self.pool, msg.layer_start, msg.layer_end, msg.dst_block_ids,
+                          self._scratch[:msg.nbytes])
+        if frame_checksum(data, rows) != msg.checksum:
+            self._fail(res, f"checksum mismatch in layers {msg.layer_start}..{msg.layer_end - 1}")
+            return
+        now = self._clock()
+        self._expire(res, now)
+        if res.state.terminal or res.state is TransferState.CANCELLING or now >= res.deadline:
+            return  # too late: never write into a reservation that is over
+        if msg.inline:
+            scatter(self.pool, msg.layer_start, msg.layer_end, msg.dst_block_ids, data)
+        cols = [res.index[b] for b in msg.dst_block_ids]
+        res.covered[msg.layer_start:msg.layer_end, cols] = True
+        if res.covered.all():
+            res.writer_done = True
+            self._completed += 1
+            self._finish(res, TransferState.COMPLETE, "")
+            if not self.faults.drop_acks:
+                self._outbox.append((peer, wire.Ack(res.transfer_id, True, "")))
+
+    def _chunk_problem(self, peer: bytes, msg: wire.Chunk, frame: memoryview | None,
+                       res: _Reservation | None) -> str:
+        """Everything checked before a byte of the frame is interpreted."""
+        nl = self.layout.num_layers
+        if not 0 <= msg.layer_start < msg.layer_end <= nl:
+            return f"bad layer range {msg.layer_start}..{msg.layer_end}"
+        if not msg.dst_block_ids:
+            return "chunk without blocks"
+        expected = frame_nbytes(self.layout, msg.layer_end - msg.layer_start,
+                                len(msg.dst_block_ids))
+        if msg.nbytes != expected or msg.nbytes > self.max_frame_bytes:
+            return f"declared {msg.nbytes} bytes, layout says {expected}"
+        if msg.inline != (frame is not None):
+            return "frame presence does not match header"
+        if frame is not None and frame.nbytes != msg.nbytes:
+            return f"frame has {frame.nbytes} bytes, header declares {msg.nbytes}"
+        if not msg.inline and self.shm is None:
+            return "shared-memory chunk but this pool is not shared"
+        if msg.compat_hash != self.layout.compat_hash:
+            return "compatibility hash mismatch"
+        if res is None:
+            return "no reservation for transfer"
+        if res.peer != peer:
+            return "chunk from a sender that holds no grant"
+        if len(set(msg.dst_block_ids)) != len(msg.dst_block_ids) or any(
+                b not in res.index for b in msg.dst_block_ids):
+            return "chunk names blocks outside the reservation"
+        return ""
+
+    def _on_abort(self, peer: bytes, msg: wire.Abort) -> None:
+        pending = self._pending.get(msg.transfer_id)
+        if pending is not None and pending[0] == peer:
+            del self._pending[msg.transfer_id]
+        res = self._res.get(msg.transfer_id)
+        if res is None or (res.peer is not None and res.peer != peer):
+            return  # only the sender holding the grant (or, before a grant, any) can abort
+        res.writer_done = True
+        if res.state is TransferState.CANCELLING:
+            self._finish(res, TransferState.ABORTED, res.reason)
+        elif not res.state.terminal:
+            self._finish(res, TransferState.FAILED, f"sender aborted: {msg.reason}")
+
+    # ---------------------------------------------------------------- state changes
+    def _reject(self, peer: bytes, tid: str, reason: str) -> None:
+        self._rejected += 1
+        self._outbox.append((peer, wire.Ack(tid, False, reason)))
+
+    def _fail(self, res: _Reservation, reason: str) -> None:
+        self._finish(res, TransferState.FAILED, reason)
+        if res.peer is not None:
+            self._outbox.append((res.peer, wire.Ack(res.transfer_id, False, reason)))
+
+    def _send_cancel(self, res: _Reservation, reason: str) -> None:
+        if res.peer is not None and not res.cancel_sent:
+            res.cancel_sent = True
+            self._outbox.append((res.peer, wire.Cancel(res.transfer_id, reason)))
+
+    def _finish(self, res: _Reservation, state: TransferState, reason: str) -> None:
+        """Move to `state`, or to a holding state while a shared-memory writer may be active."""
+        res.reason = reason
+        if state is TransferState.COMPLETE or not res.shm_granted or res.writer_done:
+            res.state = state
+            return
+        res.final = state
+        res.state = (TransferState.CANCELLING if state is TransferState.ABORTED
+                     else TransferState.TRANSFERRING)
+
+    def _expire(self, res: _Reservation, now: float) -> None:
+        if res.state.terminal:
+            return
+        if res.final is not None:  # waiting for a shared-memory writer to stop
+            if res.writer_done or now >= res.deadline + self.grace_s:
+                res.state = res.final
+            return
+        if now >= res.deadline:
+            self._send_cancel(res, "lease expired")
+            self._finish(res, TransferState.FAILED, "lease expired before the transfer completed")
+            if res.final is not None:
+                self._expire(res, now)
+
+    def _get(self, transfer_id: str) -> _Reservation:
+        res = self._res.get(transfer_id)
+        if res is None:
+            raise UnknownTransfer(transfer_id)
+        return res

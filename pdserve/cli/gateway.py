@@ -1,0 +1,75 @@
+"""`pdserve gateway`: the OpenAI-compatible HTTP front plus the workers' control plane.
+
+Loads the tokenizer only (never torch). Binds the ZeroMQ control socket for
+workers on `--control-host:--control-port` (a free port when 0) and prints
+`pdserve control plane on tcp://HOST:PORT` before serving, so launchers can
+start workers against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from pdserve import envs
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    ap = sub.add_parser("gateway", help="run the HTTP gateway and worker registry")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--model", default=None, help="model dir for the tokenizer (default: built-in)")
+    ap.add_argument("--served-model-name", default=None, help="model id (default: the dir name)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's limit")
+    ap.add_argument("--control-host", default="127.0.0.1", help="address workers connect to")
+    ap.add_argument("--control-port", type=int, default=0, help="0: a free port")
+    ap.add_argument("--heartbeat-timeout", type=float, default=3.0,
+                    help="seconds of silence before a worker is removed")  # fmt: skip
+    ap.add_argument("--max-recoveries", type=int, default=3)
+    ap.add_argument("--request-timeout", type=float, default=None, help="per-request deadline (s)")
+    ap.add_argument("--drain-timeout", type=float, default=30.0)
+    ap.add_argument("--max-in-flight", type=int, default=256)
+    ap.add_argument("--api-key", action="append", default=[], help="require this API key")
+    ap.set_defaults(func=run)
+
+
+def model_max_len(model_dir: Path) -> int:
+    with open(model_dir / "config.json") as f:
+        cfg = json.load(f)
+    return int(cfg.get("max_position_embeddings", 2048))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=envs.log_level(), format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
+    from gateway.cluster import ClusterBackend, ClusterConfig
+    from gateway.config import AdmissionConfig, GatewayConfig
+    from gateway.server import run_gateway
+    from gateway.tokenizer import Tokenizer
+    from pdserve.transport import free_port
+
+    if args.model is None:
+        from engine.default_model import default_model_dir
+
+        model_dir = Path(default_model_dir())
+    else:
+        model_dir = Path(args.model)
+    control_port = args.control_port or free_port(args.control_host)
+    cluster = ClusterBackend(ClusterConfig(
+        control_host=args.control_host, control_port=control_port,
+        heartbeat_timeout_s=args.heartbeat_timeout, max_recoveries=args.max_recoveries,
+    ))  # fmt: skip
+    config = GatewayConfig(
+        host=args.host,
+        port=args.port,
+        model_name=args.served_model_name or model_dir.name,
+        model_dir=str(model_dir),
+        max_model_len=args.max_model_len or model_max_len(model_dir),
+        admission=AdmissionConfig(max_in_flight=args.max_in_flight),
+        api_keys=tuple(args.api_key),
+        drain_timeout_s=args.drain_timeout,
+        request_timeout_s=args.request_timeout,
+    )
+    print(f"pdserve control plane on tcp://{args.control_host}:{control_port}", flush=True)
+    return run_gateway(config, cluster, Tokenizer.from_model_dir(model_dir))

@@ -1,0 +1,115 @@
+"""`pdserve generate "prompt"`: run the engine in this one process and print the text.
+
+The single-process reference: end-to-end tests compare the disaggregated system
+against its `--json` output (`prompt_token_ids`, `token_ids`, `text`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pdserve.sampling_params import SamplingParams, SamplingParamsError
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "generate", help="generate text in one process", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("prompts", nargs="+", help="one or more prompts (run together in one batch)")
+    p.add_argument("--model", type=Path, default=None, help="model dir (default: built-in model)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--n", type=int, default=1, help="choices per prompt")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.set_defaults(func=run)
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        n=args.n,
+        ignore_eos=args.ignore_eos,
+    ).validate()
+
+
+def _encode(tokenizer: Any, args: argparse.Namespace, prompt: str) -> list[int]:
+    if not args.chat:
+        return list(tokenizer.encode(prompt))
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": prompt})
+    return list(tokenizer.encode_chat(messages))
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.default_model import default_model_dir
+    from gateway.chat_template import ChatTemplateError
+    from gateway.tokenizer import Tokenizer
+
+    try:
+        params = _sampling_params(args)
+    except SamplingParamsError as e:
+        print(f"pdserve generate: --{e.param.replace('_', '-')}: {e}", file=sys.stderr)
+        return 2
+    model_dir = args.model or default_model_dir()
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    try:
+        prompts = [_encode(tokenizer, args, p) for p in args.prompts]
+    except ChatTemplateError as e:
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return 2
+
+    from engine.config import CacheConfig, EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    # Exactly the blocks this batch can use (plus the null block), not a default budget.
+    bs = args.block_size
+    blocks = sum(-(-(len(p) + params.max_tokens) // bs) * params.n for p in prompts) + 1
+    config = EngineConfig(
+        model_dir=str(model_dir),
+        dtype=args.dtype,
+        device=args.device,
+        num_threads=args.num_threads,
+        cache=CacheConfig(block_size=bs, num_blocks=blocks),
+    )
+    try:
+        results = LLMEngine(config).generate(prompts, params)
+    except ValueError as e:  # e.g. a prompt longer than the model's context
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return 2
+    for result in results:
+        for choice in result.choices:
+            text = tokenizer.decode(choice.token_ids)
+            if args.json:
+                record = {
+                    "prompt_token_ids": list(result.prompt_token_ids),
+                    "token_ids": list(choice.token_ids),
+                    "text": text,
+                    "finish_reason": choice.finish_reason,
+                    "index": choice.index,
+                }
+                print(json.dumps(record, ensure_ascii=False))
+            else:
+                print(text)
+    return 0

@@ -1,0 +1,39 @@
+"""`pdserve make-model DIR`: write the built-in deterministic Llama checkpoint to DIR."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "make-model",
+        help="write the built-in random-weight Llama checkpoint",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("dir", type=Path, help="output directory (must be empty or absent)")
+    p.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.default_model import write_default_model  # torch-free, but not needed to parse
+
+    out: Path = args.dir
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not args.force:
+            print(
+                f"pdserve make-model: {out} exists and is not empty (use --force)", file=sys.stderr
+            )
+            return 1
+        if out.is_dir():
+            shutil.rmtree(out)
+        else:
+            out.unlink()
+    write_default_model(out)
+    print(out)
+    return 0

@@ -1,0 +1,63 @@
+"""`pdserve plan`: will this model, at this context length, fit on this device?
+
+Prints the capacity arithmetic of `pdserve.plan` (weights, KV per token and per
+request, token budget, max concurrency) from the model's own config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from pdserve.plan import PlanError, compute_plan, format_plan, parse_size
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="capacity arithmetic for a model on a device",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("--model", default=None, help="model directory (default: the built-in model)")
+    p.add_argument("--device-memory", type=_size, required=True, help="e.g. 80GiB, 80GB, 24GiB")
+    p.add_argument("--max-model-len", type=int, required=True, help="tokens per full request")
+    p.add_argument("--concurrency", type=int, default=None, help="check this many full requests")
+    p.add_argument("--dtype", default=None, help="float16 | bfloat16 | float32 (default: config)")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    p.add_argument(
+        "--overhead", type=float, default=0.10, help="fraction of device memory held back"
+    )
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    model = args.model
+    if model is None:
+        from engine.default_model import default_model_dir  # torch-free
+
+        model = default_model_dir()
+    try:
+        plan = compute_plan(
+            model,
+            args.device_memory,
+            args.max_model_len,
+            dtype=args.dtype,
+            concurrency=args.concurrency,
+            overhead_fraction=args.overhead,
+            block_size=args.block_size,
+        )
+    except PlanError as e:
+        print(f"pdserve plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0

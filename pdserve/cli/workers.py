@@ -1,0 +1,104 @@
+"""`pdserve prefill`, `pdserve decode` and `pdserve worker --colocated`: worker processes.
+
+Each parses its flags into an `EngineConfig` and a `RuntimeConfig`, builds its
+node and hands it to the shared worker runtime. torch is imported only in `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from pdserve import envs
+
+ROLE_COMMANDS = {"prefill": "prefill", "decode": "decode", "worker": "colocated"}
+
+
+def parse_bytes(text: str) -> int:
+    """`1GiB`, `512MiB`, `2e9`, `1048576` -> bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    t = text.strip().lower()
+    for suffix, mult in units.items():
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(float(t))
+
+
+def default_threads(local_workers: int = 1) -> int:
+    return max(1, (os.cpu_count() or 1) // max(local_workers, 1))
+
+
+def add_worker_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--gateway", required=True, help="gateway control address, tcp://HOST:PORT")
+    ap.add_argument("--model", default=None, help="Hugging Face model dir (default: built-in)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    ap.add_argument("--kv-cache-memory", default=None, help="KV pool bytes, e.g. 256MiB")
+    ap.add_argument("--num-blocks", type=int, default=None, help="explicit KV block count")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: the cores split among --local-workers)")  # fmt: skip
+    ap.add_argument("--local-workers", type=int, default=1, help="workers sharing this host")
+    ap.add_argument("--metrics-host", default="127.0.0.1")
+    ap.add_argument("--metrics-port", type=int, default=0, help="worker /health and /metrics (0: free)")
+    ap.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
+    ap.add_argument("--worker-id", default=None)
+    ap.add_argument("--kv-host", default="127.0.0.1", help="decode: address the KV receiver binds")
+    ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"),
+                    help="auto: shared memory with same-host peers, tcp otherwise")  # fmt: skip
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    for command, role in ROLE_COMMANDS.items():
+        ap = sub.add_parser(command, help=f"run a {role} worker")
+        add_worker_args(ap)
+        if command == "worker":
+            ap.add_argument("--colocated", action="store_true", required=True,
+                            help="prefill and decode in one process")  # fmt: skip
+        ap.set_defaults(func=run, role=role)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=envs.log_level(), format=f"%(asctime)s {args.role} %(levelname)s %(name)s: %(message)s")
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    model_dir = args.model
+    if model_dir is None:
+        from engine.default_model import default_model_dir
+
+        model_dir = str(default_model_dir())
+    engine_cfg = EngineConfig(
+        model_dir=str(model_dir),
+        dtype=args.dtype,
+        device=args.device,
+        num_threads=args.threads or default_threads(args.local_workers),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory=parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,
+            num_blocks=args.num_blocks,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+        ),
+    )
+    from decode_node.main import WorkerOptions, run_worker
+
+    opts = WorkerOptions(
+        role=args.role,
+        gateway=args.gateway,
+        worker_id=args.worker_id,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        heartbeat_s=args.heartbeat,
+        kv_host=args.kv_host,
+        kv_transport=args.kv_transport,
+    )
+    return run_worker(engine_cfg, opts)

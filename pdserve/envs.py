@@ -1,0 +1,82 @@
+"""The one place pdserve reads environment variables.
+
+Every variable pdserve understands is declared in `ENV_VARS` with its default and
+meaning; code elsewhere calls the typed accessors below (or `get(name)`), never
+`os.environ`. Values are read at call time, not import time, so tests can set
+a variable with `monkeypatch.setenv` and child processes inherit it naturally.
+
+To add a variable: add an `EnvVar` to `ENV_VARS` and, if it needs parsing, an
+accessor function next to the others.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str | None
+    doc: str
+
+
+ENV_VARS: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        EnvVar(
+            "PDSERVE_HOME",
+            "~/.cache/pdserve",
+            "Root of pdserve's own files; the default model lives in <home>/models.",
+        ),
+        EnvVar(
+            "PDSERVE_LOG_LEVEL",
+            "INFO",
+            "Log level name for every pdserve process (DEBUG, INFO, WARNING, ERROR).",
+        ),
+        EnvVar(
+            "PDSERVE_FAULTS",
+            "",
+            "Fault-injection spec for reliability tests; empty disables injection.",
+        ),
+        EnvVar(
+            "PDSERVE_KV_FAULTS",
+            "",
+            "KV-transfer fault injection (`key=value,...`, see kv_transfer.faults); empty: off.",
+        ),
+    )
+}
+
+
+def get(name: str) -> str | None:
+    """The value of a declared variable, or its default when unset or empty.
+
+    Raises KeyError for an undeclared name, so a typo cannot silently read nothing.
+    """
+    var = ENV_VARS[name]
+    value = os.environ.get(name)
+    return value if value else var.default
+
+
+def home() -> Path:
+    """`PDSERVE_HOME`, expanded and absolute (default `~/.cache/pdserve`)."""
+    value = get("PDSERVE_HOME")
+    assert value is not None  # declared with a default
+    return Path(value).expanduser().resolve()
+
+
+def log_level() -> str:
+    """`PDSERVE_LOG_LEVEL`, upper-cased (default INFO)."""
+    return (get("PDSERVE_LOG_LEVEL") or "INFO").upper()
+
+
+def faults() -> str:
+    """`PDSERVE_FAULTS`: the raw fault-injection spec; empty string when off."""
+    return get("PDSERVE_FAULTS") or ""
+
+
+def kv_faults() -> str:
+    """`PDSERVE_KV_FAULTS`: the raw KV-transfer fault spec; empty string when off."""
+    return get("PDSERVE_KV_FAULTS") or ""

@@ -1,0 +1,297 @@
+"""Capacity arithmetic for `pdserve plan`: does a model at a context length fit a device?
+
+Torch-free: reads `config.json` and, when present, the safetensors headers (for
+an exact parameter count). The figures:
+
+- weight bytes = parameters x bytes per element of the serving dtype;
+- KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes
+  (never the query head count);
+- KV per full-length request = that x max-model-len (rounded up to whole blocks);
+- KV budget = device memory - weights - overhead (10% of the device by default,
+  for activations, graphs, fragmentation and runtime);
+- token budget = KV budget // KV bytes per token; max concurrency = KV budget //
+  KV per request.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import asdict, dataclass
+from math import prod
+from pathlib import Path
+from typing import Any
+
+from pdserve.kv_layout import DTYPE_BYTES, KVLayout
+
+DEFAULT_OVERHEAD_FRACTION = 0.10
+DEFAULT_DTYPE = "float16"
+DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class PlanError(ValueError):
+    """Bad input to the planner (unreadable config, unknown dtype, bad size)."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes in `text`: `80GiB`, `80Gi`, `80G` (binary), `80GB` (decimal), `512MiB`, `1024`."""
+    m = _SIZE_RE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise PlanError(f"cannot parse size {text!r} (examples: 80GiB, 80GB, 512MiB, 1024)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: int) -> str:
+    """`128 KiB`, `1 GiB`, `11.05 GiB`: the largest binary unit, exact when possible."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n // size} {unit}" if n % size == 0 else f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def normalize_dtype(dtype: str) -> str:
+    d = DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
+    if d not in DTYPE_BYTES:
+        raise PlanError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPE_BYTES)})")
+    return d
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that decide memory, read from a Hugging Face config.json."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    config_dtype: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            model_type = str(cfg.get("model_type", ""))
+            attn_bias = bool(cfg.get("attention_bias", False))
+            dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+            return cls(
+                architecture=str((cfg.get("architectures") or ["?"])[0]),
+                model_type=model_type,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=attn_bias or model_type == "qwen2",
+                o_bias=attn_bias,
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                qk_norm=model_type == "qwen3",
+                config_dtype=str(dtype) if isinstance(dtype, str) else None,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"config.json lacks a usable field: {e}") from e
+
+    def param_count(self) -> int:
+        """Parameters of a Llama-family decoder with this shape."""
+        h, q, kv = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        attn = h * q + 2 * h * kv + q * h
+        if self.qkv_bias:
+            attn += q + 2 * kv
+        if self.o_bias:
+            attn += h
+        mlp = 3 * h * self.intermediate_size + (
+            2 * self.intermediate_size + h if self.mlp_bias else 0
+        )
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embed + self.num_layers * (attn + mlp + norms) + h
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def safetensors_param_count(model_dir: Path) -> int | None:
+    """Exact parameter count from the safetensors headers, or None without weights."""
+    files = _safetensors_files(model_dir)
+    if not files:
+        return None
+    total = 0
+    for f in files:
+        try:
+            with f.open("rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+        except (OSError, struct.error, ValueError) as e:
+            raise PlanError(f"unreadable safetensors header in {f}: {e}") from e
+        total += sum(prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    model_dir: str
+    architecture: str
+    dtype: str
+    bytes_per_element: int
+    param_count: int
+    param_source: str  # "safetensors headers" | "config shapes"
+    weight_bytes: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_bytes_per_token: int
+    max_model_len: int
+    block_size: int
+    kv_bytes_per_request: int
+    device_memory: int
+    overhead_fraction: float
+    overhead_bytes: int
+    kv_budget_bytes: int
+    token_budget: int
+    max_concurrency: int
+    concurrency: int | None
+    concurrency_kv_bytes: int | None
+    fits: bool | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def compute_plan(
+    model_dir: str | Path,
+    device_memory: int,
+    max_model_len: int,
+    *,
+    dtype: str | None = None,
+    concurrency: int | None = None,
+    overhead_fraction: float = DEFAULT_OVERHEAD_FRACTION,
+    block_size: int = 16,
+) -> CapacityPlan:
+    """The capacity figures for one model on one device (see the module docstring)."""
+    d = Path(model_dir)
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise PlanError(f"cannot read {d / 'config.json'}: {e}") from e
+    shape = ModelShape.from_config(cfg)
+    dt = normalize_dtype(dtype or shape.config_dtype or DEFAULT_DTYPE)
+    if max_model_len < 1 or block_size < 1 or device_memory < 1:
+        raise PlanError("device memory, max-model-len and block size must be positive")
+    exact = safetensors_param_count(d)
+    params = exact if exact is not None else shape.param_count()
+    layout = KVLayout("plan", shape.num_layers, shape.num_kv_heads, shape.head_dim, block_size, dt)
+    weight_bytes = params * layout.bytes_per_element
+    request_tokens = -(-max_model_len // block_size) * block_size  # whole blocks
+    per_request = request_tokens * layout.kv_bytes_per_token
+    overhead = int(device_memory * overhead_fraction)
+    budget = max(0, device_memory - overhead - weight_bytes)
+    conc_bytes = None if concurrency is None else concurrency * per_request
+    return CapacityPlan(
+        model_dir=str(d),
+        architecture=shape.architecture,
+        dtype=dt,
+        bytes_per_element=layout.bytes_per_element,
+        param_count=params,
+        param_source="safetensors headers" if exact is not None else "config shapes",
+        weight_bytes=weight_bytes,
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        kv_bytes_per_token=layout.kv_bytes_per_token,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        kv_bytes_per_request=per_request,
+        device_memory=device_memory,
+        overhead_fraction=overhead_fraction,
+        overhead_bytes=overhead,
+        kv_budget_bytes=budget,
+        token_budget=budget // layout.kv_bytes_per_token,
+        max_concurrency=budget // per_request,
+        concurrency=concurrency,
+        concurrency_kv_bytes=conc_bytes,
+        fits=None if conc_bytes is None else conc_bytes <= budget,
+    )
+
+
+def _b(n: int) -> str:
+    return f"{n:,} bytes ({format_bytes(n)})"
+
+
+def format_plan(p: CapacityPlan) -> str:
+    """The human-readable report `pdserve plan` prints."""
+    rows = [
+        ("model", f"{p.model_dir} ({p.architecture})"),
+        ("dtype", f"{p.dtype} ({p.bytes_per_element} bytes per element)"),
+        ("parameters", f"{p.param_count:,} (from {p.param_source})"),
+        ("weight bytes", _b(p.weight_bytes)),
+        (
+            "KV bytes per token",
+            f"{_b(p.kv_bytes_per_token)} = 2 x {p.num_layers} layers x {p.num_kv_heads} KV heads"
+            f" x {p.head_dim} head_dim x {p.bytes_per_element} bytes",
+        ),
+        ("KV per request", f"{_b(p.kv_bytes_per_request)} at max-model-len {p.max_model_len:,}"),
+        ("device memory", _b(p.device_memory)),
+        (
+            f"overhead ({p.overhead_fraction:.0%})",
+            f"{_b(p.overhead_bytes)}: activations, graphs, fragmentation, runtime",
+        ),
+        ("KV budget", f"{_b(p.kv_budget_bytes)} = device - weights - overhead"),
+        ("token budget", f"{p.token_budget:,} tokens"),
+        ("max concurrency", f"{p.max_concurrency:,} requests at {p.max_model_len:,} tokens"),
+    ]
+    if p.concurrency is not None and p.concurrency_kv_bytes is not None:
+        verdict = "fits" if p.fits else "does NOT fit"
+        rows.append(
+            (
+                f"concurrency {p.concurrency}",
+                f"{verdict}: needs {_b(p.concurrency_kv_bytes)} of KV"
+                f" against a {format_bytes(p.kv_budget_bytes)} budget",
+            )
+        )
+    return "\n".join(f"{label + ':':<22}{value}" for label, value in rows)

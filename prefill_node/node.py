@@ -1,0 +1,192 @@
+"""The prefill worker: chunked prefill, first-token sampling, pushing KV.
+
+A request's life here:
+1. `PrefillRequest` arrives with the decode worker's reserved block ids; the
+   engine queues it prefill-only (WAITING).
+2. Engine steps prefill it in chunks (prefix cache included) and sample the
+   first token of every choice; the request then holds its blocks
+   (FINISHED_PREFILLED).
+3. The first tokens go straight to the gateway (`FirstToken`: TTFT), then the
+   KV transfer starts into the reserved blocks (same-host shared memory or
+   tcp, chosen by the transfer layer from the peer's address).
+4. Only when the transfer is COMPLETE (decode verified every block) are the
+   blocks released. A failed transfer releases them too and reports a
+   retryable `RequestFailed`. `Abort` drops the request at any stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from decode_node.engine_glue import StatsMirror, wire_logprobs
+from decode_node.runtime import NodeLoad, NodeRegistration, Sender
+from decode_node.worker_metrics import WorkerMetrics
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from kv_transfer.api import TransferState
+from pdserve import protocol as p
+from pdserve.transport import host_id
+from pdserve.sampling_params import SamplingParams, SamplingParamsError
+
+log = logging.getLogger(__name__)
+
+TRANSFER_LEASE_S = 30.0
+_FAILED = {TransferState.FAILED, TransferState.ABORTED}
+
+
+@dataclass
+class _Job:
+    msg: p.PrefillRequest
+    arrived_at: float
+    prefilled: bool = False
+    transfer_started_at: float = 0.0
+
+
+def peer_address(msg: p.PrefillRequest) -> str:
+    """Shared memory only with a same-host decode worker; tcp frames otherwise."""
+    peer = msg.target_kv_address
+    if peer.startswith("shm+") and msg.target_host_id != host_id():
+        return peer.removeprefix("shm+")
+    return peer
+
+
+class PrefillNode:
+    role = "prefill"
+
+    def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, sender: Any,
+                 send: Sender, metrics: WorkerMetrics) -> None:  # fmt: skip
+        self.worker_id = worker_id
+        self.engine = engine
+        self.runner = runner
+        self.sender = sender
+        self.send = send
+        self.metrics = metrics
+        self.stats = StatsMirror(metrics)
+        self._jobs: dict[str, _Job] = {}
+        # Cancelled transfers still reading their source blocks (transfer_id -> request id):
+        # the blocks are released only once the transfer is terminal.
+        self._cancelling: dict[str, str] = {}
+
+    def registration(self) -> NodeRegistration:
+        layout = self.runner.layout
+        total = self.engine.stats().num_total_blocks
+        return NodeRegistration("", "", layout.compat_hash, total, layout.block_size)
+
+    def handle(self, msg: p.Message) -> None:
+        if isinstance(msg, p.PrefillRequest):
+            self._add(msg)
+        elif isinstance(msg, p.Abort):
+            for rid in msg.request_ids:
+                self._abort(rid)
+
+    def _add(self, msg: p.PrefillRequest) -> None:
+        try:
+            params = SamplingParams.from_dict(msg.params)
+            self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), params, prefill_only=True)
+        except (SamplingParamsError, ValueError) as e:
+            self.send(p.RequestFailed(msg.request_id, f"invalid request: {e}", retryable=False))
+            return
+        self._jobs[msg.request_id] = _Job(msg, time.monotonic())
+        self.metrics.requests.inc()
+        self.metrics.prefill_requests.inc()
+
+    def _abort(self, rid: str) -> None:
+        job = self._jobs.pop(rid, None)
+        if job is None:
+            return
+        self.metrics.aborts.inc()
+        if job.transfer_started_at:
+            self.sender.cancel(job.msg.transfer_id)
+            self._cancelling[job.msg.transfer_id] = rid
+        else:
+            self.engine.abort(rid)  # frees queued, prefilling or held blocks alike
+
+    def _reap_cancelled(self) -> None:
+        for tid, rid in list(self._cancelling.items()):
+            if self.sender.poll(tid).terminal:
+                del self._cancelling[tid]
+                self.sender.forget(tid)
+                self.engine.abort(rid)
+
+    # --- step ----------------------------------------------------------------
+
+    def step(self) -> bool:
+        if self._cancelling:
+            self._reap_cancelled()
+        worked = self._poll_transfers()
+        if self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished and out.request_id in self._jobs:
+                    self._prefilled(self._jobs[out.request_id], out)
+            worked = True
+        return worked
+
+    def _prefilled(self, job: _Job, out: RequestOutput) -> None:
+        job.prefilled = out.prefilled
+        msg = job.msg
+        now = time.monotonic()
+        choices = sorted(out.outputs, key=lambda c: c.index)
+        self.send(p.FirstToken(
+            msg.request_id, msg.transfer_id,
+            [c.token_ids[0] for c in choices],
+            [c.finish_reason for c in choices],
+            [(wire_logprobs(c) or [None])[0] for c in choices],
+            out.num_cached_tokens,
+            {"prefill_compute": now - job.arrived_at},
+        ))  # fmt: skip
+        if not out.prefilled or all(c.finish_reason is not None for c in choices):
+            self._finish(job)
+            return
+        src = list(self.engine.held_blocks(msg.request_id))[: len(msg.dst_block_ids)]
+        peer = peer_address(msg)
+        self.sender.begin(msg.transfer_id, msg.request_id, peer, src, list(msg.dst_block_ids), TRANSFER_LEASE_S)
+        self.sender.send_all(msg.transfer_id)
+        job.transfer_started_at = now
+
+    def _poll_transfers(self) -> bool:
+        changed = False
+        for job in list(self._jobs.values()):
+            if not job.transfer_started_at:
+                continue
+            state = self.sender.poll(job.msg.transfer_id)
+            if state == TransferState.COMPLETE:
+                self.metrics.transfer_seconds.observe(time.monotonic() - job.transfer_started_at)
+                self.metrics.transfer_bytes.inc(len(job.msg.dst_block_ids) * self._block_bytes())
+                self._finish(job)
+                changed = True
+            elif state in _FAILED:
+                self.metrics.transfer_failures.inc()
+                log.warning("KV transfer %s ended %s", job.msg.transfer_id, state.name)
+                self._finish(job)
+                self.send(p.RequestFailed(job.msg.request_id, f"kv transfer {state.name.lower()}",
+                                          retryable=True, transfer_id=job.msg.transfer_id))  # fmt: skip
+                changed = True
+        return changed
+
+    def _finish(self, job: _Job) -> None:
+        """Blocks are released only here: after COMPLETE, failure, or no transfer needed."""
+        self._jobs.pop(job.msg.request_id, None)
+        if job.transfer_started_at:
+            self.sender.forget(job.msg.transfer_id)
+        if job.prefilled:
+            self.engine.release(job.msg.request_id)
+
+    def _block_bytes(self) -> int:
+        layout = self.runner.layout
+        return layout.block_bytes_per_layer * layout.num_layers
+
+    def load(self) -> NodeLoad:
+        queued = sum(len(j.msg.prompt_token_ids) for j in self._jobs.values() if not j.prefilled)
+        return self.stats.update(self.engine.stats(), queued)
+
+    def busy(self) -> bool:
+        return bool(self._jobs or self._cancelling)
+
+    def close(self) -> None:
+        for rid in list(self._jobs):
+            self._abort(rid)
+        self.sender.close()

@@ -1,0 +1,33 @@
+"""Driver helpers, and the rule that the load generator never imports torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from bench.loadgen.compare import Column, Target, column_ratio, format_comparison
+
+
+def test_comparison_table_and_targets() -> None:
+    cols = (Column("ITL p99 ms", ("itl", "p99")), Column("tok/s", ("tput",), scale=1))
+    a = {"itl": {"p99": 0.010}, "tput": 50.0}
+    b = {"itl": {"p99": 0.100}, "tput": None}
+    text = format_comparison(cols, [("disagg", a), ("colo", b)], [("ratio", "disagg", "colo")])
+    lines = text.splitlines()
+    assert lines[2].split() == ["disagg", "10.0", "50.0"]
+    assert lines[3].split() == ["colo", "100.0", "-"]
+    assert lines[4].split() == ["ratio", "0.100", "-"]
+    r = column_ratio(cols, "ITL p99 ms", a, b)
+    assert r is not None and abs(r - 0.1) < 1e-12
+    assert Target("ITL p99 ms", 0.2).check(r).startswith("MET")
+    assert Target("x", 3.0, at_most=False).check(2.0).startswith("MISSED")
+    assert Target("x", 3.0).check(None) == "n/a"
+
+
+def test_loadgen_does_not_import_torch() -> None:
+    code = (
+        "import sys, bench.loadgen.runner, bench.loadgen.report, bench.loadgen.plots, "
+        "bench.loadgen.launch, bench.loadgen.compare, pdserve.cli.bench; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,0 +1,204 @@
+"""Real-process cluster for end-to-end tests: a gateway and workers started as
+`pdserve ...` subprocesses on free loopback ports, each in its own process
+group, all killed on teardown."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.transport import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER_BLOCKS = "256"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.setdefault("PDSERVE_LOG_LEVEL", "WARNING")
+    return env
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                return self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal(signal.SIGKILL)
+        return self.popen.wait(5)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+
+def start(name: str, args: list[str], log_dir: Path) -> Proc:
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "wb") as out:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", *args], cwd=ROOT, env=_env(), stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    return Proc(name, popen, log_path)
+
+
+def http(method: str, url: str, body: Any = None, timeout: float = 60.0) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def sse(url: str, body: dict[str, Any], timeout: float = 60.0) -> list[Any]:
+    """POST a streaming request; the parsed `data:` events, "[DONE]" included."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    events: list[Any] = []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for line in r:
+            line = line.strip()
+            if line.startswith(b"data: "):
+                payload = line[6:].decode()
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+@dataclass
+class Cluster:
+    log_dir: Path
+    port: int = field(default_factory=free_port)
+    control_port: int = field(default_factory=free_port)
+    gateway: Proc | None = None
+    workers: list[Proc] = field(default_factory=list)
+    _n: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def control(self) -> str:
+        return f"tcp://127.0.0.1:{self.control_port}"
+
+    def start_gateway(self, *extra: str) -> None:
+        self.gateway = start("gateway", ["gateway", "--port", str(self.port), "--control-port",
+                                         str(self.control_port), "--heartbeat-timeout", "1.5", *extra],
+                             self.log_dir)  # fmt: skip
+        self._wait(lambda: http("GET", f"{self.url}/health", timeout=2)[0] == 200, "gateway /health")
+
+    def add_worker(self, role: str, *extra: str) -> Proc:
+        self._n += 1
+        args = [role, "--gateway", self.control, "--threads", "1", "--num-blocks", WORKER_BLOCKS,
+                "--heartbeat", "0.25", *extra]  # fmt: skip
+        if role == "worker":
+            args.append("--colocated")
+        proc = start(f"{role}{self._n}", args, self.log_dir)
+        self.workers.append(proc)
+        return proc
+
+    def worker_list(self) -> list[dict[str, Any]]:
+        status, body = http("GET", f"{self.url}/v1/workers", timeout=5)
+        assert status == 200, body
+        return list(body["data"])
+
+    def wait_roles(self, timeout: float = 90.0, **counts: int) -> list[dict[str, Any]]:
+        def ok() -> bool:
+            roles = [w["role"] for w in self.worker_list()]
+            return all(roles.count(r) == n for r, n in counts.items())
+
+        self._wait(ok, f"workers {counts}", timeout)
+        return self.worker_list()
+
+    def wait_idle(self, timeout: float = 20.0) -> list[dict[str, Any]]:
+        """Until every worker reports all KV blocks free and nothing running."""
+
+        def idle() -> bool:
+            return all(w["free_blocks"] == w["total_blocks"] and w["running_seqs"] == 0
+                       and w["inflight_requests"] == 0 for w in self.worker_list())  # fmt: skip
+
+        self._wait(idle, "idle KV on every worker", timeout)
+        return self.worker_list()
+
+    def _wait(self, cond: Any, what: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.gateway is not None and not self.gateway.alive():
+                raise AssertionError(f"gateway exited:\n{self.gateway.log()}")
+            with contextlib.suppress(OSError, AssertionError):
+                if cond():
+                    return
+            time.sleep(0.1)
+        logs = "\n".join(f"--- {p.name}\n{p.log()}" for p in [*self.workers, *([self.gateway] if self.gateway else [])])
+        raise AssertionError(f"timed out waiting for {what}\n{logs}")
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+        if self.gateway is not None:
+            self.gateway.stop()
+
+
+@contextlib.contextmanager
+def running_cluster(log_dir: Path, roles: dict[str, int], *worker_extra: str) -> Iterator[Cluster]:
+    c = Cluster(log_dir)
+    try:
+        c.start_gateway()
+        for role, n in roles.items():
+            for _ in range(n):
+                c.add_worker(role, *worker_extra)
+        wanted = {("colocated" if r == "worker" else r): n for r, n in roles.items()}
+        c.wait_roles(**wanted)
+        yield c
+    finally:
+        c.stop()
+
+
+def metric_value(text: str, name: str) -> float:
+    """Sum of every sample of `name` in a Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name:
+                total += s.value
+    return total
+
+
+def worker_metrics(worker: dict[str, Any]) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{worker['metrics_port']}/metrics", timeout=5) as r:
+        return str(r.read().decode())

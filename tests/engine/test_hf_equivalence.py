@@ -1,0 +1,252 @@
+"""The engine computes what Hugging Face `transformers` computes.
+
+For random-weight models of every supported family: greedy tokens equal HF
+`generate` token for token (64 new tokens), per-step logits match within
+LOGIT_ATOL (float32 on CPU), and the paged-KV variations that must not change
+the result (chunked prefill, batching, block placement) do not.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig
+from engine.model_runner import ModelRunner
+from engine.runner_types import SeqChunk
+from tests.helpers.tiny_models import FAMILIES
+
+# float32 end to end; differences come only from summation order (~1e-6 observed).
+LOGIT_ATOL = 1e-4
+# Same model, same positions, different batch composition / block placement.
+BATCH_ATOL = 1e-5
+NEW_TOKENS = 64
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+_RUNNERS: dict[tuple[Path, int], ModelRunner] = {}
+_HF: dict[Path, Any] = {}
+
+
+def runner_for(model_dir: Path, block_size: int = 16) -> ModelRunner:
+    key = (model_dir, block_size)
+    if key not in _RUNNERS:
+        cfg = EngineConfig(
+            model_dir=str(model_dir), cache=CacheConfig(block_size=block_size, num_blocks=256)
+        )
+        _RUNNERS[key] = ModelRunner(cfg)
+    return _RUNNERS[key]
+
+
+def hf_for(model_dir: Path) -> Any:
+    if model_dir not in _HF:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        model.generation_config.eos_token_id = None  # always 64 tokens, never an early stop
+        _HF[model_dir] = model
+    return _HF[model_dir]
+
+
+def hf_greedy(model_dir: Path, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """HF greedy tokens and the logits each was chosen from, [NEW_TOKENS, vocab]."""
+    out = hf_for(model_dir).generate(
+        torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        return_dict_in_generate=True,
+        output_logits=True,
+        pad_token_id=0,
+    )
+    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
+
+
+class Seq:
+    """A sequence driven by hand: its tokens, block table and KV progress."""
+
+    def __init__(self, prompt: list[int], blocks: Iterator[int], block_size: int) -> None:
+        self.tokens = list(prompt)
+        self.num_computed = 0
+        self.table: list[int] = []
+        self._blocks = blocks
+        self._bs = block_size
+
+    def chunk(self, n: int) -> SeqChunk:
+        """The next `n` uncomputed tokens as a chunk (allocating blocks as needed)."""
+        end = min(self.num_computed + n, len(self.tokens))
+        while len(self.table) * self._bs < end:
+            self.table.append(next(self._blocks))
+        c = SeqChunk(
+            self.tokens[self.num_computed : end],
+            self.num_computed,
+            list(self.table),
+            end == len(self.tokens),
+        )
+        self.num_computed = end
+        return c
+
+
+def greedy(
+    runner: ModelRunner,
+    prompt: list[int],
+    chunk_size: int | None = None,
+    blocks: Iterator[int] | None = None,
+    new_tokens: int = NEW_TOKENS,
+) -> tuple[list[int], torch.Tensor]:
+    """Engine greedy tokens and per-step logits; prefill in `chunk_size` pieces."""
+    seq = Seq(prompt, blocks or itertools.count(1), runner.block_size)
+    step = chunk_size or len(prompt)
+    logits = []
+    while len(seq.tokens) < len(prompt) + new_tokens:
+        out = runner.execute([seq.chunk(step if seq.num_computed < len(prompt) else 1)])
+        if len(out):
+            logits.append(out[0])
+            seq.tokens.append(int(out[0].argmax()))
+    return seq.tokens[len(prompt) :], torch.stack(logits)
+
+
+def prompt_of(length: int, vocab: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed + length)
+    return torch.randint(3, vocab, (length,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("length", [5, 16, 37])
+def test_greedy_matches_hf(tiny_model_dir: Callable[..., Path], family: str, length: int) -> None:
+    d = tiny_model_dir(family)
+    runner = runner_for(d)
+    prompt = prompt_of(length, runner.model_config.vocab_size)
+    ref_tokens, ref_logits = hf_greedy(d, prompt)
+    tokens, logits = greedy(runner, prompt)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, atol=LOGIT_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("length", [7, 8, 9, 24])
+def test_greedy_matches_hf_block_size_8(tiny_model_dir: Callable[..., Path], length: int) -> None:
+    d = tiny_model_dir("qwen3")
+    runner = runner_for(d, block_size=8)
+    prompt = prompt_of(length, runner.model_config.vocab_size)
+    ref_tokens, ref_logits = hf_greedy(d, prompt)
+    tokens, logits = greedy(runner, prompt)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, atol=LOGIT_ATOL, rtol=0)
+
+
+def test_prefill_logits_match_hf_every_position(tiny_model_dir: Callable[..., Path]) -> None:
+    """Logits of every prompt position (one chunk per token) equal HF's forward pass."""
+    d = tiny_model_dir("llama31")
+    runner = runner_for(d)
+    prompt = prompt_of(40, runner.model_config.vocab_size)
+    with torch.no_grad():
+        ref = hf_for(d)(torch.tensor([prompt])).logits[0].float()
+    seq = Seq(prompt, itertools.count(1), runner.block_size)
+    rows = []
+    for _ in prompt:
+        c = seq.chunk(1)
+        rows.append(runner.execute([SeqChunk(c.token_ids, c.start_pos, c.block_table, True)])[0])
+    torch.testing.assert_close(torch.stack(rows), ref, atol=LOGIT_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 16, 50])
+def test_chunked_prefill_equals_unchunked(
+    tiny_model_dir: Callable[..., Path], chunk_size: int
+) -> None:
+    runner = runner_for(tiny_model_dir("qwen2"))
+    prompt = prompt_of(37, runner.model_config.vocab_size)
+    whole_tokens, whole_logits = greedy(runner, prompt, new_tokens=24)
+    tokens, logits = greedy(runner, prompt, chunk_size=chunk_size, new_tokens=24)
+    assert tokens == whole_tokens
+    torch.testing.assert_close(logits, whole_logits, atol=BATCH_ATOL, rtol=0)
+
+
+def test_out_of_order_block_tables(tiny_model_dir: Callable[..., Path]) -> None:
+    runner = runner_for(tiny_model_dir("mqa"))
+    prompt = prompt_of(37, runner.model_config.vocab_size)
+    base_tokens, base_logits = greedy(runner, prompt, new_tokens=40)
+    scattered = iter([201, 17, 99, 3, 150, 42, 250, 8])
+    tokens, logits = greedy(runner, prompt, chunk_size=10, blocks=scattered, new_tokens=40)
+    assert tokens == base_tokens
+    torch.testing.assert_close(logits, base_logits, atol=BATCH_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_batch_equals_alone(tiny_model_dir: Callable[..., Path], family: str) -> None:
+    """Sequences in one continuous batch (mixed prefill chunks and decodes) = each alone."""
+    runner = runner_for(tiny_model_dir(family))
+    vocab = runner.model_config.vocab_size
+    prompts = [prompt_of(n, vocab, seed=1) for n in (3, 16, 29, 45)]
+    alone = [greedy(runner, p, new_tokens=20) for p in prompts]
+
+    blocks = itertools.count(1)
+    seqs = [Seq(p, blocks, runner.block_size) for p in prompts]
+    got: list[list[torch.Tensor]] = [[] for _ in prompts]
+    step = 0
+    while any(len(s.tokens) < len(p) + 20 for s, p in zip(seqs, prompts, strict=True)):
+        # Staggered admission and a 12-token prefill budget per sequence, so
+        # steps mix decodes with prefill chunks of other sequences.
+        active = [
+            i for i, s in enumerate(seqs) if i <= step and len(s.tokens) < len(prompts[i]) + 20
+        ]
+        chunks = [
+            seqs[i].chunk(12 if seqs[i].num_computed < len(prompts[i]) else 1) for i in active
+        ]
+        out = runner.execute(chunks)
+        rows = iter(out)
+        for i, c in zip(active, chunks, strict=True):
+            if c.need_logits:
+                row = next(rows)
+                got[i].append(row)
+                seqs[i].tokens.append(int(row.argmax()))
+        step += 1
+    for i, (tokens, logits) in enumerate(alone):
+        assert seqs[i].tokens[len(prompts[i]) :] == tokens
+        torch.testing.assert_close(torch.stack(got[i]), logits, atol=BATCH_ATOL, rtol=0)
+
+
+def test_logits_only_for_chunks_that_need_them(tiny_model_dir: Callable[..., Path]) -> None:
+    runner = runner_for(tiny_model_dir("llama"))
+    a = SeqChunk([5, 6, 7], 0, [1], False)
+    b = SeqChunk([9], 0, [2], True)
+    c = SeqChunk([10, 11], 0, [3], True)
+    out = runner.execute([a, b, c])
+    assert out.shape == (2, runner.model_config.vocab_size) and out.dtype == torch.float32
+    torch.testing.assert_close(
+        out[0], runner.execute([SeqChunk([9], 0, [4], True)])[0], atol=BATCH_ATOL, rtol=0
+    )
+    torch.testing.assert_close(
+        out[1], runner.execute([SeqChunk([10, 11], 0, [5], True)])[0], atol=BATCH_ATOL, rtol=0
+    )
+
+
+def test_layer_hook_runs_after_each_layers_kv_is_written(
+    tiny_model_dir: Callable[..., Path],
+) -> None:
+    runner = runner_for(tiny_model_dir("llama"))
+    kv = runner.pool.kv
+    blocks = [60, 61]
+    kv[:, :, blocks] = 0
+    seen: list[tuple[int, bool, bool]] = []
+
+    def hook(i: int) -> None:
+        written = bool(kv[i, :, blocks].abs().sum() > 0)
+        later = i + 1 < kv.shape[0] and bool(kv[i + 1 :, :, blocks].abs().sum() > 0)
+        seen.append((i, written, later))
+
+    runner.execute([SeqChunk(list(range(3, 23)), 0, blocks, True)], layer_hook=hook)
+    n = runner.model_config.num_layers
+    assert seen == [(i, True, False) for i in range(n)]

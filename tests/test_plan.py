@@ -1,0 +1,143 @@
+"""`pdserve plan`: the design's capacity example, exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from pdserve.cli import main
+from pdserve.plan import PlanError, compute_plan, format_bytes, parse_size
+
+GiB = 2**30
+LLAMA2_7B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "intermediate_size": 11008,
+    "vocab_size": 32000,
+    "torch_dtype": "float16",
+}
+
+
+def _model(tmp_path: Path, name: str, **overrides: object) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**LLAMA2_7B, **overrides}))
+    return d
+
+
+@pytest.fixture
+def gqa_7b(tmp_path: Path) -> Path:
+    """Llama-2-7B shape with 8 KV heads: the design's worked example."""
+    return _model(tmp_path, "llama-7b-gqa", num_key_value_heads=8)
+
+
+def test_design_example_figures(gqa_7b: Path) -> None:
+    p = compute_plan(gqa_7b, parse_size("80GiB"), 8192, concurrency=32, dtype="float16")
+    assert p.kv_bytes_per_token == 128 * 1024  # 2 x 32 x 8 x 128 x 2
+    assert p.kv_bytes_per_request == 1 * GiB
+    assert p.concurrency_kv_bytes == 32 * GiB
+    # 5.93B parameters with GQA (K/V projections are 4x smaller than Llama-2-7B's).
+    assert p.param_count == 5_933_109_248
+    assert p.weight_bytes == 2 * 5_933_109_248
+    assert p.overhead_bytes == 8 * GiB
+    assert p.kv_budget_bytes == 72 * GiB - p.weight_bytes
+    assert p.token_budget == p.kv_budget_bytes // (128 * 1024)
+    assert p.max_concurrency == 60 and p.fits is True
+
+
+def test_true_llama2_7b_weights_are_about_13_gib(tmp_path: Path) -> None:
+    d = _model(tmp_path, "llama-2-7b")  # 32 KV heads (MHA)
+    p = compute_plan(d, 80 * GiB, 8192)
+    assert p.param_count == 6_738_415_616  # the published Llama-2-7b count
+    assert p.dtype == "float16"  # from the config
+    assert round(p.weight_bytes / GiB) == 13
+    assert p.kv_bytes_per_token == 512 * 1024  # uses KV heads: here 32
+    assert p.kv_bytes_per_request == 4 * GiB
+
+
+def test_kv_uses_kv_heads_never_query_heads(tmp_path: Path) -> None:
+    a = compute_plan(_model(tmp_path, "a", num_key_value_heads=8), 80 * GiB, 1024)
+    b = compute_plan(_model(tmp_path, "b", num_key_value_heads=1), 80 * GiB, 1024)
+    assert a.kv_bytes_per_token == 8 * b.kv_bytes_per_token
+
+
+def test_does_not_fit_and_dtype_override(gqa_7b: Path) -> None:
+    p = compute_plan(gqa_7b, 24 * GiB, 8192, concurrency=32, dtype="bf16")
+    assert p.dtype == "bfloat16" and p.fits is False and p.max_concurrency == 10
+    f32 = compute_plan(gqa_7b, 80 * GiB, 8192, dtype="float32")
+    assert f32.kv_bytes_per_token == 256 * 1024
+    tiny = compute_plan(gqa_7b, 8 * GiB, 8192)  # weights alone exceed the device
+    assert tiny.kv_budget_bytes == 0 and tiny.max_concurrency == 0
+
+
+def test_safetensors_headers_give_exact_count(tmp_path: Path) -> None:
+    d = _model(
+        tmp_path,
+        "small",
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=96,
+        vocab_size=100,
+        torch_dtype="float32",
+    )
+    tensors: dict[str, np.ndarray] = {
+        "a": np.zeros((3, 5), np.float32),
+        "b": np.zeros(7, np.float16),
+    }
+    save_file(tensors, str(d / "model.safetensors"))
+    p = compute_plan(d, GiB, 128)
+    assert p.param_source == "safetensors headers" and p.param_count == 22
+    assert p.weight_bytes == 22 * 4
+
+
+def test_parse_and_format_sizes() -> None:
+    assert parse_size("80GiB") == 80 * GiB == parse_size("80 gib") == parse_size("80Gi")
+    assert parse_size("80GB") == 80 * 10**9
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("1.5GiB") == 3 * GiB // 2
+    assert parse_size("4096") == 4096
+    for bad in ("", "80XB", "GiB", "-1GiB"):
+        with pytest.raises(PlanError):
+            parse_size(bad)
+    assert format_bytes(128 * 1024) == "128 KiB"
+    assert format_bytes(GiB) == "1 GiB"
+    assert format_bytes(11_866_218_496) == "11.05 GiB"
+
+
+def test_cli_prints_the_figures(gqa_7b: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "plan",
+        "--model",
+        str(gqa_7b),
+        "--device-memory",
+        "80GiB",
+        "--max-model-len",
+        "8192",
+        "--concurrency",
+        "32",
+        "--dtype",
+        "float16",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    lines = {line.split(":")[0]: line for line in out.splitlines()}
+    assert "131,072 bytes (128 KiB)" in lines["KV bytes per token"]
+    assert "1,073,741,824 bytes (1 GiB) at max-model-len 8,192" in lines["KV per request"]
+    assert "11.05 GiB" in lines["weight bytes"]
+    assert "60 requests" in lines["max concurrency"]
+    assert "fits: needs 34,359,738,368 bytes (32 GiB)" in lines["concurrency 32"]
+    assert main(argv + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_bytes_per_request"] == GiB
+
+
+def test_cli_rejects_bad_size(gqa_7b: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", str(gqa_7b), "--device-memory", "lots", "--max-model-len", "8"])
