@@ -30,7 +30,7 @@ class PrefillSeq:
     start_pos: int
     ctx_len: int
     block_table: torch.Tensor  # [ceil(ctx_len / block_size)] long
-    # [n, ctx_len] bool, True = may attend; None when the chunk is the whole
+    # [n, ctx_len] additive float mask (0 / -inf); None when the chunk is the whole
     # context (start_pos == 0) and plain causal attention applies.
     mask: torch.Tensor | None
 
@@ -42,7 +42,8 @@ class DecodeBatch:
     num_seqs: int
     block_tables: torch.Tensor  # [num_seqs, max_blocks] long, padded with the null block
     max_ctx_len: int
-    mask: torch.Tensor | None  # [num_seqs, 1, 1, max_ctx_len] bool; None if all lengths equal
+    # [num_seqs, 1, 1, max_ctx_len] additive float mask; None if all lengths are equal
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,11 @@ def _slots(chunk: SeqChunk, block_size: int) -> torch.Tensor:
 
 
 def build_metadata(
-    chunks: Sequence[SeqChunk], order: Sequence[int], block_size: int, device: torch.device
+    chunks: Sequence[SeqChunk],
+    order: Sequence[int],
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> AttentionMetadata:
     """Metadata for chunks laid out in `order` (see `order_chunks`)."""
     ordered = [chunks[i] for i in order]
@@ -102,7 +107,7 @@ def build_metadata(
             for c in dec
         ]
         slot_parts.append(torch.tensor(dec_slots, dtype=torch.long))
-        decode = _decode_batch(dec, block_size, device)
+        decode = _decode_batch(dec, block_size, dtype, device)
     prefills = []
     row = num_dec
     for c in ordered[num_dec:]:
@@ -112,7 +117,7 @@ def build_metadata(
         mask = None
         if c.start_pos > 0:
             q_pos = torch.arange(c.start_pos, c.end_pos)[:, None]
-            mask = (torch.arange(c.end_pos)[None, :] <= q_pos).to(device)
+            mask = _additive(torch.arange(c.end_pos)[None, :] <= q_pos, dtype, device)
         table = torch.tensor(c.block_table[:nblk], dtype=torch.long, device=device)
         prefills.append(PrefillSeq(row, row + n, c.start_pos, c.end_pos, table, mask))
         row += n
@@ -122,7 +127,15 @@ def build_metadata(
     return AttentionMetadata(slot_mapping, decode, tuple(prefills), row)
 
 
-def _decode_batch(dec: Sequence[SeqChunk], block_size: int, device: torch.device) -> DecodeBatch:
+def _additive(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Boolean "may attend" -> additive float mask (0 / -inf), built once per step."""
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    return mask.masked_fill_(~allowed, float("-inf")).to(device)
+
+
+def _decode_batch(
+    dec: Sequence[SeqChunk], block_size: int, dtype: torch.dtype, device: torch.device
+) -> DecodeBatch:
     ctx = [c.start_pos + 1 for c in dec]
     max_ctx = max(ctx)
     max_blocks = (max_ctx + block_size - 1) // block_size
@@ -133,8 +146,8 @@ def _decode_batch(dec: Sequence[SeqChunk], block_size: int, device: torch.device
     mask = None
     if min(ctx) != max_ctx:
         lens = torch.tensor(ctx, dtype=torch.long)
-        mask = (torch.arange(max_ctx)[None, :] < lens[:, None]).view(len(dec), 1, 1, max_ctx)
-        mask = mask.to(device)
+        allowed = (torch.arange(max_ctx)[None, :] < lens[:, None]).view(len(dec), 1, 1, max_ctx)
+        mask = _additive(allowed, dtype, device)
     return DecodeBatch(
         len(dec), torch.tensor(tables, dtype=torch.long, device=device), max_ctx, mask
     )
@@ -145,7 +158,7 @@ class TorchPagedAttention(AttentionBackend):
 
     Decodes: one SDPA call for all of them. The query heads sharing a KV head
     are laid out as that head's query rows ([B, KVH, G, D]), so GQA needs no
-    repeated K/V. Prefill chunks: one causal SDPA call each.
+    repeated K/V. Prefill chunks: one causal SDPA call each (GQA via enable_gqa).
     """
 
     def forward(
@@ -157,7 +170,7 @@ class TorchPagedAttention(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_blocks, block_size, kvh, d = k_cache.shape
+        kvh, d = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
         outs = []
@@ -178,7 +191,7 @@ class TorchPagedAttention(AttentionBackend):
         L = dec.max_ctx_len
         keys = k_cache[dec.block_tables].view(b, -1, kvh, d)[:, :L].transpose(1, 2)
         vals = v_cache[dec.block_tables].view(b, -1, kvh, d)[:, :L].transpose(1, 2)
-        qg = q.view(b, kvh, h // kvh, d)
+        qg = q.reshape(b, kvh, h // kvh, d)
         out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=dec.mask)
         return out.reshape(b, h * d)
 
@@ -199,15 +212,14 @@ class TorchPagedAttention(AttentionBackend):
         else:
             keys = k_cache[p.block_table].view(-1, kvh, d)[: p.ctx_len]
             vals = v_cache[p.block_table].view(-1, kvh, d)[: p.ctx_len]
-        rep = h // kvh
-        keys = keys.transpose(0, 1)
-        vals = vals.transpose(0, 1)
-        if rep > 1:
-            keys = keys.repeat_interleave(rep, dim=0)
-            vals = vals.repeat_interleave(rep, dim=0)
-        qh = q.transpose(0, 1)
+        # [1, heads, tokens, dim]: 4-D inputs with enable_gqa reach the fused CPU
+        # kernel without materialising repeated K/V.
+        qh = q.transpose(0, 1).unsqueeze(0)
+        keys = keys.transpose(0, 1).unsqueeze(0)
+        vals = vals.transpose(0, 1).unsqueeze(0)
         if p.mask is None:
-            out = F.scaled_dot_product_attention(qh, keys, vals, is_causal=True)
+            out = F.scaled_dot_product_attention(qh, keys, vals, is_causal=True, enable_gqa=True)
         else:
-            out = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=p.mask)
+            out = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=p.mask, enable_gqa=True)
+        out = out.squeeze(0)
         return out.transpose(0, 1).reshape(n, h * d)

@@ -122,7 +122,7 @@ class ModelRunner:
             ids.extend(c.token_ids)
             positions.append(torch.arange(c.start_pos, c.end_pos))
             last_row[i] = len(ids) - 1
-        meta = build_metadata(chunks, order, self.block_size, self.device)
+        meta = build_metadata(chunks, order, self.block_size, self.dtype, self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.cat(positions).to(self.device)
         hidden = self.model(input_ids, pos, meta, self._kv_layers, self.backend, layer_hook)

@@ -106,3 +106,10 @@ def scatter(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int], frame: np.nd
     """Write a frame produced by `gather` into blocks `ids` of `pool`."""
     for j, b in enumerate(ids):
         pool[l0:l1, :, b] = frame[:, :, j]
+
+
+def copy_blocks(src: np.ndarray, dst: np.ndarray, l0: int, l1: int, src_ids: Sequence[int],
+                dst_ids: Sequence[int]) -> None:
+    """Copy layers [l0, l1) of blocks src_ids[i] of `src` into dst_ids[i] of `dst`."""
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        dst[l0:l1, :, d] = src[l0:l1, :, s]

@@ -15,17 +15,36 @@ guarantee: two compensating word changes in the same row.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 
 
 def _word_view(rows: np.ndarray) -> np.ndarray:
-    """View a 2-D C-contiguous uint8 array as the widest unsigned words that fit each row."""
-    row_bytes = rows.shape[1]
+    """View a C-contiguous uint8 array's last axis as the widest unsigned words that fit."""
+    row_bytes = rows.shape[-1]
     for dtype in (np.uint64, np.uint32, np.uint16):
         if row_bytes % np.dtype(dtype).itemsize == 0:
             return rows.view(dtype)
     return rows
+
+
+def pool_words(pool: np.ndarray) -> np.ndarray:
+    """View a C-contiguous pool [layer, kv, block, ...] as [layer, kv, block, word] words."""
+    raw = pool.reshape(pool.shape[:3] + (-1,)).view(np.uint8)
+    return _word_view(raw)
+
+
+def block_row_sums(words: np.ndarray, l0: int, l1: int, ids: Sequence[int]) -> np.ndarray:
+    """Row sums of layers [l0, l1) of blocks `ids`, in frame row order, without a copy.
+
+    Equal to `row_sums(gather(pool, l0, l1, ids), rows)` but reads each block in
+    place (one reduction per block), so verifying memory costs one read of it.
+    """
+    sums = np.empty((l1 - l0, 2, len(ids)), np.uint64)
+    for j, b in enumerate(ids):
+        np.add.reduce(words[l0:l1, :, b], axis=-1, dtype=np.uint64, out=sums[:, :, j])
+    return sums
 
 
 def row_sums(frame: np.ndarray, num_rows: int) -> np.ndarray:

@@ -40,10 +40,9 @@ from kv_transfer.blocks import (
     check_pool,
     frame_nbytes,
     frame_rows,
-    gather,
     scatter,
 )
-from kv_transfer.checksum import frame_checksum
+from kv_transfer.checksum import block_row_sums, digest, pool_words, row_sums
 from kv_transfer.faults import FaultConfig
 from pdserve.kv_layout import KVLayout
 
@@ -94,7 +93,7 @@ class ReceiverCore:
         self._pending: dict[str, tuple[bytes, wire.Claim, float]] = {}
         self._outbox: list[tuple[bytes, wire.Message]] = []
         self._malformed = self._rejected = self._completed = 0
-        self._scratch = np.empty(0, np.uint8)  # reused for verifying shared-memory chunks
+        self._words = pool_words(pool)  # for verifying shared-memory chunks in place
 
     # ---------------------------------------------------------------- worker API
     def expect(self, transfer_id: str, request_id: str, dst_block_ids: Sequence[int],
@@ -236,24 +235,22 @@ class ReceiverCore:
             return
         assert res is not None
         n_layers = msg.layer_end - msg.layer_start
-        rows = frame_rows(n_layers, len(msg.dst_block_ids))
-        if msg.inline:
-            assert frame is not None
+        data: np.ndarray | None = None
+        if frame is not None:
             data = np.frombuffer(frame, dtype=self.pool.dtype).reshape(
                 (n_layers, 2, len(msg.dst_block_ids)) + self.pool.shape[3:])
-        else:
-            if self._scratch.nbytes < msg.nbytes:
-                self._scratch = np.empty(msg.nbytes, np.uint8)
-            data = gather(self.pool, msg.layer_start, msg.layer_end, msg.dst_block_ids,
-                          self._scratch[:msg.nbytes])
-        if frame_checksum(data, rows) != msg.checksum:
+            sums = row_sums(data, frame_rows(n_layers, len(msg.dst_block_ids)))
+        else:  # shared memory: the bytes are already in our pool; verify them there
+            sums = block_row_sums(self._words, msg.layer_start, msg.layer_end,
+                                  msg.dst_block_ids)
+        if digest(sums) != msg.checksum:
             self._fail(res, f"checksum mismatch in layers {msg.layer_start}..{msg.layer_end - 1}")
             return
         now = self._clock()
         self._expire(res, now)
         if res.state.terminal or res.state is TransferState.CANCELLING or now >= res.deadline:
             return  # too late: never write into a reservation that is over
-        if msg.inline:
+        if data is not None:
             scatter(self.pool, msg.layer_start, msg.layer_end, msg.dst_block_ids, data)
         cols = [res.index[b] for b in msg.dst_block_ids]
         res.covered[msg.layer_start:msg.layer_end, cols] = True

@@ -36,21 +36,21 @@ from kv_transfer.blocks import (
     ChunkSpan,
     check_block_ids,
     check_pool,
+    copy_blocks,
     frame_nbytes,
     frame_rows,
     gather,
     plan_chunks,
-    scatter,
 )
-from kv_transfer.checksum import frame_checksum
+from kv_transfer.checksum import block_row_sums, digest, pool_words, row_sums
 from kv_transfer.faults import FaultConfig
-from kv_transfer.links import DONE, Link, LinkFactory, Parts, StagingBuffers, Waker
+from kv_transfer.links import Link, LinkFactory, Parts, StagingBuffers, Waker
 from kv_transfer.shm_pool import ShmPool, attach_shm_pool
 from pdserve.kv_layout import KVLayout
 
 DEFAULT_CHUNK_BYTES = 8 << 20
-# Shared-memory chunks stay cache-sized: gather, checksum and scatter then hit L2.
-DEFAULT_SHM_CHUNK_BYTES = 1 << 20
+# A shared-memory chunk is a unit of verification (and of the write-deadline check).
+DEFAULT_SHM_CHUNK_BYTES = 4 << 20
 SHM_PREFIX = "shm+"
 IDLE_POLL_MS = 20
 MAX_BYTES_PER_ROUND = 32 << 20  # bound one service round so replies are read promptly
@@ -107,6 +107,7 @@ class Sender:
         self._peers: dict[str, _Peer] = {}  # I/O thread only
         self._chunks_made = 0  # I/O thread only; numbers chunks for fault injection
         self._staging = StagingBuffers()  # I/O thread only
+        self._words = pool_words(pool)
         self._waker = Waker()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-sender-io", daemon=True)
@@ -333,7 +334,12 @@ class Sender:
         return True
 
     def _make_chunk(self, peer: _Peer, t: _Transfer) -> tuple[Parts, np.ndarray | None] | None:
-        """Gather (and for shared memory, write) the next chunk: (message, its frame buffer)."""
+        """Produce the next chunk of `t`: (message, its frame buffer or None).
+
+        Inline: gather the blocks into a reusable buffer that travels zero-copy.
+        Shared memory: checksum the source blocks in place and copy them straight
+        into the receiver's pool; the message is only the header.
+        """
         if self.faults.delay_s:
             time.sleep(self.faults.delay_s)
         index = self._chunks_made
@@ -342,30 +348,30 @@ class Sender:
             if t.state.terminal or not t.spans:
                 return None
             span = t.spans.popleft()
+            l0, l1 = span.layer_start, span.layer_end
             src = t.src_ids[span.first:span.last]
             dst = t.dst_ids[span.first:span.last]
-            if peer.shm is not None and self._clock() >= t.write_deadline:
-                self._end(t, TransferState.FAILED, "write deadline passed before the copy")
-                return None
-            buffer = self._staging.take(
-                frame_nbytes(self.layout, span.layer_end - span.layer_start, len(src)))
-            frame = gather(self.pool, span.layer_start, span.layer_end, src, buffer)
-            checksum = frame_checksum(frame, frame_rows(span.layer_end - span.layer_start,
-                                                        len(src)))
-            if index == self.faults.corrupt_chunk:
-                frame.reshape(-1).view(np.uint8)[frame.nbytes // 2] ^= 0xFF
+            nbytes = frame_nbytes(self.layout, l1 - l0, len(src))
             if index == self.faults.drop_chunk:
-                self._staging.give(buffer, DONE)
                 return None
+            buffer: np.ndarray | None = None
             if peer.shm is not None:
-                scatter(peer.shm.array, span.layer_start, span.layer_end, dst, frame)
-        header = wire.encode(wire.Chunk(
-            t.transfer_id, t.request_id, self.layout.compat_hash, dst, span.layer_start,
-            span.layer_end, frame.nbytes, checksum, peer.shm is None))
-        if peer.shm is not None:
-            self._staging.give(buffer, DONE)
-            return [header], None
-        return [header, buffer], buffer
+                if self._clock() >= t.write_deadline:
+                    self._end(t, TransferState.FAILED, "write deadline passed before the copy")
+                    return None
+                checksum = digest(block_row_sums(self._words, l0, l1, src))
+                copy_blocks(self.pool, peer.shm.array, l0, l1, src, dst)
+                if index == self.faults.corrupt_chunk:
+                    peer.shm.array[l0, 0, dst[0]].reshape(-1).view(np.uint8)[0] ^= 0xFF
+            else:
+                buffer = self._staging.take(nbytes)
+                frame = gather(self.pool, l0, l1, src, buffer)
+                checksum = digest(row_sums(frame, frame_rows(l1 - l0, len(src))))
+                if index == self.faults.corrupt_chunk:
+                    buffer[nbytes // 2] ^= 0xFF
+        header = wire.encode(wire.Chunk(t.transfer_id, t.request_id, self.layout.compat_hash,
+                                        dst, l0, l1, nbytes, checksum, buffer is not None))
+        return ([header], None) if buffer is None else ([header, buffer], buffer)
 
     def _on_reply(self, peer: _Peer, parts: list[memoryview]) -> None:
         try:

@@ -80,15 +80,16 @@ class Attention(nn.Module):
         c = self.cfg
         t = x.shape[0]
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.reshape(t, c.num_heads, c.head_dim)
-        k = k.reshape(t, c.num_kv_heads, c.head_dim)
-        v = v.reshape(t, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q = apply_rope(self.q_norm(q.reshape(t, c.num_heads, c.head_dim)), cos, sin)
+            k = apply_rope(self.k_norm(k.reshape(t, c.num_kv_heads, c.head_dim)), cos, sin)
+        else:
+            # Rotate q and k heads in one pass over the [T, H + KVH, D] view.
+            qk = apply_rope(qkv[:, : c.q_size + c.kv_size].reshape(t, -1, c.head_dim), cos, sin)
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+            v = qkv[:, c.q_size + c.kv_size :]
+        v = v.reshape(t, c.num_kv_heads, c.head_dim)
         out = backend.forward(q, k, v, k_cache, v_cache, meta)
         return F.linear(out, self.o_weight, self.o_bias)
 

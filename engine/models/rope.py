@@ -56,16 +56,25 @@ class RopeTables:
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated);
+        # folding the sign into the table saves a negation per layer.
+        sin = emb.sin()
+        half = head_dim // 2
+        self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(
+            device=device, dtype=dtype
+        )
         self.max_positions = max_positions
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for `positions` [T], each [T, 1, head_dim] (broadcast over heads)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos, signed sin for `positions` [T], each [T, 1, head_dim] (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [T, heads, head_dim] by the half-split convention HF Llama uses."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` [T, heads, head_dim] by the half-split convention HF Llama uses.
+
+    Equals HF's `x * cos + rotate_half(x) * sin`; `signed_sin` comes from `lookup`.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * signed_sin

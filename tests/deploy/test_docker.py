@@ -363,16 +363,21 @@ def _get(url: str, body: dict[str, object] | None = None) -> tuple[int, dict[str
 
 
 @pytest.mark.timeout(180)
-def test_cpu_image_command_serves_and_stops_cleanly() -> None:
+def test_cpu_image_command_serves_and_stops_cleanly(tmp_path: Path) -> None:
     """Runs the CPU image's ENTRYPOINT + CMD as it is, bar the port (free, not 8000)."""
+    port = _free_port()
     argv = list(CPU_COMMAND)
-    argv[argv.index("--port") + 1] = str(port := _free_port())
+    argv[argv.index("--port") + 1] = str(port)
     exe = Path(sys.executable).parent / "pdserve"
     argv[0] = str(exe) if exe.exists() else (shutil.which("pdserve") or pytest.fail("no pdserve"))
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    log_path = tmp_path / "up.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log_tail() -> str:
+        return log_path.read_text(errors="replace")[-3000:]
+
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
@@ -383,7 +388,7 @@ def test_cpu_image_command_serves_and_stops_cleanly() -> None:
                 pass
             time.sleep(0.5)
         else:
-            pytest.fail(f"`{' '.join(CPU_COMMAND)}` never became ready (exit {proc.poll()})")
+            pytest.fail(f"`{' '.join(CPU_COMMAND)}` never became ready:\n{log_tail()}")
         status, models = _get(f"{url}/v1/models")
         assert status == 200
         model = models["data"][0]["id"]  # type: ignore[index]
@@ -394,10 +399,8 @@ def test_cpu_image_command_serves_and_stops_cleanly() -> None:
         assert status == 200, out
         assert out["usage"]["completion_tokens"] >= 1  # type: ignore[index]
         proc.send_signal(signal.SIGTERM)  # what `docker stop` sends
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == 0, log_tail()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        if proc.stdout:
-            proc.stdout.close()

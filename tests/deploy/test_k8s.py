@@ -218,6 +218,8 @@ def _check_scaled_object(so: Doc, docs: list[Doc]) -> None:
     for trig in spec["triggers"]:
         assert trig["type"] == "prometheus"
         meta = trig["metadata"]
+        # The CRD types trigger metadata as a map of strings.
+        assert all(isinstance(v, str) for v in meta.values()), meta
         assert urlparse(meta["serverAddress"]).scheme in ("http", "https")
         float(meta["threshold"])  # KEDA wants a number as a string
         assert meta["query"].strip()

@@ -36,12 +36,21 @@ def model_dir(tiny_model_dir: Callable[..., Path]) -> Path:
     return tiny_model_dir("llama")
 
 
-def make_engine(model_dir: Path, *, block_size: int = 16, num_blocks: int = 128,
-                budget: int = 2048, caching: bool = True, chunked: bool = True,
-                max_seqs: int = 64) -> LLMEngine:
+def make_engine(
+    model_dir: Path,
+    *,
+    block_size: int = 16,
+    num_blocks: int = 128,
+    budget: int = 2048,
+    caching: bool = True,
+    chunked: bool = True,
+    max_seqs: int = 64,
+) -> LLMEngine:
     cfg = EngineConfig(
         model_dir=str(model_dir),
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching),
+        cache=CacheConfig(
+            block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
         ),
@@ -73,9 +82,12 @@ def test_greedy_equals_hf_generate_64_tokens(model_dir: Path) -> None:
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     for prompt in prompts(15, 16, 17):  # below, at and across a block boundary
         ref = hf.generate(
-            torch.tensor([prompt]), do_sample=False, max_new_tokens=64,
-            eos_token_id=None, pad_token_id=0,
-        )[0, len(prompt):].tolist()
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=64,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
         (res,) = engine.generate([prompt], params)
         assert list(res.token_ids) == ref
         assert res.choices[0].finish_reason == "length"
@@ -156,8 +168,9 @@ def test_n_way_fork_shares_blocks_copy_on_write(model_dir: Path) -> None:
     prompt = prompts(21, seed=5)[0]  # partial last block shared by the forks
     engine = make_engine(model_dir)
     single = engine.generate([prompt], GREEDY)[0].token_ids
-    greedy3 = engine.generate([prompt], SamplingParams(**{**GREEDY.to_dict(), "n": 3,
-                                                         "stop_token_ids": ()}))[0]
+    greedy3 = engine.generate(
+        [prompt], SamplingParams(**{**GREEDY.to_dict(), "n": 3, "stop_token_ids": ()})
+    )[0]
     assert [c.token_ids for c in greedy3.choices] == [single] * 3
     seeded = SamplingParams(**{**SEEDED.to_dict(), "n": 3, "stop_token_ids": ()})
     first = engine.generate([prompt], seeded)[0]
@@ -172,8 +185,9 @@ def _copy_kv(src: LLMEngine, src_blocks: list[int], dst: LLMEngine, dst_blocks: 
     kv_dst[:, :, torch.tensor(dst_blocks)] = kv_src[:, :, torch.tensor(src_blocks)]
 
 
-@pytest.mark.parametrize("params", [GREEDY, SamplingParams(**{**SEEDED.to_dict(), "n": 3,
-                                                              "stop_token_ids": ()})])
+@pytest.mark.parametrize(
+    "params", [GREEDY, SamplingParams(**{**SEEDED.to_dict(), "n": 3, "stop_token_ids": ()})]
+)
 def test_prefill_engine_to_decode_engine_equals_single_engine(
     model_dir: Path, params: SamplingParams
 ) -> None:
@@ -257,8 +271,9 @@ def test_eos_stops_and_stop_token_ids(model_dir: Path) -> None:
     prompt = prompts(9, seed=8)[0]
     free_run = engine.generate([prompt], GREEDY)[0].token_ids
     stop_at = free_run[5]
-    res = engine.generate([prompt], SamplingParams(**{**GREEDY.to_dict(),
-                                                      "stop_token_ids": (stop_at,)}))[0]
+    res = engine.generate(
+        [prompt], SamplingParams(**{**GREEDY.to_dict(), "stop_token_ids": (stop_at,)})
+    )[0]
     assert res.token_ids == free_run[: free_run.index(stop_at) + 1]
     assert res.choices[0].finish_reason == "stop"
     assert_idle(engine)

@@ -25,8 +25,16 @@ PROBS = torch.tensor([0.5, 0.25, 0.15, 0.1])
 LOGITS = PROBS.log()
 
 
-def row(params: SamplingParams, *, index: int = 0, seed: int = 7, choice: int = 0, token: int = 0,
-        prompt: tuple[int, ...] = (), output: tuple[int, ...] = ()) -> SampleRow:
+def row(
+    params: SamplingParams,
+    *,
+    index: int = 0,
+    seed: int = 7,
+    choice: int = 0,
+    token: int = 0,
+    prompt: tuple[int, ...] = (),
+    output: tuple[int, ...] = (),
+) -> SampleRow:
     return SampleRow(index, params, seed, choice, token, list(prompt), list(output))
 
 
@@ -67,7 +75,9 @@ def test_sampled_tokens_stay_in_support() -> None:
 
 def test_repetition_penalty_over_prompt_and_output() -> None:
     logits = torch.tensor([2.0, -1.0, 3.0, 0.5])
-    out = apply_penalties(logits, row(SamplingParams(repetition_penalty=2.0), prompt=(0,), output=(1,)))
+    out = apply_penalties(
+        logits, row(SamplingParams(repetition_penalty=2.0), prompt=(0,), output=(1,))
+    )
     assert out.tolist() == [1.0, -2.0, 3.0, 0.5]
 
 
@@ -103,8 +113,11 @@ def test_a_rows_draw_does_not_depend_on_the_batch() -> None:
     alone = Sampler()(logits[2:3], [row(params, index=0, choice=1, token=4)])
     batch = Sampler()(
         logits,
-        [row(SamplingParams(temperature=0.0), index=0), row(params, index=2, choice=1, token=4),
-         row(params, index=1, choice=0, token=4)],
+        [
+            row(SamplingParams(temperature=0.0), index=0),
+            row(params, index=2, choice=1, token=4),
+            row(params, index=1, choice=0, token=4),
+        ],
     )
     assert batch[1].token_id == alone[0].token_id
     again = Sampler()(logits[2:3], [row(params, index=0, choice=1, token=4)])

@@ -15,7 +15,9 @@ from pdserve.sampling_params import SamplingParams
 BS = 4
 
 
-def make(num_blocks: int = 9, budget: int = 10, max_seqs: int = 8, chunked: bool = True) -> Scheduler:
+def make(
+    num_blocks: int = 9, budget: int = 10, max_seqs: int = 8, chunked: bool = True
+) -> Scheduler:
     cfg = SchedulerConfig(
         max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
     )
