@@ -17,6 +17,7 @@ import multiprocessing
 import statistics
 import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 
@@ -35,16 +36,25 @@ SHAPES = {
         "bench-8b", num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16"
     ),
 }
-TRANSPORTS = ["shm", "ipc", "tcp"]
+TRANSPORTS = ["shm", "ipc", "tcp", "cuda"]
+DEFAULT_TRANSPORTS = ["shm", "ipc", "tcp"]  # "cuda" needs cupy and a GPU (bench/gpu_check.sh)
 
 
-def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
-    src = np.ones(nbytes, np.uint8)
-    dst = np.empty_like(src)
+def memcpy_gbps(nbytes: int, device: bool = False, repeats: int = 5) -> float:
+    """Best-of-N copy bandwidth of this machine: host memcpy, or device-to-device."""
+    xp = np
+    if device:
+        import cupy
+
+        xp = cupy
+    src = xp.ones(nbytes, xp.uint8)
+    dst = xp.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        np.copyto(dst, src)
+        dst[...] = src
+        if device:
+            cupy.cuda.runtime.deviceSynchronize()
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
 
@@ -53,7 +63,11 @@ def receiver_main(shape: str, transport: str, num_blocks: int, conn: Connection)
     """Decode side: serve `expect`/`forget` requests over a pipe until told to stop."""
     layout = SHAPES[shape]
     shm = create_shm_pool(layout, num_blocks) if transport == "shm" else None
-    pool = shm if shm is not None else np.zeros(layout.pool_shape(num_blocks), np.float16)
+    pool: Any = shm if shm is not None else np.zeros(layout.pool_shape(num_blocks), np.float16)
+    if transport == "cuda":
+        from kv_transfer.cuda_ipc import create_cuda_pool
+
+        pool = create_cuda_pool(layout, num_blocks)
     with ZmqReceiver(layout, pool, transport=transport) as receiver:
         conn.send(receiver.address)
         while True:
@@ -82,13 +96,18 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int) -> tuple[float
     src_pool = rng.integers(0, 1 << 15, layout.pool_shape(n + 1), dtype=np.int16).view(np.float16)
     src_ids = [int(b) for b in rng.permutation(np.arange(1, n + 1))]
     dst_ids = [int(b) for b in rng.permutation(np.arange(1, n + 1))]
+    source: Any = src_pool
+    if transport == "cuda":
+        import cupy
+
+        source = cupy.asarray(src_pool)
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=receiver_main, args=(shape, transport, n + 1, child))
     proc.start()
     address = parent.recv()
     times = []
-    with Sender(layout, src_pool, links=ZmqLinkFactory()) as sender:
+    with Sender(layout, source, links=ZmqLinkFactory()) as sender:
         for i in range(runs + 1):  # run 0 warms up connections and page mappings
             tid = f"t{i}"
             parent.send(("expect", tid, dst_ids))
@@ -97,7 +116,7 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int) -> tuple[float
             sender.begin(tid, "bench", address, src_ids, dst_ids, lease_s=120)
             sender.send_all(tid)
             while not (state := sender.poll(tid)).terminal:
-                time.sleep(0.0002)
+                time.sleep(0.001)
             elapsed = time.perf_counter() - t0
             if state is not TransferState.COMPLETE:
                 raise RuntimeError(f"{transport}: {state.name}: {sender.reason(tid)}")
@@ -118,7 +137,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--transports", nargs="+", default=TRANSPORTS, choices=TRANSPORTS)
+    ap.add_argument("--transports", nargs="+", default=DEFAULT_TRANSPORTS, choices=TRANSPORTS)
     args = ap.parse_args()
     print(
         f"{'shape':<12} {'MiB':>7} {'transport':<9} {'latency ms':>11} {'GB/s':>7} "
@@ -131,7 +150,7 @@ def main() -> None:
         )
         for transport in args.transports:
             latency, gbps = bench_one(shape, transport, args.tokens, args.runs)
-            copy = memcpy_gbps(nbytes)
+            copy = memcpy_gbps(nbytes, device=transport == "cuda")
             print(
                 f"{shape:<12} {nbytes / 2**20:>7.1f} {transport:<9} {latency * 1e3:>11.2f} "
                 f"{gbps:>7.2f} {copy:>12.2f} {100 * gbps / copy:>8.0f}%",

@@ -39,6 +39,7 @@ def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions) -> int:
     finally:
         for fn in cleanup:
             fn()
+        log.debug("cleanup done")
 
 
 def build_node(engine_cfg: EngineConfig, opts: WorkerOptions, worker_id: str, channel: WorkerChannel,

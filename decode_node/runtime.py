@@ -6,8 +6,12 @@ The node (prefill, decode or colocated) supplies the work; the loop is:
     while running:
         handle every control message that arrived
         node.step()                     # one engine step, if there is work
-        heartbeat when due
         (idle: wait for a message, briefly)
+
+Heartbeats go from a thread on their own socket (identity `<worker id>/hb`), so
+a long engine step never makes a live worker look dead; the thread stops
+heartbeating if the loop has not ticked for `stall_s` (a hung worker is
+dropped and its requests recovered).
 
 SIGTERM (or SIGINT) drains: the worker sends `Deregister(final=False)` so the
 gateway stops routing to it, finishes what it holds, sends
@@ -19,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +45,7 @@ class RuntimeConfig:
     heartbeat_s: float = 0.5
     drain_timeout_s: float = 60.0
     idle_wait_ms: int = 5
+    stall_s: float = 60.0  # loop silent this long: stop heartbeating
 
 
 class NodeRegistration(NamedTuple):
@@ -87,8 +93,8 @@ class WorkerRuntime:
         self.channel = channel
         self.metrics = metrics
         self._stop_requested = False
-        self._next_heartbeat = 0.0
-        self._hb_seq = 0
+        self._last_tick = time.monotonic()
+        self._hb_stop = threading.Event()
 
     def request_stop(self, *_: Any) -> None:
         self._stop_requested = True
@@ -100,15 +106,23 @@ class WorkerRuntime:
                                health=lambda: not self._stop_requested)  # fmt: skip
         server.start()
         self._register(node, server.port)
+        hb = threading.Thread(target=self._heartbeat_loop, args=(node,), name="heartbeat", daemon=True)
+        hb.start()
         log.info("%s worker %s up; metrics on port %d", node.role, self.config.worker_id, server.port)
         try:
             self._serve(node, server.port)
             self._drain(node)
         finally:
+            log.debug("stopping: heartbeats")
+            self._hb_stop.set()
+            hb.join(timeout=5)
             self.channel.send(p.Deregister(self.config.worker_id, final=True, reason="exit"))
+            log.debug("stopping: node")
             node.close()
+            log.debug("stopping: metrics server")
             server.close()
             self.channel.close()
+            log.debug("stopped")
         return 0
 
     def _serve(self, node: Node, metrics_port: int) -> None:
@@ -130,7 +144,7 @@ class WorkerRuntime:
             else:
                 node.handle(msg)
         worked = node.step()
-        self._maybe_heartbeat(node)
+        self._last_tick = time.monotonic()
         if not worked:
             self.channel.wait(self.config.idle_wait_ms)
 
@@ -140,13 +154,18 @@ class WorkerRuntime:
             self.config.worker_id, node.role, host_id(), reg.kv_address, reg.kv_shm,
             reg.compat_hash, reg.total_blocks, reg.block_size, metrics_port, os.getpid(),
         ))  # fmt: skip
-        self._next_heartbeat = 0.0
 
-    def _maybe_heartbeat(self, node: Node) -> None:
-        now = time.monotonic()
-        if now < self._next_heartbeat:
-            return
-        self._next_heartbeat = now + self.config.heartbeat_s
+    def _heartbeat_loop(self, node: Node) -> None:
+        channel = WorkerChannel(self.config.gateway, f"{self.config.worker_id}/hb")
+        try:
+            while not self._hb_stop.wait(self.config.heartbeat_s):
+                if time.monotonic() - self._last_tick < self.config.stall_s:
+                    channel.send(self._heartbeat(node))
+                channel.recv_all()  # the gateway answers heartbeats only on the main socket
+        finally:
+            channel.close()
+
+    def _heartbeat(self, node: Node) -> p.Heartbeat:
         load = node.load()
         m = self.metrics
         m.free_blocks.set(load.free_blocks)
@@ -154,4 +173,4 @@ class WorkerRuntime:
         m.waiting.set(load.waiting_seqs)
         if node.role != "prefill":
             m.batch_size.set(load.running_seqs)
-        self.channel.send(p.Heartbeat(self.config.worker_id, *load, gauges=m.gauges()))
+        return p.Heartbeat(self.config.worker_id, *load, gauges=m.gauges())

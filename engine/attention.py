@@ -189,8 +189,10 @@ class TorchPagedAttention(AttentionBackend):
         b, h, d = q.shape
         kvh = k_cache.shape[2]
         L = dec.max_ctx_len
-        keys = k_cache[dec.block_tables].view(b, -1, kvh, d)[:, :L].transpose(1, 2)
-        vals = v_cache[dec.block_tables].view(b, -1, kvh, d)[:, :L].transpose(1, 2)
+        # index_select on a flat id list is markedly faster than advanced indexing on CPU.
+        ids = dec.block_tables.view(-1)
+        keys = k_cache.index_select(0, ids).view(b, -1, kvh, d)[:, :L].transpose(1, 2)
+        vals = v_cache.index_select(0, ids).view(b, -1, kvh, d)[:, :L].transpose(1, 2)
         qg = q.reshape(b, kvh, h // kvh, d)
         out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=dec.mask)
         return out.reshape(b, h * d)
@@ -210,8 +212,8 @@ class TorchPagedAttention(AttentionBackend):
             # The whole context is this chunk: attend to the fresh k/v directly.
             keys, vals = k[p.q_start : p.q_end], v[p.q_start : p.q_end]
         else:
-            keys = k_cache[p.block_table].view(-1, kvh, d)[: p.ctx_len]
-            vals = v_cache[p.block_table].view(-1, kvh, d)[: p.ctx_len]
+            keys = k_cache.index_select(0, p.block_table).view(-1, kvh, d)[: p.ctx_len]
+            vals = v_cache.index_select(0, p.block_table).view(-1, kvh, d)[: p.ctx_len]
         # [1, heads, tokens, dim]: 4-D inputs with enable_gqa reach the fused CPU
         # kernel without materialising repeated K/V.
         qh = q.transpose(0, 1).unsqueeze(0)

@@ -391,8 +391,11 @@ class ClusterBackend:
                 log.warning("refused worker %s: %s", sender, reason)
             self._send(sender, p.RegisterAck(msg.worker_id, accepted, reason))
         elif isinstance(msg, p.Heartbeat):
-            if msg.worker_id != sender or not self.registry.heartbeat(msg, now):
-                self._send(sender, p.RegisterAck(sender, False, "unknown worker"))
+            # Heartbeats come from the worker's own heartbeat socket, `<worker id>/hb`.
+            if sender not in (msg.worker_id, f"{msg.worker_id}/hb"):
+                return
+            if not self.registry.heartbeat(msg, now):
+                self._send(msg.worker_id, p.RegisterAck(msg.worker_id, False, "unknown worker"))
         elif isinstance(msg, p.Deregister):
             self._deregister(sender, msg)
         elif isinstance(msg, p.TokenBatch):
@@ -428,7 +431,14 @@ class ClusterBackend:
 
     async def _reap_loop(self) -> None:
         interval = max(0.05, self.config.heartbeat_timeout_s / 6)
+        last = time.monotonic()
         while True:
             await asyncio.sleep(interval)
-            for w in self.registry.expire(time.monotonic()):
+            now = time.monotonic()
+            stalled, last = now - last > self.config.heartbeat_timeout_s / 2, now
+            if stalled:
+                # This loop was starved: heartbeats may be queued unread, so silence
+                # proves nothing yet. Give the receive loop a round to catch up.
+                continue
+            for w in self.registry.expire(now):
                 self._lost(w)

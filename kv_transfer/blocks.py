@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kv_transfer.checksum import word_dtype
 from pdserve.kv_layout import NULL_BLOCK, KVLayout
 
 # numpy has no bfloat16: such pools are handled as their raw 16-bit patterns.
@@ -68,19 +69,18 @@ class ChunkSpan:
 
 def plan_chunks(layout: KVLayout, num_blocks: int, layer_start: int, layer_end: int,
                 max_bytes: int) -> list[ChunkSpan]:
-    """Split a layer range of a transfer into frames of at most `max_bytes` (one block minimum)."""
-    per_layer = frame_nbytes(layout, 1, num_blocks)
-    spans: list[ChunkSpan] = []
-    if per_layer <= max_bytes:
-        step = max(1, max_bytes // per_layer)
-        for l0 in range(layer_start, layer_end, step):
-            spans.append(ChunkSpan(l0, min(l0 + step, layer_end), 0, num_blocks))
-        return spans
-    per_chunk = max(1, max_bytes // layout.block_bytes_per_layer)
-    for layer in range(layer_start, layer_end):
-        for b0 in range(0, num_blocks, per_chunk):
-            spans.append(ChunkSpan(layer, layer + 1, b0, min(b0 + per_chunk, num_blocks)))
-    return spans
+    """Split a layer range of a transfer into frames of at most `max_bytes` (one block minimum).
+
+    Chunks take as many layers as fit, then as many blocks: each block's part of a
+    frame is then one long strided run, so the per-block numpy calls of
+    gather/scatter stay few and each moves a lot of bytes.
+    """
+    per_layer_block = layout.block_bytes_per_layer
+    layers = min(layer_end - layer_start, max(1, max_bytes // per_layer_block))
+    blocks = max(1, max_bytes // (layers * per_layer_block))
+    return [ChunkSpan(l0, min(l0 + layers, layer_end), b0, min(b0 + blocks, num_blocks))
+            for l0 in range(layer_start, layer_end, layers)
+            for b0 in range(0, num_blocks, blocks)]
 
 
 def gather(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int],
@@ -113,3 +113,44 @@ def copy_blocks(src: np.ndarray, dst: np.ndarray, l0: int, l1: int, src_ids: Seq
     """Copy layers [l0, l1) of blocks src_ids[i] of `src` into dst_ids[i] of `dst`."""
     for s, d in zip(src_ids, dst_ids, strict=True):
         dst[l0:l1, :, d] = src[l0:l1, :, s]
+
+
+def _frame_words(frame: np.ndarray) -> np.ndarray:
+    """A frame (nl, 2, n, ...) as (nl, 2, n, words) of the checksum word type."""
+    raw: np.ndarray = frame.reshape(tuple(frame.shape[:3]) + (-1,)).view(np.uint8)
+    return raw.view(word_dtype(int(raw.shape[-1])))
+
+
+def gather_with_sums(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int],
+                     buffer: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`gather`, also returning the frame's row sums, each taken while its block is in cache."""
+    shape = (l1 - l0, 2, len(ids)) + pool.shape[3:]
+    frame = np.empty(shape, pool.dtype) if buffer is None else buffer.view(pool.dtype).reshape(
+        shape)
+    words = _frame_words(frame)
+    sums = np.empty((l1 - l0, 2, len(ids)), np.uint64)
+    for j, b in enumerate(ids):
+        frame[:, :, j] = pool[l0:l1, :, b]
+        np.add.reduce(words[:, :, j], axis=-1, dtype=np.uint64, out=sums[:, :, j])
+    return frame, sums
+
+
+def scatter_with_sums(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int],
+                      frame: np.ndarray) -> np.ndarray:
+    """`scatter`, returning the frame's row sums (each block summed, then copied from cache)."""
+    words = _frame_words(frame)
+    sums = np.empty((l1 - l0, 2, len(ids)), np.uint64)
+    for j, b in enumerate(ids):
+        np.add.reduce(words[:, :, j], axis=-1, dtype=np.uint64, out=sums[:, :, j])
+        pool[l0:l1, :, b] = frame[:, :, j]
+    return sums
+
+
+def copy_blocks_with_sums(src: np.ndarray, dst: np.ndarray, src_words: np.ndarray, l0: int,
+                          l1: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> np.ndarray:
+    """`copy_blocks`, returning the source row sums (`src_words` = checksum.pool_words(src))."""
+    sums = np.empty((l1 - l0, 2, len(src_ids)), np.uint64)
+    for j, (s, d) in enumerate(zip(src_ids, dst_ids, strict=True)):
+        dst[l0:l1, :, d] = src[l0:l1, :, s]
+        np.add.reduce(src_words[l0:l1, :, s], axis=-1, dtype=np.uint64, out=sums[:, :, j])
+    return sums

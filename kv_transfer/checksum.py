@@ -20,13 +20,17 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def _word_view(rows: np.ndarray) -> np.ndarray:
-    """View a C-contiguous uint8 array's last axis as the widest unsigned words that fit."""
-    row_bytes = rows.shape[-1]
+def word_dtype(row_bytes: int) -> np.dtype:
+    """The widest unsigned word that divides a row (host and device use the same)."""
     for dtype in (np.uint64, np.uint32, np.uint16):
         if row_bytes % np.dtype(dtype).itemsize == 0:
-            return rows.view(dtype)
-    return rows
+            return np.dtype(dtype)
+    return np.dtype(np.uint8)
+
+
+def _word_view(rows: np.ndarray) -> np.ndarray:
+    """View a C-contiguous uint8 array's last axis as words of `word_dtype`."""
+    return rows.view(word_dtype(rows.shape[-1]))
 
 
 def pool_words(pool: np.ndarray) -> np.ndarray:

@@ -65,7 +65,7 @@ class _FakeLink(InboxLink):
     def send(self, parts: Parts) -> Sent:
         receiver = self._fabric.lookup(self._endpoint)
         if receiver is not None:  # else: like a dead peer, the message is lost
-            receiver.deliver(self, parts)  # synchronous: the frame is consumed on return
+            receiver._deliver(self, parts)  # synchronous: the frame is consumed on return
         return DONE
 
     def close(self) -> None:
@@ -111,7 +111,7 @@ class FakeReceiver:
     def address(self) -> str:
         return self._address
 
-    def deliver(self, link: _FakeLink, parts: Parts) -> None:
+    def _deliver(self, link: _FakeLink, parts: Parts) -> None:
         """Called by a sender's I/O thread: the fake's 'network receive'."""
         self._links[link.key] = link
         frame = memoryview(parts[1]).cast("B") if len(parts) > 1 else None

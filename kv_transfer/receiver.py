@@ -1,10 +1,14 @@
 """Decode-side receiver over ZeroMQ (tcp://, ipc://) and shared memory.
 
 A ROUTER socket bound to loopback (or a private ipc path carrying pid + random
-suffix) on a background I/O thread; all bookkeeping is in `ReceiverCore`. With
-a pool created by `create_shm_pool` and `transport="shm"`, the address is
-`shm+ipc://...`: same-host senders then write blocks straight into the pool
-and send only control headers, which this side verifies over its own memory.
+suffix) on a background I/O thread; all bookkeeping is in `ReceiverCore`.
+
+transport: "tcp" / "ipc" -- tensor frames travel inline. "shm" (a pool from
+`create_shm_pool`) or "cuda" (a pool from `cuda_ipc.create_cuda_pool`), each
+optionally "+tcp"/"+ipc" for the control socket (default ipc): the address is
+`shm+ipc://...` / `cuda+ipc://...`, and same-host senders write blocks straight
+into the pool and send only control headers, which this side verifies over its
+own memory.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import zmq
 
 from kv_transfer import wire
 from kv_transfer.api import TransferState
+from kv_transfer.cuda_ipc import CudaPool
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import Waker
 from kv_transfer.receiver_core import ReceiverCore, ReceiverStats
 from kv_transfer.shm_pool import ShmPool
 from pdserve.kv_layout import KVLayout
 
-TRANSPORTS = ("tcp", "ipc", "shm", "shm+ipc", "shm+tcp")
+TRANSPORTS = ("tcp", "ipc", "shm", "shm+ipc", "shm+tcp", "cuda", "cuda+ipc", "cuda+tcp")
 TICK_MS = 20
 MAX_MESSAGES_PER_ROUND = 256
 
@@ -35,19 +40,26 @@ MAX_MESSAGES_PER_ROUND = 256
 class ZmqReceiver:
     """Implements `kv_transfer.api.KVReceiver`. Call `close()` (or use `with`)."""
 
-    def __init__(self, layout: KVLayout, pool: np.ndarray | ShmPool, *, transport: str = "ipc",
+    def __init__(self, layout: KVLayout, pool: np.ndarray | ShmPool | CudaPool, *,
+                 transport: str = "ipc",
                  host: str = "127.0.0.1", faults: FaultConfig | None = None,
                  grace_s: float = 1.0,
                  max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r} not in {TRANSPORTS}")
-        shared = transport.startswith("shm")
-        if shared and not isinstance(pool, ShmPool):
-            raise ValueError("the shm transport needs a pool from create_shm_pool()")
-        array = pool.array if isinstance(pool, ShmPool) else pool
+        kind, _, inner = transport.partition("+")
+        if kind in ("shm", "cuda"):
+            inner = inner or "ipc"
+            wanted = ShmPool if kind == "shm" else CudaPool
+            if not isinstance(pool, wanted):
+                raise ValueError(f"the {kind} transport needs a pool from create_{kind}_pool()")
+        else:
+            kind, inner = "", transport
+        array = pool.array if isinstance(pool, (ShmPool, CudaPool)) else pool
+        descriptor = pool.descriptor if kind and isinstance(pool, (ShmPool, CudaPool)) else None
         self._waker = Waker()
         self.core = ReceiverCore(
-            layout, array, shm=pool.descriptor if shared and isinstance(pool, ShmPool) else None,
+            layout, array, shm=descriptor,
             grace_s=grace_s, max_frame_bytes=max_frame_bytes,
             faults=FaultConfig.from_env() if faults is None else faults, wake=self._waker.wake)
         self._ctx = zmq.Context()
@@ -57,7 +69,6 @@ class ZmqReceiver:
         # zmq drops a connection that sends a frame above this before buffering it.
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + wire.MAX_HEADER_BYTES)
         self._ipc_path = ""
-        inner = transport.removeprefix("shm").removeprefix("+") or "ipc"
         if inner == "tcp":
             self._sock.bind(f"tcp://{host}:0")
         else:
@@ -65,7 +76,7 @@ class ZmqReceiver:
                 tempfile.gettempdir(), f"pdkv-{os.getpid()}-{secrets.token_hex(6)}.sock")
             self._sock.bind(f"ipc://{self._ipc_path}")
         endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._address = ("shm+" if shared else "") + endpoint
+        self._address = (f"{kind}+" if kind else "") + endpoint
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-receiver-io", daemon=True)
         self._thread.start()

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -39,11 +40,11 @@ from kv_transfer.blocks import (
     check_block_ids,
     check_pool,
     frame_nbytes,
-    frame_rows,
-    scatter,
+    scatter_with_sums,
 )
-from kv_transfer.checksum import block_row_sums, digest, pool_words, row_sums
+from kv_transfer.checksum import digest
 from kv_transfer.faults import FaultConfig
+from kv_transfer.pool_ops import pool_ops
 from pdserve.kv_layout import KVLayout
 
 PENDING_CLAIM_TTL_S = 30.0
@@ -75,12 +76,14 @@ class _Reservation:
 
 
 class ReceiverCore:
-    def __init__(self, layout: KVLayout, pool: np.ndarray, *, shm: wire.ShmDescriptor | None,
+    def __init__(self, layout: KVLayout, pool: Any, *, shm: wire.ShmDescriptor | None,
                  grace_s: float, max_frame_bytes: int, faults: FaultConfig,
                  wake: Callable[[], None], clock: Callable[[], float] = time.monotonic) -> None:
         self.layout = layout
-        self.pool = pool
-        self.num_blocks = check_pool(layout, pool)
+        # A device pool (anything but numpy) is handled through cupy, see cuda_ipc.py.
+        self._ops = pool_ops(pool)
+        self.pool = self._ops.array
+        self.num_blocks = check_pool(layout, self.pool)
         self.shm = shm
         self.grace_s = grace_s
         self.max_frame_bytes = max_frame_bytes
@@ -93,7 +96,6 @@ class ReceiverCore:
         self._pending: dict[str, tuple[bytes, wire.Claim, float]] = {}
         self._outbox: list[tuple[bytes, wire.Message]] = []
         self._malformed = self._rejected = self._completed = 0
-        self._words = pool_words(pool)  # for verifying shared-memory chunks in place
 
     # ---------------------------------------------------------------- worker API
     def expect(self, transfer_id: str, request_id: str, dst_block_ids: Sequence[int],
@@ -234,24 +236,23 @@ class ReceiverCore:
                 self._fail(res, problem)
             return
         assert res is not None
-        n_layers = msg.layer_end - msg.layer_start
-        data: np.ndarray | None = None
-        if frame is not None:
-            data = np.frombuffer(frame, dtype=self.pool.dtype).reshape(
-                (n_layers, 2, len(msg.dst_block_ids)) + self.pool.shape[3:])
-            sums = row_sums(data, frame_rows(n_layers, len(msg.dst_block_ids)))
-        else:  # shared memory: the bytes are already in our pool; verify them there
-            sums = block_row_sums(self._words, msg.layer_start, msg.layer_end,
-                                  msg.dst_block_ids)
-        if digest(sums) != msg.checksum:
-            self._fail(res, f"checksum mismatch in layers {msg.layer_start}..{msg.layer_end - 1}")
-            return
         now = self._clock()
         self._expire(res, now)
         if res.state.terminal or res.state is TransferState.CANCELLING or now >= res.deadline:
             return  # too late: never write into a reservation that is over
-        if data is not None:
-            scatter(self.pool, msg.layer_start, msg.layer_end, msg.dst_block_ids, data)
+        l0, l1, ids = msg.layer_start, msg.layer_end, msg.dst_block_ids
+        if frame is not None:
+            # Verify while scattering (one pass over the frame): the blocks are reserved
+            # for this transfer and nothing reads them before COMPLETE, so a bad frame
+            # only fails the transfer.
+            data = np.frombuffer(frame, dtype=self.pool.dtype).reshape(
+                (l1 - l0, 2, len(ids)) + self.pool.shape[3:])
+            sums = scatter_with_sums(self.pool, l0, l1, ids, data)
+        else:  # shared memory: the bytes are already in our pool; verify them there
+            sums = self._ops.row_sums(l0, l1, ids)
+        if digest(sums) != msg.checksum:
+            self._fail(res, f"checksum mismatch in layers {l0}..{l1 - 1}")
+            return
         cols = [res.index[b] for b in msg.dst_block_ids]
         res.covered[msg.layer_start:msg.layer_end, cols] = True
         if res.covered.all():
@@ -279,6 +280,8 @@ class ReceiverCore:
             return f"frame has {frame.nbytes} bytes, header declares {msg.nbytes}"
         if not msg.inline and self.shm is None:
             return "shared-memory chunk but this pool is not shared"
+        if msg.inline and self._ops.on_device:
+            return "inline frames into a device pool are not supported"
         if msg.compat_hash != self.layout.compat_hash:
             return "compatibility hash mismatch"
         if res is None:

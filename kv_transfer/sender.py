@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import zmq
@@ -36,22 +37,22 @@ from kv_transfer.blocks import (
     ChunkSpan,
     check_block_ids,
     check_pool,
-    copy_blocks,
     frame_nbytes,
-    frame_rows,
-    gather,
+    gather_with_sums,
     plan_chunks,
 )
-from kv_transfer.checksum import block_row_sums, digest, pool_words, row_sums
+from kv_transfer.checksum import digest
+from kv_transfer.cuda_ipc import CudaPool, attach_cuda_pool, is_cuda_descriptor
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import Link, LinkFactory, Parts, StagingBuffers, Waker
+from kv_transfer.pool_ops import PoolOps, pool_ops
 from kv_transfer.shm_pool import ShmPool, attach_shm_pool
 from pdserve.kv_layout import KVLayout
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 # A shared-memory chunk is a unit of verification (and of the write-deadline check).
 DEFAULT_SHM_CHUNK_BYTES = 4 << 20
-SHM_PREFIX = "shm+"
+DIRECT_PREFIXES = ("shm+", "cuda+")
 IDLE_POLL_MS = 20
 MAX_BYTES_PER_ROUND = 32 << 20  # bound one service round so replies are read promptly
 
@@ -78,11 +79,12 @@ class _Transfer:
 class _Peer:
     address: str
     link: Link
-    want_shm: bool
+    want_direct: bool  # shm+ / cuda+ address: write into the receiver's pool directly
     ready: bool = False
     refused: str = ""
     max_frame: int = wire.DEFAULT_MAX_FRAME_BYTES
-    shm: ShmPool | None = None
+    direct: ShmPool | CudaPool | None = None  # the receiver's pool, mapped here
+    direct_ops: PoolOps | None = None
     control: deque[Parts] = field(default_factory=deque)
     blocked: tuple[Parts, np.ndarray | None] | None = None  # a message that would block
 
@@ -90,13 +92,15 @@ class _Peer:
 class Sender:
     """Implements `kv_transfer.api.KVSender` over any `LinkFactory`."""
 
-    def __init__(self, layout: KVLayout, pool: np.ndarray, *, links: LinkFactory,
+    def __init__(self, layout: KVLayout, pool: Any, *, links: LinkFactory,
                  faults: FaultConfig | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  shm_chunk_bytes: int = DEFAULT_SHM_CHUNK_BYTES,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.layout = layout
-        self.pool = pool
-        self.num_blocks = check_pool(layout, pool)
+        # A device pool (anything but numpy) is handled through cupy, see cuda_ipc.py.
+        self._ops = pool_ops(pool)
+        self.pool = self._ops.array
+        self.num_blocks = check_pool(layout, self.pool)
         self.faults = FaultConfig.from_env() if faults is None else faults
         self.chunk_bytes = chunk_bytes
         self.shm_chunk_bytes = shm_chunk_bytes
@@ -107,7 +111,6 @@ class Sender:
         self._peers: dict[str, _Peer] = {}  # I/O thread only
         self._chunks_made = 0  # I/O thread only; numbers chunks for fault injection
         self._staging = StagingBuffers()  # I/O thread only
-        self._words = pool_words(pool)
         self._waker = Waker()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-sender-io", daemon=True)
@@ -236,8 +239,8 @@ class Sender:
         for peer in self._peers.values():
             self._flush_control(peer)
             peer.link.close()
-            if peer.shm is not None:
-                peer.shm.close()
+            if peer.direct is not None:
+                peer.direct.close()
 
     def _service(self) -> bool:
         """One round of work; True if data is still waiting to be sent."""
@@ -255,6 +258,8 @@ class Sender:
             for t in transfers:
                 self._expire(t, now)
         for t in transfers:
+            if t.state.terminal and not t.abort_pending:
+                continue  # nothing left to say about it; never reconnect for it
             peer = self._peers.get(t.peer) or self._open_peer(t)
             if peer is None:
                 continue
@@ -271,15 +276,15 @@ class Sender:
                     peer.control.append([wire.encode(wire.Claim(
                         t.transfer_id, t.request_id, self.layout.compat_hash, t.dst_ids))])
                 elif t.granted:
-                    limit = self.shm_chunk_bytes if peer.shm else min(
+                    limit = self.shm_chunk_bytes if peer.direct_ops else min(
                         self.chunk_bytes, peer.max_frame)
                     while t.pending_layers:
                         l0, l1 = t.pending_layers.popleft()
                         t.spans.extend(plan_chunks(self.layout, len(t.src_ids), l0, l1, limit))
 
     def _open_peer(self, t: _Transfer) -> _Peer | None:
-        want_shm = t.peer.startswith(SHM_PREFIX)
-        endpoint = t.peer[len(SHM_PREFIX):] if want_shm else t.peer
+        want_direct = t.peer.startswith(DIRECT_PREFIXES)
+        endpoint = t.peer.split("+", 1)[1] if want_direct else t.peer
         try:
             link = self._links.open(endpoint, self._waker.wake)
         except (ValueError, zmq.ZMQError) as exc:
@@ -288,7 +293,7 @@ class Sender:
                     self._end(t, TransferState.FAILED, f"cannot connect to {t.peer}: {exc}")
                     t.abort_pending = False
             return None
-        peer = _Peer(t.peer, link, want_shm)
+        peer = _Peer(t.peer, link, want_direct)
         peer.control.append([wire.encode(wire.Hello(self.layout.compat_hash))])
         self._peers[t.peer] = peer
         return peer
@@ -355,18 +360,17 @@ class Sender:
             if index == self.faults.drop_chunk:
                 return None
             buffer: np.ndarray | None = None
-            if peer.shm is not None:
+            if peer.direct_ops is not None:
                 if self._clock() >= t.write_deadline:
                     self._end(t, TransferState.FAILED, "write deadline passed before the copy")
                     return None
-                checksum = digest(block_row_sums(self._words, l0, l1, src))
-                copy_blocks(self.pool, peer.shm.array, l0, l1, src, dst)
+                checksum = digest(self._ops.copy_to(peer.direct_ops, l0, l1, src, dst))
                 if index == self.faults.corrupt_chunk:
-                    peer.shm.array[l0, 0, dst[0]].reshape(-1).view(np.uint8)[0] ^= 0xFF
+                    peer.direct_ops.flip_byte(l0, dst[0])
             else:
                 buffer = self._staging.take(nbytes)
-                frame = gather(self.pool, l0, l1, src, buffer)
-                checksum = digest(row_sums(frame, frame_rows(l1 - l0, len(src))))
+                _, sums = gather_with_sums(self.pool, l0, l1, src, buffer)
+                checksum = digest(sums)
                 if index == self.faults.corrupt_chunk:
                     buffer[nbytes // 2] ^= 0xFF
         header = wire.encode(wire.Chunk(t.transfer_id, t.request_id, self.layout.compat_hash,
@@ -405,9 +409,22 @@ class Sender:
                 f"compatibility hash mismatch: sender {mine} != receiver {msg.compat_hash}")
             return
         peer.max_frame = msg.max_frame_bytes
-        if peer.want_shm and msg.shm is not None:
+        if peer.want_direct and msg.shm is not None:
             try:
-                peer.shm = attach_shm_pool(self.layout, msg.shm)
-            except (OSError, ValueError):
-                peer.shm = None  # another host or namespace: fall back to inline frames
+                peer.direct = self._attach(msg.shm)
+                peer.direct_ops = pool_ops(peer.direct.array)
+            except (OSError, ValueError, ImportError, RuntimeError):
+                peer.direct = None  # another host or namespace: fall back to inline frames
+        if self._ops.on_device and peer.direct_ops is None:
+            peer.refused = "a device pool can only be sent to a cuda+ receiver on this host"
+            return
         peer.ready = True
+
+    def _attach(self, descriptor: wire.ShmDescriptor) -> ShmPool | CudaPool:
+        if is_cuda_descriptor(descriptor):
+            if not self._ops.on_device:
+                raise ValueError("host pool cannot write into a device pool")
+            return attach_cuda_pool(self.layout, descriptor)
+        if self._ops.on_device:
+            raise ValueError("device pool cannot write into a host pool")
+        return attach_shm_pool(self.layout, descriptor)

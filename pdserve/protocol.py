@@ -317,15 +317,20 @@ def _delta_to_dict(d: TokenDelta) -> dict[str, Any]:
     }
 
 
-def encode(msg: Message) -> bytes:
-    """One msgpack frame for `msg`."""
+def encode_fields(msg: Message) -> dict[str, Any]:
+    """The message body as plain msgpack-native data."""
     body: dict[str, Any] = {}
     for f in fields(msg):
         v = getattr(msg, f.name)
         if isinstance(msg, TokenBatch) and f.name == "deltas":
             v = [_delta_to_dict(d) for d in v]
         body[f.name] = v
-    data: bytes = msgpack.packb([MAGIC, VERSION, msg.TAG, body], use_bin_type=True)
+    return body
+
+
+def encode(msg: Message) -> bytes:
+    """One msgpack frame for `msg`."""
+    data: bytes = msgpack.packb([MAGIC, VERSION, msg.TAG, encode_fields(msg)], use_bin_type=True)
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"{msg.TAG} message of {len(data)} bytes exceeds the cap")
     return data

@@ -88,7 +88,11 @@ def sse(url: str, body: dict[str, Any], timeout: float = 60.0) -> list[Any]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})  # fmt: skip
     events: list[Any] = []
-    with urllib.request.urlopen(req, timeout=timeout) as r:
+    try:
+        r = urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        raise AssertionError(f"HTTP {e.code}: {e.read()[:500]!r}") from None
+    with r:
         for line in r:
             line = line.strip()
             if line.startswith(b"data: "):
@@ -116,7 +120,7 @@ class Cluster:
 
     def start_gateway(self, *extra: str) -> None:
         self.gateway = start("gateway", ["gateway", "--port", str(self.port), "--control-port",
-                                         str(self.control_port), "--heartbeat-timeout", "1.5", *extra],
+                                         str(self.control_port), "--heartbeat-timeout", "3.0", *extra],
                              self.log_dir)  # fmt: skip
         self._wait(lambda: http("GET", f"{self.url}/health", timeout=2)[0] == 200, "gateway /health")
 

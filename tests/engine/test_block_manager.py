@@ -3,12 +3,27 @@ that also models block *contents* to prove cached/shared blocks hold the right t
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine.block_manager import NO_HIT, BlockCopy, BlockManager
+
+
+def test_bookkeeping_modules_import_no_torch() -> None:
+    code = (
+        "import sys, engine.block_manager, engine.scheduler, engine.sequence;"
+        "print('torch' in sys.modules)"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
 
 
 def _ok(bm: BlockManager) -> None:

@@ -250,3 +250,56 @@ def test_layer_hook_runs_after_each_layers_kv_is_written(
     runner.execute([SeqChunk(list(range(3, 23)), 0, blocks, True)], layer_hook=hook)
     n = runner.model_config.num_layers
     assert seen == [(i, True, False) for i in range(n)]
+
+
+# Half precision: HF run in the same dtype on the same device. Differences come
+# from kernel choice only; observed 0 on CPU, bounded loosely for GPU kernels.
+HALF_LOGIT_ATOL = 5e-2
+HALF_TOKENS = 32
+
+
+def _devices() -> list[object]:
+    return [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ]
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_half_precision_matches_hf_same_dtype(
+    tiny_model_dir: Callable[..., Path], family: str, dtype: str, device: str
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    d = tiny_model_dir(family)
+    cfg = EngineConfig(
+        model_dir=str(d), dtype=dtype, device=device, cache=CacheConfig(num_blocks=64)
+    )
+    runner = ModelRunner(cfg)
+    assert runner.pool.kv.dtype == getattr(torch, dtype)
+    hf = AutoModelForCausalLM.from_pretrained(
+        d, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+    )
+    hf = hf.to(device).eval()
+    hf.generation_config.eos_token_id = None
+    prompt = prompt_of(21, runner.model_config.vocab_size)
+    out = hf.generate(
+        torch.tensor([prompt], device=device),
+        do_sample=False,
+        max_new_tokens=HALF_TOKENS,
+        return_dict_in_generate=True,
+        output_logits=True,
+        pad_token_id=0,
+    )
+    tokens, logits = greedy(runner, prompt, new_tokens=HALF_TOKENS)
+    ref_logits = torch.cat(out.logits).float()
+    torch.testing.assert_close(logits[0], ref_logits[0], atol=HALF_LOGIT_ATOL, rtol=0)
+    assert tokens == out.sequences[0, len(prompt) :].tolist()

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kv_transfer.api import TransferState
-from kv_transfer.faults import FaultConfig
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
+from kv_transfer.faults import FaultConfig
 from kv_transfer.links import ZmqLinkFactory
 from kv_transfer.receiver import ZmqReceiver
 from kv_transfer.sender import Sender

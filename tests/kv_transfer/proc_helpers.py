@@ -38,3 +38,20 @@ def idle_receiver(transport: str, events: Queue) -> None:
         receiver.expect("t", "r", list(range(1, NUM_BLOCKS + 1)), lease_s=60)
         events.put(receiver.address)
         time.sleep(60)
+
+
+def cuda_receiver(events: Queue, results: Queue, dst_ids: list[int], lease_s: float) -> None:
+    """Decode worker with a CUDA IPC pool: report the final state and the received blocks."""
+    from kv_transfer.cuda_ipc import create_cuda_pool
+
+    pool = create_cuda_pool(TINY, NUM_BLOCKS + 1)
+    with ZmqReceiver(TINY, pool, transport="cuda") as receiver:
+        receiver.expect("t", "r", dst_ids, lease_s=lease_s)
+        events.put(receiver.address)
+        end = time.monotonic() + lease_s + 5
+        while not receiver.poll("t").terminal and time.monotonic() < end:
+            time.sleep(0.005)
+        state = receiver.poll("t")
+        results.put((state.name, receiver.reason("t"),
+                     pool.array[:, :, dst_ids].get().tobytes()))
+    pool.close()

@@ -39,7 +39,7 @@ def _inline_chunk(core: ReceiverCore, layer: int, src: np.ndarray) -> None:
     frame = gather(src, layer, layer + 1, [1, 2])
     header = wire.Chunk("t", "r", TINY.compat_hash, (2, 3), layer, layer + 1, frame.nbytes,
                         frame_checksum(frame, frame_rows(1, 2)), True)
-    core.handle(b"p", wire.encode(header), memoryview(frame).cast("B"))
+    core.handle(b"p", wire.encode(header), frame.reshape(-1).view(np.uint8).data)
 
 
 def test_inline_lease_expiry_is_immediate_and_blocks_later_writes() -> None:

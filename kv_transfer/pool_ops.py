@@ -1,0 +1,65 @@
+"""What the transfer layer does to a pool in place, for host (numpy) and device pools.
+
+`pool_ops(array)` returns `HostPoolOps` for a numpy pool; any other array (a
+cupy array, e.g. a torch CUDA pool seen through DLPack) gets the CUDA
+implementation from `kv_transfer.cuda_ipc`, imported only then, so CPU-only
+installs never import cupy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from kv_transfer.blocks import copy_blocks_with_sums
+from kv_transfer.checksum import block_row_sums, pool_words
+
+
+class PoolOps(Protocol):
+    array: Any
+    on_device: bool
+
+    def row_sums(self, l0: int, l1: int, ids: Sequence[int]) -> np.ndarray:
+        """Host array of per-row uint64 sums of layers [l0, l1) of `ids`, in frame row order."""
+        ...
+
+    def copy_to(self, dst: PoolOps, l0: int, l1: int, src_ids: Sequence[int],
+                dst_ids: Sequence[int]) -> np.ndarray:
+        """Copy blocks into another pool of the same kind (complete when this returns);
+        returns the source's `row_sums` of those blocks."""
+        ...
+
+    def flip_byte(self, layer: int, block: int) -> None:
+        """Fault injection: corrupt one byte of a block."""
+        ...
+
+
+class HostPoolOps:
+    on_device = False
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self._words = pool_words(array)
+
+    def row_sums(self, l0: int, l1: int, ids: Sequence[int]) -> np.ndarray:
+        return block_row_sums(self._words, l0, l1, ids)
+
+    def copy_to(self, dst: PoolOps, l0: int, l1: int, src_ids: Sequence[int],
+                dst_ids: Sequence[int]) -> np.ndarray:
+        if dst.on_device:
+            raise ValueError("cannot copy a host pool into a device pool directly")
+        return copy_blocks_with_sums(self.array, dst.array, self._words, l0, l1, src_ids,
+                                     dst_ids)
+
+    def flip_byte(self, layer: int, block: int) -> None:
+        self.array[layer, 0, block].reshape(-1).view(np.uint8)[0] ^= 0xFF
+
+
+def pool_ops(array: Any) -> PoolOps:
+    if isinstance(array, np.ndarray):
+        return HostPoolOps(array)
+    from kv_transfer.cuda_ipc import DevicePoolOps
+
+    return DevicePoolOps(array)

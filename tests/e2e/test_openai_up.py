@@ -1,0 +1,89 @@
+"""The official `openai` client against `pdserve up` (gateway + 1P + 1D as real processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import ROOT, _env
+from tests.e2e.conftest import Reference
+from pdserve.transport import free_port
+
+
+@pytest.fixture(scope="module")
+def up_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("up") / "up.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--num-blocks", "256", "--threads", "1"],
+            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=out, start_new_session=True,
+        )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()  # blocks until ready (or exit)
+        assert line.startswith("pdserve ready at "), f"{line!r}\n{log.read_text()[-3000:]}"
+        yield line.split()[-1]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+        assert rc == 0, log.read_text()[-3000:]
+        leftover = ["?"]
+        for _ in range(100):  # helpers (e.g. multiprocessing's resource tracker) exit shortly after
+            leftover = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+            if not leftover:
+                break
+            time.sleep(0.1)
+        assert leftover == [], "pdserve up left processes behind"
+
+
+def test_openai_client_against_up(up_url: str, reference: Reference) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=up_url, api_key="unused")
+    models = client.models.list()
+    model = models.data[0].id
+    assert model == reference.model_name
+
+    prompt = "The gateway speaks"
+    want = reference.text(reference.generate(reference.completion_ids(prompt), max_tokens=10, temperature=0.0)[0])
+    comp = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0)
+    assert comp.choices[0].text == want
+    assert comp.usage is not None and comp.usage.completion_tokens == 10
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, stream=True)
+        if ch.choices
+    )  # fmt: skip
+    assert streamed == want
+
+    messages = [{"role": "user", "content": "Hello there"}]
+    want_chat = reference.text(reference.generate(reference.chat_ids(messages), max_tokens=8, temperature=0.0)[0])
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    assert chat.choices[0].message.content == want_chat
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    chunks = list(client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
+    ))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+    seeded = [
+        client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=1.0, seed=99).choices[0].text
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1]
+    want_seeded = reference.generate(reference.completion_ids(prompt), max_tokens=12, temperature=1.0, seed=99)[0]
+    assert seeded[0] == reference.text(want_seeded)

@@ -1,0 +1,98 @@
+"""Control-plane messages: round trips, strict rejection, and fuzzed decoding."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve import protocol as p
+
+SAMPLES: list[p.Message] = [
+    p.RegisterWorker("d-1", "decode", "host|boot", "shm+tcp://127.0.0.1:5", "psm_x", "abcd", 511, 16, 9000, 42),
+    p.RegisterAck("d-1", False, "unknown worker"),
+    p.Heartbeat("d-1", 10, 400, 511, 3, 1, {"llm_kv_cache_usage_ratio": 0.25}),
+    p.Deregister("d-1", final=False, reason="draining"),
+    p.DecodeReserve("r#1", "x1", [1, 2, 3], {"max_tokens": 4, "stop_token_ids": [7]}, 0),
+    p.ReserveResult("r#1", "x1", [5, 6]),
+    p.ReserveResult("r#1", "x1", [], refused="full"),
+    p.PrefillRequest("r#1", [1, 2], {"n": 2}, "x1", "d-1", "h", "tcp://127.0.0.1:1", "", [5], 3),
+    p.RunRequest("r#1", [1, 2], {"seed": 3}),
+    p.FirstToken("r#1", "x1", [9, 8], [None, "stop"], [[9, -0.5, [[9, -0.5]]], None], 16, {"prefill_compute": 0.1}),
+    p.StartDecode("r#1", "x1", [9, 8], [None, None]),
+    p.TokenBatch("d-1", [p.TokenDelta("r#1", 0, [4, 5], None, None), p.TokenDelta("r#2", 1, [6], None, "length", 3)]),
+    p.Abort(["r#1", "r#2"], "client gone"),
+    p.RequestFailed("r#1", "kv transfer failed", True, "x1"),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: p.Message) -> None:
+    assert p.decode(p.encode(msg)) == msg
+
+
+def _frame(tag: object, body: object, version: object = p.VERSION, magic: object = p.MAGIC) -> bytes:
+    return msgpack.packb([magic, version, tag, body], use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        b"\x00\x01garbage",
+        _frame("abort", {"request_ids": ["a"]}, version=2),
+        _frame("abort", {"request_ids": ["a"]}, magic="nope"),
+        _frame("no_such_type", {}),
+        _frame("abort", {"request_ids": ["a"], "extra": 1}),  # unknown field
+        _frame("abort", {}),  # missing field
+        _frame("abort", {"request_ids": "a"}),  # wrong type
+        _frame("abort", {"request_ids": [1]}),
+        _frame("reserve_result", {"request_id": "r", "transfer_id": "t", "block_ids": [True]}),
+        _frame("register", {**p.encode_fields(SAMPLES[0]), "role": "attacker"}),
+        _frame("tokens", {"worker_id": "w", "deltas": [{"request_id": "r"}]}),
+        _frame("abort", {"request_ids": ["a"], "reason": b"bytes are never accepted"}),
+        msgpack.packb([p.MAGIC, p.VERSION, "abort", {"request_ids": ["a"] * (p.MAX_LIST_LEN + 1)}]),
+    ],
+)
+def test_malformed_frames_are_rejected(frame: bytes) -> None:
+    with pytest.raises(p.ProtocolError):
+        p.decode(frame)
+
+
+def test_oversized_frame_rejected_before_unpacking() -> None:
+    with pytest.raises(p.ProtocolError, match="exceeds"):
+        p.decode(b"\x00" * (p.MAX_MESSAGE_BYTES + 1))
+
+
+def test_declared_sizes_are_not_trusted() -> None:
+    # An array header declaring 2**31 elements with no data must fail fast, allocating nothing.
+    frame = b"\x94\xa4pdsv\x01\xa5abort\x81\xabrequest_ids\xdd\x7f\xff\xff\xff"
+    with pytest.raises(p.ProtocolError):
+        p.decode(frame)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_fuzz_random_bytes_only_raise_protocol_error(data: bytes) -> None:
+    try:
+        p.decode(data)
+    except p.ProtocolError:
+        pass
+
+
+_plain = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=8) | st.binary(max_size=4),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([c.TAG for c in p.MESSAGE_TYPES]), st.dictionaries(st.text(max_size=14), _plain, max_size=6))
+def test_fuzz_structured_bodies_only_raise_protocol_error(tag: str, body: dict) -> None:
+    try:
+        msg = p.decode(_frame(tag, body))
+    except p.ProtocolError:
+        return
+    assert p.decode(p.encode(msg)) == msg

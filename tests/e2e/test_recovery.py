@@ -1,0 +1,101 @@
+"""Worker deaths mid-request: streams continue on the survivors with nothing lost
+or repeated, and greedy text equals the undisturbed run."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import signal
+import threading
+import time
+from pathlib import Path
+
+from tests.e2e.cluster import Cluster, http, sse
+from tests.e2e.conftest import Reference
+
+LONG = 160
+
+
+def _cluster(log_dir: Path, prefill: int, decode: int) -> Cluster:
+    c = Cluster(log_dir)
+    c.start_gateway("--heartbeat-timeout", "1.5")
+    for _ in range(prefill):
+        c.add_worker("prefill")
+    for _ in range(decode):
+        c.add_worker("decode")
+    c.wait_roles(prefill=prefill, decode=decode)
+    return c
+
+
+def test_kill_decode_mid_stream_all_streams_complete_identically(log_dir: Path, reference: Reference) -> None:
+    c = _cluster(log_dir, prefill=1, decode=2)
+    try:
+        prompts = [f"Stream {i} keeps going and going" for i in range(8)]
+        progress = [0] * 8
+        lock = threading.Lock()
+
+        def run(i: int) -> str:
+            import json
+            import urllib.request
+
+            body = {"model": reference.model_name, "prompt": prompts[i], "max_tokens": LONG, "temperature": 0,
+                    "stream": True, "ignore_eos": True}  # fmt: skip
+            req = urllib.request.Request(f"{c.url}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+            text = []
+            with urllib.request.urlopen(req, timeout=120) as r:
+                for line in r:
+                    if line.startswith(b"data: {"):
+                        ev = json.loads(line[6:])
+                        assert "error" not in ev, ev
+                        text += [ch["text"] for ch in ev.get("choices", [])]
+                        with lock:
+                            progress[i] += 1
+            return "".join(text)
+
+        with cf.ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(run, i) for i in range(8)]
+            deadline = time.monotonic() + 60
+            while min(progress) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            decodes = [w for w in c.worker_list() if w["role"] == "decode"]
+            victim_info = max(decodes, key=lambda w: w["inflight_requests"])
+            victim = next(p for p in c.workers if p.popen.pid == victim_info["pid"])
+            victim.signal(signal.SIGKILL)
+            killed_at = min(progress)
+            texts = [f.result(timeout=120) for f in futures]
+        assert killed_at < LONG, "streams finished before the kill: the test proved nothing"
+        for i, text in enumerate(texts):
+            want = reference.generate(reference.completion_ids(prompts[i]), max_tokens=LONG, temperature=0.0, ignore_eos=True)[0]
+            assert text == reference.text(want), f"stream {i}"
+        c.wait_roles(prefill=1, decode=1)
+        c.wait_idle()
+    finally:
+        c.stop()
+
+
+def test_kill_prefill_requests_resent(log_dir: Path, reference: Reference) -> None:
+    c = _cluster(log_dir, prefill=2, decode=1)
+    try:
+        prompt = "queued " * 200
+
+        def run(i: int) -> str:
+            body = {"model": reference.model_name, "prompt": f"{i} {prompt}", "max_tokens": 4, "temperature": 0}
+            events = sse(f"{c.url}/v1/completions", {**body, "stream": True}, timeout=120)
+            assert events[-1] == "[DONE]"
+            assert not any("error" in e for e in events[:-1] if isinstance(e, dict)), events
+            return "".join(ch["text"] for e in events[:-1] for ch in e.get("choices", []))
+
+        with cf.ThreadPoolExecutor(12) as pool:
+            futures = [pool.submit(run, i) for i in range(12)]
+            time.sleep(0.05)
+            c.workers[0].signal(signal.SIGKILL)  # the first prefill worker
+            texts = [f.result(timeout=120) for f in futures]
+        for i in (0, 5, 11):
+            want = reference.generate(reference.completion_ids(f"{i} {prompt}"), max_tokens=4, temperature=0.0)[0]
+            assert texts[i] == reference.text(want)
+        c.wait_roles(prefill=1, decode=1)
+        status, _ = http("GET", f"{c.url}/ready")
+        assert status == 200
+        c.wait_idle()
+    finally:
+        c.stop()

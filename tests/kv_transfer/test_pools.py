@@ -1,0 +1,154 @@
+"""Shared-memory pools, the torch adapter, checksums, faults and interface parity."""
+
+from __future__ import annotations
+
+import inspect
+import multiprocessing
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_transfer import FakeReceiver, ZmqReceiver, make_receiver, make_sender
+from kv_transfer.api import KVReceiver, KVSender, TransferState
+from kv_transfer.blocks import frame_rows, gather, plan_chunks
+from kv_transfer.checksum import block_row_sums, frame_checksum, pool_words, row_sums
+from kv_transfer.faults import FaultConfig
+from kv_transfer.sender import Sender
+from kv_transfer.shm_pool import ShmPool, attach_shm_pool, create_shm_pool
+from kv_transfer.tensor_adapter import pool_array, shm_pool_tensor, tensor_from_array
+from kv_transfer.wire import ShmDescriptor
+from pdserve.kv_layout import KVLayout
+from tests.kv_transfer.harness import TINY, random_pool, same_bytes, wait_terminal
+
+
+def _child_writes(descriptor: ShmDescriptor) -> None:
+    pool = attach_shm_pool(TINY, descriptor)
+    pool.array[1, 1, 3] = 7.0
+    pool.close()
+
+
+def test_shm_pool_is_shared_across_processes_and_unlinked_by_its_owner() -> None:
+    pool = create_shm_pool(TINY, 8)
+    try:
+        assert pool.array.shape == TINY.pool_shape(8) and not pool.array.any()
+        assert str(multiprocessing.current_process().pid) in pool.descriptor.name
+        ctx = multiprocessing.get_context("spawn")
+        child = ctx.Process(target=_child_writes, args=(pool.descriptor,))
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0
+        assert (pool.array[1, 1, 3] == 7.0).all()
+        assert pool.array.sum() == 7.0 * TINY.block_elems_per_layer_kv
+    finally:
+        pool.close()
+        pool.unlink()
+    with pytest.raises(OSError):
+        attach_shm_pool(TINY, pool.descriptor)
+
+
+def test_shm_descriptor_must_match_the_layout() -> None:
+    with create_shm_pool(TINY, 4) as pool:
+        other = KVLayout("x", 3, 2, 4, 4, "float16")
+        with pytest.raises(ValueError):
+            attach_shm_pool(other, pool.descriptor)
+        with pytest.raises(ValueError):
+            attach_shm_pool(TINY, ShmDescriptor("../etc/passwd", pool.descriptor.shape,
+                                                "float16"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_tensor_adapter_shares_memory(dtype: str) -> None:
+    layout = KVLayout("m", 2, 1, 4, 2, dtype)
+    tensor = torch.zeros(layout.pool_shape(3), dtype=getattr(torch, dtype))
+    array = pool_array(tensor)
+    tensor[1, 0, 2, 1, 0, 3] = 1.5
+    assert array.reshape(-1).view(np.uint8).any()
+    back = tensor_from_array(array, dtype)
+    assert back.dtype == tensor.dtype and back.data_ptr() == tensor.data_ptr()
+    with create_shm_pool(layout, 3) as pool:
+        view = shm_pool_tensor(pool, layout)
+        view[0, 1, 1] = 2.0
+        assert pool.array.reshape(-1).view(np.uint8).any()
+
+
+def test_engine_style_transfer_from_torch_pool_into_shm_torch_pool() -> None:
+    layout = KVLayout("m", 2, 2, 4, 2, "bfloat16")
+    src = torch.randn(layout.pool_shape(6)).to(torch.bfloat16)
+    with create_shm_pool(layout, 6) as shm:
+        dst = shm_pool_tensor(shm, layout)
+        receiver = make_receiver(layout, shm, "shm")
+        sender = make_sender(layout, pool_array(src))
+        try:
+            receiver.expect("t", "r", [5, 2], lease_s=10)
+            sender.begin("t", "r", receiver.address, [1, 4], [5, 2], lease_s=10)
+            sender.send_all("t")
+            assert wait_terminal(sender.poll, "t") is TransferState.COMPLETE
+            assert torch.equal(dst[:, :, [5, 2]], src[:, :, [1, 4]])
+        finally:
+            sender.close()
+            receiver.close()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 10_000), st.data())
+def test_checksum_detects_any_flipped_byte_and_swapped_blocks(seed: int,
+                                                             data: st.DataObject) -> None:
+    pool = random_pool(TINY, 6, seed)
+    ids = [4, 1, 3]
+    frame = gather(pool, 0, 3, ids)
+    rows = frame_rows(3, len(ids))
+    base = frame_checksum(frame, rows)
+    assert base == frame_checksum(gather(pool, 0, 3, ids), rows)
+    np.testing.assert_array_equal(block_row_sums(pool_words(pool), 0, 3, ids),
+                                  row_sums(frame, rows).reshape(3, 2, 3))
+    flipped = frame.copy()
+    raw = flipped.reshape(-1).view(np.uint8)
+    pos = data.draw(st.integers(0, raw.size - 1))
+    raw[pos] ^= data.draw(st.integers(1, 255))
+    assert frame_checksum(flipped, rows) != base
+    swapped = gather(pool, 0, 3, [1, 4, 3])
+    if not same_bytes(swapped, frame):
+        assert frame_checksum(swapped, rows) != base
+
+
+def test_chunk_plan_covers_every_layer_and_block_once() -> None:
+    for max_bytes in (1, 100, TINY.block_bytes_per_layer * 5, 1 << 20):
+        cover = np.zeros((TINY.num_layers, 13), int)
+        for span in plan_chunks(TINY, 13, 0, TINY.num_layers, max_bytes):
+            cover[span.layer_start:span.layer_end, span.first:span.last] += 1
+        assert (cover == 1).all()
+
+
+def test_fault_config_parses_env_and_rejects_unknown_keys() -> None:
+    env = {"PDSERVE_KV_FAULTS": "corrupt_chunk=2, delay_s=0.5,drop_acks=1"}
+    assert FaultConfig.from_env(env) == FaultConfig(corrupt_chunk=2, delay_s=0.5,
+                                                     drop_acks=True)
+    assert FaultConfig.from_env({}) == FaultConfig() and not FaultConfig().active
+    with pytest.raises(ValueError, match="unknown fault"):
+        FaultConfig.parse("explode=1")
+
+
+def _public(cls: type) -> dict[str, inspect.Signature]:
+    return {name: inspect.signature(fn) for name, fn in inspect.getmembers(cls)
+            if not name.startswith("_") and callable(fn)}
+
+
+@pytest.mark.parametrize("impl,proto", [(FakeReceiver, KVReceiver), (ZmqReceiver, KVReceiver),
+                                        (Sender, KVSender)])
+def test_implementations_match_the_interface(impl: type, proto: type) -> None:
+    """The fake and the real classes expose exactly the protocol's signatures."""
+    want = _public(proto)
+    have = _public(impl)
+    for name, sig in want.items():
+        assert name in have, f"{impl.__name__} lacks {name}"
+        assert list(have[name].parameters) == list(sig.parameters), name
+    if proto is KVReceiver:
+        assert isinstance(inspect.getattr_static(impl, "address"), property)
+    assert set(_public(FakeReceiver)) == set(_public(ZmqReceiver))
+
+
+def test_shm_pool_type_is_exported() -> None:
+    assert ShmPool.__module__ == "kv_transfer.shm_pool"
