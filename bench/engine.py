@@ -5,8 +5,8 @@
 For each model and batch size: prefill tokens/s (B prompts of `--prompt-len`
 tokens, time to the first token) and decode tokens/s (the next `--decode-tokens`
 tokens of each), for the engine (greedy, paged KV, continuous batching) and for
-`transformers.generate` with its own KV cache. Decode time for both is the total
-minus the prefill time. Ratio = engine / transformers (> 1: the engine is faster).
+`transformers.generate` with its own KV cache. Prefill = until the first token;
+decode = from the first token to the last. Ratio = engine / transformers (> 1: the engine is faster).
 """
 
 from __future__ import annotations
@@ -102,28 +102,27 @@ def engine_run(engine: LLMEngine, prompts: list[list[int]], decode_tokens: int) 
 
 
 def hf_run(model: Any, prompts: list[list[int]], decode_tokens: int) -> Throughput:
+    """One `generate` call; a logits processor timestamps every forward's end, so
+    prefill = start -> first forward, decode = first -> last forward (one run, no
+    subtraction of two noisy runs)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    stamps: list[float] = []
+
+    class _Stamp(LogitsProcessor):  # type: ignore[misc]
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            stamps.append(time.perf_counter())
+            return scores
+
     ids = torch.tensor(prompts)
-    mask = torch.ones_like(ids)
-
-    def gen(new: int) -> float:
-        t = time.perf_counter()
-        model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=False,
-            max_new_tokens=new,
-            min_new_tokens=new,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        return time.perf_counter() - t
-
-    t_prefill = gen(1)
-    t_total = gen(decode_tokens + 1)
-    n = len(prompts)
-    return Throughput(
-        n * ids.shape[1] / t_prefill, n * decode_tokens / max(t_total - t_prefill, 1e-9)
+    t0 = time.perf_counter()
+    model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+        max_new_tokens=decode_tokens + 1, min_new_tokens=decode_tokens + 1,
+        eos_token_id=None, pad_token_id=0, logits_processor=LogitsProcessorList([_Stamp()]),
     )
+    n = len(prompts)
+    return Throughput(n * ids.shape[1] / (stamps[0] - t0), n * decode_tokens / (stamps[-1] - stamps[0]))
 
 
 def bench_model(

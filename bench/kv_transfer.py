@@ -5,6 +5,9 @@ process (as in deployment); this process is the prefill side. One run = begin
 -> send_all -> the sender sees the receiver's ack of the complete, verified
 transfer: that is the per-request handoff latency. GB/s = KV bytes / latency.
 numpy memcpy GB/s of the same byte count is measured in the same run.
+"GB/s per CPU-s" = KV bytes / CPU seconds of the busier process (medians): what
+the pipeline would sustain with a core per side, and much less sensitive than
+wall time to other load on a shared machine.
 
     .venv/bin/python -m bench.kv_transfer                  # both shapes, all transports
     .venv/bin/python -m bench.kv_transfer --tokens 1024 --runs 3 --transports shm ipc
@@ -16,12 +19,15 @@ import argparse
 import multiprocessing
 import statistics
 import time
+import zlib
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
 from kv_transfer.api import TransferState
+from kv_transfer.checksum import frame_checksum
 from kv_transfer.links import ZmqLinkFactory
 from kv_transfer.receiver import ZmqReceiver
 from kv_transfer.sender import Sender
@@ -70,25 +76,50 @@ def receiver_main(shape: str, transport: str, num_blocks: int, conn: Connection)
         pool = create_cuda_pool(layout, num_blocks)
     with ZmqReceiver(layout, pool, transport=transport) as receiver:
         conn.send(receiver.address)
+        cpu0 = 0.0
         while True:
             cmd = conn.recv()
             if cmd[0] == "stop":
                 break
             if cmd[0] == "expect":
                 receiver.expect(cmd[1], "bench", cmd[2], lease_s=120)
-            else:
+                cpu0 = time.process_time()
+                conn.send("ok")
+            else:  # report success and this process's CPU seconds for the transfer
                 ok = receiver.poll(cmd[1]) is TransferState.COMPLETE
                 receiver.forget(cmd[1])
-                conn.send(ok)
-                continue
-            conn.send("ok")
+                conn.send((ok, time.process_time() - cpu0))
     if shm is not None:
         shm.close()
         shm.unlink()
 
 
-def bench_one(shape: str, transport: str, tokens: int, runs: int) -> tuple[float, float]:
-    """Median handoff latency (s) and GB/s of one transport and shape."""
+def checksum_gbps(nbytes: int, rows: int, repeats: int = 5) -> tuple[float, float]:
+    """GB/s of the frame checksum used on the wire, and of zlib.crc32, on `nbytes`."""
+    frame = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+    out = []
+    for fn in (lambda: frame_checksum(frame, rows), lambda: zlib.crc32(frame)):
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        out.append(nbytes / best / 1e9)
+    return out[0], out[1]
+
+
+WARMUP_RUNS = 2  # connect, handshake, map the peer's pool and fault in every page first
+
+
+@dataclass(frozen=True)
+class Result:
+    latency_s: float  # median wall time, begin -> sender sees the ack
+    gbps: float  # KV bytes / latency
+    cpu_gbps: float  # KV bytes / CPU seconds of the busier side (sender or receiver process)
+
+
+def bench_one(shape: str, transport: str, tokens: int, runs: int, chunk_bytes: int) -> Result:
+    """Median handoff latency and bandwidth of one transport and shape."""
     layout = SHAPES[shape]
     n = -(-tokens // layout.block_size)
     nbytes = n * layout.num_layers * layout.block_bytes_per_layer
@@ -106,57 +137,61 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int) -> tuple[float
     proc = ctx.Process(target=receiver_main, args=(shape, transport, n + 1, child))
     proc.start()
     address = parent.recv()
-    times = []
-    with Sender(layout, source, links=ZmqLinkFactory()) as sender:
-        for i in range(runs + 1):  # run 0 warms up connections and page mappings
+    times: list[float] = []
+    cpu: list[float] = []
+    with Sender(layout, source, links=ZmqLinkFactory(), chunk_bytes=chunk_bytes,
+                shm_chunk_bytes=chunk_bytes) as sender:
+        for i in range(runs + WARMUP_RUNS):
             tid = f"t{i}"
             parent.send(("expect", tid, dst_ids))
             parent.recv()
             t0 = time.perf_counter()
+            cpu0 = time.process_time()
             sender.begin(tid, "bench", address, src_ids, dst_ids, lease_s=120)
             sender.send_all(tid)
             while not (state := sender.poll(tid)).terminal:
                 time.sleep(0.001)
             elapsed = time.perf_counter() - t0
+            sender_cpu = time.process_time() - cpu0
             if state is not TransferState.COMPLETE:
                 raise RuntimeError(f"{transport}: {state.name}: {sender.reason(tid)}")
             sender.forget(tid)
             parent.send(("forget", tid))
-            if not parent.recv():
+            ok, receiver_cpu = parent.recv()
+            if not ok:
                 raise RuntimeError("receiver did not see COMPLETE")
-            if i:
+            if i >= WARMUP_RUNS:
                 times.append(elapsed)
+                cpu.append(max(sender_cpu, receiver_cpu))
     parent.send(("stop",))
     proc.join(30)
     median = statistics.median(times)
-    return median, nbytes / median / 1e9
+    return Result(median, nbytes / median / 1e9, nbytes / statistics.median(cpu) / 1e9)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--chunk-mib", type=float, default=8.0, help="frame / shm chunk size")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--transports", nargs="+", default=DEFAULT_TRANSPORTS, choices=TRANSPORTS)
     args = ap.parse_args()
-    print(
-        f"{'shape':<12} {'MiB':>7} {'transport':<9} {'latency ms':>11} {'GB/s':>7} "
-        f"{'memcpy GB/s':>12} {'% memcpy':>9}"
-    )
+    print(f"{'shape':<12} {'MiB':>7} {'transport':<9} {'latency ms':>11} {'GB/s':>7} "
+          f"{'memcpy GB/s':>12} {'% memcpy':>9} {'GB/s per CPU-s':>15}")
     for shape in args.shapes:
         layout = SHAPES[shape]
-        nbytes = (
-            -(-args.tokens // layout.block_size) * layout.block_size * layout.kv_bytes_per_token
-        )
+        blocks = -(-args.tokens // layout.block_size)
+        nbytes = blocks * layout.block_size * layout.kv_bytes_per_token
         for transport in args.transports:
-            latency, gbps = bench_one(shape, transport, args.tokens, args.runs)
+            r = bench_one(shape, transport, args.tokens, args.runs, int(args.chunk_mib * 2**20))
             copy = memcpy_gbps(nbytes, device=transport == "cuda")
-            print(
-                f"{shape:<12} {nbytes / 2**20:>7.1f} {transport:<9} {latency * 1e3:>11.2f} "
-                f"{gbps:>7.2f} {copy:>12.2f} {100 * gbps / copy:>8.0f}%",
-                flush=True,
-            )
-
+            print(f"{shape:<12} {nbytes / 2**20:>7.1f} {transport:<9} {r.latency_s * 1e3:>11.2f} "
+                  f"{r.gbps:>7.2f} {copy:>12.2f} {100 * r.gbps / copy:>8.0f}% "
+                  f"{r.cpu_gbps:>15.2f}", flush=True)
+        ours, crc = checksum_gbps(nbytes, blocks * layout.num_layers * 2)
+        print(f"{shape:<12} checksum (row sums + blake2b): {ours:.2f} GB/s; zlib.crc32: {crc:.2f} GB/s; "
+              f"memcpy: {memcpy_gbps(nbytes):.2f} GB/s", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -51,10 +51,9 @@ def build_node(engine_cfg: EngineConfig, opts: WorkerOptions, worker_id: str, ch
         engine, runner = build_engine(engine_cfg)
         return ColocatedNode(worker_id, engine, runner, send, metrics), []
     if opts.role == "prefill":
-        from prefill_node.node import PrefillNode
-
         from kv_transfer.links import ZmqLinkFactory
         from kv_transfer.sender import Sender
+        from prefill_node.node import PrefillNode
 
         engine, runner = build_engine(engine_cfg)
         sender = Sender(runner.layout, pool_array(runner), links=ZmqLinkFactory())

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+from decode_node.faults import FaultInjector, WorkerFaults
 from decode_node.worker_metrics import MetricsServer, WorkerMetrics
 from pdserve import protocol as p
 from pdserve.transport import LOOPBACK, WorkerChannel, host_id
@@ -95,6 +96,7 @@ class WorkerRuntime:
         self._stop_requested = False
         self._last_tick = time.monotonic()
         self._hb_stop = threading.Event()
+        self.faults = FaultInjector(WorkerFaults.from_env())
 
     def request_stop(self, *_: Any) -> None:
         self._stop_requested = True
@@ -142,8 +144,10 @@ class WorkerRuntime:
                     log.warning("gateway does not know us (%s); registering again", msg.reason)
                     self._register(node, metrics_port)
             else:
+                self.faults.on_message(msg)
                 node.handle(msg)
         worked = node.step()
+        self.faults.after_step(worked)
         self._last_tick = time.monotonic()
         if not worked:
             self.channel.wait(self.config.idle_wait_ms)

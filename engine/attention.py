@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.runner_types import SeqChunk
+from pdserve.kv_layout import NULL_BLOCK
 
 
 @dataclass(frozen=True)
@@ -139,10 +140,12 @@ def _decode_batch(
     ctx = [c.start_pos + 1 for c in dec]
     max_ctx = max(ctx)
     max_blocks = (max_ctx + block_size - 1) // block_size
-    tables = [
-        c.block_table[:max_blocks] + [0] * (max_blocks - len(c.block_table[:max_blocks]))
-        for c in dec
-    ]
+    tables = []
+    for c, n in zip(dec, ctx, strict=True):
+        # Only the blocks covering the context are read (entries past them may be
+        # stale); padding points at the null block and is masked out.
+        own = c.block_table[: (n + block_size - 1) // block_size]
+        tables.append(own + [NULL_BLOCK] * (max_blocks - len(own)))
     mask = None
     if min(ctx) != max_ctx:
         lens = torch.tensor(ctx, dtype=torch.long)

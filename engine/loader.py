@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
+from engine.kv_pool import TORCH_DTYPES
+from engine.model_config import ModelConfig, ModelConfigError
 from engine.models import MODEL_REGISTRY, LlamaForCausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -34,15 +35,9 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     if not d.is_dir():
         raise CheckpointError(f"model directory {d} does not exist")
     try:
-        cfg = ModelConfig.from_hf_dir(d)
+        return ModelConfig.from_hf_dir(d)
     except ModelConfigError as e:
         raise CheckpointError(str(e)) from e
-    if cfg.architecture not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(
-            f"unsupported architecture {cfg.architecture!r} in {d / 'config.json'}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    return cfg
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:
@@ -119,19 +114,26 @@ class _Tensors:
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str
+    model_dir: str | Path, dtype: torch.dtype | str, device: torch.device | str
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
-    """Build the model for `model_dir` and fill its weights; returns (config, model)."""
+    """Build the model for `model_dir` and fill its weights; returns (config, model).
+
+    `dtype` is a torch dtype or its name ("float32", "float16", "bfloat16").
+    """
     return load_model_with(model_dir, dtype, device, max_positions=None)
 
 
 def load_model_with(
     model_dir: str | Path,
-    dtype: torch.dtype,
+    dtype: torch.dtype | str,
     device: torch.device | str,
     max_positions: int | None,
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """`load_model` with RoPE tables sized for `max_positions` (default: the model's maximum)."""
+    if isinstance(dtype, str):
+        if dtype not in TORCH_DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(TORCH_DTYPES)}")
+        dtype = TORCH_DTYPES[dtype]
     d = Path(model_dir)
     cfg = load_config(d)
     files = weight_files(d)

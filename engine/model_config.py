@@ -22,8 +22,17 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 
+# Used when config.json has no "architectures" list.
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
 class ModelConfigError(ValueError):
-    """config.json is missing, unreadable or lacks a required field."""
+    """config.json is missing, unreadable, lacks a required field or names an unsupported model."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +123,15 @@ class ModelConfig:
         """Build from parsed config.json (and generation_config.json) dicts."""
         gen = gen or {}
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else str(cfg.get("model_type", "<none>"))
+        model_type = str(cfg.get("model_type", ""))
+        arch = (
+            str(archs[0]) if archs else _ARCH_BY_MODEL_TYPE.get(model_type, model_type or "<none>")
+        )
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelConfigError(
+                f"unsupported architecture {arch!r} in {source}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
 
         def need(key: str) -> Any:
             if key not in cfg or cfg[key] is None:
@@ -126,7 +143,6 @@ class ModelConfig:
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         theta, scaling = _parse_rope(cfg)
-        model_type = str(cfg.get("model_type", ""))
         is_qwen2 = model_type == "qwen2" or arch == "Qwen2ForCausalLM"
         is_mistral = model_type == "mistral" or arch == "MistralForCausalLM"
         # Mistral never has attention biases; Llama and Qwen3 put attention_bias on
@@ -141,7 +157,7 @@ class ModelConfig:
         bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
         dtype = cfg.get("torch_dtype") or cfg.get("dtype")
         return cls(
-            architecture=str(arch),
+            architecture=arch,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),

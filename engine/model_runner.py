@@ -40,7 +40,15 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
 
 
 class ModelRunner:
-    """Runs the model on a batch of SeqChunks over a paged KV pool."""
+    """Runs the model on a batch of SeqChunks over a paged KV pool.
+
+    Pool size: `kv_buffer` when given (shape `layout.pool_shape(n)` in the pool
+    dtype, or raw bytes; on the runner's device; the caller owns its memory), else
+    `cache.num_blocks`, else `cache.kv_cache_memory` bytes (default: CPU
+    DEFAULT_CPU_KV_BYTES, CUDA `gpu_memory_utilization` of free memory after the
+    weights) divided by the bytes of one block across all layers. `num_blocks`
+    counts the null block.
+    """
 
     def __init__(
         self,
@@ -66,6 +74,8 @@ class ModelRunner:
         self.layout: KVLayout = kv_layout(self.model_config, self.block_size, config.dtype)
         if kv_buffer is not None:
             self.pool = KVPool(self.layout, buffer=kv_buffer)
+            if self.pool.device.type != self.device.type:
+                raise ValueError(f"kv buffer is on {self.pool.device}, the model on {self.device}")
         else:
             self.pool = KVPool(self.layout, self._num_blocks_from_budget(), device=self.device)
         self.num_blocks = self.pool.num_blocks

@@ -58,6 +58,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
         self.config = config
         self.block_manager = block_manager
+        # Admission (the engine) rejects requests that could outgrow it and ends a
+        # sequence that reaches it, so no chunk ever crosses it.
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

@@ -281,9 +281,10 @@ class ClusterBackend:
                 for d in self._first_token(flight, ev):
                     yield d
             elif isinstance(ev, p.TokenDelta):
-                d = self._record(flight, ev.index, ev.token_ids, ev.finish_reason, ev.logprobs, ev.cached_tokens, ev.timings)
-                if d is not None:
-                    yield d
+                delta = self._record(flight, ev.index, ev.token_ids, ev.finish_reason, ev.logprobs,
+                                     ev.cached_tokens, ev.timings)  # fmt: skip
+                if delta is not None:
+                    yield delta
             else:
                 self._check_failure(flight, ev)
 

@@ -115,6 +115,15 @@ def copy_blocks(src: np.ndarray, dst: np.ndarray, l0: int, l1: int, src_ids: Seq
         dst[l0:l1, :, d] = src[l0:l1, :, s]
 
 
+FUSED_BYTES = 256 << 10  # copy then sum this much of a block at a time: the sum reads L2
+
+
+def _cache_layers(pool: np.ndarray) -> int:
+    """Layers of one block that fit FUSED_BYTES (K and V together), at least one."""
+    per_layer = 2 * int(np.prod(pool.shape[3:])) * pool.dtype.itemsize
+    return max(1, FUSED_BYTES // per_layer)
+
+
 def _frame_words(frame: np.ndarray) -> np.ndarray:
     """A frame (nl, 2, n, ...) as (nl, 2, n, words) of the checksum word type."""
     raw: np.ndarray = frame.reshape(tuple(frame.shape[:3]) + (-1,)).view(np.uint8)
@@ -129,9 +138,12 @@ def gather_with_sums(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int],
         shape)
     words = _frame_words(frame)
     sums = np.empty((l1 - l0, 2, len(ids)), np.uint64)
+    step = _cache_layers(pool)
     for j, b in enumerate(ids):
-        frame[:, :, j] = pool[l0:l1, :, b]
-        np.add.reduce(words[:, :, j], axis=-1, dtype=np.uint64, out=sums[:, :, j])
+        for a in range(0, l1 - l0, step):
+            z = min(a + step, l1 - l0)
+            frame[a:z, :, j] = pool[l0 + a:l0 + z, :, b]
+            np.add.reduce(words[a:z, :, j], axis=-1, dtype=np.uint64, out=sums[a:z, :, j])
     return frame, sums
 
 
@@ -140,9 +152,12 @@ def scatter_with_sums(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int],
     """`scatter`, returning the frame's row sums (each block summed, then copied from cache)."""
     words = _frame_words(frame)
     sums = np.empty((l1 - l0, 2, len(ids)), np.uint64)
+    step = _cache_layers(pool)
     for j, b in enumerate(ids):
-        np.add.reduce(words[:, :, j], axis=-1, dtype=np.uint64, out=sums[:, :, j])
-        pool[l0:l1, :, b] = frame[:, :, j]
+        for a in range(0, l1 - l0, step):
+            z = min(a + step, l1 - l0)
+            np.add.reduce(words[a:z, :, j], axis=-1, dtype=np.uint64, out=sums[a:z, :, j])
+            pool[l0 + a:l0 + z, :, b] = frame[a:z, :, j]
     return sums
 
 
@@ -150,7 +165,11 @@ def copy_blocks_with_sums(src: np.ndarray, dst: np.ndarray, src_words: np.ndarra
                           l1: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> np.ndarray:
     """`copy_blocks`, returning the source row sums (`src_words` = checksum.pool_words(src))."""
     sums = np.empty((l1 - l0, 2, len(src_ids)), np.uint64)
+    step = _cache_layers(src)
     for j, (s, d) in enumerate(zip(src_ids, dst_ids, strict=True)):
-        dst[l0:l1, :, d] = src[l0:l1, :, s]
-        np.add.reduce(src_words[l0:l1, :, s], axis=-1, dtype=np.uint64, out=sums[:, :, j])
+        for a in range(l0, l1, step):
+            z = min(a + step, l1)
+            dst[a:z, :, d] = src[a:z, :, s]
+            np.add.reduce(src_words[a:z, :, s], axis=-1, dtype=np.uint64,
+                          out=sums[a - l0:z - l0, :, j])
     return sums

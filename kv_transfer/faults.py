@@ -1,15 +1,17 @@
 """Fault injection for tests: corrupt, drop or delay KV frames. Off by default.
 
-The environment variable PDSERVE_KV_FAULTS is read here and nowhere else, e.g.
+The spec comes from the environment variable PDSERVE_KV_FAULTS (read through
+`pdserve.envs`, the one place environment variables are read), e.g.
 `PDSERVE_KV_FAULTS="corrupt_chunk=2,delay_s=0.05"`, so faults can be switched
-on in a worker process started by a test.
+on in a worker process started by a test; or pass a FaultConfig directly.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+
+from pdserve import envs
 
 ENV_VAR = "PDSERVE_KV_FAULTS"
 
@@ -45,4 +47,5 @@ class FaultConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FaultConfig:
-        return cls.parse((os.environ if env is None else env).get(ENV_VAR, ""))
+        """From PDSERVE_KV_FAULTS (or `env`, a mapping standing in for the environment)."""
+        return cls.parse(envs.kv_faults() if env is None else env.get(ENV_VAR, ""))

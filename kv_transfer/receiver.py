@@ -14,6 +14,7 @@ own memory.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import tempfile
@@ -33,6 +34,7 @@ from kv_transfer.shm_pool import ShmPool
 from pdserve.kv_layout import KVLayout
 
 TRANSPORTS = ("tcp", "ipc", "shm", "shm+ipc", "shm+tcp", "cuda", "cuda+ipc", "cuda+tcp")
+log = logging.getLogger(__name__)
 TICK_MS = 20
 MAX_MESSAGES_PER_ROUND = 256
 
@@ -139,7 +141,10 @@ class ZmqReceiver:
                     self.core.note_malformed()
                     continue
                 frame = frames[2].buffer if len(frames) == 3 else None
-                self.core.handle(frames[0].bytes, frames[1].buffer, frame)
+                try:
+                    self.core.handle(frames[0].bytes, frames[1].buffer, frame)
+                except Exception:  # a bug must not kill the I/O thread: leases still run
+                    log.exception("kv receiver: message handling failed")
             self.core.tick()
             self._send_replies()
 

@@ -21,11 +21,10 @@ start: the worker may free them.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,7 +33,6 @@ import zmq
 from kv_transfer import wire
 from kv_transfer.api import TransferState, UnknownTransfer
 from kv_transfer.blocks import (
-    ChunkSpan,
     check_block_ids,
     check_pool,
     frame_nbytes,
@@ -42,51 +40,19 @@ from kv_transfer.blocks import (
     plan_chunks,
 )
 from kv_transfer.checksum import digest
-from kv_transfer.cuda_ipc import CudaPool, attach_cuda_pool, is_cuda_descriptor
 from kv_transfer.faults import FaultConfig
-from kv_transfer.links import Link, LinkFactory, Parts, StagingBuffers, Waker
-from kv_transfer.pool_ops import PoolOps, pool_ops
-from kv_transfer.shm_pool import ShmPool, attach_shm_pool
+from kv_transfer.links import LinkFactory, Parts, StagingBuffers, Waker
+from kv_transfer.pool_ops import pool_ops
+from kv_transfer.sender_state import PeerRecord, TransferRecord, attach_direct
 from pdserve.kv_layout import KVLayout
 
+log = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 8 << 20
 # A shared-memory chunk is a unit of verification (and of the write-deadline check).
 DEFAULT_SHM_CHUNK_BYTES = 4 << 20
 DIRECT_PREFIXES = ("shm+", "cuda+")
 IDLE_POLL_MS = 20
 MAX_BYTES_PER_ROUND = 32 << 20  # bound one service round so replies are read promptly
-
-
-@dataclass
-class _Transfer:
-    transfer_id: str
-    request_id: str
-    peer: str
-    src_ids: tuple[int, ...]
-    dst_ids: tuple[int, ...]
-    deadline: float
-    state: TransferState = TransferState.RESERVED
-    reason: str = ""
-    pending_layers: deque[tuple[int, int]] = field(default_factory=deque)
-    spans: deque[ChunkSpan] = field(default_factory=deque)
-    claim_sent: bool = False
-    granted: bool = False
-    write_deadline: float = 0.0
-    abort_pending: bool = False
-
-
-@dataclass
-class _Peer:
-    address: str
-    link: Link
-    want_direct: bool  # shm+ / cuda+ address: write into the receiver's pool directly
-    ready: bool = False
-    refused: str = ""
-    max_frame: int = wire.DEFAULT_MAX_FRAME_BYTES
-    direct: ShmPool | CudaPool | None = None  # the receiver's pool, mapped here
-    direct_ops: PoolOps | None = None
-    control: deque[Parts] = field(default_factory=deque)
-    blocked: tuple[Parts, np.ndarray | None] | None = None  # a message that would block
 
 
 class Sender:
@@ -97,6 +63,7 @@ class Sender:
                  shm_chunk_bytes: int = DEFAULT_SHM_CHUNK_BYTES,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.layout = layout
+        self._compat = layout.compat_hash
         # A device pool (anything but numpy) is handled through cupy, see cuda_ipc.py.
         self._ops = pool_ops(pool)
         self.pool = self._ops.array
@@ -107,8 +74,8 @@ class Sender:
         self._links = links
         self._clock = clock
         self._lock = threading.Lock()
-        self._transfers: dict[str, _Transfer] = {}
-        self._peers: dict[str, _Peer] = {}  # I/O thread only
+        self._transfers: dict[str, TransferRecord] = {}
+        self._peers: dict[str, PeerRecord] = {}  # I/O thread only
         self._chunks_made = 0  # I/O thread only; numbers chunks for fault injection
         self._staging = StagingBuffers()  # I/O thread only
         self._waker = Waker()
@@ -131,7 +98,7 @@ class Sender:
         with self._lock:
             if transfer_id in self._transfers:
                 raise ValueError(f"transfer {transfer_id!r} already begun")
-            self._transfers[transfer_id] = _Transfer(
+            self._transfers[transfer_id] = TransferRecord(
                 transfer_id, request_id, peer_address, src, dst, self._clock() + lease_s)
         self._waker.wake()
 
@@ -197,20 +164,20 @@ class Sender:
             t.pending_layers.append((l0, l1))
         self._waker.wake()
 
-    def _get(self, transfer_id: str) -> _Transfer:
+    def _get(self, transfer_id: str) -> TransferRecord:
         t = self._transfers.get(transfer_id)
         if t is None:
             raise UnknownTransfer(transfer_id)
         return t
 
-    def _end(self, t: _Transfer, state: TransferState, reason: str) -> None:
+    def _end(self, t: TransferRecord, state: TransferState, reason: str) -> None:
         """Caller holds the lock. A non-COMPLETE end tells the receiver we stopped writing."""
         t.state, t.reason = state, reason
         t.spans.clear()
         t.pending_layers.clear()
         t.abort_pending = state is not TransferState.COMPLETE
 
-    def _expire(self, t: _Transfer, now: float) -> None:
+    def _expire(self, t: TransferRecord, now: float) -> None:
         if not t.state.terminal and now >= t.deadline:
             self._end(t, TransferState.FAILED, "no ack from the receiver before the lease deadline")
 
@@ -227,10 +194,14 @@ class Sender:
                         poller.register(peer.link.socket, flags)
                 poller.poll(0 if busy else IDLE_POLL_MS)
                 self._waker.drain()
-                for peer in list(self._peers.values()):
-                    while (parts := peer.link.recv()) is not None:
-                        self._on_reply(peer, parts)
-                busy = self._service()
+                try:
+                    for peer in list(self._peers.values()):
+                        while (parts := peer.link.recv()) is not None:
+                            self._on_reply(peer, parts)
+                    busy = self._service()
+                except Exception:  # a bug must not kill the I/O thread: leases still run
+                    log.exception("kv sender: I/O round failed")
+                    busy = False
         finally:
             self._shutdown()
 
@@ -274,7 +245,7 @@ class Sender:
                 elif peer.ready and not t.claim_sent:
                     t.claim_sent = True
                     peer.control.append([wire.encode(wire.Claim(
-                        t.transfer_id, t.request_id, self.layout.compat_hash, t.dst_ids))])
+                        t.transfer_id, t.request_id, self._compat, t.dst_ids))])
                 elif t.granted:
                     limit = self.shm_chunk_bytes if peer.direct_ops else min(
                         self.chunk_bytes, peer.max_frame)
@@ -282,7 +253,7 @@ class Sender:
                         l0, l1 = t.pending_layers.popleft()
                         t.spans.extend(plan_chunks(self.layout, len(t.src_ids), l0, l1, limit))
 
-    def _open_peer(self, t: _Transfer) -> _Peer | None:
+    def _open_peer(self, t: TransferRecord) -> PeerRecord | None:
         want_direct = t.peer.startswith(DIRECT_PREFIXES)
         endpoint = t.peer.split("+", 1)[1] if want_direct else t.peer
         try:
@@ -293,12 +264,12 @@ class Sender:
                     self._end(t, TransferState.FAILED, f"cannot connect to {t.peer}: {exc}")
                     t.abort_pending = False
             return None
-        peer = _Peer(t.peer, link, want_direct)
-        peer.control.append([wire.encode(wire.Hello(self.layout.compat_hash))])
+        peer = PeerRecord(t.peer, link, want_direct)
+        peer.control.append([wire.encode(wire.Hello(self._compat))])
         self._peers[t.peer] = peer
         return peer
 
-    def _flush_control(self, peer: _Peer) -> bool:
+    def _flush_control(self, peer: PeerRecord) -> bool:
         """Send queued control messages; False while the link would block."""
         if peer.blocked is not None and not self._send(peer, *peer.blocked):
             return False
@@ -308,7 +279,7 @@ class Sender:
             peer.control.popleft()
         return True
 
-    def _send(self, peer: _Peer, parts: Parts, buffer: np.ndarray | None) -> bool:
+    def _send(self, peer: PeerRecord, parts: Parts, buffer: np.ndarray | None) -> bool:
         """Send one message, keeping it as `peer.blocked` if the link would block."""
         sent = peer.link.send(parts)
         if sent is None:
@@ -319,7 +290,7 @@ class Sender:
             self._staging.give(buffer, sent)
         return True
 
-    def _flush_data(self, peer: _Peer) -> bool:
+    def _flush_data(self, peer: PeerRecord) -> bool:
         """Round-robin one chunk per transfer until the link blocks or the round is full."""
         sent = 0
         while sent < MAX_BYTES_PER_ROUND:
@@ -338,7 +309,7 @@ class Sender:
                     return False
         return True
 
-    def _make_chunk(self, peer: _Peer, t: _Transfer) -> tuple[Parts, np.ndarray | None] | None:
+    def _make_chunk(self, peer: PeerRecord, t: TransferRecord) -> tuple[Parts, np.ndarray | None] | None:
         """Produce the next chunk of `t`: (message, its frame buffer or None).
 
         Inline: gather the blocks into a reusable buffer that travels zero-copy.
@@ -373,11 +344,11 @@ class Sender:
                 checksum = digest(sums)
                 if index == self.faults.corrupt_chunk:
                     buffer[nbytes // 2] ^= 0xFF
-        header = wire.encode(wire.Chunk(t.transfer_id, t.request_id, self.layout.compat_hash,
+        header = wire.encode(wire.Chunk(t.transfer_id, t.request_id, self._compat,
                                         dst, l0, l1, nbytes, checksum, buffer is not None))
         return ([header], None) if buffer is None else ([header, buffer], buffer)
 
-    def _on_reply(self, peer: _Peer, parts: list[memoryview]) -> None:
+    def _on_reply(self, peer: PeerRecord, parts: list[memoryview]) -> None:
         try:
             msg = wire.decode(parts[0])
         except wire.WireError:
@@ -402,8 +373,8 @@ class Sender:
             else:
                 self._end(t, TransferState.FAILED, f"receiver cancelled: {msg.reason}")
 
-    def _on_hello_ack(self, peer: _Peer, msg: wire.HelloAck) -> None:
-        mine = self.layout.compat_hash
+    def _on_hello_ack(self, peer: PeerRecord, msg: wire.HelloAck) -> None:
+        mine = self._compat
         if not msg.ok or msg.compat_hash != mine:
             peer.refused = msg.reason or (
                 f"compatibility hash mismatch: sender {mine} != receiver {msg.compat_hash}")
@@ -411,7 +382,7 @@ class Sender:
         peer.max_frame = msg.max_frame_bytes
         if peer.want_direct and msg.shm is not None:
             try:
-                peer.direct = self._attach(msg.shm)
+                peer.direct = attach_direct(self.layout, msg.shm, self._ops.on_device)
                 peer.direct_ops = pool_ops(peer.direct.array)
             except (OSError, ValueError, ImportError, RuntimeError):
                 peer.direct = None  # another host or namespace: fall back to inline frames
@@ -419,12 +390,3 @@ class Sender:
             peer.refused = "a device pool can only be sent to a cuda+ receiver on this host"
             return
         peer.ready = True
-
-    def _attach(self, descriptor: wire.ShmDescriptor) -> ShmPool | CudaPool:
-        if is_cuda_descriptor(descriptor):
-            if not self._ops.on_device:
-                raise ValueError("host pool cannot write into a device pool")
-            return attach_cuda_pool(self.layout, descriptor)
-        if self._ops.on_device:
-            raise ValueError("device pool cannot write into a host pool")
-        return attach_shm_pool(self.layout, descriptor)

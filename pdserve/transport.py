@@ -53,7 +53,7 @@ class WorkerChannel:
 
     def __init__(self, gateway_address: str, worker_id: str) -> None:
         self.worker_id = worker_id
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, worker_id.encode())
         self._sock.setsockopt(zmq.LINGER, 500)

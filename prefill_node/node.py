@@ -29,8 +29,8 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from kv_transfer.api import TransferState
 from pdserve import protocol as p
-from pdserve.transport import host_id
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.transport import host_id
 
 log = logging.getLogger(__name__)
 

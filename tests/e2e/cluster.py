@@ -24,10 +24,11 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER_BLOCKS = "256"
 
 
-def _env() -> dict[str, str]:
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.setdefault("PDSERVE_LOG_LEVEL", "WARNING")
+    env.update(extra or {})
     return env
 
 
@@ -58,11 +59,11 @@ class Proc:
         return self.log_path.read_text(errors="replace")[-4000:]
 
 
-def start(name: str, args: list[str], log_dir: Path) -> Proc:
+def start(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as out:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", *args], cwd=ROOT, env=_env(), stdout=out,
+            [sys.executable, "-m", "pdserve", *args], cwd=ROOT, env=_env(env), stdout=out,
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     return Proc(name, popen, log_path)
@@ -124,13 +125,13 @@ class Cluster:
                              self.log_dir)  # fmt: skip
         self._wait(lambda: http("GET", f"{self.url}/health", timeout=2)[0] == 200, "gateway /health")
 
-    def add_worker(self, role: str, *extra: str) -> Proc:
+    def add_worker(self, role: str, *extra: str, env: dict[str, str] | None = None) -> Proc:
         self._n += 1
         args = [role, "--gateway", self.control, "--threads", "1", "--num-blocks", WORKER_BLOCKS,
                 "--heartbeat", "0.25", *extra]  # fmt: skip
         if role == "worker":
             args.append("--colocated")
-        proc = start(f"{role}{self._n}", args, self.log_dir)
+        proc = start(f"{role}{self._n}", args, self.log_dir, env)
         self.workers.append(proc)
         return proc
 

@@ -8,13 +8,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from pdserve.transport import free_port
 from tests.e2e.cluster import ROOT, _env
 from tests.e2e.conftest import Reference
-from pdserve.transport import free_port
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +72,7 @@ def test_openai_client_against_up(up_url: str, reference: Reference) -> None:
     chat = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)  # type: ignore[arg-type]
     assert chat.choices[0].message.content == want_chat
     assert chat.choices[0].finish_reason in ("length", "stop")
-    chunks = list(client.chat.completions.create(
+    chunks = list(client.chat.completions.create(  # type: ignore[call-overload]
         model=model, messages=messages, max_tokens=8, temperature=0, stream=True,  # type: ignore[arg-type]
         stream_options={"include_usage": True},
     ))  # fmt: skip

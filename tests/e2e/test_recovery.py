@@ -73,9 +73,14 @@ def test_kill_decode_mid_stream_all_streams_complete_identically(log_dir: Path, 
         c.stop()
 
 
-def test_kill_prefill_requests_resent(log_dir: Path, reference: Reference) -> None:
-    c = _cluster(log_dir, prefill=2, decode=1)
+def test_prefill_dying_with_queued_requests_they_are_resent(log_dir: Path, reference: Reference) -> None:
+    c = Cluster(log_dir)
     try:
+        c.start_gateway("--heartbeat-timeout", "1.5")
+        doomed = c.add_worker("prefill", env={"PDSERVE_FAULTS": "exit_on_prefill=3"})  # dies holding work
+        c.add_worker("prefill")
+        c.add_worker("decode")
+        c.wait_roles(prefill=2, decode=1)
         prompt = "queued " * 200
 
         def run(i: int) -> str:
@@ -86,16 +91,37 @@ def test_kill_prefill_requests_resent(log_dir: Path, reference: Reference) -> No
             return "".join(ch["text"] for e in events[:-1] for ch in e.get("choices", []))
 
         with cf.ThreadPoolExecutor(12) as pool:
-            futures = [pool.submit(run, i) for i in range(12)]
-            time.sleep(0.05)
-            c.workers[0].signal(signal.SIGKILL)  # the first prefill worker
-            texts = [f.result(timeout=120) for f in futures]
+            texts = list(pool.map(run, range(12)))
+        assert doomed.popen.wait(10) == 137
         for i in (0, 5, 11):
             want = reference.generate(reference.completion_ids(f"{i} {prompt}"), max_tokens=4, temperature=0.0)[0]
             assert texts[i] == reference.text(want)
         c.wait_roles(prefill=1, decode=1)
         status, _ = http("GET", f"{c.url}/ready")
         assert status == 200
+        c.wait_idle()
+    finally:
+        c.stop()
+
+
+def test_corrupted_kv_frame_is_never_decoded_and_request_recovers(log_dir: Path, reference: Reference) -> None:
+    c = Cluster(log_dir)
+    try:
+        c.start_gateway()
+        # The prefill worker flips a byte in its first KV data chunk (tcp: checksummed frames).
+        c.add_worker("prefill", env={"PDSERVE_KV_FAULTS": "corrupt_chunk=0"})
+        c.add_worker("decode", "--kv-transport", "tcp")
+        c.wait_roles(prefill=1, decode=1)
+        prompt = "Corruption must never reach the decoder"
+        want = reference.generate(reference.completion_ids(prompt), max_tokens=10, temperature=0.0)[0]
+        status, out = http("POST", f"{c.url}/v1/completions",
+                           {"model": reference.model_name, "prompt": prompt, "max_tokens": 10, "temperature": 0})  # fmt: skip
+        assert status == 200, out
+        assert out["choices"][0]["text"] == reference.text(want)
+        from tests.e2e.cluster import metric_value, worker_metrics
+
+        failures = sum(metric_value(worker_metrics(w), "llm_kv_transfer_failures_total") for w in c.worker_list())
+        assert failures >= 1  # the bad transfer was detected (and the retry succeeded)
         c.wait_idle()
     finally:
         c.stop()

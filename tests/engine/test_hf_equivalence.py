@@ -23,7 +23,7 @@ from tests.helpers.tiny_models import FAMILIES
 
 # float32 end to end; differences come only from summation order (~1e-6 observed).
 LOGIT_ATOL = 1e-4
-# Same model, same positions, different batch composition / block placement.
+# Same model, split positions, different batch composition / block placement.
 BATCH_ATOL = 1e-5
 NEW_TOKENS = 64
 
@@ -252,7 +252,7 @@ def test_layer_hook_runs_after_each_layers_kv_is_written(
     assert seen == [(i, True, False) for i in range(n)]
 
 
-# Half precision: HF run in the same dtype on the same device. Differences come
+# Half precision: HF run in the split dtype on the split device. Differences come
 # from kernel choice only; observed 0 on CPU, bounded loosely for GPU kernels.
 HALF_LOGIT_ATOL = 5e-2
 HALF_TOKENS = 32
@@ -300,6 +300,15 @@ def test_half_precision_matches_hf_same_dtype(
         pad_token_id=0,
     )
     tokens, logits = greedy(runner, prompt, new_tokens=HALF_TOKENS)
+    ref_tokens = out.sequences[0, len(prompt) :].tolist()
     ref_logits = torch.cat(out.logits).float()
-    torch.testing.assert_close(logits[0], ref_logits[0], atol=HALF_LOGIT_ATOL, rtol=0)
-    assert tokens == out.sequences[0, len(prompt) :].tolist()
+    split = next(
+        (i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), HALF_TOKENS
+    )
+    torch.testing.assert_close(
+        logits[: split + 1], ref_logits[: split + 1], atol=HALF_LOGIT_ATOL, rtol=0
+    )
+    if split < HALF_TOKENS:
+        # GPU kernels may round differently; a split is acceptable only at a near-tie.
+        gap = float(ref_logits[split, ref_tokens[split]] - ref_logits[split, tokens[split]])
+        assert device == "cuda" and gap < HALF_LOGIT_ATOL, f"diverged at token {split}, gap {gap}"

@@ -111,3 +111,17 @@ def test_runner_rejects_bad_chunks(tiny_model_dir: Callable[..., Path]) -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         runner.execute([SeqChunk([1], runner.max_model_len, [1] * 40, True)])
     assert runner.execute([]).shape == (0, runner.model_config.vocab_size)
+
+
+def test_block_table_entries_past_the_context_are_ignored(
+    tiny_model_dir: Callable[..., Path],
+) -> None:
+    """A table may run ahead of the context (blocks reserved for later); only covered ones are read."""
+    runner = ModelRunner(_config(tiny_model_dir("llama"), num_blocks=8))
+    runner.execute([SeqChunk(list(range(3, 8)), 0, [1], False)])
+    runner.execute([SeqChunk(list(range(3, 23)), 0, [2, 3], False)])
+    exact = runner.execute([SeqChunk([9], 5, [1], True), SeqChunk([9], 20, [2, 3], True)])
+    ahead = runner.execute(
+        [SeqChunk([9], 5, [1, 10**6], True), SeqChunk([9], 20, [2, 3, 10**6], True)]
+    )
+    torch.testing.assert_close(ahead, exact, atol=0, rtol=0)

@@ -46,9 +46,9 @@ def test_missing_weights(ckpt: Path) -> None:
 
 
 def test_unsupported_architecture(ckpt: Path) -> None:
-    cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
-    (ckpt / "config.json").write_text(json.dumps(cfg))
+    # A real GPT-2 config: none of the Llama field names are present.
+    gpt2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_layer": 2}
+    (ckpt / "config.json").write_text(json.dumps(gpt2))
     msg = load_error(ckpt)
     assert "unsupported architecture 'GPT2LMHeadModel'" in msg
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):

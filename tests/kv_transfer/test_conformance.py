@@ -61,6 +61,9 @@ def test_receiver_not_complete_until_every_layer_arrived(transport: str) -> None
         pair.sender.begin("t", "req", pair.receiver.address, [1, 2], [3, 4], lease_s=20)
         pair.sender.send_layer("t", 0)
         pair.sender.send_layer("t", 2)
+        end = time.monotonic() + 10
+        while pair.sender.poll("t") is TransferState.RESERVED and time.monotonic() < end:
+            time.sleep(0.002)  # until the receiver granted the claim
         time.sleep(0.2)
         assert pair.receiver.poll("t") is TransferState.TRANSFERRING
         assert pair.sender.poll("t") is TransferState.TRANSFERRING
@@ -238,5 +241,22 @@ def test_api_rejects_bad_arguments(transport: str) -> None:
             pair.sender.begin("t", "req", pair.receiver.address, [1, 2], [3], lease_s=5)
         with pytest.raises(UnknownTransfer):
             pair.sender.send_layer("nope", 0)
+    finally:
+        pair.close()
+
+
+def test_send_layer_returns_at_once_even_when_the_link_is_slow(transport: str) -> None:
+    """The prefill loop hands layers off; the I/O thread does the slow part."""
+    pair = make_pair(transport, sender_faults=FaultConfig(delay_s=0.3), chunk_bytes=64)
+    try:
+        pair.receiver.expect("t", "req", [3, 4], lease_s=20)
+        pair.sender.begin("t", "req", pair.receiver.address, [1, 2], [3, 4], lease_s=20)
+        start = time.perf_counter()
+        for layer in range(TINY.num_layers):
+            pair.sender.send_layer("t", layer)
+            pair.sender.poll("t")
+        assert time.perf_counter() - start < 0.25
+        pair.sender.cancel("t")
+        assert pair.sender.poll("t") is TransferState.ABORTED
     finally:
         pair.close()

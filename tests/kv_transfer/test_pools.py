@@ -152,3 +152,23 @@ def test_implementations_match_the_interface(impl: type, proto: type) -> None:
 
 def test_shm_pool_type_is_exported() -> None:
     assert ShmPool.__module__ == "kv_transfer.shm_pool"
+
+
+@pytest.mark.parametrize("fused_bytes", [1, 256 << 10])
+def test_fused_copy_and_checksum_match_the_plain_ones(monkeypatch: pytest.MonkeyPatch,
+                                                      fused_bytes: int) -> None:
+    from kv_transfer import blocks
+
+    monkeypatch.setattr(blocks, "FUSED_BYTES", fused_bytes)  # 1: one layer at a time
+    src = random_pool(TINY, 9, seed=4)
+    ids, dst_ids = [7, 2, 5], [1, 8, 3]
+    want = row_sums(gather(src, 1, 3, ids), frame_rows(2, 3)).reshape(2, 2, 3)
+    frame, sums = blocks.gather_with_sums(src, 1, 3, ids)
+    np.testing.assert_array_equal(sums, want)
+    dst = np.zeros_like(src)
+    np.testing.assert_array_equal(blocks.scatter_with_sums(dst, 1, 3, dst_ids, frame), want)
+    assert same_bytes(dst[1:3, :, dst_ids], src[1:3, :, ids])
+    dst2 = np.zeros_like(src)
+    got = blocks.copy_blocks_with_sums(src, dst2, pool_words(src), 1, 3, ids, dst_ids)
+    np.testing.assert_array_equal(got, want)
+    assert same_bytes(dst2, dst)

@@ -18,7 +18,7 @@ from tests.kv_transfer import proc_helpers
 from tests.kv_transfer.harness import TINY, random_pool
 
 pytestmark = pytest.mark.timeout(90)
-LEASE_S = 2.0
+LEASE_S = 3.0
 GRACE_S = 0.3
 SLACK_S = 1.0
 
@@ -48,7 +48,7 @@ def test_sender_killed_mid_transfer(transport: str) -> None:
         # The child's claim waits for this reservation; the lease starts now.
         start = time.monotonic()
         receiver.expect("t", "r", ids, lease_s=LEASE_S)
-        while receiver.poll("t") is TransferState.RESERVED and time.monotonic() < start + 1:
+        while receiver.poll("t") is TransferState.RESERVED and time.monotonic() < start + 1.5:
             time.sleep(0.005)
         time.sleep(0.3)  # some chunks have landed
         assert receiver.poll("t") is TransferState.TRANSFERRING
@@ -84,7 +84,7 @@ def test_receiver_killed_mid_transfer(transport: str) -> None:
         start = time.monotonic()
         sender.begin("t", "r", address, ids, ids, lease_s=LEASE_S)
         sender.send_all("t")
-        while sender.poll("t") is TransferState.RESERVED and time.monotonic() < start + 1:
+        while sender.poll("t") is TransferState.RESERVED and time.monotonic() < start + 1.5:
             time.sleep(0.005)
         time.sleep(0.3)
         assert sender.poll("t") is TransferState.TRANSFERRING

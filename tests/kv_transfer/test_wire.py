@@ -39,17 +39,20 @@ messages = st.one_of(
 )
 
 
+@settings(deadline=None)  # a loaded CI machine must not turn slowness into failures
 @given(messages)
 def test_every_message_round_trips(msg: wire.Message) -> None:
     assert wire.decode(wire.encode(msg)) == msg
 
 
+@settings(deadline=None)
 @given(st.binary(max_size=300))
 def test_random_bytes_only_ever_raise_wire_error(data: bytes) -> None:
     with contextlib.suppress(wire.WireError):
         wire.decode(data)
 
 
+@settings(deadline=None)
 @given(messages, st.data())
 def test_truncated_or_mutated_headers_only_raise_wire_error(msg: wire.Message,
                                                            data: st.DataObject) -> None:
@@ -72,6 +75,7 @@ json_like = st.recursive(
     lambda inner: st.lists(inner, max_size=6), max_leaves=30)
 
 
+@settings(deadline=None)
 @given(st.integers(0, 12), st.lists(json_like, max_size=10))
 def test_wrong_field_types_are_rejected(msg_type: int, fields: list) -> None:
     raw = msgpack.packb([wire.WIRE_VERSION, msg_type, *fields])
@@ -112,7 +116,7 @@ def _chunk(**over: object) -> wire.Chunk:
     return wire.Chunk(**base)  # type: ignore[arg-type]
 
 
-@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 1 << 40), st.integers(-2, 5), st.integers(-2, 6),
        st.lists(st.integers(0, 40), max_size=8))
 def test_declared_sizes_are_checked_before_any_allocation(nbytes: int, l0: int, l1: int,

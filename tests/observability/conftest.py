@@ -10,10 +10,19 @@ worker log lines, if a worker writes any, end up in the log files.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.e2e.cluster import Cluster
+
+
+@pytest.fixture(scope="session", autouse=True)
+def default_model() -> Path:
+    """The built-in model, built once here rather than by several processes racing at startup."""
+    from engine.default_model import default_model_dir
+
+    return Path(default_model_dir())
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ KV usage returns to its idle value once the traffic is over.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +18,16 @@ import pytest
 
 from gateway.metrics import TPOT_BUCKETS, TTFT_BUCKETS
 from tests.e2e.cluster import Cluster, http, running_cluster
-from tests.observability.obs import MODEL, bucket_bounds, families, samples, scrape, stream, value, wait_until
+from tests.observability.obs import (
+    MODEL,
+    bucket_bounds,
+    families,
+    samples,
+    scrape,
+    stream,
+    value,
+    wait_until,
+)
 
 TTFT = "llm_time_to_first_token_seconds"
 TPOT = "llm_time_per_output_token_seconds"
@@ -73,10 +83,8 @@ def check_fleet_metrics(c: Cluster) -> None:
     def watch() -> None:
         while not stop.is_set():
             for w in workers:
-                try:
+                with contextlib.suppress(OSError):
                     peak[w["id"]] = max(peak[w["id"]], value(scrape(worker_url(w)), KV))
-                except OSError:
-                    pass
             stop.wait(0.05)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -111,7 +119,12 @@ def check_fleet_metrics(c: Cluster) -> None:
         if w["role"] != "prefill":
             assert fams[BATCH].type == "gauge" and samples(text, BATCH, **labels), text
         counter = "llm_decode_tokens_total" if w["role"] == "decode" else "llm_prefill_tokens_total"
-        wait_until(lambda w=w, counter=counter: value(scrape(worker_url(w)), counter) > 0, f"{counter} on {w['id']}")
+        url = worker_url(w)
+
+        def counted(url: str = url, counter: str = counter) -> bool:
+            return value(scrape(url), counter) > 0
+
+        wait_until(counted, f"{counter} on {w['id']}")
 
     # The gateway re-exports every worker's gauges with role and worker labels.
     fams = families(gw)

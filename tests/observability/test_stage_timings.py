@@ -15,6 +15,7 @@ import json
 import time
 import urllib.request
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -63,9 +64,9 @@ def check_adds_up(timings: dict[str, float], client_e2e: float) -> None:
     parts = sum(v for k, v in timings.items() if k != "e2e")
     # Stages are measured back to back; worker stages may overlap slightly (layer-wise KV push).
     assert abs(parts - e2e) <= 0.005 + 0.10 * e2e, (parts, e2e, timings)
-    # The client sees the gateway's e2e plus loopback HTTP overhead.
+    # The client sees the gateway's e2e plus loopback HTTP overhead (generous: shared CPUs).
     assert e2e <= client_e2e + 0.001, (e2e, client_e2e)
-    assert client_e2e - e2e <= 0.05 + 0.25 * client_e2e, (e2e, client_e2e)
+    assert client_e2e - e2e <= 0.15 + 0.25 * client_e2e, (e2e, client_e2e)
 
 
 @pytest.mark.parametrize("kind", ["plain", "stream"])
@@ -86,7 +87,13 @@ def test_stage_timings_add_up_to_e2e(pd_cluster: Cluster, kind: str) -> None:
     rec = wait_until(logged, f"gateway request log line for {rid}", timeout=10)
     assert rec["status"] == 200 and rec["stream"] is (kind == "stream"), rec
     assert set(rec["timings"]) == set(timings), (rec["timings"], timings)
-    assert rec["timings"]["e2e"] == pytest.approx(timings["e2e"], abs=1e-3)
+    # The log line is written when the handler ends, a little after the client's copy was
+    # taken (a stream still writes its last chunk and [DONE]): `respond` and `e2e` may grow.
+    for stage, seconds in timings.items():
+        if stage in ("respond", "e2e"):
+            assert seconds - 1e-5 <= rec["timings"][stage] <= seconds + 0.5, (stage, rec["timings"], timings)
+        else:
+            assert rec["timings"][stage] == pytest.approx(seconds, abs=1e-5), (stage, rec["timings"], timings)
 
 
 @pytest.mark.xfail(strict=True, reason="workers report only `prefill_compute` (prefill_node/node.py "
@@ -106,5 +113,9 @@ def test_request_id_in_worker_logs(pd_cluster: Cluster) -> None:
     rid = _rid()
     timed_plain(pd_cluster, rid, max_tokens=4)
     for w in pd_cluster.workers:
-        wait_until(lambda w=w: rid in w.log_path.read_text(errors="replace"),
-                   f"request id {rid} in the {w.name} log (level DEBUG)", timeout=3)  # fmt: skip
+        log_path = w.log_path
+
+        def logged(log_path: Path = log_path) -> bool:
+            return rid in log_path.read_text(errors="replace")
+
+        wait_until(logged, f"request id {rid} in the {w.name} log (level DEBUG)", timeout=3)

@@ -1,0 +1,147 @@
+"""Serving overhead: end-to-end decode tokens/s through the gateway vs the engine alone.
+
+    .venv/bin/python bench/serve.py [--model DIR] [--concurrency 1,16] [--prompt-len 64 --output-len 64]
+
+For each concurrency C, in the same run: (1) the single-process `LLMEngine`
+decodes C requests together and its decode tokens/s is measured once all C are
+decoding; (2) `pdserve up` (1 prefill + 1 decode by default, or `--colocated`)
+serves C concurrent streaming requests of the same shape and the client
+measures decode tokens/s (tokens after the first, over the decode window).
+Prints the ratio gateway / engine per C. The engine runs before the cluster
+starts, so the two never compete for cores. Target (issue 4): >= 0.8 at C=16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pdserve.sampling_params import SamplingParams  # noqa: E402
+from pdserve.transport import free_port  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    concurrency: int
+    prompt_len: int
+    output_len: int
+
+
+def prompt_ids(i: int, n: int) -> list[int]:
+    return [(17 + i * 31 + k * 7) % 1000 + 5 for k in range(n)]
+
+
+def engine_decode_tps(model_dir: str, shape: Shape, threads: int) -> float:
+    """Decode tokens/s of the engine with `concurrency` sequences decoding together."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, num_threads=threads))
+    params = SamplingParams(max_tokens=shape.output_len, temperature=0.0, ignore_eos=True)
+    engine.generate([prompt_ids(999, shape.prompt_len)], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    for i in range(shape.concurrency):
+        engine.add_request(f"b{i}", prompt_ids(i, shape.prompt_len), params)
+    started: set[str] = set()
+    while len(started) < shape.concurrency:  # prefill everything first
+        started |= {o.request_id for o in engine.step() if any(c.token_ids for c in o.outputs)}
+    tokens, t0 = 0, time.perf_counter()
+    while engine.has_unfinished():
+        tokens += sum(len(c.token_ids) for o in engine.step() for c in o.outputs)
+    return tokens / (time.perf_counter() - t0)
+
+
+async def _stream(session: object, url: str, model: str, i: int, shape: Shape) -> tuple[float, float, int]:
+    body = {"model": model, "prompt": prompt_ids(i, shape.prompt_len), "max_tokens": shape.output_len,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    first = last = 0.0
+    n = 0
+    async with session.post(f"{url}/v1/completions", json=body) as r:  # type: ignore[attr-defined]
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                ev = json.loads(line[6:])
+                if ev.get("choices") and ev["choices"][0].get("text") is not None:
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    n += 1
+    return first, last, n
+
+
+async def gateway_decode_tps(url: str, model: str, shape: Shape) -> float:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        await _stream(s, url, model, 999, Shape(1, shape.prompt_len, 4))  # warm-up
+        res = await asyncio.gather(*[_stream(s, url, model, i, shape) for i in range(shape.concurrency)])
+    start = max(r[0] for r in res)  # all C streams decoding from here on
+    end = max(r[1] for r in res)
+    # Tokens each stream produced inside the window, assuming a steady per-stream rate.
+    tokens = sum((r[2] - 1) * max(0.0, min(r[1], end) - start) / max(r[1] - r[0], 1e-9) for r in res)
+    return tokens / max(end - start, 1e-9)
+
+
+def start_up(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--threads", str(args.threads),
+           "--num-blocks", str(args.num_blocks)]  # fmt: skip
+    cmd += ["--colocated"] if args.colocated else []
+    cmd += ["--model", args.model] if args.model else []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    if not line.startswith("pdserve ready"):
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise SystemExit(f"pdserve up failed: {line!r}")
+    return proc
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    ap.add_argument("--num-blocks", type=int, default=1024)
+    ap.add_argument("--colocated", action="store_true")
+    args = ap.parse_args()
+    if args.model is None:
+        from engine.default_model import default_model_dir
+
+        model_dir = str(default_model_dir())
+    else:
+        model_dir = args.model
+    shapes = [Shape(int(c), args.prompt_len, args.output_len) for c in args.concurrency.split(",")]
+    engine = {s.concurrency: engine_decode_tps(model_dir, s, args.threads) for s in shapes}
+    port = free_port()
+    proc = start_up(args, port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(f"{url}/v1/models") as r:
+            model = json.load(r)["data"][0]["id"]
+        rows = []
+        for s in shapes:
+            tps = asyncio.run(gateway_decode_tps(url, model, s))
+            rows.append({"concurrency": s.concurrency, "engine_decode_tps": round(engine[s.concurrency], 1),
+                         "gateway_decode_tps": round(tps, 1), "ratio": round(tps / engine[s.concurrency], 3)})  # fmt: skip
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    print(f"{'C':>4} {'engine tok/s':>13} {'gateway tok/s':>14} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['concurrency']:>4} {r['engine_decode_tps']:>13} {r['gateway_decode_tps']:>14} {r['ratio']:>6}")
+    print(json.dumps({"topology": "colocated" if args.colocated else "1P+1D", "results": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Registry and routing decisions, without processes."""
+
+from __future__ import annotations
+
+from gateway.registry import WorkerRegistry
+from gateway.router import blocks_needed, pick_colocated, pick_decode, pick_prefill
+from pdserve.protocol import Heartbeat, RegisterWorker
+
+
+def _reg(wid: str, role: str, total: int = 100, compat: str = "c1") -> RegisterWorker:
+    return RegisterWorker(wid, role, "h", "", "", compat, total, 16, 0, 1)
+
+
+def test_register_heartbeat_expire() -> None:
+    r = WorkerRegistry(heartbeat_timeout_s=1.0)
+    assert r.register(_reg("p1", "prefill"), now=0.0).accepted
+    assert r.register(_reg("d1", "decode"), now=0.0).accepted
+    assert not r.register(_reg("d2", "decode", compat="other"), now=0.0).accepted
+    assert r.heartbeat(Heartbeat("d1", 0, 90, 100, 1, 0), now=0.9)
+    assert not r.heartbeat(Heartbeat("ghost", 0, 90, 100, 1, 0), now=0.9)
+    r.get("p1").inflight.add("req#1")  # type: ignore[union-attr]
+    dead = r.expire(now=1.5)
+    assert [w.worker_id for w in dead] == ["p1"] and dead[0].inflight == {"req#1"}
+    assert [w.worker_id for w in r.all()] == ["d1"]
+
+
+def test_draining_workers_are_not_routed() -> None:
+    r = WorkerRegistry(3.0)
+    r.register(_reg("d1", "decode"), 0.0)
+    r.register(_reg("d2", "decode"), 0.0)
+    r.get("d1").draining = True  # type: ignore[union-attr]
+    assert [w.worker_id for w in r.pool("decode")] == ["d2"]
+
+
+def test_routing_prefers_free_kv_then_small_batch_and_short_queues() -> None:
+    r = WorkerRegistry(3.0)
+    for wid in ("d1", "d2", "d3"):
+        r.register(_reg(wid, "decode"), 0.0)
+    r.heartbeat(Heartbeat("d1", 0, 50, 100, 2, 0), 0.1)
+    r.heartbeat(Heartbeat("d2", 0, 80, 100, 9, 0), 0.1)
+    r.heartbeat(Heartbeat("d3", 0, 80, 100, 3, 0), 0.1)
+    assert pick_decode(r.pool("decode")).worker_id == "d3"  # type: ignore[union-attr]
+    r.get("d3").pending_blocks = 40  # type: ignore[union-attr]  # reserved since its heartbeat
+    assert pick_decode(r.pool("decode")).worker_id == "d2"  # type: ignore[union-attr]
+
+    for wid, queued in (("p1", 500), ("p2", 20)):
+        r.register(_reg(wid, "prefill"), 0.0)
+        r.heartbeat(Heartbeat(wid, queued, 100, 100, 0, 0), 0.1)
+    assert pick_prefill(r.pool("prefill")).worker_id == "p2"  # type: ignore[union-attr]
+    assert pick_prefill(r.pool("prefill"), exclude=frozenset({"p2"})).worker_id == "p1"  # type: ignore[union-attr]
+    assert pick_colocated(r.pool("colocated")) is None
+    assert blocks_needed(17, 16) == 2 and blocks_needed(16, 16) == 1
