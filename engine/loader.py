@@ -41,9 +41,9 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:
-    """Checkpoint tensor name -> file holding it (a single file maps every name to itself).
+    """Checkpoint tensor name -> file holding it, from `model.safetensors.index.json`.
 
-    A single `model.safetensors` is returned as {"*": path}.
+    A single `model.safetensors` (preferred when both exist) is returned as {"*": path}.
     """
     single = model_dir / SINGLE_FILE
     index = model_dir / INDEX_FILE

@@ -68,7 +68,7 @@ def test_kill_decode_mid_stream_all_streams_complete_identically(log_dir: Path, 
             want = reference.generate(reference.completion_ids(prompts[i]), max_tokens=LONG, temperature=0.0, ignore_eos=True)[0]
             assert text == reference.text(want), f"stream {i}"
         c.wait_roles(prefill=1, decode=1)
-        c.wait_idle()
+        c.wait_idle(timeout=50)
     finally:
         c.stop()
 
@@ -99,7 +99,9 @@ def test_prefill_dying_with_queued_requests_they_are_resent(log_dir: Path, refer
         c.wait_roles(prefill=1, decode=1)
         status, _ = http("GET", f"{c.url}/ready")
         assert status == 200
-        c.wait_idle()
+        # Blocks a dead sender may have been writing (shared memory) come back only when
+        # the transfer lease (30 s) runs out: never while a writer could still be active.
+        c.wait_idle(timeout=50)
     finally:
         c.stop()
 
