@@ -285,7 +285,7 @@ def test_half_precision_matches_hf_same_dtype(
     )
     runner = ModelRunner(cfg)
     assert runner.pool.kv.dtype == getattr(torch, dtype)
-    hf = AutoModelForCausalLM.from_pretrained(
+    hf: Any = AutoModelForCausalLM.from_pretrained(
         d, dtype=getattr(torch, dtype), attn_implementation="sdpa"
     )
     hf = hf.to(device).eval()
