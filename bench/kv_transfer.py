@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from kv_transfer.api import TransferState
+from kv_transfer.blocks import DEFAULT_COPY_THREADS
 from kv_transfer.checksum import frame_checksum
 from kv_transfer.links import ZmqLinkFactory
 from kv_transfer.receiver import ZmqReceiver
@@ -65,7 +66,8 @@ def memcpy_gbps(nbytes: int, device: bool = False, repeats: int = 5) -> float:
     return nbytes / best / 1e9
 
 
-def receiver_main(shape: str, transport: str, num_blocks: int, conn: Connection) -> None:
+def receiver_main(shape: str, transport: str, num_blocks: int, conn: Connection,
+                  copy_threads: int = DEFAULT_COPY_THREADS) -> None:
     """Decode side: serve `expect`/`forget` requests over a pipe until told to stop."""
     layout = SHAPES[shape]
     shm = create_shm_pool(layout, num_blocks) if transport == "shm" else None
@@ -74,7 +76,7 @@ def receiver_main(shape: str, transport: str, num_blocks: int, conn: Connection)
         from kv_transfer.cuda_ipc import create_cuda_pool
 
         pool = create_cuda_pool(layout, num_blocks)
-    with ZmqReceiver(layout, pool, transport=transport) as receiver:
+    with ZmqReceiver(layout, pool, transport=transport, copy_threads=copy_threads) as receiver:
         conn.send(receiver.address)
         cpu0 = 0.0
         while True:
@@ -118,7 +120,8 @@ class Result:
     cpu_gbps: float  # KV bytes / CPU seconds of the busier side (sender or receiver process)
 
 
-def bench_one(shape: str, transport: str, tokens: int, runs: int, chunk_bytes: int) -> Result:
+def bench_one(shape: str, transport: str, tokens: int, runs: int, chunk_bytes: int,
+              copy_threads: int = DEFAULT_COPY_THREADS) -> Result:
     """Median handoff latency and bandwidth of one transport and shape."""
     layout = SHAPES[shape]
     n = -(-tokens // layout.block_size)
@@ -134,13 +137,14 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int, chunk_bytes: i
         source = cupy.asarray(src_pool)
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver_main, args=(shape, transport, n + 1, child))
+    proc = ctx.Process(target=receiver_main,
+                       args=(shape, transport, n + 1, child, copy_threads))
     proc.start()
     address = parent.recv()
     times: list[float] = []
     cpu: list[float] = []
     with Sender(layout, source, links=ZmqLinkFactory(), chunk_bytes=chunk_bytes,
-                shm_chunk_bytes=chunk_bytes) as sender:
+                shm_chunk_bytes=chunk_bytes, copy_threads=copy_threads) as sender:
         for i in range(runs + WARMUP_RUNS):
             tid = f"t{i}"
             parent.send(("expect", tid, dst_ids))

@@ -10,7 +10,7 @@ from decode_node.engine_glue import build_engine
 from decode_node.runtime import Node, RuntimeConfig, WorkerRuntime
 from decode_node.worker_metrics import WorkerMetrics
 from engine.config import EngineConfig
-from pdserve.transport import WorkerChannel, new_worker_id
+from pdserve.transport import CurveClient, WorkerChannel, new_worker_id
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +25,15 @@ class WorkerOptions:
     heartbeat_s: float = 0.5
     kv_host: str = "127.0.0.1"
     kv_transport: str = "auto"  # auto | tcp | shm
+    curve: CurveClient | None = None
 
 
 def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions) -> int:
     worker_id = opts.worker_id or new_worker_id(opts.role)
     metrics = WorkerMetrics(opts.role, worker_id)
-    channel = WorkerChannel(opts.gateway, worker_id)
-    rt_cfg = RuntimeConfig(opts.gateway, worker_id, opts.metrics_host, opts.metrics_port, opts.heartbeat_s)
+    channel = WorkerChannel(opts.gateway, worker_id, opts.curve)
+    rt_cfg = RuntimeConfig(opts.gateway, worker_id, opts.metrics_host, opts.metrics_port, opts.heartbeat_s,
+                           curve=opts.curve)  # fmt: skip
     runtime = WorkerRuntime(rt_cfg, channel, metrics)
     node, cleanup = build_node(engine_cfg, opts, worker_id, channel, metrics)
     try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from decode_node.engine_glue import StatsMirror, wire_deltas
@@ -42,6 +42,7 @@ class _Incoming:
     num_blocks: int
     first_tokens: list[int] | None = None
     first_logprobs: list[Any] | None = None
+    first_at: float = 0.0  # when StartDecode arrived: prefill done, transfer finishing
 
 
 def engine_logprobs(raw: list[Any]) -> list[TokenLogprob] | None:
@@ -65,6 +66,8 @@ class DecodeNode:
         self.stats = StatsMirror(metrics)
         self._incoming: dict[str, _Incoming] = {}
         self._running: set[str] = set()
+        # Stage timings reported on a request's first and last deltas: rid -> (admitted_at, kv_transfer_s).
+        self._timing: dict[str, tuple[float, float]] = {}
         # Cancelled transfers whose writer may still be active: blocks are freed
         # only once the transfer is terminal (transfer_id -> request id).
         self._cancelling: dict[str, str] = {}
@@ -83,6 +86,7 @@ class DecodeNode:
             inc = self._incoming.get(msg.request_id)
             if inc is not None and inc.transfer_id == msg.transfer_id:
                 inc.first_tokens, inc.first_logprobs = list(msg.token_ids), list(msg.logprobs)
+                inc.first_at = time.monotonic()
         elif isinstance(msg, p.Abort):
             for rid in msg.request_ids:
                 self._abort(rid)
@@ -113,6 +117,7 @@ class DecodeNode:
             self.metrics.aborts.inc()
             self.engine.abort(rid)
             self._running.discard(rid)
+            self._timing.pop(rid, None)
 
     def _reap_cancelled(self) -> None:
         for tid, rid in list(self._cancelling.items()):
@@ -133,10 +138,23 @@ class DecodeNode:
         for out in outputs:
             if out.finished:
                 self._running.discard(out.request_id)
-        deltas = wire_deltas(outputs)
+        deltas = [self._with_timings(d) for d in wire_deltas(outputs)]
         if deltas:
             self.send(p.TokenBatch(self.worker_id, deltas))
         return True
+
+    def _with_timings(self, d: p.TokenDelta) -> p.TokenDelta:
+        """kv_transfer on a request's first delta; decode (admission to finish) on its last."""
+        timing = self._timing.get(d.request_id)
+        if timing is None:
+            return d
+        admitted_at, transfer_s = timing
+        timings = {"kv_transfer": transfer_s} if transfer_s >= 0 else {}
+        self._timing[d.request_id] = (admitted_at, -1.0)
+        if d.request_id not in self._running:
+            timings["decode"] = time.monotonic() - admitted_at
+            del self._timing[d.request_id]
+        return replace(d, timings=timings) if timings else d
 
     def _admit_arrived(self) -> bool:
         admitted = False
@@ -152,6 +170,8 @@ class DecodeNode:
                 out = self.engine.start_remote(rid, inc.first_tokens, engine_logprobs(inc.first_logprobs or []))
                 if not out.finished:
                     self._running.add(rid)
+                    now = time.monotonic()
+                    self._timing[rid] = (now, now - inc.first_at)
                 admitted = True
         return admitted
 

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Protocol
 from decode_node.faults import FaultInjector, WorkerFaults
 from decode_node.worker_metrics import MetricsServer, WorkerMetrics
 from pdserve import protocol as p
-from pdserve.transport import LOOPBACK, WorkerChannel, host_id
+from pdserve.transport import LOOPBACK, CurveClient, WorkerChannel, host_id
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class RuntimeConfig:
     drain_timeout_s: float = 60.0
     idle_wait_ms: int = 5
     stall_s: float = 60.0  # loop silent this long: stop heartbeating
+    curve: CurveClient | None = None
 
 
 class NodeRegistration(NamedTuple):
@@ -97,6 +98,7 @@ class WorkerRuntime:
         self._last_tick = time.monotonic()
         self._hb_stop = threading.Event()
         self.faults = FaultInjector(WorkerFaults.from_env())
+        self._registered_at = 0.0
 
     def request_stop(self, *_: Any) -> None:
         self._stop_requested = True
@@ -140,7 +142,8 @@ class WorkerRuntime:
     def _tick(self, node: Node, metrics_port: int) -> None:
         for msg in self.channel.recv_all():
             if isinstance(msg, p.RegisterAck):
-                if not msg.accepted and metrics_port:
+                now = time.monotonic()
+                if not msg.accepted and metrics_port and now - self._registered_at > 1.0:
                     log.warning("gateway does not know us (%s); registering again", msg.reason)
                     self._register(node, metrics_port)
             else:
@@ -153,6 +156,7 @@ class WorkerRuntime:
             self.channel.wait(self.config.idle_wait_ms)
 
     def _register(self, node: Node, metrics_port: int) -> None:
+        self._registered_at = time.monotonic()
         reg = node.registration()
         self.channel.send(p.RegisterWorker(
             self.config.worker_id, node.role, host_id(), reg.kv_address, reg.kv_shm,
@@ -160,7 +164,7 @@ class WorkerRuntime:
         ))  # fmt: skip
 
     def _heartbeat_loop(self, node: Node) -> None:
-        channel = WorkerChannel(self.config.gateway, f"{self.config.worker_id}/hb")
+        channel = WorkerChannel(self.config.gateway, f"{self.config.worker_id}/hb", self.config.curve, lossy=True)
         try:
             while not self._hb_stop.wait(self.config.heartbeat_s):
                 if time.monotonic() - self._last_tick < self.config.stall_s:

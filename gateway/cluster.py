@@ -5,12 +5,15 @@ Life of a request (one *attempt*; recovery starts a new attempt):
 1. Pick workers. With prefill and decode pools: the decode worker with the
    most free KV, then the prefill worker with the fewest queued tokens. With
    only a colocated pool: the least loaded colocated worker.
-2. Disaggregated: send `DecodeReserve`, wait for `ReserveResult` (blocks are
-   reserved BEFORE any KV is written), then send `PrefillRequest` with the
-   reserved block ids. Colocated: send `RunRequest`.
-3. `FirstToken` from prefill is yielded at once (TTFT) and forwarded to the
-   decode worker as `StartDecode`; decode admits the sequence once the KV
-   transfer is complete and streams `TokenBatch` deltas.
+2. Disaggregated: send `DecodeReserve` and `PrefillRequest` at once, so the
+   reservation overlaps the prefill compute. When `ReserveResult` says the
+   blocks are reserved, send their ids to the prefill worker (`TransferTarget`):
+   it pushes KV only after that, so no KV is ever written into blocks not yet
+   reserved. A refusal is retried on the decode pool until `reserve_timeout_s`.
+   Colocated: send `RunRequest`.
+3. `FirstToken` from prefill is yielded at once (TTFT) and, once the blocks are
+   reserved, forwarded to the decode worker as `StartDecode`; decode admits the
+   sequence when the KV transfer is complete and streams `TokenBatch` deltas.
 4. A worker that fails the request, or goes silent, ends the attempt: the
    gateway re-prefills prompt + tokens already streamed on another worker and
    continues, at most `max_recoveries` times. Only an empty pool is an error.
@@ -47,7 +50,7 @@ from gateway.backend import (
 from gateway.registry import WorkerInfo, WorkerRegistry
 from gateway.router import blocks_needed, pick_colocated, pick_decode, pick_prefill
 from pdserve import protocol as p
-from pdserve.transport import LOOPBACK, new_id
+from pdserve.transport import LOOPBACK, CurveServer, ZapLog, apply_curve_server, new_id
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,7 @@ class ClusterConfig:
     reserve_timeout_s: float = 10.0
     reserve_retry_s: float = 0.05  # a full decode worker is retried after this
     no_worker_wait_s: float = 0.0  # how long to wait for an empty pool to fill
+    curve: CurveServer | None = None  # encrypt and authenticate the control plane
 
 
 @dataclass(frozen=True)
@@ -84,8 +88,12 @@ class _Flight:
     wid: str = ""  # worker-side request id of the current attempt
     workers: set[str] = field(default_factory=set)  # workers of the current attempt
     decode_id: str = ""
+    prefill_id: str = ""
     transfer_id: str = ""
-    reserved_blocks: list[int] = field(default_factory=list)
+    reserved: bool = False
+    first: p.FirstToken | None = None  # waiting for the reservation before StartDecode
+    reserve_deadline: float = 0.0
+    inputs: tuple[list[int], dict[str, Any], int] = ([], {}, 0)  # prompt, params, offset
 
     @property
     def done(self) -> bool:
@@ -109,6 +117,7 @@ class ClusterBackend:
         self._flights: dict[str, _Flight] = {}  # by worker-side request id
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._auth: Any = None
 
     # --- lifecycle -------------------------------------------------------
 
@@ -116,7 +125,16 @@ class ClusterBackend:
         if self._sock is not None:
             return
         ctx = zmq.asyncio.Context.instance()
+        curve = self.config.curve
+        if curve is not None:
+            from zmq.auth.asyncio import AsyncioAuthenticator
+
+            self._auth = AsyncioAuthenticator(ctx, log=ZapLog(logging.getLogger("pdserve.control"), {}))
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=curve.authorized_keys_dir)
         sock = ctx.socket(zmq.ROUTER)
+        if curve is not None:
+            apply_curve_server(sock, curve)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -141,6 +159,9 @@ class ClusterBackend:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
     # --- queries ---------------------------------------------------------
 
@@ -216,9 +237,11 @@ class ClusterBackend:
         flight.attempt += 1
         flight.wid = f"{flight.req.request_id}#{flight.attempt}"
         flight.workers = set()
-        flight.decode_id = flight.transfer_id = ""
+        flight.decode_id = flight.prefill_id = flight.transfer_id = ""
+        flight.reserved, flight.first = False, None
+        flight.events = asyncio.Queue()  # events of earlier attempts are dropped with their queue
         self._flights[flight.wid] = flight
-        prompt, params, offset = self._attempt_inputs(flight)
+        prompt, params, offset = flight.inputs = self._attempt_inputs(flight)
         mode = await self._wait_mode(flight)
         if mode == "colocated":
             w = pick_colocated(self.registry.pool("colocated"))
@@ -226,17 +249,44 @@ class ClusterBackend:
             self._assign(flight, w, len(prompt))
             self._send(w.worker_id, p.RunRequest(flight.wid, prompt, params, offset))
             return
-        decode = await self._reserve(flight, prompt, params, offset)
         prefill = pick_prefill(self.registry.pool("prefill"))
         if prefill is None:
-            raise BackendError(BackendErrorKind.NO_WORKERS, "no prefill worker registered")
+            raise BackendError(BackendErrorKind.NO_WORKERS, "no prefill worker registered", retry_after=1.0)
+        flight.reserve_deadline = time.monotonic() + self.config.reserve_timeout_s
+        self._reserve(flight)
         self._assign(flight, prefill, len(prompt))
-        msg = p.PrefillRequest(
-            flight.wid, prompt, params, flight.transfer_id, decode.worker_id,
-            decode.reg.host_id, decode.reg.kv_address, decode.reg.kv_shm,
-            flight.reserved_blocks, offset,
-        )  # fmt: skip
-        self._send(prefill.worker_id, msg)
+        flight.prefill_id = prefill.worker_id
+        self._send(prefill.worker_id, p.PrefillRequest(flight.wid, prompt, params, offset))
+
+    def _reserve(self, flight: _Flight) -> None:
+        """Ask the decode worker with the most free KV to reserve blocks for the prompt."""
+        decode = pick_decode(self.registry.pool("decode"))
+        if decode is None:
+            raise BackendError(BackendErrorKind.NO_WORKERS, "no decode worker registered", retry_after=1.0)
+        prompt, params, offset = flight.inputs
+        flight.transfer_id = new_id("xfer")
+        flight.decode_id = decode.worker_id
+        self._assign(flight, decode, 0, blocks=blocks_needed(len(prompt), decode.reg.block_size))
+        self._send(decode.worker_id, p.DecodeReserve(flight.wid, flight.transfer_id, prompt, params, offset))
+
+    async def _on_reserved(self, flight: _Flight, result: p.ReserveResult) -> None:
+        if result.ok:
+            flight.reserved = True
+            w = self.registry.get(flight.decode_id)
+            if w is None:
+                raise _AttemptFailed(f"worker {flight.decode_id} lost")
+            self._send(flight.prefill_id, p.TransferTarget(
+                flight.wid, flight.transfer_id, w.worker_id, w.reg.host_id, w.reg.kv_address,
+                w.reg.kv_shm, list(result.block_ids),
+            ))  # fmt: skip
+            if flight.first is not None:
+                self._start_decode(flight, flight.first)
+            return
+        self._unassign(flight, flight.decode_id)
+        if time.monotonic() > flight.reserve_deadline:
+            raise BackendError(BackendErrorKind.OVERLOADED, f"decode refused: {result.refused}", retry_after=1.0)
+        await asyncio.sleep(self.config.reserve_retry_s)
+        self._reserve(flight)
 
     async def _wait_mode(self, flight: _Flight) -> str:
         deadline = time.monotonic() + self.config.no_worker_wait_s
@@ -251,36 +301,20 @@ class ClusterBackend:
                 )  # fmt: skip
             await asyncio.sleep(0.05)
 
-    async def _reserve(self, flight: _Flight, prompt: list[int], params: dict[str, Any], offset: int) -> WorkerInfo:
-        """Reserve destination blocks on a decode worker; retry while all are full."""
-        deadline = time.monotonic() + self.config.reserve_timeout_s
-        while True:
-            decode = pick_decode(self.registry.pool("decode"))
-            if decode is None:
-                raise BackendError(BackendErrorKind.NO_WORKERS, "no decode worker registered", retry_after=1.0)
-            flight.transfer_id = new_id("xfer")
-            self._assign(flight, decode, 0, blocks=blocks_needed(len(prompt), decode.reg.block_size))
-            flight.decode_id = decode.worker_id
-            self._send(decode.worker_id, p.DecodeReserve(flight.wid, flight.transfer_id, prompt, params, offset))
-            result = await self._next_event(flight, deadline)
-            if isinstance(result, p.ReserveResult) and result.transfer_id == flight.transfer_id:
-                if result.ok:
-                    flight.reserved_blocks = result.block_ids
-                    return decode
-                self._unassign(flight, decode.worker_id)
-                if time.monotonic() > deadline:
-                    raise BackendError(BackendErrorKind.OVERLOADED, f"decode refused: {result.refused}", retry_after=1.0)
-                await asyncio.sleep(self.config.reserve_retry_s)
-                continue
-            self._check_failure(flight, result)
-
     async def _follow(self, flight: _Flight) -> AsyncIterator[TokenDelta]:
         while not flight.done:
-            ev = await self._next_event(flight, flight.req.deadline)
-            if isinstance(ev, p.FirstToken):
+            reserving = bool(flight.decode_id) and not flight.reserved
+            ev = await self._next_event(flight, flight.reserve_deadline if reserving else None)
+            if isinstance(ev, p.ReserveResult):
+                if ev.transfer_id == flight.transfer_id and not flight.reserved:
+                    await self._on_reserved(flight, ev)
+            elif isinstance(ev, p.FirstToken):
                 for d in self._first_token(flight, ev):
                     yield d
             elif isinstance(ev, p.TokenDelta):
+                if flight.prefill_id:  # decode is streaming: the KV arrived, prefill's part is over
+                    self._unassign(flight, flight.prefill_id)
+                    flight.prefill_id = ""
                 delta = self._record(flight, ev.index, ev.token_ids, ev.finish_reason, ev.logprobs,
                                      ev.cached_tokens, ev.timings)  # fmt: skip
                 if delta is not None:
@@ -297,10 +331,17 @@ class ClusterBackend:
             if d is not None:
                 out.append(d)
         if flight.done:
+            # Nothing left to decode: free the reservation (the prefill kept no blocks).
             self._send(flight.decode_id, p.Abort([flight.wid], "finished at first token"))
+        elif flight.reserved:
+            self._start_decode(flight, ev)
         else:
-            self._send(flight.decode_id, p.StartDecode(flight.wid, ev.transfer_id, list(ev.token_ids), list(ev.logprobs)))
+            flight.first = ev
         return out
+
+    def _start_decode(self, flight: _Flight, ev: p.FirstToken) -> None:
+        msg = p.StartDecode(flight.wid, flight.transfer_id, list(ev.token_ids), list(ev.logprobs))
+        self._send(flight.decode_id, msg)
 
     def _record(
         self, flight: _Flight, index: int, token_ids: list[int], reason: str | None,
@@ -321,16 +362,19 @@ class ClusterBackend:
         if isinstance(ev, _WorkerLost) and ev.worker_id in flight.workers:
             raise _AttemptFailed(f"worker {ev.worker_id} lost")
 
-    async def _next_event(self, flight: _Flight, deadline: float | None) -> Any:
-        timeout = None if deadline is None else deadline - time.monotonic()
-        if timeout is not None and timeout <= 0:
-            raise BackendError(BackendErrorKind.TIMEOUT, "request deadline passed")
+    async def _next_event(self, flight: _Flight, attempt_deadline: float | None = None) -> Any:
+        """The next event of the current attempt; TIMEOUT past the request's deadline,
+        `_AttemptFailed` past `attempt_deadline`."""
+        req_deadline = flight.req.deadline
+        deadlines = [d for d in (attempt_deadline, req_deadline) if d is not None]
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         try:
             return await asyncio.wait_for(flight.events.get(), timeout)
         except asyncio.TimeoutError:
-            if deadline is flight.req.deadline:
-                raise BackendError(BackendErrorKind.TIMEOUT, "request deadline passed") from None
-            raise _AttemptFailed("decode reservation timed out") from None
+            pass
+        if req_deadline is not None and time.monotonic() >= req_deadline:
+            raise BackendError(BackendErrorKind.TIMEOUT, "request deadline passed")
+        raise _AttemptFailed("decode reservation timed out")
 
     # --- bookkeeping -----------------------------------------------------
 

@@ -8,12 +8,16 @@ blocks as a contiguous array of shape (l1 - l0, 2, n, slot, head, dim); it has
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from kv_transfer.checksum import word_dtype
+from kv_transfer.runs import Run, block_runs
 from pdserve.kv_layout import NULL_BLOCK, KVLayout
 
 # numpy has no bfloat16: such pools are handled as their raw 16-bit patterns.
@@ -83,45 +87,114 @@ def plan_chunks(layout: KVLayout, num_blocks: int, layer_start: int, layer_end: 
             for b0 in range(0, num_blocks, blocks)]
 
 
+class Tile(NamedTuple):
+    """Layers [a, z) (relative to the copied range) of one run's blocks [pos, pos + k)."""
+
+    a: int
+    z: int
+    pos: int
+    k: int
+    src: int
+    dst: int
+
+
+def tiles(pool: np.ndarray, num_layers: int, runs: Sequence[Run]) -> list[Tile]:
+    """Cut runs into tiles of about FUSED_BYTES: a tile is copied, then summed from cache."""
+    per_layer_block = 2 * int(np.prod(pool.shape[3:])) * pool.dtype.itemsize
+    fused = FUSED_BYTES
+    per_tile = max(1, fused // per_layer_block)  # blocks of one layer that fit a tile
+    out: list[Tile] = []
+    for r in runs:
+        for off in range(0, r.length, per_tile):
+            k = min(per_tile, r.length - off)
+            step = max(1, fused // (k * per_layer_block))
+            for a in range(0, num_layers, step):
+                out.append(Tile(a, min(num_layers, a + step), r.pos + off, k, r.src + off,
+                                r.dst + off))
+    return out
+
+
+Work = Callable[[Sequence[Tile]], None]
+
+
+# Copies are memory-bound: a second thread on another core adds bandwidth; more
+# threads than that mostly add contention on small machines.
+DEFAULT_COPY_THREADS = min(2, os.cpu_count() or 1)
+
+
+class CopyThreads:
+    """Helper threads that take a share of each copy (numpy releases the GIL while it
+    copies and sums, so the shares run in parallel). The calling thread copies its
+    own share too, and every share is finished when `run` returns -- so callers
+    keep their rule that no copy outlives the lock they hold around it."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self._pool = (ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kv-copy")
+                      if self.threads > 1 else None)
+
+    def run(self, work: Work, todo: Sequence[Tile]) -> None:
+        n = min(self.threads, len(todo))
+        if self._pool is None or n < 2:
+            work(todo)
+            return
+        futures = [self._pool.submit(work, todo[i::n]) for i in range(1, n)]
+        try:
+            work(todo[0::n])
+        finally:
+            wait(futures)
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def run_tiles(work: Work, todo: Sequence[Tile], workers: CopyThreads | None) -> None:
+    if workers is None:
+        work(todo)
+    else:
+        workers.run(work, todo)
+
+
+def _frame(pool: np.ndarray, l0: int, l1: int, n: int, buffer: np.ndarray | None) -> np.ndarray:
+    shape = (l1 - l0, 2, n) + pool.shape[3:]
+    return np.empty(shape, pool.dtype) if buffer is None else buffer.view(pool.dtype).reshape(
+        shape)
+
+
 def gather(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int],
            buffer: np.ndarray | None = None) -> np.ndarray:
     """Copy layers [l0, l1) of blocks `ids` into a contiguous frame.
 
     The frame lives in `buffer` (a flat uint8 array of exactly the frame's size)
     when given -- reusing buffers avoids a page fault per 4 KiB of fresh memory,
-    which costs more than the copy itself. A per-block loop of slice copies is
-    ~3x faster here than numpy fancy indexing over the block axis.
+    which costs more than the copy itself. Runs of consecutive ids are copied as
+    one slice; numpy fancy indexing over the block axis is much slower here.
     """
-    shape = (l1 - l0, 2, len(ids)) + pool.shape[3:]
-    if buffer is None:
-        out = np.empty(shape, dtype=pool.dtype)
-    else:
-        out = buffer.view(pool.dtype).reshape(shape)
-    for j, b in enumerate(ids):
-        out[:, :, j] = pool[l0:l1, :, b]
+    out = _frame(pool, l0, l1, len(ids), buffer)
+    for r in block_runs(ids):
+        out[:, :, r.pos:r.pos + r.length] = pool[l0:l1, :, r.src:r.src + r.length]
     return out
 
 
 def scatter(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int], frame: np.ndarray) -> None:
     """Write a frame produced by `gather` into blocks `ids` of `pool`."""
-    for j, b in enumerate(ids):
-        pool[l0:l1, :, b] = frame[:, :, j]
+    for r in block_runs(ids):
+        pool[l0:l1, :, r.src:r.src + r.length] = frame[:, :, r.pos:r.pos + r.length]
 
 
 def copy_blocks(src: np.ndarray, dst: np.ndarray, l0: int, l1: int, src_ids: Sequence[int],
                 dst_ids: Sequence[int]) -> None:
     """Copy layers [l0, l1) of blocks src_ids[i] of `src` into dst_ids[i] of `dst`."""
-    for s, d in zip(src_ids, dst_ids, strict=True):
-        dst[l0:l1, :, d] = src[l0:l1, :, s]
+    for r in block_runs(src_ids, dst_ids):
+        dst[l0:l1, :, r.dst:r.dst + r.length] = src[l0:l1, :, r.src:r.src + r.length]
 
 
-FUSED_BYTES = 256 << 10  # copy then sum this much of a block at a time: the sum reads L2
-
-
-def _cache_layers(pool: np.ndarray) -> int:
-    """Layers of one block that fit FUSED_BYTES (K and V together), at least one."""
-    per_layer = 2 * int(np.prod(pool.shape[3:])) * pool.dtype.itemsize
-    return max(1, FUSED_BYTES // per_layer)
+# Copy then sum this much at a time, so the sum reads the tile from cache, not
+# memory (tile and its destination lines fit L2 with room; 1 MiB measured slower).
+FUSED_BYTES = 256 << 10
 
 
 def _frame_words(frame: np.ndarray) -> np.ndarray:
@@ -131,45 +204,51 @@ def _frame_words(frame: np.ndarray) -> np.ndarray:
 
 
 def gather_with_sums(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int],
-                     buffer: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """`gather`, also returning the frame's row sums, each taken while its block is in cache."""
-    shape = (l1 - l0, 2, len(ids)) + pool.shape[3:]
-    frame = np.empty(shape, pool.dtype) if buffer is None else buffer.view(pool.dtype).reshape(
-        shape)
+                     buffer: np.ndarray | None = None, workers: CopyThreads | None = None,
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """`gather`, also returning the frame's row sums, each taken while its tile is in cache."""
+    frame = _frame(pool, l0, l1, len(ids), buffer)
     words = _frame_words(frame)
     sums = np.empty((l1 - l0, 2, len(ids)), np.uint64)
-    step = _cache_layers(pool)
-    for j, b in enumerate(ids):
-        for a in range(0, l1 - l0, step):
-            z = min(a + step, l1 - l0)
-            frame[a:z, :, j] = pool[l0 + a:l0 + z, :, b]
-            np.add.reduce(words[a:z, :, j], axis=-1, dtype=np.uint64, out=sums[a:z, :, j])
+
+    def work(part: Sequence[Tile]) -> None:
+        for t in part:
+            frame[t.a:t.z, :, t.pos:t.pos + t.k] = pool[l0 + t.a:l0 + t.z, :, t.src:t.src + t.k]
+            np.add.reduce(words[t.a:t.z, :, t.pos:t.pos + t.k], axis=-1, dtype=np.uint64,
+                          out=sums[t.a:t.z, :, t.pos:t.pos + t.k])
+
+    run_tiles(work, tiles(pool, l1 - l0, block_runs(ids)), workers)
     return frame, sums
 
 
 def scatter_with_sums(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int],
-                      frame: np.ndarray) -> np.ndarray:
-    """`scatter`, returning the frame's row sums (each block summed, then copied from cache)."""
+                      frame: np.ndarray, workers: CopyThreads | None = None) -> np.ndarray:
+    """`scatter`, returning the frame's row sums (each tile summed, then copied from cache)."""
     words = _frame_words(frame)
     sums = np.empty((l1 - l0, 2, len(ids)), np.uint64)
-    step = _cache_layers(pool)
-    for j, b in enumerate(ids):
-        for a in range(0, l1 - l0, step):
-            z = min(a + step, l1 - l0)
-            np.add.reduce(words[a:z, :, j], axis=-1, dtype=np.uint64, out=sums[a:z, :, j])
-            pool[l0 + a:l0 + z, :, b] = frame[a:z, :, j]
+
+    def work(part: Sequence[Tile]) -> None:
+        for t in part:
+            np.add.reduce(words[t.a:t.z, :, t.pos:t.pos + t.k], axis=-1, dtype=np.uint64,
+                          out=sums[t.a:t.z, :, t.pos:t.pos + t.k])
+            pool[l0 + t.a:l0 + t.z, :, t.src:t.src + t.k] = frame[t.a:t.z, :, t.pos:t.pos + t.k]
+
+    run_tiles(work, tiles(pool, l1 - l0, block_runs(ids)), workers)
     return sums
 
 
 def copy_blocks_with_sums(src: np.ndarray, dst: np.ndarray, src_words: np.ndarray, l0: int,
-                          l1: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> np.ndarray:
+                          l1: int, src_ids: Sequence[int], dst_ids: Sequence[int],
+                          workers: CopyThreads | None = None) -> np.ndarray:
     """`copy_blocks`, returning the source row sums (`src_words` = checksum.pool_words(src))."""
     sums = np.empty((l1 - l0, 2, len(src_ids)), np.uint64)
-    step = _cache_layers(src)
-    for j, (s, d) in enumerate(zip(src_ids, dst_ids, strict=True)):
-        for a in range(l0, l1, step):
-            z = min(a + step, l1)
-            dst[a:z, :, d] = src[a:z, :, s]
-            np.add.reduce(src_words[a:z, :, s], axis=-1, dtype=np.uint64,
-                          out=sums[a - l0:z - l0, :, j])
+
+    def work(part: Sequence[Tile]) -> None:
+        for t in part:
+            a, z = l0 + t.a, l0 + t.z
+            dst[a:z, :, t.dst:t.dst + t.k] = src[a:z, :, t.src:t.src + t.k]
+            np.add.reduce(src_words[a:z, :, t.src:t.src + t.k], axis=-1, dtype=np.uint64,
+                          out=sums[t.a:t.z, :, t.pos:t.pos + t.k])
+
+    run_tiles(work, tiles(src, l1 - l0, block_runs(src_ids, dst_ids)), workers)
     return sums

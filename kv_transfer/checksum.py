@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kv_transfer.runs import block_runs
+
 
 def word_dtype(row_bytes: int) -> np.dtype:
     """The widest unsigned word that divides a row (host and device use the same)."""
@@ -43,11 +45,13 @@ def block_row_sums(words: np.ndarray, l0: int, l1: int, ids: Sequence[int]) -> n
     """Row sums of layers [l0, l1) of blocks `ids`, in frame row order, without a copy.
 
     Equal to `row_sums(gather(pool, l0, l1, ids), rows)` but reads each block in
-    place (one reduction per block), so verifying memory costs one read of it.
+    place (one reduction per run of consecutive ids), so verifying memory costs
+    one read of it.
     """
     sums = np.empty((l1 - l0, 2, len(ids)), np.uint64)
-    for j, b in enumerate(ids):
-        np.add.reduce(words[l0:l1, :, b], axis=-1, dtype=np.uint64, out=sums[:, :, j])
+    for r in block_runs(ids):
+        np.add.reduce(words[l0:l1, :, r.src:r.src + r.length], axis=-1, dtype=np.uint64,
+                      out=sums[:, :, r.pos:r.pos + r.length])
     return sums
 
 

@@ -17,6 +17,17 @@ import zmq
 
 Parts = list[Any]  # bytes-like frames: the msgpack header, then optionally one tensor frame
 SMALL_FRAME = 64 << 10  # below this, copying into zmq is cheaper than tracking a zero-copy frame
+# Unix-socket buffers default to ~200 KiB: a multi-MiB frame then takes dozens of
+# write/wake-up rounds between the two zmq I/O threads. The kernel caps this at
+# net.core.wmem_max / rmem_max. (TCP buffers are left to the kernel's autotuning.)
+IPC_SOCKET_BUFFER_BYTES = 4 << 20
+
+
+def tune_socket(sock: zmq.Socket, endpoint: str) -> None:
+    """Socket options for bulk KV frames, set before bind/connect."""
+    if endpoint.startswith("ipc://"):
+        sock.setsockopt(zmq.SNDBUF, IPC_SOCKET_BUFFER_BYTES)
+        sock.setsockopt(zmq.RCVBUF, IPC_SOCKET_BUFFER_BYTES)
 
 
 class Waker:
@@ -84,6 +95,7 @@ class ZmqLink:
         # Queue only on live connections: a dead receiver makes sends would-block
         # instead of growing an unbounded queue; the lease then fails the transfer.
         self.socket.setsockopt(zmq.IMMEDIATE, 1)
+        tune_socket(self.socket, endpoint)
         self.socket.connect(endpoint)
 
     def send(self, parts: Parts) -> Sent | None:

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kv_transfer.blocks import copy_blocks_with_sums
+from kv_transfer.blocks import CopyThreads, copy_blocks_with_sums
 from kv_transfer.checksum import block_row_sums, pool_words
 
 
@@ -39,9 +39,10 @@ class PoolOps(Protocol):
 class HostPoolOps:
     on_device = False
 
-    def __init__(self, array: np.ndarray) -> None:
+    def __init__(self, array: np.ndarray, workers: CopyThreads | None = None) -> None:
         self.array = array
         self._words = pool_words(array)
+        self._workers = workers
 
     def row_sums(self, l0: int, l1: int, ids: Sequence[int]) -> np.ndarray:
         return block_row_sums(self._words, l0, l1, ids)
@@ -51,15 +52,16 @@ class HostPoolOps:
         if dst.on_device:
             raise ValueError("cannot copy a host pool into a device pool directly")
         return copy_blocks_with_sums(self.array, dst.array, self._words, l0, l1, src_ids,
-                                     dst_ids)
+                                     dst_ids, self._workers)
 
     def flip_byte(self, layer: int, block: int) -> None:
         self.array[layer, 0, block].reshape(-1).view(np.uint8)[0] ^= 0xFF
 
 
-def pool_ops(array: Any) -> PoolOps:
+def pool_ops(array: Any, workers: CopyThreads | None = None) -> PoolOps:
+    """Ops for `array`; host copies share their work with `workers` when given."""
     if isinstance(array, np.ndarray):
-        return HostPoolOps(array)
+        return HostPoolOps(array, workers)
     from kv_transfer.cuda_ipc import DevicePoolOps
 
     return DevicePoolOps(array)

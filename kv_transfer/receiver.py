@@ -26,9 +26,10 @@ import zmq
 
 from kv_transfer import wire
 from kv_transfer.api import TransferState
+from kv_transfer.blocks import DEFAULT_COPY_THREADS
 from kv_transfer.cuda_ipc import CudaPool
 from kv_transfer.faults import FaultConfig
-from kv_transfer.links import Waker
+from kv_transfer.links import Waker, tune_socket
 from kv_transfer.receiver_core import ReceiverCore, ReceiverStats
 from kv_transfer.shm_pool import ShmPool
 from pdserve.kv_layout import KVLayout
@@ -46,7 +47,8 @@ class ZmqReceiver:
                  transport: str = "ipc",
                  host: str = "127.0.0.1", faults: FaultConfig | None = None,
                  grace_s: float = 1.0,
-                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES) -> None:
+                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+                 copy_threads: int = DEFAULT_COPY_THREADS) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r} not in {TRANSPORTS}")
         kind, _, inner = transport.partition("+")
@@ -63,7 +65,8 @@ class ZmqReceiver:
         self.core = ReceiverCore(
             layout, array, shm=descriptor,
             grace_s=grace_s, max_frame_bytes=max_frame_bytes,
-            faults=FaultConfig.from_env() if faults is None else faults, wake=self._waker.wake)
+            faults=FaultConfig.from_env() if faults is None else faults, wake=self._waker.wake,
+            copy_threads=copy_threads)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -76,6 +79,7 @@ class ZmqReceiver:
         else:
             self._ipc_path = os.path.join(
                 tempfile.gettempdir(), f"pdkv-{os.getpid()}-{secrets.token_hex(6)}.sock")
+            tune_socket(self._sock, "ipc://")
             self._sock.bind(f"ipc://{self._ipc_path}")
         endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._address = (f"{kind}+" if kind else "") + endpoint
@@ -112,6 +116,7 @@ class ZmqReceiver:
         self._stop.set()
         self._waker.wake()
         self._thread.join()
+        self.core.close()
         self._sock.close(linger=0)
         self._ctx.term()
         self._waker.close()

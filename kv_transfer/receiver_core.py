@@ -37,6 +37,7 @@ import numpy as np
 from kv_transfer import wire
 from kv_transfer.api import TransferState, UnknownTransfer
 from kv_transfer.blocks import (
+    CopyThreads,
     check_block_ids,
     check_pool,
     frame_nbytes,
@@ -78,8 +79,10 @@ class _Reservation:
 class ReceiverCore:
     def __init__(self, layout: KVLayout, pool: Any, *, shm: wire.ShmDescriptor | None,
                  grace_s: float, max_frame_bytes: int, faults: FaultConfig,
-                 wake: Callable[[], None], clock: Callable[[], float] = time.monotonic) -> None:
+                 wake: Callable[[], None], clock: Callable[[], float] = time.monotonic,
+                 copy_threads: int = 1) -> None:
         self.layout = layout
+        self._copy = CopyThreads(copy_threads)  # helpers for scattering inline frames
         # A device pool (anything but numpy) is handled through cupy, see cuda_ipc.py.
         self._ops = pool_ops(pool)
         self.pool = self._ops.array
@@ -149,6 +152,10 @@ class ReceiverCore:
     def stats(self) -> ReceiverStats:
         with self._lock:
             return ReceiverStats(self._malformed, self._rejected, self._completed)
+
+    def close(self) -> None:
+        """Stop the copy helper threads (after the transport stopped calling `handle`)."""
+        self._copy.close()
 
     # ---------------------------------------------------------------- transport side
     def take_outbox(self) -> list[tuple[bytes, wire.Message]]:
@@ -247,7 +254,7 @@ class ReceiverCore:
             # only fails the transfer.
             data = np.frombuffer(frame, dtype=self.pool.dtype).reshape(
                 (l1 - l0, 2, len(ids)) + self.pool.shape[3:])
-            sums = scatter_with_sums(self.pool, l0, l1, ids, data)
+            sums = scatter_with_sums(self.pool, l0, l1, ids, data, self._copy)
         else:  # shared memory: the bytes are already in our pool; verify them there
             sums = self._ops.row_sums(l0, l1, ids)
         if digest(sums) != msg.checksum:

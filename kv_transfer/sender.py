@@ -33,6 +33,8 @@ import zmq
 from kv_transfer import wire
 from kv_transfer.api import TransferState, UnknownTransfer
 from kv_transfer.blocks import (
+    DEFAULT_COPY_THREADS,
+    CopyThreads,
     check_block_ids,
     check_pool,
     frame_nbytes,
@@ -61,11 +63,15 @@ class Sender:
     def __init__(self, layout: KVLayout, pool: Any, *, links: LinkFactory,
                  faults: FaultConfig | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  shm_chunk_bytes: int = DEFAULT_SHM_CHUNK_BYTES,
+                 copy_threads: int = DEFAULT_COPY_THREADS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.layout = layout
         self._compat = layout.compat_hash
+        # Helpers for the I/O thread's copies; each copy is complete before the I/O
+        # thread goes on (and releases the lock), so the lease rule below still holds.
+        self._copy = CopyThreads(copy_threads)
         # A device pool (anything but numpy) is handled through cupy, see cuda_ipc.py.
-        self._ops = pool_ops(pool)
+        self._ops = pool_ops(pool, self._copy)
         self.pool = self._ops.array
         self.num_blocks = check_pool(layout, self.pool)
         self.faults = FaultConfig.from_env() if faults is None else faults
@@ -146,6 +152,7 @@ class Sender:
         self._stop.set()
         self._waker.wake()
         self._thread.join()
+        self._copy.close()
         self._waker.close()
         self._links.close()
 
@@ -340,7 +347,7 @@ class Sender:
                     peer.direct_ops.flip_byte(l0, dst[0])
             else:
                 buffer = self._staging.take(nbytes)
-                _, sums = gather_with_sums(self.pool, l0, l1, src, buffer)
+                _, sums = gather_with_sums(self.pool, l0, l1, src, buffer, self._copy)
                 checksum = digest(sums)
                 if index == self.faults.corrupt_chunk:
                     buffer[nbytes // 2] ^= 0xFF

@@ -187,20 +187,29 @@ class ReserveResult(Message):
 
 @dataclass(frozen=True)
 class PrefillRequest(Message):
-    """Gateway -> prefill: compute the prompt, sample the first token, push the KV
-    into `dst_block_ids` at the decode worker `target_worker`."""
+    """Gateway -> prefill: compute the prompt and sample the first token(s). Sent at
+    the same time as the decode reservation, so reserving overlaps computing; the
+    KV is pushed only once the matching `TransferTarget` has arrived."""
 
     TAG: ClassVar[str] = "prefill"
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any]
+    output_offset: int = 0
+
+
+@dataclass(frozen=True)
+class TransferTarget(Message):
+    """Gateway -> prefill: blocks reserved at decode worker `target_worker`; push the KV there."""
+
+    TAG: ClassVar[str] = "transfer_target"
+    request_id: str
     transfer_id: str
     target_worker: str
     target_host_id: str
     target_kv_address: str
     target_kv_shm: str
     dst_block_ids: list[int]
-    output_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -291,6 +300,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     DecodeReserve,
     ReserveResult,
     PrefillRequest,
+    TransferTarget,
     RunRequest,
     FirstToken,
     StartDecode,

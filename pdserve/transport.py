@@ -6,11 +6,14 @@ is its worker id. Frames are `pdserve.protocol` messages only.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import socket
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -48,23 +51,84 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
+@dataclass(frozen=True)
+class CurveClient:
+    """ZeroMQ CURVE for a worker: its own certificate (secret file, as written by
+    `zmq.auth.create_certificates`) and the gateway's public certificate."""
+
+    secret_key_file: str
+    server_key_file: str
+
+
+@dataclass(frozen=True)
+class CurveServer:
+    """ZeroMQ CURVE for the gateway: its secret certificate and a directory of the
+    workers' public certificates; a worker whose key is not there cannot connect."""
+
+    secret_key_file: str
+    authorized_keys_dir: str
+
+
+def apply_curve_client(sock: zmq.Socket[Any], curve: CurveClient) -> None:
+    from zmq.auth import load_certificate
+
+    public, secret = load_certificate(curve.secret_key_file)
+    server_public, _ = load_certificate(curve.server_key_file)
+    if secret is None:
+        raise ValueError(f"{curve.secret_key_file} holds no secret key")
+    sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server_public
+
+
+def apply_curve_server(sock: zmq.Socket[Any], curve: CurveServer) -> None:
+    from zmq.auth import load_certificate
+
+    public, secret = load_certificate(curve.secret_key_file)
+    if secret is None:
+        raise ValueError(f"{curve.secret_key_file} holds no secret key")
+    sock.curve_publickey, sock.curve_secretkey = public, secret
+    sock.curve_server = True
+
+
+class ZapLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """pyzmq's authenticator reports refusals at debug level; surface them as warnings."""
+
+    def debug(self, msg: object, *args: Any, **kwargs: Any) -> None:
+        text = str(msg) % args if args else str(msg)
+        if text.startswith("DENIED"):
+            self.logger.warning("control plane refused a peer: %s", text)
+        else:
+            self.logger.debug("%s", text)
+
+
 class WorkerChannel:
     """The worker's end of the control plane: one DEALER to the gateway's ROUTER."""
 
-    def __init__(self, gateway_address: str, worker_id: str) -> None:
+    def __init__(self, gateway_address: str, worker_id: str, curve: CurveClient | None = None,
+                 lossy: bool = False) -> None:  # fmt: skip
+        """`lossy`: for heartbeats -- nothing is queued while the gateway is unreachable
+        (a stale backlog would arrive all at once on reconnect); a full queue drops."""
         self.worker_id = worker_id
+        self.lossy = lossy
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
+        if curve is not None:
+            apply_curve_client(self._sock, curve)
         self._sock.setsockopt(zmq.IDENTITY, worker_id.encode())
         self._sock.setsockopt(zmq.LINGER, 500)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 2 if lossy else 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        if lossy:
+            self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.connect(gateway_address)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
 
     def send(self, msg: Message) -> None:
-        self._sock.send(protocol.encode(msg), copy=False)
+        if not self.lossy:
+            self._sock.send(protocol.encode(msg), copy=False)
+            return
+        with contextlib.suppress(zmq.Again):
+            self._sock.send(protocol.encode(msg), flags=zmq.NOBLOCK, copy=False)
 
     def wait(self, timeout_ms: int) -> bool:
         """Block up to `timeout_ms` for an incoming message; True if one is ready."""

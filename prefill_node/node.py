@@ -1,14 +1,15 @@
 """The prefill worker: chunked prefill, first-token sampling, pushing KV.
 
 A request's life here:
-1. `PrefillRequest` arrives with the decode worker's reserved block ids; the
+1. `PrefillRequest` arrives (while the decode worker reserves blocks); the
    engine queues it prefill-only (WAITING).
 2. Engine steps prefill it in chunks (prefix cache included) and sample the
    first token of every choice; the request then holds its blocks
    (FINISHED_PREFILLED).
-3. The first tokens go straight to the gateway (`FirstToken`: TTFT), then the
-   KV transfer starts into the reserved blocks (same-host shared memory or
-   tcp, chosen by the transfer layer from the peer's address).
+3. The first tokens go straight to the gateway (`FirstToken`: TTFT). The KV
+   transfer starts once both the KV and the `TransferTarget` (the blocks the
+   decode worker reserved) are there: same-host shared memory or tcp, chosen
+   from the peer's address. KV is never written before the reservation.
 4. Only when the transfer is COMPLETE (decode verified every block) are the
    blocks released. A failed transfer releases them too and reports a
    retryable `RequestFailed`. `Abort` drops the request at any stage.
@@ -35,6 +36,8 @@ from pdserve.transport import host_id
 log = logging.getLogger(__name__)
 
 TRANSFER_LEASE_S = 30.0
+# A prefilled request whose destination never arrives (the gateway lost it) gives its blocks back.
+TARGET_WAIT_S = 30.0
 _FAILED = {TransferState.FAILED, TransferState.ABORTED}
 
 
@@ -42,11 +45,13 @@ _FAILED = {TransferState.FAILED, TransferState.ABORTED}
 class _Job:
     msg: p.PrefillRequest
     arrived_at: float
+    target: p.TransferTarget | None = None
     prefilled: bool = False
+    prefilled_at: float = 0.0
     transfer_started_at: float = 0.0
 
 
-def peer_address(msg: p.PrefillRequest) -> str:
+def peer_address(msg: p.TransferTarget) -> str:
     """Shared memory only with a same-host decode worker; tcp frames otherwise."""
     peer = msg.target_kv_address
     if peer.startswith("shm+") and msg.target_host_id != host_id():
@@ -79,6 +84,12 @@ class PrefillNode:
     def handle(self, msg: p.Message) -> None:
         if isinstance(msg, p.PrefillRequest):
             self._add(msg)
+        elif isinstance(msg, p.TransferTarget):
+            job = self._jobs.get(msg.request_id)
+            if job is not None and job.target is None:
+                job.target = msg
+                if job.prefilled:
+                    self._start_transfer(job)
         elif isinstance(msg, p.Abort):
             for rid in msg.request_ids:
                 self._abort(rid)
@@ -99,9 +110,9 @@ class PrefillNode:
         if job is None:
             return
         self.metrics.aborts.inc()
-        if job.transfer_started_at:
-            self.sender.cancel(job.msg.transfer_id)
-            self._cancelling[job.msg.transfer_id] = rid
+        if job.transfer_started_at and job.target is not None:
+            self.sender.cancel(job.target.transfer_id)
+            self._cancelling[job.target.transfer_id] = rid
         else:
             self.engine.abort(rid)  # frees queued, prefilling or held blocks alike
 
@@ -127,51 +138,63 @@ class PrefillNode:
 
     def _prefilled(self, job: _Job, out: RequestOutput) -> None:
         job.prefilled = out.prefilled
-        msg = job.msg
-        now = time.monotonic()
+        job.prefilled_at = time.monotonic()
         choices = sorted(out.outputs, key=lambda c: c.index)
         self.send(p.FirstToken(
-            msg.request_id, msg.transfer_id,
+            job.msg.request_id, job.target.transfer_id if job.target else "",
             [c.token_ids[0] for c in choices],
             [c.finish_reason for c in choices],
             [(wire_logprobs(c) or [None])[0] for c in choices],
             out.num_cached_tokens,
-            {"prefill_compute": now - job.arrived_at},
+            {"prefill_compute": time.monotonic() - job.arrived_at},
         ))  # fmt: skip
         if not out.prefilled or all(c.finish_reason is not None for c in choices):
             self._finish(job)
-            return
-        src = list(self.engine.held_blocks(msg.request_id))[: len(msg.dst_block_ids)]
-        peer = peer_address(msg)
-        self.sender.begin(msg.transfer_id, msg.request_id, peer, src, list(msg.dst_block_ids), TRANSFER_LEASE_S)
-        self.sender.send_all(msg.transfer_id)
-        job.transfer_started_at = now
+        elif job.target is not None:
+            self._start_transfer(job)
+
+    def _start_transfer(self, job: _Job) -> None:
+        target = job.target
+        assert target is not None
+        src = list(self.engine.held_blocks(job.msg.request_id))[: len(target.dst_block_ids)]
+        self.sender.begin(target.transfer_id, job.msg.request_id, peer_address(target), src,
+                          list(target.dst_block_ids), TRANSFER_LEASE_S)  # fmt: skip
+        self.sender.send_all(target.transfer_id)
+        job.transfer_started_at = time.monotonic()
 
     def _poll_transfers(self) -> bool:
         changed = False
+        now = time.monotonic()
         for job in list(self._jobs.values()):
+            if job.prefilled and job.target is None and now - job.prefilled_at > TARGET_WAIT_S:
+                log.warning("no transfer target for %s after %.0fs; releasing", job.msg.request_id, TARGET_WAIT_S)
+                self._finish(job)
+                self.send(p.RequestFailed(job.msg.request_id, "no transfer target", retryable=True))
+                continue
             if not job.transfer_started_at:
                 continue
-            state = self.sender.poll(job.msg.transfer_id)
+            assert job.target is not None
+            tid = job.target.transfer_id
+            state = self.sender.poll(tid)
             if state == TransferState.COMPLETE:
                 self.metrics.transfer_seconds.observe(time.monotonic() - job.transfer_started_at)
-                self.metrics.transfer_bytes.inc(len(job.msg.dst_block_ids) * self._block_bytes())
+                self.metrics.transfer_bytes.inc(len(job.target.dst_block_ids) * self._block_bytes())
                 self._finish(job)
                 changed = True
             elif state in _FAILED:
                 self.metrics.transfer_failures.inc()
-                log.warning("KV transfer %s ended %s", job.msg.transfer_id, state.name)
+                log.warning("KV transfer %s ended %s", tid, state.name)
                 self._finish(job)
                 self.send(p.RequestFailed(job.msg.request_id, f"kv transfer {state.name.lower()}",
-                                          retryable=True, transfer_id=job.msg.transfer_id))  # fmt: skip
+                                          retryable=True, transfer_id=tid))  # fmt: skip
                 changed = True
         return changed
 
     def _finish(self, job: _Job) -> None:
         """Blocks are released only here: after COMPLETE, failure, or no transfer needed."""
         self._jobs.pop(job.msg.request_id, None)
-        if job.transfer_started_at:
-            self.sender.forget(job.msg.transfer_id)
+        if job.transfer_started_at and job.target is not None:
+            self.sender.forget(job.target.transfer_id)
         if job.prefilled:
             self.engine.release(job.msg.request_id)
 

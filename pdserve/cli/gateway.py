@@ -32,6 +32,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--max-in-flight", type=int, default=256)
     ap.add_argument("--api-key", action="append", default=[], help="require this API key")
+    ap.add_argument("--curve-secret-key", default=None,
+                    help="CURVE: the gateway's secret certificate (encrypts the control plane)")  # fmt: skip
+    ap.add_argument("--curve-authorized-keys", default=None,
+                    help="CURVE: directory of worker public certificates allowed to connect")  # fmt: skip
     ap.set_defaults(func=run)
 
 
@@ -47,7 +51,11 @@ def run(args: argparse.Namespace) -> int:
     from gateway.config import AdmissionConfig, GatewayConfig
     from gateway.server import run_gateway
     from gateway.tokenizer import Tokenizer
-    from pdserve.transport import free_port
+    from pdserve.transport import CurveServer, free_port
+
+    if bool(args.curve_secret_key) != bool(args.curve_authorized_keys):
+        raise SystemExit("--curve-secret-key and --curve-authorized-keys go together")
+    curve = CurveServer(args.curve_secret_key, args.curve_authorized_keys) if args.curve_secret_key else None
 
     if args.model is None:
         from engine.default_model import default_model_dir
@@ -58,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     control_port = args.control_port or free_port(args.control_host)
     cluster = ClusterBackend(ClusterConfig(
         control_host=args.control_host, control_port=control_port,
-        heartbeat_timeout_s=args.heartbeat_timeout, max_recoveries=args.max_recoveries,
+        heartbeat_timeout_s=args.heartbeat_timeout, max_recoveries=args.max_recoveries, curve=curve,
     ))  # fmt: skip
     config = GatewayConfig(
         host=args.host,

@@ -51,6 +51,8 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-host", default="127.0.0.1", help="decode: address the KV receiver binds")
     ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"),
                     help="auto: shared memory with same-host peers, tcp otherwise")  # fmt: skip
+    ap.add_argument("--curve-key", default=None, help="CURVE: this worker's secret certificate file")
+    ap.add_argument("--curve-server-key", default=None, help="CURVE: the gateway's public certificate file")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -90,6 +92,11 @@ def run(args: argparse.Namespace) -> int:
         ),
     )
     from decode_node.main import WorkerOptions, run_worker
+    from pdserve.transport import CurveClient
+
+    if bool(args.curve_key) != bool(args.curve_server_key):
+        raise SystemExit("--curve-key and --curve-server-key go together")
+    curve = CurveClient(args.curve_key, args.curve_server_key) if args.curve_key else None
 
     opts = WorkerOptions(
         role=args.role,
@@ -100,5 +107,6 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         kv_host=args.kv_host,
         kv_transport=args.kv_transport,
+        curve=curve,
     )
     return run_worker(engine_cfg, opts)

@@ -94,6 +94,36 @@ def test_64_concurrent_streams_complete_and_free_all_kv(log_dir: Path, reference
         for i in range(0, 64, 8):  # spot-check against the engine
             want = reference.generate(ids[i], max_tokens=lengths[i], temperature=0.0, ignore_eos=True)[0]
             assert texts[i] == reference.text(want)
-        for w in c.wait_idle():
+        workers = c.wait_idle()
+        for w in workers:
             assert w["free_blocks"] == w["total_blocks"]
-            assert metric_value(worker_metrics(w), "llm_kv_cache_usage_ratio") == 0.0
+            text = worker_metrics(w)
+            assert metric_value(text, "llm_kv_cache_usage_ratio") == 0.0
+            assert metric_value(text, "llm_decode_tokens_total" if w["role"] == "decode" else "llm_prefill_tokens_total") > 0
+        # The gateway re-exports the fleet's gauges, one sample per worker, labelled by role and worker.
+        import time
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        time.sleep(1.0)  # a heartbeat after the last release
+        status, body = http("GET", f"{c.url}/metrics")
+        assert status == 200
+        fams = {f.name: f for f in text_string_to_metric_families(body)}
+        usage = {s.labels["worker"]: s.value for s in fams["llm_kv_cache_usage_ratio"].samples}
+        assert usage == {w["id"]: 0.0 for w in workers}
+        assert {s.labels["role"] for s in fams["llm_current_batch_size"].samples} == {"decode"}
+
+
+def test_workers_rejoin_a_restarted_gateway(log_dir: Path, reference: Reference) -> None:
+    c = Cluster(log_dir)
+    try:
+        c.start_gateway()
+        c.add_worker("worker")
+        c.wait_roles(colocated=1)
+        assert c.gateway is not None
+        assert c.gateway.stop() == 0  # graceful: drains, exits 0
+        c.start_gateway()  # same ports: the workers' sockets reconnect by themselves
+        c.wait_roles(colocated=1)
+        assert _complete(c, reference, "again")["choices"][0]["finish_reason"] == "length"
+    finally:
+        c.stop()

@@ -127,3 +127,47 @@ def test_corrupted_kv_frame_is_never_decoded_and_request_recovers(log_dir: Path,
         c.wait_idle()
     finally:
         c.stop()
+
+
+def test_sigterm_decode_drains_active_streams_then_exits_0(log_dir: Path, reference: Reference) -> None:
+    c = _cluster(log_dir, prefill=1, decode=1)
+    try:
+        prompts = [f"Drain {i} before leaving" for i in range(4)]
+        started = threading.Event()
+
+        def run(i: int) -> tuple[str, list[str]]:
+            body = {"model": reference.model_name, "prompt": prompts[i], "max_tokens": LONG, "temperature": 0,
+                    "stream": True, "ignore_eos": True}  # fmt: skip
+            import json
+            import urllib.request
+
+            req = urllib.request.Request(f"{c.url}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+            text, finishes = [], []
+            with urllib.request.urlopen(req, timeout=120) as r:
+                for line in r:
+                    if line.startswith(b"data: {"):
+                        ev = json.loads(line[6:])
+                        assert "error" not in ev, ev
+                        for ch in ev.get("choices", []):
+                            text.append(ch["text"])
+                            if ch["finish_reason"]:
+                                finishes.append(ch["finish_reason"])
+                        started.set()
+            return "".join(text), finishes
+
+        decode = c.workers[1]
+        with cf.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(run, i) for i in range(4)]
+            assert started.wait(60)
+            decode.signal(signal.SIGTERM)
+            results = [f.result(timeout=120) for f in futures]
+        assert decode.popen.wait(30) == 0
+        for i, (text, finishes) in enumerate(results):
+            want = reference.generate(reference.completion_ids(prompts[i]), max_tokens=LONG, temperature=0.0, ignore_eos=True)[0]
+            assert finishes == ["length"] and text == reference.text(want)
+        c.wait_roles(prefill=1, decode=0)
+        status, _ = http("POST", f"{c.url}/v1/completions", {"model": reference.model_name, "prompt": "x", "max_tokens": 2})
+        assert status == 503  # no decode worker left: refused, not hung
+    finally:
+        c.stop()
