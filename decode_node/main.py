@@ -65,33 +65,43 @@ def build_node(engine_cfg: EngineConfig, opts: WorkerOptions, worker_id: str, ch
     from kv_transfer.receiver import ZmqReceiver
 
     cleanup: list[Any] = []
-    shm_pool = None
-    if opts.kv_transport != "tcp" and engine_cfg.device == "cpu":
-        from kv_transfer.shm_pool import create_shm_pool
+    layout = ModelRunner.layout_for(engine_cfg)
+    num_blocks = engine_cfg.cache.num_blocks or ModelRunner.num_blocks_for_bytes(
+        layout, engine_cfg.cache.kv_cache_memory or default_kv_bytes()
+    )
+    if engine_cfg.device.startswith("cuda"):
+        # The pool lives in one cudaMalloc whose IPC handle same-host prefill workers map.
+        from kv_transfer.cuda_ipc import create_cuda_pool
+        from kv_transfer.tensor_adapter import tensor_from_array
 
-        layout = ModelRunner.layout_for(engine_cfg)
-        num_blocks = engine_cfg.cache.num_blocks or ModelRunner.num_blocks_for_bytes(
-            layout, engine_cfg.cache.kv_cache_memory or default_kv_bytes()
-        )
-        shm_pool = create_shm_pool(layout, num_blocks)
-        cleanup.append(shm_pool.unlink)
-    engine, runner = build_engine(engine_cfg, kv_buffer=shm_pool.array if shm_pool else None)
-    if shm_pool is not None:
-        receiver = ZmqReceiver(runner.layout, shm_pool, transport="shm+tcp", host=opts.kv_host)
-    else:
+        cuda_pool = create_cuda_pool(layout, num_blocks, cuda_index(engine_cfg.device))
+        engine, runner = build_engine(engine_cfg, kv_buffer=tensor_from_array(cuda_pool.array, layout.dtype))
+        receiver = ZmqReceiver(runner.layout, cuda_pool, transport="cuda+tcp", host=opts.kv_host)
+        return DecodeNode(worker_id, engine, runner, receiver, send, metrics, ""), cleanup
+    if opts.kv_transport == "tcp":
+        engine, runner = build_engine(engine_cfg)
         receiver = ZmqReceiver(runner.layout, pool_array(runner), transport="tcp", host=opts.kv_host)
-    kv_shm = shm_pool.descriptor.name if shm_pool else ""
-    return DecodeNode(worker_id, engine, runner, receiver, send, metrics, kv_shm), cleanup
+        return DecodeNode(worker_id, engine, runner, receiver, send, metrics, ""), cleanup
+    from kv_transfer.shm_pool import create_shm_pool
+
+    shm_pool = create_shm_pool(layout, num_blocks)
+    cleanup.append(shm_pool.unlink)
+    engine, runner = build_engine(engine_cfg, kv_buffer=shm_pool.array)
+    receiver = ZmqReceiver(runner.layout, shm_pool, transport="shm+tcp", host=opts.kv_host)
+    return DecodeNode(worker_id, engine, runner, receiver, send, metrics, shm_pool.descriptor.name), cleanup
+
+
+def cuda_index(device: str) -> int:
+    _, _, index = device.partition(":")
+    return int(index) if index else 0
 
 
 def pool_array(runner: Any) -> Any:
-    """The runner's CPU KV pool as a numpy view (bfloat16 as raw 16-bit patterns)."""
-    import torch
+    """The runner's KV pool as an array for the transfer layer (numpy on CPU, the
+    tensor itself on GPU; bfloat16 as raw 16-bit patterns)."""
+    from kv_transfer.tensor_adapter import pool_array as adapt
 
-    kv = runner.pool.kv
-    if kv.device.type != "cpu":
-        raise ValueError("KV transfer from a GPU pool needs the CUDA transport; use --device cpu")
-    return (kv.view(torch.uint16) if kv.dtype == torch.bfloat16 else kv).numpy()
+    return adapt(runner.pool.kv)
 
 
 def default_kv_bytes() -> int:

@@ -52,10 +52,12 @@ class _Job:
 
 
 def peer_address(msg: p.TransferTarget) -> str:
-    """Shared memory only with a same-host decode worker; tcp frames otherwise."""
+    """Direct copies (shared memory, CUDA IPC) only with a same-host decode worker;
+    tcp frames otherwise."""
     peer = msg.target_kv_address
-    if peer.startswith("shm+") and msg.target_host_id != host_id():
-        return peer.removeprefix("shm+")
+    if msg.target_host_id != host_id():
+        for prefix in ("shm+", "cuda+"):
+            peer = peer.removeprefix(prefix)
     return peer
 
 

@@ -173,8 +173,16 @@ class Cluster:
     def stop(self) -> None:
         for w in self.workers:
             w.stop()
+            remove_leaked_shm(w.popen.pid)
         if self.gateway is not None:
             self.gateway.stop()
+
+
+def remove_leaked_shm(pid: int) -> None:
+    """A worker killed with SIGKILL cannot unlink its shared-memory KV pool; the test does."""
+    for seg in Path("/dev/shm").glob(f"pdkv_{pid}_*"):
+        with contextlib.suppress(OSError):
+            seg.unlink()
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from pathlib import Path
 from gateway.backend import BackendError, GenerateRequest
 from gateway.cluster import ClusterBackend, ClusterConfig, _WorkerLost
 from pdserve.sampling_params import SamplingParams
-from tests.e2e.cluster import WORKER_BLOCKS, Proc, start
+from tests.e2e.cluster import WORKER_BLOCKS, Proc, remove_leaked_shm, start
 from tests.e2e.conftest import Reference
 
 DELAYS = (0.0, 0.001, 0.003, 0.006, 0.01, 0.02, 0.04, 0.08)
@@ -72,11 +72,11 @@ async def _scenario(log_dir: Path, reference: Reference) -> None:
         while not all(w["free_blocks"] == w["total_blocks"] and w["inflight_requests"] == 0 for w in be.workers()):
             state = [(w["id"], w["free_blocks"], w["total_blocks"], w["inflight_requests"]) for w in be.workers()]
             assert time.monotonic() < deadline, state
-            print("WAIT", round(deadline - time.monotonic(), 1), state, flush=True)
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0.1)
     finally:
         for p in procs:
             p.stop()
+            remove_leaked_shm(p.popen.pid)
         await be.close()
 
 
