@@ -11,6 +11,7 @@ wall time to other load on a shared machine.
 
     .venv/bin/python -m bench.kv_transfer                  # both shapes, all transports
     .venv/bin/python -m bench.kv_transfer --tokens 1024 --runs 3 --transports shm ipc
+    .venv/bin/python -m bench.kv_transfer --copy-threads 2     # helper copy threads per side
 """
 
 from __future__ import annotations
@@ -178,6 +179,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--chunk-mib", type=float, default=8.0, help="frame / shm chunk size")
+    ap.add_argument("--copy-threads", type=int, default=DEFAULT_COPY_THREADS,
+                    help="copy threads per side (Sender/ZmqReceiver copy_threads=)")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--transports", nargs="+", default=DEFAULT_TRANSPORTS, choices=TRANSPORTS)
     args = ap.parse_args()
@@ -188,7 +191,8 @@ def main() -> None:
         blocks = -(-args.tokens // layout.block_size)
         nbytes = blocks * layout.block_size * layout.kv_bytes_per_token
         for transport in args.transports:
-            r = bench_one(shape, transport, args.tokens, args.runs, int(args.chunk_mib * 2**20))
+            r = bench_one(shape, transport, args.tokens, args.runs, int(args.chunk_mib * 2**20),
+                          args.copy_threads)
             copy = memcpy_gbps(nbytes, device=transport == "cuda")
             print(f"{shape:<12} {nbytes / 2**20:>7.1f} {transport:<9} {r.latency_s * 1e3:>11.2f} "
                   f"{r.gbps:>7.2f} {copy:>12.2f} {100 * r.gbps / copy:>8.0f}% "

@@ -18,6 +18,7 @@ from decode_node.worker_metrics import WorkerMetrics
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from pdserve import protocol as p
+from pdserve.logs import request_fields
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class ColocatedNode:
         elif isinstance(msg, p.Abort):
             for rid in msg.request_ids:
                 if rid in self._live:
+                    log.debug("colocated request %s aborted", rid, extra=request_fields(rid))
                     self.engine.abort(rid)
                     self._live.discard(rid)
                     self.metrics.aborts.inc()
@@ -54,11 +56,15 @@ class ColocatedNode:
     def _add(self, msg: p.RunRequest) -> None:
         try:
             params = SamplingParams.from_dict(msg.params)
-            self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), params)
+            prompt, outputs = p.split_resumed(msg.prompt_token_ids, msg.output_offset)
+            self.engine.add_request(msg.request_id, prompt, params, output_token_ids=outputs,
+                                    choice_index=msg.choice_index)  # fmt: skip
         except (SamplingParamsError, ValueError) as e:
             self.send(p.RequestFailed(msg.request_id, f"invalid request: {e}", retryable=False))
             return
         self._live.add(msg.request_id)
+        log.debug("colocated request %s accepted: %d prompt tokens", msg.request_id, len(msg.prompt_token_ids),
+                  extra=request_fields(msg.request_id))  # fmt: skip
         self.metrics.requests.inc()
         self.metrics.prefill_requests.inc()
 
@@ -67,15 +73,17 @@ class ColocatedNode:
             return False
         outputs = self.engine.step()
         for out in outputs:
-            if out.finished:
+            if out.finished and out.request_id in self._live:
                 self._live.discard(out.request_id)
+                log.debug("colocated request %s finished", out.request_id, extra=request_fields(out.request_id))
         deltas = wire_deltas(outputs)
         if deltas:
             self.send(p.TokenBatch(self.worker_id, deltas))
         return True
 
     def load(self) -> NodeLoad:
-        return self.stats.update(self.engine.stats())
+        queued = sum(seq.num_uncomputed_tokens for seq in list(self.engine.scheduler.waiting))  # heartbeat thread
+        return self.stats.update(self.engine.stats(), queued)
 
     def busy(self) -> bool:
         return self.engine.has_unfinished()

@@ -10,7 +10,8 @@ from decode_node.engine_glue import build_engine
 from decode_node.runtime import Node, RuntimeConfig, WorkerRuntime
 from decode_node.worker_metrics import WorkerMetrics
 from engine.config import EngineConfig
-from pdserve.transport import CurveClient, WorkerChannel, new_worker_id
+from pdserve.gateways import GatewayLinks
+from pdserve.transport import CurveClient, new_worker_id
 
 log = logging.getLogger(__name__)
 
@@ -18,12 +19,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class WorkerOptions:
     role: str  # prefill | decode | colocated
-    gateway: str
+    gateways: tuple[str, ...]  # tcp://HOST:PORT or dns+tcp://NAME:PORT, one channel per gateway
     worker_id: str | None = None
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
     heartbeat_s: float = 0.5
     kv_host: str = "127.0.0.1"
+    kv_port: int = 0  # decode: fixed tcp port of the KV receiver (0: ephemeral)
     kv_transport: str = "auto"  # auto | tcp | shm
     curve: CurveClient | None = None
 
@@ -31,8 +33,8 @@ class WorkerOptions:
 def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions) -> int:
     worker_id = opts.worker_id or new_worker_id(opts.role)
     metrics = WorkerMetrics(opts.role, worker_id)
-    channel = WorkerChannel(opts.gateway, worker_id, opts.curve)
-    rt_cfg = RuntimeConfig(opts.gateway, worker_id, opts.metrics_host, opts.metrics_port, opts.heartbeat_s,
+    channel = GatewayLinks(opts.gateways, worker_id, opts.curve)
+    rt_cfg = RuntimeConfig(opts.gateways, worker_id, opts.metrics_host, opts.metrics_port, opts.heartbeat_s,
                            curve=opts.curve)  # fmt: skip
     runtime = WorkerRuntime(rt_cfg, channel, metrics)
     node, cleanup = build_node(engine_cfg, opts, worker_id, channel, metrics)
@@ -44,7 +46,7 @@ def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions) -> int:
         log.debug("cleanup done")
 
 
-def build_node(engine_cfg: EngineConfig, opts: WorkerOptions, worker_id: str, channel: WorkerChannel,
+def build_node(engine_cfg: EngineConfig, opts: WorkerOptions, worker_id: str, channel: GatewayLinks,
                metrics: WorkerMetrics) -> tuple[Node, list[Any]]:  # fmt: skip
     send = channel.send
     if opts.role == "colocated":
@@ -76,18 +78,25 @@ def build_node(engine_cfg: EngineConfig, opts: WorkerOptions, worker_id: str, ch
 
         cuda_pool = create_cuda_pool(layout, num_blocks, cuda_index(engine_cfg.device))
         engine, runner = build_engine(engine_cfg, kv_buffer=tensor_from_array(cuda_pool.array, layout.dtype))
-        receiver = ZmqReceiver(runner.layout, cuda_pool, transport="cuda+tcp", host=opts.kv_host)
+        receiver = ZmqReceiver(runner.layout, cuda_pool, transport="cuda+tcp", host=opts.kv_host,
+                               port=opts.kv_port)
         return DecodeNode(worker_id, engine, runner, receiver, send, metrics, ""), cleanup
     if opts.kv_transport == "tcp":
         engine, runner = build_engine(engine_cfg)
-        receiver = ZmqReceiver(runner.layout, pool_array(runner), transport="tcp", host=opts.kv_host)
+        receiver = ZmqReceiver(runner.layout, pool_array(runner), transport="tcp", host=opts.kv_host,
+                               port=opts.kv_port)
         return DecodeNode(worker_id, engine, runner, receiver, send, metrics, ""), cleanup
     from kv_transfer.shm_pool import create_shm_pool
 
-    shm_pool = create_shm_pool(layout, num_blocks)
+    shm_pool = create_shm_pool(layout, num_blocks)  # sweeps segments of dead workers first
     cleanup.append(shm_pool.unlink)
-    engine, runner = build_engine(engine_cfg, kv_buffer=shm_pool.array)
-    receiver = ZmqReceiver(runner.layout, shm_pool, transport="shm+tcp", host=opts.kv_host)
+    try:
+        engine, runner = build_engine(engine_cfg, kv_buffer=shm_pool.array)
+        receiver = ZmqReceiver(runner.layout, shm_pool, transport="shm+tcp", host=opts.kv_host,
+                               port=opts.kv_port)
+    except BaseException:
+        shm_pool.unlink()  # the cleanup list never reaches the caller
+        raise
     return DecodeNode(worker_id, engine, runner, receiver, send, metrics, shm_pool.descriptor.name), cleanup
 
 

@@ -27,7 +27,9 @@ from engine.model_runner import ModelRunner
 from engine.sequence import TokenLogprob
 from kv_transfer.api import TransferState
 from pdserve import protocol as p
+from pdserve.logs import request_fields
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.transport import transport_kind
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,20 @@ class _Incoming:
     first_tokens: list[int] | None = None
     first_logprobs: list[Any] | None = None
     first_at: float = 0.0  # when StartDecode arrived: prefill done, transfer finishing
+    complete_at: float = 0.0  # when the transfer was first seen COMPLETE
+
+
+@dataclass
+class _Stages:
+    """Stage clocks of a running request, reported on its finishing delta."""
+
+    kv_transfer_s: float  # StartDecode (transfer begun after the first token) to KV COMPLETE
+    ready_at: float  # KV complete and first tokens known
+    first_step_at: float = 0.0  # start of its first decode step
+
+    def timings(self, now: float) -> dict[str, float]:
+        first = self.first_step_at or now
+        return {"kv_transfer": self.kv_transfer_s, "decode_queue": first - self.ready_at, "decode": now - first}
 
 
 def engine_logprobs(raw: list[Any]) -> list[TokenLogprob] | None:
@@ -66,8 +82,8 @@ class DecodeNode:
         self.stats = StatsMirror(metrics)
         self._incoming: dict[str, _Incoming] = {}
         self._running: set[str] = set()
-        # Stage timings reported on a request's first and last deltas: rid -> (admitted_at, kv_transfer_s).
-        self._timing: dict[str, tuple[float, float]] = {}
+        # Stage timings of running requests, reported on their finishing deltas.
+        self._timing: dict[str, _Stages] = {}
         # Cancelled transfers whose writer may still be active: blocks are freed
         # only once the transfer is terminal (transfer_id -> request id).
         self._cancelling: dict[str, str] = {}
@@ -95,7 +111,8 @@ class DecodeNode:
         rid = msg.request_id
         try:
             params = SamplingParams.from_dict(msg.params)
-            blocks = self.engine.reserve_remote(rid, list(msg.prompt_token_ids), params)
+            prompt, outputs = p.split_resumed(msg.prompt_token_ids, msg.output_offset)
+            blocks = self.engine.reserve_remote(rid, prompt, params, outputs, msg.choice_index)
         except (SamplingParamsError, ValueError) as e:
             self.send(p.RequestFailed(rid, f"invalid request: {e}", retryable=False))
             return
@@ -104,11 +121,14 @@ class DecodeNode:
             return
         self.receiver.expect(msg.transfer_id, rid, list(blocks), TRANSFER_LEASE_S)
         self._incoming[rid] = _Incoming(msg.transfer_id, time.monotonic(), len(blocks))
+        log.debug("decode request %s accepted: %d blocks reserved", rid, len(blocks), extra=request_fields(rid))
         self.metrics.requests.inc()
         self.send(p.ReserveResult(rid, msg.transfer_id, list(blocks)))
 
     def _abort(self, rid: str) -> None:
         inc = self._incoming.pop(rid, None)
+        if inc is not None or rid in self._running:
+            log.debug("decode request %s aborted", rid, extra=request_fields(rid))
         if inc is not None:
             self.metrics.aborts.inc()
             self.receiver.cancel(inc.transfer_id)
@@ -134,44 +154,51 @@ class DecodeNode:
         admitted = self._admit_arrived()
         if not self._running:
             return admitted
+        started = time.monotonic()
+        for rid in self._running:
+            stages = self._timing.get(rid)
+            if stages is not None and not stages.first_step_at:
+                stages.first_step_at = started
         outputs = self.engine.step()
+        finished: dict[str, dict[str, float]] = {}
         for out in outputs:
-            if out.finished:
+            if out.finished and out.request_id in self._running:
                 self._running.discard(out.request_id)
-        deltas = [self._with_timings(d) for d in wire_deltas(outputs)]
+                finished[out.request_id] = self._finished(out.request_id)
+        deltas = [replace(d, timings=finished[d.request_id]) if d.request_id in finished else d
+                  for d in wire_deltas(outputs)]  # fmt: skip
         if deltas:
             self.send(p.TokenBatch(self.worker_id, deltas))
         return True
 
-    def _with_timings(self, d: p.TokenDelta) -> p.TokenDelta:
-        """kv_transfer on a request's first delta; decode (admission to finish) on its last."""
-        timing = self._timing.get(d.request_id)
-        if timing is None:
-            return d
-        admitted_at, transfer_s = timing
-        timings = {"kv_transfer": transfer_s} if transfer_s >= 0 else {}
-        self._timing[d.request_id] = (admitted_at, -1.0)
-        if d.request_id not in self._running:
-            timings["decode"] = time.monotonic() - admitted_at
-            del self._timing[d.request_id]
-        return replace(d, timings=timings) if timings else d
+    def _finished(self, rid: str) -> dict[str, float]:
+        """The request's stage timings (kv_transfer, decode_queue, decode) for its finishing delta."""
+        log.debug("decode request %s finished", rid, extra=request_fields(rid))
+        stages = self._timing.pop(rid, None)
+        return stages.timings(time.monotonic()) if stages is not None else {}
 
     def _admit_arrived(self) -> bool:
         admitted = False
         for rid, inc in list(self._incoming.items()):
             state = self.receiver.poll(inc.transfer_id)
+            if state == TransferState.COMPLETE and not inc.complete_at:
+                inc.complete_at = time.monotonic()
             if state in _FAILED:
                 self._transfer_failed(rid, inc, state)
             elif state == TransferState.COMPLETE and inc.first_tokens is not None:
                 del self._incoming[rid]
                 self.receiver.forget(inc.transfer_id)
                 self.metrics.transfer_seconds.observe(time.monotonic() - inc.reserved_at)
-                self.metrics.transfer_bytes.inc(inc.num_blocks * self._block_bytes())
+                # The receiver's own kind: a same-host sender uses it, a remote one tcp frames.
+                self.metrics.add_transfer_bytes(transport_kind(self.receiver.address), inc.num_blocks * self._block_bytes())
                 out = self.engine.start_remote(rid, inc.first_tokens, engine_logprobs(inc.first_logprobs or []))
                 if not out.finished:
                     self._running.add(rid)
-                    now = time.monotonic()
-                    self._timing[rid] = (now, now - inc.first_at)
+                    # Non-overlapping with the prefill stages: the transfer counts from the
+                    # first token (StartDecode); before that it is hidden behind prefill.
+                    self._timing[rid] = _Stages(max(0.0, inc.complete_at - inc.first_at), max(inc.complete_at, inc.first_at))
+                else:
+                    log.debug("decode request %s finished", rid, extra=request_fields(rid))
                 admitted = True
         return admitted
 

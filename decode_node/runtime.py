@@ -13,6 +13,11 @@ a long engine step never makes a live worker look dead; the thread stops
 heartbeating if the loop has not ticked for `stall_s` (a hung worker is
 dropped and its requests recovered).
 
+With several gateways (`--gateway` repeated, or a `dns+tcp://` name resolving to
+every replica; see `pdserve.gateways`) the worker registers and heartbeats with
+each on its own channel, reports its total load to each, and sends every reply
+back on the channel its request came from.
+
 SIGTERM (or SIGINT) drains: the worker sends `Deregister(final=False)` so the
 gateway stops routing to it, finishes what it holds, sends
 `Deregister(final=True)` and exits 0.
@@ -32,14 +37,15 @@ from typing import Any, NamedTuple, Protocol
 from decode_node.faults import FaultInjector, WorkerFaults
 from decode_node.worker_metrics import MetricsServer, WorkerMetrics
 from pdserve import protocol as p
-from pdserve.transport import LOOPBACK, CurveClient, WorkerChannel, host_id
+from pdserve.gateways import GatewayLinks
+from pdserve.transport import LOOPBACK, CurveClient, WorkerChannel, host_id, transport_kind
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    gateway: str  # the gateway's control address, e.g. tcp://127.0.0.1:5555
+    gateways: tuple[str, ...]  # control addresses: tcp://HOST:PORT or dns+tcp://NAME:PORT
     worker_id: str
     metrics_host: str = LOOPBACK
     metrics_port: int = 0
@@ -90,7 +96,7 @@ Sender = Callable[[p.Message], None]
 
 
 class WorkerRuntime:
-    def __init__(self, config: RuntimeConfig, channel: WorkerChannel, metrics: WorkerMetrics) -> None:
+    def __init__(self, config: RuntimeConfig, channel: GatewayLinks, metrics: WorkerMetrics) -> None:
         self.config = config
         self.channel = channel
         self.metrics = metrics
@@ -98,7 +104,7 @@ class WorkerRuntime:
         self._last_tick = time.monotonic()
         self._hb_stop = threading.Event()
         self.faults = FaultInjector(WorkerFaults.from_env())
-        self._registered_at = 0.0
+        self._registered_at: dict[str, float] = {}  # gateway address -> last RegisterWorker
 
     def request_stop(self, *_: Any) -> None:
         self._stop_requested = True
@@ -109,10 +115,14 @@ class WorkerRuntime:
         server = MetricsServer(self.metrics, self.config.metrics_host, self.config.metrics_port,
                                health=lambda: not self._stop_requested)  # fmt: skip
         server.start()
-        self._register(node, server.port)
+        self._follow_gateways(node, server.port)
         hb = threading.Thread(target=self._heartbeat_loop, args=(node,), name="heartbeat", daemon=True)
         hb.start()
         log.info("%s worker %s up; metrics on port %d", node.role, self.config.worker_id, server.port)
+        kv_address = node.registration().kv_address
+        if kv_address:
+            log.info("%s worker %s KV receiver on %s (%s)", node.role, self.config.worker_id, kv_address,
+                     transport_kind(kv_address))  # fmt: skip
         try:
             self._serve(node, server.port)
             self._drain(node)
@@ -120,7 +130,7 @@ class WorkerRuntime:
             log.debug("stopping: heartbeats")
             self._hb_stop.set()
             hb.join(timeout=5)
-            self.channel.send(p.Deregister(self.config.worker_id, final=True, reason="exit"))
+            self.channel.broadcast(p.Deregister(self.config.worker_id, final=True, reason="exit"))
             log.debug("stopping: node")
             node.close()
             log.debug("stopping: metrics server")
@@ -134,18 +144,19 @@ class WorkerRuntime:
             self._tick(node, metrics_port)
 
     def _drain(self, node: Node) -> None:
-        self.channel.send(p.Deregister(self.config.worker_id, final=False, reason="draining"))
+        self.channel.broadcast(p.Deregister(self.config.worker_id, final=False, reason="draining"))
         deadline = time.monotonic() + self.config.drain_timeout_s
         while node.busy() and time.monotonic() < deadline:
             self._tick(node, 0)
 
     def _tick(self, node: Node, metrics_port: int) -> None:
-        for msg in self.channel.recv_all():
+        self._follow_gateways(node, metrics_port)
+        for gateway, msg in self.channel.recv_all():
             if isinstance(msg, p.RegisterAck):
                 now = time.monotonic()
-                if not msg.accepted and metrics_port and now - self._registered_at > 1.0:
-                    log.warning("gateway does not know us (%s); registering again", msg.reason)
-                    self._register(node, metrics_port)
+                if not msg.accepted and metrics_port and now - self._registered_at.get(gateway, 0.0) > 1.0:
+                    log.warning("gateway %s does not know us (%s); registering again", gateway, msg.reason)
+                    self._register(node, metrics_port, gateway)
             else:
                 self.faults.on_message(msg)
                 node.handle(msg)
@@ -155,23 +166,45 @@ class WorkerRuntime:
         if not worked:
             self.channel.wait(self.config.idle_wait_ms)
 
-    def _register(self, node: Node, metrics_port: int) -> None:
-        self._registered_at = time.monotonic()
+    def _follow_gateways(self, node: Node, metrics_port: int) -> None:
+        """Register with gateways that appeared (not while draining); abort the requests
+        of gateways gone for good."""
+        added, orphaned = self.channel.refresh()
+        for gateway in added if metrics_port else ():
+            self._register(node, metrics_port, gateway)
+        if orphaned:
+            node.handle(p.Abort(orphaned, "gateway gone"))
+
+    def _register(self, node: Node, metrics_port: int, gateway: str) -> None:
+        self._registered_at[gateway] = time.monotonic()
         reg = node.registration()
-        self.channel.send(p.RegisterWorker(
+        self.channel.send_to(gateway, p.RegisterWorker(
             self.config.worker_id, node.role, host_id(), reg.kv_address, reg.kv_shm,
             reg.compat_hash, reg.total_blocks, reg.block_size, metrics_port, os.getpid(),
         ))  # fmt: skip
 
     def _heartbeat_loop(self, node: Node) -> None:
-        channel = WorkerChannel(self.config.gateway, f"{self.config.worker_id}/hb", self.config.curve, lossy=True)
+        """One lossy socket per gateway; each gets the worker's total load."""
+        channels: dict[str, WorkerChannel] = {}
         try:
             while not self._hb_stop.wait(self.config.heartbeat_s):
+                self._sync_heartbeat_channels(channels)
                 if time.monotonic() - self._last_tick < self.config.stall_s:
-                    channel.send(self._heartbeat(node))
-                channel.recv_all()  # the gateway answers heartbeats only on the main socket
+                    beat = self._heartbeat(node)
+                    for ch in channels.values():
+                        ch.send(beat)
+                for ch in channels.values():
+                    ch.recv_all()  # the gateway answers heartbeats only on the main socket
         finally:
-            channel.close()
+            for ch in channels.values():
+                ch.close()
+
+    def _sync_heartbeat_channels(self, channels: dict[str, WorkerChannel]) -> None:
+        current = set(self.channel.addresses)
+        for addr in set(channels) - current:
+            channels.pop(addr).close()
+        for addr in current - set(channels):
+            channels[addr] = WorkerChannel(addr, f"{self.config.worker_id}/hb", self.config.curve, lossy=True)
 
     def _heartbeat(self, node: Node) -> p.Heartbeat:
         load = node.load()
@@ -179,6 +212,9 @@ class WorkerRuntime:
         m.free_blocks.set(load.free_blocks)
         m.kv_usage.set((load.total_blocks - load.free_blocks) / max(load.total_blocks, 1))
         m.waiting.set(load.waiting_seqs)
+        m.running_seqs.set(load.running_seqs)
+        if node.role != "decode":
+            m.queued_prefill_tokens.set(load.queued_prefill_tokens)
         if node.role != "prefill":
             m.batch_size.set(load.running_seqs)
         return p.Heartbeat(self.config.worker_id, *load, gauges=m.gauges())

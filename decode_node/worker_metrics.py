@@ -32,11 +32,16 @@ class WorkerMetrics:
         self.batch_size = gauge("llm_current_batch_size", "Sequences in the running batch")
         self.waiting = gauge("llm_waiting_sequences", "Sequences waiting to be scheduled")
         self.free_blocks = gauge("llm_kv_free_blocks", "Free KV blocks")
+        self.queued_prefill_tokens = gauge("llm_prefill_queued_tokens", "Prompt tokens waiting to be prefilled")
+        self.running_seqs = gauge("llm_num_running_seqs", "Sequences the engine is running")
         self.prefill_tokens = counter("llm_prefill_tokens", "Prompt tokens computed")
         self.decode_tokens = counter("llm_decode_tokens", "Output tokens generated")
         self.prefill_requests = counter("llm_prefill_requests", "Prefill computations run")
         self.requests = counter("llm_worker_requests", "Requests accepted by this worker")
-        self.transfer_bytes = counter("llm_kv_transfer_bytes", "KV bytes transferred")
+        # By transport (pdserve.transport.transport_kind): shm, cuda_ipc, tcp or ipc.
+        self._transfer_bytes = Counter("llm_kv_transfer_bytes", "KV bytes transferred", [*names, "transport"],
+                                       registry=r)  # fmt: skip
+        self._labels = labels
         self.transfer_failures = counter("llm_kv_transfer_failures", "Failed KV transfers")
         self.preemptions = counter("llm_preemptions", "Sequences preempted for recompute")
         self.aborts = counter("llm_worker_aborts", "Requests aborted on this worker")
@@ -48,6 +53,10 @@ class WorkerMetrics:
             registry=r,
         ).labels(**labels)
         self._last_preemptions = 0
+        self._role = role
+
+    def add_transfer_bytes(self, transport: str, num_bytes: int) -> None:
+        self._transfer_bytes.labels(**self._labels, transport=transport or "unknown").inc(num_bytes)
 
     def set_preemptions(self, total: int) -> None:
         if total > self._last_preemptions:
@@ -56,9 +65,13 @@ class WorkerMetrics:
 
     def gauges(self) -> dict[str, float]:
         """Values carried in heartbeats for the gateway to re-export."""
-        return {
+        prefill = {} if self._role == "decode" else {
+            "llm_prefill_queued_tokens": float(self.queued_prefill_tokens._value.get()),
+        }  # fmt: skip
+        return prefill | {
             "llm_kv_cache_usage_ratio": float(self.kv_usage._value.get()),
             "llm_current_batch_size": float(self.batch_size._value.get()),
+            "llm_num_running_seqs": float(self.running_seqs._value.get()),
             "llm_prefill_tokens_count": float(self.prefill_tokens._value.get()),
             "llm_decode_tokens_count": float(self.decode_tokens._value.get()),
             "llm_prefill_requests_count": float(self.prefill_requests._value.get()),

@@ -9,7 +9,9 @@ The same engine serves three roles:
 - single process / colocated: `add_request` + `step` (or `generate`);
 - prefill node: `add_request(..., prefill_only=True)` finishes once the first
   token(s) are sampled (FINISHED_PREFILLED) and keeps the KV blocks until
-  `release`; `held_blocks` names them for the transfer;
+  `release`; `held_blocks` names them for the transfer. Stepping in two halves
+  (`schedule`, then `execute`) lets the node see `completing_prefills` first
+  and push each layer's KV from `layer_hook` while the next layer computes;
 - decode node: `reserve_remote` allocates blocks the prefill KV is written into,
   `start_remote` marks the prompt computed elsewhere and decodes from token 1.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -40,6 +42,13 @@ from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
+
+
+class PrefillDone(NamedTuple):
+    """A prefill-only request whose prompt the scheduled batch completes."""
+
+    request_id: str
+    block_ids: list[int]
 
 
 @dataclass
@@ -88,24 +97,50 @@ class LLMEngine:
         *,
         prefill_only: bool = False,
         output_token_ids: Sequence[int] = (),
+        choice_index: int = 0,
     ) -> None:
         """Queue a request; ValueError if it can never fit (length, KV capacity, budget).
 
         `output_token_ids` resumes a sequence (n=1) that already generated these tokens
         elsewhere (recovery): they are prefilled with the prompt, count toward
         max_tokens and penalties, and the next draw is output token index len(...).
+        `choice_index` (n=1 only) continues choice c of an n>1 request: its seeds are
+        drawn from (seed, c, index) and its outputs carry index c.
         """
-        req = self._new_request(request_id, prompt_token_ids, params, prefill_only, output_token_ids)
+        req = self._new_request(request_id, prompt_token_ids, params, prefill_only, output_token_ids, choice_index)
         self.scheduler.add(req.seqs[0])
 
     def step(self, layer_hook: Callable[[int], None] | None = None) -> list[RequestOutput]:
         """Run one scheduler step; return what each touched request gained."""
-        batch = self.scheduler.schedule()
+        return self.execute(self.schedule(), layer_hook)
+
+    def schedule(self) -> SchedulerOutput:
+        """First half of `step`: pick this step's batch (blocks are allocated now).
+
+        Pass it to `execute` before anything else touches the engine."""
+        return self.scheduler.schedule()
+
+    def execute(
+        self, batch: SchedulerOutput, layer_hook: Callable[[int], None] | None = None
+    ) -> list[RequestOutput]:
+        """Second half of `step`: run the model on `batch`, sample, and report."""
         if batch.is_empty:
             return []
         logits = self._execute(batch, layer_hook)
         self.scheduler.mark_computed(batch)
         return self._postprocess(batch, logits)
+
+    def completing_prefills(self, batch: SchedulerOutput) -> list[PrefillDone]:
+        """Prefill-only requests whose prompt `batch` finishes, with their blocks.
+
+        Once `execute`'s `layer_hook(i)` runs, layer i of *every* listed block is final:
+        blocks of earlier chunks and prefix-cache hits were complete before this step.
+        The blocks are the ones `held_blocks` names after the step."""
+        done = []
+        for chunk, seq in zip(batch.chunks, batch.seqs, strict=True):
+            if seq.prefill_only and chunk.need_logits:
+                done.append(PrefillDone(seq.request_id, self.block_manager.block_table(seq.seq_id)))
+        return done
 
     def abort(self, request_id: str) -> bool:
         """End a request in any state and free its blocks; False if unknown."""
@@ -163,13 +198,14 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         output_token_ids: Sequence[int] = (),
+        choice_index: int = 0,
     ) -> list[int] | None:
         """Allocate blocks for the prompt's KV (WAITING_FOR_KV); None if no room now.
 
-        `output_token_ids`: tokens already generated (recovery); their KV arrives with
-        the prompt's, as in `add_request`.
+        `output_token_ids`, `choice_index`: a resumed sequence (recovery); its KV arrives
+        with the prompt's, as in `add_request`.
         """
-        req = self._new_request(request_id, prompt_token_ids, params, False, output_token_ids)
+        req = self._new_request(request_id, prompt_token_ids, params, False, output_token_ids, choice_index)
         seq = req.seqs[0]
         if self.block_manager.allocate_slots(seq.seq_id, seq.num_tokens, 0) is None:
             del self._requests[request_id]
@@ -235,6 +271,7 @@ class LLMEngine:
         params: SamplingParams,
         prefill_only: bool,
         output_token_ids: Sequence[int] = (),
+        choice_index: int = 0,
     ) -> Request:
         params.validate()
         if request_id in self._requests:
@@ -243,13 +280,15 @@ class LLMEngine:
         outputs = [int(t) for t in output_token_ids]
         if outputs and (params.n != 1 or len(outputs) >= params.max_tokens):
             raise ValueError("resumed output tokens need n=1 and fewer than max_tokens of them")
+        if choice_index and (params.n != 1 or choice_index < 0):
+            raise ValueError("choice_index needs n=1 and is never negative")
         self._check_fits(prompt + outputs, params, len(prompt))
         counter = next(self._request_counter)
         seed = params.seed if params.seed is not None else request_seed(self.config.seed, counter)
         seq = Seq(
             seq_id=next(self._seq_ids),
             request_id=request_id,
-            choice_index=0,
+            choice_index=choice_index,
             prompt_token_ids=prompt,
             params=params,
             sampling_seed=seed,

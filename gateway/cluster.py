@@ -16,9 +16,15 @@ Life of a request (one *attempt*; recovery starts a new attempt):
    sequence when the KV transfer is complete and streams `TokenBatch` deltas.
 4. A worker that fails the request, or goes silent, ends the attempt: the
    gateway re-prefills prompt + tokens already streamed on another worker and
-   continues, at most `max_recoveries` times. Only an empty pool is an error.
+   continues, at most `max_recoveries` times. The streamed tokens travel as
+   output (`output_offset`), so seeded sampling and penalties continue exactly;
+   an n > 1 request that already streamed resumes each unfinished choice as its
+   own n=1 attempt (`choice_index`). Only an empty pool is an error.
 5. Closing the iterator (disconnect, stop string, deadline) sends `Abort` to
    every worker the request touched.
+
+The socket loop and the worker registry are the base class, `ControlPlane`
+(gateway/control_plane.py); this module is the request flow on top of it.
 
 Each attempt has its own worker-side request id (`<id>#<attempt>`), so late
 messages of an abandoned attempt are recognised and dropped.
@@ -27,44 +33,29 @@ messages of an abandoned attempt are recognised and dropped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
-
-import zmq
-import zmq.asyncio
 
 from gateway.backend import (
     BackendError,
     BackendErrorKind,
-    FleetSample,
     GenerateRequest,
-    ReadyState,
     TokenDelta,
     TokenLogprob,
     TopLogprob,
 )
-from gateway.registry import WorkerInfo, WorkerRegistry
+from gateway.control_plane import ClusterConfig, ControlPlane
+from gateway.registry import WorkerInfo
 from gateway.router import blocks_needed, pick_colocated, pick_decode, pick_prefill
 from pdserve import protocol as p
-from pdserve.transport import LOOPBACK, CurveServer, ZapLog, apply_curve_server, new_id
+from pdserve.transport import new_id
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    control_host: str = LOOPBACK
-    control_port: int = 0  # 0: a free port, see ClusterBackend.control_address
-    heartbeat_timeout_s: float = 3.0
-    max_recoveries: int = 3
-    reserve_timeout_s: float = 10.0
-    reserve_retry_s: float = 0.05  # a full decode worker is retried after this
-    no_worker_wait_s: float = 0.0  # how long to wait for an empty pool to fill
-    curve: CurveServer | None = None  # encrypt and authenticate the control plane
+__all__ = ["ClusterBackend", "ClusterConfig"]
 
 
 @dataclass(frozen=True)
@@ -93,11 +84,17 @@ class _Flight:
     reserved: bool = False
     first: p.FirstToken | None = None  # waiting for the reservation before StartDecode
     reserve_deadline: float = 0.0
-    inputs: tuple[list[int], dict[str, Any], int] = ([], {}, 0)  # prompt, params, offset
+    inputs: tuple[list[int], dict[str, Any], int, int] = ([], {}, 0, 0)  # prompt, params, offset, choice
+    choices: list[int] = field(default_factory=list)  # choices the current attempt generates
+    failures: int = 0
 
     @property
     def done(self) -> bool:
         return all(self.finished)
+
+    @property
+    def attempt_done(self) -> bool:
+        return all(self.finished[c] for c in self.choices)
 
 
 def _to_logprobs(raw: Any) -> list[TokenLogprob] | None:
@@ -109,95 +106,10 @@ def _to_logprobs(raw: Any) -> list[TokenLogprob] | None:
     ]
 
 
-class ClusterBackend:
+class ClusterBackend(ControlPlane):
     def __init__(self, config: ClusterConfig | None = None) -> None:
-        self.config = config or ClusterConfig()
-        self.registry = WorkerRegistry(self.config.heartbeat_timeout_s)
-        self.control_address = ""
+        super().__init__(config)
         self._flights: dict[str, _Flight] = {}  # by worker-side request id
-        self._sock: zmq.asyncio.Socket | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self._auth: Any = None
-
-    # --- lifecycle -------------------------------------------------------
-
-    async def start(self) -> None:
-        if self._sock is not None:
-            return
-        ctx = zmq.asyncio.Context.instance()
-        curve = self.config.curve
-        if curve is not None:
-            from zmq.auth.asyncio import AsyncioAuthenticator
-
-            self._auth = AsyncioAuthenticator(ctx, log=ZapLog(logging.getLogger("pdserve.control"), {}))
-            self._auth.start()
-            self._auth.configure_curve(domain="*", location=curve.authorized_keys_dir)
-        sock = ctx.socket(zmq.ROUTER)
-        if curve is not None:
-            apply_curve_server(sock, curve)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        host, port = self.config.control_host, self.config.control_port
-        if port:
-            sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = sock.bind_to_random_port(f"tcp://{host}")
-        self.control_address = f"tcp://{host}:{port}"
-        self._sock = sock
-        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._reap_loop())]
-        log.info("control plane listening on %s", self.control_address)
-
-    async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        self._tasks = []
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
-
-    # --- queries ---------------------------------------------------------
-
-    def _mode(self) -> str | None:
-        if self.registry.pool("prefill") and self.registry.pool("decode"):
-            return "disagg"
-        if self.registry.pool("colocated"):
-            return "colocated"
-        return None
-
-    def ready(self) -> ReadyState:
-        counts = {r: len(self.registry.pool(r)) for r in p.ROLES}
-        if self._mode() is None:
-            return ReadyState(False, "need a prefill and a decode worker, or a colocated one", counts)
-        return ReadyState(True, "", counts)
-
-    def workers(self) -> Sequence[Mapping[str, Any]]:
-        now = time.monotonic()
-        return [w.describe(now) for w in self.registry.all()]
-
-    def fleet_metrics(self) -> Sequence[FleetSample]:
-        out: list[FleetSample] = []
-        for w in self.registry.all():
-            labels = {"role": w.role, "worker": w.worker_id}
-            hb = w.load
-            total = hb.total_blocks if hb else w.reg.total_blocks
-            free = hb.free_blocks if hb else total
-            usage = (total - free) / total if total else 0.0
-            out.append(FleetSample("llm_kv_cache_usage_ratio", "KV cache usage (0-1)", labels, usage))
-            if w.role != "prefill":
-                running = float(hb.running_seqs) if hb else 0.0
-                out.append(FleetSample("llm_current_batch_size", "Running sequences", labels, running))
-            for name, value in sorted((hb.gauges if hb else {}).items()):
-                if name.startswith("llm_") and name not in ("llm_kv_cache_usage_ratio", "llm_current_batch_size"):
-                    out.append(FleetSample(name, "Worker-reported gauge", labels, float(value)))
-        return out
 
     # --- request flow ----------------------------------------------------
 
@@ -210,6 +122,7 @@ class ClusterBackend:
                     await self._launch(flight)
                     async for delta in self._follow(flight):
                         yield delta
+                    self._end_attempt(flight, abort=False)  # one choice of several is done
                 except _AttemptFailed as e:
                     self._recover_or_raise(flight, e.reason)
         finally:
@@ -217,21 +130,27 @@ class ClusterBackend:
 
     def _recover_or_raise(self, flight: _Flight, reason: str) -> None:
         self._end_attempt(flight, abort=True)
-        started = any(flight.generated)
-        if flight.attempt > self.config.max_recoveries:
+        flight.failures += 1
+        if flight.failures > self.config.max_recoveries:
             raise BackendError(BackendErrorKind.FAILED, f"request failed after recoveries: {reason}")
-        if started and flight.req.params.n > 1:
-            raise BackendError(BackendErrorKind.FAILED, f"n > 1 stream lost mid-way: {reason}")
         log.warning("recovering %s (attempt %d): %s", flight.req.request_id, flight.attempt, reason)
 
-    def _attempt_inputs(self, flight: _Flight) -> tuple[list[int], dict[str, Any], int]:
-        """Prompt, params and output offset of the next attempt: prompt + tokens already streamed."""
+    def _attempt_inputs(self, flight: _Flight) -> tuple[list[int], dict[str, Any], int, int]:
+        """Token ids, params, output offset and choice index of the next attempt.
+
+        Before any token streamed: the whole request. Afterwards each unfinished choice
+        resumes on its own (n=1, one after another): prompt + its streamed tokens, the
+        latter marked as output (`output_offset`), so the workers continue its seeds and
+        penalties exactly; max_tokens still counts them."""
         params = flight.req.params
-        done = flight.generated[0] if params.n == 1 else []
+        if not any(flight.generated):
+            flight.choices = list(range(params.n))
+            return list(flight.req.prompt_token_ids), params.to_dict(), 0, 0
+        choice = next(c for c, fin in enumerate(flight.finished) if not fin)
+        flight.choices = [choice]
+        done = flight.generated[choice]
         prompt = list(flight.req.prompt_token_ids) + done
-        if done:
-            params = replace(params, max_tokens=params.max_tokens - len(done))
-        return prompt, params.to_dict(), len(done)
+        return prompt, replace(params, n=1).to_dict(), len(done), choice
 
     async def _launch(self, flight: _Flight) -> None:
         flight.attempt += 1
@@ -241,13 +160,13 @@ class ClusterBackend:
         flight.reserved, flight.first = False, None
         flight.events = asyncio.Queue()  # events of earlier attempts are dropped with their queue
         self._flights[flight.wid] = flight
-        prompt, params, offset = flight.inputs = self._attempt_inputs(flight)
+        prompt, params, offset, choice = flight.inputs = self._attempt_inputs(flight)
         mode = await self._wait_mode(flight)
         if mode == "colocated":
             w = pick_colocated(self.registry.pool("colocated"))
             assert w is not None
             self._assign(flight, w, len(prompt))
-            self._send(w.worker_id, p.RunRequest(flight.wid, prompt, params, offset))
+            self._send(w.worker_id, p.RunRequest(flight.wid, prompt, params, offset, choice))
             return
         prefill = pick_prefill(self.registry.pool("prefill"))
         if prefill is None:
@@ -256,18 +175,18 @@ class ClusterBackend:
         self._reserve(flight)
         self._assign(flight, prefill, len(prompt))
         flight.prefill_id = prefill.worker_id
-        self._send(prefill.worker_id, p.PrefillRequest(flight.wid, prompt, params, offset))
+        self._send(prefill.worker_id, p.PrefillRequest(flight.wid, prompt, params, offset, choice))
 
     def _reserve(self, flight: _Flight) -> None:
         """Ask the decode worker with the most free KV to reserve blocks for the prompt."""
         decode = pick_decode(self.registry.pool("decode"))
         if decode is None:
             raise BackendError(BackendErrorKind.NO_WORKERS, "no decode worker registered", retry_after=1.0)
-        prompt, params, offset = flight.inputs
+        prompt, params, offset, choice = flight.inputs
         flight.transfer_id = new_id("xfer")
         flight.decode_id = decode.worker_id
         self._assign(flight, decode, 0, blocks=blocks_needed(len(prompt), decode.reg.block_size))
-        self._send(decode.worker_id, p.DecodeReserve(flight.wid, flight.transfer_id, prompt, params, offset))
+        self._send(decode.worker_id, p.DecodeReserve(flight.wid, flight.transfer_id, prompt, params, offset, choice))
 
     async def _on_reserved(self, flight: _Flight, result: p.ReserveResult) -> None:
         if result.ok:
@@ -302,7 +221,7 @@ class ClusterBackend:
             await asyncio.sleep(0.05)
 
     async def _follow(self, flight: _Flight) -> AsyncIterator[TokenDelta]:
-        while not flight.done:
+        while not flight.attempt_done:
             reserving = bool(flight.decode_id) and not flight.reserved
             ev = await self._next_event(flight, flight.reserve_deadline if reserving else None)
             if isinstance(ev, p.ReserveResult):
@@ -324,13 +243,13 @@ class ClusterBackend:
 
     def _first_token(self, flight: _Flight, ev: p.FirstToken) -> list[TokenDelta]:
         out = []
-        for i, tok in enumerate(ev.token_ids):
+        for i, tok in enumerate(ev.token_ids[: len(flight.choices)]):
             lp = [ev.logprobs[i]] if i < len(ev.logprobs) and ev.logprobs[i] is not None else None
             reason = ev.finish_reasons[i] if i < len(ev.finish_reasons) else None
-            d = self._record(flight, i, [tok], reason, lp, ev.cached_tokens, ev.timings or None)
+            d = self._record(flight, flight.choices[i], [tok], reason, lp, ev.cached_tokens, ev.timings or None)
             if d is not None:
                 out.append(d)
-        if flight.done:
+        if flight.attempt_done:
             # Nothing left to decode: free the reservation (the prefill kept no blocks).
             self._send(flight.decode_id, p.Abort([flight.wid], "finished at first token"))
         elif flight.reserved:
@@ -400,70 +319,12 @@ class ClusterBackend:
             self._unassign(flight, wid)
         self._flights.pop(flight.wid, None)
 
-    def _send(self, worker_id: str, msg: p.Message) -> None:
-        if self._sock is None or not worker_id:
-            return
-        try:
-            self._sock.send_multipart([worker_id.encode(), p.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # unroutable: the worker is gone; the reaper recovers
-            log.debug("send to %s failed: %s", worker_id, e)
-
-    # --- control-plane loops ----------------------------------------------
-
-    async def _recv_loop(self) -> None:
-        assert self._sock is not None
-        while True:
-            frames = await self._sock.recv_multipart()
-            if len(frames) != 2:
-                continue
-            sender = frames[0].decode(errors="replace")
-            try:
-                msg = p.decode(frames[1])
-            except p.ProtocolError as e:
-                log.warning("dropped malformed frame from %r: %s", sender[:64], e)
-                continue
-            self._handle(sender, msg)
-
-    def _handle(self, sender: str, msg: p.Message) -> None:
-        now = time.monotonic()
-        if isinstance(msg, p.RegisterWorker):
-            outcome = self.registry.register(msg, now) if msg.worker_id == sender else None
-            accepted = bool(outcome and outcome.accepted)
-            reason = outcome.reason if outcome else "worker id does not match the connection"
-            if accepted:
-                log.info("worker %s (%s) registered", msg.worker_id, msg.role)
-            else:
-                log.warning("refused worker %s: %s", sender, reason)
-            self._send(sender, p.RegisterAck(msg.worker_id, accepted, reason))
-        elif isinstance(msg, p.Heartbeat):
-            # Heartbeats come from the worker's own heartbeat socket, `<worker id>/hb`.
-            if sender not in (msg.worker_id, f"{msg.worker_id}/hb"):
-                return
-            if not self.registry.heartbeat(msg, now):
-                self._send(msg.worker_id, p.RegisterAck(msg.worker_id, False, "unknown worker"))
-        elif isinstance(msg, p.Deregister):
-            self._deregister(sender, msg)
-        elif isinstance(msg, p.TokenBatch):
-            self.registry.touch(sender, now)
-            for d in msg.deltas:
-                self._deliver(sender, d.request_id, d)
-        elif isinstance(msg, (p.ReserveResult, p.FirstToken, p.RequestFailed)):
-            self.registry.touch(sender, now)
-            self._deliver(sender, msg.request_id, msg)
+    # --- events from the control plane ------------------------------------
 
     def _deliver(self, sender: str, wid: str, event: Any) -> None:
         flight = self._flights.get(wid)
         if flight is not None and sender in flight.workers:
             flight.events.put_nowait(event)
-
-    def _deregister(self, sender: str, msg: p.Deregister) -> None:
-        w = self.registry.get(sender)
-        if w is None:
-            return
-        if msg.final:
-            self._lost(self.registry.remove(sender))
-        else:
-            w.draining = True  # routable no more; in-flight requests still finish there
 
     def _lost(self, w: WorkerInfo | None) -> None:
         if w is None:
@@ -474,16 +335,3 @@ class ClusterBackend:
             if flight is not None:
                 flight.events.put_nowait(_WorkerLost(w.worker_id))
 
-    async def _reap_loop(self) -> None:
-        interval = max(0.05, self.config.heartbeat_timeout_s / 6)
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(interval)
-            now = time.monotonic()
-            stalled, last = now - last > self.config.heartbeat_timeout_s / 2, now
-            if stalled:
-                # This loop was starved: heartbeats may be queued unread, so silence
-                # proves nothing yet. Give the receive loop a round to catch up.
-                continue
-            for w in self.registry.expire(now):
-                self._lost(w)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.protocol import Heartbeat, RegisterWorker
+from pdserve.transport import transport_kind
 
 
 @dataclass
@@ -59,6 +60,9 @@ class WorkerInfo:
             "host_id": self.reg.host_id,
             "pid": self.reg.pid,
             "metrics_port": self.reg.metrics_port,
+            "kv_address": self.reg.kv_address,
+            "kv_transport": transport_kind(self.reg.kv_address),
+            "kv_shm": self.reg.kv_shm,
             "compat_hash": self.reg.compat_hash,
             "total_blocks": self.reg.total_blocks,
             "free_blocks": load.free_blocks if load else self.reg.total_blocks,

@@ -8,7 +8,6 @@ blocks as a contiguous array of shape (l1 - l0, 2, n, slot, head, dim); it has
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -117,9 +116,10 @@ def tiles(pool: np.ndarray, num_layers: int, runs: Sequence[Run]) -> list[Tile]:
 Work = Callable[[Sequence[Tile]], None]
 
 
-# Copies are memory-bound: a second thread on another core adds bandwidth; more
-# threads than that mostly add contention on small machines.
-DEFAULT_COPY_THREADS = min(2, os.cpu_count() or 1)
+# Copies are memory-bound. A second thread on an idle core adds bandwidth, but on
+# a busy machine (the model, the peer process and the zmq I/O threads all want a
+# core) it measured no faster, so helpers are opt-in (`copy_threads=`).
+DEFAULT_COPY_THREADS = 1
 
 
 class CopyThreads:

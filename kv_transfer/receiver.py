@@ -45,7 +45,7 @@ class ZmqReceiver:
 
     def __init__(self, layout: KVLayout, pool: np.ndarray | ShmPool | CudaPool, *,
                  transport: str = "ipc",
-                 host: str = "127.0.0.1", faults: FaultConfig | None = None,
+                 host: str = "127.0.0.1", port: int = 0, faults: FaultConfig | None = None,
                  grace_s: float = 1.0,
                  max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
                  copy_threads: int = DEFAULT_COPY_THREADS) -> None:
@@ -75,7 +75,7 @@ class ZmqReceiver:
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + wire.MAX_HEADER_BYTES)
         self._ipc_path = ""
         if inner == "tcp":
-            self._sock.bind(f"tcp://{host}:0")
+            self._sock.bind(f"tcp://{host}:{port}")  # port 0: ephemeral
         else:
             self._ipc_path = os.path.join(
                 tempfile.gettempdir(), f"pdkv-{os.getpid()}-{secrets.token_hex(6)}.sock")

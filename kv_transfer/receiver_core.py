@@ -49,6 +49,9 @@ from kv_transfer.pool_ops import pool_ops
 from pdserve.kv_layout import KVLayout
 
 PENDING_CLAIM_TTL_S = 30.0
+# A cancelled shared-memory transfer waits for the sender's Abort; the Cancel asking
+# for it is repeated this often in case it was lost (full or reconnecting link).
+CANCEL_RESEND_S = 0.5
 MAX_PENDING_CLAIMS = 4096
 
 
@@ -73,6 +76,7 @@ class _Reservation:
     shm_granted: bool = False
     writer_done: bool = False
     cancel_sent: bool = False
+    cancel_sent_at: float = 0.0
     final: TransferState | None = field(default=None)  # outcome waiting for the writer to stop
 
 
@@ -326,6 +330,7 @@ class ReceiverCore:
     def _send_cancel(self, res: _Reservation, reason: str) -> None:
         if res.peer is not None and not res.cancel_sent:
             res.cancel_sent = True
+            res.cancel_sent_at = self._clock()
             self._outbox.append((res.peer, wire.Cancel(res.transfer_id, reason)))
 
     def _finish(self, res: _Reservation, state: TransferState, reason: str) -> None:
@@ -344,6 +349,9 @@ class ReceiverCore:
         if res.final is not None:  # waiting for a shared-memory writer to stop
             if res.writer_done or now >= res.deadline + self.grace_s:
                 res.state = res.final
+            elif not res.cancel_sent or now - res.cancel_sent_at >= CANCEL_RESEND_S:
+                res.cancel_sent = False
+                self._send_cancel(res, res.reason)
             return
         if now >= res.deadline:
             self._send_cancel(res, "lease expired")

@@ -81,6 +81,9 @@ class Sender:
         self._clock = clock
         self._lock = threading.Lock()
         self._transfers: dict[str, TransferRecord] = {}
+        # Forgotten transfers whose Abort the I/O thread has not sent yet: the receiver
+        # holds their blocks until it hears that we stopped writing (or its lease ends).
+        self._owed: dict[str, TransferRecord] = {}
         self._peers: dict[str, PeerRecord] = {}  # I/O thread only
         self._chunks_made = 0  # I/O thread only; numbers chunks for fault injection
         self._staging = StagingBuffers()  # I/O thread only
@@ -140,6 +143,9 @@ class Sender:
             if not t.state.terminal:
                 raise ValueError(f"transfer {transfer_id!r} is {t.state.name}; cancel it first")
             del self._transfers[transfer_id]
+            if t.abort_pending:
+                self._owed[transfer_id] = t
+        self._waker.wake()
 
     def close(self) -> None:
         """Stop the I/O thread; live transfers are aborted (peers are told, best effort)."""
@@ -235,6 +241,8 @@ class Sender:
             transfers = list(self._transfers.values())
             for t in transfers:
                 self._expire(t, now)
+            transfers += self._owed.values()
+            self._owed.clear()
         for t in transfers:
             if t.state.terminal and not t.abort_pending:
                 continue  # nothing left to say about it; never reconnect for it
@@ -367,6 +375,12 @@ class Sender:
             return
         with self._lock:
             t = self._transfers.get(msg.transfer_id)
+            if isinstance(msg, wire.Cancel) and (t is None or (t.peer == peer.address and t.state.terminal)):
+                # Not writing it (writes happen only under this lock, for live records):
+                # say so, or the receiver keeps the blocks until its lease ends.
+                if msg.transfer_id not in self._owed and not (t is not None and t.abort_pending):
+                    peer.control.append([wire.encode(wire.Abort(msg.transfer_id, "not sending"))])
+                return
             if t is None or t.peer != peer.address or t.state.terminal:
                 return
             if isinstance(msg, wire.Grant):

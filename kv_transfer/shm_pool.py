@@ -8,14 +8,18 @@ view to its engine as the pool buffer; the receiver advertises the segment's
 Names carry the creator's pid and a random suffix, so instances never collide.
 Only the creator unlinks the segment; an attacher only unmaps it (attaching via
 /dev/shm directly keeps Python's resource tracker from unlinking a segment it
-does not own when the attaching process exits).
+does not own when the attaching process exits). A creator killed with -9
+cannot unlink; the next pool created on the host sweeps such segments
+(`sweep_stale_segments`: our own name pattern, dead creator pid only).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
+import re
 import secrets
 from multiprocessing import shared_memory
 
@@ -26,6 +30,12 @@ from kv_transfer.wire import ShmDescriptor
 from pdserve.kv_layout import KVLayout
 
 _DEV_SHM = "/dev/shm"
+_PREFIX = "pdkv"
+_SUFFIX_HEX = 6  # bytes of random suffix
+# Exactly the names `create_shm_pool` makes; nothing else is ever swept.
+_NAME = re.compile(rf"^{_PREFIX}_([1-9][0-9]{{0,9}})_[0-9a-f]{{{2 * _SUFFIX_HEX}}}$")
+
+log = logging.getLogger(__name__)
 
 
 class ShmPool:
@@ -68,15 +78,61 @@ class ShmPool:
         self.unlink()
 
 
-def create_shm_pool(layout: KVLayout, num_blocks: int) -> ShmPool:
-    """Create a zero-filled pool of `num_blocks` blocks in a new shared-memory segment."""
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def sweep_stale_segments(shm_dir: str = _DEV_SHM) -> list[str]:
+    """Unlink pool segments (`pdkv_<pid>_<hex>`) whose creator process is gone; return their names.
+
+    A live pid keeps its segment, even if the pid was reused by an unrelated
+    process: a leaked segment is cheaper than unlinking one a live worker owns.
+    Names of any other pattern are never touched."""
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        m = _NAME.match(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+        except FileNotFoundError:
+            continue  # another sweeper was first
+        except OSError as e:
+            log.warning("cannot remove stale shared-memory segment %s: %s", name, e)
+            continue
+        removed.append(name)
+    if removed:
+        log.info("removed %d stale shared-memory segment(s) of dead workers", len(removed))
+    return removed
+
+
+def create_shm_pool(layout: KVLayout, num_blocks: int, sweep: bool = True) -> ShmPool:
+    """Create a zero-filled pool of `num_blocks` blocks in a new shared-memory segment,
+    first sweeping segments left by dead workers (`sweep`)."""
+    if sweep:
+        sweep_stale_segments()
     shape = layout.pool_shape(num_blocks)
     dtype = numpy_dtype(layout)
     nbytes = int(np.prod(shape)) * dtype.itemsize
-    name = f"pdkv_{os.getpid()}_{secrets.token_hex(6)}"
+    name = f"{_PREFIX}_{os.getpid()}_{secrets.token_hex(_SUFFIX_HEX)}"
     shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-    array: np.ndarray = np.ndarray(shape, dtype=dtype, buffer=shm.buf)
-    array[...] = 0
+    try:
+        array: np.ndarray = np.ndarray(shape, dtype=dtype, buffer=shm.buf)
+        array[...] = 0
+    except BaseException:
+        shm.close()
+        shm.unlink()
+        raise
     return ShmPool(array, ShmDescriptor(name, shape, dtype.name), True, shm, None)
 
 

@@ -42,6 +42,11 @@ ENV_VARS: dict[str, EnvVar] = {
             "Fault-injection spec for reliability tests; empty disables injection.",
         ),
         EnvVar(
+            "PDSERVE_API_KEYS",
+            "",
+            "Gateway API keys, comma-separated; added to --api-key and --api-key-file.",
+        ),
+        EnvVar(
             "PDSERVE_KV_FAULTS",
             "",
             "KV-transfer fault injection (`key=value,...`, see kv_transfer.faults); empty: off.",
@@ -80,3 +85,8 @@ def faults() -> str:
 def kv_faults() -> str:
     """`PDSERVE_KV_FAULTS`: the raw KV-transfer fault spec; empty string when off."""
     return get("PDSERVE_KV_FAULTS") or ""
+
+
+def api_keys() -> tuple[str, ...]:
+    """`PDSERVE_API_KEYS`: the gateway API keys it lists (comma-separated, blanks dropped)."""
+    return tuple(k.strip() for k in (get("PDSERVE_API_KEYS") or "").split(",") if k.strip())

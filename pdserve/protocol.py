@@ -156,11 +156,24 @@ class Deregister(Message):
     reason: str = ""
 
 
+def split_resumed(token_ids: list[int], output_offset: int) -> tuple[list[int], list[int]]:
+    """(prompt, output tokens already produced) of a request message's token ids.
+
+    A recovered request continues where its stream stopped: those outputs are
+    prefilled with the prompt but stay *output* to the engine, so sampling seeds
+    (seed, choice, index) and presence/frequency penalties continue exactly."""
+    if output_offset < 0 or (output_offset and output_offset >= len(token_ids)):
+        raise ValueError(f"output_offset {output_offset} outside [0, {len(token_ids)})")
+    cut = len(token_ids) - output_offset
+    return list(token_ids[:cut]), list(token_ids[cut:])
+
+
 @dataclass(frozen=True)
 class DecodeReserve(Message):
     """Gateway -> decode: reserve KV blocks for a prompt that will arrive by transfer.
 
-    `output_offset` is the number of output tokens already produced (recovery)."""
+    Recovery (see `split_resumed`): the last `output_offset` of `prompt_token_ids`
+    are output tokens choice `choice_index` already produced."""
 
     TAG: ClassVar[str] = "decode_reserve"
     request_id: str
@@ -168,6 +181,7 @@ class DecodeReserve(Message):
     prompt_token_ids: list[int]
     params: dict[str, Any]
     output_offset: int = 0
+    choice_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -195,7 +209,8 @@ class PrefillRequest(Message):
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any]
-    output_offset: int = 0
+    output_offset: int = 0  # recovery, as in `DecodeReserve`
+    choice_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -220,7 +235,8 @@ class RunRequest(Message):
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any]
-    output_offset: int = 0
+    output_offset: int = 0  # recovery, as in `DecodeReserve`
+    choice_index: int = 0
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,14 @@ def host_id() -> str:
     return f"{socket.gethostname()}|{boot}"
 
 
+def transport_kind(kv_address: str) -> str:
+    """The KV transport a receiver address names: `shm` (shared-memory copies),
+    `cuda_ipc` (CUDA IPC copies), `tcp` or `ipc` (ZeroMQ frames); "" for no address."""
+    scheme = kv_address.partition("://")[0] if "://" in kv_address else ""
+    kind, _, _ = scheme.partition("+")
+    return {"cuda": "cuda_ipc"}.get(kind, kind)
+
+
 def new_worker_id(role: str) -> str:
     return f"{role}-{os.getpid()}-{secrets.token_hex(3)}"
 
@@ -122,6 +130,11 @@ class WorkerChannel:
         self._sock.connect(gateway_address)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
+
+    @property
+    def socket(self) -> zmq.Socket[bytes]:
+        """The DEALER, for polling several channels at once (`pdserve.gateways`)."""
+        return self._sock
 
     def send(self, msg: Message) -> None:
         if not self.lossy:

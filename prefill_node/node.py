@@ -9,7 +9,10 @@ A request's life here:
 3. The first tokens go straight to the gateway (`FirstToken`: TTFT). The KV
    transfer starts once both the KV and the `TransferTarget` (the blocks the
    decode worker reserved) are there: same-host shared memory or tcp, chosen
-   from the peer's address. KV is never written before the reservation.
+   from the peer's address. KV is never written before the reservation. When
+   the target is known before the step that completes the prompt, the push is
+   layer-wise: layer i of all the request's blocks ships while layer i+1
+   computes (chunked prompts included: earlier chunks' layers are final).
 4. Only when the transfer is COMPLETE (decode verified every block) are the
    blocks released. A failed transfer releases them too and reports a
    retryable `RequestFailed`. `Abort` drops the request at any stage.
@@ -19,8 +22,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from decode_node.engine_glue import StatsMirror, wire_logprobs
 from decode_node.runtime import NodeLoad, NodeRegistration, Sender
@@ -28,10 +34,12 @@ from decode_node.worker_metrics import WorkerMetrics
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
+from engine.scheduler import SchedulerOutput
 from kv_transfer.api import TransferState
 from pdserve import protocol as p
+from pdserve.logs import request_fields
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
-from pdserve.transport import host_id
+from pdserve.transport import host_id, transport_kind
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +56,7 @@ class _Job:
     target: p.TransferTarget | None = None
     prefilled: bool = False
     prefilled_at: float = 0.0
+    scheduled_at: float = 0.0  # start of the first engine step that computed part of it
     transfer_started_at: float = 0.0
 
 
@@ -65,8 +74,10 @@ class PrefillNode:
     role = "prefill"
 
     def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, sender: Any,
-                 send: Sender, metrics: WorkerMetrics) -> None:  # fmt: skip
+                 send: Sender, metrics: WorkerMetrics, layerwise: bool = True) -> None:  # fmt: skip
         self.worker_id = worker_id
+        # Push each layer's KV while the next layer computes (when the target is known in time).
+        self.layerwise = layerwise
         self.engine = engine
         self.runner = runner
         self.sender = sender
@@ -99,11 +110,15 @@ class PrefillNode:
     def _add(self, msg: p.PrefillRequest) -> None:
         try:
             params = SamplingParams.from_dict(msg.params)
-            self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), params, prefill_only=True)
+            prompt, outputs = p.split_resumed(msg.prompt_token_ids, msg.output_offset)
+            self.engine.add_request(msg.request_id, prompt, params, prefill_only=True,
+                                    output_token_ids=outputs, choice_index=msg.choice_index)  # fmt: skip
         except (SamplingParamsError, ValueError) as e:
             self.send(p.RequestFailed(msg.request_id, f"invalid request: {e}", retryable=False))
             return
         self._jobs[msg.request_id] = _Job(msg, time.monotonic())
+        log.debug("prefill request %s accepted: %d prompt tokens", msg.request_id, len(msg.prompt_token_ids),
+                  extra=request_fields(msg.request_id))  # fmt: skip
         self.metrics.requests.inc()
         self.metrics.prefill_requests.inc()
 
@@ -111,6 +126,7 @@ class PrefillNode:
         job = self._jobs.pop(rid, None)
         if job is None:
             return
+        log.debug("prefill request %s aborted", rid, extra=request_fields(rid))
         self.metrics.aborts.inc()
         if job.transfer_started_at and job.target is not None:
             self.sender.cancel(job.target.transfer_id)
@@ -132,11 +148,22 @@ class PrefillNode:
             self._reap_cancelled()
         worked = self._poll_transfers()
         if self.engine.has_unfinished():
-            for out in self.engine.step():
+            started = time.monotonic()
+            batch = self.engine.schedule()
+            outputs = self.engine.execute(batch, self._layer_sends(batch))
+            self._mark_scheduled(started, {out.request_id for out in outputs})
+            for out in outputs:
                 if out.finished and out.request_id in self._jobs:
                     self._prefilled(self._jobs[out.request_id], out)
             worked = True
         return worked
+
+    def _mark_scheduled(self, step_started: float, sampled: set[str]) -> None:
+        """Stamp jobs the step just computed (running chunks, or sampled) for `prefill_queue`."""
+        running = {seq.request_id for seq in self.engine.scheduler.running}
+        for rid, job in self._jobs.items():
+            if not job.scheduled_at and (rid in running or rid in sampled):
+                job.scheduled_at = step_started
 
     def _prefilled(self, job: _Job, out: RequestOutput) -> None:
         job.prefilled = out.prefilled
@@ -148,21 +175,69 @@ class PrefillNode:
             [c.finish_reason for c in choices],
             [(wire_logprobs(c) or [None])[0] for c in choices],
             out.num_cached_tokens,
-            {"prefill_compute": time.monotonic() - job.arrived_at},
+            self._timings(job),
         ))  # fmt: skip
         if not out.prefilled or all(c.finish_reason is not None for c in choices):
-            self._finish(job)
-        elif job.target is not None:
+            self._finish_without_decode(job)
+        elif job.target is not None and not job.transfer_started_at:
             self._start_transfer(job)
 
+    @staticmethod
+    def _timings(job: _Job) -> dict[str, float]:
+        """`prefill_queue`: arrival to first scheduled; `prefill_compute`: to the first token."""
+        scheduled = job.scheduled_at or job.arrived_at
+        return {"prefill_queue": scheduled - job.arrived_at, "prefill_compute": job.prefilled_at - scheduled}
+
+    def _layer_sends(self, batch: SchedulerOutput) -> Callable[[int], None] | None:
+        """Layer-wise push: begin the transfers of requests `batch` finishes prefilling
+        whose target is already known, and return the runner's hook that ships layer i
+        (of all their blocks, earlier chunks included) once it is in the pool. A target
+        that arrives after the prefill gets the whole request at once (`send_all`)."""
+        if not self.layerwise:
+            return None
+        tids = []
+        for done in self.engine.completing_prefills(batch):
+            job = self._jobs.get(done.request_id)
+            if job is not None and job.target is not None and not job.transfer_started_at:
+                self._begin_transfer(job, done.block_ids)
+                tids.append(job.target.transfer_id)
+        if not tids:
+            return None
+        sync = self.runner.device.type == "cuda"
+
+        def send_layer(layer: int) -> None:
+            if sync:  # the sender copies on its own stream: layer i's writes must be done
+                torch.cuda.current_stream().synchronize()
+            for tid in tids:
+                self.sender.send_layer(tid, layer)
+
+        return send_layer
+
     def _start_transfer(self, job: _Job) -> None:
+        """Whole-request push: the prefill is done and the target is known."""
+        self._begin_transfer(job, self.engine.held_blocks(job.msg.request_id))
+        assert job.target is not None
+        self.sender.send_all(job.target.transfer_id)
+
+    def _begin_transfer(self, job: _Job, src_blocks: list[int]) -> None:
         target = job.target
         assert target is not None
-        src = list(self.engine.held_blocks(job.msg.request_id))[: len(target.dst_block_ids)]
+        src = list(src_blocks)[: len(target.dst_block_ids)]
         self.sender.begin(target.transfer_id, job.msg.request_id, peer_address(target), src,
                           list(target.dst_block_ids), TRANSFER_LEASE_S)  # fmt: skip
-        self.sender.send_all(target.transfer_id)
         job.transfer_started_at = time.monotonic()
+
+    def _finish_without_decode(self, job: _Job) -> None:
+        """Every choice ended at its first token: no decode needs the KV. A layer-wise
+        push already under way is cancelled (the gateway aborts the decode side, which
+        never admits it) and its request dropped once the transfer is terminal."""
+        if not job.transfer_started_at:
+            self._finish(job)
+            return
+        assert job.target is not None
+        self._jobs.pop(job.msg.request_id, None)
+        self.sender.cancel(job.target.transfer_id)
+        self._cancelling[job.target.transfer_id] = job.msg.request_id
 
     def _poll_transfers(self) -> bool:
         changed = False
@@ -180,7 +255,8 @@ class PrefillNode:
             state = self.sender.poll(tid)
             if state == TransferState.COMPLETE:
                 self.metrics.transfer_seconds.observe(time.monotonic() - job.transfer_started_at)
-                self.metrics.transfer_bytes.inc(len(job.target.dst_block_ids) * self._block_bytes())
+                self.metrics.add_transfer_bytes(transport_kind(peer_address(job.target)),
+                                                len(job.target.dst_block_ids) * self._block_bytes())  # fmt: skip
                 self._finish(job)
                 changed = True
             elif state in _FAILED:
@@ -195,6 +271,7 @@ class PrefillNode:
     def _finish(self, job: _Job) -> None:
         """Blocks are released only here: after COMPLETE, failure, or no transfer needed."""
         self._jobs.pop(job.msg.request_id, None)
+        log.debug("prefill request %s finished", job.msg.request_id, extra=request_fields(job.msg.request_id))
         if job.transfer_started_at and job.target is not None:
             self.sender.forget(job.target.transfer_id)
         if job.prefilled:
@@ -205,7 +282,7 @@ class PrefillNode:
         return layout.block_bytes_per_layer * layout.num_layers
 
     def load(self) -> NodeLoad:
-        queued = sum(len(j.msg.prompt_token_ids) for j in self._jobs.values() if not j.prefilled)
+        queued = sum(len(j.msg.prompt_token_ids) for j in list(self._jobs.values()) if not j.prefilled)
         return self.stats.update(self.engine.stats(), queued)
 
     def busy(self) -> bool:

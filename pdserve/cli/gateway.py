@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 from pathlib import Path
 
 from pdserve import envs
+from pdserve.cli.gateway_options import add_gateway_options, gateway_settings
+from pdserve.logs import configure_logging
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -30,8 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--max-recoveries", type=int, default=3)
     ap.add_argument("--request-timeout", type=float, default=None, help="per-request deadline (s)")
     ap.add_argument("--drain-timeout", type=float, default=30.0)
-    ap.add_argument("--max-in-flight", type=int, default=256)
-    ap.add_argument("--api-key", action="append", default=[], help="require this API key")
+    ap.add_argument("--max-in-flight", type=int, default=256, help="requests inside the backend at once")
+    ap.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
+    add_gateway_options(ap)
     ap.add_argument("--curve-secret-key", default=None,
                     help="CURVE: the gateway's secret certificate (encrypts the control plane)")  # fmt: skip
     ap.add_argument("--curve-authorized-keys", default=None,
@@ -46,9 +48,9 @@ def model_max_len(model_dir: Path) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=envs.log_level(), format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
+    configure_logging(envs.log_level())
     from gateway.cluster import ClusterBackend, ClusterConfig
-    from gateway.config import AdmissionConfig, GatewayConfig
+    from gateway.config import GatewayConfig
     from gateway.server import run_gateway
     from gateway.tokenizer import Tokenizer
     from pdserve.transport import CurveServer, free_port
@@ -68,14 +70,17 @@ def run(args: argparse.Namespace) -> int:
         control_host=args.control_host, control_port=control_port,
         heartbeat_timeout_s=args.heartbeat_timeout, max_recoveries=args.max_recoveries, curve=curve,
     ))  # fmt: skip
+    try:
+        settings = gateway_settings(args)
+    except ValueError as e:
+        raise SystemExit(f"pdserve gateway: {e}") from None
     config = GatewayConfig(
         host=args.host,
         port=args.port,
         model_name=args.served_model_name or model_dir.name,
         model_dir=str(model_dir),
         max_model_len=args.max_model_len or model_max_len(model_dir),
-        admission=AdmissionConfig(max_in_flight=args.max_in_flight),
-        api_keys=tuple(args.api_key),
+        **settings,
         drain_timeout_s=args.drain_timeout,
         request_timeout_s=args.request_timeout,
     )

@@ -31,7 +31,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"))
     ap.add_argument("--kv-cache-memory", default=None)
     ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-worker token budget per step")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="per-worker running sequences")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="disable the workers' prefix cache")
     ap.add_argument("--max-recoveries", type=int, default=3)
+    ap.add_argument("--api-key", action="append", default=[], help="gateway: require this API key (repeatable)")
+    ap.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
+                    help="gateway: file of API keys, one per line, '#' comments")  # fmt: skip
     ap.add_argument("--ready-timeout", type=float, default=120.0)
     ap.set_defaults(func=run)
 
@@ -53,8 +59,26 @@ def _worker_cmds(args: argparse.Namespace, control: str) -> list[list[str]]:
             cmd += ["--kv-cache-memory", args.kv_cache_memory]
         if args.num_blocks:
             cmd += ["--num-blocks", str(args.num_blocks)]
+        if args.max_num_batched_tokens:
+            cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        if args.max_num_seqs:
+            cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+        if args.no_prefix_caching:
+            cmd += ["--no-prefix-caching"]
         cmds.append(cmd)
     return cmds
+
+
+def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
+    cmd = [*_pdserve(), "gateway", "--host", args.host, "--port", str(args.port),
+           "--control-port", str(control_port), "--max-recoveries", str(args.max_recoveries)]  # fmt: skip
+    if args.model:
+        cmd += ["--model", str(Path(args.model))]
+    for key in args.api_key:
+        cmd += ["--api-key", key]
+    for path in args.api_key_file:
+        cmd += ["--api-key-file", str(Path(path).resolve())]
+    return cmd
 
 
 def _wait_ready(url: str, procs: list[subprocess.Popen[bytes]], timeout: float) -> bool:
@@ -90,10 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
     control_port = free_port()
     control = f"tcp://127.0.0.1:{control_port}"
-    gw_cmd = [*_pdserve(), "gateway", "--host", args.host, "--port", str(args.port),
-              "--control-port", str(control_port), "--max-recoveries", str(args.max_recoveries)]  # fmt: skip
-    if args.model:
-        gw_cmd += ["--model", str(Path(args.model))]
+    gw_cmd = _gateway_cmd(args, control_port)
     stop = {"now": False}
 
     def on_signal(*_: object) -> None:

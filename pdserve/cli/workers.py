@@ -7,10 +7,10 @@ node and hands it to the shared worker runtime. torch is imported only in `run`.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 from pdserve import envs
+from pdserve.logs import configure_logging
 
 ROLE_COMMANDS = {"prefill": "prefill", "decode": "decode", "worker": "colocated"}
 
@@ -25,12 +25,23 @@ def parse_bytes(text: str) -> int:
     return int(float(t))
 
 
+def gateway_address(text: str) -> str:
+    from pdserve.gateways import parse_gateway
+
+    try:
+        return parse_gateway(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def default_threads(local_workers: int = 1) -> int:
     return max(1, (os.cpu_count() or 1) // max(local_workers, 1))
 
 
 def add_worker_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--gateway", required=True, help="gateway control address, tcp://HOST:PORT")
+    ap.add_argument("--gateway", required=True, action="append", type=gateway_address,
+                    help="gateway control address, tcp://HOST:PORT or dns+tcp://NAME:PORT (every A record, "
+                    "re-resolved); repeat for several gateways")  # fmt: skip
     ap.add_argument("--model", default=None, help="Hugging Face model dir (default: built-in)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
@@ -49,6 +60,7 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
     ap.add_argument("--worker-id", default=None)
     ap.add_argument("--kv-host", default="127.0.0.1", help="decode: address the KV receiver binds")
+    ap.add_argument("--kv-port", type=int, default=0, help="decode: KV receiver tcp port (0: ephemeral)")
     ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"),
                     help="auto: shared memory with same-host peers, tcp otherwise")  # fmt: skip
     ap.add_argument("--curve-key", default=None, help="CURVE: this worker's secret certificate file")
@@ -66,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=envs.log_level(), format=f"%(asctime)s {args.role} %(levelname)s %(name)s: %(message)s")
+    configure_logging(envs.log_level())
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
     model_dir = args.model
@@ -100,12 +112,13 @@ def run(args: argparse.Namespace) -> int:
 
     opts = WorkerOptions(
         role=args.role,
-        gateway=args.gateway,
+        gateways=tuple(args.gateway),
         worker_id=args.worker_id,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         heartbeat_s=args.heartbeat,
         kv_host=args.kv_host,
+        kv_port=args.kv_port,
         kv_transport=args.kv_transport,
         curve=curve,
     )

@@ -42,14 +42,16 @@ _WORKER = frozenset(
         "llm_preemptions_total",
         "llm_worker_aborts_total",
         "llm_kv_transfer_seconds",
+        # Queued prompt tokens (the heartbeat's queued_prefill_tokens; set on
+        # prefill/colocated workers, the prefill HPA's signal) and running sequences.
+        "llm_prefill_queued_tokens",
+        "llm_num_running_seqs",
     }
 )
 
-# Asked of the worker code, used by deploy/ already (prefill HPA, dashboard):
-# queued prompt tokens per prefill worker (the heartbeat's
-# queued_prefill_tokens, not yet a Prometheus gauge). Until the code defines
-# it, the source cross-check reports it as an expected failure, not an error.
-PENDING_METRICS = frozenset({"llm_prefill_queued_tokens"})
+# Metrics deploy/ may use before the code defines them (reported as an expected
+# failure by the source cross-check, not an error). None at present.
+PENDING_METRICS: frozenset[str] = frozenset()
 
 # Per process role, as Prometheus series names (counters with their _total).
 EXPORTED_METRICS: dict[str, frozenset[str]] = {
@@ -69,7 +71,7 @@ EXPORTED_METRICS: dict[str, frozenset[str]] = {
             "llm_requests_in_flight",
         }
     ),
-    "prefill": _WORKER | PENDING_METRICS,
+    "prefill": _WORKER,
     "decode": _WORKER,
 }
 

@@ -352,7 +352,8 @@ def test_workers_find_every_gateway_through_a_headless_service(example: list[Doc
     for role in WORKER_ROLES:
         worker = _containers(deps[role])[0]
         url = urlparse(_flag(_expanded_args(worker, example), "--gateway"))
-        assert url.scheme == "tcp" and url.hostname and url.port
+        # dns+tcp: the worker connects to every A record and re-resolves (pdserve.gateways).
+        assert url.scheme == "dns+tcp" and url.hostname and url.port
         svc = _named(example, "Service", url.hostname)
         spec = svc["spec"]
         assert spec.get("clusterIP") == "None", "must resolve to every gateway pod"
@@ -369,6 +370,20 @@ def test_pdbs_cover_every_deployment(example: list[Doc]) -> None:
     for role, dep in _deployments(example).items():
         labels = dep["spec"]["template"]["metadata"]["labels"]
         assert any(_selects(p["spec"]["selector"]["matchLabels"], labels) for p in pdbs), role
+
+
+def test_several_gateway_replicas_and_one_always_up(example: list[Doc]) -> None:
+    gateway = _deployments(example)["gateway"]
+    assert gateway["spec"]["replicas"] >= 2, "workers register with every replica"
+    rolling = gateway["spec"]["strategy"]["rollingUpdate"]
+    assert rolling["maxUnavailable"] == 0, "a rollout never takes a gateway down before its successor"
+    labels = gateway["spec"]["template"]["metadata"]["labels"]
+    (pdb,) = [
+        p
+        for p in _of_kind(example, "PodDisruptionBudget")
+        if _selects(p["spec"]["selector"]["matchLabels"], labels)
+    ]
+    assert pdb["spec"] == {**pdb["spec"], "minAvailable": 1} and "maxUnavailable" not in pdb["spec"]
 
 
 def test_network_policies_admit_what_the_system_needs(example: list[Doc]) -> None:

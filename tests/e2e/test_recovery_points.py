@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
-from gateway.backend import BackendError, GenerateRequest
+from gateway.backend import GenerateRequest
 from gateway.cluster import ClusterBackend, ClusterConfig, _WorkerLost
 from pdserve.sampling_params import SamplingParams
 from tests.e2e.cluster import WORKER_BLOCKS, Proc, remove_leaked_shm, start
@@ -40,6 +41,16 @@ async def _run(be: ClusterBackend, rid: str, ids: list[int], sp: SamplingParams,
 
 async def _scenario(log_dir: Path, reference: Reference) -> None:
     be = ClusterBackend(ClusterConfig(heartbeat_timeout_s=5.0, max_recoveries=2))
+    resumed: list[tuple[str, int, int]] = []  # (request id, output offset, choice) of resumed attempts
+    attempt_inputs = be._attempt_inputs
+
+    def spy(flight: Any) -> Any:
+        inputs = attempt_inputs(flight)
+        if inputs[2]:
+            resumed.append((flight.req.request_id, inputs[2], inputs[3]))
+        return inputs
+
+    be._attempt_inputs = spy  # type: ignore[method-assign]
     await be.start()
     procs: list[Proc] = []
     try:
@@ -57,14 +68,23 @@ async def _scenario(log_dir: Path, reference: Reference) -> None:
         for i, delay in enumerate(DELAYS):
             assert await _run(be, f"g{i}", ids, greedy, delay) == want, f"lost after {delay}s"
 
-        # n > 1: before the first token it is simply resent; later it fails cleanly (no wrong text).
-        sampled = SamplingParams(max_tokens=10, temperature=0.9, seed=1234, n=3)
-        want3 = reference.generate(ids, max_tokens=10, temperature=0.9, seed=1234, n=3)
+        # Seeded sampling with penalties: the streamed tokens are resumed as *output*, so
+        # seeds (seed, choice, index) and presence/frequency penalties continue exactly.
+        knobs = dict(temperature=0.8, seed=77, presence_penalty=0.7, frequency_penalty=0.4, ignore_eos=True)
+        seeded = SamplingParams(max_tokens=40, **knobs)  # type: ignore[arg-type]
+        want_seeded = reference.generate(ids, max_tokens=40, **knobs)
+        assert await _run(be, "seeded", ids, seeded, None) == want_seeded
         for i, delay in enumerate(DELAYS):
-            try:
-                assert await _run(be, f"s{i}", ids, sampled, delay) == want3, f"lost after {delay}s"
-            except BackendError as e:
-                assert "n > 1" in e.message
+            assert await _run(be, f"p{i}", ids, seeded, delay) == want_seeded, f"lost after {delay}s"
+        assert any(rid.startswith("p") for rid, _, _ in resumed), "no seeded stream was lost mid-way"
+
+        # n > 1: before the first token it is simply resent; afterwards each unfinished
+        # choice resumes on its own with its own seeds.
+        sampled = SamplingParams(max_tokens=10, temperature=0.9, seed=1234, n=3, presence_penalty=0.5)
+        want3 = reference.generate(ids, max_tokens=10, temperature=0.9, seed=1234, n=3, presence_penalty=0.5)
+        for i, delay in enumerate(DELAYS):
+            assert await _run(be, f"s{i}", ids, sampled, delay) == want3, f"lost after {delay}s"
+        assert {c for rid, _, c in resumed if rid.startswith("s")} == {0, 1, 2}, resumed
 
         # A transfer cancelled mid-write frees its blocks only when it is terminal (at
         # worst its 30 s lease), never while a writer may still be active.

@@ -292,3 +292,23 @@ def test_resuming_with_generated_tokens_continues_the_same_seeded_stream(model_d
             assert out.num_prompt_tokens == len(prompt)
     assert tuple(got) == full[7:]
     assert_idle(engine)
+
+
+def test_resuming_one_choice_of_several_continues_its_own_seeds_and_penalties(model_dir: Path) -> None:
+    """Choice c of an n>1 request resumes alone (n=1, choice_index=c) with the same tokens."""
+    prompt = prompts(11, seed=12)[0]
+    engine = make_engine(model_dir)
+    many = SamplingParams(**{**SEEDED.to_dict(), "n": 3, "presence_penalty": 0.8, "frequency_penalty": 0.5})
+    full = engine.generate([prompt], many)[0].choices
+    one = SamplingParams(**{**many.to_dict(), "n": 1})
+    for c in (1, 2):
+        engine.add_request(f"resume-{c}", prompt, one, output_token_ids=full[c].token_ids[:4], choice_index=c)
+        got: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert [o.index for o in out.outputs] == [c]
+                got += out.outputs[0].token_ids
+        assert tuple(got) == full[c].token_ids[4:]
+    with pytest.raises(ValueError, match="choice_index"):
+        engine.add_request("bad", prompt, many, choice_index=1)
+    assert_idle(engine)

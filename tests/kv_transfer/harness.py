@@ -51,7 +51,7 @@ def make_pair(transport: str, *, src_blocks: int = 64, dst_blocks: int = 64,
               layout: KVLayout = TINY, receiver_layout: KVLayout | None = None,
               sender_faults: FaultConfig = FaultConfig(),
               receiver_faults: FaultConfig = FaultConfig(), grace_s: float = 0.3,
-              chunk_bytes: int = 1 << 20, seed: int = 0) -> Pair:
+              chunk_bytes: int = 1 << 20, seed: int = 0, copy_threads: int = 1) -> Pair:
     rlayout = receiver_layout or layout
     src = random_pool(layout, src_blocks, seed)
     shm: ShmPool | None = None
@@ -61,19 +61,20 @@ def make_pair(transport: str, *, src_blocks: int = 64, dst_blocks: int = 64,
         dst = np.zeros(rlayout.pool_shape(dst_blocks), np.float16)
         receiver = FakeReceiver(rlayout, dst, fabric, faults=receiver_faults, grace_s=grace_s)
         sender = fake_sender(layout, src, fabric, faults=sender_faults, chunk_bytes=chunk_bytes,
-                             shm_chunk_bytes=chunk_bytes)
+                             shm_chunk_bytes=chunk_bytes, copy_threads=copy_threads)
     else:
         if transport == "shm":
             shm = create_shm_pool(rlayout, dst_blocks)
             dst = shm.array
             receiver = ZmqReceiver(rlayout, shm, transport="shm", faults=receiver_faults,
-                                   grace_s=grace_s)
+                                   grace_s=grace_s, copy_threads=copy_threads)
         else:
             dst = np.zeros(rlayout.pool_shape(dst_blocks), np.float16)
             receiver = ZmqReceiver(rlayout, dst, transport=transport, faults=receiver_faults,
-                                   grace_s=grace_s)
+                                   grace_s=grace_s, copy_threads=copy_threads)
         sender = Sender(layout, src, links=ZmqLinkFactory(), faults=sender_faults,
-                        chunk_bytes=chunk_bytes, shm_chunk_bytes=chunk_bytes)
+                        chunk_bytes=chunk_bytes, shm_chunk_bytes=chunk_bytes,
+                        copy_threads=copy_threads)
     pair = Pair(transport, sender, receiver, src, dst)
     pair.closers.append(receiver.close)
     if shm is not None:

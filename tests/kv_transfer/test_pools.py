@@ -172,3 +172,55 @@ def test_fused_copy_and_checksum_match_the_plain_ones(monkeypatch: pytest.Monkey
     got = blocks.copy_blocks_with_sums(src, dst2, pool_words(src), 1, 3, ids, dst_ids)
     np.testing.assert_array_equal(got, want)
     assert same_bytes(dst2, dst)
+
+
+def test_block_runs_coalesce_ids_that_step_together() -> None:
+    from kv_transfer.runs import Run, block_runs
+
+    assert block_runs([5, 6, 7, 2, 3, 9]) == [Run(0, 3, 5, 0), Run(3, 2, 2, 3), Run(5, 1, 9, 5)]
+    # with destination ids, a run needs both sides to step by one
+    assert block_runs([5, 6, 7, 8], [1, 2, 4, 5]) == [Run(0, 2, 5, 1), Run(2, 2, 7, 4)]
+    assert block_runs([3], [8]) == [Run(0, 1, 3, 8)]
+    assert block_runs([]) == []
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("fused_bytes", [1, 100, 256 << 10])
+def test_runs_tiles_and_threads_match_a_per_block_copy(monkeypatch: pytest.MonkeyPatch,
+                                                       fused_bytes: int, threads: int) -> None:
+    """Consecutive runs, split tiles and helper threads give the per-block reference result."""
+    from kv_transfer import blocks
+
+    monkeypatch.setattr(blocks, "FUSED_BYTES", fused_bytes)
+    layout = KVLayout("m", 5, 2, 4, 2, "float16")
+    src = random_pool(layout, 40, seed=11)
+    ids = [3, 4, 5, 6, 20, 9, 10, 11, 30, 31, 1]
+    dst_ids = [7, 8, 9, 10, 2, 25, 26, 3, 4, 5, 39]
+    rows = frame_rows(4, len(ids))
+    ref = np.stack([src[1:5, :, b] for b in ids], axis=2)  # the frame, one block at a time
+    want = row_sums(ref, rows).reshape(4, 2, len(ids))
+    workers = blocks.CopyThreads(threads)
+    try:
+        frame, sums = blocks.gather_with_sums(src, 1, 5, ids, workers=workers)
+        assert same_bytes(frame, ref)
+        np.testing.assert_array_equal(sums, want)
+        np.testing.assert_array_equal(block_row_sums(pool_words(src), 1, 5, ids), want)
+        dst = np.zeros_like(src)
+        got = blocks.scatter_with_sums(dst, 1, 5, dst_ids, frame, workers=workers)
+        np.testing.assert_array_equal(got, want)
+        dst2 = np.zeros_like(src)
+        got = blocks.copy_blocks_with_sums(src, dst2, pool_words(src), 1, 5, ids, dst_ids,
+                                          workers=workers)
+        np.testing.assert_array_equal(got, want)
+        for d in (dst, dst2):
+            assert same_bytes(d[1:5, :, dst_ids], src[1:5, :, ids])
+            untouched = sorted(set(range(40)) - set(dst_ids))
+            assert not d[:, :, untouched].any() and not d[[0]].any()
+        plain = np.zeros_like(src)
+        blocks.copy_blocks(src, plain, 1, 5, ids, dst_ids)
+        assert same_bytes(plain, dst2)
+        plain[...] = 0
+        blocks.scatter(plain, 1, 5, dst_ids, blocks.gather(src, 1, 5, ids))
+        assert same_bytes(plain, dst2)
+    finally:
+        workers.close()

@@ -96,9 +96,6 @@ def test_stage_timings_add_up_to_e2e(pd_cluster: Cluster, kind: str) -> None:
             assert rec["timings"][stage] == pytest.approx(seconds, abs=1e-5), (stage, rec["timings"], timings)
 
 
-@pytest.mark.xfail(strict=True, reason="workers report only `prefill_compute` (prefill_node/node.py "
-                   "FirstToken timings; decode_node sends no TokenDelta.timings): prefill_queue, "
-                   "kv_transfer, decode_queue and decode are missing")  # fmt: skip
 def test_worker_reported_stages_present(pd_cluster: Cluster) -> None:
     for fn in (timed_plain, timed_stream):
         timings, client_e2e, _ = fn(pd_cluster, _rid())
@@ -107,8 +104,6 @@ def test_worker_reported_stages_present(pd_cluster: Cluster) -> None:
         check_adds_up(timings, client_e2e)
 
 
-@pytest.mark.xfail(strict=True, reason="workers never log a request id (no per-request log line in "
-                   "prefill_node/node.py, decode_node/node.py or decode_node/colocated.py, at any level)")  # fmt: skip
 def test_request_id_in_worker_logs(pd_cluster: Cluster) -> None:
     rid = _rid()
     timed_plain(pd_cluster, rid, max_tokens=4)

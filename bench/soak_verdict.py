@@ -1,0 +1,108 @@
+"""Pure verdict logic for `bench/soak.py`: samples in, PASS/FAIL and reasons out.
+
+Rules (printed by the soak script):
+- RSS: for every process sampled both after warm-up and at the end, growth
+  `end - start` must be <= max(RSS_ABS_BOUND, RSS_REL_BOUND * start)
+  (i.e. 50 MiB or 10 %, whichever is larger).
+- File descriptors: `|end - start| <= FD_BOUND` (5) for the same processes.
+- KV: every live worker at the end (after drain) reports KV usage 0 (all
+  blocks free, nothing running).
+- Liveness: every process except the deliberately killed one is alive.
+- Errors: zero unexplained. An error is *explained* only if it is the
+  expected consequence of the injected restart: its code is one the gateway
+  uses for "no worker / pool empty" (`no_workers`, HTTP 503) and it happened
+  while the killed worker's pool was short of workers, i.e. inside the
+  restart window [kill, replacement registered + grace]. With two decode
+  workers one survives the kill, so a correct system produces no errors at
+  all; recovered streams (mid-stream failover) are not errors.
+  Client-initiated aborts are not errors either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MIB = 1 << 20
+RSS_ABS_BOUND = 50 * MIB
+RSS_REL_BOUND = 0.10
+FD_BOUND = 5
+EXPLAINABLE_CODES = frozenset({"no_workers", "http_503"})
+
+
+@dataclass(frozen=True)
+class ProcSample:
+    rss_bytes: int
+    fds: int
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    t: float  # seconds since the run started
+    kind: str  # e.g. "stream_error:no_workers", "http_503", "timeout", "incomplete_stream"
+    detail: str = ""
+
+
+@dataclass
+class Verdict:
+    passed: bool
+    reasons: list[str] = field(default_factory=list)
+    explained: list[ErrorEvent] = field(default_factory=list)
+    unexplained: list[ErrorEvent] = field(default_factory=list)
+
+
+def error_code(kind: str) -> str:
+    """`stream_error:no_workers` / `http_503:no_workers` -> `no_workers`; `http_503` stays."""
+    return kind.split(":", 1)[1] if ":" in kind else kind
+
+
+def is_explained(err: ErrorEvent, window: tuple[float, float] | None) -> bool:
+    if window is None:
+        return False
+    lo, hi = window
+    return error_code(err.kind) in EXPLAINABLE_CODES and lo <= err.t <= hi
+
+
+def rss_bound(start_rss: int) -> float:
+    return max(RSS_ABS_BOUND, RSS_REL_BOUND * start_rss)
+
+
+def judge(
+    start: dict[str, ProcSample],
+    end: dict[str, ProcSample],
+    kv_usage_end: dict[str, float],
+    alive_end: dict[str, bool],
+    errors: list[ErrorEvent],
+    restart_window: tuple[float, float] | None,
+    killed: frozenset[str] = frozenset(),
+) -> Verdict:
+    """Apply the rules above. Keys of `start`/`end`/`alive_end` are process names;
+    `kv_usage_end` maps worker names to their final usage ratio (0-1)."""
+    v = Verdict(passed=True)
+    for name, s in sorted(start.items()):
+        if name in killed:
+            continue
+        e = end.get(name)
+        if e is None:
+            v.reasons.append(f"{name}: no end sample (process gone?)")
+            continue
+        growth = e.rss_bytes - s.rss_bytes
+        bound = rss_bound(s.rss_bytes)
+        if growth > bound:
+            v.reasons.append(f"{name}: RSS grew {growth / MIB:.1f} MiB > bound {bound / MIB:.1f} MiB")
+        if abs(e.fds - s.fds) > FD_BOUND:
+            v.reasons.append(f"{name}: open fds {s.fds} -> {e.fds} (more than ±{FD_BOUND})")
+    for name, usage in sorted(kv_usage_end.items()):
+        if usage > 0.0:
+            v.reasons.append(f"{name}: KV usage {usage:.4f} at end, not back to idle (0)")
+    for name, alive in sorted(alive_end.items()):
+        if not alive and name not in killed:
+            v.reasons.append(f"{name}: process died (not the deliberately killed one)")
+    for err in errors:
+        (v.explained if is_explained(err, restart_window) else v.unexplained).append(err)
+    if v.unexplained:
+        kinds: dict[str, int] = {}
+        for err in v.unexplained:
+            kinds[err.kind] = kinds.get(err.kind, 0) + 1
+        v.reasons.append(f"{len(v.unexplained)} unexplained error(s): {kinds}")
+    v.passed = not v.reasons
+    return v

@@ -1,0 +1,220 @@
+"""The gateway's control plane: the ZeroMQ ROUTER socket workers connect to, the
+worker registry it feeds, and the registry views the HTTP layer reads.
+
+`ControlPlane` binds the socket (CURVE when configured), answers `RegisterWorker`,
+records `Heartbeat`s, handles `Deregister` (draining, then gone) and expires silent
+workers. Everything about a request is left to its subclass through two hooks:
+`_deliver` (a worker's event for one request) and `_lost` (a worker left). The
+request flow itself lives in gateway/cluster.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from gateway.backend import (
+    FleetSample,
+    ReadyState,
+)
+from gateway.registry import WorkerInfo, WorkerRegistry
+from pdserve import protocol as p
+from pdserve.transport import LOOPBACK, CurveServer, ZapLog, apply_curve_server
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    control_host: str = LOOPBACK
+    control_port: int = 0  # 0: a free port, see ClusterBackend.control_address
+    heartbeat_timeout_s: float = 3.0
+    max_recoveries: int = 3
+    reserve_timeout_s: float = 10.0
+    reserve_retry_s: float = 0.05  # a full decode worker is retried after this
+    no_worker_wait_s: float = 0.0  # how long to wait for an empty pool to fill
+    curve: CurveServer | None = None  # encrypt and authenticate the control plane
+
+
+class ControlPlane:
+    """Socket loop and registry; subclasses implement `_deliver` and `_lost`."""
+
+    def __init__(self, config: ClusterConfig | None = None) -> None:
+        self.config = config or ClusterConfig()
+        self.registry = WorkerRegistry(self.config.heartbeat_timeout_s)
+        self.control_address = ""
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._auth: Any = None
+
+    # --- lifecycle -------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._sock is not None:
+            return
+        ctx = zmq.asyncio.Context.instance()
+        curve = self.config.curve
+        if curve is not None:
+            from zmq.auth.asyncio import AsyncioAuthenticator
+
+            self._auth = AsyncioAuthenticator(ctx, log=ZapLog(logging.getLogger("pdserve.control"), {}))
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=curve.authorized_keys_dir)
+        sock = ctx.socket(zmq.ROUTER)
+        if curve is not None:
+            apply_curve_server(sock, curve)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        host, port = self.config.control_host, self.config.control_port
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        self.control_address = f"tcp://{host}:{port}"
+        self._sock = sock
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._reap_loop())]
+        log.info("control plane listening on %s", self.control_address)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+    # --- registry views ----------------------------------------------------
+
+    def _mode(self) -> str | None:
+        if self.registry.pool("prefill") and self.registry.pool("decode"):
+            return "disagg"
+        if self.registry.pool("colocated"):
+            return "colocated"
+        return None
+
+    def ready(self) -> ReadyState:
+        counts = {r: len(self.registry.pool(r)) for r in p.ROLES}
+        if self._mode() is None:
+            return ReadyState(False, "need a prefill and a decode worker, or a colocated one", counts)
+        return ReadyState(True, "", counts)
+
+    def workers(self) -> Sequence[Mapping[str, Any]]:
+        now = time.monotonic()
+        return [w.describe(now) for w in self.registry.all()]
+
+    def fleet_metrics(self) -> Sequence[FleetSample]:
+        out: list[FleetSample] = []
+        for w in self.registry.all():
+            labels = {"role": w.role, "worker": w.worker_id}
+            hb = w.load
+            total = hb.total_blocks if hb else w.reg.total_blocks
+            free = hb.free_blocks if hb else total
+            usage = (total - free) / total if total else 0.0
+            out.append(FleetSample("llm_kv_cache_usage_ratio", "KV cache usage (0-1)", labels, usage))
+            if w.role != "prefill":
+                running = float(hb.running_seqs) if hb else 0.0
+                out.append(FleetSample("llm_current_batch_size", "Running sequences", labels, running))
+            for name, value in sorted((hb.gauges if hb else {}).items()):
+                if name.startswith("llm_") and name not in ("llm_kv_cache_usage_ratio", "llm_current_batch_size"):
+                    out.append(FleetSample(name, "Worker-reported gauge", labels, float(value)))
+        return out
+
+    # --- socket loops ------------------------------------------------------
+
+    def _send(self, worker_id: str, msg: p.Message) -> None:
+        if self._sock is None or not worker_id:
+            return
+        try:
+            self._sock.send_multipart([worker_id.encode(), p.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # unroutable: the worker is gone; the reaper recovers
+            log.debug("send to %s failed: %s", worker_id, e)
+
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 2:
+                continue
+            sender = frames[0].decode(errors="replace")
+            try:
+                msg = p.decode(frames[1])
+            except p.ProtocolError as e:
+                log.warning("dropped malformed frame from %r: %s", sender[:64], e)
+                continue
+            self._handle(sender, msg)
+
+    def _handle(self, sender: str, msg: p.Message) -> None:
+        now = time.monotonic()
+        if isinstance(msg, p.RegisterWorker):
+            outcome = self.registry.register(msg, now) if msg.worker_id == sender else None
+            accepted = bool(outcome and outcome.accepted)
+            reason = outcome.reason if outcome else "worker id does not match the connection"
+            if accepted:
+                log.info("worker %s (%s) registered", msg.worker_id, msg.role)
+            else:
+                log.warning("refused worker %s: %s", sender, reason)
+            self._send(sender, p.RegisterAck(msg.worker_id, accepted, reason))
+        elif isinstance(msg, p.Heartbeat):
+            # Heartbeats come from the worker's own heartbeat socket, `<worker id>/hb`.
+            if sender not in (msg.worker_id, f"{msg.worker_id}/hb"):
+                return
+            if not self.registry.heartbeat(msg, now):
+                self._send(msg.worker_id, p.RegisterAck(msg.worker_id, False, "unknown worker"))
+        elif isinstance(msg, p.Deregister):
+            self._deregister(sender, msg)
+        elif isinstance(msg, p.TokenBatch):
+            self.registry.touch(sender, now)
+            for d in msg.deltas:
+                self._deliver(sender, d.request_id, d)
+        elif isinstance(msg, (p.ReserveResult, p.FirstToken, p.RequestFailed)):
+            self.registry.touch(sender, now)
+            self._deliver(sender, msg.request_id, msg)
+
+    def _deregister(self, sender: str, msg: p.Deregister) -> None:
+        w = self.registry.get(sender)
+        if w is None:
+            return
+        if msg.final:
+            self._lost(self.registry.remove(sender))
+        else:
+            w.draining = True  # routable no more; in-flight requests still finish there
+
+    async def _reap_loop(self) -> None:
+        interval = max(0.05, self.config.heartbeat_timeout_s / 6)
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            stalled, last = now - last > self.config.heartbeat_timeout_s / 2, now
+            if stalled:
+                # This loop was starved: heartbeats may be queued unread, so silence
+                # proves nothing yet. Give the receive loop a round to catch up.
+                continue
+            for w in self.registry.expire(now):
+                self._lost(w)
+
+    # --- hooks of the request flow ------------------------------------------
+
+    def _deliver(self, sender: str, wid: str, event: Any) -> None:
+        """A worker's event for worker-side request id `wid`."""
+        raise NotImplementedError
+
+    def _lost(self, w: WorkerInfo | None) -> None:
+        """`w` left the registry (expired or deregistered for good)."""
+        raise NotImplementedError

@@ -1,0 +1,142 @@
+"""`pdserve gateway` flags for authentication, admission and request size limits,
+and their mapping onto `gateway.config` (imported lazily: parsing stays light).
+
+A flag left unset keeps the config dataclass's default, so defaults live in one
+place (`gateway/config.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from pdserve import envs
+
+# RequestLimits field -> flag (`max_tokens` is a cap, not the default: hence its name).
+LIMIT_FLAGS = {
+    "max_body_bytes": "--max-body-bytes",
+    "max_header_bytes": "--max-header-bytes",
+    "max_messages": "--max-messages",
+    "max_prompt_tokens": "--max-prompt-tokens",
+    "max_n": "--max-n",
+    "max_tokens": "--max-tokens-limit",
+    "max_stop": "--max-stop",
+    "max_stop_len": "--max-stop-len",
+    "max_logprobs": "--max-logprobs",
+}
+PRIORITIES = ("interactive", "batch")
+
+
+def add_gateway_options(ap: argparse.ArgumentParser) -> None:
+    auth = ap.add_argument_group("authentication")
+    auth.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
+                      help="file of API keys, one per line, '#' comments; with --api-key and "
+                      "PDSERVE_API_KEYS")  # fmt: skip
+    auth.add_argument(
+        "--metrics-protected", action="store_true", help="require the API key on /metrics too"
+    )
+    adm = ap.add_argument_group("admission (503 + Retry-After beyond these)")
+    adm.add_argument(
+        "--max-queue-depth", type=int, default=None, help="waiting requests per priority class"
+    )
+    adm.add_argument(
+        "--max-queue-wait", type=float, default=None, help="longest wait for a slot (s), per class"
+    )
+    for prio in PRIORITIES:
+        adm.add_argument(
+            f"--max-queue-depth-{prio}", type=int, default=None, help=f"{prio} class only"
+        )
+        adm.add_argument(
+            f"--max-queue-wait-{prio}", type=float, default=None, help=f"{prio} class only"
+        )
+    adm.add_argument("--batch-aging", type=float, default=None,
+                     help="seconds after which a waiting batch request counts as interactive (0: never)")  # fmt: skip
+    adm.add_argument("--retry-after", type=int, default=None, help="Retry-After seconds on 503s")
+    lim = ap.add_argument_group("request size limits (400/413 beyond these)")
+    for name, flag in LIMIT_FLAGS.items():
+        lim.add_argument(flag, type=int, default=None, dest=f"limit_{name}", metavar="N")
+    lim.add_argument(
+        "--default-max-tokens", type=int, default=None, help="completions without max_tokens"
+    )
+
+
+def read_key_file(path: str) -> list[str]:
+    """Keys from `path`: one per line; blank lines and `#` comments skipped."""
+    keys = []
+    for line in Path(path).read_text().splitlines():
+        key = line.split("#", 1)[0].strip()
+        if key:
+            keys.append(key)
+    return keys
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key, every --api-key-file and PDSERVE_API_KEYS, deduplicated in order."""
+    keys: list[str] = list(args.api_key)
+    for path in args.api_key_file:
+        try:
+            file_keys = read_key_file(path)
+        except OSError as e:
+            raise SystemExit(f"--api-key-file {path}: {e.strerror or e}") from None
+        if not file_keys:
+            raise SystemExit(f"--api-key-file {path}: no keys in it")
+        keys += file_keys
+    keys += envs.api_keys()
+    return tuple(dict.fromkeys(keys))
+
+
+def _set(args: argparse.Namespace, pairs: dict[str, str]) -> dict[str, Any]:
+    return {
+        field: getattr(args, attr)
+        for field, attr in pairs.items()
+        if getattr(args, attr) is not None
+    }
+
+
+def request_limits(args: argparse.Namespace) -> Any:
+    from gateway.config import RequestLimits
+
+    return RequestLimits(**_set(args, {f: f"limit_{f}" for f in LIMIT_FLAGS}))
+
+
+def admission_config(args: argparse.Namespace) -> Any:
+    from gateway.config import AdmissionConfig, QueueLimits
+
+    base = AdmissionConfig()
+    queues: dict[str, Any] = {}
+    for prio in PRIORITIES:
+        default: QueueLimits = getattr(base, prio)
+        depth = getattr(args, f"max_queue_depth_{prio}")
+        wait = getattr(args, f"max_queue_wait_{prio}")
+        queues[prio] = QueueLimits(
+            max_depth=next(
+                v for v in (depth, args.max_queue_depth, default.max_depth) if v is not None
+            ),
+            max_wait_s=next(
+                v for v in (wait, args.max_queue_wait, default.max_wait_s) if v is not None
+            ),
+        )
+    extra: dict[str, Any] = {}
+    if args.batch_aging is not None:
+        extra["batch_aging_s"] = args.batch_aging or None
+    if args.retry_after is not None:
+        extra["retry_after_s"] = args.retry_after
+    return AdmissionConfig(max_in_flight=args.max_in_flight, **queues, **extra)
+
+
+def gateway_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """`GatewayConfig` keyword arguments from these flags."""
+    from gateway.config import GatewayConfig
+
+    out: dict[str, Any] = {
+        "admission": admission_config(args),
+        "limits": request_limits(args),
+        "api_keys": api_keys(args),
+        "metrics_protected": args.metrics_protected,
+    }
+    if args.default_max_tokens is not None:
+        out["default_max_tokens"] = args.default_max_tokens
+    assert set(out) <= {f.name for f in fields(GatewayConfig)}
+    return out
