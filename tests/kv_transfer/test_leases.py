@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -117,5 +119,62 @@ def test_sender_never_writes_after_the_receivers_deadline(transport: str) -> Non
         assert wait_terminal(pair.receiver.poll, "t") is TransferState.FAILED
         assert wait_terminal(pair.sender.poll, "t") is TransferState.FAILED
         assert not pair.dst.any()
+    finally:
+        pair.close()
+
+
+def test_a_lost_cancel_is_repeated_until_the_writer_answers() -> None:
+    from kv_transfer.receiver_core import CANCEL_RESEND_S
+
+    clock = Clock()
+    core = _core(clock, shared=True)
+    core.expect("t", "r", [2, 3], lease_s=30)
+    _grant(core)
+    core.cancel("t")
+    assert core.take_outbox() == [(b"p", wire.Cancel("t", "cancelled by receiver"))]  # lost
+    clock.now += CANCEL_RESEND_S
+    assert core.poll("t") is TransferState.CANCELLING
+    core.tick()
+    assert core.take_outbox() == [(b"p", wire.Cancel("t", "cancelled by receiver"))]
+    core.handle(b"p", wire.encode(wire.Abort("t", "not sending")), None)
+    assert core.poll("t") is TransferState.ABORTED  # long before the 30 s lease
+
+
+def test_cancel_of_a_forgotten_shm_transfer_releases_promptly() -> None:
+    """The prefill worker cancels and forgets at once (its reaper does): the Abort it
+    owes the receiver still goes out, so the decode side frees its blocks in well
+    under the 30 s lease; a Cancel for a transfer the sender no longer knows is
+    answered with Abort too."""
+    pair = make_pair("shm", sender_faults=FaultConfig(delay_s=0.05), chunk_bytes=4096)
+    try:
+        dst = list(range(10, 42))
+        for tid in ("t", "u"):
+            pair.receiver.expect(tid, "r", dst if tid == "t" else [50, 51], lease_s=30)
+        pair.sender.begin("t", "r", pair.receiver.address, list(range(1, 33)), dst, lease_s=30)
+        pair.sender.send_all("t")
+        end = time.monotonic() + 5
+        while pair.receiver.poll("t") is not TransferState.TRANSFERRING:
+            assert time.monotonic() < end
+            time.sleep(0.002)
+        pair.sender.cancel("t")
+        pair.sender.forget("t")
+        pair.receiver.cancel("t")
+        start = time.monotonic()
+        assert wait_terminal(pair.receiver.poll, "t", timeout=5).terminal
+        assert time.monotonic() - start < 2.0
+
+        # "u" was reserved but its sender's record is gone (as after forget): a claim
+        # that is granted and then cancelled gets the sender's Abort reply.
+        pair.sender.begin("u", "r", pair.receiver.address, [1, 2], [50, 51], lease_s=30)
+        end = time.monotonic() + 5
+        while pair.receiver.poll("u") is not TransferState.TRANSFERRING:
+            assert time.monotonic() < end
+            time.sleep(0.002)
+        pair.sender.cancel("u")
+        pair.receiver.cancel("u")
+        pair.sender.forget("u")
+        start = time.monotonic()
+        assert wait_terminal(pair.receiver.poll, "u", timeout=5).terminal
+        assert time.monotonic() - start < 2.0
     finally:
         pair.close()
