@@ -18,14 +18,16 @@ rule there (same host, so both sides read the same CLOCK_MONOTONIC):
     absolute deadline, and starts no chunk copy at or after that deadline;
   * the receiver treats a granted shared-memory reservation as possibly being
     written until the sender's writes are known to be over (all chunks
-    committed, or the sender sent `Abort`, which it does only after its last
-    write) or until deadline + `grace_s` (covering one chunk copy started just
-    before the deadline). Until then a failed or cancelled reservation reports
+    committed, the sender sent `Abort`, which it does only after its last
+    write, or the sender's liveness lock was released, which happens only once
+    its process closed the sender or died) or until deadline + `grace_s`
+    (covering one chunk copy started just before the deadline). Until then a failed or cancelled reservation reports
     TRANSFERRING / CANCELLING, never a terminal state.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +48,7 @@ from kv_transfer.blocks import (
 from kv_transfer.checksum import digest
 from kv_transfer.faults import FaultConfig
 from kv_transfer.pool_ops import pool_ops
+from kv_transfer.shm_pool import lock_holder_gone, watch_liveness
 from pdserve.kv_layout import KVLayout
 
 PENDING_CLAIM_TTL_S = 30.0
@@ -101,6 +104,9 @@ class ReceiverCore:
         self._res: dict[str, _Reservation] = {}
         self._reserved_blocks: set[int] = set()
         self._pending: dict[str, tuple[bytes, wire.Claim, float]] = {}
+        # Same-host senders' liveness locks (peer -> descriptor): a cancelled shared-memory
+        # transfer is released as soon as its writer is known dead, not at its lease.
+        self._liveness: dict[bytes, int] = {}
         self._outbox: list[tuple[bytes, wire.Message]] = []
         self._malformed = self._rejected = self._completed = 0
 
@@ -160,6 +166,10 @@ class ReceiverCore:
     def close(self) -> None:
         """Stop the copy helper threads (after the transport stopped calling `handle`)."""
         self._copy.close()
+        with self._lock:
+            for fd in self._liveness.values():
+                os.close(fd)
+            self._liveness.clear()
 
     # ---------------------------------------------------------------- transport side
     def take_outbox(self) -> list[tuple[bytes, wire.Message]]:
@@ -211,6 +221,13 @@ class ReceiverCore:
             f"compatibility hash mismatch: receiver {mine} != sender {msg.compat_hash}")
         self._outbox.append((peer, wire.HelloAck(mine, ok, reason, self.max_frame_bytes,
                                                  self.shm if ok else None)))
+        if ok and self.shm is not None and msg.liveness:
+            fd = watch_liveness(msg.liveness)
+            old = self._liveness.pop(peer, None)
+            if old is not None:
+                os.close(old)
+            if fd is not None:
+                self._liveness[peer] = fd
 
     def _on_claim(self, peer: bytes, msg: wire.Claim) -> None:
         tid = msg.transfer_id
@@ -347,7 +364,7 @@ class ReceiverCore:
         if res.state.terminal:
             return
         if res.final is not None:  # waiting for a shared-memory writer to stop
-            if res.writer_done or now >= res.deadline + self.grace_s:
+            if res.writer_done or now >= res.deadline + self.grace_s or self._writer_dead(res):
                 res.state = res.final
             elif not res.cancel_sent or now - res.cancel_sent_at >= CANCEL_RESEND_S:
                 res.cancel_sent = False
@@ -358,6 +375,15 @@ class ReceiverCore:
             self._finish(res, TransferState.FAILED, "lease expired before the transfer completed")
             if res.final is not None:
                 self._expire(res, now)
+
+    def _writer_dead(self, res: _Reservation) -> bool:
+        """The granted sender's process is gone (its liveness lock was released)."""
+        fd = self._liveness.get(res.peer) if res.peer is not None else None
+        if fd is None or not lock_holder_gone(fd):
+            return False
+        res.writer_done = True
+        res.reason = f"{res.reason} (sender gone)"
+        return True
 
     def _get(self, transfer_id: str) -> _Reservation:
         res = self._res.get(transfer_id)

@@ -46,6 +46,7 @@ from kv_transfer.faults import FaultConfig
 from kv_transfer.links import LinkFactory, Parts, StagingBuffers, Waker
 from kv_transfer.pool_ops import pool_ops
 from kv_transfer.sender_state import PeerRecord, TransferRecord, attach_direct
+from kv_transfer.shm_pool import LivenessLock
 from pdserve.kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ class Sender:
         self._chunks_made = 0  # I/O thread only; numbers chunks for fault injection
         self._staging = StagingBuffers()  # I/O thread only
         self._waker = Waker()
+        # Held until close(): a same-host receiver sees its release when this process
+        # has stopped writing for good (closed, or died).
+        self._liveness = LivenessLock.create()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-sender-io", daemon=True)
         self._thread.start()
@@ -158,6 +162,8 @@ class Sender:
         self._stop.set()
         self._waker.wake()
         self._thread.join()
+        if self._liveness is not None:
+            self._liveness.close()  # after the I/O thread, which does every write
         self._copy.close()
         self._waker.close()
         self._links.close()
@@ -280,7 +286,8 @@ class Sender:
                     t.abort_pending = False
             return None
         peer = PeerRecord(t.peer, link, want_direct)
-        peer.control.append([wire.encode(wire.Hello(self._compat))])
+        liveness = self._liveness.name if want_direct and self._liveness is not None else ""
+        peer.control.append([wire.encode(wire.Hello(self._compat, liveness))])
         self._peers[t.peer] = peer
         return peer
 

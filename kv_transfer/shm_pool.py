@@ -16,6 +16,7 @@ cannot unlink; the next pool created on the host sweeps such segments
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -32,8 +33,9 @@ from pdserve.kv_layout import KVLayout
 _DEV_SHM = "/dev/shm"
 _PREFIX = "pdkv"
 _SUFFIX_HEX = 6  # bytes of random suffix
-# Exactly the names `create_shm_pool` makes; nothing else is ever swept.
-_NAME = re.compile(rf"^{_PREFIX}_([1-9][0-9]{{0,9}})_[0-9a-f]{{{2 * _SUFFIX_HEX}}}$")
+_LIVE_PREFIX = "pdkvlive"
+# Exactly the names `create_shm_pool` and `LivenessLock` make; nothing else is ever swept.
+_NAME = re.compile(rf"^(?:{_PREFIX}|{_LIVE_PREFIX})_([1-9][0-9]{{0,9}})_[0-9a-f]{{{2 * _SUFFIX_HEX}}}$")
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,60 @@ class ShmPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
         self.unlink()
+
+
+class LivenessLock:
+    """A file in /dev/shm this process holds an exclusive `flock` on for its life.
+
+    A shared-memory receiver that opens it can tell for certain when the sender
+    is gone: the kernel drops the lock only when every descriptor of the holder
+    is closed, i.e. after `close` (when the sender has stopped writing) or on
+    death. A live writer can never look dead."""
+
+    def __init__(self, shm_dir: str = _DEV_SHM) -> None:
+        self.name = f"{_LIVE_PREFIX}_{os.getpid()}_{secrets.token_hex(_SUFFIX_HEX)}"
+        self._path = os.path.join(shm_dir, self.name)
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    @classmethod
+    def create(cls) -> LivenessLock | None:
+        """None where there is no /dev/shm (the receiver then relies on leases alone)."""
+        try:
+            return cls()
+        except OSError:
+            return None
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)
+            os.close(self._fd)
+            self._fd = -1
+
+
+def watch_liveness(name: str, shm_dir: str = _DEV_SHM) -> int | None:
+    """A descriptor on a peer's `LivenessLock`, if it names one held by a live process now."""
+    if _NAME.match(name) is None or not name.startswith(_LIVE_PREFIX):
+        return None
+    try:
+        fd = os.open(os.path.join(shm_dir, name), os.O_RDONLY)
+    except OSError:
+        return None
+    if lock_holder_gone(fd):
+        os.close(fd)
+        return None  # nobody holds it: it proves nothing about the peer
+    return fd
+
+
+def lock_holder_gone(fd: int) -> bool:
+    """True once the process that held the lock behind `fd` has closed it or died."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
 
 
 def _pid_alive(pid: int) -> bool:

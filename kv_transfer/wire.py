@@ -13,7 +13,7 @@ raises `WireError` before anything is allocated from its declared sizes
 Conversation (sender = prefill side, receiver = decode side):
 
     sender                              receiver
-    Hello(compat_hash)          ->
+    Hello(compat_hash, liveness)  ->                     (liveness: see shm_pool.LivenessLock)
                                 <-      HelloAck(compat_hash, ok, shm pool, max frame)
     Claim(transfer, dst blocks) ->                       (once per transfer)
                                 <-      Grant(transfer, deadline) | Ack(ok=False)
@@ -60,6 +60,7 @@ class MsgType(enum.IntEnum):
 @dataclass(frozen=True)
 class Hello:
     compat_hash: str
+    liveness: str = ""  # a same-host sender's LivenessLock name ("" if none)
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ Message = Hello | HelloAck | Claim | Grant | Chunk | Ack | Abort | Cancel
 
 def _fields(msg: Message) -> tuple[MsgType, list[Any]]:
     if isinstance(msg, Hello):
-        return MsgType.HELLO, [msg.compat_hash]
+        return MsgType.HELLO, [msg.compat_hash, msg.liveness]
     if isinstance(msg, HelloAck):
         shm = None if msg.shm is None else [msg.shm.name, list(msg.shm.shape), msg.shm.dtype]
         return MsgType.HELLO_ACK, [msg.compat_hash, msg.ok, msg.reason, msg.max_frame_bytes, shm]
@@ -224,7 +225,7 @@ def _shm(v: Any) -> ShmDescriptor | None:
 
 
 _ARITY = {
-    MsgType.HELLO: 1, MsgType.HELLO_ACK: 5, MsgType.CLAIM: 4, MsgType.GRANT: 2,
+    MsgType.HELLO: 2, MsgType.HELLO_ACK: 5, MsgType.CLAIM: 4, MsgType.GRANT: 2,
     MsgType.CHUNK: 9, MsgType.ACK: 3, MsgType.ABORT: 2, MsgType.CANCEL: 2,
 }
 
@@ -252,7 +253,7 @@ def decode(data: bytes | memoryview) -> Message:
     if len(f) != _ARITY[msg_type]:
         raise WireError(f"{msg_type.name}: expected {_ARITY[msg_type]} fields, got {len(f)}")
     if msg_type is MsgType.HELLO:
-        return Hello(_str(f[0], "compat_hash"))
+        return Hello(_str(f[0], "compat_hash"), _str(f[1], "liveness"))
     if msg_type is MsgType.HELLO_ACK:
         return HelloAck(_str(f[0], "compat_hash"), _bool(f[1], "ok"),
                         _str(f[2], "reason", MAX_REASON_LEN), _int(f[3], "max_frame_bytes"),

@@ -67,6 +67,39 @@ def test_sender_killed_mid_transfer(transport: str) -> None:
             shm.unlink()
 
 
+def test_cancel_after_the_shm_sender_was_killed_releases_before_the_lease() -> None:
+    """A killed writer is known dead (its liveness lock is gone): a cancelled transfer
+    frees its blocks at once instead of at its 30 s lease."""
+    ctx = multiprocessing.get_context("spawn")
+    shm = create_shm_pool(TINY, proc_helpers.NUM_BLOCKS + 1)
+    receiver = ZmqReceiver(TINY, shm, transport="shm", grace_s=GRACE_S)
+    events = ctx.Queue()
+    child = ctx.Process(target=proc_helpers.slow_sender, args=(receiver.address, events))
+    try:
+        ids = list(range(1, proc_helpers.NUM_BLOCKS + 1))
+        child.start()
+        assert events.get(timeout=30) == "sending"
+        receiver.expect("t", "r", ids, lease_s=30)
+        until = time.monotonic() + 5
+        while receiver.poll("t") is not TransferState.TRANSFERRING and time.monotonic() < until:
+            time.sleep(0.005)
+        assert receiver.poll("t") is TransferState.TRANSFERRING
+        child.kill()
+        child.join(10)
+        receiver.cancel("t")
+        start = time.monotonic()
+        assert _wait(receiver.poll, "t", start + 5) is TransferState.ABORTED
+        assert time.monotonic() - start < 2.0
+        assert "sender gone" in receiver.reason("t")
+        receiver.forget("t")
+        receiver.expect("t2", "r2", ids, lease_s=5)  # every block is reservable again
+    finally:
+        if child.is_alive():
+            child.kill()
+        receiver.close()
+        shm.unlink()
+
+
 @pytest.mark.parametrize("transport", ["tcp", "ipc", "shm"])
 def test_receiver_killed_mid_transfer(transport: str) -> None:
     ctx = multiprocessing.get_context("spawn")
