@@ -211,11 +211,11 @@ class _RequestRun:
     async def _stream(self, parsed: ParsedRequest, builder: ResponseBuilder, first: ChoiceUpdate | None) -> web.StreamResponse:
         assert self.gen is not None
         resp = web.StreamResponse(headers={**sse.SSE_HEADERS, REQUEST_ID_HEADER: self.rid})
-        with self.timer.measure("respond"):
-            await resp.prepare(self.request)
-            if self.kind == CHAT:
-                await resp.write(sse.event(builder.role_chunk()))
         try:
+            with self.timer.measure("respond"):
+                await resp.prepare(self.request)
+                if self.kind == CHAT:
+                    await resp.write(sse.event(builder.role_chunk()))
             await self._stream_events(parsed, builder, first, resp)
         except ConnectionResetError:
             # The client went away mid-stream; the caller closes the generation (abort).
