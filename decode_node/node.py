@@ -207,7 +207,7 @@ class DecodeNode:
         self.receiver.forget(inc.transfer_id)
         self.engine.abort(rid)
         self.metrics.transfer_failures.inc()
-        log.warning("KV transfer for %s ended %s", rid, state.name)
+        log.warning("KV transfer for %s ended %s", rid, state.name, extra=request_fields(rid))
         self.send(p.RequestFailed(rid, f"kv transfer {state.name.lower()}", retryable=True,
                                   transfer_id=inc.transfer_id))  # fmt: skip
 

@@ -151,18 +151,18 @@ class PrefillNode:
             started = time.monotonic()
             batch = self.engine.schedule()
             outputs = self.engine.execute(batch, self._layer_sends(batch))
-            self._mark_scheduled(started, {out.request_id for out in outputs})
+            self._mark_scheduled(started, {seq.request_id for seq in batch.seqs})
             for out in outputs:
                 if out.finished and out.request_id in self._jobs:
                     self._prefilled(self._jobs[out.request_id], out)
             worked = True
         return worked
 
-    def _mark_scheduled(self, step_started: float, sampled: set[str]) -> None:
-        """Stamp jobs the step just computed (running chunks, or sampled) for `prefill_queue`."""
-        running = {seq.request_id for seq in self.engine.scheduler.running}
-        for rid, job in self._jobs.items():
-            if not job.scheduled_at and (rid in running or rid in sampled):
+    def _mark_scheduled(self, step_started: float, scheduled: set[str]) -> None:
+        """Stamp the jobs this step computed a chunk of, the first time (`prefill_queue`)."""
+        for rid in scheduled:
+            job = self._jobs.get(rid)
+            if job is not None and not job.scheduled_at:
                 job.scheduled_at = step_started
 
     def _prefilled(self, job: _Job, out: RequestOutput) -> None:
@@ -261,7 +261,8 @@ class PrefillNode:
                 changed = True
             elif state in _FAILED:
                 self.metrics.transfer_failures.inc()
-                log.warning("KV transfer %s ended %s", tid, state.name)
+                log.warning("KV transfer %s of %s ended %s", tid, job.msg.request_id, state.name,
+                            extra=request_fields(job.msg.request_id))  # fmt: skip
                 self._finish(job)
                 self.send(p.RequestFailed(job.msg.request_id, f"kv transfer {state.name.lower()}",
                                           retryable=True, transfer_id=tid))  # fmt: skip

@@ -33,10 +33,11 @@ def test_sweep_removes_dead_creators_segments_only(tmp_path: Path) -> None:
         f"psm_{dead}",  # someone else's segment
         f"pdkv_{dead}_{secrets.token_hex(6)}.bak",
     ]
-    stale = _name(dead)
-    for name in [*keep, stale]:
+    # A dead worker's pool and a dead sender's liveness lock.
+    stale = [_name(dead), f"pdkvlive_{dead}_{secrets.token_hex(6)}"]
+    for name in [*keep, *stale]:
         (tmp_path / name).write_bytes(b"x")
-    assert sweep_stale_segments(str(tmp_path)) == [stale]
+    assert sorted(sweep_stale_segments(str(tmp_path))) == sorted(stale)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep)
 
 
@@ -60,3 +61,22 @@ def test_creating_a_pool_sweeps_segments_of_killed_workers() -> None:
     finally:
         for path in (stale, live):
             path.unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_a_liveness_lock_reads_alive_until_its_holder_closes_it() -> None:
+    from kv_transfer.shm_pool import LivenessLock, lock_holder_gone, watch_liveness
+
+    lock = LivenessLock()
+    fd = watch_liveness(lock.name)
+    try:
+        assert fd is not None
+        assert not lock_holder_gone(fd)
+        assert watch_liveness("psm_123") is None  # never opens names that are not ours
+        lock.close()
+        assert lock_holder_gone(fd)
+        assert not (Path("/dev/shm") / lock.name).exists()
+    finally:
+        lock.close()
+        if fd is not None:
+            os.close(fd)

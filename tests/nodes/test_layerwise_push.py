@@ -23,7 +23,9 @@ from pdserve.transport import host_id
 from prefill_node.node import PrefillNode
 from tests.engine.test_engine import assert_idle, make_engine, prompts
 
-PARAMS = SamplingParams(max_tokens=12, temperature=0.8, seed=5, presence_penalty=0.5, ignore_eos=True)
+PARAMS = SamplingParams(
+    max_tokens=12, temperature=0.8, seed=5, presence_penalty=0.5, ignore_eos=True
+)
 
 
 @pytest.fixture(autouse=True)
@@ -48,12 +50,17 @@ class Pair:
                                    WorkerMetrics("prefill", "p"))  # fmt: skip
         self.decode = DecodeNode("d", self.de, self.de.runner, self.receiver, self.to_gateway.append,
                                  WorkerMetrics("decode", "d"))  # fmt: skip
-        self.calls: list[tuple[str, str, int, bool]] = []  # (method, transfer, layer, inside the model step)
+        # (method, transfer id, layer, called inside the model step)
+        self.calls: list[tuple[str, str, int, bool]] = []
         self._in_step = False
         self._spy()
 
     def _spy(self) -> None:
-        execute, send_layer, send_all = self.pe.runner.execute, self.sender.send_layer, self.sender.send_all
+        execute, send_layer, send_all = (
+            self.pe.runner.execute,
+            self.sender.send_layer,
+            self.sender.send_all,
+        )
 
         def spy_execute(*a: Any, **k: Any) -> Any:
             self._in_step = True
