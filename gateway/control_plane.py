@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -141,9 +142,14 @@ class ControlPlane:
         if self._sock is None or not worker_id:
             return
         try:
-            self._sock.send_multipart([worker_id.encode(), p.encode(msg)], flags=zmq.NOBLOCK)
+            sent = self._sock.send_multipart([worker_id.encode(), p.encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:  # unroutable: the worker is gone; the reaper recovers
             log.debug("send to %s failed: %s", worker_id, e)
+            return
+        # zmq.asyncio reports a failed send (ROUTER_MANDATORY: host unreachable) through
+        # the returned future rather than raising; read it so it is handled, not lost.
+        if isinstance(sent, asyncio.Future):
+            sent.add_done_callback(functools.partial(_log_send_failure, worker_id))
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None
@@ -218,3 +224,8 @@ class ControlPlane:
     def _lost(self, w: WorkerInfo | None) -> None:
         """`w` left the registry (expired or deregistered for good)."""
         raise NotImplementedError
+
+
+def _log_send_failure(worker_id: str, fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.debug("send to %s failed: %s", worker_id, fut.exception())
