@@ -59,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--interval", type=float, default=3.0)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--slo", default="ttft=5,tpot=0.2")
-    ap.add_argument("--tokenizer", default=None, help="default: the built-in model's")
+    ap.add_argument("--tokenizer", default=None, help="default: the model's (--model) or the built-in one's")
+    ap.add_argument("--model", default=None, help="model dir for every `pdserve up` (default: built-in)")
     ap.add_argument("--disagg-args", default="--prefill 1 --decode 1")
     ap.add_argument("--colocated-args", default="--colocated")
     ap.add_argument("--up-extra", default="", help="flags added to both `pdserve up` commands")
@@ -91,8 +92,9 @@ def bench_config(args: argparse.Namespace, base_url: str, tokenizer: str | None)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tokenizer = args.tokenizer or default_tokenizer()
-    extra = split_args(args.up_extra)
+    tokenizer = args.tokenizer or args.model or default_tokenizer()
+    model_args = ["--model", args.model] if args.model else []
+    extra = split_args(args.up_extra) + model_args
     configs = [
         ("1P+1D", split_args(args.disagg_args) + extra),
         ("colocated", split_args(args.colocated_args) + extra),

@@ -12,6 +12,7 @@ decode = from the first token to the last. Ratio = engine / transformers (> 1: t
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -72,19 +73,22 @@ def _prompts(batch: int, length: int, vocab: int, salt: int) -> list[list[int]]:
     return torch.randint(3, vocab, (batch, length), generator=g).tolist()
 
 
-def _best_of(
+def _median_of(
     a: Callable[[], Throughput], b: Callable[[], Throughput], reps: int
 ) -> tuple[Throughput, Throughput]:
-    """Best of `reps` runs each, interleaved so background load hits both alike."""
+    """Median of `reps` runs each, interleaved so background load hits both alike."""
     runs_a, runs_b = [], []
     for _ in range(reps):
         runs_a.append(a())
         runs_b.append(b())
-    return _best(runs_a), _best(runs_b)
+    return _median(runs_a), _median(runs_b)
 
 
-def _best(runs: list[Throughput]) -> Throughput:
-    return Throughput(max(r.prefill_tok_s for r in runs), max(r.decode_tok_s for r in runs))
+def _median(runs: list[Throughput]) -> Throughput:
+    return Throughput(
+        statistics.median(r.prefill_tok_s for r in runs),
+        statistics.median(r.decode_tok_s for r in runs),
+    )
 
 
 def engine_run(engine: LLMEngine, prompts: list[list[int]], decode_tokens: int) -> Throughput:
@@ -158,7 +162,7 @@ def bench_model(
             return hf_run(hf, p, args.decode_tokens)
 
         with torch.inference_mode():
-            e, h = _best_of(run_engine, run_hf, args.reps)
+            e, h = _median_of(run_engine, run_hf, args.reps)
         rows.append(Row(name, b, e, h))
         print(format_row(rows[-1]), flush=True)
     return rows
@@ -199,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     builders = {"default": build_default, "125m": build_125m}
     print(
         f"torch threads {torch.get_num_threads()}, prompt {args.prompt_len} tokens, "
-        f"{args.decode_tokens} decode tokens, best of {args.reps}"
+        f"{args.decode_tokens} decode tokens, median of {args.reps}"
     )
     print(HEADER)
     with tempfile.TemporaryDirectory() as tmp:

@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument(
-        "--model", default=None, help="model dir (default: built-in); pass the same via --up-args"
+        "--model", default=None, help="model dir (default: built-in); also passed to `pdserve up`"
     )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads")
     ap.add_argument("--up-args", default="--colocated")
@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         for b in batches
     }
     stack: dict[int, dict] = {}
-    with pdserve_up("overhead", split_args(args.up_args)) as server:
+    up_args = split_args(args.up_args) + (["--model", args.model] if args.model else [])
+    with pdserve_up("overhead", up_args) as server:
         for b in batches:
             stack[b] = run_benchmark(bench_config(args, server.base_url, b, tok)).runs[0].summary
     print(f"{'batch':>6}{'engine tok/s':>14}{'stack tok/s':>13}{'ratio':>8}{'step ms':>9}"

@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--max-duration", type=float, default=600.0)
-    ap.add_argument("--tokenizer", default=None, help="default: the built-in model's")
+    ap.add_argument("--tokenizer", default=None, help="default: the model's (--model) or the built-in one's")
+    ap.add_argument("--model", default=None, help="model dir for every `pdserve up` (default: built-in)")
     ap.add_argument("--up-args", default="--prefill 1 --decode 1")
     ap.add_argument("--no-cache-args", default="--no-prefix-caching")
     ap.add_argument("--output-json", default=None)
@@ -80,8 +81,9 @@ def bench_config(args: argparse.Namespace, base_url: str, tokenizer: str | None)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tokenizer = args.tokenizer or default_tokenizer()
-    base = split_args(args.up_args)
+    tokenizer = args.tokenizer or args.model or default_tokenizer()
+    model_args = ["--model", args.model] if args.model else []
+    base = split_args(args.up_args) + model_args
     configs = [("cache", base), ("no-cache", base + split_args(args.no_cache_args))]
     summaries, results = {}, {}
     for name, up_args in configs:

@@ -37,8 +37,10 @@ class Shape:
     output_len: int
 
 
-def prompt_ids(i: int, n: int) -> list[int]:
-    return [(17 + i * 31 + k * 7) % 1000 + 5 for k in range(n)]
+def prompt_ids(i: int, n: int, salt: int = 0) -> list[int]:
+    """Distinct per (i, salt) from the first token on, so no run hits the prefix cache
+    filled by another."""
+    return [(17 + i * 31 + salt * 7919 + k * 7) % 1000 + 5 if k else 1000 + (i + 64 * salt) % 1000 for k in range(n)]
 
 
 def engine_decode_tps(model_dir: str, shape: Shape, threads: int) -> float:
@@ -50,7 +52,7 @@ def engine_decode_tps(model_dir: str, shape: Shape, threads: int) -> float:
     params = SamplingParams(max_tokens=shape.output_len, temperature=0.0, ignore_eos=True)
     engine.generate([prompt_ids(999, shape.prompt_len)], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     for i in range(shape.concurrency):
-        engine.add_request(f"b{i}", prompt_ids(i, shape.prompt_len), params)
+        engine.add_request(f"b{i}", prompt_ids(i, shape.prompt_len, shape.concurrency), params)
     started: set[str] = set()
     while len(started) < shape.concurrency:  # prefill everything first
         started |= {o.request_id for o in engine.step() if any(c.token_ids for c in o.outputs)}
@@ -61,20 +63,24 @@ def engine_decode_tps(model_dir: str, shape: Shape, threads: int) -> float:
 
 
 async def _stream(session: object, url: str, model: str, i: int, shape: Shape) -> tuple[float, float, int]:
-    body = {"model": model, "prompt": prompt_ids(i, shape.prompt_len), "max_tokens": shape.output_len,
-            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {"model": model, "prompt": prompt_ids(i, shape.prompt_len, shape.concurrency), "max_tokens": shape.output_len,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     first = last = 0.0
-    n = 0
+    chunks = usage = 0
     async with session.post(f"{url}/v1/completions", json=body) as r:  # type: ignore[attr-defined]
         async for line in r.content:
             if line.startswith(b"data: {"):
                 ev = json.loads(line[6:])
-                if ev.get("choices") and ev["choices"][0].get("text") is not None:
+                if ev.get("choices") and ev["choices"][0].get("text"):
                     now = time.perf_counter()
                     first = first or now
                     last = now
-                    n += 1
-    return first, last, n
+                    chunks += 1
+                if ev.get("usage"):
+                    usage = int(ev["usage"]["completion_tokens"])
+    # A chunk may carry several tokens: count the server's usage, not chunks.
+    return first, last, usage or chunks
 
 
 async def gateway_decode_tps(url: str, model: str, shape: Shape) -> float:

@@ -1,0 +1,146 @@
+"""Prefill-heavy serving throughput against the engine's compute floor.
+
+    .venv/bin/python bench/throughput.py --model DIR [--num-requests 32 --concurrency 16
+        --input-len 500 --output-len 64] [--up-args "--colocated"]
+
+In one run: (1) the single-process `LLMEngine` (all cores, the colocated shape)
+runs `--concurrency` requests of the workload's shape and we time its prefill
+(until every request has its first token) and its decode (the rest), giving
+the engine's prefill tokens/s and decode tokens/s; (2) `pdserve up <up-args>`
+serves `--num-requests` requests of `--input-len` prompt tokens and
+`--output-len` output tokens at `--concurrency`, measured by the load generator.
+
+    compute floor = prompt tokens / engine prefill rate
+                  + (output tokens - 1 per request) / engine decode rate
+
+with the token counts the server reported. Target of issue 7: served wall time
+(the load generator's duration) <= 1.1x the floor. The engine runs before the
+server starts, so the two never compete for cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.loadgen.compare import split_args
+from bench.loadgen.config import (
+    BenchConfig,
+    EndpointConfig,
+    LoadConfig,
+    OutputConfig,
+    WorkloadConfig,
+)
+from bench.loadgen.launch import default_tokenizer, pdserve_up
+from bench.loadgen.runner import run_benchmark
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRates:
+    prefill_tok_s: float
+    decode_tok_s: float
+
+
+def measure_engine(model_dir: str | None, args: argparse.Namespace, salt: int) -> EngineRates:
+    """Prefill and decode tokens/s of the engine on one wave of `concurrency` requests."""
+    import numpy as np
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from pdserve.sampling_params import SamplingParams
+
+    if model_dir is None:
+        from engine.default_model import default_model_dir
+
+        model_dir = str(default_model_dir())
+    eng = LLMEngine(EngineConfig(model_dir=model_dir, num_threads=args.threads))
+    rng = np.random.default_rng(salt)
+
+    def prompt() -> list[int]:
+        return [int(x) for x in rng.integers(10, eng.vocab_size, args.input_len)]
+
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    eng.generate([prompt()], dataclasses.replace(params, max_tokens=4))  # warm-up
+    for i in range(args.concurrency):
+        eng.add_request(f"r{i}", prompt(), params)
+    started: set[str] = set()
+    t0 = time.perf_counter()
+    while len(started) < args.concurrency:
+        started.update(o.request_id for o in eng.step() if o.outputs[0].token_ids)
+    t1 = time.perf_counter()
+    tokens = 0
+    while eng.has_unfinished():
+        tokens += sum(len(o.outputs[0].token_ids) for o in eng.step())
+    t2 = time.perf_counter()
+    return EngineRates(args.concurrency * args.input_len / (t1 - t0), tokens / (t2 - t1))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model dir (default: built-in); also passed to `pdserve up`")
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=500)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--engine-reps", type=int, default=2, help="engine waves; rates are medians")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads")
+    ap.add_argument("--up-args", default="--colocated")
+    ap.add_argument("--output-json", default=None)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tok = args.model or default_tokenizer()
+    runs = [measure_engine(args.model, args, salt) for salt in range(args.engine_reps)]
+    rates = EngineRates(statistics.median(r.prefill_tok_s for r in runs),
+                        statistics.median(r.decode_tok_s for r in runs))  # fmt: skip
+    up_args = split_args(args.up_args) + (["--model", args.model] if args.model else [])
+    cfg = BenchConfig(
+        endpoint=EndpointConfig(),
+        workload=WorkloadConfig(input_len=args.input_len, output_len=args.output_len, tokenizer_dir=tok),
+        load=LoadConfig(concurrency=args.concurrency, warmup=1, num_requests=args.num_requests,
+                        max_duration_s=600),  # fmt: skip
+        output=OutputConfig(progress=sys.stderr.isatty()),
+    )
+    with pdserve_up("throughput", up_args) as server:
+        cfg = dataclasses.replace(cfg, endpoint=EndpointConfig(base_url=server.base_url))
+        s = run_benchmark(cfg).runs[0].summary
+    prompt_tokens = s["total_prompt_tokens"]
+    decode_tokens = s["total_output_tokens"] - s["completed"]
+    floor = prompt_tokens / rates.prefill_tok_s + decode_tokens / rates.decode_tok_s
+    wall = s["duration_s"]
+    row = {
+        "engine_prefill_tok_s": rates.prefill_tok_s,
+        "engine_decode_tok_s": rates.decode_tok_s,
+        "prompt_tokens": prompt_tokens,
+        "decode_tokens": decode_tokens,
+        "completed": s["completed"],
+        "failed": s["failed"],
+        "floor_s": floor,
+        "wall_s": wall,
+        "ratio": wall / floor,
+        "ttft_p50_s": s["ttft"]["p50"],
+        "tpot_p50_s": s["tpot"]["p50"],
+    }
+    print(f"engine: prefill {rates.prefill_tok_s:.0f} tok/s, decode {rates.decode_tok_s:.0f} tok/s "
+          f"(batch {args.concurrency}, {args.threads} threads; runs {[(round(r.prefill_tok_s), round(r.decode_tok_s)) for r in runs]})")  # fmt: skip
+    print(f"served: {s['completed']} completed, {s['failed']} failed; {prompt_tokens} prompt + "
+          f"{decode_tokens} decode tokens in {wall:.2f} s")  # fmt: skip
+    print(f"compute floor {floor:.2f} s; wall / floor = {row['ratio']:.3f} "
+          f"(target <= 1.1: {'MET' if row['ratio'] <= 1.1 else 'MISSED'})")  # fmt: skip
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": vars(args), "result": row, "summary": s}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
