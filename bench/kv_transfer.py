@@ -27,12 +27,13 @@ from typing import Any
 
 import numpy as np
 
+from kv_transfer import hostcopy
 from kv_transfer.api import TransferState
-from kv_transfer.blocks import DEFAULT_COPY_THREADS
 from kv_transfer.checksum import frame_checksum
+from kv_transfer.copy_threads import DEFAULT_COPY_THREADS
 from kv_transfer.links import ZmqLinkFactory
 from kv_transfer.receiver import ZmqReceiver
-from kv_transfer.sender import Sender
+from kv_transfer.sender import DEFAULT_CHUNK_BYTES, DEFAULT_SHM_CHUNK_BYTES, Sender
 from kv_transfer.shm_pool import create_shm_pool
 from pdserve.kv_layout import KVLayout
 
@@ -111,6 +112,8 @@ def checksum_gbps(nbytes: int, rows: int, repeats: int = 5) -> tuple[float, floa
     return out[0], out[1]
 
 
+# How often the benchmark looks for the ack (its own granularity, added to every latency).
+POLL_S = 0.0002
 WARMUP_RUNS = 2  # connect, handshake, map the peer's pool and fault in every page first
 
 
@@ -121,8 +124,10 @@ class Result:
     cpu_gbps: float  # KV bytes / CPU seconds of the busier side (sender or receiver process)
 
 
-def bench_one(shape: str, transport: str, tokens: int, runs: int, chunk_bytes: int,
-              copy_threads: int = DEFAULT_COPY_THREADS) -> Result:
+def bench_one(shape: str, transport: str, tokens: int, runs: int,
+              chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+              copy_threads: int = DEFAULT_COPY_THREADS,
+              shm_chunk_bytes: int = DEFAULT_SHM_CHUNK_BYTES) -> Result:
     """Median handoff latency and bandwidth of one transport and shape."""
     layout = SHAPES[shape]
     n = -(-tokens // layout.block_size)
@@ -145,7 +150,7 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int, chunk_bytes: i
     times: list[float] = []
     cpu: list[float] = []
     with Sender(layout, source, links=ZmqLinkFactory(), chunk_bytes=chunk_bytes,
-                shm_chunk_bytes=chunk_bytes, copy_threads=copy_threads) as sender:
+                shm_chunk_bytes=shm_chunk_bytes, copy_threads=copy_threads) as sender:
         for i in range(runs + WARMUP_RUNS):
             tid = f"t{i}"
             parent.send(("expect", tid, dst_ids))
@@ -155,7 +160,7 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int, chunk_bytes: i
             sender.begin(tid, "bench", address, src_ids, dst_ids, lease_s=120)
             sender.send_all(tid)
             while not (state := sender.poll(tid)).terminal:
-                time.sleep(0.001)
+                time.sleep(POLL_S)
             elapsed = time.perf_counter() - t0
             sender_cpu = time.process_time() - cpu0
             if state is not TransferState.COMPLETE:
@@ -178,12 +183,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--runs", type=int, default=7)
-    ap.add_argument("--chunk-mib", type=float, default=8.0, help="frame / shm chunk size")
+    ap.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK_BYTES / 2**20,
+                    help="zmq frame size")
+    ap.add_argument("--shm-chunk-mib", type=float, default=DEFAULT_SHM_CHUNK_BYTES / 2**20,
+                    help="shared-memory chunk (unit of verification) size")
     ap.add_argument("--copy-threads", type=int, default=DEFAULT_COPY_THREADS,
                     help="copy threads per side (Sender/ZmqReceiver copy_threads=)")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--transports", nargs="+", default=DEFAULT_TRANSPORTS, choices=TRANSPORTS)
     args = ap.parse_args()
+    print(f"host copy: {hostcopy.describe()}; shm chunk {args.shm_chunk_mib:g} MiB, "
+          f"zmq frame {args.chunk_mib:g} MiB")
     print(f"{'shape':<12} {'MiB':>7} {'transport':<9} {'latency ms':>11} {'GB/s':>7} "
           f"{'memcpy GB/s':>12} {'% memcpy':>9} {'GB/s per CPU-s':>15}")
     for shape in args.shapes:
@@ -192,7 +202,7 @@ def main() -> None:
         nbytes = blocks * layout.block_size * layout.kv_bytes_per_token
         for transport in args.transports:
             r = bench_one(shape, transport, args.tokens, args.runs, int(args.chunk_mib * 2**20),
-                          args.copy_threads)
+                          args.copy_threads, int(args.shm_chunk_mib * 2**20))
             copy = memcpy_gbps(nbytes, device=transport == "cuda")
             print(f"{shape:<12} {nbytes / 2**20:>7.1f} {transport:<9} {r.latency_s * 1e3:>11.2f} "
                   f"{r.gbps:>7.2f} {copy:>12.2f} {100 * r.gbps / copy:>8.0f}% "

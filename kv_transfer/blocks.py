@@ -8,14 +8,15 @@ blocks as a contiguous array of shape (l1 - l0, 2, n, slot, head, dim); it has
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
+from kv_transfer import hostcopy
 from kv_transfer.checksum import word_dtype
+from kv_transfer.copy_threads import CopyThreads, Work
 from kv_transfer.runs import Run, block_runs
 from pdserve.kv_layout import NULL_BLOCK, KVLayout
 
@@ -113,44 +114,6 @@ def tiles(pool: np.ndarray, num_layers: int, runs: Sequence[Run]) -> list[Tile]:
     return out
 
 
-Work = Callable[[Sequence[Tile]], None]
-
-
-# Copies are memory-bound. A second thread on an idle core adds bandwidth, but on
-# a busy machine (the model, the peer process and the zmq I/O threads all want a
-# core) it measured no faster, so helpers are opt-in (`copy_threads=`).
-DEFAULT_COPY_THREADS = 1
-
-
-class CopyThreads:
-    """Helper threads that take a share of each copy (numpy releases the GIL while it
-    copies and sums, so the shares run in parallel). The calling thread copies its
-    own share too, and every share is finished when `run` returns -- so callers
-    keep their rule that no copy outlives the lock they hold around it."""
-
-    def __init__(self, threads: int) -> None:
-        self.threads = max(1, threads)
-        self._pool = (ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kv-copy")
-                      if self.threads > 1 else None)
-
-    def run(self, work: Work, todo: Sequence[Tile]) -> None:
-        n = min(self.threads, len(todo))
-        if self._pool is None or n < 2:
-            work(todo)
-            return
-        futures = [self._pool.submit(work, todo[i::n]) for i in range(1, n)]
-        try:
-            work(todo[0::n])
-        finally:
-            wait(futures)
-        for f in futures:
-            f.result()
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-
-
 def run_tiles(work: Work, todo: Sequence[Tile], workers: CopyThreads | None) -> None:
     if workers is None:
         work(todo)
@@ -203,11 +166,28 @@ def _frame_words(frame: np.ndarray) -> np.ndarray:
     return raw.view(word_dtype(int(raw.shape[-1])))
 
 
+def row_bytes(pool: np.ndarray) -> int:
+    """Bytes of one (layer, K/V, block) row of a pool or frame."""
+    return int(np.prod(pool.shape[3:])) * pool.dtype.itemsize
+
+
+def _native(pool: np.ndarray) -> hostcopy.NativeCopy | None:
+    """The native kernel, when built and the rows are whole uint64 words."""
+    return hostcopy.NATIVE if row_bytes(pool) % 8 == 0 else None
+
+
 def gather_with_sums(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int],
                      buffer: np.ndarray | None = None, workers: CopyThreads | None = None,
                      ) -> tuple[np.ndarray, np.ndarray]:
     """`gather`, also returning the frame's row sums, each taken while its tile is in cache."""
     frame = _frame(pool, l0, l1, len(ids), buffer)
+    native = _native(pool)
+    if native is not None:
+        r = row_bytes(pool)
+        sums = native.copy_rows(pool, frame, hostcopy.pool_row_offsets(pool, l0, l1, ids),
+                                hostcopy.frame_row_offsets(frame.size // (r // pool.itemsize), r),
+                                r, stream=True, workers=workers)
+        return frame, sums.reshape(l1 - l0, 2, len(ids))
     words = _frame_words(frame)
     sums = np.empty((l1 - l0, 2, len(ids)), np.uint64)
 
@@ -224,6 +204,14 @@ def gather_with_sums(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int],
 def scatter_with_sums(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int],
                       frame: np.ndarray, workers: CopyThreads | None = None) -> np.ndarray:
     """`scatter`, returning the frame's row sums (each tile summed, then copied from cache)."""
+    native = _native(pool)
+    if native is not None:
+        r = row_bytes(pool)
+        sums = native.copy_rows(np.ascontiguousarray(frame), pool,
+                                hostcopy.frame_row_offsets((l1 - l0) * 2 * len(ids), r),
+                                hostcopy.pool_row_offsets(pool, l0, l1, ids), r, stream=True,
+                                workers=workers)
+        return sums.reshape(l1 - l0, 2, len(ids))
     words = _frame_words(frame)
     sums = np.empty((l1 - l0, 2, len(ids)), np.uint64)
 
@@ -241,6 +229,12 @@ def copy_blocks_with_sums(src: np.ndarray, dst: np.ndarray, src_words: np.ndarra
                           l1: int, src_ids: Sequence[int], dst_ids: Sequence[int],
                           workers: CopyThreads | None = None) -> np.ndarray:
     """`copy_blocks`, returning the source row sums (`src_words` = checksum.pool_words(src))."""
+    native = _native(src)
+    if native is not None and dst.shape[3:] == src.shape[3:] and dst.dtype == src.dtype:
+        sums = native.copy_rows(src, dst, hostcopy.pool_row_offsets(src, l0, l1, src_ids),
+                                hostcopy.pool_row_offsets(dst, l0, l1, dst_ids), row_bytes(src),
+                                stream=__import__("os").environ.get("XSTREAM","1")=="1", workers=workers)
+        return sums.reshape(l1 - l0, 2, len(src_ids))
     sums = np.empty((l1 - l0, 2, len(src_ids)), np.uint64)
 
     def work(part: Sequence[Tile]) -> None:

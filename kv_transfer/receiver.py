@@ -26,7 +26,7 @@ import zmq
 
 from kv_transfer import wire
 from kv_transfer.api import TransferState
-from kv_transfer.blocks import DEFAULT_COPY_THREADS
+from kv_transfer.copy_threads import DEFAULT_COPY_THREADS
 from kv_transfer.cuda_ipc import CudaPool
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import Waker, tune_socket

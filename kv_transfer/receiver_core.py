@@ -39,13 +39,13 @@ import numpy as np
 from kv_transfer import wire
 from kv_transfer.api import TransferState, UnknownTransfer
 from kv_transfer.blocks import (
-    CopyThreads,
     check_block_ids,
     check_pool,
     frame_nbytes,
     scatter_with_sums,
 )
 from kv_transfer.checksum import digest
+from kv_transfer.copy_threads import CopyThreads
 from kv_transfer.faults import FaultConfig
 from kv_transfer.pool_ops import pool_ops
 from kv_transfer.shm_pool import lock_holder_gone, watch_liveness

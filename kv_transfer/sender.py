@@ -33,8 +33,6 @@ import zmq
 from kv_transfer import wire
 from kv_transfer.api import TransferState, UnknownTransfer
 from kv_transfer.blocks import (
-    DEFAULT_COPY_THREADS,
-    CopyThreads,
     check_block_ids,
     check_pool,
     frame_nbytes,
@@ -42,6 +40,7 @@ from kv_transfer.blocks import (
     plan_chunks,
 )
 from kv_transfer.checksum import digest
+from kv_transfer.copy_threads import DEFAULT_COPY_THREADS, CopyThreads
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import LinkFactory, Parts, StagingBuffers, Waker
 from kv_transfer.pool_ops import pool_ops
@@ -52,7 +51,9 @@ from pdserve.kv_layout import KVLayout
 log = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 8 << 20
 # A shared-memory chunk is a unit of verification (and of the write-deadline check).
-DEFAULT_SHM_CHUNK_BYTES = 4 << 20
+# The receiver verifies chunk i while this side copies chunk i + 1; below ~8 MiB the
+# two sides' memory traffic interferes more than it overlaps (bench/kv_transfer.py).
+DEFAULT_SHM_CHUNK_BYTES = 16 << 20
 DIRECT_PREFIXES = ("shm+", "cuda+")
 IDLE_POLL_MS = 20
 MAX_BYTES_PER_ROUND = 32 << 20  # bound one service round so replies are read promptly

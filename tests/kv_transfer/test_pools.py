@@ -184,14 +184,21 @@ def test_block_runs_coalesce_ids_that_step_together() -> None:
     assert block_runs([]) == []
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("fused_bytes", [1, 100, 256 << 10])
 def test_runs_tiles_and_threads_match_a_per_block_copy(monkeypatch: pytest.MonkeyPatch,
-                                                       fused_bytes: int, threads: int) -> None:
-    """Consecutive runs, split tiles and helper threads give the per-block reference result."""
-    from kv_transfer import blocks
+                                                       fused_bytes: int, threads: int,
+                                                       native: bool) -> None:
+    """Consecutive runs, split tiles and helper threads give the per-block reference result,
+    with the native copy kernel and with the numpy fallback."""
+    from kv_transfer import blocks, hostcopy
 
     monkeypatch.setattr(blocks, "FUSED_BYTES", fused_bytes)
+    if native:
+        assert hostcopy.NATIVE is not None, "native kernel not built (pip install -e .)"
+    else:
+        monkeypatch.setattr(hostcopy, "NATIVE", None)
     layout = KVLayout("m", 5, 2, 4, 2, "float16")
     src = random_pool(layout, 40, seed=11)
     ids = [3, 4, 5, 6, 20, 9, 10, 11, 30, 31, 1]
