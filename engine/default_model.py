@@ -22,8 +22,9 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,35 @@ class DefaultModelSpec:
         return self.hidden_size // self.num_heads
 
 
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the weights are stored (the defaults are the default model's).
+
+    `dtype`: "float32" or "bfloat16" (the float32 draw rounded to nearest even).
+    `vocab_size`: rows of the embedding and the LM head; None: the tokenizer's size.
+    Rows past the tokenizer's are zero: no prompt holds their ids, and a zero LM-head
+    row gives logit 0, far below the largest real logit (rows are N(0, lm_head_std)
+    against a final hidden state of norm sqrt(hidden)), so greedy decoding never
+    emits an id the tokenizer cannot decode. They cost the bytes a real vocabulary
+    costs, which is what speed benchmarks of a shape need.
+    `tiled`: fill each tensor by cycling through one seeded pool of normal draws from
+    a random start instead of drawing every element, at memcpy speed: drawing 8e9
+    values takes minutes. Values are still N(0, std) but repeat, with a period no
+    power-of-two row length divides; for speed benchmarks, not statistics.
+    """
+
+    dtype: str = "float32"
+    vocab_size: int | None = None
+    tiled: bool = False
+
+
+# safetensors dtype codes of the storable dtypes.
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
+_POOL_SIZE = (1 << 22) + 1021  # tiled fill: odd, so rows shift phase at each wrap
+# The tensors with one row per token id, padded to `WeightFormat.vocab_size`.
+_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
 def train_tokenizer(vocab_size: int = 2048) -> Tokenizer:
     """Train the byte-level BPE on the built-in corpus (deterministic)."""
     tok = Tokenizer(models.BPE())
@@ -133,7 +163,9 @@ def _ids(tok: Tokenizer) -> dict[str, int]:
     return ids  # type: ignore[return-value]
 
 
-def _hf_config(spec: DefaultModelSpec, vocab_size: int, ids: Mapping[str, int]) -> dict[str, Any]:
+def _hf_config(
+    spec: DefaultModelSpec, vocab_size: int, ids: Mapping[str, int], dtype: str = "float32"
+) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -157,7 +189,7 @@ def _hf_config(spec: DefaultModelSpec, vocab_size: int, ids: Mapping[str, int]) 
         "use_cache": True,
         "bos_token_id": ids[BOS_TOKEN],
         "eos_token_id": [ids[END_OF_TEXT_TOKEN], ids[EOT_TOKEN]],
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
     }
 
 
@@ -187,7 +219,8 @@ def _tokenizer_config(spec: DefaultModelSpec, tok: Tokenizer) -> dict[str, Any]:
     }
 
 
-def _weights(spec: DefaultModelSpec, vocab_size: int) -> dict[str, np.ndarray]:
+def _random_shapes(spec: DefaultModelSpec, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """The normal-initialised tensors, in draw order (embedding and LM head unpadded)."""
     h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}
     for i in range(spec.num_layers):
@@ -200,43 +233,154 @@ def _weights(spec: DefaultModelSpec, vocab_size: int) -> dict[str, np.ndarray]:
         shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, spec.intermediate_size)
     shapes["lm_head.weight"] = (vocab_size, h)
-    rng = np.random.default_rng(spec.seed)
-    std = {name: np.float32(spec.init_std) for name in shapes}
-    std["lm_head.weight"] = np.float32(spec.lm_head_std)
-    # Drawn in one fixed order so the bytes never depend on dict or file ordering.
-    out = {n: rng.standard_normal(shape, dtype=np.float32) * std[n] for n, shape in shapes.items()}
+    return shapes
+
+
+def _norm_names(spec: DefaultModelSpec) -> list[str]:
+    names = []
     for i in range(spec.num_layers):
-        out[f"model.layers.{i}.input_layernorm.weight"] = np.ones(h, dtype=np.float32)
-        out[f"model.layers.{i}.post_attention_layernorm.weight"] = np.ones(h, dtype=np.float32)
-    out["model.norm.weight"] = np.ones(h, dtype=np.float32)
-    return out
+        names.append(f"model.layers.{i}.input_layernorm.weight")
+        names.append(f"model.layers.{i}.post_attention_layernorm.weight")
+    return [*names, "model.norm.weight"]
+
+
+def _weight_shapes(
+    spec: DefaultModelSpec, vocab_size: int, rows: int
+) -> dict[str, tuple[int, ...]]:
+    """Every stored tensor in the order `_weights` yields them (vocabulary padded to `rows`)."""
+    shapes = _random_shapes(spec, vocab_size)
+    for name in _VOCAB_TENSORS:
+        shapes[name] = (rows, spec.hidden_size)
+    return {**shapes, **{n: (spec.hidden_size,) for n in _norm_names(spec)}}
+
+
+def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even; finite inputs."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return (
+        (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+    ).astype(np.uint16)
+
+
+def _cast(x: np.ndarray, dtype: str) -> np.ndarray:
+    return _to_bf16_bits(x) if dtype == "bfloat16" else x
+
+
+def _tiled_drawer(
+    rng: np.random.Generator, dtype: str
+) -> Callable[[tuple[int, ...], np.float32], np.ndarray]:
+    """`draw(shape, std)` copying from one pool of normal draws, scaled and cast once per std."""
+    pool = rng.standard_normal(_POOL_SIZE, dtype=np.float32)
+    scaled: dict[float, np.ndarray] = {}
+
+    def draw(shape: tuple[int, ...], std: np.float32) -> np.ndarray:
+        src = scaled.setdefault(float(std), _cast(pool * std, dtype))
+        n = int(np.prod(shape))
+        out = np.empty(n, dtype=src.dtype)
+        pos, start = 0, int(rng.integers(len(src)))
+        while pos < n:
+            k = min(n - pos, len(src) - start)
+            out[pos : pos + k] = src[start : start + k]
+            pos, start = pos + k, 0
+        return out.reshape(shape)
+
+    return draw
+
+
+def _weights(
+    spec: DefaultModelSpec, vocab_size: int, fmt: WeightFormat | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) in `_weight_shapes` order; bfloat16 as uint16 bit patterns."""
+    fmt = fmt or WeightFormat()
+    rows = fmt.vocab_size or vocab_size
+    rng = np.random.default_rng(spec.seed)
+    tiled = _tiled_drawer(rng, fmt.dtype) if fmt.tiled else None
+    # Drawn in one fixed order so the bytes never depend on dict or file ordering.
+    for name, shape in _random_shapes(spec, vocab_size).items():
+        std = np.float32(spec.lm_head_std if name == "lm_head.weight" else spec.init_std)
+        if tiled is not None:
+            value = tiled(shape, std)
+        else:
+            value = _cast(rng.standard_normal(shape, dtype=np.float32) * std, fmt.dtype)
+        if name in _VOCAB_TENSORS and rows > vocab_size:
+            value = np.concatenate([value, np.zeros((rows - vocab_size, shape[1]), value.dtype)])
+        yield name, value
+    for name in _norm_names(spec):
+        yield name, _cast(np.ones(spec.hidden_size, dtype=np.float32), fmt.dtype)
+
+
+def _save_streamed(
+    path: Path,
+    shapes: Mapping[str, tuple[int, ...]],
+    tensors: Iterator[tuple[str, np.ndarray]],
+    dtype: str,
+) -> None:
+    """Write a safetensors file one tensor at a time (peak memory: the largest tensor).
+
+    The format: 8-byte little-endian header length, a JSON header of dtype, shape and
+    byte offsets per tensor (space-padded to 8 bytes), then the tensors' bytes in order.
+    """
+    item = 2 if dtype == "bfloat16" else 4
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        end = offset + int(np.prod(shape)) * item
+        header[name] = {
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for (name, arr), (want, shape) in zip(tensors, shapes.items(), strict=True):
+            if name != want or arr.shape != shape or arr.itemsize != item:
+                raise AssertionError(
+                    f"tensor {name} {arr.shape} out of the layout ({want} {shape})"
+                )
+            f.write(np.ascontiguousarray(arr).data)
 
 
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_default_model(out_dir: Path, spec: DefaultModelSpec | None = None) -> Path:
+def write_default_model(
+    out_dir: Path, spec: DefaultModelSpec | None = None, fmt: WeightFormat | None = None
+) -> Path:
     """Write the checkpoint into `out_dir` (created if missing) and return it.
 
     Existing files of the same names are overwritten; other files are left alone.
+    `fmt` (default: float32, the tokenizer's vocabulary, every value drawn) changes
+    only how the weights are stored, not the fingerprint.
     """
     spec = spec or DefaultModelSpec()
+    fmt = fmt or WeightFormat()
+    if fmt.dtype not in _ST_DTYPES:
+        raise ValueError(f"unsupported dtype {fmt.dtype!r}; choose one of {sorted(_ST_DTYPES)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(spec.target_vocab_size)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    rows = fmt.vocab_size or vocab_size
+    if rows < vocab_size:
+        raise ValueError(f"vocab_size {rows} is below the tokenizer's {vocab_size}")
     ids = _ids(tok)
     tok.save(str(out_dir / "tokenizer.json"), pretty=False)
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(spec, tok))
-    _write_json(out_dir / "config.json", _hf_config(spec, vocab_size, ids))
+    _write_json(out_dir / "config.json", _hf_config(spec, rows, ids, fmt.dtype))
     _write_json(
         out_dir / "generation_config.json",
         {"bos_token_id": ids[BOS_TOKEN], "eos_token_id": [ids[END_OF_TEXT_TOKEN], ids[EOT_TOKEN]]},
     )
-    save_file(
-        _weights(spec, vocab_size), str(out_dir / "model.safetensors"), metadata={"format": "pt"}
-    )
+    weights = _weights(spec, vocab_size, fmt)
+    if fmt.dtype == "float32":
+        save_file(dict(weights), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        shapes = _weight_shapes(spec, vocab_size, rows)
+        _save_streamed(out_dir / "model.safetensors", shapes, weights, fmt.dtype)
     _write_json(
         out_dir / VERSION_FILE,
         {

@@ -28,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per worker (default: cores split among workers)")  # fmt: skip
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                    help="workers' weight and KV dtype")
     ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"))
     ap.add_argument("--kv-cache-memory", default=None)
     ap.add_argument("--num-blocks", type=int, default=None)
@@ -51,7 +53,8 @@ def _worker_cmds(args: argparse.Namespace, control: str) -> list[list[str]]:
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(len(roles), 1))
     cmds = []
     for role in roles:
-        cmd = [*_pdserve(), role, "--gateway", control, "--threads", str(threads), "--device", args.device]
+        cmd = [*_pdserve(), role, "--gateway", control, "--threads", str(threads), "--device", args.device,
+               "--dtype", args.dtype]
         cmd += ["--colocated"] if role == "worker" else ["--kv-transport", args.kv_transport]
         if args.model:
             cmd += ["--model", args.model]
