@@ -27,6 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--workers", type=int, default=1, help="colocated workers (with --colocated)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per worker (default: cores split among workers)")  # fmt: skip
+    ap.add_argument("--prefill-threads", type=int, default=None,
+                    help="torch threads per prefill worker (default: --threads)")
+    ap.add_argument("--decode-threads", type=int, default=None,
+                    help="torch threads per decode worker (default: --threads)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                     help="workers' weight and KV dtype")
@@ -52,10 +56,15 @@ def _worker_cmds(args: argparse.Namespace, control: str) -> list[list[str]]:
     roles = ["worker"] * args.workers if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(len(roles), 1))
     cmds = []
-    for role in roles:
-        cmd = [*_pdserve(), role, "--gateway", control, "--threads", str(threads), "--device", args.device,
+    per_role = {"prefill": args.prefill_threads, "decode": args.decode_threads}
+    counts = [per_role.get(role) or threads for role in roles]
+    # Threads that fit the cores may spin between parallel regions (see workers.py).
+    spin = sum(counts) <= (os.cpu_count() or 1)
+    for role, n in zip(roles, counts, strict=True):
+        cmd = [*_pdserve(), role, "--gateway", control, "--threads", str(n), "--device", args.device,
                "--dtype", args.dtype]
         cmd += ["--colocated"] if role == "worker" else ["--kv-transport", args.kv_transport]
+        cmd += ["--spin-wait"] if spin else []
         if args.model:
             cmd += ["--model", args.model]
         if args.kv_cache_memory:

@@ -45,6 +45,11 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help="Hugging Face model dir (default: built-in)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    ap.add_argument("--spin-wait", action="store_true",
+                    help="let OpenMP threads spin briefly between parallel regions (OpenMP's own "
+                    "default): ~20%% faster steps when this worker's threads have their cores to "
+                    "themselves, a collapse when other busy processes share them. Without it "
+                    "the worker sets OMP_WAIT_POLICY=PASSIVE unless the environment sets it")
     ap.add_argument("--kv-cache-memory", default=None, help="KV pool bytes, e.g. 256MiB")
     ap.add_argument("--num-blocks", type=int, default=None, help="explicit KV block count")
     ap.add_argument("--block-size", type=int, default=16)
@@ -79,10 +84,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(envs.log_level())
-    # Workers share a host with the gateway and each other: OpenMP threads that
-    # spin-wait while idle steal the cores the other processes need (a 2-thread
-    # decode step went from 3 ms to 74 ms under contention). Set before torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Workers may share a host with the gateway and each other: OpenMP threads that
+    # spin-wait steal the cores the other processes need (a 2-thread decode step went
+    # from 3 ms to 74 ms under contention). But passive waiting costs every parallel
+    # region a futex wake-up (~20% of a decode step on dedicated cores), so `pdserve up`
+    # passes --spin-wait when the workers' threads fit the cores. Set before torch loads.
+    if not args.spin_wait:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
     model_dir = args.model

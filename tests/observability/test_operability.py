@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
+
 from decode_node.worker_metrics import WorkerMetrics
 from gateway.registry import WorkerRegistry
 from pdserve.cli import build_parser
@@ -82,6 +84,24 @@ def test_up_forwards_engine_flags_and_workers_take_a_kv_port() -> None:
     assert all("--no-prefix-caching" not in c and "--max-num-batched-tokens" not in c for c in plain)
     decode = build_parser().parse_args(["decode", "--gateway", "tcp://127.0.0.1:5555", "--kv-port", "7100"])
     assert decode.kv_port == 7100
+
+
+def test_up_lets_openmp_spin_only_when_the_worker_threads_fit_the_cores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+
+    def spins(*argv: str) -> list[bool]:
+        cmds = _worker_cmds(build_parser().parse_args(["up", *argv]), "tcp://127.0.0.1:5555")
+        return ["--spin-wait" in c for c in cmds]
+
+    assert spins() == [True, True]  # 2 workers x 2 threads on 4 cores
+    assert spins("--threads", "3") == [False, False]  # 6 threads on 4 cores: passive waiting
+    assert spins("--prefill-threads", "3", "--decode-threads", "1") == [True, True]
+    assert spins("--colocated", "--workers", "1", "--threads", "4") == [True]
+    cmds = _worker_cmds(build_parser().parse_args(["up", "--prefill-threads", "3"]), "tcp://x:1")
+    assert [c[c.index("--threads") + 1] for c in cmds] == ["3", "2"]
 
 
 def test_kv_receiver_binds_a_fixed_port() -> None:
