@@ -37,14 +37,27 @@ class PrefillSeq:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Decodes of similar context length, attended together with padding."""
+
+    rows: torch.Tensor | None  # [n] long: their flat rows; None = all rows, in order
+    block_tables: torch.Tensor  # [n, max_blocks] long, padded with the null block
+    max_ctx_len: int
+    # [n, 1, 1, max_ctx_len] additive float mask; None if all lengths are equal
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class DecodeBatch:
-    """Single-token chunks, flat rows [0, num_seqs), attended together with padding."""
+    """Single-token chunks, flat rows [0, num_seqs), in groups of similar context length.
+
+    Padding every decode to the longest context would make one long sequence (a
+    1,500-token prompt among 200-token chats) multiply the KV gathered for all of
+    them; each group pads only to its own longest.
+    """
 
     num_seqs: int
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] long, padded with the null block
-    max_ctx_len: int
-    # [num_seqs, 1, 1, max_ctx_len] additive float mask; None if all lengths are equal
-    mask: torch.Tensor | None
+    groups: tuple[DecodeGroup, ...]
 
 
 @dataclass(frozen=True)
@@ -134,14 +147,35 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device) -
     return mask.masked_fill_(~allowed, float("-inf")).to(device)
 
 
-def _decode_batch(
-    dec: Sequence[SeqChunk], block_size: int, dtype: torch.dtype, device: torch.device
-) -> DecodeBatch:
-    ctx = [c.start_pos + 1 for c in dec]
+# A decode group's longest context may be up to this many times its shortest
+# before a new group starts; contexts up to SPLIT_MIN_CTX tokens never split (the
+# padding is cheaper than another gather + SDPA call per layer).
+SPLIT_RATIO = 2
+SPLIT_MIN_CTX = 256
+
+
+def decode_groups(ctx: Sequence[int]) -> list[list[int]]:
+    """Indices of `ctx` in groups of similar length (each ascending by length)."""
+    order = sorted(range(len(ctx)), key=lambda i: ctx[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (ctx[i] <= SPLIT_MIN_CTX or ctx[i] <= SPLIT_RATIO * ctx[groups[-1][0]]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _decode_group(
+    dec: Sequence[SeqChunk], idx: Sequence[int] | None, block_size: int, dtype: torch.dtype,
+    device: torch.device,
+) -> DecodeGroup:
+    members = [dec[i] for i in idx] if idx is not None else list(dec)
+    ctx = [c.start_pos + 1 for c in members]
     max_ctx = max(ctx)
     max_blocks = (max_ctx + block_size - 1) // block_size
     tables = []
-    for c, n in zip(dec, ctx, strict=True):
+    for c, n in zip(members, ctx, strict=True):
         # Only the blocks covering the context are read (entries past them may be
         # stale); padding points at the null block and is masked out.
         own = c.block_table[: (n + block_size - 1) // block_size]
@@ -149,17 +183,27 @@ def _decode_batch(
     mask = None
     if min(ctx) != max_ctx:
         lens = torch.tensor(ctx, dtype=torch.long)
-        allowed = (torch.arange(max_ctx)[None, :] < lens[:, None]).view(len(dec), 1, 1, max_ctx)
+        allowed = (torch.arange(max_ctx)[None, :] < lens[:, None]).view(len(ctx), 1, 1, max_ctx)
         mask = _additive(allowed, dtype, device)
+    rows = None if idx is None else torch.tensor(idx, dtype=torch.long, device=device)
+    return DecodeGroup(rows, torch.tensor(tables, dtype=torch.long, device=device), max_ctx, mask)
+
+
+def _decode_batch(
+    dec: Sequence[SeqChunk], block_size: int, dtype: torch.dtype, device: torch.device
+) -> DecodeBatch:
+    groups = decode_groups([c.start_pos + 1 for c in dec])
+    if len(groups) == 1:
+        return DecodeBatch(len(dec), (_decode_group(dec, None, block_size, dtype, device),))
     return DecodeBatch(
-        len(dec), torch.tensor(tables, dtype=torch.long, device=device), max_ctx, mask
+        len(dec), tuple(_decode_group(dec, g, block_size, dtype, device) for g in groups)
     )
 
 
 class TorchPagedAttention(AttentionBackend):
     """Gather each sequence's context through its block table, then SDPA.
 
-    Decodes: one SDPA call for all of them. The query heads sharing a KV head
+    Decodes: one SDPA call per group of similar context length. The query heads sharing a KV head
     are laid out as that head's query rows ([B, KVH, G, D]), so GQA needs no
     repeated K/V. Prefill chunks: one causal SDPA call each (GQA via enable_gqa).
     """
@@ -185,19 +229,33 @@ class TorchPagedAttention(AttentionBackend):
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return out
 
-    @staticmethod
+    @classmethod
     def _decode(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: DecodeBatch
+        cls, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: DecodeBatch
+    ) -> torch.Tensor:
+        if len(dec.groups) == 1 and dec.groups[0].rows is None:
+            return cls._decode_group(q, k_cache, v_cache, dec.groups[0])
+        b, h, d = q.shape
+        out = q.new_empty(b, h * d)
+        for g in dec.groups:
+            assert g.rows is not None
+            out.index_copy_(0, g.rows, cls._decode_group(q.index_select(0, g.rows), k_cache,
+                                                         v_cache, g))
+        return out
+
+    @staticmethod
+    def _decode_group(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup
     ) -> torch.Tensor:
         b, h, d = q.shape
         kvh = k_cache.shape[2]
-        L = dec.max_ctx_len
+        L = g.max_ctx_len
         # index_select on a flat id list is markedly faster than advanced indexing on CPU.
-        ids = dec.block_tables.view(-1)
+        ids = g.block_tables.view(-1)
         keys = k_cache.index_select(0, ids).view(b, -1, kvh, d)[:, :L].transpose(1, 2)
         vals = v_cache.index_select(0, ids).view(b, -1, kvh, d)[:, :L].transpose(1, 2)
         qg = q.reshape(b, kvh, h // kvh, d)
-        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=dec.mask)
+        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=g.mask)
         return out.reshape(b, h * d)
 
     @staticmethod
