@@ -122,6 +122,8 @@ class Result:
     latency_s: float  # median wall time, begin -> sender sees the ack
     gbps: float  # KV bytes / latency
     cpu_gbps: float  # KV bytes / CPU seconds of the busier side (sender or receiver process)
+    data_s: float  # median wall time, grant -> ack: the data phase alone
+    data_gbps: float  # KV bytes / data_s
 
 
 def bench_one(shape: str, transport: str, tokens: int, runs: int,
@@ -148,6 +150,7 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int,
     proc.start()
     address = parent.recv()
     times: list[float] = []
+    data: list[float] = []
     cpu: list[float] = []
     with Sender(layout, source, links=ZmqLinkFactory(), chunk_bytes=chunk_bytes,
                 shm_chunk_bytes=shm_chunk_bytes, copy_threads=copy_threads) as sender:
@@ -158,10 +161,16 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int,
             t0 = time.perf_counter()
             cpu0 = time.process_time()
             sender.begin(tid, "bench", address, src_ids, dst_ids, lease_s=120)
+            # In serving, Claim/Grant happen while the prefill runs; wait for the grant
+            # (the sender is idle until then) to time the data phase on its own too.
+            while (state := sender.poll(tid)) is TransferState.RESERVED:
+                time.sleep(POLL_S)
+            t1 = time.perf_counter()
             sender.send_all(tid)
             while not (state := sender.poll(tid)).terminal:
                 time.sleep(POLL_S)
-            elapsed = time.perf_counter() - t0
+            t2 = time.perf_counter()
+            elapsed = t2 - t0
             sender_cpu = time.process_time() - cpu0
             if state is not TransferState.COMPLETE:
                 raise RuntimeError(f"{transport}: {state.name}: {sender.reason(tid)}")
@@ -172,11 +181,13 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int,
                 raise RuntimeError("receiver did not see COMPLETE")
             if i >= WARMUP_RUNS:
                 times.append(elapsed)
+                data.append(t2 - t1)
                 cpu.append(max(sender_cpu, receiver_cpu))
     parent.send(("stop",))
     proc.join(30)
-    median = statistics.median(times)
-    return Result(median, nbytes / median / 1e9, nbytes / statistics.median(cpu) / 1e9)
+    median, data_median = statistics.median(times), statistics.median(data)
+    return Result(median, nbytes / median / 1e9, nbytes / statistics.median(cpu) / 1e9,
+                  data_median, nbytes / data_median / 1e9)
 
 
 def main() -> None:
@@ -194,8 +205,10 @@ def main() -> None:
     args = ap.parse_args()
     print(f"host copy: {hostcopy.describe()}; shm chunk {args.shm_chunk_mib:g} MiB, "
           f"zmq frame {args.chunk_mib:g} MiB")
+    print("latency: begin -> ack (incl. the Claim/Grant round trip); data: grant -> ack")
     print(f"{'shape':<12} {'MiB':>7} {'transport':<9} {'latency ms':>11} {'GB/s':>7} "
-          f"{'memcpy GB/s':>12} {'% memcpy':>9} {'GB/s per CPU-s':>15}")
+          f"{'memcpy GB/s':>12} {'% memcpy':>9} {'data ms':>8} {'data GB/s':>10} "
+          f"{'data %':>7} {'GB/s per CPU-s':>15}")
     for shape in args.shapes:
         layout = SHAPES[shape]
         blocks = -(-args.tokens // layout.block_size)
@@ -206,6 +219,7 @@ def main() -> None:
             copy = memcpy_gbps(nbytes, device=transport == "cuda")
             print(f"{shape:<12} {nbytes / 2**20:>7.1f} {transport:<9} {r.latency_s * 1e3:>11.2f} "
                   f"{r.gbps:>7.2f} {copy:>12.2f} {100 * r.gbps / copy:>8.0f}% "
+                  f"{r.data_s * 1e3:>8.2f} {r.data_gbps:>10.2f} {100 * r.data_gbps / copy:>6.0f}% "
                   f"{r.cpu_gbps:>15.2f}", flush=True)
         ours, crc = checksum_gbps(nbytes, blocks * layout.num_layers * 2)
         print(f"{shape:<12} checksum (row sums + blake2b): {ours:.2f} GB/s; zlib.crc32: {crc:.2f} GB/s; "
