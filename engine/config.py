@@ -33,6 +33,10 @@ class SchedulerConfig:
     max_model_len: int | None = None
     # When False a prompt must be prefilled in one step (it must fit the budget).
     enable_chunked_prefill: bool = True
+    # > 0: no sequence gets more than this many prefill tokens in one step, so the
+    # rest of the budget stays open for prompts that arrive behind a long one
+    # (vLLM's long_prefill_token_threshold). 0: a prefill may take the whole budget.
+    long_prefill_token_threshold: int = 0
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,12 @@ class Scheduler:
             self.running.append(child)
 
     # --------------------------------------------------------------- stepping
+    @property
+    def _prefill_cap(self) -> int:
+        """Most prefill tokens one sequence may get in a step."""
+        t = self.config.long_prefill_token_threshold
+        return t if t > 0 and self.config.enable_chunked_prefill else self.config.max_num_batched_tokens
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
@@ -149,7 +155,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens, budget, self._prefill_cap)
             if num_new <= 0:
                 i += 1
                 continue
@@ -184,10 +190,10 @@ class Scheduler:
             prefix = bm.match_prefix(seq.token_ids) if first_admission else NO_HIT
             computed = max(seq.num_computed_tokens, prefix.num_tokens)
             num_new = seq.num_tokens - computed
-            if num_new > budget:
+            if num_new > min(budget, self._prefill_cap):
                 if not self.config.enable_chunked_prefill:
                     break
-                num_new = budget
+                num_new = min(budget, self._prefill_cap)
             alloc = bm.allocate_slots(seq.seq_id, computed + num_new, computed, prefix)
             if alloc is None:
                 break

@@ -38,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--kv-cache-memory", default=None)
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-worker token budget per step")
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                    help="per-worker cap on one sequence's prefill tokens per step")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="per-worker running sequences")
     ap.add_argument("--no-prefix-caching", action="store_true", help="disable the workers' prefix cache")
     ap.add_argument("--max-recoveries", type=int, default=3)
@@ -73,6 +75,8 @@ def _worker_cmds(args: argparse.Namespace, control: str) -> list[list[str]]:
             cmd += ["--num-blocks", str(args.num_blocks)]
         if args.max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        if args.long_prefill_token_threshold:
+            cmd += ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
         if args.max_num_seqs:
             cmd += ["--max-num-seqs", str(args.max_num_seqs)]
         if args.no_prefix_caching:

@@ -55,6 +55,9 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                    help="cap on one sequence's prefill tokens per step, so short prompts "
+                    "are not queued behind a long one (0: no cap)")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--threads", type=int, default=None,
@@ -112,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
             max_model_len=args.max_model_len,
         ),
     )

@@ -45,6 +45,7 @@ def make_engine(
     caching: bool = True,
     chunked: bool = True,
     max_seqs: int = 64,
+    long_prefill: int = 0,
 ) -> LLMEngine:
     cfg = EngineConfig(
         model_dir=str(model_dir),
@@ -52,7 +53,8 @@ def make_engine(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching
         ),
         scheduler=SchedulerConfig(
-            max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+            max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+            long_prefill_token_threshold=long_prefill,
         ),
     )
     return LLMEngine(cfg)
@@ -108,6 +110,15 @@ def test_chunked_prefill_equals_unchunked(model_dir: Path, budget: int) -> None:
     ps = prompts(5, 23, 40, seed=1)
     ref = make_engine(model_dir, chunked=False, caching=False).generate(ps, GREEDY)
     engine = make_engine(model_dir, budget=budget, caching=False)
+    assert tokens(engine.generate(ps, GREEDY)) == tokens(ref)
+    assert_idle(engine)
+
+
+def test_capped_long_prefills_equal_uncapped(model_dir: Path) -> None:
+    """A per-sequence prefill cap (long_prefill_token_threshold) changes only the chunking."""
+    ps = prompts(5, 60, 23, 41, seed=4)
+    ref = make_engine(model_dir, caching=False).generate(ps, GREEDY)
+    engine = make_engine(model_dir, caching=False, long_prefill=8)
     assert tokens(engine.generate(ps, GREEDY)) == tokens(ref)
     assert_idle(engine)
 

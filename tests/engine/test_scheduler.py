@@ -74,6 +74,25 @@ def test_small_budget_chunks_a_long_prompt() -> None:
     assert a.num_computed_tokens == 8 and a.num_tokens == 9
 
 
+def test_long_prefill_cap_lets_a_short_prompt_in_behind_a_long_one() -> None:
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, long_prefill_token_threshold=4)
+    s = Scheduler(cfg, BlockManager(12, BS), max_model_len=64)
+    long, short = seq(list(range(12)), "long"), seq(list(range(50, 53)), "short")
+    s.add(long)
+    out = run_step(s)
+    assert [c.num_tokens for c in out.chunks] == [4]  # capped, though 10 would fit
+    s.add(short)
+    out = run_step(s)
+    # the long prompt's next capped chunk, and the short prompt whole in the same step
+    assert [(sq.request_id, c.num_tokens) for sq, c in zip(out.seqs, out.chunks, strict=True)] == [
+        ("long", 4), ("short", 3)]
+    assert short.output_token_ids  # its first token after 2 steps, not after long's 3
+    out = run_step(s)
+    assert [(sq.request_id, c.num_tokens) for sq, c in zip(out.seqs, out.chunks, strict=True)] == [
+        ("long", 4), ("short", 1)]
+    assert long.output_token_ids
+
+
 def test_no_chunking_waits_for_a_step_that_fits() -> None:
     s = make(budget=8, chunked=False)
     a, b = seq(list(range(5))), seq(list(range(10, 15)))

@@ -68,7 +68,7 @@ def test_worker_gauges_and_transfer_bytes_by_transport() -> None:
 def test_up_forwards_engine_flags_and_workers_take_a_kv_port() -> None:
     args = build_parser().parse_args(
         ["up", "--no-prefix-caching", "--max-num-batched-tokens", "512", "--num-blocks", "64",
-         "--kv-cache-memory", "64MiB", "--max-num-seqs", "8"]
+         "--kv-cache-memory", "64MiB", "--max-num-seqs", "8", "--long-prefill-token-threshold", "256"]
     )  # fmt: skip
     cmds = _worker_cmds(args, "tcp://127.0.0.1:5555")
     assert len(cmds) == 2
@@ -78,8 +78,10 @@ def test_up_forwards_engine_flags_and_workers_take_a_kv_port() -> None:
         assert cmd[cmd.index("--num-blocks") + 1] == "64"
         assert cmd[cmd.index("--kv-cache-memory") + 1] == "64MiB"
         assert cmd[cmd.index("--max-num-seqs") + 1] == "8"
+        assert cmd[cmd.index("--long-prefill-token-threshold") + 1] == "256"
         parsed = build_parser().parse_args(cmd[3:])  # the worker parser accepts them
         assert parsed.no_prefix_caching and parsed.max_num_batched_tokens == 512
+        assert parsed.long_prefill_token_threshold == 256
     plain = _worker_cmds(build_parser().parse_args(["up"]), "tcp://127.0.0.1:5555")
     assert all("--no-prefix-caching" not in c and "--max-num-batched-tokens" not in c for c in plain)
     decode = build_parser().parse_args(["decode", "--gateway", "tcp://127.0.0.1:5555", "--kv-port", "7100"])
