@@ -7,8 +7,8 @@ through the real stack, and decode as a fraction of the HBM-bandwidth limit.
 1. Writes the model (`--shape`, random weights, `--dtype`) into `--model-dir`, or reuses
    the one there when its config matches (a different one is an error, never replaced).
 2. Starts a gateway and 1 prefill + 1 decode worker, each in its own process group, with
-   the commands `pdserve up` runs plus `--dtype` (`pdserve up` has no dtype option; its
-   workers run float32). All three are stopped on exit.
+   the commands `pdserve up` runs (with `--dtype` and a KV size per worker). All three are
+   stopped on exit.
 3. Through the gateway, with `bench.loadgen` (each step after a same-sized warm-up):
    prefill: `--prefill-requests` prompts of `--prefill-len` tokens sent together, 1 output
    token each; tokens/s = sum of prompt tokens / wall time of the batch.
@@ -207,7 +207,7 @@ class StackConfig:
 
 
 def stack_commands(cfg: StackConfig, port: int, control_port: int) -> list[list[str]]:
-    """Gateway, prefill worker, decode worker: `pdserve up`'s commands plus `--dtype`."""
+    """Gateway, prefill worker, decode worker: the commands `pdserve up` runs."""
     gateway = [*pdserve_command(), "gateway", "--port", str(port), "--control-port", str(control_port),
                "--model", cfg.model_dir]  # fmt: skip
     workers = []
