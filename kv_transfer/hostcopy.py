@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -94,12 +94,12 @@ def _check(a: np.ndarray, off: np.ndarray, row_bytes: int) -> None:
         raise ValueError("row offset outside the array")
 
 
-def _split(work: object, nrows: int, workers: CopyThreads | None) -> None:
+def _split(work: Callable[[Sequence[slice]], None], nrows: int,
+           workers: CopyThreads | None) -> None:
     """Run `work` over [0, nrows) in one contiguous share per copy thread."""
     threads = 1 if workers is None else max(1, min(workers.threads, nrows))
     bounds = [nrows * i // threads for i in range(threads + 1)]
     parts = [slice(bounds[i], bounds[i + 1]) for i in range(threads) if bounds[i] < bounds[i + 1]]
-    assert callable(work)
     if workers is None or len(parts) < 2:
         work(parts)
     else:
