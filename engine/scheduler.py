@@ -67,6 +67,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0
         self.num_cached_tokens_hit = 0
+        # Most prefill tokens one sequence may get in a step.
+        cap = config.long_prefill_token_threshold
+        self._prefill_cap = (cap if cap > 0 and config.enable_chunked_prefill
+                             else config.max_num_batched_tokens)
 
     # ------------------------------------------------------------ queue entry
     def add(self, seq: Sequence) -> None:
@@ -97,12 +101,6 @@ class Scheduler:
             self.running.append(child)
 
     # --------------------------------------------------------------- stepping
-    @property
-    def _prefill_cap(self) -> int:
-        """Most prefill tokens one sequence may get in a step."""
-        t = self.config.long_prefill_token_threshold
-        return t if t > 0 and self.config.enable_chunked_prefill else self.config.max_num_batched_tokens
-
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []

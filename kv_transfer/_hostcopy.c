@@ -158,33 +158,21 @@ static uint64_t sum_sse2(const uint8_t *p, int64_t n) {
 }
 #endif
 
-static copy_fn pick_copy(void) {
 #ifdef PD_X86
+static int has_avx2(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") ? copy_sum_avx2 : copy_sum_sse2;
-#else
-    return copy_sum_c;
-#endif
+    return __builtin_cpu_supports("avx2");
 }
 
-static sum_fn pick_sum(void) {
-#ifdef PD_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") ? sum_avx2 : sum_sse2;
+static copy_fn pick_copy(void) { return has_avx2() ? copy_sum_avx2 : copy_sum_sse2; }
+static sum_fn pick_sum(void) { return has_avx2() ? sum_avx2 : sum_sse2; }
+const char *pd_kernel_name(void) { return has_avx2() ? "avx2" : "sse2"; }
 #else
-    return sum_c;
+static copy_fn pick_copy(void) { return copy_sum_c; }
+static sum_fn pick_sum(void) { return sum_c; }
+const char *pd_kernel_name(void) { return "c"; }
 #endif
-}
-
-/* Which loop this CPU runs: "avx2", "sse2" or "c" (reported by the benchmark). */
-const char *pd_kernel_name(void) {
-#ifdef PD_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") ? "avx2" : "sse2";
-#else
-    return "c";
-#endif
-}
+/* pd_kernel_name: which loop this CPU runs ("avx2", "sse2" or "c"), for benchmark output. */
 
 /* For each row r: copy row_bytes from src + src_off[r] to dst + dst_off[r]
  * and store the row's word sum in sums[r]. `stream` != 0 uses non-temporal

@@ -171,7 +171,7 @@ def row_bytes(pool: np.ndarray) -> int:
     return int(np.prod(pool.shape[3:])) * pool.dtype.itemsize
 
 
-def _native(pool: np.ndarray) -> hostcopy.NativeCopy | None:
+def native_for(pool: np.ndarray) -> hostcopy.NativeCopy | None:
     """The native kernel, when built and the rows are whole uint64 words."""
     return hostcopy.NATIVE if row_bytes(pool) % 8 == 0 else None
 
@@ -181,7 +181,7 @@ def gather_with_sums(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int],
                      ) -> tuple[np.ndarray, np.ndarray]:
     """`gather`, also returning the frame's row sums, each taken while its tile is in cache."""
     frame = _frame(pool, l0, l1, len(ids), buffer)
-    native = _native(pool)
+    native = native_for(pool)
     if native is not None:
         r = row_bytes(pool)
         sums = native.copy_rows(pool, frame, hostcopy.pool_row_offsets(pool, l0, l1, ids),
@@ -204,7 +204,7 @@ def gather_with_sums(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int],
 def scatter_with_sums(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int],
                       frame: np.ndarray, workers: CopyThreads | None = None) -> np.ndarray:
     """`scatter`, returning the frame's row sums (each tile summed, then copied from cache)."""
-    native = _native(pool)
+    native = native_for(pool)
     if native is not None:
         r = row_bytes(pool)
         sums = native.copy_rows(np.ascontiguousarray(frame), pool,
@@ -229,11 +229,11 @@ def copy_blocks_with_sums(src: np.ndarray, dst: np.ndarray, src_words: np.ndarra
                           l1: int, src_ids: Sequence[int], dst_ids: Sequence[int],
                           workers: CopyThreads | None = None) -> np.ndarray:
     """`copy_blocks`, returning the source row sums (`src_words` = checksum.pool_words(src))."""
-    native = _native(src)
+    native = native_for(src)
     if native is not None and dst.shape[3:] == src.shape[3:] and dst.dtype == src.dtype:
         sums = native.copy_rows(src, dst, hostcopy.pool_row_offsets(src, l0, l1, src_ids),
                                 hostcopy.pool_row_offsets(dst, l0, l1, dst_ids), row_bytes(src),
-                                stream=__import__("os").environ.get("XSTREAM","1")=="1", workers=workers)
+                                stream=True, workers=workers)
         return sums.reshape(l1 - l0, 2, len(src_ids))
     sums = np.empty((l1 - l0, 2, len(src_ids)), np.uint64)
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kv_transfer import hostcopy
-from kv_transfer.blocks import copy_blocks_with_sums, row_bytes
+from kv_transfer.blocks import copy_blocks_with_sums, native_for, row_bytes
 from kv_transfer.checksum import block_row_sums, pool_words
 from kv_transfer.copy_threads import CopyThreads
 
@@ -47,12 +47,11 @@ class HostPoolOps:
         self._workers = workers
 
     def row_sums(self, l0: int, l1: int, ids: Sequence[int]) -> np.ndarray:
-        native = hostcopy.NATIVE
-        r = row_bytes(self.array)
-        if native is None or r % 8:
+        native = native_for(self.array)
+        if native is None:
             return block_row_sums(self._words, l0, l1, ids)
-        sums = native.sum_rows(self.array, hostcopy.pool_row_offsets(self.array, l0, l1, ids), r,
-                               self._workers)
+        sums = native.sum_rows(self.array, hostcopy.pool_row_offsets(self.array, l0, l1, ids),
+                               row_bytes(self.array), self._workers)
         return sums.reshape(l1 - l0, 2, len(ids))
 
     def copy_to(self, dst: PoolOps, l0: int, l1: int, src_ids: Sequence[int],
