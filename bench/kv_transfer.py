@@ -4,7 +4,8 @@ For each model shape and transport, a decode-side receiver runs in its own
 process (as in deployment); this process is the prefill side. One run = begin
 -> send_all -> the sender sees the receiver's ack of the complete, verified
 transfer: that is the per-request handoff latency. GB/s = KV bytes / latency.
-numpy memcpy GB/s of the same byte count is measured in the same run.
+A numpy memcpy of the same byte count is timed right before every run; "% memcpy"
+is the median over runs of memcpy time / transfer time.
 "GB/s per CPU-s" = KV bytes / CPU seconds of the busier process (medians): what
 the pipeline would sustain with a core per side, and much less sensitive than
 wall time to other load on a shared machine.
@@ -49,23 +50,29 @@ TRANSPORTS = ["shm", "ipc", "tcp", "cuda"]
 DEFAULT_TRANSPORTS = ["shm", "ipc", "tcp"]  # "cuda" needs cupy and a GPU (bench/gpu_check.sh)
 
 
-def memcpy_gbps(nbytes: int, device: bool = False, repeats: int = 5) -> float:
-    """Best-of-N copy bandwidth of this machine: host memcpy, or device-to-device."""
-    xp = np
-    if device:
-        import cupy
+class Memcpy:
+    """A plain copy of the transfer's source bytes into a buffer of the same size (host
+    memcpy, or device-to-device for a device pool), timed right before each run: every
+    run gets its own baseline, and the source is as warm in the caches as it is for
+    the transfer that follows."""
 
-        xp = cupy
-    src = xp.ones(nbytes, xp.uint8)
-    dst = xp.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst[...] = src
-        if device:
-            cupy.cuda.runtime.deviceSynchronize()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+    def __init__(self, source: Any, nbytes: int) -> None:
+        self.device = not isinstance(source, np.ndarray)
+        self._src = source.reshape(-1).view("uint8")[:nbytes]
+        self._dst = self._src.copy()
+
+    def seconds(self, repeats: int = 3) -> float:
+        """Best of `repeats` copies (the first may fault pages in)."""
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self._dst[...] = self._src
+            if self.device:
+                import cupy
+
+                cupy.cuda.runtime.deviceSynchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best
 
 
 def receiver_main(shape: str, transport: str, num_blocks: int, conn: Connection,
@@ -124,6 +131,9 @@ class Result:
     cpu_gbps: float  # KV bytes / CPU seconds of the busier side (sender or receiver process)
     data_s: float  # median wall time, grant -> ack: the data phase alone
     data_gbps: float  # KV bytes / data_s
+    memcpy_gbps: float  # median over runs of the memcpy timed before each run
+    ratio: float  # median over runs of memcpy time / latency (1.0 = memcpy speed)
+    data_ratio: float  # median over runs of memcpy time / data phase
 
 
 def bench_one(shape: str, transport: str, tokens: int, runs: int,
@@ -152,42 +162,55 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int,
     times: list[float] = []
     data: list[float] = []
     cpu: list[float] = []
-    with Sender(layout, source, links=ZmqLinkFactory(), chunk_bytes=chunk_bytes,
-                shm_chunk_bytes=shm_chunk_bytes, copy_threads=copy_threads) as sender:
-        for i in range(runs + WARMUP_RUNS):
-            tid = f"t{i}"
-            parent.send(("expect", tid, dst_ids))
-            parent.recv()
-            t0 = time.perf_counter()
-            cpu0 = time.process_time()
-            sender.begin(tid, "bench", address, src_ids, dst_ids, lease_s=120)
-            # In serving, Claim/Grant happen while the prefill runs; wait for the grant
-            # (the sender is idle until then) to time the data phase on its own too.
-            while (state := sender.poll(tid)) is TransferState.RESERVED:
-                time.sleep(POLL_S)
-            t1 = time.perf_counter()
-            sender.send_all(tid)
-            while not (state := sender.poll(tid)).terminal:
-                time.sleep(POLL_S)
-            t2 = time.perf_counter()
-            elapsed = t2 - t0
-            sender_cpu = time.process_time() - cpu0
-            if state is not TransferState.COMPLETE:
-                raise RuntimeError(f"{transport}: {state.name}: {sender.reason(tid)}")
-            sender.forget(tid)
-            parent.send(("forget", tid))
-            ok, receiver_cpu = parent.recv()
-            if not ok:
-                raise RuntimeError("receiver did not see COMPLETE")
-            if i >= WARMUP_RUNS:
-                times.append(elapsed)
-                data.append(t2 - t1)
-                cpu.append(max(sender_cpu, receiver_cpu))
-    parent.send(("stop",))
-    proc.join(30)
-    median, data_median = statistics.median(times), statistics.median(data)
-    return Result(median, nbytes / median / 1e9, nbytes / statistics.median(cpu) / 1e9,
-                  data_median, nbytes / data_median / 1e9)
+    base: list[float] = []
+    memcpy = Memcpy(source, nbytes)
+    try:
+        with Sender(layout, source, links=ZmqLinkFactory(), chunk_bytes=chunk_bytes,
+                    shm_chunk_bytes=shm_chunk_bytes, copy_threads=copy_threads) as sender:
+            for i in range(runs + WARMUP_RUNS):
+                tid = f"t{i}"
+                parent.send(("expect", tid, dst_ids))
+                parent.recv()
+                # The baseline right before the run: a shared machine's memory bandwidth
+                # drifts with its neighbours' load, and a ratio of two runs taken apart
+                # measures that drift as much as the transport.
+                copy_s = memcpy.seconds()
+                t0 = time.perf_counter()
+                cpu0 = time.process_time()
+                sender.begin(tid, "bench", address, src_ids, dst_ids, lease_s=120)
+                # In serving, Claim/Grant happen while the prefill runs; wait for the grant
+                # (the sender is idle until then) to time the data phase on its own too.
+                while (state := sender.poll(tid)) is TransferState.RESERVED:
+                    time.sleep(POLL_S)
+                t1 = time.perf_counter()
+                sender.send_all(tid)
+                while not (state := sender.poll(tid)).terminal:
+                    time.sleep(POLL_S)
+                t2 = time.perf_counter()
+                elapsed = t2 - t0
+                sender_cpu = time.process_time() - cpu0
+                if state is not TransferState.COMPLETE:
+                    raise RuntimeError(f"{transport}: {state.name}: {sender.reason(tid)}")
+                sender.forget(tid)
+                parent.send(("forget", tid))
+                ok, receiver_cpu = parent.recv()
+                if not ok:
+                    raise RuntimeError("receiver did not see COMPLETE")
+                if i >= WARMUP_RUNS:
+                    times.append(elapsed)
+                    data.append(t2 - t1)
+                    cpu.append(max(sender_cpu, receiver_cpu))
+                    base.append(copy_s)
+    finally:  # a failed run must not leave the receiver process waiting
+        parent.send(("stop",))
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    med = statistics.median
+    return Result(med(times), nbytes / med(times) / 1e9, nbytes / med(cpu) / 1e9,
+                  med(data), nbytes / med(data) / 1e9, nbytes / med(base) / 1e9,
+                  med(b / t for b, t in zip(base, times, strict=True)),
+                  med(b / t for b, t in zip(base, data, strict=True)))
 
 
 def main() -> None:
@@ -205,7 +228,9 @@ def main() -> None:
     args = ap.parse_args()
     print(f"host copy: {hostcopy.describe()}; shm chunk {args.shm_chunk_mib:g} MiB, "
           f"zmq frame {args.chunk_mib:g} MiB")
-    print("latency: begin -> ack (incl. the Claim/Grant round trip); data: grant -> ack")
+    print("latency: begin -> ack (incl. the Claim/Grant round trip); data: grant -> ack; "
+          "% memcpy: median over runs of memcpy time / transfer time, memcpy timed just before "
+          "each run")
     print(f"{'shape':<12} {'MiB':>7} {'transport':<9} {'latency ms':>11} {'GB/s':>7} "
           f"{'memcpy GB/s':>12} {'% memcpy':>9} {'data ms':>8} {'data GB/s':>10} "
           f"{'data %':>7} {'GB/s per CPU-s':>15}")
@@ -216,14 +241,15 @@ def main() -> None:
         for transport in args.transports:
             r = bench_one(shape, transport, args.tokens, args.runs, int(args.chunk_mib * 2**20),
                           args.copy_threads, int(args.shm_chunk_mib * 2**20))
-            copy = memcpy_gbps(nbytes, device=transport == "cuda")
             print(f"{shape:<12} {nbytes / 2**20:>7.1f} {transport:<9} {r.latency_s * 1e3:>11.2f} "
-                  f"{r.gbps:>7.2f} {copy:>12.2f} {100 * r.gbps / copy:>8.0f}% "
-                  f"{r.data_s * 1e3:>8.2f} {r.data_gbps:>10.2f} {100 * r.data_gbps / copy:>6.0f}% "
+                  f"{r.gbps:>7.2f} {r.memcpy_gbps:>12.2f} {100 * r.ratio:>8.0f}% "
+                  f"{r.data_s * 1e3:>8.2f} {r.data_gbps:>10.2f} {100 * r.data_ratio:>6.0f}% "
                   f"{r.cpu_gbps:>15.2f}", flush=True)
         ours, crc = checksum_gbps(nbytes, blocks * layout.num_layers * 2)
         print(f"{shape:<12} checksum (row sums + blake2b): {ours:.2f} GB/s; zlib.crc32: {crc:.2f} GB/s; "
-              f"memcpy: {memcpy_gbps(nbytes):.2f} GB/s", flush=True)
+              f"memcpy: {nbytes / Memcpy(np.ones(nbytes, np.uint8), nbytes).seconds(5) / 1e9:.2f} GB/s",
+              flush=True)
+
 
 if __name__ == "__main__":
     main()

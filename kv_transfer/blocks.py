@@ -8,6 +8,7 @@ blocks as a contiguous array of shape (l1 - l0, 2, n, slot, head, dim); it has
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -77,14 +78,36 @@ def plan_chunks(layout: KVLayout, num_blocks: int, layer_start: int, layer_end: 
 
     Chunks take as many layers as fit, then as many blocks: each block's part of a
     frame is then one long strided run, so the per-block numpy calls of
-    gather/scatter stay few and each moves a lot of bytes.
+    gather/scatter stay few and each moves a lot of bytes. The blocks are shared
+    evenly between the chunks a layer range needs.
     """
     per_layer_block = layout.block_bytes_per_layer
     layers = min(layer_end - layer_start, max(1, max_bytes // per_layer_block))
     blocks = max(1, max_bytes // (layers * per_layer_block))
+    blocks = -(-num_blocks // -(-num_blocks // blocks))  # even chunks: no small leftover
     return [ChunkSpan(l0, min(l0 + layers, layer_end), b0, min(b0 + blocks, num_blocks))
             for l0 in range(layer_start, layer_end, layers)
             for b0 in range(0, num_blocks, blocks)]
+
+
+def taper_last(layout: KVLayout, spans: list[ChunkSpan], min_bytes: int) -> list[ChunkSpan]:
+    """Split the last span into halves, each half of the rest, down to about `min_bytes`.
+
+    A receiver verifies each chunk after it arrives, so while the sender copies chunk
+    i + 1 the receiver checks chunk i; only the last chunk's check overlaps nothing.
+    Small last chunks shorten that tail, and the halving keeps the chunk count low.
+    """
+    if not spans:
+        return spans
+    last = spans[-1]
+    per_block = (last.layer_end - last.layer_start) * layout.block_bytes_per_layer
+    out, first = spans[:-1], last.first
+    while last.last - first >= 2 and (last.last - first) * per_block > 2 * min_bytes:
+        half = (last.last - first + 1) // 2
+        out.append(ChunkSpan(last.layer_start, last.layer_end, first, first + half))
+        first += half
+    out.append(ChunkSpan(last.layer_start, last.layer_end, first, last.last))
+    return out
 
 
 class Tile(NamedTuple):
@@ -168,7 +191,7 @@ def _frame_words(frame: np.ndarray) -> np.ndarray:
 
 def row_bytes(pool: np.ndarray) -> int:
     """Bytes of one (layer, K/V, block) row of a pool or frame."""
-    return int(np.prod(pool.shape[3:])) * pool.dtype.itemsize
+    return math.prod(pool.shape[3:]) * pool.dtype.itemsize  # per chunk: no numpy call
 
 
 def native_for(pool: np.ndarray) -> hostcopy.NativeCopy | None:

@@ -300,8 +300,10 @@ class ReceiverCore:
             return "chunk without blocks"
         expected = frame_nbytes(self.layout, msg.layer_end - msg.layer_start,
                                 len(msg.dst_block_ids))
-        if msg.nbytes != expected or msg.nbytes > self.max_frame_bytes:
+        if msg.nbytes != expected:
             return f"declared {msg.nbytes} bytes, layout says {expected}"
+        if msg.nbytes > self.max_frame_bytes:
+            return f"chunk of {msg.nbytes} bytes exceeds the {self.max_frame_bytes}-byte limit"
         if msg.inline != (frame is not None):
             return "frame presence does not match header"
         if frame is not None and frame.nbytes != msg.nbytes:

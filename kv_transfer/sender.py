@@ -38,6 +38,7 @@ from kv_transfer.blocks import (
     frame_nbytes,
     gather_with_sums,
     plan_chunks,
+    taper_last,
 )
 from kv_transfer.checksum import digest
 from kv_transfer.copy_threads import DEFAULT_COPY_THREADS, CopyThreads
@@ -54,6 +55,7 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 # The receiver verifies chunk i while this side copies chunk i + 1; below ~8 MiB the
 # two sides' memory traffic interferes more than it overlaps (bench/kv_transfer.py).
 DEFAULT_SHM_CHUNK_BYTES = 16 << 20
+SHM_TAIL_BYTES = 1 << 20  # the last shared-memory chunk tapers down to about this
 DIRECT_PREFIXES = ("shm+", "cuda+")
 IDLE_POLL_MS = 20
 MAX_BYTES_PER_ROUND = 32 << 20  # bound one service round so replies are read promptly
@@ -269,11 +271,15 @@ class Sender:
                     peer.control.append([wire.encode(wire.Claim(
                         t.transfer_id, t.request_id, self._compat, t.dst_ids))])
                 elif t.granted:
-                    limit = self.shm_chunk_bytes if peer.direct_ops else min(
-                        self.chunk_bytes, peer.max_frame)
+                    direct = peer.direct_ops is not None
+                    limit = min(self.shm_chunk_bytes if direct else self.chunk_bytes,
+                                peer.max_frame)
                     while t.pending_layers:
                         l0, l1 = t.pending_layers.popleft()
-                        t.spans.extend(plan_chunks(self.layout, len(t.src_ids), l0, l1, limit))
+                        spans = plan_chunks(self.layout, len(t.src_ids), l0, l1, limit)
+                        if direct and l1 == self.layout.num_layers:
+                            spans = taper_last(self.layout, spans, SHM_TAIL_BYTES)
+                        t.spans.extend(spans)
 
     def _open_peer(self, t: TransferRecord) -> PeerRecord | None:
         want_direct = t.peer.startswith(DIRECT_PREFIXES)

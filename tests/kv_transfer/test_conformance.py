@@ -303,3 +303,29 @@ def test_round_trip_property_on_the_fake(num_blocks: int, seed: int, layerwise: 
         assert same_bytes(pair.dst[:, :, dst_ids], pair.src[:, :, src_ids])
     finally:
         pair.close()
+
+
+def test_shm_chunks_stay_within_the_receivers_frame_limit() -> None:
+    """A sender configured for larger shared-memory chunks than the receiver accepts
+    splits them to the receiver's limit (it learns it in the handshake) instead of
+    having every chunk rejected."""
+    from kv_transfer.links import ZmqLinkFactory
+    from kv_transfer.receiver import ZmqReceiver
+    from kv_transfer.sender import Sender
+    from kv_transfer.shm_pool import create_shm_pool
+    from tests.kv_transfer.harness import random_pool
+
+    src = random_pool(TINY, 80, seed=5)
+    limit = 4 * TINY.block_bytes_per_layer * TINY.num_layers
+    with create_shm_pool(TINY, 90) as shm, \
+            ZmqReceiver(TINY, shm, transport="shm", max_frame_bytes=limit) as receiver, \
+            Sender(TINY, src, links=ZmqLinkFactory(), shm_chunk_bytes=64 * limit) as sender:
+        rng = np.random.default_rng(5)
+        src_ids, dst_ids = _ids(rng, 80, 70), _ids(rng, 90, 70)
+        receiver.expect("t", "req", dst_ids, lease_s=20)
+        sender.begin("t", "req", receiver.address, src_ids, dst_ids, lease_s=20)
+        sender.send_all("t")
+        assert wait_terminal(sender.poll, "t") is TransferState.COMPLETE, sender.reason("t")
+        assert receiver.poll("t") is TransferState.COMPLETE
+        assert same_bytes(shm.array[:, :, dst_ids], src[:, :, src_ids])
+        assert receiver.stats().rejected == 0

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kv_transfer import FakeReceiver, ZmqReceiver, make_receiver, make_sender
 from kv_transfer.api import KVReceiver, KVSender, TransferState
-from kv_transfer.blocks import frame_rows, gather, plan_chunks
+from kv_transfer.blocks import frame_rows, gather, plan_chunks, taper_last
 from kv_transfer.checksum import block_row_sums, frame_checksum, pool_words, row_sums
 from kv_transfer.faults import FaultConfig
 from kv_transfer.sender import Sender
@@ -231,3 +231,20 @@ def test_runs_tiles_and_threads_match_a_per_block_copy(monkeypatch: pytest.Monke
         assert same_bytes(plain, dst2)
     finally:
         workers.close()
+
+
+@pytest.mark.parametrize("num_blocks", [1, 2, 3, 13, 64])
+@pytest.mark.parametrize("min_blocks", [1, 3])
+def test_tapered_plan_covers_every_block_once_and_ends_small(num_blocks: int,
+                                                              min_blocks: int) -> None:
+    per_block = TINY.block_bytes_per_layer * TINY.num_layers
+    spans = plan_chunks(TINY, num_blocks, 0, TINY.num_layers, 8 * per_block)
+    tapered = taper_last(TINY, spans, min_blocks * per_block)
+    cover = np.zeros((TINY.num_layers, num_blocks), int)
+    for span in tapered:
+        cover[span.layer_start:span.layer_end, span.first:span.last] += 1
+    assert (cover == 1).all()
+    assert tapered[:len(spans) - 1] == spans[:-1]  # only the last chunk is cut
+    sizes = [s.last - s.first for s in tapered[len(spans) - 1:]]
+    assert sizes == sorted(sizes, reverse=True)  # halves of halves
+    assert sizes[-1] <= max(2 * min_blocks, 1) or len(sizes) == 1

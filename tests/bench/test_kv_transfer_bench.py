@@ -1,0 +1,25 @@
+"""bench/kv_transfer.py end to end on a small transfer: a receiver process, real sockets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.kv_transfer import Memcpy, bench_one
+
+
+@pytest.mark.parametrize("transport", ["shm", "ipc"])
+def test_bench_one_times_a_verified_transfer_against_its_own_memcpy(transport: str) -> None:
+    r = bench_one("llama-125m", transport, tokens=64, runs=2)
+    nbytes = 64 * 12 * 2 * 4 * 64 * 2  # tokens x layers x K/V x kv heads x head dim x fp16
+    assert r.data_s <= r.latency_s
+    assert r.gbps == pytest.approx(nbytes / r.latency_s / 1e9)
+    assert r.data_gbps == pytest.approx(nbytes / r.data_s / 1e9)
+    assert 0 < r.ratio <= r.data_ratio and r.memcpy_gbps > 0
+
+
+def test_memcpy_baseline_copies_the_source_bytes() -> None:
+    src = np.arange(1000, dtype=np.float16).reshape(10, 100)
+    m = Memcpy(src, 1000)
+    assert m.seconds(repeats=2) > 0
+    assert m._dst.tobytes() == src.tobytes()[:1000]
