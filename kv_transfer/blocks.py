@@ -90,26 +90,6 @@ def plan_chunks(layout: KVLayout, num_blocks: int, layer_start: int, layer_end: 
             for b0 in range(0, num_blocks, blocks)]
 
 
-def taper_last(layout: KVLayout, spans: list[ChunkSpan], min_bytes: int) -> list[ChunkSpan]:
-    """Split the last span into halves, each half of the rest, down to about `min_bytes`.
-
-    A receiver verifies each chunk after it arrives, so while the sender copies chunk
-    i + 1 the receiver checks chunk i; only the last chunk's check overlaps nothing.
-    Small last chunks shorten that tail, and the halving keeps the chunk count low.
-    """
-    if not spans:
-        return spans
-    last = spans[-1]
-    per_block = (last.layer_end - last.layer_start) * layout.block_bytes_per_layer
-    out, first = spans[:-1], last.first
-    while last.last - first >= 2 and (last.last - first) * per_block > 2 * min_bytes:
-        half = (last.last - first + 1) // 2
-        out.append(ChunkSpan(last.layer_start, last.layer_end, first, first + half))
-        first += half
-    out.append(ChunkSpan(last.layer_start, last.layer_end, first, last.last))
-    return out
-
-
 class Tile(NamedTuple):
     """Layers [a, z) (relative to the copied range) of one run's blocks [pos, pos + k)."""
 

@@ -38,7 +38,6 @@ from kv_transfer.blocks import (
     frame_nbytes,
     gather_with_sums,
     plan_chunks,
-    taper_last,
 )
 from kv_transfer.checksum import digest
 from kv_transfer.copy_threads import DEFAULT_COPY_THREADS, CopyThreads
@@ -55,7 +54,6 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 # The receiver verifies chunk i while this side copies chunk i + 1; below ~8 MiB the
 # two sides' memory traffic interferes more than it overlaps (bench/kv_transfer.py).
 DEFAULT_SHM_CHUNK_BYTES = 16 << 20
-SHM_TAIL_BYTES = 1 << 20  # the last shared-memory chunk tapers down to about this
 DIRECT_PREFIXES = ("shm+", "cuda+")
 IDLE_POLL_MS = 20
 MAX_BYTES_PER_ROUND = 32 << 20  # bound one service round so replies are read promptly
@@ -276,10 +274,7 @@ class Sender:
                                 peer.max_frame)
                     while t.pending_layers:
                         l0, l1 = t.pending_layers.popleft()
-                        spans = plan_chunks(self.layout, len(t.src_ids), l0, l1, limit)
-                        if direct and l1 == self.layout.num_layers:
-                            spans = taper_last(self.layout, spans, SHM_TAIL_BYTES)
-                        t.spans.extend(spans)
+                        t.spans.extend(plan_chunks(self.layout, len(t.src_ids), l0, l1, limit))
 
     def _open_peer(self, t: TransferRecord) -> PeerRecord | None:
         want_direct = t.peer.startswith(DIRECT_PREFIXES)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kv_transfer import FakeReceiver, ZmqReceiver, make_receiver, make_sender
 from kv_transfer.api import KVReceiver, KVSender, TransferState
-from kv_transfer.blocks import frame_rows, gather, plan_chunks, taper_last
+from kv_transfer.blocks import frame_rows, gather, plan_chunks
 from kv_transfer.checksum import block_row_sums, frame_checksum, pool_words, row_sums
 from kv_transfer.faults import FaultConfig
 from kv_transfer.sender import Sender
@@ -117,9 +117,15 @@ def test_checksum_detects_any_flipped_byte_and_swapped_blocks(seed: int,
 def test_chunk_plan_covers_every_layer_and_block_once() -> None:
     for max_bytes in (1, 100, TINY.block_bytes_per_layer * 5, 1 << 20):
         cover = np.zeros((TINY.num_layers, 13), int)
-        for span in plan_chunks(TINY, 13, 0, TINY.num_layers, max_bytes):
+        spans = plan_chunks(TINY, 13, 0, TINY.num_layers, max_bytes)
+        for span in spans:
             cover[span.layer_start:span.layer_end, span.first:span.last] += 1
+            nbytes = (span.layer_end - span.layer_start) * (span.last - span.first) \
+                * TINY.block_bytes_per_layer
+            assert nbytes <= max_bytes or span.last - span.first == 1
         assert (cover == 1).all()
+        sizes = {s.last - s.first for s in spans}
+        assert max(sizes) - min(sizes) <= 1  # blocks shared evenly: no small leftover chunk
 
 
 def test_fault_config_parses_env_and_rejects_unknown_keys() -> None:
@@ -231,20 +237,3 @@ def test_runs_tiles_and_threads_match_a_per_block_copy(monkeypatch: pytest.Monke
         assert same_bytes(plain, dst2)
     finally:
         workers.close()
-
-
-@pytest.mark.parametrize("num_blocks", [1, 2, 3, 13, 64])
-@pytest.mark.parametrize("min_blocks", [1, 3])
-def test_tapered_plan_covers_every_block_once_and_ends_small(num_blocks: int,
-                                                              min_blocks: int) -> None:
-    per_block = TINY.block_bytes_per_layer * TINY.num_layers
-    spans = plan_chunks(TINY, num_blocks, 0, TINY.num_layers, 8 * per_block)
-    tapered = taper_last(TINY, spans, min_blocks * per_block)
-    cover = np.zeros((TINY.num_layers, num_blocks), int)
-    for span in tapered:
-        cover[span.layer_start:span.layer_end, span.first:span.last] += 1
-    assert (cover == 1).all()
-    assert tapered[:len(spans) - 1] == spans[:-1]  # only the last chunk is cut
-    sizes = [s.last - s.first for s in tapered[len(spans) - 1:]]
-    assert sizes == sorted(sizes, reverse=True)  # halves of halves
-    assert sizes[-1] <= max(2 * min_blocks, 1) or len(sizes) == 1
