@@ -89,9 +89,9 @@ class ReceiverCore:
                  wake: Callable[[], None], clock: Callable[[], float] = time.monotonic,
                  copy_threads: int = 1) -> None:
         self.layout = layout
-        self._copy = CopyThreads(copy_threads)  # helpers for scattering inline frames
+        self._copy = CopyThreads(copy_threads)  # helpers for scattering and verifying
         # A device pool (anything but numpy) is handled through cupy, see cuda_ipc.py.
-        self._ops = pool_ops(pool)
+        self._ops = pool_ops(pool, self._copy)
         self.pool = self._ops.array
         self.num_blocks = check_pool(layout, self.pool)
         self.shm = shm

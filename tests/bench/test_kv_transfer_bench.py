@@ -23,3 +23,11 @@ def test_memcpy_baseline_copies_the_source_bytes() -> None:
     m = Memcpy(src, 1000)
     assert m.seconds(repeats=2) > 0
     assert m._dst.tobytes() == src.tobytes()[:1000]
+
+
+def test_hostcopy_bench_reports_rates_for_the_transfer_bytes() -> None:
+    from bench.hostcopy import bench_kernel
+
+    r = bench_kernel("llama-125m", tokens=32, repeats=2)
+    assert r.nbytes == 32 * 12 * 2 * 4 * 64 * 2
+    assert min(r.memcpy_gbps, r.copy_gbps, r.sum_gbps) > 0
