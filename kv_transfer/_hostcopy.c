@@ -20,7 +20,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__)
+/* -DPD_PORTABLE builds the portable loops on x86-64 too, and -DPD_NO_AVX2 the SSE2
+ * ones: tests/kv_transfer/test_hostcopy.py checks every variant against numpy. */
+#if defined(__x86_64__) && !defined(PD_PORTABLE)
 #include <immintrin.h>
 #define PD_X86 1
 #endif
@@ -198,8 +200,12 @@ static void sum_sse2(const uint8_t *const *p, int m, int64_t n, uint64_t *sums) 
 
 #ifdef PD_X86
 static int has_avx2(void) {
+#ifdef PD_NO_AVX2
+    return 0;
+#else
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2");
+#endif
 }
 
 static copy_fn pick_copy(void) { return has_avx2() ? copy_sum_avx2 : copy_sum_sse2; }

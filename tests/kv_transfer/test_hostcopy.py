@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -33,8 +38,14 @@ def _word_sums(rows: np.ndarray) -> np.ndarray:
        stream=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_copy_rows_equals_numpy(native: hostcopy.NativeCopy, words: int, nrows: int,
                                 shift: int, stream: bool, seed: int) -> None:
-    """Any row length (in words), any 8-byte alignment of the destination, both store kinds:
-    the bytes land exactly, nothing else is written, and the sums equal numpy's word sums."""
+    """Any row length (in words), any 8-byte alignment of the destination, both store kinds,
+    full and partial groups of rows: the bytes land exactly, nothing else is written, and
+    the sums equal numpy's word sums."""
+    _check_copy_rows(native, words, nrows, shift, stream, seed)
+
+
+def _check_copy_rows(lib: hostcopy.NativeCopy, words: int, nrows: int, shift: int,
+                     stream: bool, seed: int) -> None:
     rng = np.random.default_rng(seed)
     row = 8 * words
     src = rng.integers(0, 256, (nrows + 3) * row, dtype=np.uint8)
@@ -44,14 +55,31 @@ def test_copy_rows_equals_numpy(native: hostcopy.NativeCopy, words: int, nrows: 
     dst_rows = rng.permutation(nrows + 3)[:nrows]
     src_off = (src_rows * row).astype(np.int64)
     dst_off = (dst_rows * row).astype(np.int64)
-    sums = native.copy_rows(src, dst, src_off, dst_off, row, stream=stream)
+    sums = lib.copy_rows(src, dst, src_off, dst_off, row, stream=stream)
     want = np.zeros_like(dst)
     for s, d in zip(src_rows, dst_rows, strict=True):
         want[d * row:(d + 1) * row] = src[s * row:(s + 1) * row]
     assert np.array_equal(dst, want) and not dst_buf[:shift].any()
     expect = _word_sums(src.reshape(-1, row)[src_rows].copy())
     np.testing.assert_array_equal(sums, expect)
-    np.testing.assert_array_equal(native.sum_rows(dst, dst_off, row), expect)
+    np.testing.assert_array_equal(lib.sum_rows(dst, dst_off, row), expect)
+
+
+@pytest.mark.parametrize(("define", "kernel"), [("-DPD_NO_AVX2", "sse2"), ("-DPD_PORTABLE", "c")])
+def test_the_other_loops_equal_numpy_too(tmp_path: Path, define: str, kernel: str) -> None:
+    """The SSE2 loop (x86-64 without AVX2) and the portable C one (every other CPU, e.g.
+    ARM servers) never run on this machine's AVX2 build: compile each and check it."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    assert cc, "no C compiler: the native kernel could not have been built either"
+    lib = tmp_path / "hostcopy_variant.so"
+    subprocess.run([cc, "-O3", "-shared", "-fPIC", define, "-o", str(lib),
+                    str(Path(hostcopy.__file__).with_name("_hostcopy.c"))], check=True)
+    variant = hostcopy.NativeCopy(str(lib))
+    assert variant.kernel == kernel
+    for words in (1, 3, 8, 17, 513):
+        for nrows in (1, 4, 7):
+            for shift, stream in ((0, True), (8, True), (16, False)):
+                _check_copy_rows(variant, words, nrows, shift, stream, seed=words * nrows)
 
 
 def test_sums_wrap_modulo_2_64(native: hostcopy.NativeCopy) -> None:
