@@ -20,17 +20,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.kv_transfer import SHAPES
+from bench.kv_transfer import SHAPES, Memcpy
 from kv_transfer import hostcopy
-from kv_transfer.blocks import copy_blocks_with_sums
-from kv_transfer.checksum import pool_words
-from kv_transfer.hostcopy import pool_row_offsets
+from kv_transfer.pool_ops import pool_ops
+from kv_transfer.shm_pool import create_shm_pool
 
 
 @dataclass(frozen=True)
 class KernelResult:
     nbytes: int
-    memcpy_gbps: float  # numpy copy of one contiguous buffer of nbytes
+    memcpy_gbps: float  # numpy copy of the same source bytes, one contiguous buffer
     copy_gbps: float  # copy + sum of the rows, streaming stores (the shm transfer's copy)
     sum_gbps: float  # sum of the copied rows (the receiver's verification)
 
@@ -44,45 +43,28 @@ def _median_gbps(fn: Callable[[], object], nbytes: int, repeats: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def page_aligned_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """Like a shared-memory pool: page-aligned (streaming stores need 32-byte alignment)."""
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = np.zeros(nbytes + 4096, np.uint8)
-    start = -raw.ctypes.data % 4096
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
 def bench_kernel(shape: str, tokens: int, repeats: int) -> KernelResult:
     layout = SHAPES[shape]
     n = -(-tokens // layout.block_size)
     rng = np.random.default_rng(0)
     src = rng.integers(0, 1 << 15, layout.pool_shape(n + 1), dtype=np.int16).view(np.float16)
-    dst = page_aligned_zeros(src.shape, src.dtype)
     src_ids = [int(b) for b in rng.permutation(np.arange(1, n + 1))]
     dst_ids = [int(b) for b in rng.permutation(np.arange(1, n + 1))]
     nbytes = n * layout.num_layers * layout.block_bytes_per_layer
-    words = pool_words(src)
-    flat = src.reshape(-1).view(np.uint8)[:nbytes]
-    scratch = flat.copy()
+    baseline = Memcpy(src, nbytes)
+    with create_shm_pool(layout, n + 1) as shm:  # a decode worker's pool, as the sender sees it
+        sender, receiver = pool_ops(src), pool_ops(shm.array)  # a shm transfer's two calls
 
-    def memcpy() -> None:
-        scratch[...] = flat
+        def copy() -> None:
+            sender.copy_to(receiver, 0, layout.num_layers, src_ids, dst_ids)
 
-    def copy() -> None:
-        copy_blocks_with_sums(src, dst, words, 0, layout.num_layers, src_ids, dst_ids)
+        def verify() -> None:
+            receiver.row_sums(0, layout.num_layers, dst_ids)
 
-    copy()
-    offsets = pool_row_offsets(dst, 0, layout.num_layers, dst_ids)
-    row = nbytes // len(offsets)
-
-    def verify() -> None:
-        if hostcopy.NATIVE is not None:
-            hostcopy.NATIVE.sum_rows(dst, offsets, row)
-        else:
-            np.add.reduce(dst.reshape(-1).view(np.uint64), dtype=np.uint64)
-
-    return KernelResult(nbytes, _median_gbps(memcpy, nbytes, repeats),
-                        _median_gbps(copy, nbytes, repeats), _median_gbps(verify, nbytes, repeats))
+        copy()
+        return KernelResult(nbytes, _median_gbps(baseline.copy, nbytes, repeats),
+                            _median_gbps(copy, nbytes, repeats),
+                            _median_gbps(verify, nbytes, repeats))
 
 
 def main() -> None:

@@ -59,16 +59,19 @@ class Memcpy:
         self._src = source.reshape(-1).view("uint8")[:nbytes]
         self._dst = self._src.copy()
 
+    def copy(self) -> None:
+        self._dst[...] = self._src
+        if self.device:
+            import cupy
+
+            cupy.cuda.runtime.deviceSynchronize()
+
     def seconds(self, repeats: int = 3) -> float:
         """Best of `repeats` copies (the first may fault pages in)."""
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            self._dst[...] = self._src
-            if self.device:
-                import cupy
-
-                cupy.cuda.runtime.deviceSynchronize()
+            self.copy()
             best = min(best, time.perf_counter() - t0)
         return best
 
@@ -124,14 +127,36 @@ WARMUP_RUNS = 2  # connect, handshake, map the peer's pool and fault in every pa
 
 @dataclass(frozen=True)
 class Result:
+    nbytes: int  # KV bytes of one request
     latency_s: float  # median wall time, begin -> sender sees the ack
-    gbps: float  # KV bytes / latency
-    cpu_gbps: float  # KV bytes / CPU seconds of the busier side (sender or receiver process)
     data_s: float  # median wall time, grant -> ack: the data phase alone
-    data_gbps: float  # KV bytes / data_s
-    memcpy_gbps: float  # the best memcpy of the same bytes, timed before and after the runs
-    ratio: float  # memcpy time / median latency (1.0 = memcpy speed)
-    data_ratio: float  # memcpy time / median data phase
+    cpu_s: float  # median CPU seconds of the busier side (sender or receiver process)
+    memcpy_s: float  # the best memcpy of the same bytes, timed before and after the runs
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.latency_s / 1e9
+
+    @property
+    def data_gbps(self) -> float:
+        return self.nbytes / self.data_s / 1e9
+
+    @property
+    def cpu_gbps(self) -> float:
+        return self.nbytes / self.cpu_s / 1e9
+
+    @property
+    def memcpy_gbps(self) -> float:
+        return self.nbytes / self.memcpy_s / 1e9
+
+    @property
+    def ratio(self) -> float:
+        """Of memcpy's speed (1.0 = as fast as memcpy), begin -> ack."""
+        return self.memcpy_s / self.latency_s
+
+    @property
+    def data_ratio(self) -> float:
+        return self.memcpy_s / self.data_s
 
 
 def bench_one(shape: str, transport: str, tokens: int, runs: int,
@@ -203,10 +228,7 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int,
         if proc.is_alive():
             proc.kill()
     med = statistics.median
-    return Result(med(times), nbytes / med(times) / 1e9, nbytes / med(cpu) / 1e9,
-                  med(data), nbytes / med(data) / 1e9, nbytes / base / 1e9,
-                  base / med(times), base / med(data))
-
+    return Result(nbytes, med(times), med(data), med(cpu), base)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

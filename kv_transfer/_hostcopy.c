@@ -30,9 +30,9 @@
 /* Rows are copied GROUP at a time, interleaved cache line by cache line: four
  * sequential streams keep more lines in flight to DRAM than one, which is what
  * bounds a single core here (bench/hostcopy.py, 2-vCPU Xeon VM, 256 MiB of
- * 32 KiB rows at shuffled offsets: 8.7 -> 10.8 GB/s copied, 11.9 -> 14.7 GB/s
- * summed, against 11 GB/s for one large memcpy; software prefetch added
- * nothing on top). A group of fewer rows (the tail of the list) runs the same
+ * 32 KiB rows at shuffled offsets into a shared-memory pool: 7.9-8.1 -> 9.3-10.8
+ * GB/s copied, 10.5-10.7 -> 12.0-13.6 GB/s summed, against 11-11.7 GB/s for one
+ * large memcpy; software prefetch added nothing on top). A group of fewer rows (the tail of the list) runs the same
  * loop with fewer streams. */
 #define GROUP 4
 

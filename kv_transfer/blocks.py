@@ -188,7 +188,7 @@ def gather_with_sums(pool: np.ndarray, l0: int, l1: int, ids: Sequence[int],
     if native is not None:
         r = row_bytes(pool)
         sums = native.copy_rows(pool, frame, hostcopy.pool_row_offsets(pool, l0, l1, ids),
-                                hostcopy.frame_row_offsets(frame.size // (r // pool.itemsize), r),
+                                hostcopy.frame_row_offsets((l1 - l0) * 2 * len(ids), r),
                                 r, stream=True, workers=workers)
         return frame, sums.reshape(l1 - l0, 2, len(ids))
     words = _frame_words(frame)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -28,3 +29,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pa
         return cache[key]
 
     return factory
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Run the test with one torch thread (deterministic and no oversubscription)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)

@@ -12,10 +12,9 @@ from bench.kv_transfer import Memcpy, bench_one
 def test_bench_one_times_a_verified_transfer_against_its_own_memcpy(transport: str) -> None:
     r = bench_one("llama-125m", transport, tokens=64, runs=2)
     nbytes = 64 * 12 * 2 * 4 * 64 * 2  # tokens x layers x K/V x kv heads x head dim x fp16
-    assert r.data_s <= r.latency_s
-    assert r.gbps == pytest.approx(nbytes / r.latency_s / 1e9)
-    assert r.data_gbps == pytest.approx(nbytes / r.data_s / 1e9)
-    assert 0 < r.ratio <= r.data_ratio and r.memcpy_gbps > 0
+    assert r.nbytes == nbytes
+    assert 0 < r.data_s <= r.latency_s and r.cpu_s > 0 and r.memcpy_s > 0
+    assert 0 < r.ratio <= r.data_ratio
 
 
 def test_memcpy_baseline_copies_the_source_bytes() -> None:

@@ -7,7 +7,7 @@ returns to idle after every request.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +23,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -28,12 +28,7 @@ BATCH_ATOL = 1e-5
 NEW_TOKENS = 64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 _RUNNERS: dict[tuple[Path, int], ModelRunner] = {}

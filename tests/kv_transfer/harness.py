@@ -92,3 +92,12 @@ def wait_terminal(poll: Callable[[str], TransferState], tid: str,
         if state.terminal or time.monotonic() > end:
             return state
         time.sleep(0.002)
+
+
+def wait_state(poll: Callable[[str], TransferState], tid: str, state: TransferState,
+               timeout: float = 5.0) -> None:
+    """Poll until the transfer is in `state`; fail the test after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while poll(tid) is not state:
+        assert time.monotonic() < end, f"{tid} never reached {state.name}"
+        time.sleep(0.002)

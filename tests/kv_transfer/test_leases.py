@@ -13,7 +13,7 @@ from kv_transfer.blocks import frame_rows, gather
 from kv_transfer.checksum import frame_checksum
 from kv_transfer.faults import FaultConfig
 from kv_transfer.receiver_core import ReceiverCore
-from tests.kv_transfer.harness import TINY, make_pair, random_pool, wait_terminal
+from tests.kv_transfer.harness import TINY, make_pair, random_pool, wait_state, wait_terminal
 
 
 class Clock:
@@ -152,10 +152,7 @@ def test_cancel_of_a_forgotten_shm_transfer_releases_promptly() -> None:
             pair.receiver.expect(tid, "r", dst if tid == "t" else [50, 51], lease_s=30)
         pair.sender.begin("t", "r", pair.receiver.address, list(range(1, 33)), dst, lease_s=30)
         pair.sender.send_all("t")
-        end = time.monotonic() + 5
-        while pair.receiver.poll("t") is not TransferState.TRANSFERRING:
-            assert time.monotonic() < end
-            time.sleep(0.002)
+        wait_state(pair.receiver.poll, "t", TransferState.TRANSFERRING)
         pair.sender.cancel("t")
         pair.sender.forget("t")
         pair.receiver.cancel("t")
@@ -166,10 +163,7 @@ def test_cancel_of_a_forgotten_shm_transfer_releases_promptly() -> None:
         # "u" was reserved but its sender's record is gone (as after forget): a claim
         # that is granted and then cancelled gets the sender's Abort reply.
         pair.sender.begin("u", "r", pair.receiver.address, [1, 2], [50, 51], lease_s=30)
-        end = time.monotonic() + 5
-        while pair.receiver.poll("u") is not TransferState.TRANSFERRING:
-            assert time.monotonic() < end
-            time.sleep(0.002)
+        wait_state(pair.receiver.poll, "u", TransferState.TRANSFERRING)
         pair.sender.cancel("u")
         pair.receiver.cancel("u")
         pair.sender.forget("u")

@@ -5,12 +5,11 @@ and whole-request otherwise; the decoded tokens equal the single-process engine.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from decode_node.node import DecodeNode
 from decode_node.worker_metrics import WorkerMetrics
@@ -28,12 +27,7 @@ PARAMS = SamplingParams(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class Pair:
