@@ -50,7 +50,7 @@ from bench.loadgen.config import (  # noqa: E402
 )
 from bench.loadgen.launch import free_port, pdserve_command  # noqa: E402
 from bench.loadgen.runner import run_benchmark  # noqa: E402
-from engine.default_model import DefaultModelSpec, WeightFormat, write_default_model  # noqa: E402
+from pdserve.default_model import DefaultModelSpec, WeightFormat, write_default_model  # noqa: E402
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -73,10 +73,10 @@ class LlamaShape:
         head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // heads
         return cls(int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), heads,
                    int(cfg["num_key_value_heads"]), int(head_dim), int(cfg["intermediate_size"]),
-                   int(cfg["vocab_size"]))  # fmt: skip
+                   int(cfg["vocab_size"]))
 
 
-LLAMA3_8B = LlamaShape(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256)  # fmt: skip
+LLAMA3_8B = LlamaShape(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +89,9 @@ class Preset:
 
 
 _LLAMA3_8B_SPEC = DefaultModelSpec(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                                   intermediate_size=14336, max_position_embeddings=8192, rope_theta=500000.0)  # fmt: skip
+                                   intermediate_size=14336, max_position_embeddings=8192, rope_theta=500000.0)
 PRESETS = {"llama3-8b": Preset(_LLAMA3_8B_SPEC, LLAMA3_8B.vocab, tiled=True),
-           "tiny": Preset(DefaultModelSpec(), None, tiled=False)}  # fmt: skip
+           "tiny": Preset(DefaultModelSpec(), None, tiled=False)}
 
 
 # --- arithmetic -------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def expected_config(preset: Preset, dtype: str) -> dict[str, Any]:
     want: dict[str, Any] = {"hidden_size": s.hidden_size, "num_hidden_layers": s.num_layers,
                             "num_attention_heads": s.num_heads, "num_key_value_heads": s.num_kv_heads,
                             "intermediate_size": s.intermediate_size, "rope_theta": s.rope_theta,
-                            "torch_dtype": dtype}  # fmt: skip
+                            "torch_dtype": dtype}
     if preset.vocab_size is not None:
         want["vocab_size"] = preset.vocab_size
     return want
@@ -209,13 +209,13 @@ class StackConfig:
 def stack_commands(cfg: StackConfig, port: int, control_port: int) -> list[list[str]]:
     """Gateway, prefill worker, decode worker: the commands `pdserve up` runs."""
     gateway = [*pdserve_command(), "gateway", "--port", str(port), "--control-port", str(control_port),
-               "--model", cfg.model_dir]  # fmt: skip
+               "--model", cfg.model_dir]
     workers = []
     for role in ("prefill", "decode"):
         cmd = [*pdserve_command(), role, "--gateway", f"tcp://127.0.0.1:{control_port}",
                "--model", cfg.model_dir, "--device", cfg.device, "--dtype", cfg.dtype,
                "--threads", str(cfg.threads), "--kv-transport", "auto",
-               "--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]  # fmt: skip
+               "--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
         cmd += ["--kv-cache-memory", cfg.kv_cache_memory] if cfg.kv_cache_memory else []
         workers.append(cmd)
     return [gateway, *workers]
@@ -262,11 +262,11 @@ def serving_stack(cfg: StackConfig) -> Iterator[str]:
     port, control_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     procs: list[subprocess.Popen[bytes]] = []
-    with tempfile.NamedTemporaryFile(prefix="pdserve-gpu-serve-", suffix=".log", delete=False) as log:  # fmt: skip
+    with tempfile.NamedTemporaryFile(prefix="pdserve-gpu-serve-", suffix=".log", delete=False) as log:
         print(f"[gpu_serve] starting the stack (log {log.name})", file=sys.stderr, flush=True)
         try:
             for cmd in stack_commands(cfg, port, control_port):
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             _wait_ready(url, procs, cfg.ready_timeout_s, log.name)
             yield url
         finally:
@@ -309,10 +309,10 @@ def _run(url: str, tok: str, prompt_len: int, output_len: int, n: int) -> dict[s
 def measure_prefill(url: str, tok: str, prompt_len: int, requests: int) -> PrefillResult:
     s = _run(url, tok, prompt_len, 1, requests)
     return PrefillResult(s["completed"], s["total_prompt_tokens"], s["prefill_throughput"] or 0.0,
-                         s["prefill_rate_per_request"]["p50"], s["ttft"]["p50"], s["failed"])  # fmt: skip
+                         s["prefill_rate_per_request"]["p50"], s["ttft"]["p50"], s["failed"])
 
 
-def measure_decode(url: str, tok: str, prompt_len: int, output_len: int, batch: int) -> DecodeResult:  # fmt: skip
+def measure_decode(url: str, tok: str, prompt_len: int, output_len: int, batch: int) -> DecodeResult:
     s = _run(url, tok, prompt_len, output_len, batch)
     mean_prompt = s["total_prompt_tokens"] / max(1, s["completed"])
     rate = (s["decode_rate_per_stream"] or 0.0) * batch  # all `batch` streams decode together
@@ -326,7 +326,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(PRESETS), default="llama3-8b")
     ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
-    ap.add_argument("--model-dir", default=None, help="default: <PDSERVE_HOME>/models/gpu-serve-SHAPE-DTYPE")  # fmt: skip
+    ap.add_argument("--model-dir", default=None, help="default: <PDSERVE_HOME>/models/gpu-serve-SHAPE-DTYPE")
     ap.add_argument("--device", default="cuda", help="cuda | cuda:N | cpu")
     ap.add_argument("--batches", default="1,32", help="decode concurrencies")
     ap.add_argument("--prompt-len", type=int, default=128, help="decode prompts, tokens")
@@ -334,8 +334,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill-len", type=int, default=1024)
     ap.add_argument("--prefill-requests", type=int, default=32)
     ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="nominal HBM GB/s (H200: 4800)")
-    ap.add_argument("--measure-hbm", action="store_true", help="also time a device copy (CUDA only)")  # fmt: skip
-    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="per worker")  # fmt: skip
+    ap.add_argument("--measure-hbm", action="store_true", help="also time a device copy (CUDA only)")
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="per worker")
     ap.add_argument("--kv-cache-memory", default=None, help="per worker (default: 8GiB on CUDA)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--ready-timeout", type=float, default=900.0)
@@ -349,7 +349,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def decode_row(d: DecodeResult, shape: LlamaShape, output_len: int, dtype_bytes: int,
-               hbm_gbps: float, measured_gbps: float | None) -> dict[str, Any]:  # fmt: skip
+               hbm_gbps: float, measured_gbps: float | None) -> dict[str, Any]:
     """The decode result with its bytes per step and HBM limits (nominal, measured)."""
     context = mean_decode_context(d.mean_prompt_tokens, output_len)
     step = decode_step_bytes(shape, d.batch, context, dtype_bytes)
@@ -358,7 +358,7 @@ def decode_row(d: DecodeResult, shape: LlamaShape, output_len: int, dtype_bytes:
     return {**d._asdict(), "mean_context": context, "step_bytes": step,
             "limit_tokens_per_s": nominal.limit_tokens_per_s, "fraction": nominal.fraction,
             "limit_tokens_per_s_measured": meas.limit_tokens_per_s if meas else None,
-            "fraction_measured": meas.fraction if meas else None}  # fmt: skip
+            "fraction_measured": meas.fraction if meas else None}
 
 
 def _fmt(v: float | None, spec: str = ".1f", scale: float = 1.0) -> str:
@@ -368,17 +368,17 @@ def _fmt(v: float | None, spec: str = ".1f", scale: float = 1.0) -> str:
 def report(meta: Mapping[str, Any], prefill: PrefillResult, rows: list[dict[str, Any]]) -> None:
     print(f"{meta['shape']} {meta['dtype']} on {meta['device']}: {meta['param_count']:,} params, "
           f"{meta['weight_bytes'] / 1e9:.2f} GB weights; HBM {meta['hbm_gbps']:.0f} GB/s nominal, "
-          f"{_fmt(meta['hbm_gbps_measured'], '.0f')} measured")  # fmt: skip
+          f"{_fmt(meta['hbm_gbps_measured'], '.0f')} measured")
     print(f"prefill: {prefill.requests} x {meta['prefill_len']} tokens: {prefill.tokens_per_s:.1f} tok/s "
           f"(per request p50 {_fmt(prefill.per_request_p50_tokens_per_s)} tok/s, "
-          f"TTFT p50 {_fmt(prefill.ttft_p50_s, '.1f', 1e3)} ms)")  # fmt: skip
+          f"TTFT p50 {_fmt(prefill.ttft_p50_s, '.1f', 1e3)} ms)")
     print(f"{'batch':>6}{'decode tok/s':>14}{'TPOT p50 ms':>13}{'GB/step':>9}{'limit tok/s':>13}"
-          f"{'fraction':>10}{'limit@meas':>12}{'frac@meas':>11}")  # fmt: skip
+          f"{'fraction':>10}{'limit@meas':>12}{'frac@meas':>11}")
     for r in rows:
         print(f"{r['batch']:>6}{r['tokens_per_s']:>14.1f}{_fmt(r['tpot_p50_s'], '.2f', 1e3):>13}"
               f"{r['step_bytes'] / 1e9:>9.2f}{r['limit_tokens_per_s']:>13.1f}{r['fraction']:>10.3g}"
-              f"{_fmt(r['limit_tokens_per_s_measured']):>12}{_fmt(r['fraction_measured'], '.3g'):>11}")  # fmt: skip
-    print("limit = batch x HBM bytes/s / (weights but the embedding + batch x KV at prompt + output/2)")  # fmt: skip
+              f"{_fmt(r['limit_tokens_per_s_measured']):>12}{_fmt(r['fraction_measured'], '.3g'):>11}")
+    print("limit = batch x HBM bytes/s / (weights but the embedding + batch x KV at prompt + output/2)")
 
 
 def _exit_on_sigterm(signum: int, _frame: object) -> None:
@@ -390,33 +390,33 @@ def main(argv: list[str] | None = None) -> int:
     # The stack runs in process groups of its own, out of reach of a signal sent to this
     # one's group (`timeout`), so a SIGTERM here must stop it before exiting.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    from pdserve import envs
+    from common import envs
 
-    model_dir = Path(args.model_dir or envs.home() / "models" / f"gpu-serve-{args.shape}-{args.dtype}")  # fmt: skip
+    model_dir = Path(args.model_dir or envs.home() / "models" / f"gpu-serve-{args.shape}-{args.dtype}")
     t0 = time.perf_counter()
     written = ensure_model(model_dir, PRESETS[args.shape], args.dtype)
     print(f"[gpu_serve] model {'written' if written else 'reused'}: {model_dir} "
-          f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
+          f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
     shape = LlamaShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
     nbytes = DTYPE_BYTES[args.dtype]
     measured_gbps = measure_hbm_gbps(args.device) if args.measure_hbm else None
     kv_mem = args.kv_cache_memory or ("8GiB" if args.device.startswith("cuda") else None)
     cfg = StackConfig(str(model_dir), args.device, args.dtype, args.threads, kv_mem,
-                      args.max_num_batched_tokens, args.ready_timeout)  # fmt: skip
+                      args.max_num_batched_tokens, args.ready_timeout)
     tok = str(model_dir)  # the model dir holds tokenizer.json: prompts are sized exactly
     with serving_stack(cfg) as url:
         prefill = measure_prefill(url, tok, args.prefill_len, args.prefill_requests)
         decodes = [measure_decode(url, tok, args.prompt_len, args.output_len, int(b))
-                   for b in args.batches.split(",")]  # fmt: skip
+                   for b in args.batches.split(",")]
     rows = [
         decode_row(d, shape, args.output_len, nbytes, args.hbm_gbps, measured_gbps) for d in decodes
     ]
     meta = {"shape": args.shape, "dtype": args.dtype, "device": args.device, "model_dir": str(model_dir),
             "param_count": param_count(shape), "weight_bytes": weight_bytes(shape, nbytes),
-            "hbm_gbps": args.hbm_gbps, "hbm_gbps_measured": measured_gbps, "prefill_len": args.prefill_len}  # fmt: skip
+            "hbm_gbps": args.hbm_gbps, "hbm_gbps_measured": measured_gbps, "prefill_len": args.prefill_len}
     report(meta, prefill, rows)
     if args.output_json:
-        out = {"schema_version": 1, **meta, "args": vars(args), "prefill": prefill._asdict(), "decode": rows}  # fmt: skip
+        out = {"schema_version": 1, **meta, "args": vars(args), "prefill": prefill._asdict(), "decode": rows}
         Path(args.output_json).write_text(json.dumps(out, indent=1) + "\n")
     failed = prefill.failed + sum(d.failed for d in decodes)
     if failed or prefill.tokens_per_s <= 0 or any(d.tokens_per_s <= 0 for d in decodes):

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from common.kv_layout import KVLayout
 from kv_transfer import hostcopy
 from kv_transfer.api import TransferState
 from kv_transfer.checksum import frame_checksum
@@ -36,7 +37,6 @@ from kv_transfer.links import ZmqLinkFactory
 from kv_transfer.receiver import ZmqReceiver
 from kv_transfer.sender import DEFAULT_CHUNK_BYTES, DEFAULT_SHM_CHUNK_BYTES, Sender
 from kv_transfer.shm_pool import create_shm_pool
-from pdserve.kv_layout import KVLayout
 
 SHAPES = {
     "llama-125m": KVLayout(

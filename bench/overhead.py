@@ -48,12 +48,12 @@ def measure_engine(
     """Decode rate of the single-process engine at `batch` (imports torch)."""
     import numpy as np
 
+    from common.sampling_params import SamplingParams
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from pdserve.sampling_params import SamplingParams
 
     if model_dir is None:
-        from engine.default_model import default_model_dir
+        from pdserve.default_model import default_model_dir
 
         model_dir = str(default_model_dir())
     eng = LLMEngine(EngineConfig(model_dir=model_dir, num_threads=threads))
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         for b in batches:
             stack[b] = run_benchmark(bench_config(args, server.base_url, b, tok)).runs[0].summary
     print(f"{'batch':>6}{'engine tok/s':>14}{'stack tok/s':>13}{'ratio':>8}{'step ms':>9}"
-          f"{'TPOT ms':>9}{'added ms':>10}{'ITL p50 ms':>12}")  # fmt: skip
+          f"{'TPOT ms':>9}{'added ms':>10}{'ITL p50 ms':>12}")
     rows = []
     for b in batches:
         e, s = engine[b], stack[b]
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"{b:>6}{e.tokens_per_s:>14.1f}{stack_rate:>13.1f}{fmt(row['ratio'], 1):>8}"
               f"{fmt(e.step_s):>9}{fmt(tpot):>9}{fmt(row['added_per_token_s']):>10}"
-              f"{fmt(s['itl']['p50']):>12}")  # fmt: skip
+              f"{fmt(s['itl']['p50']):>12}")
     for row in rows:
         if row["batch"] >= 16 and row["ratio"] is not None:
             print(

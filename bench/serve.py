@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pdserve.sampling_params import SamplingParams  # noqa: E402
-from pdserve.transport import free_port  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
+from common.transport import free_port  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def engine_decode_tps(model_dir: str, shape: Shape, threads: int) -> float:
 async def _stream(session: object, url: str, model: str, i: int, shape: Shape) -> tuple[float, float, int]:
     body = {"model": model, "prompt": prompt_ids(i, shape.prompt_len, shape.concurrency), "max_tokens": shape.output_len,
             "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream_options": {"include_usage": True}}
     first = last = 0.0
     chunks = usage = 0
     async with session.post(f"{url}/v1/completions", json=body) as r:  # type: ignore[attr-defined]
@@ -98,7 +98,7 @@ async def gateway_decode_tps(url: str, model: str, shape: Shape) -> float:
 
 def start_up(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--threads", str(args.threads),
-           "--num-blocks", str(args.num_blocks)]  # fmt: skip
+           "--num-blocks", str(args.num_blocks)]
     cmd += ["--colocated"] if args.colocated else []
     cmd += ["--model", args.model] if args.model else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True)
@@ -121,7 +121,7 @@ def main() -> int:
     ap.add_argument("--colocated", action="store_true")
     args = ap.parse_args()
     if args.model is None:
-        from engine.default_model import default_model_dir
+        from pdserve.default_model import default_model_dir
 
         model_dir = str(default_model_dir())
     else:
@@ -138,7 +138,7 @@ def main() -> int:
         for s in shapes:
             tps = asyncio.run(gateway_decode_tps(url, model, s))
             rows.append({"concurrency": s.concurrency, "engine_decode_tps": round(engine[s.concurrency], 1),
-                         "gateway_decode_tps": round(tps, 1), "ratio": round(tps / engine[s.concurrency], 3)})  # fmt: skip
+                         "gateway_decode_tps": round(tps, 1), "ratio": round(tps / engine[s.concurrency], 3)})
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)

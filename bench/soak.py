@@ -43,7 +43,7 @@ from bench.soak_verdict import (
 from tests.e2e.cluster import Cluster, Proc, metric_value, remove_leaked_shm
 
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards",
-         "quietly", "hex", "jovial", "bankers", "near", "old", "stone", "bridges", "under", "cold", "rain")  # fmt: skip
+         "quietly", "hex", "jovial", "bankers", "near", "old", "stone", "bridges", "under", "cold", "rain")
 MAX_TOKENS_CHOICES = (4, 8, 16, 32, 64, 96)
 REQUEST_TIMEOUT_S = 120.0
 MAX_REQUESTS = 1_000_000
@@ -105,7 +105,7 @@ def kv_usage(cluster: Cluster, names_by_pid: dict[int, str]) -> dict[str, dict[s
         used = 1.0 - w["free_blocks"] / max(1, w["total_blocks"])
         out[name] = {"kv_usage_metrics": gauge, "kv_usage_registry": round(used, 4),
                      "free_blocks": w["free_blocks"], "total_blocks": w["total_blocks"],
-                     "running_seqs": w["running_seqs"], "inflight_requests": w["inflight_requests"]}  # fmt: skip
+                     "running_seqs": w["running_seqs"], "inflight_requests": w["inflight_requests"]}
     return out
 
 
@@ -129,7 +129,7 @@ class Traffic:
         prompt = " ".join(r.choice(WORDS) for _ in range(n_words))
         body: dict[str, Any] = {"model": self.model, "prompt": prompt, "stream": True,
                                 "max_tokens": r.choice(MAX_TOKENS_CHOICES),
-                                "temperature": r.choice((0.0, 0.0, 0.8)), "ignore_eos": r.random() < 0.5}  # fmt: skip
+                                "temperature": r.choice((0.0, 0.0, 0.8)), "ignore_eos": r.random() < 0.5}
         if body["temperature"]:
             body["seed"] = r.randrange(1 << 30)
         return body
@@ -220,7 +220,7 @@ def gateway_counters(cluster: Cluster) -> dict[str, Any]:
         out["recovery_attempts_logged"] = text.count("recovering ")
     for p in [*([cluster.gateway] if cluster.gateway else []), *cluster.workers]:
         lines = [ln for ln in p.log_path.read_text(errors="replace").splitlines()
-                 if '"level":"error"' in ln or "Traceback" in ln[:20]]  # fmt: skip
+                 if '"level":"error"' in ln or "Traceback" in ln[:20]]
         if lines:
             msgs: dict[str, int] = {}
             for ln in lines:
@@ -250,7 +250,7 @@ def get_model(cluster: Cluster) -> str:
 
 
 async def restart_task(cluster: Cluster, procs: dict[str, Proc], at_s: float, n_decode: int,
-                       t0: float, info: dict[str, Any]) -> None:  # fmt: skip
+                       t0: float, info: dict[str, Any]) -> None:
     await asyncio.sleep(max(0.0, at_s - (time.monotonic() - t0)))
     victim_name = next(n for n in procs if n.startswith("decode"))
     victim = procs[victim_name]
@@ -343,7 +343,7 @@ async def soak(args: argparse.Namespace, cluster: Cluster, procs: dict[str, Proc
 
     print("\n================ soak report ================")
     print(f"cluster: gateway + {args.prefill} prefill + {args.decode} decode; concurrency {args.concurrency}; "
-          f"{args.minutes} min after {args.warmup_s:.0f}s warm-up; abort fraction {args.abort_fraction}")  # fmt: skip
+          f"{args.minutes} min after {args.warmup_s:.0f}s warm-up; abort fraction {args.abort_fraction}")
     print(f"restart: {info or 'none'}")
     print(f"requests: {traffic.counts}  streamed content events: {traffic.tokens}")
     print(f"drained to idle within {args.drain_s:.0f}s: {drained}")
@@ -365,7 +365,7 @@ async def soak(args: argparse.Namespace, cluster: Cluster, procs: dict[str, Proc
           f"one alive; zero unexplained errors. An error is explained only if its code is in "
           f"{sorted(EXPLAINABLE_CODES)} (pool empty) and it occurred in the restart window "
           f"[kill, replacement registered + {args.heartbeat_grace_s:.0f}s]; recovered streams and client aborts "
-          "are not errors.")  # fmt: skip
+          "are not errors.")
     print(f"restart window: {window}")
     print("\nVERDICT:", "PASS" if verdict.passed else "FAIL")
     for r in verdict.reasons:
@@ -376,7 +376,7 @@ async def soak(args: argparse.Namespace, cluster: Cluster, procs: dict[str, Proc
             "start": {k: asdict(v) for k, v in start.items()}, "end": {k: asdict(v) for k, v in end.items()},
             "kv_start": kv_start, "kv_end": kv_end, "alive": alive,
             "errors": [asdict(e) for e in traffic.errors], "passed": verdict.passed, "reasons": verdict.reasons,
-        }, indent=2))  # fmt: skip
+        }, indent=2))
     return 0 if verdict.passed else 1
 
 

@@ -52,12 +52,12 @@ def measure_engine(model_dir: str | None, args: argparse.Namespace, salt: int) -
     """Prefill and decode tokens/s of the engine on one wave of `concurrency` requests."""
     import numpy as np
 
+    from common.sampling_params import SamplingParams
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from pdserve.sampling_params import SamplingParams
 
     if model_dir is None:
-        from engine.default_model import default_model_dir
+        from pdserve.default_model import default_model_dir
 
         model_dir = str(default_model_dir())
     eng = LLMEngine(EngineConfig(model_dir=model_dir, num_threads=args.threads))
@@ -101,13 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     tok = args.model or default_tokenizer()
     runs = [measure_engine(args.model, args, salt) for salt in range(args.engine_reps)]
     rates = EngineRates(statistics.median(r.prefill_tok_s for r in runs),
-                        statistics.median(r.decode_tok_s for r in runs))  # fmt: skip
+                        statistics.median(r.decode_tok_s for r in runs))
     up_args = split_args(args.up_args) + (["--model", args.model] if args.model else [])
     cfg = BenchConfig(
         endpoint=EndpointConfig(),
         workload=WorkloadConfig(input_len=args.input_len, output_len=args.output_len, tokenizer_dir=tok),
         load=LoadConfig(concurrency=args.concurrency, warmup=1, num_requests=args.num_requests,
-                        max_duration_s=600),  # fmt: skip
+                        max_duration_s=600),
         output=OutputConfig(progress=sys.stderr.isatty()),
     )
     with pdserve_up("throughput", up_args) as server:
@@ -131,11 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         "tpot_p50_s": s["tpot"]["p50"],
     }
     print(f"engine: prefill {rates.prefill_tok_s:.0f} tok/s, decode {rates.decode_tok_s:.0f} tok/s "
-          f"(batch {args.concurrency}, {args.threads} threads; runs {[(round(r.prefill_tok_s), round(r.decode_tok_s)) for r in runs]})")  # fmt: skip
+          f"(batch {args.concurrency}, {args.threads} threads; runs {[(round(r.prefill_tok_s), round(r.decode_tok_s)) for r in runs]})")
     print(f"served: {s['completed']} completed, {s['failed']} failed; {prompt_tokens} prompt + "
-          f"{decode_tokens} decode tokens in {wall:.2f} s")  # fmt: skip
+          f"{decode_tokens} decode tokens in {wall:.2f} s")
     print(f"compute floor {floor:.2f} s; wall / floor = {row['ratio']:.3f} "
-          f"(target <= 1.1: {'MET' if row['ratio'] <= 1.1 else 'MISSED'})")  # fmt: skip
+          f"(target <= 1.1: {'MET' if row['ratio'] <= 1.1 else 'MISSED'})")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"args": vars(args), "result": row, "summary": s}, f, indent=1)

@@ -19,17 +19,17 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from decode_node.engine_glue import StatsMirror, wire_deltas
-from decode_node.runtime import NodeLoad, NodeRegistration, Sender
-from decode_node.worker_metrics import WorkerMetrics
+from common import protocol as p
+from common.logs import request_fields
+from common.sampling_params import SamplingParams, SamplingParamsError
+from common.transport import transport_kind
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.sequence import TokenLogprob
 from kv_transfer.api import TransferState
-from pdserve import protocol as p
-from pdserve.logs import request_fields
-from pdserve.sampling_params import SamplingParams, SamplingParamsError
-from pdserve.transport import transport_kind
+from worker.engine_glue import StatsMirror, wire_deltas
+from worker.metrics import WorkerMetrics
+from worker.runtime import NodeLoad, NodeRegistration, Sender
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class DecodeNode:
     role = "decode"
 
     def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, receiver: Any,
-                 send: Sender, metrics: WorkerMetrics, kv_shm: str = "") -> None:  # fmt: skip
+                 send: Sender, metrics: WorkerMetrics, kv_shm: str = "") -> None:
         self.worker_id = worker_id
         self.engine = engine
         self.runner = runner
@@ -166,7 +166,7 @@ class DecodeNode:
                 self._running.discard(out.request_id)
                 finished[out.request_id] = self._finished(out.request_id)
         deltas = [replace(d, timings=finished[d.request_id]) if d.request_id in finished else d
-                  for d in wire_deltas(outputs)]  # fmt: skip
+                  for d in wire_deltas(outputs)]
         if deltas:
             self.send(p.TokenBatch(self.worker_id, deltas))
         return True
@@ -209,7 +209,7 @@ class DecodeNode:
         self.metrics.transfer_failures.inc()
         log.warning("KV transfer for %s ended %s", rid, state.name, extra=request_fields(rid))
         self.send(p.RequestFailed(rid, f"kv transfer {state.name.lower()}", retryable=True,
-                                  transfer_id=inc.transfer_id))  # fmt: skip
+                                  transfer_id=inc.transfer_id))
 
     def _block_bytes(self) -> int:
         layout = self.runner.layout

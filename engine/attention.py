@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common.kv_layout import NULL_BLOCK
 from engine.runner_types import SeqChunk
-from pdserve.kv_layout import NULL_BLOCK
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pdserve.kv_layout import NULL_BLOCK
+from common.kv_layout import NULL_BLOCK
 
 # Parent hash of the first block of every sequence.
 _ROOT_HASH = 0

@@ -1,4 +1,4 @@
-"""KVPool: the one paged KV tensor of a worker, laid out as `pdserve.kv_layout` says.
+"""KVPool: the one paged KV tensor of a worker, laid out as `common.kv_layout` says.
 
     kv[layer, 0=K / 1=V, block, slot, kv_head, head_dim]
 
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.kv_layout import NULL_BLOCK, KVLayout
+from common.kv_layout import NULL_BLOCK, KVLayout
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from common.sampling_params import SamplingParams
 from engine.block_manager import BlockCopy, BlockManager
 from engine.config import EngineConfig
 from engine.outputs import (
@@ -38,7 +39,6 @@ from engine.sampler import Sampler, SampleRow, request_seed
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Request, SequenceStatus, TokenLogprob, finish_status
 from engine.sequence import Sequence as Seq
-from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.kv_layout import KVLayout
+from common.kv_layout import KVLayout
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

@@ -14,13 +14,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from common.kv_layout import KVLayout
 from engine.attention import AttentionBackend, TorchPagedAttention, build_metadata, order_chunks
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.kv_pool import TORCH_DTYPES, KVPool
 from engine.loader import load_config, load_model_with
 from engine.model_config import ModelConfig, kv_layout
 from engine.runner_types import SeqChunk
-from pdserve.kv_layout import KVLayout
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import torch
 
+from common.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
-from pdserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdserve.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

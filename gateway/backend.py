@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from pdserve.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 PRIORITIES = ("interactive", "batch")
 

@@ -39,6 +39,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from common import protocol as p
+from common.transport import new_id
 from gateway.backend import (
     BackendError,
     BackendErrorKind,
@@ -50,8 +52,6 @@ from gateway.backend import (
 from gateway.control_plane import ClusterConfig, ControlPlane
 from gateway.registry import WorkerInfo
 from gateway.router import blocks_needed, pick_colocated, pick_decode, pick_prefill
-from pdserve import protocol as p
-from pdserve.transport import new_id
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class ClusterBackend(ControlPlane):
             self._send(flight.prefill_id, p.TransferTarget(
                 flight.wid, flight.transfer_id, w.worker_id, w.reg.host_id, w.reg.kv_address,
                 w.reg.kv_shm, list(result.block_ids),
-            ))  # fmt: skip
+            ))
             if flight.first is not None:
                 self._start_decode(flight, flight.first)
             return
@@ -217,7 +217,7 @@ class ClusterBackend(ControlPlane):
                 raise BackendError(
                     BackendErrorKind.NO_WORKERS, "no prefill+decode or colocated worker registered",
                     retry_after=1.0,
-                )  # fmt: skip
+                )
             await asyncio.sleep(0.05)
 
     async def _follow(self, flight: _Flight) -> AsyncIterator[TokenDelta]:
@@ -235,7 +235,7 @@ class ClusterBackend(ControlPlane):
                     self._unassign(flight, flight.prefill_id)
                     flight.prefill_id = ""
                 delta = self._record(flight, ev.index, ev.token_ids, ev.finish_reason, ev.logprobs,
-                                     ev.cached_tokens, ev.timings)  # fmt: skip
+                                     ev.cached_tokens, ev.timings)
                 if delta is not None:
                     yield delta
             else:
@@ -265,7 +265,7 @@ class ClusterBackend(ControlPlane):
     def _record(
         self, flight: _Flight, index: int, token_ids: list[int], reason: str | None,
         logprobs: Any, cached: int, timings: dict[str, float] | None,
-    ) -> TokenDelta | None:  # fmt: skip
+    ) -> TokenDelta | None:
         if not 0 <= index < len(flight.finished) or flight.finished[index]:
             return None
         flight.generated[index].extend(token_ids)

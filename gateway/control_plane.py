@@ -22,13 +22,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from common import protocol as p
+from common.transport import LOOPBACK, CurveServer, ZapLog, apply_curve_server
 from gateway.backend import (
     FleetSample,
     ReadyState,
 )
 from gateway.registry import WorkerInfo, WorkerRegistry
-from pdserve import protocol as p
-from pdserve.transport import LOOPBACK, CurveServer, ZapLog, apply_curve_server
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,6 @@ gateway/openai_api.py) and pass through unchanged, with time and level added.
 
 from __future__ import annotations
 
-from pdserve.logs import JsonFormatter, configure_logging
+from common.logs import JsonFormatter, configure_logging
 
 __all__ = ["JsonFormatter", "configure_logging"]

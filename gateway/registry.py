@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.protocol import Heartbeat, RegisterWorker
-from pdserve.transport import transport_kind
+from common.protocol import Heartbeat, RegisterWorker
+from common.transport import transport_kind
 
 
 @dataclass

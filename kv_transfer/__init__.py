@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from common.kv_layout import KVLayout
 from kv_transfer.api import TERMINAL_STATES, KVReceiver, KVSender, TransferState, UnknownTransfer
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
 from kv_transfer.faults import FaultConfig
@@ -28,7 +29,6 @@ from kv_transfer.links import ZmqLinkFactory
 from kv_transfer.receiver import ZmqReceiver
 from kv_transfer.sender import Sender
 from kv_transfer.shm_pool import ShmPool, attach_shm_pool, create_shm_pool
-from pdserve.kv_layout import KVLayout
 
 __all__ = [
     "TERMINAL_STATES", "FakeFabric", "FakeReceiver", "FaultConfig", "KVReceiver", "KVSender",

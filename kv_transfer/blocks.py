@@ -15,11 +15,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from common.kv_layout import NULL_BLOCK, KVLayout
 from kv_transfer import hostcopy
 from kv_transfer.checksum import word_dtype
 from kv_transfer.copy_threads import CopyThreads, Work
 from kv_transfer.runs import Run, block_runs
-from pdserve.kv_layout import NULL_BLOCK, KVLayout
 
 # numpy has no bfloat16: such pools are handled as their raw 16-bit patterns.
 NUMPY_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),

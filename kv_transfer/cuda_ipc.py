@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from common.kv_layout import KVLayout
 from kv_transfer.blocks import numpy_dtype
 from kv_transfer.checksum import word_dtype
 from kv_transfer.wire import ShmDescriptor
-from pdserve.kv_layout import KVLayout
 
 PREFIX = "cudaipc:"
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: unified addressing picks the direction (and peer)

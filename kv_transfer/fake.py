@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from common.kv_layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.api import TransferState
 from kv_transfer.faults import FaultConfig
@@ -24,7 +25,6 @@ from kv_transfer.links import DONE, InboxLink, Parts, Sent
 from kv_transfer.receiver_core import ReceiverCore, ReceiverStats
 from kv_transfer.sender import Sender
 from kv_transfer.shm_pool import ShmPool
-from pdserve.kv_layout import KVLayout
 
 SCHEME = "fake://"
 

@@ -1,7 +1,7 @@
 """Fault injection for tests: corrupt, drop or delay KV frames. Off by default.
 
 The spec comes from the environment variable PDSERVE_KV_FAULTS (read through
-`pdserve.envs`, the one place environment variables are read), e.g.
+`common.envs`, the one place environment variables are read), e.g.
 `PDSERVE_KV_FAULTS="corrupt_chunk=2,delay_s=0.05"`, so faults can be switched
 on in a worker process started by a test; or pass a FaultConfig directly.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from pdserve import envs
+from common import envs
 
 ENV_VAR = "PDSERVE_KV_FAULTS"
 

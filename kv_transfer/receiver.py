@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import zmq
 
+from common.kv_layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.api import TransferState
 from kv_transfer.copy_threads import DEFAULT_COPY_THREADS
@@ -32,7 +33,6 @@ from kv_transfer.faults import FaultConfig
 from kv_transfer.links import Waker, tune_socket
 from kv_transfer.receiver_core import ReceiverCore, ReceiverStats
 from kv_transfer.shm_pool import ShmPool
-from pdserve.kv_layout import KVLayout
 
 TRANSPORTS = ("tcp", "ipc", "shm", "shm+ipc", "shm+tcp", "cuda", "cuda+ipc", "cuda+tcp")
 log = logging.getLogger(__name__)

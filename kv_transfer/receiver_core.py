@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from common.kv_layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.api import TransferState, UnknownTransfer
 from kv_transfer.blocks import (
@@ -49,7 +50,6 @@ from kv_transfer.copy_threads import CopyThreads
 from kv_transfer.faults import FaultConfig
 from kv_transfer.pool_ops import pool_ops
 from kv_transfer.shm_pool import lock_holder_gone, watch_liveness
-from pdserve.kv_layout import KVLayout
 
 PENDING_CLAIM_TTL_S = 30.0
 # A cancelled shared-memory transfer waits for the sender's Abort; the Cancel asking

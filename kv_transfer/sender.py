@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from common.kv_layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.api import TransferState, UnknownTransfer
 from kv_transfer.blocks import (
@@ -46,7 +47,6 @@ from kv_transfer.links import LinkFactory, Parts, StagingBuffers, Waker
 from kv_transfer.pool_ops import pool_ops
 from kv_transfer.sender_state import PeerRecord, TransferRecord, attach_direct
 from kv_transfer.shm_pool import LivenessLock
-from pdserve.kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 8 << 20

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common.kv_layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.api import TransferState
 from kv_transfer.blocks import ChunkSpan
@@ -18,7 +19,6 @@ from kv_transfer.cuda_ipc import CudaPool, attach_cuda_pool, is_cuda_descriptor
 from kv_transfer.links import Link, Parts
 from kv_transfer.pool_ops import PoolOps
 from kv_transfer.shm_pool import ShmPool, attach_shm_pool
-from pdserve.kv_layout import KVLayout
 
 
 @dataclass

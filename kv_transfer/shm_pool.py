@@ -26,9 +26,9 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from common.kv_layout import KVLayout
 from kv_transfer.blocks import check_pool, numpy_dtype
 from kv_transfer.wire import ShmDescriptor
-from pdserve.kv_layout import KVLayout
 
 _DEV_SHM = "/dev/shm"
 _PREFIX = "pdkv"

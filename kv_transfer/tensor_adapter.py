@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.kv_layout import KVLayout
 from kv_transfer.shm_pool import ShmPool
-from pdserve.kv_layout import KVLayout
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -23,7 +23,7 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from pdserve.kv_layout import DTYPE_BYTES, KVLayout
+from common.kv_layout import DTYPE_BYTES, KVLayout
 
 DEFAULT_OVERHEAD_FRACTION = 0.10
 DEFAULT_DTYPE = "float16"

@@ -28,18 +28,18 @@ from typing import Any
 
 import torch
 
-from decode_node.engine_glue import StatsMirror, wire_logprobs
-from decode_node.runtime import NodeLoad, NodeRegistration, Sender
-from decode_node.worker_metrics import WorkerMetrics
+from common import protocol as p
+from common.logs import request_fields
+from common.sampling_params import SamplingParams, SamplingParamsError
+from common.transport import host_id, transport_kind
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.scheduler import SchedulerOutput
 from kv_transfer.api import TransferState
-from pdserve import protocol as p
-from pdserve.logs import request_fields
-from pdserve.sampling_params import SamplingParams, SamplingParamsError
-from pdserve.transport import host_id, transport_kind
+from worker.engine_glue import StatsMirror, wire_logprobs
+from worker.metrics import WorkerMetrics
+from worker.runtime import NodeLoad, NodeRegistration, Sender
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class PrefillNode:
     role = "prefill"
 
     def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, sender: Any,
-                 send: Sender, metrics: WorkerMetrics, layerwise: bool = True) -> None:  # fmt: skip
+                 send: Sender, metrics: WorkerMetrics, layerwise: bool = True) -> None:
         self.worker_id = worker_id
         # Push each layer's KV while the next layer computes (when the target is known in time).
         self.layerwise = layerwise
@@ -112,13 +112,13 @@ class PrefillNode:
             params = SamplingParams.from_dict(msg.params)
             prompt, outputs = p.split_resumed(msg.prompt_token_ids, msg.output_offset)
             self.engine.add_request(msg.request_id, prompt, params, prefill_only=True,
-                                    output_token_ids=outputs, choice_index=msg.choice_index)  # fmt: skip
+                                    output_token_ids=outputs, choice_index=msg.choice_index)
         except (SamplingParamsError, ValueError) as e:
             self.send(p.RequestFailed(msg.request_id, f"invalid request: {e}", retryable=False))
             return
         self._jobs[msg.request_id] = _Job(msg, time.monotonic())
         log.debug("prefill request %s accepted: %d prompt tokens", msg.request_id, len(msg.prompt_token_ids),
-                  extra=request_fields(msg.request_id))  # fmt: skip
+                  extra=request_fields(msg.request_id))
         self.metrics.requests.inc()
         self.metrics.prefill_requests.inc()
 
@@ -176,7 +176,7 @@ class PrefillNode:
             [(wire_logprobs(c) or [None])[0] for c in choices],
             out.num_cached_tokens,
             self._timings(job),
-        ))  # fmt: skip
+        ))
         if not out.prefilled or all(c.finish_reason is not None for c in choices):
             self._finish_without_decode(job)
         elif job.target is not None and not job.transfer_started_at:
@@ -224,7 +224,7 @@ class PrefillNode:
         assert target is not None
         src = list(src_blocks)[: len(target.dst_block_ids)]
         self.sender.begin(target.transfer_id, job.msg.request_id, peer_address(target), src,
-                          list(target.dst_block_ids), TRANSFER_LEASE_S)  # fmt: skip
+                          list(target.dst_block_ids), TRANSFER_LEASE_S)
         job.transfer_started_at = time.monotonic()
 
     def _finish_without_decode(self, job: _Job) -> None:
@@ -256,16 +256,16 @@ class PrefillNode:
             if state == TransferState.COMPLETE:
                 self.metrics.transfer_seconds.observe(time.monotonic() - job.transfer_started_at)
                 self.metrics.add_transfer_bytes(transport_kind(peer_address(job.target)),
-                                                len(job.target.dst_block_ids) * self._block_bytes())  # fmt: skip
+                                                len(job.target.dst_block_ids) * self._block_bytes())
                 self._finish(job)
                 changed = True
             elif state in _FAILED:
                 self.metrics.transfer_failures.inc()
                 log.warning("KV transfer %s of %s ended %s", tid, job.msg.request_id, state.name,
-                            extra=request_fields(job.msg.request_id))  # fmt: skip
+                            extra=request_fields(job.msg.request_id))
                 self._finish(job)
                 self.send(p.RequestFailed(job.msg.request_id, f"kv transfer {state.name.lower()}",
-                                          retryable=True, transfer_id=tid))  # fmt: skip
+                                          retryable=True, transfer_id=tid))
                 changed = True
         return changed
 

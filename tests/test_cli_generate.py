@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, EngineConfig
-from engine.default_model import write_default_model
 from engine.llm_engine import LLMEngine
 from gateway.tokenizer import Tokenizer
 from pdserve.cli import main
-from pdserve.sampling_params import SamplingParams
+from pdserve.default_model import write_default_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The capital of France is", "Once upon a time, 你好 🚀"]

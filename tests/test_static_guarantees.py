@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("pdserve", "engine", "kv_transfer", "prefill_node", "decode_node", "gateway", "bench")
+PACKAGES = ("pdserve", "common", "worker", "engine", "kv_transfer", "prefill_node", "decode_node", "gateway", "bench")
 FORBIDDEN = re.compile(r"\b(import pickle|from pickle|cPickle|recv_pyobj|send_pyobj|torch\.load|pickle\.loads)\b")
 
 
@@ -35,7 +35,7 @@ def test_no_unpickling_anywhere() -> None:
 
 def test_gateway_never_imports_torch() -> None:
     code = (
-        "import sys, gateway.server, gateway.tokenizer, gateway.detokenizer, pdserve.protocol;"
+        "import sys, gateway.server, gateway.tokenizer, gateway.detokenizer, common.protocol;"
         "import gateway.cluster;"
         "print('torch' in sys.modules)"
     )

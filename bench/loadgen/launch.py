@@ -44,7 +44,7 @@ def pdserve_command() -> list[str]:
 def default_tokenizer() -> str | None:
     """The built-in model's directory (it holds `tokenizer.json`), or None."""
     try:
-        from engine.default_model import default_model_dir  # torch-free module
+        from pdserve.default_model import default_model_dir  # torch-free module
 
         return str(default_model_dir())
     except Exception as e:  # a missing engine must not stop a run against a server

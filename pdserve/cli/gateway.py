@@ -12,9 +12,9 @@ import argparse
 import json
 from pathlib import Path
 
-from pdserve import envs
+from common import envs
+from common.logs import configure_logging
 from pdserve.cli.gateway_options import add_gateway_options, gateway_settings
-from pdserve.logs import configure_logging
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--control-host", default="127.0.0.1", help="address workers connect to")
     ap.add_argument("--control-port", type=int, default=0, help="0: a free port")
     ap.add_argument("--heartbeat-timeout", type=float, default=3.0,
-                    help="seconds of silence before a worker is removed")  # fmt: skip
+                    help="seconds of silence before a worker is removed")
     ap.add_argument("--max-recoveries", type=int, default=3)
     ap.add_argument("--request-timeout", type=float, default=None, help="per-request deadline (s)")
     ap.add_argument("--drain-timeout", type=float, default=30.0)
@@ -35,9 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
     add_gateway_options(ap)
     ap.add_argument("--curve-secret-key", default=None,
-                    help="CURVE: the gateway's secret certificate (encrypts the control plane)")  # fmt: skip
+                    help="CURVE: the gateway's secret certificate (encrypts the control plane)")
     ap.add_argument("--curve-authorized-keys", default=None,
-                    help="CURVE: directory of worker public certificates allowed to connect")  # fmt: skip
+                    help="CURVE: directory of worker public certificates allowed to connect")
     ap.set_defaults(func=run)
 
 
@@ -49,18 +49,18 @@ def model_max_len(model_dir: Path) -> int:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(envs.log_level())
+    from common.transport import CurveServer, free_port
     from gateway.cluster import ClusterBackend, ClusterConfig
     from gateway.config import GatewayConfig
     from gateway.server import run_gateway
     from gateway.tokenizer import Tokenizer
-    from pdserve.transport import CurveServer, free_port
 
     if bool(args.curve_secret_key) != bool(args.curve_authorized_keys):
         raise SystemExit("--curve-secret-key and --curve-authorized-keys go together")
     curve = CurveServer(args.curve_secret_key, args.curve_authorized_keys) if args.curve_secret_key else None
 
     if args.model is None:
-        from engine.default_model import default_model_dir
+        from pdserve.default_model import default_model_dir
 
         model_dir = Path(default_model_dir())
     else:
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = ClusterBackend(ClusterConfig(
         control_host=args.control_host, control_port=control_port,
         heartbeat_timeout_s=args.heartbeat_timeout, max_recoveries=args.max_recoveries, curve=curve,
-    ))  # fmt: skip
+    ))
     try:
         settings = gateway_settings(args)
     except ValueError as e:

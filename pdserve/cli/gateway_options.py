@@ -12,7 +12,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from pdserve import envs
+from common import envs
 
 # RequestLimits field -> flag (`max_tokens` is a cap, not the default: hence its name).
 LIMIT_FLAGS = {
@@ -33,7 +33,7 @@ def add_gateway_options(ap: argparse.ArgumentParser) -> None:
     auth = ap.add_argument_group("authentication")
     auth.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
                       help="file of API keys, one per line, '#' comments; with --api-key and "
-                      "PDSERVE_API_KEYS")  # fmt: skip
+                      "PDSERVE_API_KEYS")
     auth.add_argument(
         "--metrics-protected", action="store_true", help="require the API key on /metrics too"
     )
@@ -52,7 +52,7 @@ def add_gateway_options(ap: argparse.ArgumentParser) -> None:
             f"--max-queue-wait-{prio}", type=float, default=None, help=f"{prio} class only"
         )
     adm.add_argument("--batch-aging", type=float, default=None,
-                     help="seconds after which a waiting batch request counts as interactive (0: never)")  # fmt: skip
+                     help="seconds after which a waiting batch request counts as interactive (0: never)")
     adm.add_argument("--retry-after", type=int, default=None, help="Retry-After seconds on 503s")
     lim = ap.add_argument_group("request size limits (400/413 beyond these)")
     for name, flag in LIMIT_FLAGS.items():

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pdserve.sampling_params import SamplingParams, SamplingParamsError
+from common.sampling_params import SamplingParams, SamplingParamsError
 
 
 def register(subparsers: Any) -> None:
@@ -63,9 +63,9 @@ def _encode(tokenizer: Any, args: argparse.Namespace, prompt: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.default_model import default_model_dir
     from gateway.chat_template import ChatTemplateError
     from gateway.tokenizer import Tokenizer
+    from pdserve.default_model import default_model_dir
 
     try:
         params = _sampling_params(args)

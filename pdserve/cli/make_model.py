@@ -21,7 +21,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.default_model import write_default_model  # torch-free, but not needed to parse
+    from pdserve.default_model import write_default_model  # torch-free, but not needed to parse
 
     out: Path = args.dir
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

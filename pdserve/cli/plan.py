@@ -43,7 +43,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     model = args.model
     if model is None:
-        from engine.default_model import default_model_dir  # torch-free
+        from pdserve.default_model import default_model_dir  # torch-free
 
         model = default_model_dir()
     try:

@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--colocated", action="store_true", help="colocated workers instead of P/D")
     ap.add_argument("--workers", type=int, default=1, help="colocated workers (with --colocated)")
     ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads per worker (default: cores split among workers)")  # fmt: skip
+                    help="torch threads per worker (default: cores split among workers)")
     ap.add_argument("--prefill-threads", type=int, default=None,
                     help="torch threads per prefill worker (default: --threads)")
     ap.add_argument("--decode-threads", type=int, default=None,
@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--max-recoveries", type=int, default=3)
     ap.add_argument("--api-key", action="append", default=[], help="gateway: require this API key (repeatable)")
     ap.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
-                    help="gateway: file of API keys, one per line, '#' comments")  # fmt: skip
+                    help="gateway: file of API keys, one per line, '#' comments")
     ap.add_argument("--ready-timeout", type=float, default=120.0)
     ap.set_defaults(func=run)
 
@@ -87,7 +87,7 @@ def _worker_cmds(args: argparse.Namespace, control: str) -> list[list[str]]:
 
 def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
     cmd = [*_pdserve(), "gateway", "--host", args.host, "--port", str(args.port),
-           "--control-port", str(control_port), "--max-recoveries", str(args.max_recoveries)]  # fmt: skip
+           "--control-port", str(control_port), "--max-recoveries", str(args.max_recoveries)]
     if args.model:
         cmd += ["--model", str(Path(args.model))]
     for key in args.api_key:
@@ -126,7 +126,7 @@ def _stop(procs: list[subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.transport import free_port
+    from common.transport import free_port
 
     control_port = free_port()
     control = f"tcp://127.0.0.1:{control_port}"

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
-from pdserve import envs
-from pdserve.logs import configure_logging
+from common import envs
+from common.logs import configure_logging
 
 ROLE_COMMANDS = {"prefill": "prefill", "decode": "decode", "worker": "colocated"}
 
@@ -26,7 +27,7 @@ def parse_bytes(text: str) -> int:
 
 
 def gateway_address(text: str) -> str:
-    from pdserve.gateways import parse_gateway
+    from worker.gateways import parse_gateway
 
     try:
         return parse_gateway(text)
@@ -41,7 +42,7 @@ def default_threads(local_workers: int = 1) -> int:
 def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gateway", required=True, action="append", type=gateway_address,
                     help="gateway control address, tcp://HOST:PORT or dns+tcp://NAME:PORT (every A record, "
-                    "re-resolved); repeat for several gateways")  # fmt: skip
+                    "re-resolved); repeat for several gateways")
     ap.add_argument("--model", default=None, help="Hugging Face model dir (default: built-in)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
@@ -61,7 +62,7 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--threads", type=int, default=None,
-                    help="torch intra-op threads (default: the cores split among --local-workers)")  # fmt: skip
+                    help="torch intra-op threads (default: the cores split among --local-workers)")
     ap.add_argument("--local-workers", type=int, default=1, help="workers sharing this host")
     ap.add_argument("--metrics-host", default="127.0.0.1")
     ap.add_argument("--metrics-port", type=int, default=0, help="worker /health and /metrics (0: free)")
@@ -70,7 +71,7 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-host", default="127.0.0.1", help="decode: address the KV receiver binds")
     ap.add_argument("--kv-port", type=int, default=0, help="decode: KV receiver tcp port (0: ephemeral)")
     ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"),
-                    help="auto: shared memory with same-host peers, tcp otherwise")  # fmt: skip
+                    help="auto: shared memory with same-host peers, tcp otherwise")
     ap.add_argument("--curve-key", default=None, help="CURVE: this worker's secret certificate file")
     ap.add_argument("--curve-server-key", default=None, help="CURVE: the gateway's public certificate file")
 
@@ -81,7 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         add_worker_args(ap)
         if command == "worker":
             ap.add_argument("--colocated", action="store_true", required=True,
-                            help="prefill and decode in one process")  # fmt: skip
+                            help="prefill and decode in one process")
         ap.set_defaults(func=run, role=role)
 
 
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = args.model
     if model_dir is None:
-        from engine.default_model import default_model_dir
+        from pdserve.default_model import default_model_dir
 
         model_dir = str(default_model_dir())
     engine_cfg = EngineConfig(
@@ -119,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
         ),
     )
-    from decode_node.main import WorkerOptions, run_worker
-    from pdserve.transport import CurveClient
+    from common.transport import CurveClient
+    from worker.main import WorkerOptions, run_worker
 
     if bool(args.curve_key) != bool(args.curve_server_key):
         raise SystemExit("--curve-key and --curve-server-key go together")
@@ -138,4 +139,19 @@ def run(args: argparse.Namespace) -> int:
         kv_transport=args.kv_transport,
         curve=curve,
     )
-    return run_worker(engine_cfg, opts)
+    return run_worker(engine_cfg, opts, node_builder(args.role))
+
+
+def node_builder(role: str) -> Any:
+    """The role's node builder: the CLI is the one place that knows every role."""
+    if role == "prefill":
+        from prefill_node.main import build_prefill
+
+        return build_prefill
+    if role == "decode":
+        from decode_node.main import build_decode
+
+        return build_decode
+    from worker.main import build_colocated
+
+    return build_colocated

@@ -56,7 +56,7 @@ def test_cli_sweep_writes_table_json_png(
             "--output-json", str(out_json),
             "--output-png", str(out_png),
         ]
-    )  # fmt: skip
+    )
     assert rc == 0
     captured = capsys.readouterr()
     assert "TTFT" in captured.out and "ITL" in captured.out and "metrics:" in captured.out

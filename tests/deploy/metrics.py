@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCE_PACKAGES = ("gateway", "prefill_node", "decode_node", "pdserve", "engine", "kv_transfer")
+SOURCE_PACKAGES = ("gateway", "prefill_node", "decode_node", "worker", "common", "pdserve", "engine", "kv_transfer")
 
 # Histograms export <name>_bucket, <name>_count and <name>_sum series.
 HISTOGRAMS = frozenset(
@@ -26,7 +26,7 @@ HISTOGRAMS = frozenset(
     }
 )
 
-# Every worker role serves the same WorkerMetrics (decode_node/worker_metrics.py).
+# Every worker role serves the same WorkerMetrics (worker/metrics.py).
 _WORKER = frozenset(
     {
         "llm_kv_cache_usage_ratio",

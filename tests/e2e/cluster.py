@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.transport import free_port
+from common.transport import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_BLOCKS = "256"
@@ -65,7 +65,7 @@ def start(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None 
         popen = subprocess.Popen(
             [sys.executable, "-m", "pdserve", *args], cwd=ROOT, env=_env(env), stdout=out,
             stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+        )
     return Proc(name, popen, log_path)
 
 
@@ -87,7 +87,7 @@ def http(method: str, url: str, body: Any = None, timeout: float = 60.0) -> tupl
 def sse(url: str, body: dict[str, Any], timeout: float = 60.0) -> list[Any]:
     """POST a streaming request; the parsed `data:` events, "[DONE]" included."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+                                 headers={"Content-Type": "application/json"})
     events: list[Any] = []
     try:
         r = urllib.request.urlopen(req, timeout=timeout)
@@ -122,13 +122,13 @@ class Cluster:
     def start_gateway(self, *extra: str) -> None:
         self.gateway = start("gateway", ["gateway", "--port", str(self.port), "--control-port",
                                          str(self.control_port), "--heartbeat-timeout", "3.0", *extra],
-                             self.log_dir)  # fmt: skip
+                             self.log_dir)
         self._wait(lambda: http("GET", f"{self.url}/health", timeout=2)[0] == 200, "gateway /health")
 
     def add_worker(self, role: str, *extra: str, env: dict[str, str] | None = None) -> Proc:
         self._n += 1
         args = [role, "--gateway", self.control, "--threads", "1", "--num-blocks", WORKER_BLOCKS,
-                "--heartbeat", "0.25", *extra]  # fmt: skip
+                "--heartbeat", "0.25", *extra]
         if role == "worker":
             args.append("--colocated")
         proc = start(f"{role}{self._n}", args, self.log_dir, env)
@@ -153,7 +153,7 @@ class Cluster:
 
         def idle() -> bool:
             return all(w["free_blocks"] == w["total_blocks"] and w["running_seqs"] == 0
-                       and w["inflight_requests"] == 0 for w in self.worker_list())  # fmt: skip
+                       and w["inflight_requests"] == 0 for w in self.worker_list())
 
         self._wait(idle, "idle KV on every worker", timeout)
         return self.worker_list()

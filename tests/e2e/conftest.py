@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Reference:
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from engine.default_model import default_model_dir
+    from pdserve.default_model import default_model_dir
 
     return Path(default_model_dir())
 

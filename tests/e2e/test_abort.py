@@ -21,7 +21,7 @@ def _stream_and_maybe_drop(port: int, model: str, i: int, drop_after: int | None
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     body = {"model": model, "prompt": f"abort test {i} " + "pad " * (i % 40), "max_tokens": 60,
             "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream_options": {"include_usage": True}}
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
@@ -47,10 +47,10 @@ def _send_and_close_after(port: int, model: str, i: int, delay_s: float) -> None
     """Send a streaming request on a raw socket and hang up after `delay_s`, wherever the
     request is by then (queued, prefilling, transferring KV or decoding)."""
     body = json.dumps({"model": model, "prompt": f"abort test {i} " + "pad " * (i % 60),
-                       "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True})  # fmt: skip
+                       "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True})
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())  # fmt: skip
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
         time.sleep(delay_s)
 
 
@@ -92,5 +92,5 @@ def test_random_disconnects_free_all_kv(log_dir: Path, reference: Reference) -> 
         # Still serving correctly afterwards.
         want = reference.generate(reference.completion_ids("after aborts"), max_tokens=6, temperature=0.0)[0]
         status, out = http_call("POST", f"{c.url}/v1/completions",
-                                {"model": reference.model_name, "prompt": "after aborts", "max_tokens": 6, "temperature": 0})  # fmt: skip
+                                {"model": reference.model_name, "prompt": "after aborts", "max_tokens": 6, "temperature": 0})
         assert status == 200 and out["choices"][0]["text"] == reference.text(want)

@@ -28,7 +28,7 @@ def test_late_decode_worker_joins_and_stopped_worker_leaves(log_dir: Path, refer
         c.add_worker("prefill")
         c.wait_roles(prefill=1)
         status, _ = http("POST", f"{c.url}/v1/completions",
-                         {"model": reference.model_name, "prompt": "hi", "max_tokens": 2})  # fmt: skip
+                         {"model": reference.model_name, "prompt": "hi", "max_tokens": 2})
         assert status == 503  # no decode worker yet
         first = c.add_worker("decode")
         c.wait_roles(prefill=1, decode=1)
@@ -82,7 +82,7 @@ def test_64_concurrent_streams_complete_and_free_all_kv(log_dir: Path, reference
 
         def run(i: int) -> str:
             body = {"model": reference.model_name, "prompt": prompts[i], "max_tokens": lengths[i],
-                    "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+                    "temperature": 0, "stream": True, "ignore_eos": True}
             events = sse(f"{c.url}/v1/completions", body, timeout=120)
             assert events[-1] == "[DONE]"
             finishes = [ch["finish_reason"] for e in events[:-1] for ch in e.get("choices", []) if ch["finish_reason"]]

@@ -32,7 +32,7 @@ def test_curve_authorized_worker_serves_and_unknown_key_is_refused(log_dir: Path
         c.wait_roles(colocated=1)
         want = reference.text(reference.generate(reference.completion_ids("secure"), max_tokens=6, temperature=0.0)[0])
         status, out = http("POST", f"{c.url}/v1/completions",
-                           {"model": reference.model_name, "prompt": "secure", "max_tokens": 6, "temperature": 0})  # fmt: skip
+                           {"model": reference.model_name, "prompt": "secure", "max_tokens": 6, "temperature": 0})
         assert status == 200 and out["choices"][0]["text"] == want
         deadline = time.monotonic() + 30
         assert c.gateway is not None

@@ -35,7 +35,7 @@ def test_completions_equal_engine(cluster: Cluster, reference: Reference) -> Non
         ids = reference.completion_ids(prompt)
         want = reference.generate(ids, max_tokens=MAX_TOKENS, temperature=0.0)[0]
         body = {"model": reference.model_name, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                "temperature": 0, "logprobs": 0}  # fmt: skip
+                "temperature": 0, "logprobs": 0}
         status, out = http("POST", f"{cluster.url}/v1/completions", body)
         assert status == 200, out
         choice = out["choices"][0]

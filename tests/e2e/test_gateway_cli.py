@@ -56,7 +56,7 @@ def test_api_key_file_protects_every_api_route(log_dir: Path) -> None:
             ("POST", "/v1/completions", {"model": model, "prompt": "Hello", "max_tokens": 3}),
             ("POST", "/v1/chat/completions",
              {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
-        ]  # fmt: skip
+        ]
         for method, path, body in routes:
             for key in (None, "sk-wrong", "#"):
                 status, out = _call(method, c.url + path, key, body)
@@ -75,7 +75,7 @@ def test_metrics_protected_and_keys_from_the_environment(log_dir: Path) -> None:
     c = Cluster(log_dir)
     try:
         args = ["gateway", "--port", str(c.port), "--control-port", str(c.control_port),
-                "--api-key", KEY, "--metrics-protected"]  # fmt: skip
+                "--api-key", KEY, "--metrics-protected"]
         c.gateway = start("gateway", args, log_dir, env={"PDSERVE_API_KEYS": f" {OTHER} ,"})
         c._wait(lambda: http("GET", f"{c.url}/health", timeout=2)[0] == 200, "gateway /health")
         assert _call("GET", c.url + "/metrics", None)[0] == 401
@@ -117,7 +117,7 @@ def test_admission_and_limit_flags_map_to_the_config(
                   "--batch-aging", "0", "--retry-after", "4", "--max-body-bytes", "2048",
                   "--max-prompt-tokens", "100", "--max-n", "2", "--max-tokens-limit", "50",
                   "--max-stop", "3", "--max-logprobs", "5", "--max-messages", "6",
-                  "--default-max-tokens", "11")  # fmt: skip
+                  "--default-max-tokens", "11")
     adm, lim = s["admission"], s["limits"]
     assert adm.max_in_flight == 7 and adm.retry_after_s == 4 and adm.batch_aging_s is None
     assert (adm.interactive.max_depth, adm.interactive.max_wait_s) == (2, 0.25)

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import zmq
 
-from pdserve import protocol as p
-from pdserve.gateways import GatewayLinks, parse_gateway, resolve
-from pdserve.transport import free_port
+from common import protocol as p
+from common.transport import free_port
 from tests.e2e.cluster import Cluster, Proc, http, start
 from tests.e2e.conftest import Reference
+from worker.gateways import GatewayLinks, parse_gateway, resolve
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "Hello, my name is"]
 MAX_TOKENS = 12
@@ -48,7 +48,7 @@ def test_workers_serve_every_gateway(log_dir: Path, reference: Reference) -> Non
         second = {"prefill": b.control, "decode": f"dns+tcp://localhost:{b.control_port}"}
         for role in ("prefill", "decode"):
             args = [role, "--gateway", a.control, "--gateway", second[role], "--threads", "1",
-                    "--num-blocks", "256", "--heartbeat", "0.25"]  # fmt: skip
+                    "--num-blocks", "256", "--heartbeat", "0.25"]
             workers.append(start(role, args, log_dir))
         a.workers = b.workers = workers
         for c in (a, b):
@@ -123,7 +123,7 @@ def test_links_follow_dns_and_route_replies_to_their_origin() -> None:
     g1, g2 = _Gateway("127.0.0.2", port), _Gateway("127.0.0.3", port)
     answer = {g1.ip}
     links = GatewayLinks([f"dns+tcp://gateways.test:{port}"], "decode-1", resolve_every_s=0.05,
-                         retire_grace_s=0.3, resolver=lambda name, port: sorted(answer))  # fmt: skip
+                         retire_grace_s=0.3, resolver=lambda name, port: sorted(answer))
     try:
         added, _ = links.refresh()
         assert added == [g1.address]
@@ -142,7 +142,7 @@ def test_links_follow_dns_and_route_replies_to_their_origin() -> None:
         while len(got) < 2:
             got += _recv(links)
         assert {(a, m.request_id) for a, m in got if isinstance(m, p.StartDecode)} == {
-            (g1.address, "r1"), (g2.address, "r2")}  # fmt: skip
+            (g1.address, "r1"), (g2.address, "r2")}
 
         deltas = [
             p.TokenDelta("r1", 0, [5]),

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.transport import free_port
+from common.transport import free_port
 from tests.e2e.cluster import ROOT, _env
 from tests.e2e.conftest import Reference
 
@@ -24,7 +24,7 @@ def up_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--num-blocks", "256", "--threads", "1"],
             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=out, start_new_session=True,
-        )  # fmt: skip
+        )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline().decode()  # blocks until ready (or exit)
@@ -64,7 +64,7 @@ def test_openai_client_against_up(up_url: str, reference: Reference) -> None:
         ch.choices[0].text
         for ch in client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, stream=True)
         if ch.choices
-    )  # fmt: skip
+    )
     assert streamed == want
 
     messages = [{"role": "user", "content": "Hello there"}]
@@ -75,7 +75,7 @@ def test_openai_client_against_up(up_url: str, reference: Reference) -> None:
     chunks = list(client.chat.completions.create(  # type: ignore[call-overload]
         model=model, messages=messages, max_tokens=8, temperature=0, stream=True,  # type: ignore[arg-type]
         stream_options={"include_usage": True},
-    ))  # fmt: skip
+    ))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
 

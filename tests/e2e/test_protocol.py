@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve import protocol as p
+from common import protocol as p
 
 SAMPLES: list[p.Message] = [
     p.RegisterWorker("d-1", "decode", "host|boot", "shm+tcp://127.0.0.1:5", "psm_x", "abcd", 511, 16, 9000, 42),

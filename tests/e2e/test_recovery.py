@@ -38,9 +38,9 @@ def test_kill_decode_mid_stream_all_streams_complete_identically(log_dir: Path, 
             import urllib.request
 
             body = {"model": reference.model_name, "prompt": prompts[i], "max_tokens": LONG, "temperature": 0,
-                    "stream": True, "ignore_eos": True}  # fmt: skip
+                    "stream": True, "ignore_eos": True}
             req = urllib.request.Request(f"{c.url}/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+                                         headers={"Content-Type": "application/json"})
             text = []
             with urllib.request.urlopen(req, timeout=120) as r:
                 for line in r:
@@ -117,7 +117,7 @@ def test_corrupted_kv_frame_is_never_decoded_and_request_recovers(log_dir: Path,
         prompt = "Corruption must never reach the decoder"
         want = reference.generate(reference.completion_ids(prompt), max_tokens=10, temperature=0.0)[0]
         status, out = http("POST", f"{c.url}/v1/completions",
-                           {"model": reference.model_name, "prompt": prompt, "max_tokens": 10, "temperature": 0})  # fmt: skip
+                           {"model": reference.model_name, "prompt": prompt, "max_tokens": 10, "temperature": 0})
         assert status == 200, out
         assert out["choices"][0]["text"] == reference.text(want)
         from tests.e2e.cluster import metric_value, worker_metrics
@@ -137,12 +137,12 @@ def test_sigterm_decode_drains_active_streams_then_exits_0(log_dir: Path, refere
 
         def run(i: int) -> tuple[str, list[str]]:
             body = {"model": reference.model_name, "prompt": prompts[i], "max_tokens": LONG, "temperature": 0,
-                    "stream": True, "ignore_eos": True}  # fmt: skip
+                    "stream": True, "ignore_eos": True}
             import json
             import urllib.request
 
             req = urllib.request.Request(f"{c.url}/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+                                         headers={"Content-Type": "application/json"})
             text, finishes = [], []
             with urllib.request.urlopen(req, timeout=120) as r:
                 for line in r:

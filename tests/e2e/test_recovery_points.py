@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.sampling_params import SamplingParams
 from gateway.backend import GenerateRequest
 from gateway.cluster import ClusterBackend, ClusterConfig, _WorkerLost
-from pdserve.sampling_params import SamplingParams
 from tests.e2e.cluster import WORKER_BLOCKS, Proc, remove_leaked_shm, start
 from tests.e2e.conftest import Reference
 
@@ -56,7 +56,7 @@ async def _scenario(log_dir: Path, reference: Reference) -> None:
     try:
         for role in ("prefill", "decode"):
             procs.append(start(role, [role, "--gateway", be.control_address, "--threads", "1",
-                                      "--num-blocks", WORKER_BLOCKS], log_dir))  # fmt: skip
+                                      "--num-blocks", WORKER_BLOCKS], log_dir))
         deadline = time.monotonic() + 90
         while not be.ready().ready:
             assert time.monotonic() < deadline, [p.log() for p in procs]

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams
 from engine.sampler import (
     Sampler,
     SampleRow,
@@ -16,7 +17,6 @@ from engine.sampler import (
     sampling_probs,
 )
 from engine.sequence import Sequence, SequenceStatus, finish_status
-from pdserve.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
 

@@ -6,11 +6,11 @@ gets a fake next token (the position number), as a deterministic fake runner wou
 
 from __future__ import annotations
 
+from common.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
-from pdserve.sampling_params import SamplingParams
 
 BS = 4
 

@@ -15,10 +15,10 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from engine.default_model import write_default_model
 from gateway.backend import BackendErrorKind
 from gateway.config import GatewayConfig
 from gateway.tokenizer import Tokenizer
+from pdserve.default_model import write_default_model
 from tests.gateway.local_backend import GatewayThread, LocalBackend, raw
 
 MODEL = "test-model"

@@ -12,10 +12,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from engine.default_model import write_default_model
 from gateway.config import GatewayConfig
 from gateway.metrics import TPOT_BUCKETS, TTFT_BUCKETS
 from gateway.tokenizer import Tokenizer
+from pdserve.default_model import write_default_model
 from tests.gateway.local_backend import GatewayThread, LocalBackend, raw
 
 MODEL = "m"

@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from engine.default_model import write_default_model
+from pdserve.default_model import write_default_model
 
 REPO = Path(__file__).resolve().parents[2]
 

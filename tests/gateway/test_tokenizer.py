@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engine.default_model import write_default_model
 from gateway.chat_template import ChatTemplateError, render_chat_template
 from gateway.tokenizer import Tokenizer, TokenizerError
+from pdserve.default_model import write_default_model
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from engine.default_model import write_default_model
 from gateway.config import GatewayConfig, RequestLimits
 from gateway.tokenizer import Tokenizer
+from pdserve.default_model import write_default_model
 from tests.gateway.local_backend import GatewayThread, LocalBackend, raw
 
 MODEL = "served"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common.kv_layout import KVLayout
 from kv_transfer.api import TransferState
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
 from kv_transfer.faults import FaultConfig
@@ -15,7 +16,6 @@ from kv_transfer.links import ZmqLinkFactory
 from kv_transfer.receiver import ZmqReceiver
 from kv_transfer.sender import Sender
 from kv_transfer.shm_pool import ShmPool, create_shm_pool
-from pdserve.kv_layout import KVLayout
 
 CPU_TRANSPORTS = ["fake", "tcp", "ipc", "shm"]
 TINY = KVLayout("tiny-model", num_layers=3, num_kv_heads=2, head_dim=4, block_size=2,

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.kv_layout import KVLayout
 from kv_transfer import hostcopy
 from kv_transfer.copy_threads import CopyThreads
 from kv_transfer.pool_ops import HostPoolOps
 from kv_transfer.shm_pool import create_shm_pool
-from pdserve.kv_layout import KVLayout
 
 
 @pytest.fixture(scope="module")

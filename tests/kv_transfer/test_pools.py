@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.kv_layout import KVLayout
 from kv_transfer import FakeReceiver, ZmqReceiver, make_receiver, make_sender
 from kv_transfer.api import KVReceiver, KVSender, TransferState
 from kv_transfer.blocks import frame_rows, gather, plan_chunks
@@ -20,7 +21,6 @@ from kv_transfer.sender import Sender
 from kv_transfer.shm_pool import ShmPool, attach_shm_pool, create_shm_pool
 from kv_transfer.tensor_adapter import pool_array, shm_pool_tensor, tensor_from_array
 from kv_transfer.wire import ShmDescriptor
-from pdserve.kv_layout import KVLayout
 from tests.kv_transfer.harness import TINY, random_pool, same_bytes, wait_terminal
 
 

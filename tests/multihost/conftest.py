@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from tests.multihost.netns import NetnsUnavailable, VirtualNetwork, check_available
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ HEARTBEAT_TIMEOUT_S = "3.0"  # the default; generous for 2 shared cores
 @pytest.fixture(scope="session")
 def mh_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model, built once per session under a private PDSERVE_HOME."""
-    from engine.default_model import default_model_dir
+    from pdserve.default_model import default_model_dir
 
     home = tmp_path_factory.mktemp("pdserve-home")
     with pytest.MonkeyPatch.context() as mp:
@@ -180,7 +180,7 @@ class Deployment:
         cmd = [*self.net.exec_prefix(host), sys.executable, "-m", "pdserve", *args]
         with open(log_path, "wb") as out:
             popen = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # fmt: skip
+                                     start_new_session=True)
         proc = Proc(host, popen, log_path)
         self.procs[host] = proc
         return proc
@@ -189,14 +189,14 @@ class Deployment:
         gw = self.net.addr("gw")
         self.start("gw", ["gateway", "--host", gw, "--port", str(HTTP_PORT), "--control-host", gw,
                           "--control-port", str(CONTROL_PORT), "--model", str(self.model_dir),
-                          "--heartbeat-timeout", HEARTBEAT_TIMEOUT_S])  # fmt: skip
+                          "--heartbeat-timeout", HEARTBEAT_TIMEOUT_S])
         for host, role in (("pf", "prefill"), ("d1", "decode"), ("d2", "decode")):
             addr = self.net.addr(host)
             self.start(host, [role, "--gateway", self.control, "--model", str(self.model_dir),
                               "--worker-id", self.worker_id(host), "--threads", "1",
                               "--num-blocks", WORKER_BLOCKS, "--heartbeat", "0.25",
                               "--metrics-host", addr, "--metrics-port", str(METRICS_PORT),
-                              "--kv-host", addr, "--kv-transport", "tcp"])  # fmt: skip
+                              "--kv-host", addr, "--kv-transport", "tcp"])
         wanted = {self.worker_id(h) for h in ("pf", "d1", "d2")}
         self.wait(
             lambda: wanted <= {w["id"] for w in self.workers()}, "all three workers registered", 120
@@ -257,7 +257,7 @@ def netns_available() -> None:
 
 @pytest.fixture(scope="module")
 def deployment(netns_available: None, mh_model_dir: Path,
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:  # fmt: skip
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     net = VirtualNetwork(HOSTS)
     net.create()
     dep = Deployment(net, mh_model_dir, tmp_path_factory.mktemp("multihost-logs"))

@@ -41,7 +41,7 @@ PROMPTS = [
 
 def _complete(dep: Deployment, ref: Reference, prompt: str, max_tokens: int) -> str:
     body = {"model": ref.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+            "ignore_eos": True}
     status, out = http("POST", f"{dep.url}/v1/completions", body, timeout=60)
     assert status == 200, out
     choice = out["choices"][0]
@@ -115,9 +115,9 @@ class _Stream:
 
 def _run_stream(dep: Deployment, model: str, s: _Stream, timeout: float) -> None:
     body = {"model": model, "prompt": s.prompt, "max_tokens": s.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+            "ignore_eos": True, "stream": True}
     req = urllib.request.Request(f"{dep.url}/v1/completions", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+                                 headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             for line in r:
@@ -159,7 +159,7 @@ def test_cut_decode_link_mid_stream_recovers_on_other_decode(
 
     t0 = time.monotonic()
     threads = [threading.Thread(target=_run_stream, args=(dep, mh_reference.model_name, s, 120.0), daemon=True)
-               for s in streams]  # fmt: skip
+               for s in streams]
     for t in threads:
         t.start()
 
@@ -210,6 +210,6 @@ def test_cut_decode_link_mid_stream_recovers_on_other_decode(
 
     def idle() -> bool:
         return all(w["free_blocks"] == w["total_blocks"] and w["running_seqs"] == 0 and w["inflight_requests"] == 0
-                   for w in dep.workers())  # fmt: skip
+                   for w in dep.workers())
 
     dep.wait(idle, "idle KV on the surviving workers", 20)

@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
+from common import protocol as p
+from common.sampling_params import SamplingParams
+from common.transport import host_id
 from decode_node.node import DecodeNode
-from decode_node.worker_metrics import WorkerMetrics
 from kv_transfer.api import TransferState
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
 from kv_transfer.tensor_adapter import pool_array
-from pdserve import protocol as p
-from pdserve.sampling_params import SamplingParams
-from pdserve.transport import host_id
 from prefill_node.node import PrefillNode
 from tests.engine.test_engine import assert_idle, make_engine, prompts
+from worker.metrics import WorkerMetrics
 
 PARAMS = SamplingParams(
     max_tokens=12, temperature=0.8, seed=5, presence_penalty=0.5, ignore_eos=True
@@ -41,9 +41,9 @@ class Pair:
         self.receiver = FakeReceiver(layout, pool_array(self.de.runner.pool.kv), self.fabric)
         self.to_gateway: list[p.Message] = []
         self.prefill = PrefillNode("p", self.pe, self.pe.runner, self.sender, self.to_gateway.append,
-                                   WorkerMetrics("prefill", "p"))  # fmt: skip
+                                   WorkerMetrics("prefill", "p"))
         self.decode = DecodeNode("d", self.de, self.de.runner, self.receiver, self.to_gateway.append,
-                                 WorkerMetrics("decode", "d"))  # fmt: skip
+                                 WorkerMetrics("decode", "d"))
         # (method, transfer id, layer, called inside the model step)
         self.calls: list[tuple[str, str, int, bool]] = []
         self._in_step = False
@@ -82,7 +82,7 @@ class Pair:
         return found[0]
 
     def run(self, rid: str, prompt: list[int], target_first: bool,
-            after_prefill: Callable[[], None] = lambda: None) -> list[int]:  # fmt: skip
+            after_prefill: Callable[[], None] = lambda: None) -> list[int]:
         tid = f"x-{rid}"
         self.decode.handle(p.DecodeReserve(rid, tid, prompt, PARAMS.to_dict()))
         blocks = self.take(p.ReserveResult).block_ids

@@ -90,17 +90,17 @@ class Stream:
     @property
     def finish_reasons(self) -> list[str]:
         return [ch["finish_reason"] for e in self.events if isinstance(e, dict)
-                for ch in e.get("choices", []) if ch.get("finish_reason")]  # fmt: skip
+                for ch in e.get("choices", []) if ch.get("finish_reason")]
 
 
 def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 60.0) -> Any:
     data = json.dumps(body).encode()
     return urllib.request.Request(url, data=data, method="POST",
-                                  headers={"Content-Type": "application/json", **(headers or {})})  # fmt: skip
+                                  headers={"Content-Type": "application/json", **(headers or {})})
 
 
 def stream(url: str, body: dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 120.0,
-           started: Callable[[], None] | None = None) -> Stream:  # fmt: skip
+           started: Callable[[], None] | None = None) -> Stream:
     """POST a streaming request and read it to the end; `started` runs after the first event."""
     out = Stream()
     with urllib.request.urlopen(post(url, body, headers), timeout=timeout) as r:

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.transport import free_port
+from common.transport import free_port
 from tests.observability.obs import json_payloads, scrape, value, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +73,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
             [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--prefill", "1", "--decode", "1",
              "--threads", "1", "--num-blocks", "256"],
             cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+        )
     u = Up(f"http://127.0.0.1:{port}", popen, log_path)
     try:
         wait_until(lambda: "pdserve ready at" in u.log() or popen.poll() is not None, "pdserve up ready", timeout=90)
@@ -89,7 +89,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
 def run_bench(url: str, out: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pdserve", "bench", "--base-url", url, "--num-requests", str(MEASURED),
            "--warmup", str(WARMUP), "--concurrency", "4", "--input-len", "16", "--output-len", str(OUTPUT_LEN),
-           "--slo", "ttft=30,tpot=5", "--no-progress", "--output-json", str(out)]  # fmt: skip
+           "--slo", "ttft=30,tpot=5", "--no-progress", "--output-json", str(out)]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -120,7 +120,7 @@ def test_bench_against_up_matches_gateway_metrics(up: Up, tmp_path: Path) -> Non
     assert s["ttft"]["count"] == s["e2e"]["count"] == s["tpot"]["count"] == MEASURED
     assert s["itl"]["count"] == MEASURED * (OUTPUT_LEN - 1)
     for key in ("request_throughput", "output_throughput", "total_token_throughput", "prefill_throughput",
-                "decode_throughput", "decode_rate_per_stream", "duration_s"):  # fmt: skip
+                "decode_throughput", "decode_rate_per_stream", "duration_s"):
         assert s[key] is not None and s[key] > 0, (key, s[key])
     assert s["prefill_rate_per_request"]["count"] == MEASURED
     assert s["goodput"]["requests_met"] == MEASURED and s["goodput"]["request_goodput"] > 0, s["goodput"]

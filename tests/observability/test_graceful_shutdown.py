@@ -62,9 +62,9 @@ def start_long_streams(c: Cluster, pool: cf.ThreadPoolExecutor) -> list[cf.Futur
     """STREAMS long streams, returned once every one has received its first event."""
     started = threading.Semaphore(0)
     body = {"model": MODEL, "max_tokens": LONG, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream_options": {"include_usage": True}}
     futs = [pool.submit(stream, f"{c.url}/v1/completions", {**body, "prompt": f"long story {i}"},
-                        None, 120.0, started.release) for i in range(STREAMS)]  # fmt: skip
+                        None, 120.0, started.release) for i in range(STREAMS)]
     for _ in futs:
         assert started.acquire(timeout=60), [f.exception() for f in futs if f.done()]
     return futs
@@ -115,7 +115,7 @@ def test_worker_sigterm_deregisters_finishes_sequences_exits_0(cluster: Cluster)
         check_complete(s)
     assert proc.popen.wait(30) == 0, proc.log()
     wait_until(lambda: all(w["id"] != info["id"] for w in cluster.worker_list()),
-               "the stopped worker to leave the worker list", timeout=10)  # fmt: skip
+               "the stopped worker to leave the worker list", timeout=10)
     assert cluster.gateway is not None and cluster.gateway.alive()
     ensure_decode_worker(cluster)
 

@@ -54,7 +54,7 @@ def send_traffic(c: Cluster) -> list[int]:
 
     def streamed(i: int, n: int) -> int:
         s = stream(url, {**base, "prompt": f"stream {i}", "max_tokens": n, "stream": True,
-                         "stream_options": {"include_usage": True}})  # fmt: skip
+                         "stream_options": {"include_usage": True}})
         assert s.events[-1] == "[DONE]" and s.finish_reasons == ["length"], s.events[-3:]
         assert s.completion_tokens == n
         return n

@@ -9,13 +9,13 @@ import logging
 
 import pytest
 
-from decode_node.worker_metrics import WorkerMetrics
+from common.logs import JsonFormatter, request_fields
+from common.protocol import RegisterWorker
+from common.transport import transport_kind
 from gateway.registry import WorkerRegistry
 from pdserve.cli import build_parser
 from pdserve.cli.up import _worker_cmds
-from pdserve.logs import JsonFormatter, request_fields
-from pdserve.protocol import RegisterWorker
-from pdserve.transport import transport_kind
+from worker.metrics import WorkerMetrics
 
 
 def _record(msg: str, **extra: object) -> logging.LogRecord:
@@ -69,7 +69,7 @@ def test_up_forwards_engine_flags_and_workers_take_a_kv_port() -> None:
     args = build_parser().parse_args(
         ["up", "--no-prefix-caching", "--max-num-batched-tokens", "512", "--num-blocks", "64",
          "--kv-cache-memory", "64MiB", "--max-num-seqs", "8", "--long-prefill-token-threshold", "256"]
-    )  # fmt: skip
+    )
     cmds = _worker_cmds(args, "tcp://127.0.0.1:5555")
     assert len(cmds) == 2
     for cmd in cmds:
@@ -107,8 +107,8 @@ def test_up_lets_openmp_spin_only_when_the_worker_threads_fit_the_cores(
 
 
 def test_kv_receiver_binds_a_fixed_port() -> None:
+    from common.transport import free_port
     from kv_transfer.receiver import ZmqReceiver
-    from pdserve.transport import free_port
     from tests.kv_transfer.harness import TINY, random_pool
 
     port = free_port()

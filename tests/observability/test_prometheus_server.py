@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.transport import free_port
+from common.transport import free_port
 from tests.e2e.cluster import Cluster, http
 from tests.observability.obs import MODEL, scrape, value, wait_until
 
@@ -38,7 +38,7 @@ def _binary() -> str:
     found = shutil.which("prometheus")
     if found is None:
         pytest.skip(f"Prometheus is not installed ({PROMETHEUS} missing; the Debian package 'prometheus' "
-                    "provides it: apt-get install -y prometheus)")  # fmt: skip
+                    "provides it: apt-get install -y prometheus)")
     return found
 
 
@@ -52,14 +52,14 @@ class Prometheus:
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
             "scrape_configs": [{"job_name": "pdserve-gateway", "metrics_path": "/metrics",
                                 "static_configs": [{"targets": [target]}]}],
-        }))  # fmt: skip
+        }))
         self.log_path = work / "prometheus.log"
         with open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(
                 [binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",
                  f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+            )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
@@ -92,7 +92,7 @@ def prometheus(pd_cluster: Cluster, tmp_path: Path) -> Iterator[Prometheus]:
     prom = Prometheus(_binary(), f"127.0.0.1:{pd_cluster.port}", tmp_path)
     try:
         wait_until(lambda: urllib.request.urlopen(f"{prom.url}/-/ready", timeout=2).status == 200
-                   or prom.popen.poll() is not None, "prometheus /-/ready", timeout=30)  # fmt: skip
+                   or prom.popen.poll() is not None, "prometheus /-/ready", timeout=30)
         assert prom.popen.poll() is None, f"prometheus exited {prom.popen.returncode}:\n{prom.log()}"
         yield prom
     finally:
@@ -102,7 +102,7 @@ def prometheus(pd_cluster: Cluster, tmp_path: Path) -> Iterator[Prometheus]:
 def test_prometheus_scrapes_gateway(pd_cluster: Cluster, prometheus: Prometheus) -> None:
     for i in range(3):
         status, body = http("POST", f"{pd_cluster.url}/v1/completions",
-                            {"model": MODEL, "prompt": f"scraped {i}", "max_tokens": 4})  # fmt: skip
+                            {"model": MODEL, "prompt": f"scraped {i}", "max_tokens": 4})
         assert status == 200, body
     gateway_count = value(scrape(f"{pd_cluster.url}/metrics"), TTFT_COUNT)
     assert gateway_count >= 3
@@ -113,7 +113,7 @@ def test_prometheus_scrapes_gateway(pd_cluster: Cluster, prometheus: Prometheus)
 
     wait_until(target_up, f"the gateway target to be up in prometheus\n{prometheus.log()}", timeout=30, interval=0.5)
     got = wait_until(lambda: prometheus.query(TTFT_COUNT) == gateway_count and prometheus.query(TTFT_COUNT),
-                     f"{TTFT_COUNT} == {gateway_count} in prometheus", timeout=30, interval=0.5)  # fmt: skip
+                     f"{TTFT_COUNT} == {gateway_count} in prometheus", timeout=30, interval=0.5)
     assert got > 0
     # The re-exported fleet gauges arrive through the same scrape.
     assert prometheus.query('count(llm_kv_cache_usage_ratio{role="decode"})') == 1

@@ -37,7 +37,7 @@ def timed_plain(c: Cluster, rid: str, max_tokens: int = 12) -> tuple[dict[str, f
     body = {"model": MODEL, "prompt": "time me please", "max_tokens": max_tokens, "ignore_eos": True}
     t0 = time.monotonic()
     with urllib.request.urlopen(post(f"{c.url}/v1/completions", body, {**HEADERS, "x-request-id": rid}),
-                                timeout=60) as r:  # fmt: skip
+                                timeout=60) as r:
         json.load(r)
         headers = {k.lower(): v for k, v in r.headers.items()}
     client_e2e = time.monotonic() - t0
@@ -81,7 +81,7 @@ def test_stage_timings_add_up_to_e2e(pd_cluster: Cluster, kind: str) -> None:
 
     def logged() -> dict[str, Any] | None:
         recs = [r for r in json_payloads(gw_log.read_text(errors="replace"))
-                if r.get("event") == "request" and r.get("request_id") == rid]  # fmt: skip
+                if r.get("event") == "request" and r.get("request_id") == rid]
         return recs[0] if recs else None
 
     rec = wait_until(logged, f"gateway request log line for {rid}", timeout=10)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from engine import default_model
-from engine.default_model import (
+from pdserve import default_model
+from pdserve.default_model import (
     BOS_TOKEN,
     EOT_TOKEN,
     DefaultModelSpec,
@@ -159,7 +159,7 @@ def test_default_model_dir_rebuilds_stale_version(
 
 
 def test_envs_home_and_declared_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pdserve import envs
+    from common import envs
 
     monkeypatch.setenv("PDSERVE_HOME", str(tmp_path / "h"))
     assert envs.home() == tmp_path / "h"

@@ -1,6 +1,6 @@
 """Worker-side fault injection for reliability tests. Off by default.
 
-Read from `PDSERVE_FAULTS` (via `pdserve.envs`), e.g.
+Read from `PDSERVE_FAULTS` (via `common.envs`), e.g.
 `PDSERVE_FAULTS="exit_after_steps=20"`; unknown keys are errors. KV-frame
 faults (corrupt, drop, delay) live in `kv_transfer.faults`.
 """
@@ -12,8 +12,8 @@ import os
 import time
 from dataclasses import dataclass, fields
 
-from pdserve import envs
-from pdserve import protocol as p
+from common import envs
+from common import protocol as p
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ heartbeating if the loop has not ticked for `stall_s` (a hung worker is
 dropped and its requests recovered).
 
 With several gateways (`--gateway` repeated, or a `dns+tcp://` name resolving to
-every replica; see `pdserve.gateways`) the worker registers and heartbeats with
+every replica; see `worker.gateways`) the worker registers and heartbeats with
 each on its own channel, reports its total load to each, and sends every reply
 back on the channel its request came from.
 
@@ -34,11 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from decode_node.faults import FaultInjector, WorkerFaults
-from decode_node.worker_metrics import MetricsServer, WorkerMetrics
-from pdserve import protocol as p
-from pdserve.gateways import GatewayLinks
-from pdserve.transport import LOOPBACK, CurveClient, WorkerChannel, host_id, transport_kind
+from common import protocol as p
+from common.transport import LOOPBACK, CurveClient, WorkerChannel, host_id, transport_kind
+from worker.faults import FaultInjector, WorkerFaults
+from worker.gateways import GatewayLinks
+from worker.metrics import MetricsServer, WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class WorkerRuntime:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         server = MetricsServer(self.metrics, self.config.metrics_host, self.config.metrics_port,
-                               health=lambda: not self._stop_requested)  # fmt: skip
+                               health=lambda: not self._stop_requested)
         server.start()
         self._follow_gateways(node, server.port)
         hb = threading.Thread(target=self._heartbeat_loop, args=(node,), name="heartbeat", daemon=True)
@@ -122,7 +122,7 @@ class WorkerRuntime:
         kv_address = node.registration().kv_address
         if kv_address:
             log.info("%s worker %s KV receiver on %s (%s)", node.role, self.config.worker_id, kv_address,
-                     transport_kind(kv_address))  # fmt: skip
+                     transport_kind(kv_address))
         try:
             self._serve(node, server.port)
             self._drain(node)
@@ -181,7 +181,7 @@ class WorkerRuntime:
         self.channel.send_to(gateway, p.RegisterWorker(
             self.config.worker_id, node.role, host_id(), reg.kv_address, reg.kv_shm,
             reg.compat_hash, reg.total_blocks, reg.block_size, metrics_port, os.getpid(),
-        ))  # fmt: skip
+        ))
 
     def _heartbeat_loop(self, node: Node) -> None:
         """One lossy socket per gateway; each gets the worker's total load."""

@@ -28,8 +28,8 @@ from urllib.parse import urlparse
 
 import zmq
 
-from pdserve import protocol as p
-from pdserve.transport import CurveClient, WorkerChannel
+from common import protocol as p
+from common.transport import CurveClient, WorkerChannel
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class GatewayLinks:
 
     def __init__(self, specs: Iterable[str], worker_id: str, curve: CurveClient | None = None,
                  resolve_every_s: float = 10.0, retire_grace_s: float = 120.0,
-                 resolver: Resolver = dns_a_records) -> None:  # fmt: skip
+                 resolver: Resolver = dns_a_records) -> None:
         self.specs = tuple(parse_gateway(s) for s in specs)
         if not self.specs:
             raise ValueError("at least one gateway address is needed")

@@ -1,7 +1,7 @@
 """Small typed ZeroMQ helpers for the control plane.
 
 The gateway binds one ROUTER; every worker connects one DEALER whose identity
-is its worker id. Frames are `pdserve.protocol` messages only.
+is its worker id. Frames are `common.protocol` messages only.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import zmq
 
-from pdserve import protocol
-from pdserve.protocol import Message, ProtocolError
+from common import protocol
+from common.protocol import Message, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class WorkerChannel:
     """The worker's end of the control plane: one DEALER to the gateway's ROUTER."""
 
     def __init__(self, gateway_address: str, worker_id: str, curve: CurveClient | None = None,
-                 lossy: bool = False) -> None:  # fmt: skip
+                 lossy: bool = False) -> None:
         """`lossy`: for heartbeats -- nothing is queued while the gateway is unreachable
         (a stale backlog would arrive all at once on reconnect); a full queue drops."""
         self.worker_id = worker_id
@@ -133,7 +133,7 @@ class WorkerChannel:
 
     @property
     def socket(self) -> zmq.Socket[bytes]:
-        """The DEALER, for polling several channels at once (`pdserve.gateways`)."""
+        """The DEALER, for polling several channels at once (`worker.gateways`)."""
         return self._sock
 
     def send(self, msg: Message) -> None:

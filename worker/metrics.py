@@ -38,9 +38,9 @@ class WorkerMetrics:
         self.decode_tokens = counter("llm_decode_tokens", "Output tokens generated")
         self.prefill_requests = counter("llm_prefill_requests", "Prefill computations run")
         self.requests = counter("llm_worker_requests", "Requests accepted by this worker")
-        # By transport (pdserve.transport.transport_kind): shm, cuda_ipc, tcp or ipc.
+        # By transport (common.transport.transport_kind): shm, cuda_ipc, tcp or ipc.
         self._transfer_bytes = Counter("llm_kv_transfer_bytes", "KV bytes transferred", [*names, "transport"],
-                                       registry=r)  # fmt: skip
+                                       registry=r)
         self._labels = labels
         self.transfer_failures = counter("llm_kv_transfer_failures", "Failed KV transfers")
         self.preemptions = counter("llm_preemptions", "Sequences preempted for recompute")
@@ -67,7 +67,7 @@ class WorkerMetrics:
         """Values carried in heartbeats for the gateway to re-export."""
         prefill = {} if self._role == "decode" else {
             "llm_prefill_queued_tokens": float(self.queued_prefill_tokens._value.get()),
-        }  # fmt: skip
+        }
         return prefill | {
             "llm_kv_cache_usage_ratio": float(self.kv_usage._value.get()),
             "llm_current_batch_size": float(self.batch_size._value.get()),

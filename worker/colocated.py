@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import logging
 
-from decode_node.engine_glue import StatsMirror, wire_deltas
-from decode_node.runtime import NodeLoad, NodeRegistration, Sender
-from decode_node.worker_metrics import WorkerMetrics
+from common import protocol as p
+from common.logs import request_fields
+from common.sampling_params import SamplingParams, SamplingParamsError
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
-from pdserve import protocol as p
-from pdserve.logs import request_fields
-from pdserve.sampling_params import SamplingParams, SamplingParamsError
+from worker.engine_glue import StatsMirror, wire_deltas
+from worker.metrics import WorkerMetrics
+from worker.runtime import NodeLoad, NodeRegistration, Sender
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class ColocatedNode:
     role = "colocated"
 
     def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, send: Sender,
-                 metrics: WorkerMetrics) -> None:  # fmt: skip
+                 metrics: WorkerMetrics) -> None:
         self.worker_id = worker_id
         self.engine = engine
         self.runner = runner
@@ -58,13 +58,13 @@ class ColocatedNode:
             params = SamplingParams.from_dict(msg.params)
             prompt, outputs = p.split_resumed(msg.prompt_token_ids, msg.output_offset)
             self.engine.add_request(msg.request_id, prompt, params, output_token_ids=outputs,
-                                    choice_index=msg.choice_index)  # fmt: skip
+                                    choice_index=msg.choice_index)
         except (SamplingParamsError, ValueError) as e:
             self.send(p.RequestFailed(msg.request_id, f"invalid request: {e}", retryable=False))
             return
         self._live.add(msg.request_id)
         log.debug("colocated request %s accepted: %d prompt tokens", msg.request_id, len(msg.prompt_token_ids),
-                  extra=request_fields(msg.request_id))  # fmt: skip
+                  extra=request_fields(msg.request_id))
         self.metrics.requests.inc()
         self.metrics.prefill_requests.inc()
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from decode_node.runtime import NodeLoad
-from decode_node.worker_metrics import WorkerMetrics
+from common import protocol as p
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from pdserve import protocol as p
+from worker.metrics import WorkerMetrics
+from worker.runtime import NodeLoad
 
 
 def build_engine(config: EngineConfig, kv_buffer: Any = None) -> tuple[LLMEngine, ModelRunner]:
@@ -41,7 +41,7 @@ def wire_deltas(outputs: Iterable[RequestOutput]) -> list[p.TokenDelta]:
             deltas.append(p.TokenDelta(
                 out.request_id, c.index, list(c.token_ids), wire_logprobs(c), reason,
                 out.num_cached_tokens,
-            ))  # fmt: skip
+            ))
     return deltas
 
 
@@ -65,4 +65,4 @@ class StatsMirror:
         return NodeLoad(
             queued_prefill_tokens, s.num_free_blocks, s.num_total_blocks, s.num_running,
             s.num_waiting + s.num_waiting_for_kv,
-        )  # fmt: skip
+        )

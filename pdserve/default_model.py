@@ -4,7 +4,7 @@
 `config.json`, `generation_config.json`, `model.safetensors`, `tokenizer.json`,
 `tokenizer_config.json` (with a Llama-3-style chat template) — so every code
 path that loads real checkpoints loads this one too. The tokenizer is a real
-byte-level BPE trained on `engine.corpus`; the weights are N(0, 0.02) from a
+byte-level BPE trained on `pdserve.corpus`; the weights are N(0, 0.02) from a
 fixed seed. Two builds give byte-identical files.
 
 `default_model_dir()` returns `<PDSERVE_HOME>/models/pdserve-tiny-llama`,
@@ -33,8 +33,8 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from engine.corpus import corpus_text
-from pdserve import envs
+from common import envs
+from pdserve.corpus import corpus_text
 
 DEFAULT_MODEL_NAME = "pdserve-tiny-llama"
 # Bump when the writing code changes the files; corpus, shape, seed and template

@@ -1,0 +1,22 @@
+"""Build a prefill worker's node: engine, KV sender and node."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine.config import EngineConfig
+from worker.main import NodeParts, WorkerOptions, pool_array
+from worker.runtime import Node
+
+
+def build_prefill(engine_cfg: EngineConfig, opts: WorkerOptions,
+                  parts: NodeParts) -> tuple[Node, list[Callable[[], Any]]]:
+    from kv_transfer.links import ZmqLinkFactory
+    from kv_transfer.sender import Sender
+    from prefill_node.node import PrefillNode
+    from worker.engine_glue import build_engine
+
+    engine, runner = build_engine(engine_cfg)
+    sender = Sender(runner.layout, pool_array(runner), links=ZmqLinkFactory())
+    return PrefillNode(parts.worker_id, engine, runner, sender, parts.send, parts.metrics), []

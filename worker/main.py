@@ -1,0 +1,77 @@
+"""Build and run one worker process of any role: the role's node comes from a builder
+that the caller (the CLI) picks, so this package never imports a node package."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from common.transport import CurveClient, new_worker_id
+from engine.config import EngineConfig
+from worker.gateways import GatewayLinks
+from worker.metrics import WorkerMetrics
+from worker.runtime import Node, RuntimeConfig, WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    role: str  # prefill | decode | colocated
+    gateways: tuple[str, ...]  # tcp://HOST:PORT or dns+tcp://NAME:PORT, one channel per gateway
+    worker_id: str | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
+    heartbeat_s: float = 0.5
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0  # decode: fixed tcp port of the KV receiver (0: ephemeral)
+    kv_transport: str = "auto"  # auto | tcp | shm
+    curve: CurveClient | None = None
+
+
+class NodeParts:
+    """What a role builder gets: the worker's id, its reply channel and its metrics."""
+
+    def __init__(self, worker_id: str, channel: GatewayLinks, metrics: WorkerMetrics) -> None:
+        self.worker_id = worker_id
+        self.send = channel.send
+        self.metrics = metrics
+
+
+# (engine config, options, parts) -> (node, cleanup callables run after the node closes)
+NodeBuilder = Callable[[EngineConfig, WorkerOptions, NodeParts], tuple[Node, list[Callable[[], Any]]]]
+
+
+def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder) -> int:
+    worker_id = opts.worker_id or new_worker_id(opts.role)
+    metrics = WorkerMetrics(opts.role, worker_id)
+    channel = GatewayLinks(opts.gateways, worker_id, opts.curve)
+    rt_cfg = RuntimeConfig(opts.gateways, worker_id, opts.metrics_host, opts.metrics_port, opts.heartbeat_s,
+                           curve=opts.curve)
+    runtime = WorkerRuntime(rt_cfg, channel, metrics)
+    node, cleanup = build(engine_cfg, opts, NodeParts(worker_id, channel, metrics))
+    try:
+        return runtime.run(node)
+    finally:
+        for fn in cleanup:
+            fn()
+        log.debug("cleanup done")
+
+
+def build_colocated(engine_cfg: EngineConfig, opts: WorkerOptions,
+                    parts: NodeParts) -> tuple[Node, list[Callable[[], Any]]]:
+    from worker.colocated import ColocatedNode
+    from worker.engine_glue import build_engine
+
+    engine, runner = build_engine(engine_cfg)
+    return ColocatedNode(parts.worker_id, engine, runner, parts.send, parts.metrics), []
+
+
+def pool_array(runner: Any) -> Any:
+    """The runner's KV pool as an array for the transfer layer (numpy on CPU, the
+    tensor itself on GPU; bfloat16 as raw 16-bit patterns)."""
+    from kv_transfer.tensor_adapter import pool_array as adapt
+
+    return adapt(runner.pool.kv)
