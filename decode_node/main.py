@@ -8,7 +8,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from worker.main import NodeParts, WorkerOptions, pool_array
-from worker.runtime import Node
+from worker.node_api import Node
 
 
 def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,

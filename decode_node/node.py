@@ -29,7 +29,7 @@ from engine.sequence import TokenLogprob
 from kv_transfer.api import TransferState
 from worker.engine_glue import StatsMirror, wire_deltas
 from worker.metrics import WorkerMetrics
-from worker.runtime import NodeLoad, NodeRegistration, Sender
+from worker.node_api import NodeLoad, NodeRegistration, Sender
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from worker.engine_glue import StatsMirror, wire_deltas
 from worker.metrics import WorkerMetrics
-from worker.runtime import NodeLoad, NodeRegistration, Sender
+from worker.node_api import NodeLoad, NodeRegistration, Sender
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class ColocatedNode:
         return True
 
     def load(self) -> NodeLoad:
-        queued = sum(seq.num_uncomputed_tokens for seq in list(self.engine.scheduler.waiting))  # heartbeat thread
+        queued = sum(seq.num_uncomputed_tokens for seq in list(self.engine.scheduler.waiting))
         return self.stats.update(self.engine.stats(), queued)
 
     def busy(self) -> bool:

@@ -12,7 +12,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from worker.metrics import WorkerMetrics
-from worker.runtime import NodeLoad
+from worker.node_api import NodeLoad
 
 
 def build_engine(config: EngineConfig, kv_buffer: Any = None) -> tuple[LLMEngine, ModelRunner]:

@@ -12,7 +12,8 @@ from common.transport import CurveClient, new_worker_id
 from engine.config import EngineConfig
 from worker.gateways import GatewayLinks
 from worker.metrics import WorkerMetrics
-from worker.runtime import Node, RuntimeConfig, WorkerRuntime
+from worker.node_api import Node
+from worker.runtime import RuntimeConfig, WorkerRuntime
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from worker.node_api import NodeLoad
+
 
 class WorkerMetrics:
     def __init__(self, role: str, worker_id: str) -> None:
@@ -62,6 +64,16 @@ class WorkerMetrics:
         if total > self._last_preemptions:
             self.preemptions.inc(total - self._last_preemptions)
             self._last_preemptions = total
+
+    def set_load(self, load: NodeLoad) -> None:
+        self.free_blocks.set(load.free_blocks)
+        self.kv_usage.set((load.total_blocks - load.free_blocks) / max(load.total_blocks, 1))
+        self.waiting.set(load.waiting_seqs)
+        self.running_seqs.set(load.running_seqs)
+        if self._role != "decode":
+            self.queued_prefill_tokens.set(load.queued_prefill_tokens)
+        if self._role != "prefill":
+            self.batch_size.set(load.running_seqs)
 
     def gauges(self) -> dict[str, float]:
         """Values carried in heartbeats for the gateway to re-export."""

@@ -8,10 +8,13 @@ The node (prefill, decode or colocated) supplies the work; the loop is:
         node.step()                     # one engine step, if there is work
         (idle: wait for a message, briefly)
 
+After every tick the loop publishes a `LoadSnapshot` (the node's load and the
+worker's gauges, set right there), so `/metrics` is current at every scrape.
 Heartbeats go from a thread on their own socket (identity `<worker id>/hb`), so
-a long engine step never makes a live worker look dead; the thread stops
-heartbeating if the loop has not ticked for `stall_s` (a hung worker is
-dropped and its requests recovered).
+a long engine step never makes a live worker look dead; that thread only sends
+the latest snapshot and never reads engine state. It stops heartbeating if the
+loop has not ticked for `stall_s` (a hung worker is dropped and its requests
+recovered).
 
 With several gateways (`--gateway` repeated, or a `dns+tcp://` name resolving to
 every replica; see `worker.gateways`) the worker registers and heartbeats with
@@ -30,15 +33,16 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 from common import protocol as p
 from common.transport import LOOPBACK, CurveClient, WorkerChannel, host_id, transport_kind
 from worker.faults import FaultInjector, WorkerFaults
 from worker.gateways import GatewayLinks
 from worker.metrics import MetricsServer, WorkerMetrics
+from worker.node_api import Node, NodeLoad
 
 log = logging.getLogger(__name__)
 
@@ -56,43 +60,12 @@ class RuntimeConfig:
     curve: CurveClient | None = None
 
 
-class NodeRegistration(NamedTuple):
-    kv_address: str
-    kv_shm: str
-    compat_hash: str
-    total_blocks: int
-    block_size: int
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """What the main loop last saw: handed to the heartbeat thread whole, never mutated."""
 
-
-class NodeLoad(NamedTuple):
-    queued_prefill_tokens: int
-    free_blocks: int
-    total_blocks: int
-    running_seqs: int
-    waiting_seqs: int
-
-
-class Node(Protocol):
-    role: str
-
-    def registration(self) -> NodeRegistration: ...
-
-    def handle(self, msg: p.Message) -> None: ...
-
-    def step(self) -> bool:
-        """Do one unit of work; False when there was nothing to do."""
-        ...
-
-    def load(self) -> NodeLoad: ...
-
-    def busy(self) -> bool:
-        """True while the node holds requests (draining waits for False)."""
-        ...
-
-    def close(self) -> None: ...
-
-
-Sender = Callable[[p.Message], None]
+    load: NodeLoad
+    gauges: Mapping[str, float]
 
 
 class WorkerRuntime:
@@ -105,6 +78,7 @@ class WorkerRuntime:
         self._hb_stop = threading.Event()
         self.faults = FaultInjector(WorkerFaults.from_env())
         self._registered_at: dict[str, float] = {}  # gateway address -> last RegisterWorker
+        self._snapshot: LoadSnapshot | None = None  # replaced (never mutated) by the main loop
 
     def request_stop(self, *_: Any) -> None:
         self._stop_requested = True
@@ -115,8 +89,9 @@ class WorkerRuntime:
         server = MetricsServer(self.metrics, self.config.metrics_host, self.config.metrics_port,
                                health=lambda: not self._stop_requested)
         server.start()
+        self._publish(node)
         self._follow_gateways(node, server.port)
-        hb = threading.Thread(target=self._heartbeat_loop, args=(node,), name="heartbeat", daemon=True)
+        hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         hb.start()
         log.info("%s worker %s up; metrics on port %d", node.role, self.config.worker_id, server.port)
         kv_address = node.registration().kv_address
@@ -162,6 +137,7 @@ class WorkerRuntime:
                 node.handle(msg)
         worked = node.step()
         self.faults.after_step(worked)
+        self._publish(node)
         self._last_tick = time.monotonic()
         if not worked:
             self.channel.wait(self.config.idle_wait_ms)
@@ -183,14 +159,14 @@ class WorkerRuntime:
             reg.compat_hash, reg.total_blocks, reg.block_size, metrics_port, os.getpid(),
         ))
 
-    def _heartbeat_loop(self, node: Node) -> None:
+    def _heartbeat_loop(self) -> None:
         """One lossy socket per gateway; each gets the worker's total load."""
         channels: dict[str, WorkerChannel] = {}
         try:
             while not self._hb_stop.wait(self.config.heartbeat_s):
                 self._sync_heartbeat_channels(channels)
-                if time.monotonic() - self._last_tick < self.config.stall_s:
-                    beat = self._heartbeat(node)
+                beat = self._heartbeat()
+                if beat is not None and time.monotonic() - self._last_tick < self.config.stall_s:
                     for ch in channels.values():
                         ch.send(beat)
                 for ch in channels.values():
@@ -206,15 +182,14 @@ class WorkerRuntime:
         for addr in current - set(channels):
             channels[addr] = WorkerChannel(addr, f"{self.config.worker_id}/hb", self.config.curve, lossy=True)
 
-    def _heartbeat(self, node: Node) -> p.Heartbeat:
+    def _publish(self, node: Node) -> None:
+        """Main loop only: read the node's load, set the gauges, hand the heartbeat thread a snapshot."""
         load = node.load()
-        m = self.metrics
-        m.free_blocks.set(load.free_blocks)
-        m.kv_usage.set((load.total_blocks - load.free_blocks) / max(load.total_blocks, 1))
-        m.waiting.set(load.waiting_seqs)
-        m.running_seqs.set(load.running_seqs)
-        if node.role != "decode":
-            m.queued_prefill_tokens.set(load.queued_prefill_tokens)
-        if node.role != "prefill":
-            m.batch_size.set(load.running_seqs)
-        return p.Heartbeat(self.config.worker_id, *load, gauges=m.gauges())
+        self.metrics.set_load(load)
+        self._snapshot = LoadSnapshot(load, self.metrics.gauges())
+
+    def _heartbeat(self) -> p.Heartbeat | None:
+        snap = self._snapshot
+        if snap is None:
+            return None
+        return p.Heartbeat(self.config.worker_id, *snap.load, gauges=dict(snap.gauges))

@@ -4,10 +4,11 @@ payloads in process logs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +122,21 @@ def stream(url: str, body: dict[str, Any], headers: dict[str, str] | None = None
                 if started is not None:
                     started()
     return out
+
+
+@contextlib.contextmanager
+def held_stream(url: str, body: dict[str, Any], timeout: float = 120.0) -> Iterator[int]:
+    """POST a streaming request, read until its first token event, and hold the stream
+    open for the body of the `with`; leaving it disconnects (the gateway aborts the
+    request). Yields the number of events read so far."""
+    with urllib.request.urlopen(post(url, body), timeout=timeout) as r:
+        assert r.status == 200
+        for raw in r:
+            if raw.startswith(b"data: ") and raw.strip() != b"data: [DONE]":
+                break
+        else:
+            raise AssertionError("the stream ended before its first token")
+        yield 1
 
 
 def json_payloads(log_text: str) -> list[dict[str, Any]]:

@@ -2,15 +2,15 @@
 
 The four design metrics exist with the right types (TTFT and TPOT histograms with
 the design's bucket bounds, batch size and KV usage gauges per worker, re-exported
-by the gateway with `role`/`worker` labels), their counts match the traffic, and
-KV usage returns to its idle value once the traffic is over.
+by the gateway with `role`/`worker` labels), their counts match the traffic, a
+worker's KV gauge shows a running stream at the next scrape (gauges are set by the
+worker's main loop every step, not by the heartbeat), and KV usage returns to its
+idle value once the traffic is over.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +22,7 @@ from tests.observability.obs import (
     MODEL,
     bucket_bounds,
     families,
+    held_stream,
     samples,
     scrape,
     stream,
@@ -33,7 +34,8 @@ TTFT = "llm_time_to_first_token_seconds"
 TPOT = "llm_time_per_output_token_seconds"
 BATCH = "llm_current_batch_size"
 KV = "llm_kv_cache_usage_ratio"
-LONG_TOKENS = 96  # long enough for a heartbeat to see KV in use
+LONG_TOKENS = 96
+HELD_TOKENS = 1500  # the held stream cannot finish before its KV shows (it is let go first)
 
 
 @pytest.fixture(scope="module")
@@ -75,25 +77,7 @@ def check_fleet_metrics(c: Cluster) -> None:
     workers = c.wait_idle()
     idle = {w["id"]: value(scrape(worker_url(w)), KV) for w in workers}
     gw_before = scrape(f"{c.url}/metrics")
-
-    # Sample the workers' KV usage while the traffic runs.
-    peak = dict.fromkeys(idle, 0.0)
-    stop = threading.Event()
-
-    def watch() -> None:
-        while not stop.is_set():
-            for w in workers:
-                with contextlib.suppress(OSError):
-                    peak[w["id"]] = max(peak[w["id"]], value(scrape(worker_url(w)), KV))
-            stop.wait(0.05)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        tokens = send_traffic(c)
-    finally:
-        stop.set()
-        watcher.join(5)
+    tokens = send_traffic(c)
     sent = len(tokens)
 
     # Gateway: histograms with the design's buckets, counts equal to the traffic.
@@ -135,9 +119,16 @@ def check_fleet_metrics(c: Cluster) -> None:
         if w["role"] != "prefill":
             assert len(samples(gw, BATCH, **labels)) == 1, (labels, samples(gw, BATCH))
 
-    # KV was in use during the traffic, and returns to idle everywhere afterwards.
-    kv_holders = [w["id"] for w in workers if w["role"] != "prefill"]
-    assert any(peak[i] > idle[i] for i in kv_holders), (peak, idle)
+    # KV is in use while a stream runs: hold one open until its worker's gauge shows it.
+    holders = [w for w in workers if w["role"] != "prefill"]
+    body = {"model": MODEL, "prompt": "held", "max_tokens": HELD_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with held_stream(f"{c.url}/v1/completions", body):
+
+        def kv_in_use() -> bool:
+            return any(value(scrape(worker_url(w)), KV) > idle[w["id"]] for w in holders)
+
+        wait_until(kv_in_use, "a KV holder's gauge above idle while a stream runs")
 
     def back_to_idle() -> bool:
         gw_now = scrape(f"{c.url}/metrics")

@@ -1,0 +1,108 @@
+"""The worker runtime's main loop publishes load and gauges every tick: `/metrics` is
+current at the next scrape, with no heartbeat in between, and only the main loop ever
+reads the node's state (the heartbeat thread sends the latest snapshot)."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+from collections.abc import Callable
+
+from common import protocol as p
+from common.transport import free_port
+from tests.observability.obs import value
+from worker.gateways import GatewayLinks
+from worker.metrics import WorkerMetrics
+from worker.node_api import NodeLoad, NodeRegistration
+from worker.runtime import RuntimeConfig, WorkerRuntime
+
+TOTAL = 100
+
+
+class ScriptedNode:
+    """A node whose used blocks the test sets; it records which threads read its load."""
+
+    role = "decode"
+
+    def __init__(self) -> None:
+        self.used = 0
+        self.steps = 0
+        self.load_threads: set[str] = set()
+        self.stepped = threading.Condition()
+
+    def registration(self) -> NodeRegistration:
+        return NodeRegistration("", "", "compat", TOTAL, 16)
+
+    def handle(self, msg: p.Message) -> None:
+        pass
+
+    def step(self) -> bool:
+        with self.stepped:
+            self.steps += 1
+            self.stepped.notify_all()
+        return False
+
+    def wait_steps(self, n: int) -> None:
+        with self.stepped:
+            target = self.steps + n
+            assert self.stepped.wait_for(lambda: self.steps >= target, timeout=30), "the loop stopped ticking"
+
+    def load(self) -> NodeLoad:
+        self.load_threads.add(threading.current_thread().name)
+        return NodeLoad(0, TOTAL - self.used, TOTAL, 1 if self.used else 0, 0)
+
+    def busy(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def run_in_main_thread(runtime: WorkerRuntime, node: ScriptedNode, body: Callable[[], None]) -> None:
+    """The runtime installs signal handlers, so it runs here; `body` drives it from a thread."""
+    errors: list[BaseException] = []
+
+    def drive() -> None:
+        try:
+            body()
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+        finally:
+            runtime.request_stop()
+
+    t = threading.Thread(target=drive, name="test-driver")
+    t.start()
+    assert runtime.run(node) == 0
+    t.join(30)
+    if errors:
+        raise errors[0]
+
+
+def test_gauges_are_current_at_the_next_scrape_without_a_heartbeat() -> None:
+    gateway = f"tcp://127.0.0.1:{free_port()}"  # nothing listens: registration just queues
+    port = free_port()
+    config = RuntimeConfig((gateway,), "decode-test", metrics_port=port, heartbeat_s=3600.0)
+    metrics = WorkerMetrics("decode", "decode-test")
+    runtime = WorkerRuntime(config, GatewayLinks((gateway,), "decode-test"), metrics)
+    node = ScriptedNode()
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    def scrape() -> str:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return str(r.read().decode())
+
+    def body() -> None:
+        node.wait_steps(1)
+        assert value(scrape(), "llm_kv_cache_usage_ratio") == 0.0
+        node.used = 40
+        node.wait_steps(2)  # a whole tick has run since the change
+        text = scrape()
+        assert value(text, "llm_kv_cache_usage_ratio") == 0.4
+        assert value(text, "llm_kv_free_blocks") == TOTAL - 40
+        assert value(text, "llm_current_batch_size") == 1
+        node.used = 0
+        node.wait_steps(2)
+        assert value(scrape(), "llm_kv_cache_usage_ratio") == 0.0
+
+    run_in_main_thread(runtime, node, body)
+    assert node.load_threads == {threading.main_thread().name}

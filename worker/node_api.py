@@ -1,0 +1,50 @@
+"""What the worker runtime needs from a node (prefill, decode or colocated), and what
+a node reports back: its registration and its load."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+from common import protocol as p
+
+
+class NodeRegistration(NamedTuple):
+    kv_address: str
+    kv_shm: str
+    compat_hash: str
+    total_blocks: int
+    block_size: int
+
+
+class NodeLoad(NamedTuple):
+    queued_prefill_tokens: int
+    free_blocks: int
+    total_blocks: int
+    running_seqs: int
+    waiting_seqs: int
+
+
+class Node(Protocol):
+    role: str
+
+    def registration(self) -> NodeRegistration: ...
+
+    def handle(self, msg: p.Message) -> None: ...
+
+    def step(self) -> bool:
+        """Do one unit of work; False when there was nothing to do."""
+        ...
+
+    def load(self) -> NodeLoad:
+        """Called by the main loop after every tick; never from another thread."""
+        ...
+
+    def busy(self) -> bool:
+        """True while the node holds requests (draining waits for False)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+Sender = Callable[[p.Message], None]
