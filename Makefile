@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test install lint typecheck pytest clean
+.PHONY: up test install lint typecheck pytest loop clean
 
 up: $(STAMP)
 	$(BIN)/pdserve up
@@ -28,6 +28,13 @@ typecheck: $(STAMP)
 
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Flake hunt (not part of `make test`): the process-level suites LOOPS times in a row;
+# BUSY=1 keeps every core busy with another process meanwhile.
+LOOPS ?= 10
+BUSY ?= 0
+loop: $(STAMP)
+	bash tests/loop.sh $(LOOPS) $(BUSY)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
