@@ -11,14 +11,19 @@ Invariants (checked by `integrity_errors()`):
   block that still carries a hash sits in the LRU of free cached blocks.
 
 Prefix caching: a FULL, computed block is registered under
-`hash((parent block hash, token ids of the block))`, so a hit on block i implies
-hits on blocks 0..i-1. Free blocks that still carry a hash are kept in an LRU
-and reused by a later prompt with the same prefix, or evicted (oldest first)
-when fresh blocks run out.
+`SHA-256(parent block digest || token ids of the block as little-endian int64)`,
+the first block's parent being the fixed `ROOT_DIGEST`. The key therefore names
+the whole prefix, not just the block: two prompts share block i only if they
+agree on every token up to the end of block i (short of a SHA-256 collision),
+and a hit on block i implies hits on blocks 0..i-1. Free blocks that still
+carry a hash are kept in an LRU and reused by a later prompt with the same
+prefix, or evicted (oldest first) when fresh blocks run out.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,15 +31,15 @@ from typing import NamedTuple
 
 from common.kv_layout import NULL_BLOCK
 
-# Parent hash of the first block of every sequence.
-_ROOT_HASH = 0
+# Parent digest of the first block of every sequence (a fixed constant).
+ROOT_DIGEST = hashlib.sha256(b"pdserve prefix cache root").digest()
 
 
 class PrefixHit(NamedTuple):
     """Cached blocks covering the first `num_tokens` tokens of a prompt."""
 
     block_ids: tuple[int, ...]
-    block_hashes: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
     num_tokens: int
 
 
@@ -59,14 +64,15 @@ class SlotAllocation(NamedTuple):
 class _Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
-    # Token ids of a hashed block, so a hash collision can never serve wrong KV.
+    block_hash: bytes | None = None
+    # Token ids of a hashed block: a hit also compares them (defence in depth).
     token_ids: tuple[int, ...] = ()
 
 
-def block_hash(parent_hash: int, token_ids: Sequence[int]) -> int:
-    """The chained hash of one full block."""
-    return hash((parent_hash, tuple(token_ids)))
+def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The chained digest of one full block: SHA-256 over the parent's digest and the
+    block's token ids (little-endian int64), so it names the whole prefix."""
+    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
 class BlockManager:
@@ -82,10 +88,10 @@ class BlockManager:
         self._free_fresh: deque[int] = deque(range(1, num_blocks))
         # Free blocks that still hold cached KV; iteration order = eviction order (LRU first).
         self._free_cached: OrderedDict[int, None] = OrderedDict()
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[bytes, int] = {}  # block digest -> block id
         self._tables: dict[int, list[int]] = {}
-        # Hash chain of each owner's leading full, computed blocks.
-        self._hashes: dict[int, list[int]] = {}
+        # Digest chain of each owner's leading full, computed blocks.
+        self._hashes: dict[int, list[bytes]] = {}
 
     # ------------------------------------------------------------------ queries
     @property
@@ -129,8 +135,8 @@ class BlockManager:
             return NO_HIT
         bs = self.block_size
         ids: list[int] = []
-        hashes: list[int] = []
-        parent = _ROOT_HASH
+        hashes: list[bytes] = []
+        parent = ROOT_DIGEST
         for i in range((len(token_ids) - 1) // bs):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk)
@@ -201,7 +207,7 @@ class BlockManager:
         num_full = min(num_computed_tokens // bs, len(table))
         for i in range(len(hashes), num_full):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(hashes[-1] if hashes else _ROOT_HASH, chunk)
+            h = block_hash(hashes[-1] if hashes else ROOT_DIGEST, chunk)
             hashes.append(h)
             block = self._blocks[table[i]]
             # An identical block already cached elsewhere stays the canonical one.

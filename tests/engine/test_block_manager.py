@@ -72,6 +72,26 @@ def test_prefix_cache_hit_shares_full_blocks_but_never_the_last_token() -> None:
     _ok(bm)
 
 
+def test_colliding_parent_hashes_never_share_a_child_block() -> None:
+    # CPython hashes an int modulo 2**61 - 1: these two first blocks have the same
+    # Python hash, so under a `hash((parent, tokens))` chain every block after them
+    # would get the same key too. Their blocks' own tokens differ; the next ones agree.
+    a, b = [5, 1, 2, 3], [5 + 2**61 - 1, 1, 2, 3]
+    assert hash((0, tuple(a))) == hash((0, tuple(b)))  # the premise: a real collision
+    tail, last = [6, 7, 8, 9], [42]
+    bm = BlockManager(num_blocks=9, block_size=4)
+    bm.allocate_slots(1, 5, 0)  # [1, 2]
+    bm.cache_full_blocks(1, a + last, 5)  # block 1 holds `a`
+    assert bm.match_prefix(b + tail + last) == NO_HIT
+    bm.allocate_slots(2, 9, 0)  # [3, 4, 5]
+    bm.cache_full_blocks(2, b + tail + last, 9)  # block 4: `tail`'s KV computed after `b`
+    # `a + tail` may reuse block 1, never block 4 (its KV depends on `b`).
+    hit = bm.match_prefix(a + tail + last)
+    assert hit.block_ids == (1,) and hit.num_tokens == 4
+    assert bm.match_prefix(b + tail + last).block_ids == (3, 4)
+    _ok(bm)
+
+
 def test_freed_cached_blocks_are_revived_then_evicted_lru() -> None:
     bm = BlockManager(num_blocks=5, block_size=2)  # 4 allocatable
     a, b = [1, 2, 3, 4, 5], [7, 8, 9]
