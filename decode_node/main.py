@@ -32,12 +32,12 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
         cuda_pool = create_cuda_pool(layout, num_blocks, cuda_index(engine_cfg.device))
         engine, runner = build_engine(engine_cfg, kv_buffer=tensor_from_array(cuda_pool.array, layout.dtype))
         receiver = ZmqReceiver(runner.layout, cuda_pool, transport="cuda+tcp", host=opts.kv_host,
-                               port=opts.kv_port)
+                               port=opts.kv_port, faults=parts.kv_faults)
         return DecodeNode(worker_id, engine, runner, receiver, send, metrics, ""), cleanup
     if opts.kv_transport == "tcp":
         engine, runner = build_engine(engine_cfg)
         receiver = ZmqReceiver(runner.layout, pool_array(runner), transport="tcp", host=opts.kv_host,
-                               port=opts.kv_port)
+                               port=opts.kv_port, faults=parts.kv_faults)
         return DecodeNode(worker_id, engine, runner, receiver, send, metrics, ""), cleanup
     from kv_transfer.shm_pool import create_shm_pool
 
@@ -46,7 +46,7 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
     try:
         engine, runner = build_engine(engine_cfg, kv_buffer=shm_pool.array)
         receiver = ZmqReceiver(runner.layout, shm_pool, transport="shm+tcp", host=opts.kv_host,
-                               port=opts.kv_port)
+                               port=opts.kv_port, faults=parts.kv_faults)
     except BaseException:
         shm_pool.unlink()  # the cleanup list never reaches the caller
         raise

@@ -101,7 +101,7 @@ class FakeReceiver:
         self._links: dict[bytes, _FakeLink] = {}
         self.core = ReceiverCore(
             layout, array, shm=shm, grace_s=grace_s, max_frame_bytes=max_frame_bytes,
-            faults=FaultConfig.from_env() if faults is None else faults, wake=self._route)
+            faults=FaultConfig() if faults is None else faults, wake=self._route)
         self._fabric = fabric
         endpoint = fabric.register(self)
         self._address = ("shm+" if shm else "") + endpoint

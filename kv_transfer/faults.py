@@ -1,9 +1,10 @@
 """Fault injection for tests: corrupt, drop or delay KV frames. Off by default.
 
-The spec comes from the environment variable PDSERVE_KV_FAULTS (read through
-`common.envs`, the one place environment variables are read), e.g.
-`PDSERVE_KV_FAULTS="corrupt_chunk=2,delay_s=0.05"`, so faults can be switched
-on in a worker process started by a test; or pass a FaultConfig directly.
+Senders and receivers inject only the FaultConfig they are given (none by
+default); they never read the environment. `FaultConfig.from_env()` reads the
+spec from PDSERVE_KV_FAULTS (through `common.envs`), e.g.
+`PDSERVE_KV_FAULTS="corrupt_chunk=2,delay_s=0.05"`; a worker calls it only when
+started with `--enable-fault-injection` (see `worker.faults.injected_faults`).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class ZmqReceiver:
         self.core = ReceiverCore(
             layout, array, shm=descriptor,
             grace_s=grace_s, max_frame_bytes=max_frame_bytes,
-            faults=FaultConfig.from_env() if faults is None else faults, wake=self._waker.wake,
+            faults=FaultConfig() if faults is None else faults, wake=self._waker.wake,
             copy_threads=copy_threads)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)

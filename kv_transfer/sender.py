@@ -76,7 +76,7 @@ class Sender:
         self._ops = pool_ops(pool, self._copy)
         self.pool = self._ops.array
         self.num_blocks = check_pool(layout, self.pool)
-        self.faults = FaultConfig.from_env() if faults is None else faults
+        self.faults = FaultConfig() if faults is None else faults
         self.chunk_bytes = chunk_bytes
         self.shm_chunk_bytes = shm_chunk_bytes
         self._links = links

@@ -18,5 +18,5 @@ def build_prefill(engine_cfg: EngineConfig, opts: WorkerOptions,
     from worker.engine_glue import build_engine
 
     engine, runner = build_engine(engine_cfg)
-    sender = Sender(runner.layout, pool_array(runner), links=ZmqLinkFactory())
+    sender = Sender(runner.layout, pool_array(runner), links=ZmqLinkFactory(), faults=parts.kv_faults)
     return PrefillNode(parts.worker_id, engine, runner, sender, parts.send, parts.metrics), []

@@ -1,8 +1,11 @@
-"""Worker-side fault injection for reliability tests. Off by default.
+"""Worker-side fault injection for reliability tests. Off unless asked for.
 
-Read from `PDSERVE_FAULTS` (via `common.envs`), e.g.
-`PDSERVE_FAULTS="exit_after_steps=20"`; unknown keys are errors. KV-frame
-faults (corrupt, drop, delay) live in `kv_transfer.faults`.
+A worker arms faults only when started with `--enable-fault-injection`; then it
+reads `PDSERVE_FAULTS` (e.g. `PDSERVE_FAULTS="exit_after_steps=20"`; unknown keys
+are errors) and `PDSERVE_KV_FAULTS` (KV-frame faults: corrupt, drop, delay; see
+`kv_transfer.faults`) through `common.envs`, and logs a WARNING. Without the
+flag both variables are ignored, so a stray environment can never make a
+production worker corrupt KV or exit.
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 from common import envs
 from common import protocol as p
+from kv_transfer.faults import FaultConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +42,33 @@ class WorkerFaults:
         return cls(**values)  # type: ignore[arg-type]
 
     @classmethod
-    def from_env(cls) -> WorkerFaults:
-        return cls.parse(envs.faults())
+    def from_env(cls, enabled: bool = False) -> WorkerFaults:
+        """`PDSERVE_FAULTS` when fault injection is `enabled`; no faults otherwise."""
+        return cls.parse(envs.faults()) if enabled else cls()
+
+
+class InjectedFaults(NamedTuple):
+    """The faults one worker process injects."""
+
+    worker: WorkerFaults
+    kv: FaultConfig
+
+
+NO_FAULTS = InjectedFaults(WorkerFaults(), FaultConfig())
+
+
+def injected_faults(enabled: bool) -> InjectedFaults:
+    """The faults the environment asks for if `enabled` (`--enable-fault-injection`),
+    announced with a WARNING; none otherwise, whatever the environment says."""
+    if not enabled:
+        if envs.faults() or envs.kv_faults():
+            log.warning("PDSERVE_FAULTS / PDSERVE_KV_FAULTS ignored: fault injection needs "
+                        "--enable-fault-injection")
+        return NO_FAULTS
+    faults = InjectedFaults(WorkerFaults.from_env(enabled=True), FaultConfig.from_env())
+    log.warning("fault injection is ON (--enable-fault-injection): %s, %s; never in production",
+                faults.worker, faults.kv)
+    return faults
 
 
 class FaultInjector:

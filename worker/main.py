@@ -10,6 +10,8 @@ from typing import Any
 
 from common.transport import CurveClient, new_worker_id
 from engine.config import EngineConfig
+from kv_transfer.faults import FaultConfig
+from worker.faults import FaultInjector, injected_faults
 from worker.gateways import GatewayLinks
 from worker.metrics import WorkerMetrics
 from worker.node_api import Node
@@ -30,15 +32,19 @@ class WorkerOptions:
     kv_port: int = 0  # decode: fixed tcp port of the KV receiver (0: ephemeral)
     kv_transport: str = "auto"  # auto | tcp | shm
     curve: CurveClient | None = None
+    fault_injection: bool = False  # honour PDSERVE_FAULTS / PDSERVE_KV_FAULTS (tests only)
 
 
 class NodeParts:
-    """What a role builder gets: the worker's id, its reply channel and its metrics."""
+    """What a role builder gets: the worker's id, its reply channel, its metrics and the
+    KV faults its sender or receiver injects (none unless fault injection is on)."""
 
-    def __init__(self, worker_id: str, channel: GatewayLinks, metrics: WorkerMetrics) -> None:
+    def __init__(self, worker_id: str, channel: GatewayLinks, metrics: WorkerMetrics,
+                 kv_faults: FaultConfig) -> None:
         self.worker_id = worker_id
         self.send = channel.send
         self.metrics = metrics
+        self.kv_faults = kv_faults
 
 
 # (engine config, options, parts) -> (node, cleanup callables run after the node closes)
@@ -51,8 +57,11 @@ def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder
     channel = GatewayLinks(opts.gateways, worker_id, opts.curve)
     rt_cfg = RuntimeConfig(opts.gateways, worker_id, opts.metrics_host, opts.metrics_port, opts.heartbeat_s,
                            curve=opts.curve)
+    faults = injected_faults(opts.fault_injection)
     runtime = WorkerRuntime(rt_cfg, channel, metrics)
-    node, cleanup = build(engine_cfg, opts, NodeParts(worker_id, channel, metrics))
+    # The runtime arms no faults by itself (`WorkerFaults.from_env()` is off by default).
+    runtime.faults = FaultInjector(faults.worker)
+    node, cleanup = build(engine_cfg, opts, NodeParts(worker_id, channel, metrics, faults.kv))
     try:
         return runtime.run(node)
     finally:

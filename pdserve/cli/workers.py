@@ -72,6 +72,9 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-port", type=int, default=0, help="decode: KV receiver tcp port (0: ephemeral)")
     ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"),
                     help="auto: shared memory with same-host peers, tcp otherwise")
+    ap.add_argument("--enable-fault-injection", action="store_true",
+                    help="tests only: inject the faults PDSERVE_FAULTS and PDSERVE_KV_FAULTS ask for "
+                    "(ignored without this flag); logs a WARNING")
     ap.add_argument("--curve-key", default=None, help="CURVE: this worker's secret certificate file")
     ap.add_argument("--curve-server-key", default=None, help="CURVE: the gateway's public certificate file")
 
@@ -138,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         kv_port=args.kv_port,
         kv_transport=args.kv_transport,
         curve=curve,
+        fault_injection=args.enable_fault_injection,
     )
     return run_worker(engine_cfg, opts, node_builder(args.role))
 

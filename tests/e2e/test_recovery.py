@@ -77,7 +77,7 @@ def test_prefill_dying_with_queued_requests_they_are_resent(log_dir: Path, refer
     c = Cluster(log_dir)
     try:
         c.start_gateway("--heartbeat-timeout", "1.5")
-        doomed = c.add_worker("prefill", env={"PDSERVE_FAULTS": "exit_on_prefill=3"})  # dies holding work
+        doomed = c.add_worker("prefill", "--enable-fault-injection", env={"PDSERVE_FAULTS": "exit_on_prefill=3"})  # dies holding work
         c.add_worker("prefill")
         c.add_worker("decode")
         c.wait_roles(prefill=2, decode=1)
@@ -93,6 +93,7 @@ def test_prefill_dying_with_queued_requests_they_are_resent(log_dir: Path, refer
         with cf.ThreadPoolExecutor(12) as pool:
             texts = list(pool.map(run, range(12)))
         assert doomed.popen.wait(10) == 137
+        assert "fault injection is ON" in doomed.log()  # armed only by the flag, and says so
         for i in (0, 5, 11):
             want = reference.generate(reference.completion_ids(f"{i} {prompt}"), max_tokens=4, temperature=0.0)[0]
             assert texts[i] == reference.text(want)
@@ -111,7 +112,7 @@ def test_corrupted_kv_frame_is_never_decoded_and_request_recovers(log_dir: Path,
     try:
         c.start_gateway()
         # The prefill worker flips a byte in its first KV data chunk (tcp: checksummed frames).
-        c.add_worker("prefill", env={"PDSERVE_KV_FAULTS": "corrupt_chunk=0"})
+        c.add_worker("prefill", "--enable-fault-injection", env={"PDSERVE_KV_FAULTS": "corrupt_chunk=0"})
         c.add_worker("decode", "--kv-transport", "tcp")
         c.wait_roles(prefill=1, decode=1)
         prompt = "Corruption must never reach the decoder"
