@@ -39,7 +39,7 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar(
             "PDSERVE_FAULTS",
             "",
-            "Fault-injection spec for reliability tests; empty disables injection.",
+            "Worker fault-injection spec for reliability tests; read only with --enable-fault-injection.",
         ),
         EnvVar(
             "PDSERVE_API_KEYS",
@@ -49,7 +49,7 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar(
             "PDSERVE_KV_FAULTS",
             "",
-            "KV-transfer fault injection (`key=value,...`, see kv_transfer.faults); empty: off.",
+            "KV-transfer fault spec (`key=value,...`, see kv_transfer.faults); read only with --enable-fault-injection.",
         ),
     )
 }
