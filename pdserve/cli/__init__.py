@@ -27,13 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"pdserve.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"pdserve.cli.{name}":
-                continue  # command not built yet
-            raise
-        module.register(sub)
+        # A listed module that is missing is a broken install: fail, never drop the command.
+        importlib.import_module(f"pdserve.cli.{name}").register(sub)
     return parser
 
 
