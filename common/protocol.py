@@ -7,7 +7,10 @@ the frozen dataclasses below. On the wire a message is one msgpack frame:
 
 Decoding checks the frame size before unpacking, unpacks with hard length
 limits, rejects unknown tags, versions and fields, and checks every field's
-type, so a hostile or confused peer can only ever produce a `ProtocolError`.
+type down to the leaves (`common/codec.py`: nested dataclasses such as
+`RequestPayload`, `SamplingParams`, `TokenDelta` and `Logprob` are checked from
+their annotations), so a hostile or confused peer can only ever produce a
+`ProtocolError`.
 Nothing here is ever pickled. A new request is sent once in full
 (`DecodeReserve`, `PrefillRequest`, `RunRequest`); afterwards only deltas
 (`TokenBatch`) and small control messages travel.
@@ -19,10 +22,14 @@ identity, so workers need no listening control socket of their own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgpack
+
+from common.codec import WireError, from_wire, to_wire
+from common.logprobs import Logprob
+from common.sampling_params import SamplingParams
 
 MAGIC = "pdsv"
 VERSION = 1
@@ -36,63 +43,6 @@ ROLES = ("prefill", "decode", "colocated")
 
 class ProtocolError(ValueError):
     """A frame that is not a well-formed message of this protocol version."""
-
-
-# --- field checkers ---------------------------------------------------------
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _int_list(v: Any) -> bool:
-    return isinstance(v, list) and all(_is_int(x) for x in v)
-
-
-def _str_list(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(x, str) for x in v)
-
-
-def _opt_str_list(v: Any) -> bool:
-    return isinstance(v, list) and all(x is None or isinstance(x, str) for x in v)
-
-
-def _int_list_list(v: Any) -> bool:
-    return isinstance(v, list) and all(_int_list(x) for x in v)
-
-
-def _plain(v: Any, depth: int = 0) -> bool:
-    """msgpack-native data (no bytes), bounded nesting: logprobs, params, gauges."""
-    if depth > 6:
-        return False
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return True
-    if isinstance(v, list):
-        return all(_plain(x, depth + 1) for x in v)
-    if isinstance(v, dict):
-        return all(isinstance(k, str) and _plain(x, depth + 1) for k, x in v.items())
-    return False
-
-
-_CHECKS: dict[str, Any] = {
-    "str": lambda v: isinstance(v, str),
-    "int": _is_int,
-    "float": _is_num,
-    "bool": lambda v: isinstance(v, bool),
-    "list[int]": _int_list,
-    "list[str]": _str_list,
-    "list[str | None]": _opt_str_list,
-    "list[list[int]]": _int_list_list,
-    "dict[str, Any]": lambda v: isinstance(v, dict) and _plain(v),
-    "dict[str, float]": lambda v: isinstance(v, dict)
-    and all(isinstance(k, str) and _is_num(x) for k, x in v.items()),
-    "Any": _plain,
-    "list[Any]": lambda v: isinstance(v, list) and _plain(v),
-}
 
 
 # --- messages ---------------------------------------------------------------
@@ -156,32 +106,48 @@ class Deregister(Message):
     reason: str = ""
 
 
-def split_resumed(token_ids: list[int], output_offset: int) -> tuple[list[int], list[int]]:
-    """(prompt, output tokens already produced) of a request message's token ids.
+@dataclass(frozen=True)
+class Resume:
+    """Where a recovered request continues: choice `choice_index` already produced
+    `output_token_ids` elsewhere. They are prefilled with the prompt but stay *output* to
+    the engine, so sampling seeds (seed, choice, index) and presence/frequency penalties
+    continue exactly."""
 
-    A recovered request continues where its stream stopped: those outputs are
-    prefilled with the prompt but stay *output* to the engine, so sampling seeds
-    (seed, choice, index) and presence/frequency penalties continue exactly."""
-    if output_offset < 0 or (output_offset and output_offset >= len(token_ids)):
-        raise ValueError(f"output_offset {output_offset} outside [0, {len(token_ids)})")
-    cut = len(token_ids) - output_offset
-    return list(token_ids[:cut]), list(token_ids[cut:])
+    output_token_ids: list[int]
+    choice_index: int = 0
+
+
+@dataclass(frozen=True)
+class RequestPayload:
+    """A request as every worker receives it, in `DecodeReserve`, `PrefillRequest` and
+    `RunRequest`: the prompt, typed sampling params and, for a recovery, the resume point."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    resume: Resume | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return list(self.resume.output_token_ids) if self.resume else []
+
+    @property
+    def choice_index(self) -> int:
+        return self.resume.choice_index if self.resume else 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens to prefill: the prompt and any resumed output."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 @dataclass(frozen=True)
 class DecodeReserve(Message):
-    """Gateway -> decode: reserve KV blocks for a prompt that will arrive by transfer.
-
-    Recovery (see `split_resumed`): the last `output_offset` of `prompt_token_ids`
-    are output tokens choice `choice_index` already produced."""
+    """Gateway -> decode: reserve KV blocks for a prompt that will arrive by transfer."""
 
     TAG: ClassVar[str] = "decode_reserve"
     request_id: str
     transfer_id: str
-    prompt_token_ids: list[int]
-    params: dict[str, Any]
-    output_offset: int = 0
-    choice_index: int = 0
+    payload: RequestPayload
 
 
 @dataclass(frozen=True)
@@ -207,10 +173,7 @@ class PrefillRequest(Message):
 
     TAG: ClassVar[str] = "prefill"
     request_id: str
-    prompt_token_ids: list[int]
-    params: dict[str, Any]
-    output_offset: int = 0  # recovery, as in `DecodeReserve`
-    choice_index: int = 0
+    payload: RequestPayload
 
 
 @dataclass(frozen=True)
@@ -233,10 +196,7 @@ class RunRequest(Message):
 
     TAG: ClassVar[str] = "run"
     request_id: str
-    prompt_token_ids: list[int]
-    params: dict[str, Any]
-    output_offset: int = 0  # recovery, as in `DecodeReserve`
-    choice_index: int = 0
+    payload: RequestPayload
 
 
 @dataclass(frozen=True)
@@ -248,7 +208,7 @@ class FirstToken(Message):
     transfer_id: str
     token_ids: list[int]  # one per choice
     finish_reasons: list[str | None]  # one per choice
-    logprobs: list[Any]  # one entry per choice (None when not requested)
+    logprobs: list[Logprob | None]  # one entry per choice (None when not requested)
     cached_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
 
@@ -261,22 +221,25 @@ class StartDecode(Message):
     request_id: str
     transfer_id: str
     token_ids: list[int]
-    logprobs: list[Any]
+    logprobs: list[Logprob | None]  # one entry per choice, as in `FirstToken`
 
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """New tokens of one choice since the last batch (not a message on its own).
+    """New tokens of one choice: an entry of a `TokenBatch` on the wire, and the event
+    the gateway's backend yields to its HTTP layer (there `request_id` is left empty).
 
-    `logprobs` is None or one entry per token: [token_id, logprob, [[id, logprob], ...]]."""
+    `logprobs` is None or one entry per token of `token_ids`; `finish_reason` is set on
+    the choice's last delta ("stop" or "length"); `timings` carries worker-measured
+    stage durations in seconds (see gateway/backend.py)."""
 
-    request_id: str
     index: int
     token_ids: list[int]
-    logprobs: Any = None
+    logprobs: list[Logprob] | None = None
     finish_reason: str | None = None
     cached_tokens: int = 0
     timings: dict[str, float] | None = None
+    request_id: str = ""  # the worker-side request id
 
 
 @dataclass(frozen=True)
@@ -325,32 +288,14 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     RequestFailed,
 )
 _BY_TAG: dict[str, type[Message]] = {cls.TAG: cls for cls in MESSAGE_TYPES}
-_DELTA_FIELDS = {f.name: str(f.type) for f in fields(TokenDelta)}
 
 
 # --- encode / decode --------------------------------------------------------
 
 
-def _delta_to_dict(d: TokenDelta) -> dict[str, Any]:
-    return {
-        "request_id": d.request_id,
-        "index": d.index,
-        "token_ids": list(d.token_ids),
-        "logprobs": d.logprobs,
-        "finish_reason": d.finish_reason,
-        "cached_tokens": d.cached_tokens,
-        "timings": d.timings,
-    }
-
-
 def encode_fields(msg: Message) -> dict[str, Any]:
     """The message body as plain msgpack-native data."""
-    body: dict[str, Any] = {}
-    for f in fields(msg):
-        v = getattr(msg, f.name)
-        if isinstance(msg, TokenBatch) and f.name == "deltas":
-            v = [_delta_to_dict(d) for d in v]
-        body[f.name] = v
+    body: dict[str, Any] = to_wire(msg)
     return body
 
 
@@ -360,46 +305,6 @@ def encode(msg: Message) -> bytes:
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"{msg.TAG} message of {len(data)} bytes exceeds the cap")
     return data
-
-
-def _check_fields(name: str, spec: dict[str, str], required: set[str], body: Any) -> None:
-    if not isinstance(body, dict):
-        raise ProtocolError(f"{name}: body is not a map")
-    unknown = set(body) - set(spec)
-    if unknown:
-        raise ProtocolError(f"{name}: unknown field {sorted(map(str, unknown))[0]!r}")
-    missing = required - set(body)
-    if missing:
-        raise ProtocolError(f"{name}: missing field {sorted(missing)[0]!r}")
-    for key, value in body.items():
-        type_name = spec[key]
-        nullable = type_name.endswith(" | None")
-        base = type_name.removesuffix(" | None")
-        if value is None and nullable:
-            continue
-        if not _CHECKS[base](value):
-            raise ProtocolError(f"{name}: field {key!r} is not {type_name}")
-
-
-def _required(cls: type) -> set[str]:
-    from dataclasses import MISSING
-
-    return {
-        f.name
-        for f in fields(cls)
-        if f.default is MISSING and f.default_factory is MISSING  # type: ignore[misc]
-    }
-
-
-_SPECS: dict[str, tuple[dict[str, str], set[str]]] = {
-    cls.TAG: (
-        {f.name: ("list[TokenDelta]" if f.name == "deltas" else str(f.type)) for f in fields(cls)},
-        _required(cls),
-    )
-    for cls in MESSAGE_TYPES
-}
-_CHECKS["list[TokenDelta]"] = lambda v: isinstance(v, list)
-_DELTA_REQUIRED = _required(TokenDelta)
 
 
 def decode(data: bytes) -> Message:
@@ -429,14 +334,12 @@ def decode(data: bytes) -> Message:
     cls = _BY_TAG.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {str(tag)[:40]!r}")
-    spec, required = _SPECS[tag]
-    _check_fields(tag, spec, required, body)
-    if cls is TokenBatch:
-        deltas = []
-        for d in body["deltas"]:
-            _check_fields("token delta", _DELTA_FIELDS, _DELTA_REQUIRED, d)
-            deltas.append(TokenDelta(**d))
-        body = {**body, "deltas": deltas}
-    if cls is RegisterWorker and body["role"] not in ROLES:
-        raise ProtocolError(f"unknown role {body['role'][:20]!r}")
-    return cls(**body)
+    try:
+        msg: Message = from_wire(cls, body, tag)
+    except WireError as e:
+        raise ProtocolError(str(e)) from None
+    except (TypeError, ValueError) as e:  # a field's own constructor refused the value
+        raise ProtocolError(f"{tag}: {type(e).__name__}") from None
+    if isinstance(msg, RegisterWorker) and msg.role not in ROLES:
+        raise ProtocolError(f"unknown role {msg.role[:20]!r}")
+    return msg

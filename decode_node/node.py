@@ -20,12 +20,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from common import protocol as p
+from common.logprobs import Logprob
 from common.logs import request_fields
-from common.sampling_params import SamplingParams, SamplingParamsError
 from common.transport import transport_kind
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
-from engine.sequence import TokenLogprob
 from kv_transfer.api import TransferState
 from worker.engine_glue import StatsMirror, wire_deltas
 from worker.metrics import WorkerMetrics
@@ -43,7 +42,7 @@ class _Incoming:
     reserved_at: float
     num_blocks: int
     first_tokens: list[int] | None = None
-    first_logprobs: list[Any] | None = None
+    first_logprobs: list[Logprob | None] | None = None
     first_at: float = 0.0  # when StartDecode arrived: prefill done, transfer finishing
     complete_at: float = 0.0  # when the transfer was first seen COMPLETE
 
@@ -61,10 +60,9 @@ class _Stages:
         return {"kv_transfer": self.kv_transfer_s, "decode_queue": first - self.ready_at, "decode": now - first}
 
 
-def engine_logprobs(raw: list[Any]) -> list[TokenLogprob] | None:
-    if not raw or all(r is None for r in raw):
-        return None
-    return [TokenLogprob(int(r[0]), float(r[1]), tuple((int(a), float(b)) for a, b in r[2])) for r in raw]
+def first_logprobs(raw: list[Logprob | None] | None) -> list[Logprob | None] | None:
+    """The first tokens' logprobs for the engine: None when none was requested."""
+    return None if not raw or all(r is None for r in raw) else raw
 
 
 class DecodeNode:
@@ -110,10 +108,10 @@ class DecodeNode:
     def _reserve(self, msg: p.DecodeReserve) -> None:
         rid = msg.request_id
         try:
-            params = SamplingParams.from_dict(msg.params)
-            prompt, outputs = p.split_resumed(msg.prompt_token_ids, msg.output_offset)
-            blocks = self.engine.reserve_remote(rid, prompt, params, outputs, msg.choice_index)
-        except (SamplingParamsError, ValueError) as e:
+            req = msg.payload
+            blocks = self.engine.reserve_remote(rid, req.prompt_token_ids, req.params, req.output_token_ids,
+                                                req.choice_index)
+        except ValueError as e:  # SamplingParamsError included: the engine validates
             self.send(p.RequestFailed(rid, f"invalid request: {e}", retryable=False))
             return
         if blocks is None:
@@ -191,7 +189,7 @@ class DecodeNode:
                 self.metrics.transfer_seconds.observe(time.monotonic() - inc.reserved_at)
                 # The receiver's own kind: a same-host sender uses it, a remote one tcp frames.
                 self.metrics.add_transfer_bytes(transport_kind(self.receiver.address), inc.num_blocks * self._block_bytes())
-                out = self.engine.start_remote(rid, inc.first_tokens, engine_logprobs(inc.first_logprobs or []))
+                out = self.engine.start_remote(rid, inc.first_tokens, first_logprobs(inc.first_logprobs))
                 if not out.finished:
                     self._running.add(rid)
                     # Non-overlapping with the prefill stages: the transfer counts from the

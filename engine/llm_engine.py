@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from common.logprobs import Logprob
 from common.sampling_params import SamplingParams
 from engine.block_manager import BlockCopy, BlockManager
 from engine.config import EngineConfig
@@ -37,7 +38,7 @@ from engine.outputs import (
 )
 from engine.sampler import Sampler, SampleRow, request_seed
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Request, SequenceStatus, TokenLogprob, finish_status
+from engine.sequence import Request, SequenceStatus, finish_status
 from engine.sequence import Sequence as Seq
 
 if TYPE_CHECKING:
@@ -56,9 +57,9 @@ class _StepDeltas:
     """Tokens each (request, choice) gained during one step, in order."""
 
     tokens: dict[str, dict[int, list[int]]] = field(default_factory=dict)
-    logprobs: dict[str, dict[int, list[TokenLogprob]]] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, list[Logprob]]] = field(default_factory=dict)
 
-    def add(self, seq: Seq, token_id: int, logprob: TokenLogprob | None) -> None:
+    def add(self, seq: Seq, token_id: int, logprob: Logprob | None) -> None:
         self.tokens.setdefault(seq.request_id, {}).setdefault(seq.choice_index, []).append(token_id)
         if logprob is not None:
             per_req = self.logprobs.setdefault(seq.request_id, {})
@@ -217,7 +218,7 @@ class LLMEngine:
         self,
         request_id: str,
         first_token_ids: Sequence[int],
-        first_logprobs: Sequence[TokenLogprob | None] | None = None,
+        first_logprobs: Sequence[Logprob | None] | None = None,
     ) -> RequestOutput:
         """The prompt KV is in the reserved blocks: append each choice's first token, run.
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, cast
 
-from engine.sequence import FINISH_REASONS, Request, Sequence, TokenLogprob
+from common.logprobs import Logprob
+from engine.sequence import FINISH_REASONS, Request, Sequence
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -16,7 +17,7 @@ class CompletionOutput:
 
     index: int
     token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] | None
+    logprobs: tuple[Logprob, ...] | None
     finish_reason: FinishReason | None
 
 
@@ -41,7 +42,7 @@ class RequestOutput:
 class ChoiceResult:
     index: int
     token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] | None
+    logprobs: tuple[Logprob, ...] | None
     finish_reason: FinishReason | None
 
 
@@ -83,7 +84,7 @@ def _finish_reason(seq: Sequence) -> FinishReason | None:
 def build_outputs(
     requests: list[Request],
     tokens: dict[str, dict[int, list[int]]],
-    logprobs: dict[str, dict[int, list[TokenLogprob]]],
+    logprobs: dict[str, dict[int, list[Logprob]]],
     include_finished: bool = False,
 ) -> list[RequestOutput]:
     """One RequestOutput per request: the choices that gained tokens (or finished)."""

@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import torch
 
+from common.logprobs import Logprob, TopLogprob
 from common.sampling_params import SamplingParams
-from engine.sequence import TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 
@@ -65,7 +65,7 @@ class SampleRow(NamedTuple):
 
 class SampleResult(NamedTuple):
     token_id: int
-    logprob: TokenLogprob | None
+    logprob: Logprob | None
 
 
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
@@ -126,13 +126,13 @@ def draw(probs: torch.Tensor, seed: int, choice_index: int, token_index: int) ->
     return int(torch.argmax(probs.cpu() / noise).item())
 
 
-def _logprob(raw_logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:
+def _logprob(raw_logits: torch.Tensor, token_id: int, top_n: int) -> Logprob:
     lp = torch.log_softmax(raw_logits.float(), dim=-1)
-    top: tuple[tuple[int, float], ...] = ()
+    top: tuple[TopLogprob, ...] = ()
     if top_n > 0:
         vals, ids = torch.topk(lp, min(top_n, lp.shape[-1]))
-        top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True))
-    return TokenLogprob(token_id, float(lp[token_id].item()), top)
+        top = tuple(TopLogprob(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True))
+    return Logprob(token_id, float(lp[token_id].item()), top)
 
 
 class Sampler:

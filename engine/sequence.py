@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from common.logprobs import Logprob
 from common.sampling_params import SamplingParams
 
 
@@ -39,15 +40,6 @@ FINISH_REASONS = {
 }
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
-    """Logprob of a sampled token and the top-n alternatives (token id, logprob)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
 @dataclass(eq=False)
 class Sequence:
     """A single choice: the prompt, its output so far, and its scheduling progress."""
@@ -60,7 +52,7 @@ class Sequence:
     # Seed of this request's stateless per-token generators (see engine.sampler).
     sampling_seed: int
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_logprobs: list[Logprob] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     # Choices still to fork from this sequence when its first token is sampled.
@@ -99,7 +91,7 @@ class Sequence:
         """Sequences this one becomes once its first token forks the other choices."""
         return 1 + self.pending_forks
 
-    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+    def append_token(self, token_id: int, logprob: Logprob | None = None) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
         if logprob is not None:

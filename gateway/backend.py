@@ -39,7 +39,11 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from common.logprobs import Logprob, TopLogprob
+from common.protocol import TokenDelta
 from common.sampling_params import SamplingParams
+
+__all__ = ["Logprob", "TokenDelta", "TopLogprob"]  # the HTTP layer's event types, shared with the wire
 
 PRIORITIES = ("interactive", "batch")
 
@@ -56,34 +60,6 @@ class GenerateRequest:
     params: SamplingParams
     priority: str = "interactive"  # one of PRIORITIES
     deadline: float | None = None  # time.monotonic() deadline; None = no deadline
-
-
-@dataclass(frozen=True)
-class TopLogprob:
-    token_id: int
-    logprob: float
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """Logprob of one sampled token plus the top-n alternatives (n = params.logprobs)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[TopLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class TokenDelta:
-    """One event from the cluster: new tokens of one choice."""
-
-    index: int  # choice index, 0 <= index < params.n
-    token_ids: list[int]
-    # One entry per token in token_ids when params.logprobs is not None, else None.
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | None
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    timings: dict[str, float] | None = None  # stage -> seconds, see BACKEND_STAGES
 
 
 class BackendErrorKind(enum.Enum):

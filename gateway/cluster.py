@@ -17,9 +17,9 @@ Life of a request (one *attempt*; recovery starts a new attempt):
 4. A worker that fails the request, or goes silent, ends the attempt: the
    gateway re-prefills prompt + tokens already streamed on another worker and
    continues, at most `max_recoveries` times. The streamed tokens travel as
-   output (`output_offset`), so seeded sampling and penalties continue exactly;
+   output (a `Resume` in the request payload), so seeded sampling and penalties continue exactly;
    an n > 1 request that already streamed resumes each unfinished choice as its
-   own n=1 attempt (`choice_index`). Only an empty pool is an error.
+   own n=1 attempt (`Resume.choice_index`). Only an empty pool is an error.
 5. Closing the iterator (disconnect, stop string, deadline) sends `Abort` to
    every worker the request touched.
 
@@ -41,14 +41,7 @@ from typing import Any
 
 from common import protocol as p
 from common.transport import new_id
-from gateway.backend import (
-    BackendError,
-    BackendErrorKind,
-    GenerateRequest,
-    TokenDelta,
-    TokenLogprob,
-    TopLogprob,
-)
+from gateway.backend import BackendError, BackendErrorKind, GenerateRequest, Logprob, TokenDelta
 from gateway.control_plane import ClusterConfig, ControlPlane
 from gateway.registry import WorkerInfo
 from gateway.router import blocks_needed, pick_colocated, pick_decode, pick_prefill
@@ -84,7 +77,7 @@ class _Flight:
     reserved: bool = False
     first: p.FirstToken | None = None  # waiting for the reservation before StartDecode
     reserve_deadline: float = 0.0
-    inputs: tuple[list[int], dict[str, Any], int, int] = ([], {}, 0, 0)  # prompt, params, offset, choice
+    inputs: p.RequestPayload | None = None  # what the current attempt sends
     choices: list[int] = field(default_factory=list)  # choices the current attempt generates
     failures: int = 0
 
@@ -95,15 +88,6 @@ class _Flight:
     @property
     def attempt_done(self) -> bool:
         return all(self.finished[c] for c in self.choices)
-
-
-def _to_logprobs(raw: Any) -> list[TokenLogprob] | None:
-    if raw is None:
-        return None
-    return [
-        TokenLogprob(int(t), float(lp), tuple(TopLogprob(int(a), float(b)) for a, b in top))
-        for t, lp, top in raw
-    ]
 
 
 class ClusterBackend(ControlPlane):
@@ -135,22 +119,21 @@ class ClusterBackend(ControlPlane):
             raise BackendError(BackendErrorKind.FAILED, f"request failed after recoveries: {reason}")
         log.warning("recovering %s (attempt %d): %s", flight.req.request_id, flight.attempt, reason)
 
-    def _attempt_inputs(self, flight: _Flight) -> tuple[list[int], dict[str, Any], int, int]:
-        """Token ids, params, output offset and choice index of the next attempt.
+    def _attempt_inputs(self, flight: _Flight) -> p.RequestPayload:
+        """What the next attempt sends to its workers.
 
         Before any token streamed: the whole request. Afterwards each unfinished choice
-        resumes on its own (n=1, one after another): prompt + its streamed tokens, the
-        latter marked as output (`output_offset`), so the workers continue its seeds and
-        penalties exactly; max_tokens still counts them."""
-        params = flight.req.params
+        resumes on its own (n=1, one after another): the prompt plus a `Resume` with its
+        streamed tokens, which stay output to the engine, so the workers continue its
+        seeds and penalties exactly; max_tokens still counts them."""
+        params, prompt = flight.req.params, list(flight.req.prompt_token_ids)
         if not any(flight.generated):
             flight.choices = list(range(params.n))
-            return list(flight.req.prompt_token_ids), params.to_dict(), 0, 0
+            return p.RequestPayload(prompt, params)
         choice = next(c for c, fin in enumerate(flight.finished) if not fin)
         flight.choices = [choice]
-        done = flight.generated[choice]
-        prompt = list(flight.req.prompt_token_ids) + done
-        return prompt, replace(params, n=1).to_dict(), len(done), choice
+        resume = p.Resume(list(flight.generated[choice]), choice)
+        return p.RequestPayload(prompt, replace(params, n=1), resume)
 
     async def _launch(self, flight: _Flight) -> None:
         flight.attempt += 1
@@ -160,33 +143,34 @@ class ClusterBackend(ControlPlane):
         flight.reserved, flight.first = False, None
         flight.events = asyncio.Queue()  # events of earlier attempts are dropped with their queue
         self._flights[flight.wid] = flight
-        prompt, params, offset, choice = flight.inputs = self._attempt_inputs(flight)
+        payload = flight.inputs = self._attempt_inputs(flight)
         mode = await self._wait_mode(flight)
         if mode == "colocated":
             w = pick_colocated(self.registry.pool("colocated"))
             assert w is not None
-            self._assign(flight, w, len(prompt))
-            self._send(w.worker_id, p.RunRequest(flight.wid, prompt, params, offset, choice))
+            self._assign(flight, w, payload.num_tokens)
+            self._send(w.worker_id, p.RunRequest(flight.wid, payload))
             return
         prefill = pick_prefill(self.registry.pool("prefill"))
         if prefill is None:
             raise BackendError(BackendErrorKind.NO_WORKERS, "no prefill worker registered", retry_after=1.0)
         flight.reserve_deadline = time.monotonic() + self.config.reserve_timeout_s
         self._reserve(flight)
-        self._assign(flight, prefill, len(prompt))
+        self._assign(flight, prefill, payload.num_tokens)
         flight.prefill_id = prefill.worker_id
-        self._send(prefill.worker_id, p.PrefillRequest(flight.wid, prompt, params, offset, choice))
+        self._send(prefill.worker_id, p.PrefillRequest(flight.wid, payload))
 
     def _reserve(self, flight: _Flight) -> None:
         """Ask the decode worker with the most free KV to reserve blocks for the prompt."""
         decode = pick_decode(self.registry.pool("decode"))
         if decode is None:
             raise BackendError(BackendErrorKind.NO_WORKERS, "no decode worker registered", retry_after=1.0)
-        prompt, params, offset, choice = flight.inputs
+        payload = flight.inputs
+        assert payload is not None
         flight.transfer_id = new_id("xfer")
         flight.decode_id = decode.worker_id
-        self._assign(flight, decode, 0, blocks=blocks_needed(len(prompt), decode.reg.block_size))
-        self._send(decode.worker_id, p.DecodeReserve(flight.wid, flight.transfer_id, prompt, params, offset, choice))
+        self._assign(flight, decode, 0, blocks=blocks_needed(payload.num_tokens, decode.reg.block_size))
+        self._send(decode.worker_id, p.DecodeReserve(flight.wid, flight.transfer_id, payload))
 
     async def _on_reserved(self, flight: _Flight, result: p.ReserveResult) -> None:
         if result.ok:
@@ -244,7 +228,8 @@ class ClusterBackend(ControlPlane):
     def _first_token(self, flight: _Flight, ev: p.FirstToken) -> list[TokenDelta]:
         out = []
         for i, tok in enumerate(ev.token_ids[: len(flight.choices)]):
-            lp = [ev.logprobs[i]] if i < len(ev.logprobs) and ev.logprobs[i] is not None else None
+            first = ev.logprobs[i] if i < len(ev.logprobs) else None
+            lp = [first] if first is not None else None
             reason = ev.finish_reasons[i] if i < len(ev.finish_reasons) else None
             d = self._record(flight, flight.choices[i], [tok], reason, lp, ev.cached_tokens, ev.timings or None)
             if d is not None:
@@ -264,14 +249,14 @@ class ClusterBackend(ControlPlane):
 
     def _record(
         self, flight: _Flight, index: int, token_ids: list[int], reason: str | None,
-        logprobs: Any, cached: int, timings: dict[str, float] | None,
+        logprobs: list[Logprob] | None, cached: int, timings: dict[str, float] | None,
     ) -> TokenDelta | None:
         if not 0 <= index < len(flight.finished) or flight.finished[index]:
             return None
         flight.generated[index].extend(token_ids)
         if reason is not None:
             flight.finished[index] = True
-        return TokenDelta(index, list(token_ids), _to_logprobs(logprobs), reason, cached, timings)
+        return TokenDelta(index, list(token_ids), logprobs, reason, cached, timings)
 
     def _check_failure(self, flight: _Flight, ev: Any) -> None:
         if isinstance(ev, p.RequestFailed):

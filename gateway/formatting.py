@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.backend import TokenLogprob
+from gateway.backend import Logprob
 from gateway.generation import ChoiceUpdate
 from gateway.tokenizer import Tokenizer
 from gateway.validation import CHAT
@@ -28,7 +28,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 @dataclass
 class _Accumulated:
     text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -108,7 +108,7 @@ class ResponseBuilder:
     def _token(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, index: int, entries: list[TokenLogprob] | None, text: str) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, entries: list[Logprob] | None, text: str) -> dict[str, Any] | None:
         entries = entries or []
         if self._kind == CHAT:
             return {"content": [self._chat_entry(e) for e in entries]}
@@ -124,7 +124,7 @@ class ResponseBuilder:
             "text_offset": offsets,
         }
 
-    def _chat_entry(self, e: TokenLogprob) -> dict[str, Any]:
+    def _chat_entry(self, e: Logprob) -> dict[str, Any]:
         tok = self._token(e.token_id)
         return {
             "token": tok,

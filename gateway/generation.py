@@ -21,7 +21,7 @@ from gateway.backend import (
     BackendErrorKind,
     GenerateRequest,
     GenerationBackend,
-    TokenLogprob,
+    Logprob,
 )
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.timing import RequestTimer
@@ -35,7 +35,7 @@ class ChoiceUpdate:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
+    logprobs: list[Logprob] | None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the matched stop string, when one ended it
 
@@ -137,7 +137,7 @@ class Generation:
 
     def _apply(self, delta: Any) -> ChoiceUpdate | None:
         self._timer.report(delta.timings)
-        self.stats.cached_tokens = max(self.stats.cached_tokens, delta.num_cached_tokens)
+        self.stats.cached_tokens = max(self.stats.cached_tokens, delta.cached_tokens)
         if not 0 <= delta.index < len(self._choices):
             raise BackendError(BackendErrorKind.FAILED, f"backend sent choice index {delta.index}")
         choice = self._choices[delta.index]

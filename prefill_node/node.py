@@ -30,14 +30,13 @@ import torch
 
 from common import protocol as p
 from common.logs import request_fields
-from common.sampling_params import SamplingParams, SamplingParamsError
 from common.transport import host_id, transport_kind
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.scheduler import SchedulerOutput
 from kv_transfer.api import TransferState
-from worker.engine_glue import StatsMirror, wire_logprobs
+from worker.engine_glue import StatsMirror
 from worker.metrics import WorkerMetrics
 from worker.node_api import NodeLoad, NodeRegistration, Sender
 
@@ -109,15 +108,14 @@ class PrefillNode:
 
     def _add(self, msg: p.PrefillRequest) -> None:
         try:
-            params = SamplingParams.from_dict(msg.params)
-            prompt, outputs = p.split_resumed(msg.prompt_token_ids, msg.output_offset)
-            self.engine.add_request(msg.request_id, prompt, params, prefill_only=True,
-                                    output_token_ids=outputs, choice_index=msg.choice_index)
-        except (SamplingParamsError, ValueError) as e:
+            req = msg.payload
+            self.engine.add_request(msg.request_id, req.prompt_token_ids, req.params, prefill_only=True,
+                                    output_token_ids=req.output_token_ids, choice_index=req.choice_index)
+        except ValueError as e:  # SamplingParamsError included: the engine validates
             self.send(p.RequestFailed(msg.request_id, f"invalid request: {e}", retryable=False))
             return
         self._jobs[msg.request_id] = _Job(msg, time.monotonic())
-        log.debug("prefill request %s accepted: %d prompt tokens", msg.request_id, len(msg.prompt_token_ids),
+        log.debug("prefill request %s accepted: %d prompt tokens", msg.request_id, msg.payload.num_tokens,
                   extra=request_fields(msg.request_id))
         self.metrics.requests.inc()
         self.metrics.prefill_requests.inc()
@@ -173,7 +171,7 @@ class PrefillNode:
             job.msg.request_id, job.target.transfer_id if job.target else "",
             [c.token_ids[0] for c in choices],
             [c.finish_reason for c in choices],
-            [(wire_logprobs(c) or [None])[0] for c in choices],
+            [c.logprobs[0] if c.logprobs else None for c in choices],
             out.num_cached_tokens,
             self._timings(job),
         ))
@@ -283,7 +281,7 @@ class PrefillNode:
         return layout.block_bytes_per_layer * layout.num_layers
 
     def load(self) -> NodeLoad:
-        queued = sum(len(j.msg.prompt_token_ids) for j in list(self._jobs.values()) if not j.prefilled)
+        queued = sum(j.msg.payload.num_tokens for j in list(self._jobs.values()) if not j.prefilled)
         return self.stats.update(self.engine.stats(), queued)
 
     def busy(self) -> bool:

@@ -14,7 +14,6 @@ import logging
 
 from common import protocol as p
 from common.logs import request_fields
-from common.sampling_params import SamplingParams, SamplingParamsError
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from worker.engine_glue import StatsMirror, wire_deltas
@@ -55,15 +54,14 @@ class ColocatedNode:
 
     def _add(self, msg: p.RunRequest) -> None:
         try:
-            params = SamplingParams.from_dict(msg.params)
-            prompt, outputs = p.split_resumed(msg.prompt_token_ids, msg.output_offset)
-            self.engine.add_request(msg.request_id, prompt, params, output_token_ids=outputs,
-                                    choice_index=msg.choice_index)
-        except (SamplingParamsError, ValueError) as e:
+            req = msg.payload
+            self.engine.add_request(msg.request_id, req.prompt_token_ids, req.params,
+                                    output_token_ids=req.output_token_ids, choice_index=req.choice_index)
+        except ValueError as e:  # SamplingParamsError included: the engine validates
             self.send(p.RequestFailed(msg.request_id, f"invalid request: {e}", retryable=False))
             return
         self._live.add(msg.request_id)
-        log.debug("colocated request %s accepted: %d prompt tokens", msg.request_id, len(msg.prompt_token_ids),
+        log.debug("colocated request %s accepted: %d prompt tokens", msg.request_id, msg.payload.num_tokens,
                   extra=request_fields(msg.request_id))
         self.metrics.requests.inc()
         self.metrics.prefill_requests.inc()

@@ -10,7 +10,7 @@ from common import protocol as p
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.outputs import EngineStats, RequestOutput
 from worker.metrics import WorkerMetrics
 from worker.node_api import NodeLoad
 
@@ -24,12 +24,6 @@ def build_engine(config: EngineConfig, kv_buffer: Any = None) -> tuple[LLMEngine
     return LLMEngine(config, runner=runner), runner
 
 
-def wire_logprobs(c: CompletionOutput) -> list[Any] | None:
-    if c.logprobs is None:
-        return None
-    return [[lp.token_id, lp.logprob, [[int(a), float(b)] for a, b in lp.top]] for lp in c.logprobs]
-
-
 def wire_deltas(outputs: Iterable[RequestOutput]) -> list[p.TokenDelta]:
     """Every non-empty choice delta of one step; engine-side aborts are not reported."""
     deltas = []
@@ -39,8 +33,8 @@ def wire_deltas(outputs: Iterable[RequestOutput]) -> list[p.TokenDelta]:
                 continue
             reason = c.finish_reason
             deltas.append(p.TokenDelta(
-                out.request_id, c.index, list(c.token_ids), wire_logprobs(c), reason,
-                out.num_cached_tokens,
+                c.index, list(c.token_ids), list(c.logprobs) if c.logprobs is not None else None, reason,
+                out.num_cached_tokens, request_id=out.request_id,
             ))
     return deltas
 

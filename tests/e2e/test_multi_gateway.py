@@ -145,9 +145,9 @@ def test_links_follow_dns_and_route_replies_to_their_origin() -> None:
             (g1.address, "r1"), (g2.address, "r2")}
 
         deltas = [
-            p.TokenDelta("r1", 0, [5]),
-            p.TokenDelta("r2", 0, [6]),
-            p.TokenDelta("r9", 0, [7]),
+            p.TokenDelta(0, [5], request_id="r1"),
+            p.TokenDelta(0, [6], request_id="r2"),
+            p.TokenDelta(0, [7], request_id="r9"),
         ]
         links.send(p.TokenBatch("decode-1", deltas))
         seen1 = [g1.recv()[1] for _ in range(2)]

@@ -10,21 +10,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common import protocol as p
+from common.logprobs import Logprob, TopLogprob
+from common.sampling_params import SamplingParams
+
+PAYLOAD = p.RequestPayload([1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=(7,)))
+RESUMED = p.RequestPayload([1, 2], SamplingParams(n=1, seed=3), p.Resume([8, 9], choice_index=1))
+LP = Logprob(9, -0.5, (TopLogprob(9, -0.5), TopLogprob(4, -1.25)))
 
 SAMPLES: list[p.Message] = [
     p.RegisterWorker("d-1", "decode", "host|boot", "shm+tcp://127.0.0.1:5", "psm_x", "abcd", 511, 16, 9000, 42),
     p.RegisterAck("d-1", False, "unknown worker"),
     p.Heartbeat("d-1", 10, 400, 511, 3, 1, {"llm_kv_cache_usage_ratio": 0.25}),
     p.Deregister("d-1", final=False, reason="draining"),
-    p.DecodeReserve("r#1", "x1", [1, 2, 3], {"max_tokens": 4, "stop_token_ids": [7]}, 0),
+    p.DecodeReserve("r#1", "x1", PAYLOAD),
     p.ReserveResult("r#1", "x1", [5, 6]),
     p.ReserveResult("r#1", "x1", [], refused="full"),
-    p.PrefillRequest("r#1", [1, 2], {"n": 2}, 3),
+    p.PrefillRequest("r#1", RESUMED),
     p.TransferTarget("r#1", "x1", "d-1", "h", "tcp://127.0.0.1:1", "", [5]),
-    p.RunRequest("r#1", [1, 2], {"seed": 3}),
-    p.FirstToken("r#1", "x1", [9, 8], [None, "stop"], [[9, -0.5, [[9, -0.5]]], None], 16, {"prefill_compute": 0.1}),
-    p.StartDecode("r#1", "x1", [9, 8], [None, None]),
-    p.TokenBatch("d-1", [p.TokenDelta("r#1", 0, [4, 5], None, None), p.TokenDelta("r#2", 1, [6], None, "length", 3)]),
+    p.RunRequest("r#1", PAYLOAD),
+    p.FirstToken("r#1", "x1", [9, 8], [None, "stop"], [LP, None], 16, {"prefill_compute": 0.1}),
+    p.StartDecode("r#1", "x1", [9, 8], [LP, None]),
+    p.TokenBatch("d-1", [p.TokenDelta(0, [4, 5], [LP, LP], request_id="r#1"),
+                         p.TokenDelta(1, [6], None, "length", 3, request_id="r#2")]),
     p.Abort(["r#1", "r#2"], "client gone"),
     p.RequestFailed("r#1", "kv transfer failed", True, "x1"),
 ]
@@ -33,6 +40,24 @@ SAMPLES: list[p.Message] = [
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
 def test_round_trip(msg: p.Message) -> None:
     assert p.decode(p.encode(msg)) == msg
+
+
+def test_leaves_decode_to_their_types() -> None:
+    """Typed to the leaves: params, resume points and logprobs come back as dataclasses."""
+    msg = p.decode(p.encode(p.PrefillRequest("r#1", RESUMED)))
+    assert isinstance(msg, p.PrefillRequest) and isinstance(msg.payload.params, SamplingParams)
+    assert msg.payload.params.stop_token_ids == () and msg.payload.output_token_ids == [8, 9]
+    assert msg.payload.choice_index == 1 and msg.payload.num_tokens == 4
+    first = p.decode(p.encode(p.FirstToken("r", "x", [9], [None], [LP])))
+    assert isinstance(first, p.FirstToken) and first.logprobs[0] == LP
+    assert isinstance(first.logprobs[0], Logprob) and isinstance(first.logprobs[0].top[1], TopLogprob)
+
+
+def _body(msg: p.Message, **changes: object) -> dict:
+    return {**p.encode_fields(msg), **changes}
+
+
+PAYLOAD_WIRE = p.encode_fields(p.RunRequest("r", PAYLOAD))["payload"]
 
 
 def _frame(tag: object, body: object, version: object = p.VERSION, magic: object = p.MAGIC) -> bytes:
@@ -54,6 +79,18 @@ def _frame(tag: object, body: object, version: object = p.VERSION, magic: object
         _frame("reserve_result", {"request_id": "r", "transfer_id": "t", "block_ids": [True]}),
         _frame("register", {**p.encode_fields(SAMPLES[0]), "role": "attacker"}),
         _frame("tokens", {"worker_id": "w", "deltas": [{"request_id": "r"}]}),
+        # Leaves deep inside a message are checked as strictly as top-level fields.
+        _frame("run", {"request_id": "r", "payload": {**PAYLOAD_WIRE, "params": {"max_tokens": "4"}}}),
+        _frame("run", {"request_id": "r", "payload": {**PAYLOAD_WIRE, "params": {"evil": 1}}}),
+        _frame("run", {"request_id": "r", "payload": {**PAYLOAD_WIRE, "params": {"stop_token_ids": [1.5]}}}),
+        _frame("run", {"request_id": "r", "payload": {**PAYLOAD_WIRE, "resume": {"output_token_ids": ["x"]}}}),
+        _frame("run", {"request_id": "r", "payload": {"prompt_token_ids": [1]}}),  # params missing
+        _frame("first_token", _body(p.FirstToken("r", "x", [9], [None], [LP]),
+                                    logprobs=[{"token_id": 9, "logprob": -0.5, "top": [[9, -0.5]]}])),
+        _frame("first_token", _body(p.FirstToken("r", "x", [9], [None], [LP]),
+                                    logprobs=[{"token_id": 9, "logprob": "high"}])),
+        _frame("tokens", {"worker_id": "w", "deltas": [{"index": 0, "token_ids": [1], "logprobs": [7]}]}),
+        _frame("heartbeat", _body(SAMPLES[2], gauges={"kv": "full"})),
         _frame("abort", {"request_ids": ["a"], "reason": b"bytes are never accepted"}),
         msgpack.packb([p.MAGIC, p.VERSION, "abort", {"request_ids": ["a"] * (p.MAX_LIST_LEN + 1)}]),
     ],

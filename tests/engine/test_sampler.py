@@ -137,8 +137,8 @@ def test_logprobs_of_sampled_token_and_top_n() -> None:
     lp = torch.log_softmax(logits[0], -1)
     assert res.token_id == 1 and res.logprob is not None
     assert res.logprob.logprob == pytest.approx(lp[1].item())
-    assert [t for t, _ in res.logprob.top] == [1, 2]
-    assert res.logprob.top[1][1] == pytest.approx(lp[2].item())
+    assert [t.token_id for t in res.logprob.top] == [1, 2]
+    assert res.logprob.top[1].logprob == pytest.approx(lp[2].item())
     assert math.exp(res.logprob.logprob) < 1
     assert Sampler()(logits, [row(SamplingParams(temperature=0.0))])[0].logprob is None
 

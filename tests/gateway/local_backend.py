@@ -34,9 +34,9 @@ from gateway.backend import (
     BackendErrorKind,
     FleetSample,
     GenerateRequest,
+    Logprob,
     ReadyState,
     TokenDelta,
-    TokenLogprob,
     TopLogprob,
 )
 from gateway.config import GatewayConfig
@@ -162,7 +162,7 @@ class LocalBackend:
         lp = None
         if req.params.logprobs is not None:
             top = tuple(TopLogprob(self.pool[j], -1.0 - j) for j in range(req.params.logprobs))
-            lp = [TokenLogprob(tok, -0.5, top)]
+            lp = [Logprob(tok, -0.5, top)]
         timings = None
         if finish is not None:
             # Stage split of the time this backend really waited, so stages add up to e2e.

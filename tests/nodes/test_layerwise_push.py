@@ -84,10 +84,10 @@ class Pair:
     def run(self, rid: str, prompt: list[int], target_first: bool,
             after_prefill: Callable[[], None] = lambda: None) -> list[int]:
         tid = f"x-{rid}"
-        self.decode.handle(p.DecodeReserve(rid, tid, prompt, PARAMS.to_dict()))
+        self.decode.handle(p.DecodeReserve(rid, tid, p.RequestPayload(prompt, PARAMS)))
         blocks = self.take(p.ReserveResult).block_ids
         target = p.TransferTarget(rid, tid, "d", host_id(), self.receiver.address, "", blocks)
-        self.prefill.handle(p.PrefillRequest(rid, prompt, PARAMS.to_dict()))
+        self.prefill.handle(p.PrefillRequest(rid, p.RequestPayload(prompt, PARAMS)))
         if target_first:
             self.prefill.handle(target)
         while not any(isinstance(m, p.FirstToken) for m in self.to_gateway):
