@@ -45,10 +45,10 @@ async def _scenario(log_dir: Path, reference: Reference) -> None:
     attempt_inputs = be._attempt_inputs
 
     def spy(flight: Any) -> Any:
-        inputs = attempt_inputs(flight)
-        if inputs[2]:
-            resumed.append((flight.req.request_id, inputs[2], inputs[3]))
-        return inputs
+        payload = attempt_inputs(flight)
+        if payload.resume is not None:
+            resumed.append((flight.req.request_id, len(payload.resume.output_token_ids), payload.choice_index))
+        return payload
 
     be._attempt_inputs = spy  # type: ignore[method-assign]
     await be.start()
