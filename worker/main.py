@@ -11,7 +11,7 @@ from typing import Any
 from common.transport import CurveClient, new_worker_id
 from engine.config import EngineConfig
 from kv_transfer.faults import FaultConfig
-from worker.faults import FaultInjector, injected_faults
+from worker.faults import injected_faults
 from worker.gateways import GatewayLinks
 from worker.metrics import WorkerMetrics
 from worker.node_api import Node
@@ -58,9 +58,7 @@ def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder
     rt_cfg = RuntimeConfig(opts.gateways, worker_id, opts.metrics_host, opts.metrics_port, opts.heartbeat_s,
                            curve=opts.curve)
     faults = injected_faults(opts.fault_injection)
-    runtime = WorkerRuntime(rt_cfg, channel, metrics)
-    # The runtime arms no faults by itself (`WorkerFaults.from_env()` is off by default).
-    runtime.faults = FaultInjector(faults.worker)
+    runtime = WorkerRuntime(rt_cfg, channel, metrics, faults.worker)
     node, cleanup = build(engine_cfg, opts, NodeParts(worker_id, channel, metrics, faults.kv))
     try:
         return runtime.run(node)

@@ -69,14 +69,15 @@ class LoadSnapshot:
 
 
 class WorkerRuntime:
-    def __init__(self, config: RuntimeConfig, channel: GatewayLinks, metrics: WorkerMetrics) -> None:
+    def __init__(self, config: RuntimeConfig, channel: GatewayLinks, metrics: WorkerMetrics,
+                 faults: WorkerFaults | None = None) -> None:
         self.config = config
         self.channel = channel
         self.metrics = metrics
         self._stop_requested = False
         self._last_tick = time.monotonic()
         self._hb_stop = threading.Event()
-        self.faults = FaultInjector(WorkerFaults.from_env())
+        self.faults = FaultInjector(faults or WorkerFaults())  # none unless the worker was asked
         self._registered_at: dict[str, float] = {}  # gateway address -> last RegisterWorker
         self._snapshot: LoadSnapshot | None = None  # replaced (never mutated) by the main loop
 
