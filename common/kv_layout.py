@@ -20,12 +20,22 @@ NULL_BLOCK = 0
 
 @dataclass(frozen=True)
 class KVLayout:
-    model_id: str  # stable identity of the weights (e.g. config hash); part of compatibility
+    """The pool's shape and the identity of the model that fills it.
+
+    Every field is part of `compat_hash`: KV computed by one model is garbage to
+    another, even one with the same config (a fine-tune), the same weights in another
+    compute dtype or quantization, or the same blocks in another size or KV dtype.
+    """
+
+    model_id: str  # identity of the model config (the engine: SHA-256 of config.json)
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str  # "float32" | "float16" | "bfloat16"
+    dtype: str  # KV-cache dtype: "float32" | "float16" | "bfloat16"
+    weights: str = ""  # weights fingerprint (engine.weights_fingerprint); "" only in tests
+    compute_dtype: str | None = None  # dtype the weights run in; None: the KV dtype
+    quantization: str = "none"  # weight quantization method; "none" is all the engine loads
 
     @property
     def bytes_per_element(self) -> int:
@@ -50,10 +60,17 @@ class KVLayout:
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
+    def weight_dtype(self) -> str:
+        return self.compute_dtype or self.dtype
+
+    @property
     def compat_hash(self) -> str:
         """Two pools can exchange blocks only if these hashes are equal."""
-        key = (
-            f"v1|{self.model_id}|{self.num_layers}|{self.num_kv_heads}|{self.head_dim}|"
-            f"{self.block_size}|{self.dtype}|layer,kv,block,slot,head,dim"
-        )
+        key = "|".join((
+            "v2", f"config={self.model_id}", f"weights={self.weights}",
+            f"dtype={self.weight_dtype}", f"quant={self.quantization}", f"kv_dtype={self.dtype}",
+            f"block={self.block_size}",
+            f"heads={self.num_layers}x{self.num_kv_heads}x{self.head_dim}",
+            "order=layer,kv,block,slot,head,dim",
+        ))
         return hashlib.sha256(key.encode()).hexdigest()[:16]

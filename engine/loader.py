@@ -14,9 +14,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from common import envs
 from engine.kv_pool import TORCH_DTYPES
 from engine.model_config import ModelConfig, ModelConfigError
 from engine.models import MODEL_REGISTRY, LlamaForCausalLM
+from engine.weights_fingerprint import FingerprintError, WeightsFingerprint, fingerprint_files
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -62,6 +64,20 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     raise CheckpointError(
         f"no weights in {model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found"
     )
+
+
+def weights_fingerprint(model_dir: str | Path) -> WeightsFingerprint:
+    """The checkpoint's weights fingerprint: every weight file (and the shard index) hashed
+    once, then cached beside the model or under `<PDSERVE_HOME>/weights-fingerprints`."""
+    d = Path(model_dir)
+    by_tensor = weight_files(d)
+    files = set(by_tensor.values())
+    if "*" not in by_tensor:
+        files.add(d / INDEX_FILE)  # it says which shard a tensor is read from
+    try:
+        return fingerprint_files(d, sorted(files), envs.home() / "weights-fingerprints")
+    except FingerprintError as e:
+        raise CheckpointError(str(e)) from e
 
 
 class _Tensors:

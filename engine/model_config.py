@@ -72,6 +72,8 @@ class ModelConfig:
     # Mistral-style sliding window. Not implemented as a window: the runner caps
     # max_model_len at it, where full attention and windowed attention agree.
     sliding_window: int | None = None
+    # `quantization_config.quant_method`; the engine loads unquantized weights only.
+    quantization: str = "none"
     # sha256 of config.json bytes; stable identity for KV compatibility hashes.
     model_id: str = field(default="", compare=False)
 
@@ -156,6 +158,8 @@ class ModelConfig:
         eos = _eos_ids(gen.get("eos_token_id"), cfg.get("eos_token_id"))
         bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
         dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+        quant = cfg.get("quantization_config")
+        quant_method = quant.get("quant_method") if isinstance(quant, dict) else None
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
@@ -179,6 +183,7 @@ class ModelConfig:
             torch_dtype=str(dtype) if dtype else None,
             hidden_act=str(cfg.get("hidden_act", "silu")),
             sliding_window=int(window) if window else None,
+            quantization=str(quant_method) if quant_method else "none",
             model_id=model_id,
         )
 
@@ -222,8 +227,10 @@ def _eos_ids(gen_eos: Any, cfg_eos: Any) -> tuple[int, ...]:
     return ()
 
 
-def kv_layout(model_config: ModelConfig, block_size: int, dtype: str) -> KVLayout:
-    """The KV pool layout for this model; needs no weights and allocates nothing."""
+def kv_layout(model_config: ModelConfig, block_size: int, dtype: str, weights: str) -> KVLayout:
+    """The KV pool layout for this model run in `dtype` with weights fingerprint `weights`
+    (`engine.loader.weights_fingerprint`); allocates nothing. The KV cache is kept in the
+    compute dtype."""
     return KVLayout(
         model_id=model_config.model_id,
         num_layers=model_config.num_layers,
@@ -231,4 +238,7 @@ def kv_layout(model_config: ModelConfig, block_size: int, dtype: str) -> KVLayou
         head_dim=model_config.head_dim,
         block_size=block_size,
         dtype=dtype,
+        weights=weights,
+        compute_dtype=dtype,
+        quantization=model_config.quantization,
     )

@@ -18,7 +18,7 @@ from common.kv_layout import KVLayout
 from engine.attention import AttentionBackend, TorchPagedAttention, build_metadata, order_chunks
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.kv_pool import TORCH_DTYPES, KVPool
-from engine.loader import load_config, load_model_with
+from engine.loader import load_config, load_model_with, weights_fingerprint
 from engine.model_config import ModelConfig, kv_layout
 from engine.runner_types import SeqChunk
 
@@ -71,7 +71,10 @@ class ModelRunner:
             config.model_dir, self.dtype, self.device, max_positions=max_len
         )
         self.max_model_len = max_len
-        self.layout: KVLayout = kv_layout(self.model_config, self.block_size, config.dtype)
+        self.layout: KVLayout = kv_layout(
+            self.model_config, self.block_size, config.dtype,
+            weights_fingerprint(config.model_dir).digest,
+        )
         if kv_buffer is not None:
             self.pool = KVPool(self.layout, buffer=kv_buffer)
             if self.pool.device.type != self.device.type:
@@ -84,8 +87,10 @@ class ModelRunner:
 
     @classmethod
     def layout_for(cls, config: EngineConfig) -> KVLayout:
-        """The KV layout this config's runner will use; reads config.json only."""
-        return kv_layout(load_config(config.model_dir), config.cache.block_size, config.dtype)
+        """The KV layout this config's runner will use; reads config.json and the weights
+        fingerprint (hashing the weights only when no cached fingerprint is current)."""
+        return kv_layout(load_config(config.model_dir), config.cache.block_size, config.dtype,
+                         weights_fingerprint(config.model_dir).digest)
 
     @staticmethod
     def num_blocks_for_bytes(layout: KVLayout, budget_bytes: int) -> int:

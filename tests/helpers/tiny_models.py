@@ -113,3 +113,30 @@ def make_tiny_model(out_dir: Path, family: str = "llama", seed: int = 0, **overr
     gen = {"bos_token_id": model.config.bos_token_id, "eos_token_id": eos, "do_sample": False}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return out_dir
+
+
+def copy_with_one_weight_changed(src: Path, dst: Path, tensor: str | None = None) -> Path:
+    """Copy checkpoint `src` to `dst` with exactly one value of one tensor changed.
+
+    The safetensors header and every other byte stay as they are, so the two
+    checkpoints differ in that one weight only (a one-value "fine-tune"). `tensor`:
+    the tensor to change (default: the first in the header); float32 or float16.
+    """
+    import shutil
+    import struct
+
+    import numpy as np
+
+    shutil.copytree(src, dst)
+    path = Path(dst) / "model.safetensors"
+    with open(path, "r+b") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        name = tensor or next(k for k in header if k != "__metadata__")
+        dtype = {"F32": np.float32, "F16": np.float16}[header[name]["dtype"]]
+        offset = 8 + header_len + header[name]["data_offsets"][0]
+        f.seek(offset)
+        old = np.frombuffer(f.read(np.dtype(dtype).itemsize), dtype=dtype)[0]
+        f.seek(offset)
+        f.write(np.array([old + dtype(0.5)], dtype=dtype).tobytes())
+    return Path(dst)
