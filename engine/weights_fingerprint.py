@@ -8,7 +8,8 @@ not exchange KV blocks, so the KV compatibility hash covers this fingerprint.
     fp.hashed    # the files whose bytes were read this time; () when all came from the cache
 
 Each weight file is hashed whole (SHA-256 of every byte: the safetensors header with
-tensor names, dtypes, shapes and offsets, then the tensor bytes), streamed in chunks.
+tensor names, dtypes, shapes and offsets, then the tensor bytes), streamed in chunks,
+shards in parallel.
 Sampling a few tensors would be cheaper but unsound: a fine-tune may change one
 layer only. Hashing is paid once per checkpoint: the per-file digests are cached in
 `<model_dir>/.pdserve-weights.json`, or, when the model dir is read-only, in
@@ -32,6 +33,7 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,33 +73,36 @@ def fingerprint_files(
     """The fingerprint of `files` (weight files inside `model_dir`), reusing cached digests."""
     stamps = [_stamp(model_dir, f) for f in sorted(set(files))]
     primary = model_dir / CACHE_NAME
-    fallback = user_cache_dir / (hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16] + ".json")
-    cached, read_from = _read_cache(primary)
+    fallback = user_cache_dir / f"{hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]}.json"
+    cached, cache_path = _read_cache(primary)
     if not cached:
-        cached, read_from = _read_cache(fallback)
-    digests: dict[str, str] = {}
-    keep: dict[str, dict[str, Any]] = {}
-    hashed: list[str] = []
-    for st in stamps:
-        entry = cached.get(st.name)
-        if entry is not None and (entry["size"], entry["mtime_ns"]) == (st.size, st.mtime_ns):
-            digests[st.name] = str(entry["sha256"])
-            keep[st.name] = entry
-            continue
+        cached, cache_path = _read_cache(fallback)
+    keep = {st.name: cached[st.name] for st in stamps if _matches(cached.get(st.name), st)}
+    stale = [st for st in stamps if st.name not in keep]
+    digests = {name: str(entry["sha256"]) for name, entry in keep.items()}
+    if stale:
         started_ns = time.time_ns()
-        digests[st.name] = _hash_file(model_dir / st.name, st)
-        hashed.append(st.name)
-        if started_ns - st.mtime_ns > _RACY_WINDOW_NS:
-            keep[st.name] = {"size": st.size, "mtime_ns": st.mtime_ns, "sha256": digests[st.name]}
+        for st, digest in zip(stale, _hash_files(model_dir, stale), strict=True):
+            digests[st.name] = digest
+            if started_ns - st.mtime_ns > _RACY_WINDOW_NS:
+                keep[st.name] = {"size": st.size, "mtime_ns": st.mtime_ns, "sha256": digest}
+        log.info("fingerprinted %d weight file(s) of %s", len(stale), model_dir)
+        if any(st.name in keep for st in stale):
+            cache_path = _write_cache(keep, (primary, fallback))
     combined = hashlib.sha256(b"pdserve-weights-v1\n")
     for name in sorted(digests):
         combined.update(f"{name}\0{digests[name]}\n".encode())
-    cache_path = read_from
-    if hashed and any(name in keep for name in hashed):
-        cache_path = _write_cache(keep, (primary, fallback))
-    if hashed:
-        log.info("fingerprinted %d weight file(s) of %s", len(hashed), model_dir)
-    return WeightsFingerprint(combined.hexdigest()[:16], tuple(hashed), cache_path)
+    return WeightsFingerprint(combined.hexdigest()[:16], tuple(st.name for st in stale), cache_path)
+
+
+def _matches(entry: dict[str, Any] | None, st: FileStamp) -> bool:
+    return entry is not None and (entry["size"], entry["mtime_ns"]) == (st.size, st.mtime_ns)
+
+
+def _hash_files(model_dir: Path, stamps: list[FileStamp]) -> list[str]:
+    """SHA-256 of each file, shards in parallel (hashlib and file reads release the GIL)."""
+    with ThreadPoolExecutor(min(len(stamps), os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda st: _hash_file(model_dir / st.name, st), stamps))
 
 
 def _stamp(model_dir: Path, path: Path) -> FileStamp:

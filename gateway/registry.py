@@ -91,7 +91,9 @@ class WorkerRegistry:
         """Add (or refresh) a worker. All workers must share one KV compatibility hash."""
         others = [w for w in self._workers.values() if w.worker_id != reg.worker_id]
         if others and any(w.reg.compat_hash != reg.compat_hash for w in others):
-            return RegisterOutcome(False, "compat_hash differs from the registered workers")
+            return RegisterOutcome(False, (
+                f"compat_hash {reg.compat_hash} differs from the registered workers' (model config, "
+                "weights, dtype, quantization, KV-cache dtype, block size and head layout must match)"))
         old = self._workers.get(reg.worker_id)
         info = WorkerInfo(reg=reg, registered_at=now, last_seen=now)
         if old is not None:
