@@ -30,12 +30,13 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
         from kv_transfer.tensor_adapter import tensor_from_array
 
         cuda_pool = create_cuda_pool(layout, num_blocks, cuda_index(engine_cfg.device))
-        engine, runner = build_engine(engine_cfg, kv_buffer=tensor_from_array(cuda_pool.array, layout.dtype))
+        engine, runner = build_engine(engine_cfg, kv_buffer=tensor_from_array(cuda_pool.array, layout.dtype),
+                                      layout=layout)
         receiver = ZmqReceiver(runner.layout, cuda_pool, transport="cuda+tcp", host=opts.kv_host,
                                port=opts.kv_port, faults=parts.kv_faults)
         return DecodeNode(worker_id, engine, runner, receiver, send, metrics, ""), cleanup
     if opts.kv_transport == "tcp":
-        engine, runner = build_engine(engine_cfg)
+        engine, runner = build_engine(engine_cfg, layout=layout)
         receiver = ZmqReceiver(runner.layout, pool_array(runner), transport="tcp", host=opts.kv_host,
                                port=opts.kv_port, faults=parts.kv_faults)
         return DecodeNode(worker_id, engine, runner, receiver, send, metrics, ""), cleanup
@@ -44,7 +45,7 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
     shm_pool = create_shm_pool(layout, num_blocks)  # sweeps segments of dead workers first
     cleanup.append(shm_pool.unlink)
     try:
-        engine, runner = build_engine(engine_cfg, kv_buffer=shm_pool.array)
+        engine, runner = build_engine(engine_cfg, kv_buffer=shm_pool.array, layout=layout)
         receiver = ZmqReceiver(runner.layout, shm_pool, transport="shm+tcp", host=opts.kv_host,
                                port=opts.kv_port, faults=parts.kv_faults)
     except BaseException:

@@ -55,6 +55,7 @@ class ModelRunner:
         config: EngineConfig,
         kv_buffer: torch.Tensor | np.ndarray | None = None,
         backend: AttentionBackend | None = None,
+        layout: KVLayout | None = None,
     ) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -71,10 +72,12 @@ class ModelRunner:
             config.model_dir, self.dtype, self.device, max_positions=max_len
         )
         self.max_model_len = max_len
-        self.layout: KVLayout = kv_layout(
-            self.model_config, self.block_size, config.dtype,
-            weights_fingerprint(config.model_dir).digest,
-        )
+        # A caller that sized the pool with `layout_for(config)` passes that layout, so
+        # the weights are fingerprinted once even where no cache file can be written.
+        weights = layout.weights if layout is not None else weights_fingerprint(config.model_dir).digest
+        self.layout: KVLayout = kv_layout(self.model_config, self.block_size, config.dtype, weights)
+        if layout is not None and layout != self.layout:
+            raise ValueError(f"layout {layout} does not belong to this config ({self.layout})")
         if kv_buffer is not None:
             self.pool = KVPool(self.layout, buffer=kv_buffer)
             if self.pool.device.type != self.device.type:

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from common import protocol as p
+from common.kv_layout import KVLayout
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
@@ -15,12 +16,14 @@ from worker.metrics import WorkerMetrics
 from worker.node_api import NodeLoad
 
 
-def build_engine(config: EngineConfig, kv_buffer: Any = None) -> tuple[LLMEngine, ModelRunner]:
+def build_engine(config: EngineConfig, kv_buffer: Any = None,
+                 layout: KVLayout | None = None) -> tuple[LLMEngine, ModelRunner]:
+    """The engine and its runner; `layout`: `ModelRunner.layout_for(config)` if already known."""
     if config.num_threads:
         import torch
 
         torch.set_num_threads(config.num_threads)
-    runner = ModelRunner(config, kv_buffer=kv_buffer)
+    runner = ModelRunner(config, kv_buffer=kv_buffer, layout=layout)
     return LLMEngine(config, runner=runner), runner
 
 

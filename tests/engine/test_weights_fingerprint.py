@@ -142,3 +142,19 @@ def test_compat_hash_covers_every_identity_field() -> None:
     hashes = {v.compat_hash for v in variants}
     assert len(hashes) == len(variants) and base.compat_hash not in hashes
     assert replace(base, compute_dtype=None).compat_hash == base.compat_hash  # None: the KV dtype
+
+
+def test_runner_takes_the_callers_layout_without_fingerprinting_again(
+    tiny_model_dir: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = EngineConfig(model_dir=str(tiny_model_dir("llama")), num_threads=1,
+                       cache=CacheConfig(num_blocks=4))
+    layout = ModelRunner.layout_for(cfg)
+
+    def fail(model_dir: object) -> None:
+        raise AssertionError("weights fingerprinted twice")
+
+    monkeypatch.setattr("engine.model_runner.weights_fingerprint", fail)
+    assert ModelRunner(cfg, layout=layout).layout == layout
+    with pytest.raises(ValueError, match="does not belong"):
+        ModelRunner(cfg, layout=replace(layout, block_size=32))
