@@ -82,7 +82,11 @@ class RegisterAck(Message):
 
 @dataclass(frozen=True)
 class Heartbeat(Message):
-    """Worker -> gateway, periodically: load for routing plus gauges to re-export."""
+    """Worker -> gateway, periodically: load for routing plus gauges to re-export.
+
+    `steps` counts the worker's engine steps since it started: a worker that holds
+    runnable work (running sequences or queued prefill tokens) and whose count stands
+    still is stalled, even though its heartbeat thread is alive."""
 
     TAG: ClassVar[str] = "heartbeat"
     worker_id: str
@@ -92,6 +96,7 @@ class Heartbeat(Message):
     running_seqs: int
     waiting_seqs: int
     gauges: dict[str, float] = field(default_factory=dict)
+    steps: int = 0
 
 
 @dataclass(frozen=True)

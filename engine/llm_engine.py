@@ -88,6 +88,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_counter = itertools.count()
         self._num_generated = 0
+        self._num_steps = 0
 
     # ---------------------------------------------------------------- requests
     def add_request(
@@ -119,6 +120,7 @@ class LLMEngine:
         """First half of `step`: pick this step's batch (blocks are allocated now).
 
         Pass it to `execute` before anything else touches the engine."""
+        self._num_steps += 1
         return self.scheduler.schedule()
 
     def execute(
@@ -262,6 +264,7 @@ class LLMEngine:
             num_cached_tokens_hit=s.num_cached_tokens_hit,
             num_generated_tokens=self._num_generated,
             num_preemptions=s.num_preemptions,
+            num_steps=self._num_steps,
         )
 
     # ----------------------------------------------------------------- internals

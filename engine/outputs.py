@@ -74,6 +74,7 @@ class EngineStats(NamedTuple):
     num_cached_tokens_hit: int
     num_generated_tokens: int
     num_preemptions: int
+    num_steps: int = 0  # scheduler steps taken: stands still only when the step loop does
 
 
 def _finish_reason(seq: Sequence) -> FinishReason | None:

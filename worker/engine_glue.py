@@ -61,5 +61,5 @@ class StatsMirror:
         m.set_preemptions(s.num_preemptions)
         return NodeLoad(
             queued_prefill_tokens, s.num_free_blocks, s.num_total_blocks, s.num_running,
-            s.num_waiting + s.num_waiting_for_kv,
+            s.num_waiting + s.num_waiting_for_kv, s.num_steps,
         )

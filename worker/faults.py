@@ -29,6 +29,9 @@ class WorkerFaults:
     exit_on_prefill: int = -1  # die on receiving the n-th PrefillRequest (1-based), before computing it
     exit_on_reserve: int = -1  # die on receiving the n-th DecodeReserve (1-based)
     step_delay_s: float = 0.0  # sleep after every engine step that did work (a slow worker)
+    # Stop stepping for good after this many engine steps that did work: the main loop
+    # blocks (a hung kernel or collective) while the heartbeat thread keeps beating.
+    hang_after_steps: int = -1
 
     @classmethod
     def parse(cls, text: str) -> WorkerFaults:
@@ -92,8 +95,16 @@ class FaultInjector:
         self._steps += 1
         if self._steps == self.faults.exit_after_steps:
             self._die("exit_after_steps")
+        if self._steps == self.faults.hang_after_steps:
+            self._hang()
         if self.faults.step_delay_s > 0:
             time.sleep(self.faults.step_delay_s)
+
+    @staticmethod
+    def _hang() -> None:
+        log.warning("fault injection: hanging at hang_after_steps")
+        while True:  # only a signal that kills the process ends it
+            time.sleep(3600)
 
     @staticmethod
     def _die(point: str) -> None:

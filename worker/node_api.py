@@ -23,6 +23,7 @@ class NodeLoad(NamedTuple):
     total_blocks: int
     running_seqs: int
     waiting_seqs: int
+    steps: int = 0  # engine steps so far: the gateway's progress check (Heartbeat.steps)
 
 
 class Node(Protocol):

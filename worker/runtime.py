@@ -193,4 +193,6 @@ class WorkerRuntime:
         snap = self._snapshot
         if snap is None:
             return None
-        return p.Heartbeat(self.config.worker_id, *snap.load, gauges=dict(snap.gauges))
+        load = snap.load
+        return p.Heartbeat(self.config.worker_id, load.queued_prefill_tokens, load.free_blocks, load.total_blocks,
+                           load.running_seqs, load.waiting_seqs, gauges=dict(snap.gauges), steps=load.steps)

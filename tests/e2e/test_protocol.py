@@ -20,7 +20,7 @@ LP = Logprob(9, -0.5, (TopLogprob(9, -0.5), TopLogprob(4, -1.25)))
 SAMPLES: list[p.Message] = [
     p.RegisterWorker("d-1", "decode", "host|boot", "shm+tcp://127.0.0.1:5", "psm_x", "abcd", 511, 16, 9000, 42),
     p.RegisterAck("d-1", False, "unknown worker"),
-    p.Heartbeat("d-1", 10, 400, 511, 3, 1, {"llm_kv_cache_usage_ratio": 0.25}),
+    p.Heartbeat("d-1", 10, 400, 511, 3, 1, {"llm_kv_cache_usage_ratio": 0.25}, steps=1234),
     p.Deregister("d-1", final=False, reason="draining"),
     p.DecodeReserve("r#1", "x1", PAYLOAD),
     p.ReserveResult("r#1", "x1", [5, 6]),
