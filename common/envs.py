@@ -47,6 +47,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "Gateway API keys, comma-separated; added to --api-key and --api-key-file.",
         ),
         EnvVar(
+            "PDSERVE_GATEWAY_SEED_KEY",
+            "",
+            "Test hook: hex key (1-64 bytes) of the seeds the gateway gives unseeded requests, "
+            "so a test can reproduce a sampled run; empty: a random key per gateway process.",
+        ),
+        EnvVar(
             "PDSERVE_KV_FAULTS",
             "",
             "KV-transfer fault spec (`key=value,...`, see kv_transfer.faults); read only with --enable-fault-injection.",
@@ -85,6 +91,17 @@ def faults() -> str:
 def kv_faults() -> str:
     """`PDSERVE_KV_FAULTS`: the raw KV-transfer fault spec; empty string when off."""
     return get("PDSERVE_KV_FAULTS") or ""
+
+
+def gateway_seed_key() -> bytes | None:
+    """`PDSERVE_GATEWAY_SEED_KEY` as bytes; None when unset. ValueError when not hex."""
+    value = get("PDSERVE_GATEWAY_SEED_KEY")
+    if not value:
+        return None
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise ValueError("PDSERVE_GATEWAY_SEED_KEY must be hex") from None
 
 
 def api_keys() -> tuple[str, ...]:

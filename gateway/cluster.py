@@ -28,12 +28,20 @@ The socket loop and the worker registry are the base class, `ControlPlane`
 
 Each attempt has its own worker-side request id (`<id>#<attempt>`), so late
 messages of an abandoned attempt are recognised and dropped.
+
+Every request travels with a seed: one without gets `assigned_seed(key, id)`, a
+keyed hash of its id under this gateway's key, before its first attempt. Sampled
+token i of choice c is drawn from (seed, c, i) on any worker, so every attempt,
+recoveries included, continues the same draws. The seed stays inside the cluster:
+the HTTP layer never sees it, so it is never echoed to the client.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -90,14 +98,24 @@ class _Flight:
         return all(self.finished[c] for c in self.choices)
 
 
+def assigned_seed(key: bytes, request_id: str) -> int:
+    """The seed the gateway gives request `request_id` when the client set none: a
+    63-bit keyed hash of the id (blake2b), unpredictable without the gateway's key."""
+    digest = hashlib.blake2b(request_id.encode(), key=key, digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
 class ClusterBackend(ControlPlane):
     def __init__(self, config: ClusterConfig | None = None) -> None:
         super().__init__(config)
         self._flights: dict[str, _Flight] = {}  # by worker-side request id
+        self._seed_key = self.config.seed_key or os.urandom(32)
 
     # --- request flow ----------------------------------------------------
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        if req.params.seed is None:
+            req = replace(req, params=replace(req.params, seed=assigned_seed(self._seed_key, req.request_id)))
         n = req.params.n
         flight = _Flight(req, generated=[[] for _ in range(n)], finished=[False] * n)
         try:
@@ -314,7 +332,7 @@ class ClusterBackend(ControlPlane):
     def _lost(self, w: WorkerInfo | None) -> None:
         if w is None:
             return
-        log.warning("worker %s (%s) removed, %d requests in flight", w.worker_id, w.role, len(w.inflight))
+        log.warning("worker %s (%s) lost, %d requests in flight", w.worker_id, w.role, len(w.inflight))
         for wid in list(w.inflight):
             flight = self._flights.get(wid)
             if flight is not None:

@@ -2,8 +2,9 @@
 worker registry it feeds, and the registry views the HTTP layer reads.
 
 `ControlPlane` binds the socket (CURVE when configured), answers `RegisterWorker`,
-records `Heartbeat`s, handles `Deregister` (draining, then gone) and expires silent
-workers. Everything about a request is left to its subclass through two hooks:
+records `Heartbeat`s, handles `Deregister` (draining, then gone), expires silent
+workers and marks stalled ones (heartbeating, holding work, step counter standing
+still for `stall_timeout_s`: listed as unhealthy, not routed). Everything about a request is left to its subclass through two hooks:
 `_deliver` (a worker's event for one request) and `_lost` (a worker left). The
 request flow itself lives in gateway/cluster.py.
 """
@@ -38,11 +39,21 @@ class ClusterConfig:
     control_host: str = LOOPBACK
     control_port: int = 0  # 0: a free port, see ClusterBackend.control_address
     heartbeat_timeout_s: float = 3.0
+    stall_timeout_s: float = 30.0  # holding work without a step this long: stalled; 0 disables
     max_recoveries: int = 3
     reserve_timeout_s: float = 10.0
     reserve_retry_s: float = 0.05  # a full decode worker is retried after this
     no_worker_wait_s: float = 0.0  # how long to wait for an empty pool to fill
     curve: CurveServer | None = None  # encrypt and authenticate the control plane
+    # Keys the seeds the gateway gives unseeded requests (gateway/cluster.py); None: a
+    # random key per process. Set only where a test must reproduce a sampled run.
+    seed_key: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.stall_timeout_s < 0:
+            raise ValueError("stall_timeout_s must be >= 0 (0 disables stall detection)")
+        if self.seed_key is not None and not 1 <= len(self.seed_key) <= 64:
+            raise ValueError("seed_key must be 1 to 64 bytes")
 
 
 class ControlPlane:
@@ -110,10 +121,11 @@ class ControlPlane:
         return None
 
     def ready(self) -> ReadyState:
-        counts = {r: len(self.registry.pool(r)) for r in p.ROLES}
+        detail: dict[str, Any] = {r: len(self.registry.pool(r)) for r in p.ROLES}
+        detail["stalled"] = sorted(w.worker_id for w in self.registry.all() if w.stalled)
         if self._mode() is None:
-            return ReadyState(False, "need a prefill and a decode worker, or a colocated one", counts)
-        return ReadyState(True, "", counts)
+            return ReadyState(False, "need a prefill and a decode worker, or a colocated one", detail)
+        return ReadyState(True, "", detail)
 
     def workers(self) -> Sequence[Mapping[str, Any]]:
         now = time.monotonic()
@@ -214,6 +226,11 @@ class ControlPlane:
                 continue
             for w in self.registry.expire(now):
                 self._lost(w)
+            if self.config.stall_timeout_s > 0:
+                for w in self.registry.find_stalled(now, self.config.stall_timeout_s):
+                    log.warning("worker %s (%s) stalled: holds work, no engine step for %.1f s",
+                                w.worker_id, w.role, now - w.progress_at)
+                    self._lost(w)
 
     # --- hooks of the request flow ------------------------------------------
 
@@ -222,7 +239,8 @@ class ControlPlane:
         raise NotImplementedError
 
     def _lost(self, w: WorkerInfo | None) -> None:
-        """`w` left the registry (expired or deregistered for good)."""
+        """`w` left the registry (expired or deregistered for good) or stalled: its
+        requests must go elsewhere."""
         raise NotImplementedError
 
 

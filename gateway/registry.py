@@ -3,8 +3,13 @@
 Fed by `RegisterWorker` / `Heartbeat` / `Deregister` messages. A worker joins
 its pool on registration and leaves it on deregistration or after being
 silent for longer than the heartbeat timeout; `expire()` returns the removed
-workers so the cluster can recover their in-flight requests. Plain Python, no
-I/O: the cluster owns the sockets and the clock.
+workers so the cluster can recover their in-flight requests.
+
+A worker that heartbeats but makes no progress is *stalled*: its heartbeats show
+runnable work (running sequences or queued prefill tokens) while its step counter
+stands still for longer than the stall timeout. `find_stalled()` marks it: it stays
+listed (unhealthy) but leaves its pool, until its counter moves again. Plain
+Python, no I/O: the cluster owns the sockets and the clock.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ class WorkerInfo:
     pending_blocks: int = 0
     pending_seqs: int = 0
     draining: bool = False  # deregistered but still finishing its in-flight requests
+    # Last time its step counter moved or it held no runnable work (stall detection).
+    progress_at: float = 0.0
+    stalled: bool = False  # no progress while holding work: not routed, requests recovered
 
     @property
     def worker_id(self) -> str:
@@ -71,9 +79,16 @@ class WorkerInfo:
             "queued_prefill_tokens": load.queued_prefill_tokens if load else 0,
             "inflight_requests": len(self.inflight),
             "draining": self.draining,
+            "stalled": self.stalled,
+            "steps": load.steps if load else 0,
             "last_heartbeat_age_s": round(now - self.last_seen, 3),
             "gauges": dict(load.gauges) if load else {},
         }
+
+
+def _runnable(hb: Heartbeat) -> bool:
+    """Work the worker can step by itself (KV still in transfer from elsewhere is not)."""
+    return hb.running_seqs > 0 or hb.queued_prefill_tokens > 0
 
 
 @dataclass(frozen=True)
@@ -95,7 +110,7 @@ class WorkerRegistry:
                 f"compat_hash {reg.compat_hash} differs from the registered workers' (model config, "
                 "weights, dtype, quantization, KV-cache dtype, block size and head layout must match)"))
         old = self._workers.get(reg.worker_id)
-        info = WorkerInfo(reg=reg, registered_at=now, last_seen=now)
+        info = WorkerInfo(reg=reg, registered_at=now, last_seen=now, progress_at=now)
         if old is not None:
             info.inflight = old.inflight
         self._workers[reg.worker_id] = info
@@ -107,6 +122,9 @@ class WorkerRegistry:
         if info is None:
             return False
         info.last_seen = now
+        if not _runnable(hb) or info.load is None or hb.steps != info.load.steps:
+            info.progress_at = now
+            info.stalled = False
         info.load = hb
         info.pending_tokens = info.pending_blocks = info.pending_seqs = 0
         return True
@@ -126,12 +144,22 @@ class WorkerRegistry:
             del self._workers[w.worker_id]
         return dead
 
+    def find_stalled(self, now: float, stall_timeout_s: float) -> list[WorkerInfo]:
+        """Mark and return the workers that just became stalled: runnable work in their
+        heartbeats and no step for longer than `stall_timeout_s`."""
+        found = [w for w in self._workers.values()
+                 if not w.stalled and w.load is not None and _runnable(w.load)
+                 and now - w.progress_at > stall_timeout_s]
+        for w in found:
+            w.stalled = True
+        return found
+
     def get(self, worker_id: str) -> WorkerInfo | None:
         return self._workers.get(worker_id)
 
     def pool(self, role: str) -> list[WorkerInfo]:
-        """Routable workers of one role (draining workers excluded)."""
-        return [w for w in self._workers.values() if w.role == role and not w.draining]
+        """Routable workers of one role (draining and stalled workers excluded)."""
+        return [w for w in self._workers.values() if w.role == role and not w.draining and not w.stalled]
 
     def all(self) -> list[WorkerInfo]:
         return list(self._workers.values())

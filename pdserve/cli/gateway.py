@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--control-port", type=int, default=0, help="0: a free port")
     ap.add_argument("--heartbeat-timeout", type=float, default=3.0,
                     help="seconds of silence before a worker is removed")
+    ap.add_argument("--stall-timeout", type=float, default=30.0,
+                    help="seconds a heartbeating worker may hold work without an engine step before "
+                         "it is marked stalled and its requests recovered (0: off)")
     ap.add_argument("--max-recoveries", type=int, default=3)
     ap.add_argument("--request-timeout", type=float, default=None, help="per-request deadline (s)")
     ap.add_argument("--drain-timeout", type=float, default=30.0)
@@ -66,10 +69,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         model_dir = Path(args.model)
     control_port = args.control_port or free_port(args.control_host)
-    cluster = ClusterBackend(ClusterConfig(
-        control_host=args.control_host, control_port=control_port,
-        heartbeat_timeout_s=args.heartbeat_timeout, max_recoveries=args.max_recoveries, curve=curve,
-    ))
+    try:
+        cluster = ClusterBackend(ClusterConfig(
+            control_host=args.control_host, control_port=control_port,
+            heartbeat_timeout_s=args.heartbeat_timeout, stall_timeout_s=args.stall_timeout,
+            max_recoveries=args.max_recoveries, curve=curve, seed_key=envs.gateway_seed_key(),
+        ))
+    except ValueError as e:
+        raise SystemExit(f"pdserve gateway: {e}") from None
     try:
         settings = gateway_settings(args)
     except ValueError as e:
