@@ -119,10 +119,10 @@ class Cluster:
     def control(self) -> str:
         return f"tcp://127.0.0.1:{self.control_port}"
 
-    def start_gateway(self, *extra: str) -> None:
+    def start_gateway(self, *extra: str, env: dict[str, str] | None = None) -> None:
         self.gateway = start("gateway", ["gateway", "--port", str(self.port), "--control-port",
                                          str(self.control_port), "--heartbeat-timeout", "3.0", *extra],
-                             self.log_dir)
+                             self.log_dir, env)
         self._wait(lambda: http("GET", f"{self.url}/health", timeout=2)[0] == 200, "gateway /health")
 
     def add_worker(self, role: str, *extra: str, env: dict[str, str] | None = None) -> Proc:
