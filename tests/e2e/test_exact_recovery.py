@@ -88,6 +88,8 @@ class Stream:
         assert not self.thread.is_alive() and self.error is None, f"{self.rid}: {self.error!r}"
         assert not any("error" in ev for ev in self.events), self.events[-1]
         assert all(ev["id"] == f"cmpl-{self.rid}" for ev in self.events)  # the id the seed was keyed on
+        wire = json.dumps(self.events)
+        assert "seed" not in wire and str(assigned_seed(KEY, self.rid)) not in wire  # never echoed
         n = self.body.get("n", 1)
         return ["".join(self.texts.get(i, [])) for i in range(n)], [self.finishes.get(i, "") for i in range(n)]
 

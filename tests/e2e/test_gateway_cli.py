@@ -165,3 +165,18 @@ def test_up_forwards_api_key_flags(tmp_path: Path) -> None:
     assert cmd[cmd.index("gateway") :].count("--api-key") == 2
     assert cmd[cmd.index("--api-key-file") + 1] == str(keys.resolve())
     assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--api-key"] == ["sk-a", "sk-b"]
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["--stall-timeout", "-1"], {}, "stall_timeout_s must be >= 0"),
+    ([], {"PDSERVE_GATEWAY_SEED_KEY": "not hex"}, "PDSERVE_GATEWAY_SEED_KEY must be hex"),
+])
+def test_bad_stall_timeout_and_seed_key_stop_the_gateway(
+    tmp_path: Path, argv: list[str], env: dict[str, str], message: str,
+) -> None:
+    proc = start("gateway", ["gateway", "--port", "0", *argv], tmp_path, env)
+    try:
+        assert proc.popen.wait(60) != 0
+    finally:
+        proc.stop()
+    assert message in proc.log()
