@@ -43,6 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--max-num-seqs", type=int, default=None, help="per-worker running sequences")
     ap.add_argument("--no-prefix-caching", action="store_true", help="disable the workers' prefix cache")
     ap.add_argument("--max-recoveries", type=int, default=3)
+    ap.add_argument("--stall-timeout", type=float, default=30.0,
+                    help="gateway: seconds a worker may hold work without an engine step (0: off)")
     ap.add_argument("--api-key", action="append", default=[], help="gateway: require this API key (repeatable)")
     ap.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
                     help="gateway: file of API keys, one per line, '#' comments")
@@ -87,7 +89,8 @@ def _worker_cmds(args: argparse.Namespace, control: str) -> list[list[str]]:
 
 def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
     cmd = [*_pdserve(), "gateway", "--host", args.host, "--port", str(args.port),
-           "--control-port", str(control_port), "--max-recoveries", str(args.max_recoveries)]
+           "--control-port", str(control_port), "--max-recoveries", str(args.max_recoveries),
+           "--stall-timeout", str(args.stall_timeout)]
     if args.model:
         cmd += ["--model", str(Path(args.model))]
     for key in args.api_key:

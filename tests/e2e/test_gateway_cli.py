@@ -156,12 +156,13 @@ def test_bad_key_file_and_limits_stop_the_gateway(tmp_path: Path) -> None:
         _settings("--max-n", "0")
 
 
-def test_up_forwards_api_key_flags(tmp_path: Path) -> None:
+def test_up_forwards_api_key_and_stall_timeout_flags(tmp_path: Path) -> None:
     keys = _key_file(tmp_path)
     args = build_parser().parse_args(
-        ["up", "--api-key", "sk-a", "--api-key", "sk-b", "--api-key-file", str(keys)]
+        ["up", "--api-key", "sk-a", "--api-key", "sk-b", "--api-key-file", str(keys), "--stall-timeout", "7"]
     )
     cmd = _gateway_cmd(args, 5555)
+    assert cmd[cmd.index("--stall-timeout") + 1] == "7.0"
     assert cmd[cmd.index("gateway") :].count("--api-key") == 2
     assert cmd[cmd.index("--api-key-file") + 1] == str(keys.resolve())
     assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--api-key"] == ["sk-a", "sk-b"]
