@@ -151,7 +151,8 @@ def _cluster(log_dir: Path, victim_faults: str, *gateway_args: str) -> tuple[Clu
     c = Cluster(log_dir)
     c.start_gateway("--heartbeat-timeout", "1.5", *gateway_args, env={"PDSERVE_GATEWAY_SEED_KEY": KEY.hex()})
     c.add_worker("prefill")
-    victim = c.add_worker("decode", "--num-blocks", "1024", env={"PDSERVE_FAULTS": victim_faults})
+    victim = c.add_worker("decode", "--num-blocks", "1024", "--enable-fault-injection",
+                          env={"PDSERVE_FAULTS": victim_faults})
     c.add_worker("decode")
     c.wait_roles(prefill=1, decode=2)
     return c, victim
