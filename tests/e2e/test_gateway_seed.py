@@ -32,11 +32,13 @@ async def _until(cond: Any) -> None:
     raise AssertionError("condition never held")
 
 
-def _sent_params(sent: list[tuple[str, p.Message]]) -> list[tuple[type, int, dict[str, Any]]]:
-    return [(type(m), m.output_offset, m.params) for _, m in sent if isinstance(m, (p.PrefillRequest, p.DecodeReserve))]
+def _sent_params(sent: list[tuple[str, p.Message]]) -> list[tuple[type, int, SamplingParams]]:
+    """(kind, tokens already produced, params) of every request message sent."""
+    return [(type(m), len(m.payload.output_token_ids), m.payload.params)
+            for _, m in sent if isinstance(m, (p.PrefillRequest, p.DecodeReserve))]
 
 
-async def _first_token_then_lose_decode(params: SamplingParams) -> list[tuple[type, int, dict[str, Any]]]:
+async def _first_token_then_lose_decode(params: SamplingParams) -> list[tuple[type, int, SamplingParams]]:
     """One attempt streams a token, its decode worker is lost, the recovery attempt starts."""
     be, sent = _backend()
     stream = be.generate(GenerateRequest("req-1", [1, 2, 3], params))
@@ -60,7 +62,7 @@ def test_unseeded_request_gets_a_keyed_seed_kept_across_recovery() -> None:
     params = SamplingParams(max_tokens=8, temperature=0.9)
     attempts = asyncio.run(_first_token_then_lose_decode(params))
     want = assigned_seed(KEY, "req-1")
-    assert [(kind, offset, sp["seed"]) for kind, offset, sp in attempts] == [
+    assert [(kind, offset, sp.seed) for kind, offset, sp in attempts] == [
         (p.DecodeReserve, 0, want), (p.PrefillRequest, 0, want),  # the first attempt
         (p.DecodeReserve, 1, want), (p.PrefillRequest, 1, want),  # the resumed one: same seed
     ]
@@ -69,7 +71,7 @@ def test_unseeded_request_gets_a_keyed_seed_kept_across_recovery() -> None:
 
 def test_explicit_seed_is_kept() -> None:
     attempts = asyncio.run(_first_token_then_lose_decode(SamplingParams(max_tokens=8, temperature=0.9, seed=-5)))
-    assert [sp["seed"] for _, _, sp in attempts] == [-5] * 4
+    assert [sp.seed for _, _, sp in attempts] == [-5] * 4
 
 
 def test_assigned_seed_depends_on_key_and_id() -> None:
