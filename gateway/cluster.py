@@ -29,8 +29,10 @@ The socket loop and the worker registry are the base class, `ControlPlane`
 Each attempt has its own worker-side request id (`<id>#<attempt>`), so late
 messages of an abandoned attempt are recognised and dropped.
 
-Every request travels with a seed: one without gets `assigned_seed(key, id)`, a
-keyed hash of its id under this gateway's key, before its first attempt. Sampled
+Every request travels with a seed: one without gets a fresh random 63-bit seed
+before its first attempt (with `PDSERVE_GATEWAY_SEED_KEY` set, `assigned_seed(key,
+id)` instead, a keyed hash of its id, so a test can rebuild the seed). A client that
+resends a request id still gets a new sample, as OpenAI's API promises. Sampled
 token i of choice c is drawn from (seed, c, i) on any worker, so every attempt,
 recoveries included, continues the same draws. The seed stays inside the cluster:
 the HTTP layer never sees it, so it is never echoed to the client.
@@ -41,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -109,13 +111,13 @@ class ClusterBackend(ControlPlane):
     def __init__(self, config: ClusterConfig | None = None) -> None:
         super().__init__(config)
         self._flights: dict[str, _Flight] = {}  # by worker-side request id
-        self._seed_key = self.config.seed_key or os.urandom(32)
+        self._seed_key = self.config.seed_key  # None: a random seed per request
 
     # --- request flow ----------------------------------------------------
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
         if req.params.seed is None:
-            req = replace(req, params=replace(req.params, seed=assigned_seed(self._seed_key, req.request_id)))
+            req = replace(req, params=replace(req.params, seed=self._new_seed(req.request_id)))
         n = req.params.n
         flight = _Flight(req, generated=[[] for _ in range(n)], finished=[False] * n)
         try:
@@ -129,6 +131,11 @@ class ClusterBackend(ControlPlane):
                     self._recover_or_raise(flight, e.reason)
         finally:
             self._end_attempt(flight, abort=not flight.done)
+
+    def _new_seed(self, request_id: str) -> int:
+        if self._seed_key is None:
+            return secrets.randbits(63)
+        return assigned_seed(self._seed_key, request_id)
 
     def _recover_or_raise(self, flight: _Flight, reason: str) -> None:
         self._end_attempt(flight, abort=True)

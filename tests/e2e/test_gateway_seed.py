@@ -15,8 +15,8 @@ from gateway.cluster import ClusterBackend, ClusterConfig, assigned_seed
 KEY = bytes(range(32))
 
 
-def _backend() -> tuple[ClusterBackend, list[tuple[str, p.Message]]]:
-    be = ClusterBackend(ClusterConfig(seed_key=KEY))
+def _backend(key: bytes | None = KEY) -> tuple[ClusterBackend, list[tuple[str, p.Message]]]:
+    be = ClusterBackend(ClusterConfig(seed_key=key))
     sent: list[tuple[str, p.Message]] = []
     be._send = lambda wid, msg: sent.append((wid, msg))  # type: ignore[method-assign]
     for wid, role in (("p1", "prefill"), ("d1", "decode"), ("d2", "decode")):
@@ -38,9 +38,10 @@ def _sent_params(sent: list[tuple[str, p.Message]]) -> list[tuple[type, int, Sam
             for _, m in sent if isinstance(m, (p.PrefillRequest, p.DecodeReserve))]
 
 
-async def _first_token_then_lose_decode(params: SamplingParams) -> list[tuple[type, int, SamplingParams]]:
+async def _first_token_then_lose_decode(params: SamplingParams,
+                                        key: bytes | None = KEY) -> list[tuple[type, int, SamplingParams]]:
     """One attempt streams a token, its decode worker is lost, the recovery attempt starts."""
-    be, sent = _backend()
+    be, sent = _backend(key)
     stream = be.generate(GenerateRequest("req-1", [1, 2, 3], params))
     first = asyncio.ensure_future(stream.__anext__())
     await _until(lambda: len(_sent_params(sent)) == 2)
@@ -78,3 +79,12 @@ def test_assigned_seed_depends_on_key_and_id() -> None:
     seeds = {assigned_seed(k, rid) for k in (KEY, b"other key") for rid in ("a", "b")}
     assert len(seeds) == 4 and all(0 <= s < 2**63 for s in seeds)
     assert assigned_seed(KEY, "a") == assigned_seed(KEY, "a")
+
+
+def test_without_a_key_each_request_draws_a_fresh_seed_kept_across_its_recovery() -> None:
+    """Production: a client resending the same request id still gets a new sample."""
+    params = SamplingParams(max_tokens=8, temperature=0.9)
+    runs = [asyncio.run(_first_token_then_lose_decode(params, key=None)) for _ in range(2)]
+    seeds = [{sp.seed for _, _, sp in attempts} for attempts in runs]
+    assert all(len(s) == 1 and None not in s for s in seeds), seeds  # one seed per request, every attempt
+    assert seeds[0] != seeds[1]
