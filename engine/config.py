@@ -46,9 +46,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.reserve_decode_tokens < 0:
-            raise ValueError("reserve_decode_tokens must be >= 0")
+            raise ValueError(f"reserve_decode_tokens must be >= 0, got {self.reserve_decode_tokens}")
         if not 0.0 <= self.watermark < 1.0:
-            raise ValueError("watermark must be in [0, 1)")
+            raise ValueError(f"the KV watermark must be in [0, 1), got {self.watermark}")
 
 
 @dataclass(frozen=True)

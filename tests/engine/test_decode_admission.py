@@ -7,6 +7,8 @@ prefill engine: no stream is ever preempted and the tokens equal an unpressured 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -91,6 +93,18 @@ def test_reserve_check_counts_choices_still_to_fork_and_queued_streams() -> None
     queued = seq(6, max_tokens=2)
     s.add(queued)  # holds no blocks: 8 tokens -> 2 blocks
     assert s.check_reserve(seq(4, max_tokens=1)).growth_blocks == 2 + (2 - 1)
+
+
+def test_bad_admission_settings_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="watermark must be in"):
+        SchedulerConfig(watermark=1.0)
+    with pytest.raises(ValueError, match="reserve_decode_tokens must be >= 0"):
+        SchedulerConfig(reserve_decode_tokens=-1)
+    done = subprocess.run([sys.executable, "-m", "pdserve", "decode", "--gateway", "tcp://127.0.0.1:9",
+                           "--kv-watermark", "1.5"], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 1
+    assert done.stderr.strip() == "pdserve decode: the KV watermark must be in [0, 1), got 1.5"
 
 
 # ------------------------------------------------------------- engine under pressure
