@@ -3,7 +3,10 @@
 A request's life here:
 1. `DecodeReserve`: the engine reserves blocks for the prompt (WAITING_FOR_KV)
    and the KV receiver expects the transfer into exactly those blocks; the
-   block ids go back to the gateway (`ReserveResult`). Refusal reserves nothing.
+   block ids go back to the gateway (`ReserveResult`). Admission keeps room for
+   the running streams' growth (`engine.scheduler.ReserveCheck`), so a request
+   never evicts one; a refusal reserves nothing and says why, and the gateway
+   retries it.
 2. `StartDecode` brings the first token(s) sampled by the prefill worker.
 3. When the transfer is COMPLETE (every block verified) and the first tokens
    are known, the engine admits the sequence (`start_remote`, RUNNING).
@@ -109,14 +112,15 @@ class DecodeNode:
         rid = msg.request_id
         try:
             req = msg.payload
-            blocks = self.engine.reserve_remote(rid, req.prompt_token_ids, req.params, req.output_token_ids,
-                                                req.choice_index)
+            reservation = self.engine.reserve_remote(rid, req.prompt_token_ids, req.params,
+                                                     req.output_token_ids, req.choice_index)
         except ValueError as e:  # SamplingParamsError included: the engine validates
             self.send(p.RequestFailed(rid, f"invalid request: {e}", retryable=False))
             return
-        if blocks is None:
-            self.send(p.ReserveResult(rid, msg.transfer_id, [], refused="not enough free KV blocks"))
+        if not reservation.ok:
+            self.send(p.ReserveResult(rid, msg.transfer_id, [], refused=reservation.check.reason))
             return
+        blocks = reservation.block_ids
         self.receiver.expect(msg.transfer_id, rid, list(blocks), TRANSFER_LEASE_S)
         self._incoming[rid] = _Incoming(msg.transfer_id, time.monotonic(), len(blocks))
         log.debug("decode request %s accepted: %d blocks reserved", rid, len(blocks), extra=request_fields(rid))

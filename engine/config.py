@@ -37,6 +37,18 @@ class SchedulerConfig:
     # rest of the budget stays open for prompts that arrive behind a long one
     # (vLLM's long_prefill_token_threshold). 0: a prefill may take the whole budget.
     long_prefill_token_threshold: int = 0
+    # Decode admission (`Scheduler.check_reserve`): a reservation is granted only if
+    # every live stream, the new one included, keeps room to grow by this many more
+    # tokens (capped by its max_tokens; SGLang's num_reserved_decode_tokens) ...
+    reserve_decode_tokens: int = 512
+    # ... plus this fraction of the pool left free (vLLM's `watermark`).
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.reserve_decode_tokens < 0:
+            raise ValueError(f"reserve_decode_tokens must be >= 0, got {self.reserve_decode_tokens}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"the KV watermark must be in [0, 1), got {self.watermark}")
 
 
 @dataclass(frozen=True)

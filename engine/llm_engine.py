@@ -37,7 +37,7 @@ from engine.outputs import (
     generation_result,
 )
 from engine.sampler import Sampler, SampleRow, request_seed
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Reservation, Scheduler, SchedulerOutput
 from engine.sequence import Request, SequenceStatus, finish_status
 from engine.sequence import Sequence as Seq
 
@@ -202,19 +202,21 @@ class LLMEngine:
         params: SamplingParams,
         output_token_ids: Sequence[int] = (),
         choice_index: int = 0,
-    ) -> list[int] | None:
-        """Allocate blocks for the prompt's KV (WAITING_FOR_KV); None if no room now.
+    ) -> Reservation:
+        """Allocate blocks for the prompt's KV (WAITING_FOR_KV) if decode admission
+        (`Scheduler.check_reserve`) grants it; a refusal reserves nothing.
 
         `output_token_ids`, `choice_index`: a resumed sequence (recovery); its KV arrives
         with the prompt's, as in `add_request`.
         """
         req = self._new_request(request_id, prompt_token_ids, params, False, output_token_ids, choice_index)
         seq = req.seqs[0]
-        if self.block_manager.allocate_slots(seq.seq_id, seq.num_tokens, 0) is None:
+        check = self.scheduler.check_reserve(seq)
+        if not check.ok or self.block_manager.allocate_slots(seq.seq_id, seq.num_tokens, 0) is None:
             del self._requests[request_id]
-            return None
+            return Reservation([], check)
         self.scheduler.add_waiting_for_kv(seq)
-        return self.block_manager.block_table(seq.seq_id)
+        return Reservation(self.block_manager.block_table(seq.seq_id), check)
 
     def start_remote(
         self,

@@ -4,6 +4,9 @@ Life of a request (one `Sequence` per choice):
 
 1. `add` queues it WAITING (decode node: `add_waiting_for_kv` holds it in
    WAITING_FOR_KV with reserved blocks; it is never scheduled until `admit`).
+   A decode reservation is granted only when `check_reserve` says the pool
+   keeps room for every live stream's growth, so admitting it never forces a
+   running stream into preemption (see `ReserveCheck`).
 2. A step first gives each RUNNING sequence its uncomputed tokens (one decode
    token, or the next chunk of a prefill), then admits WAITING sequences FCFS
    into the leftover token budget, a prefill split into chunks when it does not
@@ -50,6 +53,54 @@ class SchedulerOutput(NamedTuple):
     @property
     def num_batched_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+
+class ReserveCheck(NamedTuple):
+    """Decode admission of one reservation, in blocks (`Scheduler.check_reserve`).
+
+    Granted when the prompt's blocks fit and, unless the worker is idle, the
+    blocks left free afterwards still cover the growth of every live stream (the
+    new one included) over its next `reserve_decode_tokens` tokens, capped by its
+    max_tokens, plus the watermark. Like SGLang's decode prealloc queue with
+    reserved decode tokens and vLLM's `watermark`: a request that does not pass
+    waits (the decode worker refuses, the gateway retries on the decode pool)
+    instead of taking blocks running streams need and forcing their recompute.
+    With max_tokens within `reserve_decode_tokens` no decode step ever preempts;
+    longer streams may still outgrow the pool after their first
+    `reserve_decode_tokens` tokens.
+    """
+
+    prompt_blocks: int  # blocks the reservation takes now
+    free_blocks: int  # free before it (free cached blocks included)
+    growth_blocks: int  # more blocks the live streams and this one may need
+    watermark_blocks: int
+    idle: bool  # no other stream is running, queued or awaiting its KV
+
+    @property
+    def ok(self) -> bool:
+        if self.prompt_blocks > self.free_blocks:
+            return False
+        return self.idle or self.free_blocks - self.prompt_blocks >= self.growth_blocks + self.watermark_blocks
+
+    @property
+    def reason(self) -> str:
+        """Why it was refused, in blocks ("" when granted)."""
+        if self.ok:
+            return ""
+        return (f"not enough free KV blocks: {self.free_blocks} free, the prompt needs "
+                f"{self.prompt_blocks}, running streams keep {self.growth_blocks} to grow "
+                f"+ {self.watermark_blocks} watermark")
+
+
+class Reservation(NamedTuple):
+    """A decode reservation: the blocks granted (empty when refused) and why."""
+
+    block_ids: list[int]
+    check: ReserveCheck
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.block_ids)
 
 
 class Scheduler:
@@ -99,6 +150,29 @@ class Scheduler:
         child.status = parent.status
         if parent.status is SequenceStatus.RUNNING:
             self.running.append(child)
+
+    def check_reserve(self, seq: Sequence) -> ReserveCheck:
+        """Decode admission of `seq` (no blocks yet, not queued): see `ReserveCheck`."""
+        bm = self.block_manager
+        prompt = bm.blocks_for(seq.num_tokens)
+        live = [*self.running, *self.waiting, *self.waiting_for_kv.values()]
+        growth = sum(self._growth_blocks(s) for s in live) + self._growth_blocks(seq) - prompt
+        watermark = int(self.config.watermark * bm.num_allocatable)
+        return ReserveCheck(prompt, bm.num_free_blocks, growth, watermark, idle=not live)
+
+    def _growth_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq` (and its choices still to fork) may still need to hold the KV of
+        its next `reserve_decode_tokens` tokens, capped by max_tokens and max_model_len."""
+        bm = self.block_manager
+        left = max(0, seq.params.max_tokens - len(seq.output_token_ids))
+        goal = bm.blocks_for(min(seq.num_tokens + min(self.config.reserve_decode_tokens, left),
+                                 self.max_model_len))
+        table = bm.block_table(seq.seq_id)
+        need = max(0, goal - len(table))
+        if table and bm.ref_count(table[-1]) > 1:
+            need += 1  # a shared last block is copied before it is written (at most once too many)
+        # A choice still to fork shares the full blocks only: its partial block is its own.
+        return need + seq.pending_forks * (goal - seq.num_tokens // bm.block_size)
 
     # --------------------------------------------------------------- stepping
     def schedule(self) -> SchedulerOutput:

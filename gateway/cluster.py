@@ -9,7 +9,11 @@ Life of a request (one *attempt*; recovery starts a new attempt):
    reservation overlaps the prefill compute. When `ReserveResult` says the
    blocks are reserved, send their ids to the prefill worker (`TransferTarget`):
    it pushes KV only after that, so no KV is ever written into blocks not yet
-   reserved. A refusal is retried on the decode pool until `reserve_timeout_s`.
+   reserved. A refusal (decode admission keeps room for its running streams)
+   is retried on the decode pool until `reserve_timeout_s`; a prefill that has
+   not produced its first token yet is cancelled at once and the next attempt
+   reserves first and prefills only once the blocks are granted, so waiting
+   for decode room never costs prefill compute or prefill KV.
    Colocated: send `RunRequest`.
 3. `FirstToken` from prefill is yielded at once (TTFT) and, once the blocks are
    reserved, forwarded to the decode worker as `StartDecode`; decode admits the
@@ -66,6 +70,10 @@ class _WorkerLost:
     worker_id: str
 
 
+class _ReserveRefused(Exception):
+    """Decode refused the reservation while the prefill was still computing."""
+
+
 class _AttemptFailed(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -87,6 +95,7 @@ class _Flight:
     reserved: bool = False
     first: p.FirstToken | None = None  # waiting for the reservation before StartDecode
     reserve_deadline: float = 0.0
+    reserve_first: bool = False  # the next attempt prefills only once decode reserved
     inputs: p.RequestPayload | None = None  # what the current attempt sends
     choices: list[int] = field(default_factory=list)  # choices the current attempt generates
     failures: int = 0
@@ -129,6 +138,10 @@ class ClusterBackend(ControlPlane):
                     self._end_attempt(flight, abort=False)  # one choice of several is done
                 except _AttemptFailed as e:
                     self._recover_or_raise(flight, e.reason)
+                except _ReserveRefused:
+                    self._end_attempt(flight, abort=True)  # the prefill stops now, not a failure
+                    flight.reserve_first = True
+                    await asyncio.sleep(self.config.reserve_retry_s)
         finally:
             self._end_attempt(flight, abort=not flight.done)
 
@@ -176,11 +189,20 @@ class ClusterBackend(ControlPlane):
             self._assign(flight, w, payload.num_tokens)
             self._send(w.worker_id, p.RunRequest(flight.wid, payload))
             return
+        reserve_first, flight.reserve_first = flight.reserve_first, False
+        if not reserve_first:  # a retry after a refusal keeps the request's first deadline
+            flight.reserve_deadline = time.monotonic() + self.config.reserve_timeout_s
+        self._reserve(flight)
+        if not reserve_first:
+            self._start_prefill(flight)
+
+    def _start_prefill(self, flight: _Flight) -> None:
+        """Send the attempt's prompt to the prefill worker with the fewest queued tokens."""
         prefill = pick_prefill(self.registry.pool("prefill"))
         if prefill is None:
             raise BackendError(BackendErrorKind.NO_WORKERS, "no prefill worker registered", retry_after=1.0)
-        flight.reserve_deadline = time.monotonic() + self.config.reserve_timeout_s
-        self._reserve(flight)
+        payload = flight.inputs
+        assert payload is not None
         self._assign(flight, prefill, payload.num_tokens)
         flight.prefill_id = prefill.worker_id
         self._send(prefill.worker_id, p.PrefillRequest(flight.wid, payload))
@@ -203,6 +225,8 @@ class ClusterBackend(ControlPlane):
             w = self.registry.get(flight.decode_id)
             if w is None:
                 raise _AttemptFailed(f"worker {flight.decode_id} lost")
+            if not flight.prefill_id:  # reserved first: the target follows the prompt at once
+                self._start_prefill(flight)
             self._send(flight.prefill_id, p.TransferTarget(
                 flight.wid, flight.transfer_id, w.worker_id, w.reg.host_id, w.reg.kv_address,
                 w.reg.kv_shm, list(result.block_ids),
@@ -213,6 +237,8 @@ class ClusterBackend(ControlPlane):
         self._unassign(flight, flight.decode_id)
         if time.monotonic() > flight.reserve_deadline:
             raise BackendError(BackendErrorKind.OVERLOADED, f"decode refused: {result.refused}", retry_after=1.0)
+        if flight.prefill_id and flight.first is None:
+            raise _ReserveRefused(result.refused)
         await asyncio.sleep(self.config.reserve_retry_s)
         self._reserve(flight)
 

@@ -60,6 +60,11 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
                     help="cap on one sequence's prefill tokens per step, so short prompts "
                     "are not queued behind a long one (0: no cap)")
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--reserve-decode-tokens", type=int, default=512,
+                    help="decode admission: a reservation is granted only if every live stream keeps "
+                    "room to grow by this many more tokens (capped by its max_tokens)")
+    ap.add_argument("--kv-watermark", type=float, default=0.01,
+                    help="decode admission: fraction of the KV pool also kept free")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default: the cores split among --local-workers)")
@@ -105,24 +110,29 @@ def run(args: argparse.Namespace) -> int:
         from pdserve.default_model import default_model_dir
 
         model_dir = str(default_model_dir())
-    engine_cfg = EngineConfig(
-        model_dir=str(model_dir),
-        dtype=args.dtype,
-        device=args.device,
-        num_threads=args.threads or default_threads(args.local_workers),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_memory=parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,
-            num_blocks=args.num_blocks,
-            enable_prefix_caching=not args.no_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            max_model_len=args.max_model_len,
-        ),
-    )
+    try:
+        engine_cfg = EngineConfig(
+            model_dir=str(model_dir),
+            dtype=args.dtype,
+            device=args.device,
+            num_threads=args.threads or default_threads(args.local_workers),
+            cache=CacheConfig(
+                block_size=args.block_size,
+                kv_cache_memory=parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,
+                num_blocks=args.num_blocks,
+                enable_prefix_caching=not args.no_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                max_model_len=args.max_model_len,
+                reserve_decode_tokens=args.reserve_decode_tokens,
+                watermark=args.kv_watermark,
+            ),
+        )
+    except ValueError as e:
+        raise SystemExit(f"pdserve {args.role}: {e}") from None
     from common.transport import CurveClient
     from worker.main import WorkerOptions, run_worker
 

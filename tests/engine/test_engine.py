@@ -207,8 +207,8 @@ def test_prefill_engine_to_decode_engine_equals_single_engine(
     for i, prompt in enumerate(ps):
         rid = f"r{i}"
         prefill.add_request(rid, prompt, params, prefill_only=True)
-        reserved = decode.reserve_remote(rid, prompt, params)
-        assert reserved is not None
+        reserved = decode.reserve_remote(rid, prompt, params).block_ids
+        assert reserved
         assert decode.stats().num_waiting_for_kv == 1
         firsts: list[int] = []
         while prefill.has_unfinished():
@@ -233,8 +233,9 @@ def test_prefill_engine_to_decode_engine_equals_single_engine(
 def test_reserve_remote_never_overcommits(model_dir: Path) -> None:
     engine = make_engine(model_dir, block_size=4, num_blocks=6)  # 5 blocks
     params = SamplingParams(max_tokens=4, temperature=0.0)
-    assert engine.reserve_remote("a", list(range(3, 15)), params) == [1, 2, 3]
-    assert engine.reserve_remote("b", list(range(3, 15)), params) is None
+    assert engine.reserve_remote("a", list(range(3, 15)), params).block_ids == [1, 2, 3]
+    refused = engine.reserve_remote("b", list(range(3, 15)), params)
+    assert not refused.ok and refused.block_ids == []
     assert engine.stats().num_free_blocks == 2
     assert engine.abort("a")
     assert_idle(engine)
