@@ -118,6 +118,7 @@ class DecodeNode:
             self.send(p.RequestFailed(rid, f"invalid request: {e}", retryable=False))
             return
         if not reservation.ok:
+            self.metrics.reservations_refused.inc()
             self.send(p.ReserveResult(rid, msg.transfer_id, [], refused=reservation.check.reason))
             return
         blocks = reservation.block_ids

@@ -138,7 +138,10 @@ async def _refused_then_reserved(log_dir: Path, reference: Reference) -> None:
         while not all(w["free_blocks"] == w["total_blocks"] and w["inflight_requests"] == 0 for w in be.workers()):
             assert time.monotonic() < deadline, be.workers()
             await asyncio.sleep(0.1)
-        assert metric_value(worker_metrics(roles["decode"]), "llm_preemptions_total") == 0
+        decode_metrics = worker_metrics(roles["decode"])
+        assert metric_value(decode_metrics, "llm_preemptions_total") == 0
+        refusals = sum(1 for w, m in sent if isinstance(m, p.DecodeReserve) and m.request_id.startswith("b#")) - 1
+        assert metric_value(decode_metrics, "llm_decode_reservations_refused_total") == refusals >= 1
     finally:
         for pr in procs:
             pr.stop()
