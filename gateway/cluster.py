@@ -27,11 +27,12 @@ Life of a request (one *attempt*; recovery starts a new attempt):
 5. Closing the iterator (disconnect, stop string, deadline) sends `Abort` to
    every worker the request touched.
 
-The socket loop and the worker registry are the base class, `ControlPlane`
-(gateway/control_plane.py); this module is the request flow on top of it.
-
-Each attempt has its own worker-side request id (`<id>#<attempt>`), so late
-messages of an abandoned attempt are recognised and dropped.
+The pieces are composed, not inherited: `ControlPlane` (gateway/control_plane.py)
+owns the socket and the worker registry and hands request events to the
+`FlightTable` (gateway/flights.py); this module is the request flow that reads
+them. A request's `RequestState` (tokens so far, failures) outlives its attempts;
+each `Attempt` has its own worker-side request id (`<id>#<attempt>`) and event
+queue, so late messages of an abandoned attempt are recognised and dropped.
 
 Every request travels with a seed: one without gets a fresh random 63-bit seed
 before its first attempt (with `PDSERVE_GATEWAY_SEED_KEY` set, `assigned_seed(key,
@@ -49,25 +50,29 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from common import protocol as p
 from common.transport import new_id
-from gateway.backend import BackendError, BackendErrorKind, GenerateRequest, Logprob, TokenDelta
+from gateway.backend import (
+    BackendError,
+    BackendErrorKind,
+    FleetSample,
+    GenerateRequest,
+    Logprob,
+    ReadyState,
+    TokenDelta,
+)
 from gateway.control_plane import ClusterConfig, ControlPlane
-from gateway.registry import WorkerInfo
+from gateway.flights import Attempt, Flight, FlightTable, RequestState, WorkerLost
+from gateway.registry import WorkerInfo, WorkerRegistry
 from gateway.router import blocks_needed, pick_colocated, pick_decode, pick_prefill
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ClusterBackend", "ClusterConfig"]
-
-
-@dataclass(frozen=True)
-class _WorkerLost:
-    worker_id: str
 
 
 class _ReserveRefused(Exception):
@@ -80,35 +85,6 @@ class _AttemptFailed(Exception):
         self.reason = reason
 
 
-@dataclass
-class _Flight:
-    req: GenerateRequest
-    events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
-    generated: list[list[int]] = field(default_factory=list)
-    finished: list[bool] = field(default_factory=list)
-    attempt: int = 0
-    wid: str = ""  # worker-side request id of the current attempt
-    workers: set[str] = field(default_factory=set)  # workers of the current attempt
-    decode_id: str = ""
-    prefill_id: str = ""
-    transfer_id: str = ""
-    reserved: bool = False
-    first: p.FirstToken | None = None  # waiting for the reservation before StartDecode
-    reserve_deadline: float = 0.0
-    reserve_first: bool = False  # the next attempt prefills only once decode reserved
-    inputs: p.RequestPayload | None = None  # what the current attempt sends
-    choices: list[int] = field(default_factory=list)  # choices the current attempt generates
-    failures: int = 0
-
-    @property
-    def done(self) -> bool:
-        return all(self.finished)
-
-    @property
-    def attempt_done(self) -> bool:
-        return all(self.finished[c] for c in self.choices)
-
-
 def assigned_seed(key: bytes, request_id: str) -> int:
     """The seed the gateway gives request `request_id` when the client set none: a
     63-bit keyed hash of the id (blake2b), unpredictable without the gateway's key."""
@@ -116,136 +92,166 @@ def assigned_seed(key: bytes, request_id: str) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-class ClusterBackend(ControlPlane):
+class ClusterBackend:
+    """The `GenerationBackend` over real workers: a control plane, a flight table, and
+    the request flow between them."""
+
     def __init__(self, config: ClusterConfig | None = None) -> None:
-        super().__init__(config)
-        self._flights: dict[str, _Flight] = {}  # by worker-side request id
+        self.config = config or ClusterConfig()
+        self.flights = FlightTable()
+        self.control = ControlPlane(self.config, self.flights)
         self._seed_key = self.config.seed_key  # None: a random seed per request
+
+    # --- the backend contract (gateway/backend.py) ------------------------
+
+    async def start(self) -> None:
+        await self.control.start()
+
+    async def close(self) -> None:
+        await self.control.close()
+
+    def ready(self) -> ReadyState:
+        return self.control.ready()
+
+    def workers(self) -> Sequence[Mapping[str, Any]]:
+        return self.control.workers()
+
+    def fleet_metrics(self) -> Sequence[FleetSample]:
+        return self.control.fleet_metrics()
+
+    @property
+    def registry(self) -> WorkerRegistry:
+        return self.control.registry
+
+    @property
+    def control_address(self) -> str:
+        return self.control.control_address
+
+    def _send(self, worker_id: str, msg: p.Message) -> None:
+        self.control.send(worker_id, msg)
 
     # --- request flow ----------------------------------------------------
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
         if req.params.seed is None:
             req = replace(req, params=replace(req.params, seed=self._new_seed(req.request_id)))
-        n = req.params.n
-        flight = _Flight(req, generated=[[] for _ in range(n)], finished=[False] * n)
+        request = RequestState.new(req)
+        flight: Flight | None = None
         try:
-            while not flight.done:
+            while not request.done:
                 try:
+                    flight = self._new_attempt(request)
                     await self._launch(flight)
                     async for delta in self._follow(flight):
                         yield delta
                     self._end_attempt(flight, abort=False)  # one choice of several is done
                 except _AttemptFailed as e:
-                    self._recover_or_raise(flight, e.reason)
+                    self._recover_or_raise(request, flight, e.reason)
                 except _ReserveRefused:
                     self._end_attempt(flight, abort=True)  # the prefill stops now, not a failure
-                    flight.reserve_first = True
+                    request.reserve_first = True
                     await asyncio.sleep(self.config.reserve_retry_s)
         finally:
-            self._end_attempt(flight, abort=not flight.done)
+            self._end_attempt(flight, abort=not request.done)
 
     def _new_seed(self, request_id: str) -> int:
         if self._seed_key is None:
             return secrets.randbits(63)
         return assigned_seed(self._seed_key, request_id)
 
-    def _recover_or_raise(self, flight: _Flight, reason: str) -> None:
+    def _recover_or_raise(self, request: RequestState, flight: Flight | None, reason: str) -> None:
         self._end_attempt(flight, abort=True)
-        flight.failures += 1
-        if flight.failures > self.config.max_recoveries:
+        request.failures += 1
+        if request.failures > self.config.max_recoveries:
             raise BackendError(BackendErrorKind.FAILED, f"request failed after recoveries: {reason}")
-        log.warning("recovering %s (attempt %d): %s", flight.req.request_id, flight.attempt, reason)
+        log.warning("recovering %s (attempt %d): %s", request.req.request_id, request.attempts, reason)
 
-    def _attempt_inputs(self, flight: _Flight) -> p.RequestPayload:
-        """What the next attempt sends to its workers.
+    def _attempt_inputs(self, request: RequestState) -> tuple[p.RequestPayload, list[int]]:
+        """What the next attempt sends to its workers, and the choices it generates.
 
         Before any token streamed: the whole request. Afterwards each unfinished choice
         resumes on its own (n=1, one after another): the prompt plus a `Resume` with its
         streamed tokens, which stay output to the engine, so the workers continue its
         seeds and penalties exactly; max_tokens still counts them."""
-        params, prompt = flight.req.params, list(flight.req.prompt_token_ids)
-        if not any(flight.generated):
-            flight.choices = list(range(params.n))
-            return p.RequestPayload(prompt, params)
-        choice = next(c for c, fin in enumerate(flight.finished) if not fin)
-        flight.choices = [choice]
-        resume = p.Resume(list(flight.generated[choice]), choice)
-        return p.RequestPayload(prompt, replace(params, n=1), resume)
+        params, prompt = request.req.params, list(request.req.prompt_token_ids)
+        if not any(request.generated):
+            return p.RequestPayload(prompt, params), list(range(params.n))
+        choice = next(c for c, fin in enumerate(request.finished) if not fin)
+        resume = p.Resume(list(request.generated[choice]), choice)
+        return p.RequestPayload(prompt, replace(params, n=1), resume), [choice]
 
-    async def _launch(self, flight: _Flight) -> None:
-        flight.attempt += 1
-        flight.wid = f"{flight.req.request_id}#{flight.attempt}"
-        flight.workers = set()
-        flight.decode_id = flight.prefill_id = flight.transfer_id = ""
-        flight.reserved, flight.first = False, None
-        flight.events = asyncio.Queue()  # events of earlier attempts are dropped with their queue
-        self._flights[flight.wid] = flight
-        payload = flight.inputs = self._attempt_inputs(flight)
-        mode = await self._wait_mode(flight)
+    def _new_attempt(self, request: RequestState) -> Flight:
+        """The request's next attempt, registered in the flight table (so that whatever
+        happens next, `_end_attempt` finds and aborts it)."""
+        request.attempts += 1
+        payload, choices = self._attempt_inputs(request)
+        flight = Flight(request, Attempt(f"{request.req.request_id}#{request.attempts}", payload, choices))
+        self.flights.add(flight)
+        return flight
+
+    async def _launch(self, flight: Flight) -> None:
+        request, a = flight.request, flight.attempt
+        mode = await self._wait_mode(request)
         if mode == "colocated":
             w = pick_colocated(self.registry.pool("colocated"))
             assert w is not None
-            self._assign(flight, w, payload.num_tokens)
-            self._send(w.worker_id, p.RunRequest(flight.wid, payload))
+            self._assign(a, w, a.payload.num_tokens)
+            self._send(w.worker_id, p.RunRequest(a.wid, a.payload))
             return
-        reserve_first, flight.reserve_first = flight.reserve_first, False
+        reserve_first, request.reserve_first = request.reserve_first, False
         if not reserve_first:  # a retry after a refusal keeps the request's first deadline
-            flight.reserve_deadline = time.monotonic() + self.config.reserve_timeout_s
-        self._reserve(flight)
+            request.reserve_deadline = time.monotonic() + self.config.reserve_timeout_s
+        a.reserve_deadline = request.reserve_deadline
+        self._reserve(a)
         if not reserve_first:
-            self._start_prefill(flight)
+            self._start_prefill(a)
 
-    def _start_prefill(self, flight: _Flight) -> None:
+    def _start_prefill(self, a: Attempt) -> None:
         """Send the attempt's prompt to the prefill worker with the fewest queued tokens."""
         prefill = pick_prefill(self.registry.pool("prefill"))
         if prefill is None:
             raise BackendError(BackendErrorKind.NO_WORKERS, "no prefill worker registered", retry_after=1.0)
-        payload = flight.inputs
-        assert payload is not None
-        self._assign(flight, prefill, payload.num_tokens)
-        flight.prefill_id = prefill.worker_id
-        self._send(prefill.worker_id, p.PrefillRequest(flight.wid, payload))
+        self._assign(a, prefill, a.payload.num_tokens)
+        a.prefill_id = prefill.worker_id
+        self._send(prefill.worker_id, p.PrefillRequest(a.wid, a.payload))
 
-    def _reserve(self, flight: _Flight) -> None:
+    def _reserve(self, a: Attempt) -> None:
         """Ask the decode worker with the most free KV to reserve blocks for the prompt."""
         decode = pick_decode(self.registry.pool("decode"))
         if decode is None:
             raise BackendError(BackendErrorKind.NO_WORKERS, "no decode worker registered", retry_after=1.0)
-        payload = flight.inputs
-        assert payload is not None
-        flight.transfer_id = new_id("xfer")
-        flight.decode_id = decode.worker_id
-        self._assign(flight, decode, 0, blocks=blocks_needed(payload.num_tokens, decode.reg.block_size))
-        self._send(decode.worker_id, p.DecodeReserve(flight.wid, flight.transfer_id, payload))
+        a.transfer_id = new_id("xfer")
+        a.decode_id = decode.worker_id
+        self._assign(a, decode, 0, blocks=blocks_needed(a.payload.num_tokens, decode.reg.block_size))
+        self._send(decode.worker_id, p.DecodeReserve(a.wid, a.transfer_id, a.payload))
 
-    async def _on_reserved(self, flight: _Flight, result: p.ReserveResult) -> None:
+    async def _on_reserved(self, a: Attempt, result: p.ReserveResult) -> None:
         if result.ok:
-            flight.reserved = True
-            w = self.registry.get(flight.decode_id)
+            a.reserved = True
+            w = self.registry.get(a.decode_id)
             if w is None:
-                raise _AttemptFailed(f"worker {flight.decode_id} lost")
-            if not flight.prefill_id:  # reserved first: the target follows the prompt at once
-                self._start_prefill(flight)
-            self._send(flight.prefill_id, p.TransferTarget(
-                flight.wid, flight.transfer_id, w.worker_id, w.reg.host_id, w.reg.kv_address,
+                raise _AttemptFailed(f"worker {a.decode_id} lost")
+            if not a.prefill_id:  # reserved first: the target follows the prompt at once
+                self._start_prefill(a)
+            self._send(a.prefill_id, p.TransferTarget(
+                a.wid, a.transfer_id, w.worker_id, w.reg.host_id, w.reg.kv_address,
                 w.reg.kv_shm, list(result.block_ids),
             ))
-            if flight.first is not None:
-                self._start_decode(flight, flight.first)
+            if a.first is not None:
+                self._start_decode(a, a.first)
             return
-        self._unassign(flight, flight.decode_id)
-        if time.monotonic() > flight.reserve_deadline:
+        self._unassign(a, a.decode_id)
+        if time.monotonic() > a.reserve_deadline:
             raise BackendError(BackendErrorKind.OVERLOADED, f"decode refused: {result.refused}", retry_after=1.0)
-        if flight.prefill_id and flight.first is None:
+        if a.prefill_id and a.first is None:
             raise _ReserveRefused(result.refused)
         await asyncio.sleep(self.config.reserve_retry_s)
-        self._reserve(flight)
+        self._reserve(a)
 
-    async def _wait_mode(self, flight: _Flight) -> str:
+    async def _wait_mode(self, request: RequestState) -> str:
         deadline = time.monotonic() + self.config.no_worker_wait_s
         while True:
-            mode = self._mode()
+            mode = self.control.mode()
             if mode is not None:
                 return mode
             if time.monotonic() >= deadline:
@@ -255,76 +261,78 @@ class ClusterBackend(ControlPlane):
                 )
             await asyncio.sleep(0.05)
 
-    async def _follow(self, flight: _Flight) -> AsyncIterator[TokenDelta]:
+    async def _follow(self, flight: Flight) -> AsyncIterator[TokenDelta]:
+        a = flight.attempt
         while not flight.attempt_done:
-            reserving = bool(flight.decode_id) and not flight.reserved
-            ev = await self._next_event(flight, flight.reserve_deadline if reserving else None)
+            ev = await self._next_event(flight, a.reserve_deadline if a.reserving else None)
             if isinstance(ev, p.ReserveResult):
-                if ev.transfer_id == flight.transfer_id and not flight.reserved:
-                    await self._on_reserved(flight, ev)
+                if ev.transfer_id == a.transfer_id and not a.reserved:
+                    await self._on_reserved(a, ev)
             elif isinstance(ev, p.FirstToken):
                 for d in self._first_token(flight, ev):
                     yield d
             elif isinstance(ev, p.TokenDelta):
-                if flight.prefill_id:  # decode is streaming: the KV arrived, prefill's part is over
-                    self._unassign(flight, flight.prefill_id)
-                    flight.prefill_id = ""
-                delta = self._record(flight, ev.index, ev.token_ids, ev.finish_reason, ev.logprobs,
+                if a.prefill_id:  # decode is streaming: the KV arrived, prefill's part is over
+                    self._unassign(a, a.prefill_id)
+                    a.prefill_id = ""
+                delta = self._record(flight.request, ev.index, ev.token_ids, ev.finish_reason, ev.logprobs,
                                      ev.cached_tokens, ev.timings)
                 if delta is not None:
                     yield delta
             else:
-                self._check_failure(flight, ev)
+                self._check_failure(a, ev)
 
-    def _first_token(self, flight: _Flight, ev: p.FirstToken) -> list[TokenDelta]:
-        out = []
-        for i, tok in enumerate(ev.token_ids[: len(flight.choices)]):
+    def _first_token(self, flight: Flight, ev: p.FirstToken) -> list[TokenDelta]:
+        a, out = flight.attempt, []
+        for i, tok in enumerate(ev.token_ids[: len(a.choices)]):
             first = ev.logprobs[i] if i < len(ev.logprobs) else None
             lp = [first] if first is not None else None
             reason = ev.finish_reasons[i] if i < len(ev.finish_reasons) else None
-            d = self._record(flight, flight.choices[i], [tok], reason, lp, ev.cached_tokens, ev.timings or None)
+            d = self._record(flight.request, a.choices[i], [tok], reason, lp, ev.cached_tokens, ev.timings or None)
             if d is not None:
                 out.append(d)
         if flight.attempt_done:
             # Nothing left to decode: free the reservation (the prefill kept no blocks).
-            self._send(flight.decode_id, p.Abort([flight.wid], "finished at first token"))
-        elif flight.reserved:
-            self._start_decode(flight, ev)
+            self._send(a.decode_id, p.Abort([a.wid], "finished at first token"))
+        elif a.reserved:
+            self._start_decode(a, ev)
         else:
-            flight.first = ev
+            a.first = ev
         return out
 
-    def _start_decode(self, flight: _Flight, ev: p.FirstToken) -> None:
-        msg = p.StartDecode(flight.wid, flight.transfer_id, list(ev.token_ids), list(ev.logprobs))
-        self._send(flight.decode_id, msg)
+    def _start_decode(self, a: Attempt, ev: p.FirstToken) -> None:
+        self._send(a.decode_id, p.StartDecode(a.wid, a.transfer_id, list(ev.token_ids), list(ev.logprobs)))
 
+    @staticmethod
     def _record(
-        self, flight: _Flight, index: int, token_ids: list[int], reason: str | None,
+        request: RequestState, index: int, token_ids: list[int], reason: str | None,
         logprobs: list[Logprob] | None, cached: int, timings: dict[str, float] | None,
     ) -> TokenDelta | None:
-        if not 0 <= index < len(flight.finished) or flight.finished[index]:
+        if not 0 <= index < len(request.finished) or request.finished[index]:
             return None
-        flight.generated[index].extend(token_ids)
+        request.generated[index].extend(token_ids)
         if reason is not None:
-            flight.finished[index] = True
+            request.finished[index] = True
         return TokenDelta(index, list(token_ids), logprobs, reason, cached, timings)
 
-    def _check_failure(self, flight: _Flight, ev: Any) -> None:
+    @staticmethod
+    def _check_failure(a: Attempt, ev: Any) -> None:
         if isinstance(ev, p.RequestFailed):
             if not ev.retryable:
                 raise BackendError(BackendErrorKind.INVALID if "invalid" in ev.reason else BackendErrorKind.FAILED, ev.reason)
             raise _AttemptFailed(ev.reason)
-        if isinstance(ev, _WorkerLost) and ev.worker_id in flight.workers:
+        if isinstance(ev, WorkerLost) and ev.worker_id in a.workers:
             raise _AttemptFailed(f"worker {ev.worker_id} lost")
 
-    async def _next_event(self, flight: _Flight, attempt_deadline: float | None = None) -> Any:
+    @staticmethod
+    async def _next_event(flight: Flight, attempt_deadline: float | None = None) -> Any:
         """The next event of the current attempt; TIMEOUT past the request's deadline,
         `_AttemptFailed` past `attempt_deadline`."""
-        req_deadline = flight.req.deadline
+        req_deadline = flight.request.req.deadline
         deadlines = [d for d in (attempt_deadline, req_deadline) if d is not None]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         try:
-            return await asyncio.wait_for(flight.events.get(), timeout)
+            return await asyncio.wait_for(flight.attempt.events.get(), timeout)
         except asyncio.TimeoutError:
             pass
         if req_deadline is not None and time.monotonic() >= req_deadline:
@@ -333,41 +341,26 @@ class ClusterBackend(ControlPlane):
 
     # --- bookkeeping -----------------------------------------------------
 
-    def _assign(self, flight: _Flight, w: WorkerInfo, tokens: int, blocks: int = 0) -> None:
-        flight.workers.add(w.worker_id)
-        w.inflight.add(flight.wid)
+    @staticmethod
+    def _assign(a: Attempt, w: WorkerInfo, tokens: int, blocks: int = 0) -> None:
+        a.workers.add(w.worker_id)
+        w.inflight.add(a.wid)
         w.pending_tokens += tokens
         w.pending_blocks += blocks
         w.pending_seqs += 1 if blocks or w.role == "colocated" else 0
 
-    def _unassign(self, flight: _Flight, worker_id: str) -> None:
-        flight.workers.discard(worker_id)
+    def _unassign(self, a: Attempt, worker_id: str) -> None:
+        a.workers.discard(worker_id)
         w = self.registry.get(worker_id)
         if w is not None:
-            w.inflight.discard(flight.wid)
+            w.inflight.discard(a.wid)
 
-    def _end_attempt(self, flight: _Flight, abort: bool) -> None:
-        if not flight.wid:
+    def _end_attempt(self, flight: Flight | None, abort: bool) -> None:
+        if flight is None:
             return
-        for wid in list(flight.workers):
+        a = flight.attempt
+        for wid in list(a.workers):
             if abort:
-                self._send(wid, p.Abort([flight.wid], "aborted"))
-            self._unassign(flight, wid)
-        self._flights.pop(flight.wid, None)
-
-    # --- events from the control plane ------------------------------------
-
-    def _deliver(self, sender: str, wid: str, event: Any) -> None:
-        flight = self._flights.get(wid)
-        if flight is not None and sender in flight.workers:
-            flight.events.put_nowait(event)
-
-    def _lost(self, w: WorkerInfo | None) -> None:
-        if w is None:
-            return
-        log.warning("worker %s (%s) lost, %d requests in flight", w.worker_id, w.role, len(w.inflight))
-        for wid in list(w.inflight):
-            flight = self._flights.get(wid)
-            if flight is not None:
-                flight.events.put_nowait(_WorkerLost(w.worker_id))
-
+                self._send(wid, p.Abort([a.wid], "aborted"))
+            self._unassign(a, wid)
+        self.flights.remove(a.wid)

@@ -4,9 +4,10 @@ worker registry it feeds, and the registry views the HTTP layer reads.
 `ControlPlane` binds the socket (CURVE when configured), answers `RegisterWorker`,
 records `Heartbeat`s, handles `Deregister` (draining, then gone), expires silent
 workers and marks stalled ones (heartbeating, holding work, step counter standing
-still for `stall_timeout_s`: listed as unhealthy, not routed). Everything about a request is left to its subclass through two hooks:
-`_deliver` (a worker's event for one request) and `_lost` (a worker left). The
-request flow itself lives in gateway/cluster.py.
+still for `stall_timeout_s`: listed as unhealthy, not routed). It knows nothing
+about requests: it hands each worker event for a request, and each worker that
+left, to the `WorkerEvents` it was built with (the gateway's flight table,
+gateway/flights.py). The request flow itself lives in gateway/cluster.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ClusterConfig:
     control_host: str = LOOPBACK
-    control_port: int = 0  # 0: a free port, see ClusterBackend.control_address
+    control_port: int = 0  # 0: a free port, see ControlPlane.control_address
     heartbeat_timeout_s: float = 3.0
     stall_timeout_s: float = 30.0  # holding work without a step this long: stalled; 0 disables
     max_recoveries: int = 3
@@ -56,11 +57,25 @@ class ClusterConfig:
             raise ValueError("seed_key must be 1 to 64 bytes")
 
 
-class ControlPlane:
-    """Socket loop and registry; subclasses implement `_deliver` and `_lost`."""
+class WorkerEvents(Protocol):
+    """Where the control plane sends what concerns requests."""
 
-    def __init__(self, config: ClusterConfig | None = None) -> None:
-        self.config = config or ClusterConfig()
+    def deliver(self, sender: str, wid: str, event: Any) -> None:
+        """Worker `sender`'s event for worker-side request id `wid`."""
+        ...
+
+    def lost(self, w: WorkerInfo | None) -> None:
+        """`w` left the registry (expired or deregistered for good) or stalled: its
+        requests must go elsewhere."""
+        ...
+
+
+class ControlPlane:
+    """Socket loop and registry; request events go to `events`."""
+
+    def __init__(self, config: ClusterConfig, events: WorkerEvents) -> None:
+        self.config = config
+        self.events = events
         self.registry = WorkerRegistry(self.config.heartbeat_timeout_s)
         self.control_address = ""
         self._sock: zmq.asyncio.Socket | None = None
@@ -113,7 +128,7 @@ class ControlPlane:
 
     # --- registry views ----------------------------------------------------
 
-    def _mode(self) -> str | None:
+    def mode(self) -> str | None:
         if self.registry.pool("prefill") and self.registry.pool("decode"):
             return "disagg"
         if self.registry.pool("colocated"):
@@ -123,7 +138,7 @@ class ControlPlane:
     def ready(self) -> ReadyState:
         detail: dict[str, Any] = {r: len(self.registry.pool(r)) for r in p.ROLES}
         detail["stalled"] = sorted(w.worker_id for w in self.registry.all() if w.stalled)
-        if self._mode() is None:
+        if self.mode() is None:
             return ReadyState(False, "need a prefill and a decode worker, or a colocated one", detail)
         return ReadyState(True, "", detail)
 
@@ -150,7 +165,7 @@ class ControlPlane:
 
     # --- socket loops ------------------------------------------------------
 
-    def _send(self, worker_id: str, msg: p.Message) -> None:
+    def send(self, worker_id: str, msg: p.Message) -> None:
         if self._sock is None or not worker_id:
             return
         try:
@@ -187,29 +202,29 @@ class ControlPlane:
                 log.info("worker %s (%s) registered", msg.worker_id, msg.role)
             else:
                 log.warning("refused worker %s: %s", sender, reason)
-            self._send(sender, p.RegisterAck(msg.worker_id, accepted, reason))
+            self.send(sender, p.RegisterAck(msg.worker_id, accepted, reason))
         elif isinstance(msg, p.Heartbeat):
             # Heartbeats come from the worker's own heartbeat socket, `<worker id>/hb`.
             if sender not in (msg.worker_id, f"{msg.worker_id}/hb"):
                 return
             if not self.registry.heartbeat(msg, now):
-                self._send(msg.worker_id, p.RegisterAck(msg.worker_id, False, "unknown worker"))
+                self.send(msg.worker_id, p.RegisterAck(msg.worker_id, False, "unknown worker"))
         elif isinstance(msg, p.Deregister):
             self._deregister(sender, msg)
         elif isinstance(msg, p.TokenBatch):
             self.registry.touch(sender, now)
             for d in msg.deltas:
-                self._deliver(sender, d.request_id, d)
+                self.events.deliver(sender, d.request_id, d)
         elif isinstance(msg, (p.ReserveResult, p.FirstToken, p.RequestFailed)):
             self.registry.touch(sender, now)
-            self._deliver(sender, msg.request_id, msg)
+            self.events.deliver(sender, msg.request_id, msg)
 
     def _deregister(self, sender: str, msg: p.Deregister) -> None:
         w = self.registry.get(sender)
         if w is None:
             return
         if msg.final:
-            self._lost(self.registry.remove(sender))
+            self.events.lost(self.registry.remove(sender))
         else:
             w.draining = True  # routable no more; in-flight requests still finish there
 
@@ -225,23 +240,12 @@ class ControlPlane:
                 # proves nothing yet. Give the receive loop a round to catch up.
                 continue
             for w in self.registry.expire(now):
-                self._lost(w)
+                self.events.lost(w)
             if self.config.stall_timeout_s > 0:
                 for w in self.registry.find_stalled(now, self.config.stall_timeout_s):
                     log.warning("worker %s (%s) stalled: holds work, no engine step for %.1f s",
                                 w.worker_id, w.role, now - w.progress_at)
-                    self._lost(w)
-
-    # --- hooks of the request flow ------------------------------------------
-
-    def _deliver(self, sender: str, wid: str, event: Any) -> None:
-        """A worker's event for worker-side request id `wid`."""
-        raise NotImplementedError
-
-    def _lost(self, w: WorkerInfo | None) -> None:
-        """`w` left the registry (expired or deregistered for good) or stalled: its
-        requests must go elsewhere."""
-        raise NotImplementedError
+                    self.events.lost(w)
 
 
 def _log_send_failure(worker_id: str, fut: asyncio.Future[Any]) -> None:

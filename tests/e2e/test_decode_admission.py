@@ -63,7 +63,7 @@ async def _refused_then_reserved(log_dir: Path, reference: Reference) -> None:
     # refused until it ends; the test waits on that, so the reservation may take long.
     be = ClusterBackend(ClusterConfig(heartbeat_timeout_s=5.0, reserve_timeout_s=120.0))
     sent: list[tuple[str, p.Message]] = []
-    send, deliver = be._send, be._deliver
+    send, deliver = be._send, be.flights.deliver
     held: list[tuple[str, str, object]] = []
     answered = False
 
@@ -85,7 +85,7 @@ async def _refused_then_reserved(log_dir: Path, reference: Reference) -> None:
                 deliver(*h)
 
     be._send = spy_send  # type: ignore[method-assign]
-    be._deliver = slow_first_prefill  # type: ignore[method-assign]
+    be.flights.deliver = slow_first_prefill  # type: ignore[method-assign]
     await be.start()
     procs: list[Proc] = []
     try:

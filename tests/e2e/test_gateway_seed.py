@@ -47,11 +47,11 @@ async def _first_token_then_lose_decode(params: SamplingParams,
     await _until(lambda: len(_sent_params(sent)) == 2)
     reserve = next(m for _, m in sent if isinstance(m, p.DecodeReserve))
     decode = next(w for w, m in sent if isinstance(m, p.DecodeReserve))
-    be._deliver(decode, reserve.request_id, p.ReserveResult(reserve.request_id, reserve.transfer_id, [4]))
-    be._deliver("p1", reserve.request_id, p.FirstToken(reserve.request_id, reserve.transfer_id, [42], [None], [None]))
+    be.flights.deliver(decode, reserve.request_id, p.ReserveResult(reserve.request_id, reserve.transfer_id, [4]))
+    be.flights.deliver("p1", reserve.request_id, p.FirstToken(reserve.request_id, reserve.transfer_id, [42], [None], [None]))
     assert (await first).token_ids == [42]
     resumed = asyncio.ensure_future(stream.__anext__())
-    be._lost(be.registry.remove(decode))
+    be.flights.lost(be.registry.remove(decode))
     await _until(lambda: len(_sent_params(sent)) == 4)
     resumed.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -14,7 +14,8 @@ from typing import Any
 
 from common.sampling_params import SamplingParams
 from gateway.backend import GenerateRequest
-from gateway.cluster import ClusterBackend, ClusterConfig, _WorkerLost
+from gateway.cluster import ClusterBackend, ClusterConfig
+from gateway.flights import WorkerLost
 from tests.e2e.cluster import WORKER_BLOCKS, Proc, remove_leaked_shm, start
 from tests.e2e.conftest import Reference
 
@@ -27,9 +28,9 @@ async def _run(be: ClusterBackend, rid: str, ids: list[int], sp: SamplingParams,
     async def lose() -> None:
         assert lose_after is not None
         await asyncio.sleep(lose_after)
-        for flight in list(be._flights.values()):
-            for w in list(flight.workers):
-                flight.events.put_nowait(_WorkerLost(w))
+        for flight in be.flights.flights():
+            for w in list(flight.attempt.workers):
+                flight.attempt.events.put_nowait(WorkerLost(w))
 
     task = asyncio.create_task(lose()) if lose_after is not None else None
     async for d in be.generate(GenerateRequest(rid, ids, sp)):
@@ -44,11 +45,11 @@ async def _scenario(log_dir: Path, reference: Reference) -> None:
     resumed: list[tuple[str, int, int]] = []  # (request id, output offset, choice) of resumed attempts
     attempt_inputs = be._attempt_inputs
 
-    def spy(flight: Any) -> Any:
-        payload = attempt_inputs(flight)
+    def spy(request: Any) -> Any:
+        payload, choices = attempt_inputs(request)
         if payload.resume is not None:
-            resumed.append((flight.req.request_id, len(payload.resume.output_token_ids), payload.choice_index))
-        return payload
+            resumed.append((request.req.request_id, len(payload.resume.output_token_ids), payload.choice_index))
+        return payload, choices
 
     be._attempt_inputs = spy  # type: ignore[method-assign]
     await be.start()
