@@ -78,6 +78,14 @@ class ModelConfig:
     model_id: str = field(default="", compare=False)
 
     @property
+    def position_limit(self) -> int:
+        """The longest sequence this model serves: its positions, capped at the sliding
+        window (attention here is full, which equals windowed within the window)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

@@ -25,10 +25,7 @@ from engine.runner_types import SeqChunk
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     """The longest sequence (prompt + output) the runner accepts."""
-    limit = model_config.max_position_embeddings
-    if model_config.sliding_window is not None:
-        # Attention is full, not windowed: within the window the two are identical.
-        limit = min(limit, model_config.sliding_window)
+    limit = model_config.position_limit
     requested = config.scheduler.max_model_len
     if requested is None:
         return limit

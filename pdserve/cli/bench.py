@@ -22,6 +22,13 @@ from bench.loadgen.config import (
     WorkloadKind,
     parse_slo,
 )
+from pdserve.cli.args import (
+    http_url,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 
 def _positive_ints(text: str) -> tuple[int, ...]:
@@ -41,11 +48,11 @@ def register(subparsers: Any) -> None:
         description=__doc__.splitlines()[0],
     )
     e = p.add_argument_group("endpoint")
-    e.add_argument("--base-url", default="http://127.0.0.1:8000")
+    e.add_argument("--base-url", type=http_url, default="http://127.0.0.1:8000")
     e.add_argument("--endpoint", choices=[x.value for x in Endpoint], default="completions")
     e.add_argument("--api-key", default=None)
     e.add_argument("--model", default=None, help="default: first id from GET /v1/models")
-    e.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    e.add_argument("--request-timeout", type=positive_float, default=600.0, help="seconds per request")
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos: true")
 
@@ -57,37 +64,37 @@ def register(subparsers: Any) -> None:
         help="default: dataset with --dataset, else random",
     )
     w.add_argument(
-        "--input-len", type=int, default=128, help="prompt tokens (decode streams: mixed)"
+        "--input-len", type=positive_int, default=128, help="prompt tokens (decode streams: mixed)"
     )
-    w.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
+    w.add_argument("--output-len", type=positive_int, default=128, help="max_tokens per request")
     w.add_argument(
         "--len-distribution", choices=[x.value for x in LenDistribution], default="fixed"
     )
     w.add_argument(
-        "--len-range", type=float, default=0.5, help="uniform: mean*[1-r,1+r]; normal: sigma=mean*r"
+        "--len-range", type=non_negative_float, default=0.5, help="uniform: mean*[1-r,1+r]; normal: sigma=mean*r"
     )
-    w.add_argument("--shared-prefix-len", type=int, default=1024)
-    w.add_argument("--num-prefixes", type=int, default=1)
+    w.add_argument("--shared-prefix-len", type=non_negative_int, default=1024)
+    w.add_argument("--num-prefixes", type=positive_int, default=1)
     w.add_argument("--dataset", default=None, help="JSONL with 'prompt' or 'messages' per line")
     w.add_argument(
         "--tokenizer", default=None, help="dir with tokenizer.json: size prompts exactly"
     )
     w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--long-prompt-len", type=int, default=1500, help="mixed: long prompt tokens")
-    w.add_argument("--long-prompt-output-len", type=int, default=16)
-    w.add_argument("--long-prompt-interval", type=float, default=3.0, help="mixed: seconds")
+    w.add_argument("--long-prompt-len", type=positive_int, default=1500, help="mixed: long prompt tokens")
+    w.add_argument("--long-prompt-output-len", type=positive_int, default=16)
+    w.add_argument("--long-prompt-interval", type=positive_float, default=3.0, help="mixed: seconds")
 
     ld = p.add_argument_group("load")
-    ld.add_argument("--concurrency", type=int, default=1)
-    ld.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, req/s")
-    ld.add_argument("--max-concurrency", type=int, default=None, help="cap with --request-rate")
+    ld.add_argument("--concurrency", type=positive_int, default=1)
+    ld.add_argument("--request-rate", type=positive_float, default=None, help="Poisson arrivals, req/s")
+    ld.add_argument("--max-concurrency", type=positive_int, default=None, help="cap with --request-rate")
     ld.add_argument("--sweep", type=_positive_ints, default=(), help="concurrencies, e.g. 1,4,16")
-    ld.add_argument("--warmup", type=int, default=0, help="requests sent first and not measured")
-    ld.add_argument("--num-requests", type=int, default=100)
-    ld.add_argument("--max-duration", type=float, default=600.0, help="seconds per run")
+    ld.add_argument("--warmup", type=non_negative_int, default=0, help="requests sent first and not measured")
+    ld.add_argument("--num-requests", type=positive_int, default=100)
+    ld.add_argument("--max-duration", type=positive_float, default=600.0, help="seconds per run")
     ld.add_argument(
         "--drain-timeout",
-        type=float,
+        type=non_negative_float,
         default=60.0,
         help="seconds in-flight requests get after --max-duration",
     )

@@ -9,32 +9,44 @@ start workers against it.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from common import envs
 from common.logs import configure_logging
+from pdserve.cli.args import (
+    UsageError,
+    check_listen,
+    check_max_model_len,
+    check_model,
+    host,
+    model_dir,
+    non_negative_float,
+    non_negative_int,
+    port_or_zero,
+    positive_float,
+    positive_int,
+)
 from pdserve.cli.gateway_options import add_gateway_options, gateway_settings
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap = sub.add_parser("gateway", help="run the HTTP gateway and worker registry")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--host", type=host, default="127.0.0.1")
+    ap.add_argument("--port", type=port_or_zero, default=8000,
+                    help="0: a free one (the `listening` log event names it)")
     ap.add_argument("--model", default=None, help="model dir for the tokenizer (default: built-in)")
     ap.add_argument("--served-model-name", default=None, help="model id (default: the dir name)")
-    ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's limit")
-    ap.add_argument("--control-host", default="127.0.0.1", help="address workers connect to")
-    ap.add_argument("--control-port", type=int, default=0, help="0: a free port")
-    ap.add_argument("--heartbeat-timeout", type=float, default=3.0,
+    ap.add_argument("--max-model-len", type=positive_int, default=None, help="default: the model's limit")
+    ap.add_argument("--control-host", type=host, default="127.0.0.1", help="address workers connect to")
+    ap.add_argument("--control-port", type=port_or_zero, default=0, help="0: a free port")
+    ap.add_argument("--heartbeat-timeout", type=positive_float, default=3.0,
                     help="seconds of silence before a worker is removed")
-    ap.add_argument("--stall-timeout", type=float, default=30.0,
+    ap.add_argument("--stall-timeout", type=non_negative_float, default=30.0,
                     help="seconds a heartbeating worker may hold work without an engine step before "
                          "it is marked stalled and its requests recovered (0: off)")
-    ap.add_argument("--max-recoveries", type=int, default=3)
-    ap.add_argument("--request-timeout", type=float, default=None, help="per-request deadline (s)")
-    ap.add_argument("--drain-timeout", type=float, default=30.0)
-    ap.add_argument("--max-in-flight", type=int, default=256, help="requests inside the backend at once")
+    ap.add_argument("--max-recoveries", type=non_negative_int, default=3)
+    ap.add_argument("--request-timeout", type=positive_float, default=None, help="per-request deadline (s)")
+    ap.add_argument("--drain-timeout", type=positive_float, default=30.0)
+    ap.add_argument("--max-in-flight", type=positive_int, default=256, help="requests inside the backend at once")
     ap.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
     add_gateway_options(ap)
     ap.add_argument("--curve-secret-key", default=None,
@@ -44,10 +56,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.set_defaults(func=run)
 
 
-def model_max_len(model_dir: Path) -> int:
-    with open(model_dir / "config.json") as f:
-        cfg = json.load(f)
-    return int(cfg.get("max_position_embeddings", 2048))
+def check_args(args: argparse.Namespace) -> int:
+    """What parsing alone cannot see; returns the max model length to serve
+    (`--max-model-len`, else the model's own limit, as the workers resolve it)."""
+    if bool(args.curve_secret_key) != bool(args.curve_authorized_keys):
+        flag = "--curve-authorized-keys" if args.curve_secret_key else "--curve-secret-key"
+        raise UsageError(flag, "--curve-secret-key and --curve-authorized-keys go together")
+    max_model_len = check_max_model_len(args.max_model_len, check_model(args.model))
+    if args.port:
+        check_listen("--port", args.host, args.port)
+    if args.control_port:
+        check_listen("--control-port", args.control_host, args.control_port)
+    return max_model_len
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,16 +78,13 @@ def run(args: argparse.Namespace) -> int:
     from gateway.server import run_gateway
     from gateway.tokenizer import Tokenizer
 
-    if bool(args.curve_secret_key) != bool(args.curve_authorized_keys):
-        raise SystemExit("--curve-secret-key and --curve-authorized-keys go together")
+    max_model_len = check_args(args)
+    try:
+        settings = gateway_settings(args)
+    except ValueError as e:
+        raise SystemExit(f"pdserve gateway: {e}") from None
     curve = CurveServer(args.curve_secret_key, args.curve_authorized_keys) if args.curve_secret_key else None
-
-    if args.model is None:
-        from pdserve.default_model import default_model_dir
-
-        model_dir = Path(default_model_dir())
-    else:
-        model_dir = Path(args.model)
+    model = model_dir(args.model)
     control_port = args.control_port or free_port(args.control_host)
     try:
         cluster = ClusterBackend(ClusterConfig(
@@ -77,19 +94,15 @@ def run(args: argparse.Namespace) -> int:
         ))
     except ValueError as e:
         raise SystemExit(f"pdserve gateway: {e}") from None
-    try:
-        settings = gateway_settings(args)
-    except ValueError as e:
-        raise SystemExit(f"pdserve gateway: {e}") from None
     config = GatewayConfig(
         host=args.host,
         port=args.port,
-        model_name=args.served_model_name or model_dir.name,
-        model_dir=str(model_dir),
-        max_model_len=args.max_model_len or model_max_len(model_dir),
+        model_name=args.served_model_name or model.name,
+        model_dir=str(model),
+        max_model_len=max_model_len,
         **settings,
         drain_timeout_s=args.drain_timeout,
         request_timeout_s=args.request_timeout,
     )
     print(f"pdserve control plane on tcp://{args.control_host}:{control_port}", flush=True)
-    return run_gateway(config, cluster, Tokenizer.from_model_dir(model_dir))
+    return run_gateway(config, cluster, Tokenizer.from_model_dir(model))

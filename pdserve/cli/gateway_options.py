@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from common import envs
+from pdserve.cli.args import UsageError, non_negative_float, non_negative_int, positive_int
 
 # RequestLimits field -> flag (`max_tokens` is a cap, not the default: hence its name).
 LIMIT_FLAGS = {
@@ -39,26 +40,26 @@ def add_gateway_options(ap: argparse.ArgumentParser) -> None:
     )
     adm = ap.add_argument_group("admission (503 + Retry-After beyond these)")
     adm.add_argument(
-        "--max-queue-depth", type=int, default=None, help="waiting requests per priority class"
+        "--max-queue-depth", type=non_negative_int, default=None, help="waiting requests per priority class"
     )
     adm.add_argument(
-        "--max-queue-wait", type=float, default=None, help="longest wait for a slot (s), per class"
+        "--max-queue-wait", type=non_negative_float, default=None, help="longest wait for a slot (s), per class"
     )
     for prio in PRIORITIES:
         adm.add_argument(
-            f"--max-queue-depth-{prio}", type=int, default=None, help=f"{prio} class only"
+            f"--max-queue-depth-{prio}", type=non_negative_int, default=None, help=f"{prio} class only"
         )
         adm.add_argument(
-            f"--max-queue-wait-{prio}", type=float, default=None, help=f"{prio} class only"
+            f"--max-queue-wait-{prio}", type=non_negative_float, default=None, help=f"{prio} class only"
         )
-    adm.add_argument("--batch-aging", type=float, default=None,
+    adm.add_argument("--batch-aging", type=non_negative_float, default=None,
                      help="seconds after which a waiting batch request counts as interactive (0: never)")
-    adm.add_argument("--retry-after", type=int, default=None, help="Retry-After seconds on 503s")
+    adm.add_argument("--retry-after", type=non_negative_int, default=None, help="Retry-After seconds on 503s")
     lim = ap.add_argument_group("request size limits (400/413 beyond these)")
     for name, flag in LIMIT_FLAGS.items():
         lim.add_argument(flag, type=int, default=None, dest=f"limit_{name}", metavar="N")
     lim.add_argument(
-        "--default-max-tokens", type=int, default=None, help="completions without max_tokens"
+        "--default-max-tokens", type=positive_int, default=None, help="completions without max_tokens"
     )
 
 
@@ -79,9 +80,9 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
         try:
             file_keys = read_key_file(path)
         except OSError as e:
-            raise SystemExit(f"--api-key-file {path}: {e.strerror or e}") from None
+            raise UsageError("--api-key-file", f"{path}: {e.strerror or e}") from None
         if not file_keys:
-            raise SystemExit(f"--api-key-file {path}: no keys in it")
+            raise UsageError("--api-key-file", f"{path}: no keys in it")
         keys += file_keys
     keys += envs.api_keys()
     return tuple(dict.fromkeys(keys))

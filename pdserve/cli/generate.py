@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from common.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.cli.args import check_model, device, positive_int
 
 
 def register(subparsers: Any) -> None:
@@ -33,9 +34,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--n", type=int, default=1, help="choices per prompt")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--num-threads", type=positive_int, default=None, help="torch intra-op threads")
+    p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=run)
 
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     except SamplingParamsError as e:
         print(f"pdserve generate: --{e.param.replace('_', '-')}: {e}", file=sys.stderr)
         return 2
+    check_model(args.model)
     model_dir = args.model or default_model_dir()
     tokenizer = Tokenizer.from_model_dir(model_dir)
     try:

@@ -24,16 +24,17 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.default_model import write_default_model  # torch-free, but not needed to parse
 
     out: Path = args.dir
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not args.force:
-            print(
-                f"pdserve make-model: {out} exists and is not empty (use --force)", file=sys.stderr
-            )
-            return 1
-        if out.is_dir():
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        print(f"pdserve make-model: {out} exists and is not empty (use --force)", file=sys.stderr)
+        return 1
+    try:
+        if out.is_dir() and args.force:
             shutil.rmtree(out)
-        else:
+        elif out.exists() and args.force:
             out.unlink()
-    write_default_model(out)
+        write_default_model(out)
+    except OSError as e:
+        print(f"pdserve make-model: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(out)
     return 0

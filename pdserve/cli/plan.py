@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any
 
+from pdserve.cli.args import UsageError, fraction, model_dir, positive_int
 from pdserve.plan import PlanError, compute_plan, format_plan, parse_size
 
 
@@ -29,23 +30,21 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--model", default=None, help="model directory (default: the built-in model)")
     p.add_argument("--device-memory", type=_size, required=True, help="e.g. 80GiB, 80GB, 24GiB")
-    p.add_argument("--max-model-len", type=int, required=True, help="tokens per full request")
-    p.add_argument("--concurrency", type=int, default=None, help="check this many full requests")
+    p.add_argument("--max-model-len", type=positive_int, required=True, help="tokens per full request")
+    p.add_argument("--concurrency", type=positive_int, default=None, help="check this many full requests")
     p.add_argument("--dtype", default=None, help="float16 | bfloat16 | float32 (default: config)")
-    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    p.add_argument("--block-size", type=positive_int, default=16, help="KV block size in tokens")
     p.add_argument(
-        "--overhead", type=float, default=0.10, help="fraction of device memory held back"
+        "--overhead", type=fraction, default=0.10, help="fraction of device memory held back"
     )
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    model = args.model
-    if model is None:
-        from pdserve.default_model import default_model_dir  # torch-free
-
-        model = default_model_dir()
+    model = model_dir(args.model)
+    if not model.is_dir():
+        raise UsageError("--model", f"{model} is not a directory")
     try:
         plan = compute_plan(
             model,

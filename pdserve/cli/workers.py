@@ -12,18 +12,23 @@ from typing import Any
 
 from common import envs
 from common.logs import configure_logging
+from pdserve.cli.args import (
+    UsageError,
+    byte_size,
+    check_listen,
+    check_max_model_len,
+    check_model,
+    device,
+    fraction,
+    host,
+    model_dir,
+    non_negative_int,
+    port_or_zero,
+    positive_float,
+    positive_int,
+)
 
 ROLE_COMMANDS = {"prefill": "prefill", "decode": "decode", "worker": "colocated"}
-
-
-def parse_bytes(text: str) -> int:
-    """`1GiB`, `512MiB`, `2e9`, `1048576` -> bytes."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    t = text.strip().lower()
-    for suffix, mult in units.items():
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * mult)
-    return int(float(t))
 
 
 def gateway_address(text: str) -> str:
@@ -44,37 +49,37 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
                     help="gateway control address, tcp://HOST:PORT or dns+tcp://NAME:PORT (every A record, "
                     "re-resolved); repeat for several gateways")
     ap.add_argument("--model", default=None, help="Hugging Face model dir (default: built-in)")
-    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    ap.add_argument("--device", default="cpu", type=device, help="cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     ap.add_argument("--spin-wait", action="store_true",
                     help="let OpenMP threads spin briefly between parallel regions (OpenMP's own "
                     "default): ~20%% faster steps when this worker's threads have their cores to "
                     "themselves, a collapse when other busy processes share them. Without it "
                     "the worker sets OMP_WAIT_POLICY=PASSIVE unless the environment sets it")
-    ap.add_argument("--kv-cache-memory", default=None, help="KV pool bytes, e.g. 256MiB")
-    ap.add_argument("--num-blocks", type=int, default=None, help="explicit KV block count")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--long-prefill-token-threshold", type=int, default=0,
+    ap.add_argument("--kv-cache-memory", type=byte_size, default=None, help="KV pool bytes, e.g. 256MiB")
+    ap.add_argument("--num-blocks", type=positive_int, default=None, help="explicit KV block count")
+    ap.add_argument("--block-size", type=positive_int, default=16)
+    ap.add_argument("--max-num-seqs", type=positive_int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    ap.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=0,
                     help="cap on one sequence's prefill tokens per step, so short prompts "
                     "are not queued behind a long one (0: no cap)")
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--reserve-decode-tokens", type=int, default=512,
+    ap.add_argument("--max-model-len", type=positive_int, default=None)
+    ap.add_argument("--reserve-decode-tokens", type=non_negative_int, default=512,
                     help="decode admission: a reservation is granted only if every live stream keeps "
                     "room to grow by this many more tokens (capped by its max_tokens)")
-    ap.add_argument("--kv-watermark", type=float, default=0.01,
+    ap.add_argument("--kv-watermark", type=fraction, default=0.01,
                     help="decode admission: fraction of the KV pool also kept free")
     ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--threads", type=positive_int, default=None,
                     help="torch intra-op threads (default: the cores split among --local-workers)")
-    ap.add_argument("--local-workers", type=int, default=1, help="workers sharing this host")
-    ap.add_argument("--metrics-host", default="127.0.0.1")
-    ap.add_argument("--metrics-port", type=int, default=0, help="worker /health and /metrics (0: free)")
-    ap.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
+    ap.add_argument("--local-workers", type=positive_int, default=1, help="workers sharing this host")
+    ap.add_argument("--metrics-host", type=host, default="127.0.0.1")
+    ap.add_argument("--metrics-port", type=port_or_zero, default=0, help="worker /health and /metrics (0: free)")
+    ap.add_argument("--heartbeat", type=positive_float, default=0.5, help="seconds between heartbeats")
     ap.add_argument("--worker-id", default=None)
-    ap.add_argument("--kv-host", default="127.0.0.1", help="decode: address the KV receiver binds")
-    ap.add_argument("--kv-port", type=int, default=0, help="decode: KV receiver tcp port (0: ephemeral)")
+    ap.add_argument("--kv-host", type=host, default="127.0.0.1", help="decode: address the KV receiver binds")
+    ap.add_argument("--kv-port", type=port_or_zero, default=0, help="decode: KV receiver tcp port (0: ephemeral)")
     ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"),
                     help="auto: shared memory with same-host peers, tcp otherwise")
     ap.add_argument("--enable-fault-injection", action="store_true",
@@ -94,6 +99,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         ap.set_defaults(func=run, role=role)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """What parsing alone cannot see: the model, the ports, flags that go together."""
+    if bool(args.curve_key) != bool(args.curve_server_key):
+        flag = "--curve-server-key" if args.curve_key else "--curve-key"
+        raise UsageError(flag, "--curve-key and --curve-server-key go together")
+    check_max_model_len(args.max_model_len, check_model(args.model, tokenizer=False))
+    if args.metrics_port:
+        check_listen("--metrics-port", args.metrics_host, args.metrics_port)
+    if args.kv_port and args.role == "decode":
+        check_listen("--kv-port", args.kv_host, args.kv_port)
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging(envs.log_level())
     # Workers may share a host with the gateway and each other: OpenMP threads that
@@ -103,22 +120,18 @@ def run(args: argparse.Namespace) -> int:
     # passes --spin-wait when the workers' threads fit the cores. Set before torch loads.
     if not args.spin_wait:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    check_args(args)
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
-    model_dir = args.model
-    if model_dir is None:
-        from pdserve.default_model import default_model_dir
-
-        model_dir = str(default_model_dir())
     try:
         engine_cfg = EngineConfig(
-            model_dir=str(model_dir),
+            model_dir=str(model_dir(args.model)),
             dtype=args.dtype,
             device=args.device,
             num_threads=args.threads or default_threads(args.local_workers),
             cache=CacheConfig(
                 block_size=args.block_size,
-                kv_cache_memory=parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,
+                kv_cache_memory=args.kv_cache_memory,
                 num_blocks=args.num_blocks,
                 enable_prefix_caching=not args.no_prefix_caching,
             ),
@@ -136,8 +149,6 @@ def run(args: argparse.Namespace) -> int:
     from common.transport import CurveClient
     from worker.main import WorkerOptions, run_worker
 
-    if bool(args.curve_key) != bool(args.curve_server_key):
-        raise SystemExit("--curve-key and --curve-server-key go together")
     curve = CurveClient(args.curve_key, args.curve_server_key) if args.curve_key else None
 
     opts = WorkerOptions(

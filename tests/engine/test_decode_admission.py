@@ -103,8 +103,9 @@ def test_bad_admission_settings_are_clear_errors() -> None:
     done = subprocess.run([sys.executable, "-m", "pdserve", "decode", "--gateway", "tcp://127.0.0.1:9",
                            "--kv-watermark", "1.5"], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 1
-    assert done.stderr.strip() == "pdserve decode: the KV watermark must be in [0, 1), got 1.5"
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("pdserve decode: error: argument --kv-watermark: expected a fraction "
+                                   "0 <= x < 1, got '1.5' (see pdserve decode --help)")
 
 
 # ------------------------------------------------------------- engine under pressure

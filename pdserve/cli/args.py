@@ -1,0 +1,239 @@
+"""Argument types and up-front checks shared by every `pdserve` subcommand.
+
+Bad input is refused in one line before anything starts, the way argparse
+refuses it: `pdserve up: error: argument --port: ...`, exit status 2. Syntax
+(numbers, ports, sizes, hosts, devices, URLs) is checked by the `type=`
+functions here while parsing; what needs the file system or the network (the
+model directory, a free listening port) is checked by the `check_*` functions
+at the top of each command's `run`, so that parsing alone still works for a
+command line meant for another machine (the deploy manifests are parsed that
+way in tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import math
+import re
+import socket
+from pathlib import Path
+from typing import Any, NoReturn
+from urllib.parse import urlparse
+
+from pdserve.plan import PlanError, parse_size
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose error is one line on stderr (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+class UsageError(SystemExit):
+    """A bad argument found after parsing; `pdserve.cli.main` prints
+    `pdserve CMD: error: argument FLAG: MESSAGE` and exits 2."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"argument {flag}: {_one_line(message)}")
+        self.flag = flag
+        self.code = 2
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _bad(expected: str, text: str) -> NoReturn:
+    raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+
+
+def _int(text: str, expected: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        _bad(expected, text)
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (counts, sizes in tokens, threads)."""
+    value = _int(text, "an integer >= 1")
+    if value < 1:
+        _bad("an integer >= 1", text)
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (where 0 means "none" or "no cap")."""
+    value = _int(text, "an integer >= 0")
+    if value < 0:
+        _bad("an integer >= 0", text)
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port to listen on or connect to: 1..65535."""
+    value = _int(text, "a port 1..65535")
+    if not 1 <= value <= 65535:
+        _bad("a port 1..65535", text)
+    return value
+
+
+def port_or_zero(text: str) -> int:
+    """A TCP port, or 0 for one the OS picks."""
+    value = _int(text, "a port 1..65535, or 0 for a free one")
+    if not 0 <= value <= 65535:
+        _bad("a port 1..65535, or 0 for a free one", text)
+    return value
+
+
+def _float(text: str, expected: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        _bad(expected, text)
+    if not math.isfinite(value):
+        _bad(expected, text)
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (seconds)."""
+    value = _float(text, "a number > 0")
+    if value <= 0:
+        _bad("a number > 0", text)
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    value = _float(text, "a number >= 0")
+    if value < 0:
+        _bad("a number >= 0", text)
+    return value
+
+
+def fraction(text: str) -> float:
+    """A share of something: 0 <= x < 1."""
+    value = _float(text, "a fraction 0 <= x < 1")
+    if not 0 <= value < 1:
+        _bad("a fraction 0 <= x < 1", text)
+    return value
+
+
+def byte_size(text: str) -> int:
+    """Bytes > 0: `256MiB`, `1GiB`, `2GB`, `1048576` (one parser: `pdserve.plan.parse_size`)."""
+    try:
+        value = parse_size(text)
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value < 1:
+        _bad("a size > 0", text)
+    return value
+
+
+def byte_size_text(text: str) -> str:
+    """A valid `byte_size`, kept as written (for flags passed on to another process)."""
+    byte_size(text)
+    return text.strip()
+
+
+_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+def host(text: str) -> str:
+    """An IPv4/IPv6 address or a DNS host name (syntax only; nothing is resolved)."""
+    value = text.strip()
+    try:
+        return str(ipaddress.ip_address(value.strip("[]")))
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9.]+", value):
+        _bad("an IPv4 address (four numbers 0..255)", text)
+    if ":" in value:
+        _bad("an IPv6 address", text)
+    labels = value.rstrip(".").split(".")
+    if not value or len(value) > 253 or not all(_LABEL.match(label) for label in labels):
+        _bad("an IP address or host name", text)
+    return value
+
+
+def device(text: str) -> str:
+    """`cpu`, `cuda` or `cuda:N`."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        _bad("cpu, cuda or cuda:N", text)
+    return text
+
+
+def http_url(text: str) -> str:
+    """An http(s)://HOST[:PORT][/path] base URL."""
+    url = urlparse(text)
+    try:
+        url.port  # noqa: B018 - raises ValueError on a port outside 0..65535
+    except ValueError:
+        _bad("http(s)://HOST[:PORT]", text)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        _bad("http(s)://HOST[:PORT]", text)
+    return text
+
+
+def model_dir(path: str | Path | None) -> Path:
+    """The model directory a command will use: `path`, or the built-in model."""
+    if path is None:
+        from pdserve.default_model import default_model_dir
+
+        return Path(default_model_dir())
+    return Path(path)
+
+
+def check_model(path: str | Path | None, *, tokenizer: bool = True, flag: str = "--model") -> Any:
+    """The model's `engine.model_config.ModelConfig` (torch-free), after checking that
+    the directory exists, its config.json parses and names a supported model, and
+    (with `tokenizer`) its tokenizer loads. Raises UsageError naming `flag`."""
+    from engine.model_config import ModelConfig, ModelConfigError
+
+    d = model_dir(path)
+    if not d.is_dir():
+        raise UsageError(flag, f"{d} is not a directory")
+    try:
+        config = ModelConfig.from_hf_dir(d)
+    except ModelConfigError as e:
+        raise UsageError(flag, str(e)) from None
+    if tokenizer:
+        from gateway.tokenizer import Tokenizer, TokenizerError
+
+        try:
+            Tokenizer.from_model_dir(d)
+        except TokenizerError as e:
+            raise UsageError(flag, str(e)) from None
+    return config
+
+
+def check_max_model_len(value: int | None, model_config: Any) -> int:
+    """`value` (or the model's limit when None), refused beyond the model's limit."""
+    limit = int(model_config.position_limit)
+    if value is not None and value > limit:
+        raise UsageError("--max-model-len", f"{value} exceeds the model's limit of {limit} positions")
+    if value is not None and value < 2:
+        raise UsageError("--max-model-len", f"expected an integer >= 2, got {value}")
+    return limit if value is None else value
+
+
+def check_listen(flag: str, host_name: str, port_number: int) -> None:
+    """Refuse a host:port this machine cannot listen on now (in use, not a local address)."""
+    try:
+        infos = socket.getaddrinfo(host_name, port_number, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except OSError as e:
+        raise UsageError(flag, f"cannot resolve {host_name}: {e.strerror or e}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        # What the servers do too: a port in TIME_WAIT is free, a listening one is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise UsageError(
+                flag, f"cannot listen on {host_name}:{port_number}: {e.strerror or e}"
+            ) from None
