@@ -73,6 +73,7 @@ class WorkerInfo:
             "kv_shm": self.reg.kv_shm,
             "compat_hash": self.reg.compat_hash,
             "total_blocks": self.reg.total_blocks,
+            "block_size": self.reg.block_size,
             "free_blocks": load.free_blocks if load else self.reg.total_blocks,
             "running_seqs": load.running_seqs if load else 0,
             "waiting_seqs": load.waiting_seqs if load else 0,

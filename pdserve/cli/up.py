@@ -1,54 +1,73 @@
 """`pdserve up`: a gateway plus N prefill + M decode workers (or colocated workers)
-as separate processes on this machine. Prints the URL once ready; Ctrl-C or
-SIGTERM stops the workers (they drain and deregister), then the gateway.
+as separate processes on this machine. Checks every argument and the model
+before starting anything; prints the URL once ready, or exits non-zero at once
+with the one-line reason of a process that failed to start. Ctrl-C or SIGTERM
+stops the workers (they drain and deregister), then the gateway.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+from pdserve.cli.args import (
+    byte_size_text,
+    check_listen,
+    check_max_model_len,
+    check_model,
+    device,
+    host,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+)
+from pdserve.cli.gateway_options import api_keys
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap = sub.add_parser("up", help="start a gateway and workers on this machine")
     ap.add_argument("--model", default=None, help="model dir (default: built-in)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    ap.add_argument("--decode", type=int, default=1, help="decode workers")
+    ap.add_argument("--host", type=host, default="127.0.0.1")
+    ap.add_argument("--port", type=port, default=8000)
+    ap.add_argument("--prefill", type=positive_int, default=1, help="prefill workers")
+    ap.add_argument("--decode", type=positive_int, default=1, help="decode workers")
     ap.add_argument("--colocated", action="store_true", help="colocated workers instead of P/D")
-    ap.add_argument("--workers", type=int, default=1, help="colocated workers (with --colocated)")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--workers", type=positive_int, default=1, help="colocated workers (with --colocated)")
+    ap.add_argument("--threads", type=positive_int, default=None,
                     help="torch threads per worker (default: cores split among workers)")
-    ap.add_argument("--prefill-threads", type=int, default=None,
+    ap.add_argument("--prefill-threads", type=positive_int, default=None,
                     help="torch threads per prefill worker (default: --threads)")
-    ap.add_argument("--decode-threads", type=int, default=None,
+    ap.add_argument("--decode-threads", type=positive_int, default=None,
                     help="torch threads per decode worker (default: --threads)")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                     help="workers' weight and KV dtype")
     ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"))
-    ap.add_argument("--kv-cache-memory", default=None)
-    ap.add_argument("--num-blocks", type=int, default=None)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-worker token budget per step")
-    ap.add_argument("--long-prefill-token-threshold", type=int, default=None,
+    ap.add_argument("--kv-cache-memory", type=byte_size_text, default=None,
+                    help="per-worker KV pool bytes, e.g. 256MiB")
+    ap.add_argument("--num-blocks", type=positive_int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="per-worker token budget per step")
+    ap.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=None,
                     help="per-worker cap on one sequence's prefill tokens per step")
-    ap.add_argument("--max-num-seqs", type=int, default=None, help="per-worker running sequences")
+    ap.add_argument("--max-num-seqs", type=positive_int, default=None, help="per-worker running sequences")
+    ap.add_argument("--max-model-len", type=positive_int, default=None,
+                    help="longest prompt + output, for the gateway and every worker (default: the model's)")
+    ap.add_argument("--block-size", type=positive_int, default=None, help="per-worker KV block size in tokens")
     ap.add_argument("--no-prefix-caching", action="store_true", help="disable the workers' prefix cache")
-    ap.add_argument("--max-recoveries", type=int, default=3)
-    ap.add_argument("--stall-timeout", type=float, default=30.0,
+    ap.add_argument("--max-recoveries", type=non_negative_int, default=3)
+    ap.add_argument("--stall-timeout", type=non_negative_float, default=30.0,
                     help="gateway: seconds a worker may hold work without an engine step (0: off)")
     ap.add_argument("--api-key", action="append", default=[], help="gateway: require this API key (repeatable)")
     ap.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
                     help="gateway: file of API keys, one per line, '#' comments")
-    ap.add_argument("--ready-timeout", type=float, default=120.0)
+    ap.add_argument("--ready-timeout", type=positive_float, default=120.0)
     ap.set_defaults(func=run)
 
 
@@ -81,6 +100,10 @@ def _worker_cmds(args: argparse.Namespace, control: str) -> list[list[str]]:
             cmd += ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
         if args.max_num_seqs:
             cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+        if args.max_model_len:
+            cmd += ["--max-model-len", str(args.max_model_len)]
+        if args.block_size:
+            cmd += ["--block-size", str(args.block_size)]
         if args.no_prefix_caching:
             cmd += ["--no-prefix-caching"]
         cmds.append(cmd)
@@ -93,6 +116,8 @@ def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
            "--stall-timeout", str(args.stall_timeout)]
     if args.model:
         cmd += ["--model", str(Path(args.model))]
+    if args.max_model_len:
+        cmd += ["--max-model-len", str(args.max_model_len)]
     for key in args.api_key:
         cmd += ["--api-key", key]
     for path in args.api_key_file:
@@ -100,40 +125,27 @@ def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
     return cmd
 
 
-def _wait_ready(url: str, procs: list[subprocess.Popen[bytes]], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            return False
-        try:
-            with urllib.request.urlopen(f"{url}/ready", timeout=1) as r:
-                if json.load(r).get("ready"):
-                    return True
-        except OSError:
-            pass
-        time.sleep(0.2)
-    return False
+def _role_names(args: argparse.Namespace) -> list[str]:
+    if args.colocated:
+        return [f"colocated worker {i + 1}" for i in range(args.workers)]
+    return [f"prefill worker {i + 1}" for i in range(args.prefill)] + [
+        f"decode worker {i + 1}" for i in range(args.decode)]
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+def check_args(args: argparse.Namespace) -> None:
+    """Everything a child would otherwise fail on, refused before any child starts."""
+    check_max_model_len(args.max_model_len, check_model(args.model))
+    api_keys(args)  # every --api-key-file readable and not empty
+    check_listen("--port", args.host, args.port)
 
 
 def run(args: argparse.Namespace) -> int:
     from common.transport import free_port
+    from pdserve import supervise
 
+    check_args(args)
     control_port = free_port()
     control = f"tcp://127.0.0.1:{control_port}"
-    gw_cmd = _gateway_cmd(args, control_port)
     stop = {"now": False}
 
     def on_signal(*_: object) -> None:
@@ -141,20 +153,29 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    gateway = subprocess.Popen(gw_cmd, stdout=subprocess.DEVNULL)
-    workers = [subprocess.Popen(cmd) for cmd in _worker_cmds(args, control)]
+    gateway = supervise.Child.start("gateway", _gateway_cmd(args, control_port), stdout=subprocess.DEVNULL)
+    workers = [supervise.Child.start(name, cmd)
+               for name, cmd in zip(_role_names(args), _worker_cmds(args, control), strict=True)]
+    children = [gateway, *workers]
     url = f"http://{args.host}:{args.port}"
     try:
-        if not _wait_ready(url, [gateway, *workers], args.ready_timeout):
-            print("pdserve up: the cluster did not become ready", file=sys.stderr)
+        started = supervise.wait_ready(url, children, args.ready_timeout, lambda: stop["now"])
+        if not started.ready:
+            if not any(c.exited() for c in children):
+                for c in children:  # a slow start: show what the children said
+                    c.forward()
+            print(f"pdserve up: {started.reason}", file=sys.stderr)
             return 1
+        for c in children:
+            c.forward()
         print(f"pdserve ready at {url}/v1", flush=True)
         while not stop["now"]:
-            if any(p.poll() is not None for p in [gateway, *workers]):
-                print("pdserve up: a process exited; stopping", file=sys.stderr)
+            failed = next((c for c in children if c.exited()), None)
+            if failed is not None:
+                print(f"pdserve up: {failed.exit_reason()}; stopping", file=sys.stderr)
                 return 1
             time.sleep(0.2)
         return 0
     finally:
-        _stop(workers)
-        _stop([gateway])
+        supervise.stop(workers)
+        supervise.stop([gateway])

@@ -1,0 +1,121 @@
+"""Child processes of `pdserve up`: started with their stderr read by a thread,
+held back while the cluster starts and forwarded once it is ready, so a child
+that fails to start is reported in one line (its last stderr line) instead of
+a traceback followed by a timeout.
+
+1. `Child.start` runs the command; a reader thread collects its stderr lines.
+2. `wait_ready` polls the children and the gateway's `/ready`: the first child
+   to exit ends the wait with its one-line reason, so a failed start never hangs.
+3. `Child.forward` flushes what was held and forwards later lines as they come.
+4. `stop` sends SIGTERM, waits, then kills what is left.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import IO, NamedTuple
+
+HELD_LINES = 1000  # stderr lines kept per child until the cluster is ready
+EOF_WAIT_S = 5.0  # after an exit: how long a grandchild may keep the pipe open
+
+
+class Child:
+    """One child process whose stderr is captured line by line."""
+
+    def __init__(self, name: str, proc: subprocess.Popen[bytes]) -> None:
+        self.name = name
+        self.proc = proc
+        self._lock = threading.Lock()
+        self._held: deque[bytes] = deque(maxlen=HELD_LINES)
+        self._last = b""
+        self._live = False
+        self._reader = threading.Thread(target=self._pump, name=f"stderr-{name}", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def start(cls, name: str, cmd: Sequence[str], stdout: int | None = None) -> Child:
+        return cls(name, subprocess.Popen(list(cmd), stdout=stdout, stderr=subprocess.PIPE))
+
+    def _pump(self) -> None:
+        stream: IO[bytes] | None = self.proc.stderr
+        assert stream is not None
+        for line in stream:
+            with self._lock:
+                if line.strip():
+                    self._last = line
+                if self._live:
+                    _write(line)
+                else:
+                    self._held.append(line)
+
+    def forward(self) -> None:
+        """Write the held lines to our stderr, and every later line as it comes."""
+        with self._lock:
+            for line in self._held:
+                _write(line)
+            self._held.clear()
+            self._live = True
+
+    def exited(self) -> bool:
+        return self.proc.poll() is not None
+
+    def exit_reason(self) -> str:
+        """One line: who exited, how, and its last stderr line (call after it exited)."""
+        self._reader.join(EOF_WAIT_S)  # the pipe's end: every line has been read
+        with self._lock:
+            last = " ".join(self._last.decode(errors="replace").split()) or "(no output)"
+        code = self.proc.returncode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        return f"{self.name} {how}: {last}"
+
+
+def _write(line: bytes) -> None:
+    sys.stderr.buffer.write(line)
+    sys.stderr.buffer.flush()
+
+
+class Readiness(NamedTuple):
+    ready: bool
+    reason: str  # one line when not ready, "" when ready
+
+
+def wait_ready(url: str, children: Sequence[Child], timeout_s: float,
+               stopping: Callable[[], bool] = lambda: False) -> Readiness:
+    """Until the gateway at `url` says ready, a child exits, `stopping()` or the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        failed = next((c for c in children if c.exited()), None)
+        if failed is not None:
+            return Readiness(False, failed.exit_reason())
+        if stopping():
+            return Readiness(False, "stopped before the cluster was ready")
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=1) as r:
+                if json.load(r).get("ready"):
+                    return Readiness(True, "")
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    return Readiness(False, f"the cluster did not become ready within {timeout_s:g}s")
+
+
+def stop(children: Sequence[Child], timeout_s: float = 20.0) -> None:
+    """SIGTERM every child still running, wait up to `timeout_s`, then kill."""
+    for c in children:
+        if c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for c in children:
+        try:
+            c.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
