@@ -1,0 +1,188 @@
+"""Every `pdserve` subcommand refuses bad input in one line before starting anything:
+a real `python -m pdserve ...` subprocess per case, which must exit with the
+expected status within a bound, print exactly one stderr line naming the
+argument and no traceback, and print nothing on stdout. And `pdserve up` whose
+child fails to start exits at once with that child's one-line reason."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from pdserve.cli import build_parser
+from pdserve.cli.up import _gateway_cmd, _worker_cmds
+from pdserve.default_model import write_default_model
+
+ROOT = Path(__file__).resolve().parents[1]
+BOUND_S = 60.0  # a refusal is parse-time work; a hang (the old `--decode -1`) is not
+GW = "tcp://127.0.0.1:5"  # never dialled: every case is refused before a worker connects
+
+
+class Dirs(NamedTuple):
+    good: Path  # the built-in model
+    bad_config: Path  # config.json is not JSON
+    no_tokenizer: Path  # valid config.json, no tokenizer.json
+    bad_weights: Path  # config and tokenizer fine, weights corrupt (only a worker sees it)
+    not_a_dir: Path  # a plain file
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> Dirs:
+    root = tmp_path_factory.mktemp("models")
+    good = write_default_model(root / "good")
+    copies = {}
+    for name in ("bad_config", "no_tokenizer", "bad_weights"):
+        copies[name] = write_default_model(root / name)
+    (copies["bad_config"] / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],\n')
+    (copies["no_tokenizer"] / "tokenizer.json").unlink()
+    (copies["bad_weights"] / "model.safetensors").write_bytes(b"not a safetensors file")
+    not_a_dir = root / "plain-file"
+    not_a_dir.write_text("x")
+    return Dirs(good, copies["bad_config"], copies["no_tokenizer"], copies["bad_weights"], not_a_dir)
+
+
+@pytest.fixture(scope="module")
+def busy_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
+
+
+class Case(NamedTuple):
+    argv: Callable[[Dirs, int], list[str]]
+    names: str  # what the one stderr line must contain (the argument)
+    rc: int = 2
+
+
+CASES: dict[str, Case] = {
+    # The ones a new user hit first.
+    "up-model-missing": Case(lambda d, p: ["up", "--model", "/nonexistent"], "argument --model"),
+    "up-config-not-json": Case(lambda d, p: ["up", "--model", str(d.bad_config)], "argument --model"),
+    "up-kv-cache-memory-abc": Case(lambda d, p: ["up", "--kv-cache-memory", "abc"], "argument --kv-cache-memory"),
+    "up-host-999": Case(lambda d, p: ["up", "--host", "999.1.1.1"], "argument --host"),
+    "up-decode-negative": Case(lambda d, p: ["up", "--decode", "-1"], "argument --decode"),
+    "up-port-99999": Case(lambda d, p: ["up", "--port", "99999"], "argument --port"),
+    "up-prefill-threads-0": Case(lambda d, p: ["up", "--prefill-threads", "0"], "argument --prefill-threads"),
+    # up: the rest of what a child would have failed on.
+    "up-model-is-a-file": Case(lambda d, p: ["up", "--model", str(d.not_a_dir)], "argument --model"),
+    "up-no-tokenizer": Case(lambda d, p: ["up", "--model", str(d.no_tokenizer)], "argument --model"),
+    "up-max-model-len-over-limit": Case(
+        lambda d, p: ["up", "--model", str(d.good), "--max-model-len", "100000"], "argument --max-model-len"),
+    "up-block-size-0": Case(lambda d, p: ["up", "--block-size", "0"], "argument --block-size"),
+    "up-port-in-use": Case(lambda d, p: ["up", "--model", str(d.good), "--port", str(p)], "argument --port"),
+    "up-api-key-file-missing": Case(
+        lambda d, p: ["up", "--model", str(d.good), "--api-key-file", "/nonexistent/keys"],
+        "argument --api-key-file"),
+    "up-ready-timeout-nan": Case(lambda d, p: ["up", "--ready-timeout", "nan"], "argument --ready-timeout"),
+    "up-kv-cache-memory-0": Case(lambda d, p: ["up", "--kv-cache-memory", "0"], "argument --kv-cache-memory"),
+    # The other subcommands.
+    "gateway-model-missing": Case(lambda d, p: ["gateway", "--model", "/nonexistent"], "argument --model"),
+    "gateway-control-port-70000": Case(lambda d, p: ["gateway", "--control-port", "70000"], "argument --control-port"),
+    "gateway-host-three-numbers": Case(lambda d, p: ["gateway", "--host", "1.2.3"], "argument --host"),
+    "gateway-curve-half": Case(
+        lambda d, p: ["gateway", "--model", str(d.good), "--curve-secret-key", "k"], "argument --curve-authorized-keys"),
+    "prefill-model-missing": Case(lambda d, p: ["prefill", "--gateway", GW, "--model", "/nonexistent"], "argument --model"),
+    "prefill-max-model-len-over-limit": Case(
+        lambda d, p: ["prefill", "--gateway", GW, "--model", str(d.good), "--max-model-len", "4096"],
+        "argument --max-model-len"),
+    "decode-kv-port-70000": Case(lambda d, p: ["decode", "--gateway", GW, "--kv-port", "70000"], "argument --kv-port"),
+    "decode-kv-cache-memory-abc": Case(
+        lambda d, p: ["decode", "--gateway", GW, "--kv-cache-memory", "lots"], "argument --kv-cache-memory"),
+    "worker-device-tpu": Case(lambda d, p: ["worker", "--colocated", "--gateway", GW, "--device", "tpu"], "argument --device"),
+    "worker-max-num-seqs-0": Case(
+        lambda d, p: ["worker", "--colocated", "--gateway", GW, "--max-num-seqs", "0"], "argument --max-num-seqs"),
+    "generate-model-missing": Case(lambda d, p: ["generate", "--model", "/nonexistent", "hi"], "argument --model"),
+    "generate-block-size-0": Case(lambda d, p: ["generate", "--block-size", "0", "hi"], "argument --block-size"),
+    "plan-max-model-len-0": Case(
+        lambda d, p: ["plan", "--device-memory", "8GiB", "--max-model-len", "0"], "argument --max-model-len"),
+    "plan-overhead-1.5": Case(
+        lambda d, p: ["plan", "--device-memory", "8GiB", "--max-model-len", "8", "--overhead", "1.5"],
+        "argument --overhead"),
+    "plan-model-missing": Case(
+        lambda d, p: ["plan", "--model", "/nonexistent", "--device-memory", "8GiB", "--max-model-len", "8"],
+        "argument --model"),
+    "bench-base-url-ftp": Case(lambda d, p: ["bench", "--base-url", "ftp://host"], "argument --base-url"),
+    "bench-request-rate-negative": Case(lambda d, p: ["bench", "--request-rate", "-1"], "argument --request-rate"),
+    "make-model-under-a-file": Case(lambda d, p: ["make-model", str(d.not_a_dir / "sub")], "cannot write", rc=1),
+}
+
+
+def _pdserve(argv: list[str], timeout: float) -> tuple[subprocess.CompletedProcess[str], float]:
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "pdserve", *argv], capture_output=True, text=True,
+                         cwd=ROOT, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    return out, time.monotonic() - start
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_argument_is_refused_in_one_line(name: str, dirs: Dirs, busy_port: int) -> None:
+    case = CASES[name]
+    argv = case.argv(dirs, busy_port)
+    try:
+        out, took = _pdserve(argv, BOUND_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"pdserve {' '.join(argv)} did not finish within {BOUND_S}s")
+    lines = out.stderr.splitlines()
+    assert out.returncode == case.rc, (argv, out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert len(lines) == 1 and case.names in lines[0], out.stderr
+    assert lines[0].startswith("pdserve"), lines[0]
+    assert out.stdout == "", out.stdout  # nothing started, nothing announced
+
+
+def test_up_forwards_max_model_len_and_block_size() -> None:
+    args = build_parser().parse_args(["up", "--max-model-len", "1024", "--block-size", "8"])
+    for cmd in _worker_cmds(args, "tcp://127.0.0.1:5555"):
+        parsed = build_parser().parse_args(cmd[3:])
+        assert parsed.max_model_len == 1024 and parsed.block_size == 8
+    gateway = build_parser().parse_args(_gateway_cmd(args, 5555)[3:])
+    assert gateway.max_model_len == 1024
+    plain = build_parser().parse_args(["up"])
+    assert all("--block-size" not in c and "--max-model-len" not in c for c in _worker_cmds(plain, "tcp://x:1"))
+
+
+def test_up_exits_at_once_with_the_failed_childs_reason(dirs: Dirs) -> None:
+    """Weights only a worker reads are corrupt: `up` passes its checks, starts the
+    cluster, and must stop as soon as that worker dies, saying why in one line,
+    leaving no process behind (not wait out --ready-timeout)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["up", "--model", str(dirs.bad_weights), "--port", str(port), "--threads", "1",
+            "--ready-timeout", "600"]
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)  # well inside --ready-timeout
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("pdserve up waited on a dead worker")
+    assert proc.returncode == 1, stderr
+    assert "Traceback" not in stderr and "pdserve ready" not in stdout, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("pdserve up: ") and "worker 1 exited with code 1" in lines[0], lines[0]
+    assert "CheckpointError" in lines[0] and "model.safetensors" in lines[0], lines[0]
+    assert _group_gone(proc.pid, within_s=30.0), "pdserve up left processes behind"
+
+
+def _group_gone(pgid: int, within_s: float) -> bool:
+    """Whether process group `pgid` empties within `within_s` (helpers such as
+    multiprocessing's resource tracker exit shortly after their parent)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout.split():
+            return True
+        time.sleep(0.1)
+    return False
