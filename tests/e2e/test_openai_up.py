@@ -12,8 +12,12 @@ from collections.abc import Iterator
 import pytest
 
 from common.transport import free_port
-from tests.e2e.cluster import ROOT, _env
+from tests.e2e.cluster import ROOT, _env, http
 from tests.e2e.conftest import Reference
+
+# Not the model's own limit (2048) nor the default block size (16): `up` must pass them on.
+MAX_MODEL_LEN = 1000
+BLOCK_SIZE = 8
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +26,8 @@ def up_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("up") / "up.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--num-blocks", "256", "--threads", "1"],
+            [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--num-blocks", "256", "--threads", "1",
+             "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE)],
             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=out, start_new_session=True,
         )
     try:
@@ -86,3 +91,16 @@ def test_openai_client_against_up(up_url: str, reference: Reference) -> None:
     assert seeded[0] == seeded[1]
     want_seeded = reference.generate(reference.completion_ids(prompt), max_tokens=12, temperature=1.0, seed=99)[0]
     assert seeded[0] == reference.text(want_seeded)
+
+
+def test_up_passes_max_model_len_and_block_size(up_url: str) -> None:
+    """The gateway enforces `up --max-model-len` (and says so in /v1/models); every
+    worker runs with `up --block-size`."""
+    status, models = http("GET", f"{up_url}/models")
+    card = models["data"][0]
+    assert status == 200 and card["max_model_len"] == MAX_MODEL_LEN, models
+    body = {"model": card["id"], "prompt": "Hi", "max_tokens": MAX_MODEL_LEN}
+    status, err = http("POST", f"{up_url}/completions", body)
+    assert status == 400 and f"maximum context length is {MAX_MODEL_LEN}" in err["error"]["message"], err
+    status, workers = http("GET", f"{up_url}/workers")
+    assert status == 200 and sorted(w["block_size"] for w in workers["data"]) == [BLOCK_SIZE] * 2, workers
