@@ -12,6 +12,7 @@ a traceback followed by a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -78,8 +79,11 @@ class Child:
 
 
 def _write(line: bytes) -> None:
-    sys.stderr.buffer.write(line)
-    sys.stderr.buffer.flush()
+    # A closed or broken stderr must not stop the reader: an undrained pipe would
+    # block the child on its next log line.
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.buffer.write(line)
+        sys.stderr.buffer.flush()
 
 
 class Readiness(NamedTuple):
