@@ -117,11 +117,19 @@ CASES: dict[str, Case] = {
 }
 
 
-def _pdserve(argv: list[str], timeout: float) -> tuple[subprocess.CompletedProcess[str], float]:
-    start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "pdserve", *argv], capture_output=True, text=True,
-                         cwd=ROOT, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    return out, time.monotonic() - start
+def _pdserve(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run `pdserve ARGV` in its own process group; on timeout the whole group is
+    killed (a wrongly accepted `up` has children) and TimeoutExpired raised."""
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -129,7 +137,7 @@ def test_bad_argument_is_refused_in_one_line(name: str, dirs: Dirs, busy_port: i
     case = CASES[name]
     argv = case.argv(dirs, busy_port)
     try:
-        out, took = _pdserve(argv, BOUND_S)
+        out = _pdserve(argv, BOUND_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"pdserve {' '.join(argv)} did not finish within {BOUND_S}s")
     lines = out.stderr.splitlines()
@@ -186,3 +194,20 @@ def _group_gone(pgid: int, within_s: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_wait_ready_ends_at_the_first_exit_with_the_childs_last_line() -> None:
+    from common.transport import free_port
+    from pdserve.supervise import Child, Readiness, stop, wait_ready
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens: never ready
+    alive = Child.start("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"])
+    dead = Child.start("bad child", [sys.executable, "-c",
+                                     "import sys; sys.stderr.write('first\\n  last words \\n\\n'); sys.exit(3)"])
+    try:
+        started = wait_ready(url, [alive, dead], timeout_s=300)
+        assert started == Readiness(False, "bad child exited with code 3: last words")
+        assert alive.proc.poll() is None  # the wait ended on the exit, not on a timeout
+    finally:
+        stop([alive, dead])
+    assert alive.proc.returncode == -signal.SIGTERM
