@@ -169,7 +169,7 @@ def test_up_forwards_api_key_and_stall_timeout_flags(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("argv", "env", "message"), [
-    (["--stall-timeout", "-1"], {}, "stall_timeout_s must be >= 0"),
+    (["--stall-timeout", "-1"], {}, "argument --stall-timeout: expected a number >= 0"),
     ([], {"PDSERVE_GATEWAY_SEED_KEY": "not hex"}, "PDSERVE_GATEWAY_SEED_KEY must be hex"),
 ])
 def test_bad_stall_timeout_and_seed_key_stop_the_gateway(
