@@ -15,43 +15,40 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
                  parts: NodeParts) -> tuple[Node, list[Callable[[], Any]]]:
     from decode_node.node import DecodeNode
     from engine.model_runner import ModelRunner
-    from kv_transfer.receiver import ZmqReceiver
+    from kv_transfer import make_receiver
     from worker.engine_glue import build_engine
 
-    worker_id, send, metrics = parts.worker_id, parts.send, parts.metrics
-    cleanup: list[Callable[[], Any]] = []
     layout = ModelRunner.layout_for(engine_cfg)
+
+    def node(kv_buffer: Any, pool: Any, transport: str, kv_shm: str = "") -> DecodeNode:
+        """The engine over `kv_buffer` (None: its own pool), a receiver for `pool` (None:
+        the engine's pool) over `transport`, and the node."""
+        engine, runner = build_engine(engine_cfg, kv_buffer=kv_buffer, layout=layout)
+        receiver = make_receiver(runner.layout, pool_array(runner) if pool is None else pool, transport,
+                                 host=opts.kv_host, port=opts.kv_port, faults=parts.kv_faults)
+        return DecodeNode(parts.worker_id, engine, runner, receiver, parts.send, parts.metrics, kv_shm)
+
+    on_cuda = engine_cfg.device.startswith("cuda")
+    if not on_cuda and opts.kv_transport == "tcp":
+        return node(None, None, "tcp"), []
     num_blocks = engine_cfg.cache.num_blocks or ModelRunner.num_blocks_for_bytes(
         layout, engine_cfg.cache.kv_cache_memory or default_kv_bytes()
     )
-    if engine_cfg.device.startswith("cuda"):
+    if on_cuda:
         # The pool lives in one cudaMalloc whose IPC handle same-host prefill workers map.
         from kv_transfer.cuda_ipc import create_cuda_pool
         from kv_transfer.tensor_adapter import tensor_from_array
 
         cuda_pool = create_cuda_pool(layout, num_blocks, cuda_index(engine_cfg.device))
-        engine, runner = build_engine(engine_cfg, kv_buffer=tensor_from_array(cuda_pool.array, layout.dtype),
-                                      layout=layout)
-        receiver = ZmqReceiver(runner.layout, cuda_pool, transport="cuda+tcp", host=opts.kv_host,
-                               port=opts.kv_port, faults=parts.kv_faults)
-        return DecodeNode(worker_id, engine, runner, receiver, send, metrics, ""), cleanup
-    if opts.kv_transport == "tcp":
-        engine, runner = build_engine(engine_cfg, layout=layout)
-        receiver = ZmqReceiver(runner.layout, pool_array(runner), transport="tcp", host=opts.kv_host,
-                               port=opts.kv_port, faults=parts.kv_faults)
-        return DecodeNode(worker_id, engine, runner, receiver, send, metrics, ""), cleanup
+        return node(tensor_from_array(cuda_pool.array, layout.dtype), cuda_pool, "cuda+tcp"), []
     from kv_transfer.shm_pool import create_shm_pool
 
     shm_pool = create_shm_pool(layout, num_blocks)  # sweeps segments of dead workers first
-    cleanup.append(shm_pool.unlink)
     try:
-        engine, runner = build_engine(engine_cfg, kv_buffer=shm_pool.array, layout=layout)
-        receiver = ZmqReceiver(runner.layout, shm_pool, transport="shm+tcp", host=opts.kv_host,
-                               port=opts.kv_port, faults=parts.kv_faults)
+        return node(shm_pool.array, shm_pool, "shm+tcp", shm_pool.descriptor.name), [shm_pool.unlink]
     except BaseException:
         shm_pool.unlink()  # the cleanup list never reaches the caller
         raise
-    return DecodeNode(worker_id, engine, runner, receiver, send, metrics, shm_pool.descriptor.name), cleanup
 
 
 def cuda_index(device: str) -> int:

@@ -20,23 +20,21 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any
 
 from common import protocol as p
 from common.logprobs import Logprob
 from common.logs import request_fields
-from common.transport import transport_kind
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
-from kv_transfer.api import TransferState
-from worker.engine_glue import StatsMirror, wire_deltas
+from engine.scheduler import Reservation
+from kv_transfer.api import KVReceiver, TransferState
+from worker.engine_glue import wire_deltas
 from worker.metrics import WorkerMetrics
 from worker.node_api import NodeLoad, NodeRegistration, Sender
+from worker.node_base import EngineNode, node_registration
+from worker.transfers import FAILED_STATES, TRANSFER_LEASE_S, Transfers
 
 log = logging.getLogger(__name__)
-
-TRANSFER_LEASE_S = 30.0
-_FAILED = {TransferState.FAILED, TransferState.ABORTED}
 
 
 @dataclass
@@ -68,31 +66,24 @@ def first_logprobs(raw: list[Logprob | None] | None) -> list[Logprob | None] | N
     return None if not raw or all(r is None for r in raw) else raw
 
 
-class DecodeNode:
+class DecodeNode(EngineNode):
     role = "decode"
 
-    def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, receiver: Any,
+    def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, receiver: KVReceiver,
                  send: Sender, metrics: WorkerMetrics, kv_shm: str = "") -> None:
-        self.worker_id = worker_id
-        self.engine = engine
-        self.runner = runner
+        super().__init__(worker_id, engine, runner, send, metrics)
         self.receiver = receiver
-        self.send = send
-        self.metrics = metrics
         self.kv_shm = kv_shm
-        self.stats = StatsMirror(metrics)
         self._incoming: dict[str, _Incoming] = {}
         self._running: set[str] = set()
         # Stage timings of running requests, reported on their finishing deltas.
         self._timing: dict[str, _Stages] = {}
-        # Cancelled transfers whose writer may still be active: blocks are freed
-        # only once the transfer is terminal (transfer_id -> request id).
-        self._cancelling: dict[str, str] = {}
+        # Cancelled transfers whose writer may still be active: blocks are freed once terminal.
+        self.transfers = Transfers(receiver, engine, runner.layout, metrics)
 
     def registration(self) -> NodeRegistration:
-        layout = self.runner.layout
-        total = self.engine.stats().num_total_blocks
-        return NodeRegistration(self.receiver.address, self.kv_shm, layout.compat_hash, total, layout.block_size)
+        """With the receiver's address and the pool's shared-memory name, for prefill workers."""
+        return node_registration(self.engine, self.runner.layout, self.receiver.address, self.kv_shm)
 
     # --- control messages --------------------------------------------------
 
@@ -110,13 +101,15 @@ class DecodeNode:
 
     def _reserve(self, msg: p.DecodeReserve) -> None:
         rid = msg.request_id
-        try:
-            req = msg.payload
-            reservation = self.engine.reserve_remote(rid, req.prompt_token_ids, req.params,
-                                                     req.output_token_ids, req.choice_index)
-        except ValueError as e:  # SamplingParamsError included: the engine validates
-            self.send(p.RequestFailed(rid, f"invalid request: {e}", retryable=False))
+
+        def enter(req: p.RequestPayload) -> Reservation:
+            return self.engine.reserve_remote(rid, req.prompt_token_ids, req.params, req.output_token_ids,
+                                              req.choice_index)
+
+        admitted = self.admit(msg, enter)
+        if admitted is None:
             return
+        reservation = admitted.value
         if not reservation.ok:
             self.metrics.reservations_refused.inc()
             self.send(p.ReserveResult(rid, msg.transfer_id, [], refused=reservation.check.reason))
@@ -124,8 +117,7 @@ class DecodeNode:
         blocks = reservation.block_ids
         self.receiver.expect(msg.transfer_id, rid, list(blocks), TRANSFER_LEASE_S)
         self._incoming[rid] = _Incoming(msg.transfer_id, time.monotonic(), len(blocks))
-        log.debug("decode request %s accepted: %d blocks reserved", rid, len(blocks), extra=request_fields(rid))
-        self.metrics.requests.inc()
+        self.accepted(rid, f"{len(blocks)} blocks reserved", prefill=False)
         self.send(p.ReserveResult(rid, msg.transfer_id, list(blocks)))
 
     def _abort(self, rid: str) -> None:
@@ -134,26 +126,17 @@ class DecodeNode:
             log.debug("decode request %s aborted", rid, extra=request_fields(rid))
         if inc is not None:
             self.metrics.aborts.inc()
-            self.receiver.cancel(inc.transfer_id)
-            self._cancelling[inc.transfer_id] = rid
+            self.transfers.cancel(inc.transfer_id, rid)
         elif rid in self._running:
             self.metrics.aborts.inc()
             self.engine.abort(rid)
             self._running.discard(rid)
             self._timing.pop(rid, None)
 
-    def _reap_cancelled(self) -> None:
-        for tid, rid in list(self._cancelling.items()):
-            if self.receiver.poll(tid).terminal:
-                del self._cancelling[tid]
-                self.receiver.forget(tid)
-                self.engine.abort(rid)
-
     # --- step ----------------------------------------------------------------
 
     def step(self) -> bool:
-        if self._cancelling:
-            self._reap_cancelled()
+        self.transfers.reap()
         admitted = self._admit_arrived()
         if not self._running:
             return admitted
@@ -186,14 +169,13 @@ class DecodeNode:
             state = self.receiver.poll(inc.transfer_id)
             if state == TransferState.COMPLETE and not inc.complete_at:
                 inc.complete_at = time.monotonic()
-            if state in _FAILED:
+            if state in FAILED_STATES:
                 self._transfer_failed(rid, inc, state)
             elif state == TransferState.COMPLETE and inc.first_tokens is not None:
                 del self._incoming[rid]
                 self.receiver.forget(inc.transfer_id)
-                self.metrics.transfer_seconds.observe(time.monotonic() - inc.reserved_at)
                 # The receiver's own kind: a same-host sender uses it, a remote one tcp frames.
-                self.metrics.add_transfer_bytes(transport_kind(self.receiver.address), inc.num_blocks * self._block_bytes())
+                self.transfers.completed(inc.reserved_at, self.receiver.address, inc.num_blocks)
                 out = self.engine.start_remote(rid, inc.first_tokens, first_logprobs(inc.first_logprobs))
                 if not out.finished:
                     self._running.add(rid)
@@ -209,20 +191,13 @@ class DecodeNode:
         del self._incoming[rid]
         self.receiver.forget(inc.transfer_id)
         self.engine.abort(rid)
-        self.metrics.transfer_failures.inc()
-        log.warning("KV transfer for %s ended %s", rid, state.name, extra=request_fields(rid))
-        self.send(p.RequestFailed(rid, f"kv transfer {state.name.lower()}", retryable=True,
-                                  transfer_id=inc.transfer_id))
-
-    def _block_bytes(self) -> int:
-        layout = self.runner.layout
-        return layout.block_bytes_per_layer * layout.num_layers
+        self.send(self.transfers.failed(rid, inc.transfer_id, state))
 
     def load(self) -> NodeLoad:
         return self.stats.update(self.engine.stats())
 
     def busy(self) -> bool:
-        return bool(self._incoming or self._running or self._cancelling)
+        return bool(self._incoming or self._running) or self.transfers.cancelling()
 
     def close(self) -> None:
         for rid in list(self._incoming) + list(self._running):

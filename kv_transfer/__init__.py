@@ -40,7 +40,8 @@ __all__ = [
 def make_receiver(layout: KVLayout, pool: Any, transport: str, *,
                   fabric: FakeFabric | None = None, **options: Any) -> ZmqReceiver | FakeReceiver:
     """A receiver for `transport`: "tcp", "ipc", "shm" (pool: ShmPool), "cuda" (pool:
-    cuda_ipc.CudaPool), or "fake" (needs `fabric`). Its `address` tells senders the way."""
+    cuda_ipc.CudaPool), "shm"/"cuda" + "+tcp"/"+ipc" for the control socket, or "fake"
+    (needs `fabric`). Its `address` tells senders the way."""
     if transport == "fake":
         if fabric is None:
             raise ValueError("the fake transport needs a FakeFabric")

@@ -12,11 +12,10 @@ from worker.node_api import Node
 
 def build_prefill(engine_cfg: EngineConfig, opts: WorkerOptions,
                   parts: NodeParts) -> tuple[Node, list[Callable[[], Any]]]:
-    from kv_transfer.links import ZmqLinkFactory
-    from kv_transfer.sender import Sender
+    from kv_transfer import make_sender
     from prefill_node.node import PrefillNode
     from worker.engine_glue import build_engine
 
     engine, runner = build_engine(engine_cfg)
-    sender = Sender(runner.layout, pool_array(runner), links=ZmqLinkFactory(), faults=parts.kv_faults)
+    sender = make_sender(runner.layout, pool_array(runner), faults=parts.kv_faults)
     return PrefillNode(parts.worker_id, engine, runner, sender, parts.send, parts.metrics), []

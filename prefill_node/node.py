@@ -24,28 +24,26 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from common import protocol as p
 from common.logs import request_fields
-from common.transport import host_id, transport_kind
+from common.transport import host_id
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.scheduler import SchedulerOutput
-from kv_transfer.api import TransferState
-from worker.engine_glue import StatsMirror
+from kv_transfer.api import KVSender, TransferState
 from worker.metrics import WorkerMetrics
-from worker.node_api import NodeLoad, NodeRegistration, Sender
+from worker.node_api import NodeLoad, Sender
+from worker.node_base import EngineNode
+from worker.transfers import FAILED_STATES, TRANSFER_LEASE_S, Transfers
 
 log = logging.getLogger(__name__)
 
-TRANSFER_LEASE_S = 30.0
 # A prefilled request whose destination never arrives (the gateway lost it) gives its blocks back.
 TARGET_WAIT_S = 30.0
-_FAILED = {TransferState.FAILED, TransferState.ABORTED}
 
 
 @dataclass
@@ -69,29 +67,18 @@ def peer_address(msg: p.TransferTarget) -> str:
     return peer
 
 
-class PrefillNode:
+class PrefillNode(EngineNode):
     role = "prefill"
 
-    def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, sender: Any,
+    def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, sender: KVSender,
                  send: Sender, metrics: WorkerMetrics, layerwise: bool = True) -> None:
-        self.worker_id = worker_id
+        super().__init__(worker_id, engine, runner, send, metrics)
         # Push each layer's KV while the next layer computes (when the target is known in time).
         self.layerwise = layerwise
-        self.engine = engine
-        self.runner = runner
         self.sender = sender
-        self.send = send
-        self.metrics = metrics
-        self.stats = StatsMirror(metrics)
         self._jobs: dict[str, _Job] = {}
-        # Cancelled transfers still reading their source blocks (transfer_id -> request id):
-        # the blocks are released only once the transfer is terminal.
-        self._cancelling: dict[str, str] = {}
-
-    def registration(self) -> NodeRegistration:
-        layout = self.runner.layout
-        total = self.engine.stats().num_total_blocks
-        return NodeRegistration("", "", layout.compat_hash, total, layout.block_size)
+        # Cancelled transfers may still read their source blocks: released once terminal.
+        self.transfers = Transfers(sender, engine, runner.layout, metrics)
 
     def handle(self, msg: p.Message) -> None:
         if isinstance(msg, p.PrefillRequest):
@@ -107,18 +94,14 @@ class PrefillNode:
                 self._abort(rid)
 
     def _add(self, msg: p.PrefillRequest) -> None:
-        try:
-            req = msg.payload
+        def enter(req: p.RequestPayload) -> None:
             self.engine.add_request(msg.request_id, req.prompt_token_ids, req.params, prefill_only=True,
                                     output_token_ids=req.output_token_ids, choice_index=req.choice_index)
-        except ValueError as e:  # SamplingParamsError included: the engine validates
-            self.send(p.RequestFailed(msg.request_id, f"invalid request: {e}", retryable=False))
+
+        if self.admit(msg, enter) is None:
             return
         self._jobs[msg.request_id] = _Job(msg, time.monotonic())
-        log.debug("prefill request %s accepted: %d prompt tokens", msg.request_id, msg.payload.num_tokens,
-                  extra=request_fields(msg.request_id))
-        self.metrics.requests.inc()
-        self.metrics.prefill_requests.inc()
+        self.accepted(msg.request_id, f"{msg.payload.num_tokens} prompt tokens", prefill=True)
 
     def _abort(self, rid: str) -> None:
         job = self._jobs.pop(rid, None)
@@ -127,23 +110,14 @@ class PrefillNode:
         log.debug("prefill request %s aborted", rid, extra=request_fields(rid))
         self.metrics.aborts.inc()
         if job.transfer_started_at and job.target is not None:
-            self.sender.cancel(job.target.transfer_id)
-            self._cancelling[job.target.transfer_id] = rid
+            self.transfers.cancel(job.target.transfer_id, rid)
         else:
             self.engine.abort(rid)  # frees queued, prefilling or held blocks alike
-
-    def _reap_cancelled(self) -> None:
-        for tid, rid in list(self._cancelling.items()):
-            if self.sender.poll(tid).terminal:
-                del self._cancelling[tid]
-                self.sender.forget(tid)
-                self.engine.abort(rid)
 
     # --- step ----------------------------------------------------------------
 
     def step(self) -> bool:
-        if self._cancelling:
-            self._reap_cancelled()
+        self.transfers.reap()
         worked = self._poll_transfers()
         if self.engine.has_unfinished():
             started = time.monotonic()
@@ -234,8 +208,7 @@ class PrefillNode:
             return
         assert job.target is not None
         self._jobs.pop(job.msg.request_id, None)
-        self.sender.cancel(job.target.transfer_id)
-        self._cancelling[job.target.transfer_id] = job.msg.request_id
+        self.transfers.cancel(job.target.transfer_id, job.msg.request_id)
 
     def _poll_transfers(self) -> bool:
         changed = False
@@ -252,18 +225,13 @@ class PrefillNode:
             tid = job.target.transfer_id
             state = self.sender.poll(tid)
             if state == TransferState.COMPLETE:
-                self.metrics.transfer_seconds.observe(time.monotonic() - job.transfer_started_at)
-                self.metrics.add_transfer_bytes(transport_kind(peer_address(job.target)),
-                                                len(job.target.dst_block_ids) * self._block_bytes())
+                self.transfers.completed(job.transfer_started_at, peer_address(job.target),
+                                         len(job.target.dst_block_ids))
                 self._finish(job)
                 changed = True
-            elif state in _FAILED:
-                self.metrics.transfer_failures.inc()
-                log.warning("KV transfer %s of %s ended %s", tid, job.msg.request_id, state.name,
-                            extra=request_fields(job.msg.request_id))
+            elif state in FAILED_STATES:
                 self._finish(job)
-                self.send(p.RequestFailed(job.msg.request_id, f"kv transfer {state.name.lower()}",
-                                          retryable=True, transfer_id=tid))
+                self.send(self.transfers.failed(job.msg.request_id, tid, state))
                 changed = True
         return changed
 
@@ -276,16 +244,12 @@ class PrefillNode:
         if job.prefilled:
             self.engine.release(job.msg.request_id)
 
-    def _block_bytes(self) -> int:
-        layout = self.runner.layout
-        return layout.block_bytes_per_layer * layout.num_layers
-
     def load(self) -> NodeLoad:
         queued = sum(j.msg.payload.num_tokens for j in list(self._jobs.values()) if not j.prefilled)
         return self.stats.update(self.engine.stats(), queued)
 
     def busy(self) -> bool:
-        return bool(self._jobs or self._cancelling)
+        return bool(self._jobs) or self.transfers.cancelling()
 
     def close(self) -> None:
         for rid in list(self._jobs):

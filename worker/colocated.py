@@ -16,30 +16,21 @@ from common import protocol as p
 from common.logs import request_fields
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
-from worker.engine_glue import StatsMirror, wire_deltas
+from worker.engine_glue import wire_deltas
 from worker.metrics import WorkerMetrics
-from worker.node_api import NodeLoad, NodeRegistration, Sender
+from worker.node_api import NodeLoad, Sender
+from worker.node_base import EngineNode
 
 log = logging.getLogger(__name__)
 
 
-class ColocatedNode:
+class ColocatedNode(EngineNode):
     role = "colocated"
 
     def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, send: Sender,
                  metrics: WorkerMetrics) -> None:
-        self.worker_id = worker_id
-        self.engine = engine
-        self.runner = runner
-        self.send = send
-        self.metrics = metrics
-        self.stats = StatsMirror(metrics)
+        super().__init__(worker_id, engine, runner, send, metrics)
         self._live: set[str] = set()
-
-    def registration(self) -> NodeRegistration:
-        layout = self.runner.layout
-        s = self.engine.stats()
-        return NodeRegistration("", "", layout.compat_hash, s.num_total_blocks, layout.block_size)
 
     def handle(self, msg: p.Message) -> None:
         if isinstance(msg, p.RunRequest):
@@ -53,18 +44,14 @@ class ColocatedNode:
                     self.metrics.aborts.inc()
 
     def _add(self, msg: p.RunRequest) -> None:
-        try:
-            req = msg.payload
+        def enter(req: p.RequestPayload) -> None:
             self.engine.add_request(msg.request_id, req.prompt_token_ids, req.params,
                                     output_token_ids=req.output_token_ids, choice_index=req.choice_index)
-        except ValueError as e:  # SamplingParamsError included: the engine validates
-            self.send(p.RequestFailed(msg.request_id, f"invalid request: {e}", retryable=False))
+
+        if self.admit(msg, enter) is None:
             return
         self._live.add(msg.request_id)
-        log.debug("colocated request %s accepted: %d prompt tokens", msg.request_id, msg.payload.num_tokens,
-                  extra=request_fields(msg.request_id))
-        self.metrics.requests.inc()
-        self.metrics.prefill_requests.inc()
+        self.accepted(msg.request_id, f"{msg.payload.num_tokens} prompt tokens", prefill=True)
 
     def step(self) -> bool:
         if not self.engine.has_unfinished():
