@@ -1,7 +1,8 @@
 """Capacity arithmetic for `pdserve plan`: does a model at a context length fit a device?
 
-Torch-free: reads `config.json` and, when present, the safetensors headers (for
-an exact parameter count). The figures:
+Torch-free: reads `config.json` through the engine's own parser
+(`engine.model_config`, so plan and engine agree on every bias and flag) and,
+when present, the safetensors headers (for an exact parameter count). The figures:
 
 - weight bytes = parameters x bytes per element of the serving dtype;
 - KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from common.kv_layout import DTYPE_BYTES, KVLayout
+from engine.model_config import ModelConfig, ModelConfigError
 
 DEFAULT_OVERHEAD_FRACTION = 0.10
 DEFAULT_DTYPE = "float16"
@@ -80,72 +82,27 @@ def normalize_dtype(dtype: str) -> str:
     return d
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes that decide memory, read from a Hugging Face config.json."""
+def param_count(cfg: ModelConfig) -> int:
+    """Parameters of the engine's Llama-family decoder for this config (the same bias,
+    q/k-norm and tied-embedding flags the engine builds its model from)."""
+    h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    attn = h * q + 2 * h * kv + q * h
+    if cfg.attention_bias:  # q/k/v
+        attn += q + 2 * kv
+    if cfg.o_proj_bias:
+        attn += h
+    mlp = 3 * h * cfg.intermediate_size + (2 * cfg.intermediate_size + h if cfg.mlp_bias else 0)
+    norms = 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    return embed + cfg.num_layers * (attn + mlp + norms) + h
 
-    architecture: str
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    config_dtype: str | None = None
 
-    @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
-        try:
-            heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
-            model_type = str(cfg.get("model_type", ""))
-            attn_bias = bool(cfg.get("attention_bias", False))
-            dtype = cfg.get("torch_dtype") or cfg.get("dtype")
-            return cls(
-                architecture=str((cfg.get("architectures") or ["?"])[0]),
-                model_type=model_type,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=attn_bias or model_type == "qwen2",
-                o_bias=attn_bias,
-                mlp_bias=bool(cfg.get("mlp_bias", False)),
-                qk_norm=model_type == "qwen3",
-                config_dtype=str(dtype) if isinstance(dtype, str) else None,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise PlanError(f"config.json lacks a usable field: {e}") from e
-
-    def param_count(self) -> int:
-        """Parameters of a Llama-family decoder with this shape."""
-        h, q, kv = (
-            self.hidden_size,
-            self.num_heads * self.head_dim,
-            self.num_kv_heads * self.head_dim,
-        )
-        attn = h * q + 2 * h * kv + q * h
-        if self.qkv_bias:
-            attn += q + 2 * kv
-        if self.o_bias:
-            attn += h
-        mlp = 3 * h * self.intermediate_size + (
-            2 * self.intermediate_size + h if self.mlp_bias else 0
-        )
-        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return embed + self.num_layers * (attn + mlp + norms) + h
+def read_model_config(model_dir: Path) -> ModelConfig:
+    """The engine's own reading of `config.json`: a model the engine cannot serve is a PlanError."""
+    try:
+        return ModelConfig.from_hf_dir(model_dir)
+    except ModelConfigError as e:
+        raise PlanError(str(e)) from e
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -215,17 +172,13 @@ def compute_plan(
 ) -> CapacityPlan:
     """The capacity figures for one model on one device (see the module docstring)."""
     d = Path(model_dir)
-    try:
-        cfg = json.loads((d / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise PlanError(f"cannot read {d / 'config.json'}: {e}") from e
-    shape = ModelShape.from_config(cfg)
-    dt = normalize_dtype(dtype or shape.config_dtype or DEFAULT_DTYPE)
+    cfg = read_model_config(d)
+    dt = normalize_dtype(dtype or cfg.torch_dtype or DEFAULT_DTYPE)
     if max_model_len < 1 or block_size < 1 or device_memory < 1:
         raise PlanError("device memory, max-model-len and block size must be positive")
     exact = safetensors_param_count(d)
-    params = exact if exact is not None else shape.param_count()
-    layout = KVLayout("plan", shape.num_layers, shape.num_kv_heads, shape.head_dim, block_size, dt)
+    params = exact if exact is not None else param_count(cfg)
+    layout = KVLayout("plan", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dt)
     weight_bytes = params * layout.bytes_per_element
     request_tokens = -(-max_model_len // block_size) * block_size  # whole blocks
     per_request = request_tokens * layout.kv_bytes_per_token
@@ -234,15 +187,15 @@ def compute_plan(
     conc_bytes = None if concurrency is None else concurrency * per_request
     return CapacityPlan(
         model_dir=str(d),
-        architecture=shape.architecture,
+        architecture=cfg.architecture,
         dtype=dt,
         bytes_per_element=layout.bytes_per_element,
         param_count=params,
         param_source="safetensors headers" if exact is not None else "config shapes",
         weight_bytes=weight_bytes,
-        num_layers=shape.num_layers,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
         kv_bytes_per_token=layout.kv_bytes_per_token,
         max_model_len=max_model_len,
         block_size=block_size,

@@ -141,3 +141,48 @@ def test_cli_prints_the_figures(gqa_7b: Path, capsys: pytest.CaptureFixture[str]
 def test_cli_rejects_bad_size(gqa_7b: Path) -> None:
     with pytest.raises(SystemExit):
         main(["plan", "--model", str(gqa_7b), "--device-memory", "lots", "--max-model-len", "8"])
+
+
+TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 96, "vocab_size": 128, "torch_dtype": "float32"}
+
+
+@pytest.mark.parametrize(
+    ("arch", "model_type", "extra"),
+    [
+        # Qwen2: q/k/v bias always, never o_proj bias, even with attention_bias set.
+        ("Qwen2ForCausalLM", "qwen2", {}),
+        ("Qwen2ForCausalLM", "qwen2", {"attention_bias": True}),
+        # Mistral: no attention bias at all, whatever attention_bias says.
+        ("MistralForCausalLM", "mistral", {"attention_bias": True}),
+        # Llama with attention_bias: q/k/v and o_proj bias; Qwen3: q/k norms, tied embeddings.
+        ("LlamaForCausalLM", "llama", {"attention_bias": True, "mlp_bias": True}),
+        ("Qwen3ForCausalLM", "qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+    ],
+)
+def test_plan_counts_the_parameters_the_engine_and_transformers_build(
+        tmp_path: Path, arch: str, model_type: str, extra: dict[str, object]) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.model_config import ModelConfig
+    from engine.models.llama import LlamaForCausalLM
+
+    d = tmp_path / model_type
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type, **TINY, **extra}))
+    plan = compute_plan(d, GiB, 128)  # no weights: counted from the config
+    cfg = ModelConfig.from_hf_dir(d)
+    engine_model = LlamaForCausalLM(cfg, torch.float32, torch.device("cpu"))
+    hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), dtype=torch.float32)
+    assert plan.param_source == "config shapes"
+    assert plan.param_count == sum(p.numel() for p in engine_model.parameters())
+    assert plan.param_count == sum(p.numel() for p in hf_model.parameters())
+    assert (plan.architecture, plan.num_layers, plan.num_kv_heads, plan.head_dim) == (
+        cfg.architecture, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+
+
+def test_plan_refuses_a_model_the_engine_cannot_serve(tmp_path: Path) -> None:
+    d = _model(tmp_path, "gpt2", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(PlanError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        compute_plan(d, 80 * GiB, 1024)
