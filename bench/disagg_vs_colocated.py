@@ -1,7 +1,7 @@
 """Prefill/decode interference: the mixed workload against 1 prefill + 1 decode
 worker and against the colocated worker, one after the other on this machine.
 
-    .venv/bin/python bench/disagg_vs_colocated.py --duration 60
+    .venv/bin/python -m bench.disagg_vs_colocated --duration 60
 
 Decode streams (short prompts, long outputs) run `--streams` deep while a long
 prompt arrives every `--interval` seconds. Prints decode-stream ITL
@@ -13,24 +13,20 @@ targets of issue 7: ITL p99 ratio <= 0.2, long-prompt TTFT p50 ratio <= 1.5.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from bench import harness
 from bench.loadgen.compare import Column, Target, column_ratio, format_comparison, split_args
 from bench.loadgen.config import (
     BenchConfig,
     EndpointConfig,
     LoadConfig,
     MixedConfig,
-    OutputConfig,
     WorkloadConfig,
     WorkloadKind,
     parse_slo,
 )
-from bench.loadgen.launch import default_tokenizer, pdserve_up
+from bench.loadgen.launch import pdserve_up
 from bench.loadgen.report import format_report, to_json
 from bench.loadgen.runner import run_benchmark
 
@@ -49,7 +45,8 @@ TARGETS = (Target("ITL p99 ms", 0.2), Target("TTFT p50 ms", 1.5))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, model_help="model dir for every `pdserve up` (default: built-in)",
+                        tokenizer=True)
     ap.add_argument("--duration", type=float, default=60.0, help="seconds per configuration")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--stream-input", type=int, default=32)
@@ -59,12 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--interval", type=float, default=3.0)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--slo", default="ttft=5,tpot=0.2")
-    ap.add_argument("--tokenizer", default=None, help="default: the model's (--model) or the built-in one's")
-    ap.add_argument("--model", default=None, help="model dir for every `pdserve up` (default: built-in)")
     ap.add_argument("--disagg-args", default="--prefill 1 --decode 1")
     ap.add_argument("--colocated-args", default="--colocated")
     ap.add_argument("--up-extra", default="", help="flags added to both `pdserve up` commands")
-    ap.add_argument("--output-json", default=None)
     return ap.parse_args(argv)
 
 
@@ -86,15 +80,14 @@ def bench_config(args: argparse.Namespace, base_url: str, tokenizer: str | None)
             drain_timeout_s=max(60.0, args.duration),
         ),
         slo=parse_slo(args.slo),
-        output=OutputConfig(progress=sys.stderr.isatty()),
+        output=harness.output_config(),
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tokenizer = args.tokenizer or args.model or default_tokenizer()
-    model_args = ["--model", args.model] if args.model else []
-    extra = split_args(args.up_extra) + model_args
+    tokenizer = harness.tokenizer_dir(args)
+    extra = harness.up_args(args.up_extra, args.model)
     configs = [
         ("1P+1D", split_args(args.disagg_args) + extra),
         ("colocated", split_args(args.colocated_args) + extra),
@@ -116,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         r = column_ratio(COLUMNS, t.header, summaries["1P+1D"], summaries["colocated"])
         checks[t.header] = t.check(r)
         print(f"target {t.header} ratio: {checks[t.header]}")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"args": vars(args), "targets": checks, "results": results}, f, indent=1)
+    harness.write_json(args.output_json, {"args": vars(args), "targets": checks, "results": results})
     return 0
 
 

@@ -38,5 +38,5 @@ echo "== End-to-end serving (Llama-3-8B shape, bfloat16)"
 # stops its workers and gateway (<= 40 s); SIGKILL 50 s later: at most 590 s in all.
 left=$((540 - SECONDS))
 [ "$left" -ge 120 ] || { echo "gpu_check: only ${left}s left of the 10 minutes for the serving run" >&2; exit 1; }
-timeout -k 50 "$left" "$PY" bench/gpu_serve.py --shape llama3-8b --dtype bfloat16 --device cuda \
+timeout -k 50 "$left" "$PY" -m bench.gpu_serve --shape llama3-8b --dtype bfloat16 --device cuda \
   --batches 1,32 --measure-hbm --output-json "${GPU_SERVE_JSON:-/tmp/gpu_serve.json}"

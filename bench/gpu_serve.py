@@ -1,8 +1,8 @@
 """End-to-end serving on a GPU: prefill and decode tokens/s of a random-weight Llama
 through the real stack, and decode as a fraction of the HBM-bandwidth limit.
 
-    .venv/bin/python bench/gpu_serve.py --shape llama3-8b --measure-hbm --output-json gpu.json
-    .venv/bin/python bench/gpu_serve.py --shape tiny --device cpu --batches 1,4   # CPU smoke run
+    .venv/bin/python -m bench.gpu_serve --shape llama3-8b --measure-hbm --output-json gpu.json
+    .venv/bin/python -m bench.gpu_serve --shape tiny --device cpu --batches 1,4   # CPU smoke run
 
 1. Writes the model (`--shape`, random weights, `--dtype`) into `--model-dir`, or reuses
    the one there when its config matches (a different one is an error, never replaced).
@@ -39,18 +39,18 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.loadgen.config import (  # noqa: E402
+from bench import harness
+from bench.loadgen.config import (
     BenchConfig,
     EndpointConfig,
     LoadConfig,
     OutputConfig,
     WorkloadConfig,
 )
-from bench.loadgen.launch import free_port, pdserve_command  # noqa: E402
-from bench.loadgen.runner import run_benchmark  # noqa: E402
-from pdserve.default_model import DefaultModelSpec, WeightFormat, write_default_model  # noqa: E402
+from bench.loadgen.launch import free_port, pdserve_command
+from bench.loadgen.runner import run_benchmark
+from engine.model_config import ModelConfig, ModelConfigError
+from pdserve.default_model import DefaultModelSpec, WeightFormat, write_default_model
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -68,12 +68,10 @@ class LlamaShape:
     vocab: int
 
     @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any]) -> LlamaShape:
-        heads = int(cfg["num_attention_heads"])
-        head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // heads
-        return cls(int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), heads,
-                   int(cfg["num_key_value_heads"]), int(head_dim), int(cfg["intermediate_size"]),
-                   int(cfg["vocab_size"]))
+    def from_model_config(cls, cfg: ModelConfig) -> LlamaShape:
+        """The shape of a model dir's config.json as the engine reads it."""
+        return cls(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                   cfg.intermediate_size, cfg.vocab_size)
 
 
 LLAMA3_8B = LlamaShape(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256)
@@ -164,9 +162,10 @@ def measure_hbm_gbps(device: str, nbytes: int = 4 << 30, copies: int = 20) -> fl
 
 
 def expected_config(preset: Preset, dtype: str) -> dict[str, Any]:
+    """`ModelConfig` fields a written preset has."""
     s = preset.spec
-    want: dict[str, Any] = {"hidden_size": s.hidden_size, "num_hidden_layers": s.num_layers,
-                            "num_attention_heads": s.num_heads, "num_key_value_heads": s.num_kv_heads,
+    want: dict[str, Any] = {"hidden_size": s.hidden_size, "num_layers": s.num_layers,
+                            "num_heads": s.num_heads, "num_kv_heads": s.num_kv_heads,
                             "intermediate_size": s.intermediate_size, "rope_theta": s.rope_theta,
                             "torch_dtype": dtype}
     if preset.vocab_size is not None:
@@ -179,8 +178,11 @@ def ensure_model(model_dir: Path, preset: Preset, dtype: str) -> bool:
     temporary sibling and renamed into place, so a directory with a config is complete."""
     want = expected_config(preset, dtype)
     if (model_dir / "config.json").is_file():
-        cfg = json.loads((model_dir / "config.json").read_text())
-        diff = {k: (cfg.get(k), v) for k, v in want.items() if cfg.get(k) != v}
+        try:
+            cfg = ModelConfig.from_hf_dir(model_dir)
+        except ModelConfigError as e:
+            raise SystemExit(f"{model_dir} holds a model this bench cannot use: {e}") from e
+        diff = {k: (getattr(cfg, k), v) for k, v in want.items() if getattr(cfg, k) != v}
         if diff:
             raise SystemExit(f"{model_dir} holds another model (have, want): {diff}")
         return False
@@ -323,7 +325,7 @@ def measure_decode(url: str, tok: str, prompt_len: int, output_len: int, batch: 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, model_help=None)
     ap.add_argument("--shape", choices=sorted(PRESETS), default="llama3-8b")
     ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
     ap.add_argument("--model-dir", default=None, help="default: <PDSERVE_HOME>/models/gpu-serve-SHAPE-DTYPE")
@@ -339,7 +341,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-memory", default=None, help="per worker (default: 8GiB on CUDA)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--ready-timeout", type=float, default=900.0)
-    ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     if args.measure_hbm and not args.device.startswith("cuda"):
         ap.error("--measure-hbm needs a CUDA --device")
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     written = ensure_model(model_dir, PRESETS[args.shape], args.dtype)
     print(f"[gpu_serve] model {'written' if written else 'reused'}: {model_dir} "
           f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
-    shape = LlamaShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    shape = LlamaShape.from_model_config(ModelConfig.from_hf_dir(model_dir))
     nbytes = DTYPE_BYTES[args.dtype]
     measured_gbps = measure_hbm_gbps(args.device) if args.measure_hbm else None
     kv_mem = args.kv_cache_memory or ("8GiB" if args.device.startswith("cuda") else None)
@@ -415,9 +416,8 @@ def main(argv: list[str] | None = None) -> int:
             "param_count": param_count(shape), "weight_bytes": weight_bytes(shape, nbytes),
             "hbm_gbps": args.hbm_gbps, "hbm_gbps_measured": measured_gbps, "prefill_len": args.prefill_len}
     report(meta, prefill, rows)
-    if args.output_json:
-        out = {"schema_version": 1, **meta, "args": vars(args), "prefill": prefill._asdict(), "decode": rows}
-        Path(args.output_json).write_text(json.dumps(out, indent=1) + "\n")
+    harness.write_json(args.output_json, {"schema_version": 1, **meta, "args": vars(args),
+                                          "prefill": prefill._asdict(), "decode": rows})
     failed = prefill.failed + sum(d.failed for d in decodes)
     if failed or prefill.tokens_per_s <= 0 or any(d.tokens_per_s <= 0 for d in decodes):
         print(

@@ -1,6 +1,6 @@
 """Full-stack overhead: decode tokens/s through `pdserve up` vs the engine alone.
 
-    .venv/bin/python bench/overhead.py --batches 1,16,32
+    .venv/bin/python -m bench.overhead --batches 1,16,32
 
 For each batch B: the single-process `LLMEngine` (all cores, the colocated
 shape) runs B requests together and its decode step time is measured once all
@@ -16,22 +16,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.loadgen.compare import split_args
-from bench.loadgen.config import (
-    BenchConfig,
-    EndpointConfig,
-    LoadConfig,
-    OutputConfig,
-    WorkloadConfig,
-)
-from bench.loadgen.launch import default_tokenizer, pdserve_up
+from bench import harness
+from bench.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, WorkloadConfig
+from bench.loadgen.launch import pdserve_up
 from bench.loadgen.runner import run_benchmark
 
 
@@ -49,14 +39,8 @@ def measure_engine(
     import numpy as np
 
     from common.sampling_params import SamplingParams
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
 
-    if model_dir is None:
-        from pdserve.default_model import default_model_dir
-
-        model_dir = str(default_model_dir())
-    eng = LLMEngine(EngineConfig(model_dir=model_dir, num_threads=threads))
+    eng = harness.reference_engine(model_dir, threads)
     rng = np.random.default_rng(batch)
 
     def prompt() -> list[int]:
@@ -66,9 +50,7 @@ def measure_engine(
     eng.generate([prompt()], dataclasses.replace(greedy, max_tokens=4))  # warm-up
     for i in range(batch):
         eng.add_request(f"r{i}", prompt(), greedy)
-    started: set[str] = set()
-    while len(started) < batch:  # prefill (and the first token) of every request
-        started.update(o.request_id for o in eng.step() if o.outputs[0].token_ids)
+    harness.prefill_all(eng, batch)
     steps, tokens, t0 = 0, 0, time.perf_counter()
     while eng.has_unfinished():
         outs = eng.step()
@@ -83,16 +65,11 @@ def fmt(value: float | None, scale: float = 1000.0) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, engine_threads=True)
     ap.add_argument("--batches", default="1,16,32")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument(
-        "--model", default=None, help="model dir (default: built-in); also passed to `pdserve up`"
-    )
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads")
     ap.add_argument("--up-args", default="--colocated")
-    ap.add_argument("--output-json", default=None)
     return ap.parse_args(argv)
 
 
@@ -105,21 +82,20 @@ def bench_config(
             input_len=args.prompt_len, output_len=args.output_len, tokenizer_dir=tok
         ),
         load=LoadConfig(concurrency=batch, warmup=batch, num_requests=batch, max_duration_s=600),
-        output=OutputConfig(progress=sys.stderr.isatty()),
+        output=harness.output_config(),
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    tok = args.model or default_tokenizer()
+    tok = harness.tokenizer_dir(args)
     engine = {
         b: measure_engine(args.model, b, args.prompt_len, args.output_len, args.threads)
         for b in batches
     }
     stack: dict[int, dict] = {}
-    up_args = split_args(args.up_args) + (["--model", args.model] if args.model else [])
-    with pdserve_up("overhead", up_args) as server:
+    with pdserve_up("overhead", harness.up_args(args.up_args, args.model)) as server:
         for b in batches:
             stack[b] = run_benchmark(bench_config(args, server.base_url, b, tok)).runs[0].summary
     print(f"{'batch':>6}{'engine tok/s':>14}{'stack tok/s':>13}{'ratio':>8}{'step ms':>9}"
@@ -152,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         if row["batch"] == 1 and row["stack_itl_p50_s"] is not None:
             r = row["stack_itl_p50_s"] / row["engine_step_s"]
             print(f"target batch 1: ITL p50 / engine step = {r:.3f} <= 1.15: {r <= 1.15}")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "full_stack": stack}, f, indent=1)
+    harness.write_json(args.output_json, {"args": vars(args), "rows": rows, "full_stack": stack})
     return 0
 
 

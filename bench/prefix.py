@@ -1,6 +1,6 @@
 """Prefix caching: TTFT on the shared-prefix workload with and without the cache.
 
-    .venv/bin/python bench/prefix.py --prefix-len 1024 --num-requests 16
+    .venv/bin/python -m bench.prefix --prefix-len 1024 --num-requests 16
 
 Starts the same `pdserve up` configuration twice, the second time with prefix
 caching switched off (`--no-cache-args`), sends one warm-up request (it fills
@@ -12,22 +12,18 @@ least 3x lower with caching.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from bench import harness
 from bench.loadgen.compare import Column, Target, column_ratio, format_comparison, split_args
 from bench.loadgen.config import (
     BenchConfig,
     EndpointConfig,
     LoadConfig,
-    OutputConfig,
     WorkloadConfig,
     WorkloadKind,
 )
-from bench.loadgen.launch import default_tokenizer, pdserve_up
+from bench.loadgen.launch import pdserve_up
 from bench.loadgen.report import format_report, to_json
 from bench.loadgen.runner import run_benchmark
 
@@ -39,23 +35,21 @@ COLUMNS = (
     Column("prefill tok/s", ("prefill_rate_per_request", "p50"), scale=1),
     Column("failed", ("failed",), scale=1, fmt=".0f"),
 )
+MODEL_HELP = "model dir for every `pdserve up` (default: built-in)"
 # no-cache / cache: caching must make TTFT at least 3x lower.
 TARGET = Target("TTFT p50 ms", 3.0, at_most=False)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, model_help=MODEL_HELP, tokenizer=True)
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--suffix-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=4)
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--max-duration", type=float, default=600.0)
-    ap.add_argument("--tokenizer", default=None, help="default: the model's (--model) or the built-in one's")
-    ap.add_argument("--model", default=None, help="model dir for every `pdserve up` (default: built-in)")
     ap.add_argument("--up-args", default="--prefill 1 --decode 1")
     ap.add_argument("--no-cache-args", default="--no-prefix-caching")
-    ap.add_argument("--output-json", default=None)
     return ap.parse_args(argv)
 
 
@@ -75,15 +69,14 @@ def bench_config(args: argparse.Namespace, base_url: str, tokenizer: str | None)
             num_requests=args.num_requests,
             max_duration_s=args.max_duration,
         ),
-        output=OutputConfig(progress=sys.stderr.isatty()),
+        output=harness.output_config(),
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tokenizer = args.tokenizer or args.model or default_tokenizer()
-    model_args = ["--model", args.model] if args.model else []
-    base = split_args(args.up_args) + model_args
+    tokenizer = harness.tokenizer_dir(args)
+    base = harness.up_args(args.up_args, args.model)
     configs = [("cache", base), ("no-cache", base + split_args(args.no_cache_args))]
     summaries, results = {}, {}
     for name, up_args in configs:
@@ -98,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     r = column_ratio(COLUMNS, TARGET.header, summaries["no-cache"], summaries["cache"])
     check = TARGET.check(r)
     print(f"target TTFT without cache / with cache: {check}")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"args": vars(args), "target": check, "results": results}, f, indent=1)
+    harness.write_json(args.output_json, {"args": vars(args), "target": check, "results": results})
     return 0
 
 

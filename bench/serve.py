@@ -1,6 +1,6 @@
 """Serving overhead: end-to-end decode tokens/s through the gateway vs the engine alone.
 
-    .venv/bin/python bench/serve.py [--model DIR] [--concurrency 1,16] [--prompt-len 64 --output-len 64]
+    .venv/bin/python -m bench.serve [--model DIR] [--concurrency 1,16] [--prompt-len 64 --output-len 64]
 
 For each concurrency C, in the same run: (1) the single-process `LLMEngine`
 decodes C requests together and its decode tokens/s is measured once all C are
@@ -24,10 +24,9 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from common.sampling_params import SamplingParams  # noqa: E402
-from common.transport import free_port  # noqa: E402
+from bench import harness
+from common.sampling_params import SamplingParams
+from common.transport import free_port
 
 
 @dataclass(frozen=True)
@@ -45,17 +44,12 @@ def prompt_ids(i: int, n: int, salt: int = 0) -> list[int]:
 
 def engine_decode_tps(model_dir: str, shape: Shape, threads: int) -> float:
     """Decode tokens/s of the engine with `concurrency` sequences decoding together."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(EngineConfig(model_dir=model_dir, num_threads=threads))
+    engine = harness.reference_engine(model_dir, threads)
     params = SamplingParams(max_tokens=shape.output_len, temperature=0.0, ignore_eos=True)
     engine.generate([prompt_ids(999, shape.prompt_len)], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     for i in range(shape.concurrency):
         engine.add_request(f"b{i}", prompt_ids(i, shape.prompt_len, shape.concurrency), params)
-    started: set[str] = set()
-    while len(started) < shape.concurrency:  # prefill everything first
-        started |= {o.request_id for o in engine.step() if any(c.token_ids for c in o.outputs)}
+    harness.prefill_all(engine, shape.concurrency)  # prefill everything first
     tokens, t0 = 0, time.perf_counter()
     while engine.has_unfinished():
         tokens += sum(len(c.token_ids) for o in engine.step() for c in o.outputs)
@@ -110,22 +104,16 @@ def start_up(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
     return proc
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.parser(__doc__, model_help="model dir (default: built-in); also passed to `pdserve up`")
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     ap.add_argument("--num-blocks", type=int, default=1024)
     ap.add_argument("--colocated", action="store_true")
-    args = ap.parse_args()
-    if args.model is None:
-        from pdserve.default_model import default_model_dir
-
-        model_dir = str(default_model_dir())
-    else:
-        model_dir = args.model
+    args = ap.parse_args(argv)
+    model_dir = harness.model_dir(args.model)
     shapes = [Shape(int(c), args.prompt_len, args.output_len) for c in args.concurrency.split(",")]
     engine = {s.concurrency: engine_decode_tps(model_dir, s, args.threads) for s in shapes}
     port = free_port()
@@ -145,7 +133,9 @@ def main() -> int:
     print(f"{'C':>4} {'engine tok/s':>13} {'gateway tok/s':>14} {'ratio':>6}")
     for r in rows:
         print(f"{r['concurrency']:>4} {r['engine_decode_tps']:>13} {r['gateway_decode_tps']:>14} {r['ratio']:>6}")
-    print(json.dumps({"topology": "colocated" if args.colocated else "1P+1D", "results": rows}))
+    result = {"topology": "colocated" if args.colocated else "1P+1D", "results": rows}
+    print(json.dumps(result))
+    harness.write_json(args.output_json, {"args": vars(args), **result})
     return 0
 
 

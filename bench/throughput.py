@@ -1,6 +1,6 @@
 """Prefill-heavy serving throughput against the engine's compute floor.
 
-    .venv/bin/python bench/throughput.py --model DIR [--num-requests 32 --concurrency 16
+    .venv/bin/python -m bench.throughput --model DIR [--num-requests 32 --concurrency 16
         --input-len 500 --output-len 64] [--up-args "--colocated"]
 
 In one run: (1) the single-process `LLMEngine` (all cores, the colocated shape)
@@ -22,23 +22,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.loadgen.compare import split_args
-from bench.loadgen.config import (
-    BenchConfig,
-    EndpointConfig,
-    LoadConfig,
-    OutputConfig,
-    WorkloadConfig,
-)
-from bench.loadgen.launch import default_tokenizer, pdserve_up
+from bench import harness
+from bench.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, WorkloadConfig
+from bench.loadgen.launch import pdserve_up
 from bench.loadgen.runner import run_benchmark
 
 
@@ -53,14 +43,8 @@ def measure_engine(model_dir: str | None, args: argparse.Namespace, salt: int) -
     import numpy as np
 
     from common.sampling_params import SamplingParams
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
 
-    if model_dir is None:
-        from pdserve.default_model import default_model_dir
-
-        model_dir = str(default_model_dir())
-    eng = LLMEngine(EngineConfig(model_dir=model_dir, num_threads=args.threads))
+    eng = harness.reference_engine(model_dir, args.threads)
     rng = np.random.default_rng(salt)
 
     def prompt() -> list[int]:
@@ -70,10 +54,8 @@ def measure_engine(model_dir: str | None, args: argparse.Namespace, salt: int) -
     eng.generate([prompt()], dataclasses.replace(params, max_tokens=4))  # warm-up
     for i in range(args.concurrency):
         eng.add_request(f"r{i}", prompt(), params)
-    started: set[str] = set()
     t0 = time.perf_counter()
-    while len(started) < args.concurrency:
-        started.update(o.request_id for o in eng.step() if o.outputs[0].token_ids)
+    harness.prefill_all(eng, args.concurrency)
     t1 = time.perf_counter()
     tokens = 0
     while eng.has_unfinished():
@@ -83,34 +65,30 @@ def measure_engine(model_dir: str | None, args: argparse.Namespace, salt: int) -
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="model dir (default: built-in); also passed to `pdserve up`")
+    ap = harness.parser(__doc__, engine_threads=True)
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=500)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--engine-reps", type=int, default=2, help="engine waves; rates are medians")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads")
     ap.add_argument("--up-args", default="--colocated")
-    ap.add_argument("--output-json", default=None)
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tok = args.model or default_tokenizer()
+    tok = harness.tokenizer_dir(args)
     runs = [measure_engine(args.model, args, salt) for salt in range(args.engine_reps)]
     rates = EngineRates(statistics.median(r.prefill_tok_s for r in runs),
                         statistics.median(r.decode_tok_s for r in runs))
-    up_args = split_args(args.up_args) + (["--model", args.model] if args.model else [])
     cfg = BenchConfig(
         endpoint=EndpointConfig(),
         workload=WorkloadConfig(input_len=args.input_len, output_len=args.output_len, tokenizer_dir=tok),
         load=LoadConfig(concurrency=args.concurrency, warmup=1, num_requests=args.num_requests,
                         max_duration_s=600),
-        output=OutputConfig(progress=sys.stderr.isatty()),
+        output=harness.output_config(),
     )
-    with pdserve_up("throughput", up_args) as server:
+    with pdserve_up("throughput", harness.up_args(args.up_args, args.model)) as server:
         cfg = dataclasses.replace(cfg, endpoint=EndpointConfig(base_url=server.base_url))
         s = run_benchmark(cfg).runs[0].summary
     prompt_tokens = s["total_prompt_tokens"]
@@ -136,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{decode_tokens} decode tokens in {wall:.2f} s")
     print(f"compute floor {floor:.2f} s; wall / floor = {row['ratio']:.3f} "
           f"(target <= 1.1: {'MET' if row['ratio'] <= 1.1 else 'MISSED'})")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"args": vars(args), "result": row, "summary": s}, f, indent=1)
+    harness.write_json(args.output_json, {"args": vars(args), "result": row, "summary": s})
     return 0
 
 

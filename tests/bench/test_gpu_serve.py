@@ -35,6 +35,7 @@ from bench.gpu_serve import (
     stack_commands,
     weight_bytes,
 )
+from engine.model_config import ModelConfig
 from pdserve.default_model import WeightFormat, write_default_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,9 +90,11 @@ def test_decode_row_reports_both_limits() -> None:
 
 
 def test_shape_from_written_config(tmp_path: Path) -> None:
-    cfg = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-           "head_dim": 128, "intermediate_size": 14336, "vocab_size": 128256}
-    assert LlamaShape.from_hf_config(cfg) == LLAMA3_8B
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 14336,
+           "vocab_size": 128256}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert LlamaShape.from_model_config(ModelConfig.from_hf_dir(tmp_path)) == LLAMA3_8B
     spec = PRESETS["llama3-8b"].spec
     assert (spec.hidden_size, spec.head_dim, spec.rope_theta) == (4096, 128, 500000.0)
 
@@ -152,7 +155,7 @@ def test_workers_get_the_dtype_and_measure_hbm_needs_cuda() -> None:
 
 def test_end_to_end_tiny_model_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_serve.json"
-    cmd = [sys.executable, str(REPO / "bench" / "gpu_serve.py"), "--shape", "tiny", "--device", "cpu",
+    cmd = [sys.executable, "-m", "bench.gpu_serve", "--shape", "tiny", "--device", "cpu",
            "--model-dir", str(tmp_path / "tiny"), "--batches", "1,4", "--prompt-len", "16", "--output-len", "8",
            "--prefill-len", "64", "--prefill-requests", "4", "--threads", "1", "--output-json", str(out)]
     env = {**os.environ, "PDSERVE_HOME": str(tmp_path / "home")}
