@@ -24,18 +24,14 @@ through the real stack, and decode as a fraction of the HBM-bandwidth limit.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -47,8 +43,8 @@ from bench.loadgen.config import (
     OutputConfig,
     WorkloadConfig,
 )
-from bench.loadgen.launch import free_port, pdserve_command
 from bench.loadgen.runner import run_benchmark
+from bench.stack import StackConfig, serving_stack
 from engine.model_config import ModelConfig, ModelConfigError
 from pdserve.default_model import DefaultModelSpec, WeightFormat, write_default_model
 
@@ -195,85 +191,6 @@ def ensure_model(model_dir: Path, preset: Preset, dtype: str) -> bool:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return True
-
-
-@dataclasses.dataclass(frozen=True)
-class StackConfig:
-    model_dir: str
-    device: str
-    dtype: str
-    threads: int
-    kv_cache_memory: str | None  # per worker; None: the worker's default
-    max_num_batched_tokens: int
-    ready_timeout_s: float
-
-
-def stack_commands(cfg: StackConfig, port: int, control_port: int) -> list[list[str]]:
-    """Gateway, prefill worker, decode worker: the commands `pdserve up` runs."""
-    gateway = [*pdserve_command(), "gateway", "--port", str(port), "--control-port", str(control_port),
-               "--model", cfg.model_dir]
-    workers = []
-    for role in ("prefill", "decode"):
-        cmd = [*pdserve_command(), role, "--gateway", f"tcp://127.0.0.1:{control_port}",
-               "--model", cfg.model_dir, "--device", cfg.device, "--dtype", cfg.dtype,
-               "--threads", str(cfg.threads), "--kv-transport", "auto",
-               "--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
-        cmd += ["--kv-cache-memory", cfg.kv_cache_memory] if cfg.kv_cache_memory else []
-        workers.append(cmd)
-    return [gateway, *workers]
-
-
-def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 20.0) -> None:
-    """SIGTERM each process group this script created, SIGKILL what outlives the grace."""
-    for p in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
-def _wait_ready(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float, log: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise SystemExit(f"a serving process exited during start-up; log {log}:\n{_tail(log)}")
-        with (
-            contextlib.suppress(OSError, ValueError),  # 503 while not ready is an OSError
-            urllib.request.urlopen(f"{url}/ready", timeout=2) as r,
-        ):
-            if json.load(r).get("ready"):
-                return
-        time.sleep(0.5)
-    raise SystemExit(f"the stack was not ready after {timeout_s:.0f} s; log {log}:\n{_tail(log)}")
-
-
-def _tail(path: str, lines: int = 40) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
-
-
-@contextlib.contextmanager
-def serving_stack(cfg: StackConfig) -> Iterator[str]:
-    """Start the gateway and both workers; yield the base URL once ready; stop them all."""
-    port, control_port = free_port(), free_port()
-    url = f"http://127.0.0.1:{port}"
-    procs: list[subprocess.Popen[bytes]] = []
-    with tempfile.NamedTemporaryFile(prefix="pdserve-gpu-serve-", suffix=".log", delete=False) as log:
-        print(f"[gpu_serve] starting the stack (log {log.name})", file=sys.stderr, flush=True)
-        try:
-            for cmd in stack_commands(cfg, port, control_port):
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            _wait_ready(url, procs, cfg.ready_timeout_s, log.name)
-            yield url
-        finally:
-            _stop(procs[1:])  # workers first: they drain and deregister
-            _stop(procs[:1])
 
 
 # --- measurements -----------------------------------------------------------------------

@@ -22,7 +22,6 @@ from bench.gpu_serve import (
     PRESETS,
     DecodeResult,
     LlamaShape,
-    StackConfig,
     copy_gbps,
     decode_row,
     decode_step_bytes,
@@ -32,9 +31,9 @@ from bench.gpu_serve import (
     mean_decode_context,
     param_count,
     parse_args,
-    stack_commands,
     weight_bytes,
 )
+from bench.stack import StackConfig, stack_commands
 from engine.model_config import ModelConfig
 from pdserve.default_model import WeightFormat, write_default_model
 
