@@ -98,12 +98,14 @@ def apply_curve_server(sock: zmq.Socket[Any], curve: CurveServer) -> None:
 
 
 class ZapLog(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """pyzmq's authenticator reports refusals at debug level; surface them as warnings."""
+    """pyzmq's authenticator reports refusals at debug level; surface them as warnings.
+    `extra["plane"]` names the socket in the warning (default: the control plane)."""
 
     def debug(self, msg: object, *args: Any, **kwargs: Any) -> None:
         text = str(msg) % args if args else str(msg)
         if text.startswith("DENIED"):
-            self.logger.warning("control plane refused a peer: %s", text)
+            plane = (self.extra or {}).get("plane", "control plane")
+            self.logger.warning("%s refused a peer: %s", plane, text)
         else:
             self.logger.debug("%s", text)
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
-from worker.main import NodeParts, WorkerOptions, pool_array
+from worker.main import NodeParts, WorkerOptions, kv_keys, pool_array
 from worker.node_api import Node
 
 
@@ -19,13 +19,15 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
     from worker.engine_glue import build_engine
 
     layout = ModelRunner.layout_for(engine_cfg)
+    curve = kv_keys(opts)
 
     def node(kv_buffer: Any, pool: Any, transport: str, kv_shm: str = "") -> DecodeNode:
         """The engine over `kv_buffer` (None: its own pool), a receiver for `pool` (None:
         the engine's pool) over `transport`, and the node."""
         engine, runner = build_engine(engine_cfg, kv_buffer=kv_buffer, layout=layout)
         receiver = make_receiver(runner.layout, pool_array(runner) if pool is None else pool, transport,
-                                 host=opts.kv_host, port=opts.kv_port, faults=parts.kv_faults)
+                                 host=opts.kv_host, port=opts.kv_port, faults=parts.kv_faults,
+                                 curve=curve)
         return DecodeNode(parts.worker_id, engine, runner, receiver, parts.send, parts.metrics, kv_shm)
 
     on_cuda = engine_cfg.device.startswith("cuda")

@@ -23,6 +23,7 @@ import numpy as np
 
 from common.kv_layout import KVLayout
 from kv_transfer.api import TERMINAL_STATES, KVReceiver, KVSender, TransferState, UnknownTransfer
+from kv_transfer.auth import CurveKeys
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import ZmqLinkFactory
@@ -50,11 +51,12 @@ def make_receiver(layout: KVLayout, pool: Any, transport: str, *,
 
 
 def make_sender(layout: KVLayout, pool: Any, *, fabric: FakeFabric | None = None,
-                **options: Any) -> Sender:
+                curve: CurveKeys | None = None, **options: Any) -> Sender:
     """A sender; each transfer's peer address picks the transport (tcp://, ipc://,
-    shm+ipc://, cuda+ipc://...; fake:// when built with a `fabric`)."""
+    shm+ipc://, cuda+ipc://...; fake:// when built with a `fabric`). `curve`: this
+    worker's keys, for receivers that serve CURVE (kv_transfer/auth.py)."""
     if fabric is not None:
         return fake_sender(layout, pool, fabric, **options)
     if isinstance(pool, np.ndarray) or hasattr(pool, "__cuda_array_interface__"):
-        return Sender(layout, pool, links=ZmqLinkFactory(), **options)
+        return Sender(layout, pool, links=ZmqLinkFactory(curve), **options)
     raise TypeError("pool must be a numpy array or a device array (see tensor_adapter)")

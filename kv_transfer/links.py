@@ -15,6 +15,8 @@ from typing import Any, Protocol
 import numpy as np
 import zmq
 
+from kv_transfer import auth
+
 Parts = list[Any]  # bytes-like frames: the msgpack header, then optionally one tensor frame
 SMALL_FRAME = 64 << 10  # below this, copying into zmq is cheaper than tracking a zero-copy frame
 # Unix-socket buffers default to ~200 KiB: a multi-MiB frame then takes dozens of
@@ -89,9 +91,12 @@ class Link(Protocol):
 class ZmqLink:
     """A DEALER connected to a receiver's ROUTER (tcp:// or ipc://)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, curve: auth.CurveKeys | None = None,
+                 server_key: bytes | None = None) -> None:
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if curve is not None and server_key is not None:
+            auth.apply_client(self.socket, curve, server_key)
         # Queue only on live connections: a dead receiver makes sends would-block
         # instead of growing an unbounded queue; the lease then fails the transfer.
         self.socket.setsockopt(zmq.IMMEDIATE, 1)
@@ -131,13 +136,18 @@ class LinkFactory(Protocol):
 
 
 class ZmqLinkFactory:
-    def __init__(self) -> None:
+    """`curve`: this worker's keys; then links go only to receivers that advertise an
+    authorized CURVE key, and without it only to receivers that advertise none."""
+
+    def __init__(self, curve: auth.CurveKeys | None = None) -> None:
         self._ctx = zmq.Context()
+        self._curve = curve
 
     def open(self, endpoint: str, wake: Callable[[], None]) -> Link:
+        endpoint, server_key = auth.connect_options(self._curve, endpoint)
         if not endpoint.startswith(("tcp://", "ipc://")):
             raise ValueError(f"unsupported endpoint {endpoint!r}")
-        return ZmqLink(self._ctx, endpoint)
+        return ZmqLink(self._ctx, endpoint, self._curve, server_key)
 
     def close(self) -> None:
         self._ctx.term()

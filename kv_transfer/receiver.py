@@ -9,11 +9,17 @@ optionally "+tcp"/"+ipc" for the control socket (default ipc): the address is
 `shm+ipc://...` / `cuda+ipc://...`, and same-host senders write blocks straight
 into the pool and send only control headers, which this side verifies over its
 own memory.
+
+Without CURVE the tcp socket binds to loopback unless `host` says otherwise (a
+warning then says anyone who can reach it can send KV); with `curve` it is a
+CURVE server that admits only authorized senders, and `address` carries its
+public key (kv_transfer/auth.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import secrets
@@ -25,7 +31,7 @@ import numpy as np
 import zmq
 
 from common.kv_layout import KVLayout
-from kv_transfer import wire
+from kv_transfer import auth, wire
 from kv_transfer.api import TransferState
 from kv_transfer.copy_threads import DEFAULT_COPY_THREADS
 from kv_transfer.cuda_ipc import CudaPool
@@ -48,7 +54,8 @@ class ZmqReceiver:
                  host: str = "127.0.0.1", port: int = 0, faults: FaultConfig | None = None,
                  grace_s: float = 1.0,
                  max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
-                 copy_threads: int = DEFAULT_COPY_THREADS) -> None:
+                 copy_threads: int = DEFAULT_COPY_THREADS,
+                 curve: auth.CurveKeys | None = None) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r} not in {TRANSPORTS}")
         kind, _, inner = transport.partition("+")
@@ -69,6 +76,8 @@ class ZmqReceiver:
             copy_threads=copy_threads)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
+        # Before bind: a socket is a CURVE server from its first connection or never.
+        self._auth = auth.serve(self._ctx, self._sock, curve) if curve is not None else None
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # zmq drops a connection that sends a frame above this before buffering it.
@@ -83,6 +92,9 @@ class ZmqReceiver:
             self._sock.bind(f"ipc://{self._ipc_path}")
         endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._address = (f"{kind}+" if kind else "") + endpoint
+        if curve is not None:
+            self._address = auth.advertise(self._address, curve.public)
+        log_binding(endpoint, curve is not None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-receiver-io", daemon=True)
         self._thread.start()
@@ -118,6 +130,8 @@ class ZmqReceiver:
         self._thread.join()
         self.core.close()
         self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
         self._waker.close()
         if self._ipc_path:
@@ -158,3 +172,21 @@ class ZmqReceiver:
             # Peer gone or congested: it fails the transfer at its own deadline.
             with contextlib.suppress(zmq.ZMQError):
                 self._sock.send_multipart([peer, wire.encode(msg)], flags=zmq.NOBLOCK)
+
+
+def log_binding(endpoint: str, curve: bool) -> None:
+    """Say where the receiver listens; warn when it is reachable off-host without CURVE."""
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    exposed = endpoint.startswith("tcp://") and not _loopback(host)
+    if exposed and not curve:
+        log.warning("KV receiver bound to %s without CURVE: any host that can reach it can "
+                    "send KV (set --curve-key, or keep --kv-host on a private network)", endpoint)
+    else:
+        log.info("KV receiver bound to %s (CURVE %s)", endpoint, "on" if curve else "off")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -56,6 +56,11 @@ PENDING_CLAIM_TTL_S = 30.0
 # for it is repeated this often in case it was lost (full or reconnecting link).
 CANCEL_RESEND_S = 0.5
 MAX_PENDING_CLAIMS = 4096
+# One peer (connection) holds at most this many claims that wait for their reservation:
+# a flood from one peer is refused at its own quota and never crowds out the others.
+MAX_PENDING_CLAIMS_PER_PEER = 256
+# Said to a peer whose Hello does not match; it names no hash and no layout.
+REFUSED = "compatibility hash mismatch"
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,7 @@ class ReceiverCore:
         self._res: dict[str, _Reservation] = {}
         self._reserved_blocks: set[int] = set()
         self._pending: dict[str, tuple[bytes, wire.Claim, float]] = {}
+        self._pending_per_peer: dict[bytes, int] = {}
         # Same-host senders' liveness locks (peer -> descriptor): a cancelled shared-memory
         # transfer is released as soon as its writer is known dead, not at its lease.
         self._liveness: dict[bytes, int] = {}
@@ -126,7 +132,7 @@ class ReceiverCore:
             self._res[transfer_id] = _Reservation(
                 transfer_id, request_id, ids, {b: i for i, b in enumerate(ids)},
                 self._clock() + lease_s, np.zeros((self.layout.num_layers, len(ids)), bool))
-            pending = self._pending.pop(transfer_id, None)
+            pending = self._pop_pending(transfer_id)
             if pending is not None:
                 self._on_claim(pending[0], pending[1])
         self._wake()
@@ -185,7 +191,7 @@ class ReceiverCore:
                 self._expire(res, now)
             for tid, (peer, _claim, until) in list(self._pending.items()):
                 if now >= until:
-                    del self._pending[tid]
+                    self._pop_pending(tid)
                     self._outbox.append((peer, wire.Ack(tid, False, "no reservation for transfer")))
 
     def note_malformed(self) -> None:
@@ -217,11 +223,12 @@ class ReceiverCore:
     def _on_hello(self, peer: bytes, msg: wire.Hello) -> None:
         mine = self.layout.compat_hash
         ok = msg.compat_hash == mine
-        reason = "" if ok else (
-            f"compatibility hash mismatch: receiver {mine} != sender {msg.compat_hash}")
-        self._outbox.append((peer, wire.HelloAck(mine, ok, reason, self.max_frame_bytes,
-                                                 self.shm if ok else None)))
-        if ok and self.shm is not None and msg.liveness:
+        if not ok:  # a refusal reveals nothing about this receiver: no hash, frame limit or pool
+            self._rejected += 1
+            self._outbox.append((peer, wire.HelloAck("", False, REFUSED, 0, None)))
+            return
+        self._outbox.append((peer, wire.HelloAck(mine, ok, "", self.max_frame_bytes, self.shm)))
+        if self.shm is not None and msg.liveness:
             fd = watch_liveness(msg.liveness)
             old = self._liveness.pop(peer, None)
             if old is not None:
@@ -232,15 +239,11 @@ class ReceiverCore:
     def _on_claim(self, peer: bytes, msg: wire.Claim) -> None:
         tid = msg.transfer_id
         if msg.compat_hash != self.layout.compat_hash:
-            self._reject(peer, tid, "compatibility hash mismatch: receiver "
-                         f"{self.layout.compat_hash} != sender {msg.compat_hash}")
+            self._reject(peer, tid, REFUSED)
             return
         res = self._res.get(tid)
-        if res is None:
-            if len(self._pending) >= MAX_PENDING_CLAIMS:
-                self._reject(peer, tid, "no reservation for transfer")
-            else:  # the sender may be faster than the decode worker's expect()
-                self._pending[tid] = (peer, msg, self._clock() + PENDING_CLAIM_TTL_S)
+        if res is None:  # the sender may be faster than the decode worker's expect()
+            self._hold_claim(peer, msg)
             return
         self._expire(res, self._clock())
         if res.state.terminal or res.state is TransferState.CANCELLING:
@@ -323,10 +326,44 @@ class ReceiverCore:
             return "chunk names blocks outside the reservation"
         return ""
 
+    def _hold_claim(self, peer: bytes, msg: wire.Claim) -> None:
+        """Keep a claim until its reservation arrives, within the peer's quota and the table;
+        a full table makes room by dropping the oldest claim of the peer holding the most."""
+        tid = msg.transfer_id
+        mine = self._pending_per_peer.get(peer, 0)
+        if tid in self._pending or mine >= MAX_PENDING_CLAIMS_PER_PEER or not self._fits(msg):
+            self._reject(peer, tid, "no reservation for transfer")
+            return
+        if len(self._pending) >= MAX_PENDING_CLAIMS:
+            hog = max(self._pending_per_peer, key=self._pending_per_peer.__getitem__)
+            if self._pending_per_peer[hog] <= mine + 1:
+                self._reject(peer, tid, "no reservation for transfer")
+                return
+            oldest = next(t for t, (p, _c, _u) in self._pending.items() if p == hog)
+            self._pop_pending(oldest)
+            self._reject(hog, oldest, "no reservation for transfer")
+        self._pending[tid] = (peer, msg, self._clock() + PENDING_CLAIM_TTL_S)
+        self._pending_per_peer[peer] = mine + 1
+
+    def _fits(self, msg: wire.Claim) -> bool:
+        """Could a reservation of this pool ever match the claim? (Never store one that cannot.)"""
+        ids = msg.dst_block_ids
+        return 0 < len(ids) <= self.num_blocks and all(0 < b < self.num_blocks for b in ids)
+
+    def _pop_pending(self, tid: str) -> tuple[bytes, wire.Claim, float] | None:
+        pending = self._pending.pop(tid, None)
+        if pending is not None:
+            left = self._pending_per_peer[pending[0]] - 1
+            if left:
+                self._pending_per_peer[pending[0]] = left
+            else:
+                del self._pending_per_peer[pending[0]]
+        return pending
+
     def _on_abort(self, peer: bytes, msg: wire.Abort) -> None:
         pending = self._pending.get(msg.transfer_id)
         if pending is not None and pending[0] == peer:
-            del self._pending[msg.transfer_id]
+            self._pop_pending(msg.transfer_id)
         res = self._res.get(msg.transfer_id)
         if res is None or (res.peer is not None and res.peer != peer):
             return  # only the sender holding the grant (or, before a grant, any) can abort

@@ -406,8 +406,8 @@ class Sender:
     def _on_hello_ack(self, peer: PeerRecord, msg: wire.HelloAck) -> None:
         mine = self._compat
         if not msg.ok or msg.compat_hash != mine:
-            peer.refused = msg.reason or (
-                f"compatibility hash mismatch: sender {mine} != receiver {msg.compat_hash}")
+            # A receiver names no hash of its own when it refuses; ours is what an operator needs.
+            peer.refused = f"handshake refused: {msg.reason or 'compatibility hash mismatch'} (sender {mine})"
             return
         peer.max_frame = msg.max_frame_bytes
         if peer.want_direct and msg.shm is not None:

@@ -181,7 +181,7 @@ def create_shm_pool(layout: KVLayout, num_blocks: int, sweep: bool = True) -> Sh
     dtype = numpy_dtype(layout)
     nbytes = int(np.prod(shape)) * dtype.itemsize
     name = f"{_PREFIX}_{os.getpid()}_{secrets.token_hex(_SUFFIX_HEX)}"
-    shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+    shm = _create_segment(name, nbytes)
     try:
         array: np.ndarray = np.ndarray(shape, dtype=dtype, buffer=shm.buf)
         array[...] = 0
@@ -190,6 +190,25 @@ def create_shm_pool(layout: KVLayout, num_blocks: int, sweep: bool = True) -> Sh
         shm.unlink()
         raise
     return ShmPool(array, ShmDescriptor(name, shape, dtype.name), True, shm, None)
+
+
+def _create_segment(name: str, nbytes: int) -> shared_memory.SharedMemory:
+    """A new segment readable and writable by this user only (0600), whatever the umask
+    or the library's default mode: the pool holds every request's KV, so a same-host
+    sender must run as the same user to attach."""
+    if not os.path.isdir(_DEV_SHM):  # pragma: no cover - non-Linux
+        return shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+    path = os.path.join(_DEV_SHM, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, nbytes)
+        return shared_memory.SharedMemory(name=name)  # maps it (and unlinks it at exit, as before)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
 
 
 def attach_shm_pool(layout: KVLayout, descriptor: ShmDescriptor) -> ShmPool:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
-from worker.main import NodeParts, WorkerOptions, pool_array
+from worker.main import NodeParts, WorkerOptions, kv_keys, pool_array
 from worker.node_api import Node
 
 
@@ -17,5 +17,6 @@ def build_prefill(engine_cfg: EngineConfig, opts: WorkerOptions,
     from worker.engine_glue import build_engine
 
     engine, runner = build_engine(engine_cfg)
-    sender = make_sender(runner.layout, pool_array(runner), faults=parts.kv_faults)
+    sender = make_sender(runner.layout, pool_array(runner), faults=parts.kv_faults,
+                         curve=kv_keys(opts))
     return PrefillNode(parts.worker_id, engine, runner, sender, parts.send, parts.metrics), []

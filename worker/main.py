@@ -10,6 +10,7 @@ from typing import Any
 
 from common.transport import CurveClient, new_worker_id
 from engine.config import EngineConfig
+from kv_transfer.auth import CurveKeys, KVCurve, load_keys
 from kv_transfer.faults import FaultConfig
 from worker.faults import injected_faults
 from worker.gateways import GatewayLinks
@@ -33,6 +34,7 @@ class WorkerOptions:
     kv_transport: str = "auto"  # auto | tcp | shm
     curve: CurveClient | None = None
     fault_injection: bool = False  # honour PDSERVE_FAULTS / PDSERVE_KV_FAULTS (tests only)
+    kv_curve: KVCurve | None = None  # CURVE on the KV sockets (prefill and decode)
 
 
 class NodeParts:
@@ -75,6 +77,11 @@ def build_colocated(engine_cfg: EngineConfig, opts: WorkerOptions,
 
     engine, runner = build_engine(engine_cfg)
     return ColocatedNode(parts.worker_id, engine, runner, parts.send, parts.metrics), []
+
+
+def kv_keys(opts: WorkerOptions) -> CurveKeys | None:
+    """The loaded KV-plane keys, or None when the KV sockets run without CURVE."""
+    return load_keys(opts.kv_curve) if opts.kv_curve is not None else None
 
 
 def pool_array(runner: Any) -> Any:

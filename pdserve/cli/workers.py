@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common import envs
 from common.logs import configure_logging
@@ -27,6 +27,9 @@ from pdserve.cli.args import (
     positive_float,
     positive_int,
 )
+
+if TYPE_CHECKING:
+    from kv_transfer.auth import KVCurve
 
 ROLE_COMMANDS = {"prefill": "prefill", "decode": "decode", "worker": "colocated"}
 
@@ -87,6 +90,9 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
                     "(ignored without this flag); logs a WARNING")
     ap.add_argument("--curve-key", default=None, help="CURVE: this worker's secret certificate file")
     ap.add_argument("--curve-server-key", default=None, help="CURVE: the gateway's public certificate file")
+    ap.add_argument("--curve-authorized-keys", default=None,
+                    help="CURVE, prefill and decode: directory of the workers' public certificates "
+                    "(the gateway's); KV sockets then use CURVE and accept only these peers")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -121,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.spin_wait:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     check_args(args)
+    kv_curve = kv_curve_option(args)
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
     try:
@@ -163,8 +170,31 @@ def run(args: argparse.Namespace) -> int:
         kv_transport=args.kv_transport,
         curve=curve,
         fault_injection=args.enable_fault_injection,
+        kv_curve=kv_curve,
     )
     return run_worker(engine_cfg, opts, node_builder(args.role))
+
+
+def kv_curve_option(args: argparse.Namespace) -> KVCurve | None:
+    """CURVE for the KV sockets: with --curve-key, prefill and decode workers need the
+    authorized directory too (the KV plane authenticates both ends). Checked here, so a
+    bad key file stops the worker before it loads a model."""
+    from kv_transfer.auth import KVCurve, load_keys
+
+    if args.curve_authorized_keys and not args.curve_key:
+        raise UsageError("--curve-authorized-keys", "needs --curve-key")
+    if not args.curve_key or args.role == "colocated":
+        return None
+    if not args.curve_authorized_keys:
+        raise UsageError("--curve-key", f"a {args.role} worker with --curve-key needs "
+                         "--curve-authorized-keys (the workers' public certificates: its KV peers)")
+    kv_curve = KVCurve(args.curve_key, args.curve_authorized_keys)
+    try:
+        load_keys(kv_curve)
+    except ValueError as e:
+        flag = "--curve-authorized-keys" if "authorized" in str(e) else "--curve-key"
+        raise UsageError(flag, str(e)) from None
+    return kv_curve
 
 
 def node_builder(role: str) -> Any:

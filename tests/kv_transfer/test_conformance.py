@@ -122,6 +122,7 @@ def test_compat_mismatch_refused_by_both_sides(transport: str) -> None:
         assert wait_terminal(pair.sender.poll, "t") is TransferState.FAILED
         assert "compatibility hash mismatch" in pair.sender.reason("t")
         assert TINY.compat_hash in pair.sender.reason("t")
+        assert other.compat_hash not in pair.sender.reason("t")  # the receiver reveals nothing
         assert wait_terminal(pair.receiver.poll, "t") is TransferState.FAILED
         assert "compatibility hash mismatch" in pair.receiver.reason("t")
         assert not pair.dst.any()
