@@ -27,6 +27,7 @@ rule there (same host, so both sides read the same CLOCK_MONOTONIC):
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -48,17 +49,14 @@ from kv_transfer.blocks import (
 from kv_transfer.checksum import digest
 from kv_transfer.copy_threads import CopyThreads
 from kv_transfer.faults import FaultConfig
+from kv_transfer.pending_claims import PendingClaims
 from kv_transfer.pool_ops import pool_ops
 from kv_transfer.shm_pool import lock_holder_gone, watch_liveness
 
-PENDING_CLAIM_TTL_S = 30.0
+log = logging.getLogger(__name__)
 # A cancelled shared-memory transfer waits for the sender's Abort; the Cancel asking
 # for it is repeated this often in case it was lost (full or reconnecting link).
 CANCEL_RESEND_S = 0.5
-MAX_PENDING_CLAIMS = 4096
-# One peer (connection) holds at most this many claims that wait for their reservation:
-# a flood from one peer is refused at its own quota and never crowds out the others.
-MAX_PENDING_CLAIMS_PER_PEER = 256
 # Said to a peer whose Hello does not match; it names no hash and no layout.
 REFUSED = "compatibility hash mismatch"
 
@@ -108,13 +106,13 @@ class ReceiverCore:
         self._lock = threading.RLock()
         self._res: dict[str, _Reservation] = {}
         self._reserved_blocks: set[int] = set()
-        self._pending: dict[str, tuple[bytes, wire.Claim, float]] = {}
-        self._pending_per_peer: dict[bytes, int] = {}
+        self._pending = PendingClaims()
         # Same-host senders' liveness locks (peer -> descriptor): a cancelled shared-memory
         # transfer is released as soon as its writer is known dead, not at its lease.
         self._liveness: dict[bytes, int] = {}
         self._outbox: list[tuple[bytes, wire.Message]] = []
         self._malformed = self._rejected = self._completed = 0
+        self._refused_hellos = 0
 
     # ---------------------------------------------------------------- worker API
     def expect(self, transfer_id: str, request_id: str, dst_block_ids: Sequence[int],
@@ -132,9 +130,9 @@ class ReceiverCore:
             self._res[transfer_id] = _Reservation(
                 transfer_id, request_id, ids, {b: i for i, b in enumerate(ids)},
                 self._clock() + lease_s, np.zeros((self.layout.num_layers, len(ids)), bool))
-            pending = self._pop_pending(transfer_id)
+            pending = self._pending.pop(transfer_id)
             if pending is not None:
-                self._on_claim(pending[0], pending[1])
+                self._on_claim(pending.peer, pending.claim)
         self._wake()
 
     def poll(self, transfer_id: str) -> TransferState:
@@ -189,10 +187,9 @@ class ReceiverCore:
         with self._lock:
             for res in self._res.values():
                 self._expire(res, now)
-            for tid, (peer, _claim, until) in list(self._pending.items()):
-                if now >= until:
-                    self._pop_pending(tid)
-                    self._outbox.append((peer, wire.Ack(tid, False, "no reservation for transfer")))
+            for held in self._pending.expire(now):
+                self._outbox.append((held.peer, wire.Ack(held.claim.transfer_id, False,
+                                                         "no reservation for transfer")))
 
     def note_malformed(self) -> None:
         """A message with the wrong number of parts, seen by the transport."""
@@ -225,6 +222,11 @@ class ReceiverCore:
         ok = msg.compat_hash == mine
         if not ok:  # a refusal reveals nothing about this receiver: no hash, frame limit or pool
             self._rejected += 1
+            self._refused_hellos += 1
+            n = self._refused_hellos
+            if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood cannot flood the log
+                log.warning("refused a KV handshake (%d so far): sender compatibility hash %.80r, "
+                            "ours %s", n, msg.compat_hash, mine)
             self._outbox.append((peer, wire.HelloAck("", False, REFUSED, 0, None)))
             return
         self._outbox.append((peer, wire.HelloAck(mine, ok, "", self.max_frame_bytes, self.shm)))
@@ -327,43 +329,18 @@ class ReceiverCore:
         return ""
 
     def _hold_claim(self, peer: bytes, msg: wire.Claim) -> None:
-        """Keep a claim until its reservation arrives, within the peer's quota and the table;
-        a full table makes room by dropping the oldest claim of the peer holding the most."""
-        tid = msg.transfer_id
-        mine = self._pending_per_peer.get(peer, 0)
-        if tid in self._pending or mine >= MAX_PENDING_CLAIMS_PER_PEER or not self._fits(msg):
-            self._reject(peer, tid, "no reservation for transfer")
-            return
-        if len(self._pending) >= MAX_PENDING_CLAIMS:
-            hog = max(self._pending_per_peer, key=self._pending_per_peer.__getitem__)
-            if self._pending_per_peer[hog] <= mine + 1:
-                self._reject(peer, tid, "no reservation for transfer")
-                return
-            oldest = next(t for t, (p, _c, _u) in self._pending.items() if p == hog)
-            self._pop_pending(oldest)
-            self._reject(hog, oldest, "no reservation for transfer")
-        self._pending[tid] = (peer, msg, self._clock() + PENDING_CLAIM_TTL_S)
-        self._pending_per_peer[peer] = mine + 1
-
-    def _fits(self, msg: wire.Claim) -> bool:
-        """Could a reservation of this pool ever match the claim? (Never store one that cannot.)"""
+        """Keep a claim until its reservation arrives (pending_claims.py bounds the table);
+        one that no reservation of this pool could match is refused at once."""
         ids = msg.dst_block_ids
-        return 0 < len(ids) <= self.num_blocks and all(0 < b < self.num_blocks for b in ids)
-
-    def _pop_pending(self, tid: str) -> tuple[bytes, wire.Claim, float] | None:
-        pending = self._pending.pop(tid, None)
-        if pending is not None:
-            left = self._pending_per_peer[pending[0]] - 1
-            if left:
-                self._pending_per_peer[pending[0]] = left
-            else:
-                del self._pending_per_peer[pending[0]]
-        return pending
+        fits = 0 < len(ids) <= self.num_blocks and all(0 < b < self.num_blocks for b in ids)
+        held, evicted = self._pending.hold(peer, msg, self._clock()) if fits else (False, None)
+        if not held:
+            self._reject(peer, msg.transfer_id, "no reservation for transfer")
+        if evicted is not None:
+            self._reject(evicted.peer, evicted.claim.transfer_id, "no reservation for transfer")
 
     def _on_abort(self, peer: bytes, msg: wire.Abort) -> None:
-        pending = self._pending.get(msg.transfer_id)
-        if pending is not None and pending[0] == peer:
-            self._pop_pending(msg.transfer_id)
+        self._pending.pop(msg.transfer_id, peer)
         res = self._res.get(msg.transfer_id)
         if res is None or (res.peer is not None and res.peer != peer):
             return  # only the sender holding the grant (or, before a grant, any) can abort

@@ -27,7 +27,8 @@ def test_curve_authorized_worker_serves_and_unknown_key_is_refused(log_dir: Path
     try:
         c.start_gateway("--curve-secret-key", gw_secret, "--curve-authorized-keys", str(allowed))
         c.add_worker("worker", "--curve-key", worker_secret, "--curve-server-key", gw_public)
-        c.add_worker("decode", "--curve-key", rogue_secret, "--curve-server-key", gw_public)
+        c.add_worker("decode", "--curve-key", rogue_secret, "--curve-server-key", gw_public,
+                     "--curve-authorized-keys", str(allowed))
         c.add_worker("decode")  # no CURVE at all
         c.wait_roles(colocated=1)
         want = reference.text(reference.generate(reference.completion_ids("secure"), max_tokens=6, temperature=0.0)[0])
