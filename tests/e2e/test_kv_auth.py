@@ -84,10 +84,8 @@ def test_kv_port_with_curve_refuses_unauthenticated_clients(log_dir: Path, refer
                 event = recv_monitor_message(monitor)["event"]
                 assert event & HANDSHAKE_FAILED, f"handshake event {event}"
                 assert sock.poll(0) == 0  # nothing came back: no HelloAck, no pool, no hash
-                monitor.close()
-                sock.close()
         finally:
-            ctx.term()
+            ctx.destroy(linger=0)  # closes every socket, also after a failed assert
         c._wait(lambda: "KV receiver refused a peer" in c.workers[1].log(), "the decode worker's refusal log")
         assert all(w.alive() for w in c.workers)
         complete(c, reference, "still serving")
@@ -180,7 +178,7 @@ def fuzz(control: str, kv: str, compat: str, rng: random.Random) -> int:
     finally:
         for s in socks:
             s.close(linger=0)
-        ctx.term()
+        ctx.destroy(linger=0)  # closes every socket, also after a failed assert
     return sent
 
 

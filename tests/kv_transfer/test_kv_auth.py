@@ -105,10 +105,8 @@ def test_unauthenticated_kv_client_gets_nothing_accepted(certs: dict[str, Any], 
         assert curve_receiver.stats() == ReceiverStats(0, 0, 0)
         curve_receiver.cancel("t0")
         curve_receiver.forget("t0")
-        sock.close()
-        monitor.close()
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)  # closes every socket, also after a failed assert
     # and the receiver keeps serving authorized senders
     with Sender(TINY, random_pool(TINY, 8, seed=4), links=ZmqLinkFactory(certs["prefill"])) as sender:
         assert transfer(sender, curve_receiver, "t1") is TransferState.COMPLETE
@@ -151,10 +149,8 @@ def test_refused_handshake_reveals_nothing() -> None:
                 assert TINY.compat_hash.encode() not in data
                 assert shm.descriptor.name.encode() not in data
                 assert b"tiny-model" not in data
-            sock.close()
-            monitor.close()
         finally:
-            ctx.term()
+            ctx.destroy(linger=0)  # closes every socket, also after a failed assert
 
 
 def core() -> ReceiverCore:
