@@ -3,6 +3,7 @@ reveals nothing, pending claims bounded per peer, owner-only shared memory."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import stat
 from collections.abc import Iterator
@@ -210,3 +211,24 @@ def test_shm_pool_is_owner_only_whatever_the_umask(monkeypatch: pytest.MonkeyPat
     with pool:
         mode = stat.S_IMODE(os.stat(f"/dev/shm/{pool.descriptor.name}").st_mode)
         assert mode == 0o600, oct(mode)
+
+
+def test_worker_flags_and_addresses_fail_clearly(certs: dict[str, Any], tmp_path: Path) -> None:
+    from pdserve.cli.workers import kv_curve_option
+
+    secret = str(Path(certs["dir"]) / "decode.key_secret")
+
+    def opts(role: str, key: str | None, allowed: str | None) -> argparse.Namespace:
+        return argparse.Namespace(role=role, curve_key=key, curve_authorized_keys=allowed)
+
+    with pytest.raises(SystemExit, match="needs --curve-authorized-keys"):
+        kv_curve_option(opts("decode", secret, None))
+    with pytest.raises(SystemExit, match="needs --curve-key"):
+        kv_curve_option(opts("prefill", None, certs["dir"]))
+    with pytest.raises(SystemExit, match="not a directory"):
+        kv_curve_option(opts("prefill", secret, str(tmp_path / "missing")))
+    assert kv_curve_option(opts("colocated", secret, None)) is None  # no KV plane
+    assert kv_curve_option(opts("decode", secret, certs["dir"])) == KVCurve(secret, certs["dir"])
+    for bad in ("tcp://127.0.0.1:1?curve=abc", "tcp://127.0.0.1:1?curve=" + "zz" * 32):
+        with pytest.raises(ValueError, match="malformed CURVE key"):
+            split_address(bad)
