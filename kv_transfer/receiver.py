@@ -83,13 +83,11 @@ class ZmqReceiver:
         # zmq drops a connection that sends a frame above this before buffering it.
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + wire.MAX_HEADER_BYTES)
         self._ipc_path = ""
-        if inner == "tcp":
-            self._sock.bind(f"tcp://{host}:{port}")  # port 0: ephemeral
-        else:
-            self._ipc_path = os.path.join(
-                tempfile.gettempdir(), f"pdkv-{os.getpid()}-{secrets.token_hex(6)}.sock")
-            tune_socket(self._sock, "ipc://")
-            self._sock.bind(f"ipc://{self._ipc_path}")
+        try:
+            self._bind(inner, host, port)
+        except BaseException:  # e.g. a --kv-port in use: stop the authenticator and copy threads
+            self._release()
+            raise
         endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._address = (f"{kind}+" if kind else "") + endpoint
         if curve is not None:
@@ -98,6 +96,27 @@ class ZmqReceiver:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-receiver-io", daemon=True)
         self._thread.start()
+
+    def _bind(self, inner: str, host: str, port: int) -> None:
+        if inner == "tcp":
+            self._sock.bind(f"tcp://{host}:{port}")  # port 0: ephemeral
+            return
+        self._ipc_path = os.path.join(
+            tempfile.gettempdir(), f"pdkv-{os.getpid()}-{secrets.token_hex(6)}.sock")
+        tune_socket(self._sock, "ipc://")
+        self._sock.bind(f"ipc://{self._ipc_path}")
+
+    def _release(self) -> None:
+        """Everything but the I/O thread, which has stopped (or never started)."""
+        self.core.close()
+        self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        self._ctx.term()
+        self._waker.close()
+        if self._ipc_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._ipc_path)
 
     @property
     def address(self) -> str:
@@ -128,15 +147,7 @@ class ZmqReceiver:
         self._stop.set()
         self._waker.wake()
         self._thread.join()
-        self.core.close()
-        self._sock.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
-        self._ctx.term()
-        self._waker.close()
-        if self._ipc_path:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._ipc_path)
+        self._release()
 
     def __enter__(self) -> ZmqReceiver:
         return self

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import stat
+import threading
 from collections.abc import Iterator
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -232,3 +233,13 @@ def test_worker_flags_and_addresses_fail_clearly(certs: dict[str, Any], tmp_path
     for bad in ("tcp://127.0.0.1:1?curve=abc", "tcp://127.0.0.1:1?curve=" + "zz" * 32):
         with pytest.raises(ValueError, match="malformed CURVE key"):
             split_address(bad)
+
+
+def test_receiver_on_a_taken_port_fails_and_releases_its_authenticator(certs: dict[str, Any],
+                                                                      curve_receiver: ZmqReceiver) -> None:
+    port = int(split_address(curve_receiver.address)[0].rsplit(":", 1)[1])
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(zmq.ZMQError):
+        ZmqReceiver(TINY, np.zeros(TINY.pool_shape(4), np.float16), transport="tcp", port=port,
+                    curve=certs["decode"])
+    assert {t.name for t in threading.enumerate()} <= before  # no authenticator left running
