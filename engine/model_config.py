@@ -1,7 +1,8 @@
 """ModelConfig: the architecture facts the engine needs, parsed from a Hugging Face dir.
 
 Reads `config.json` (both the transformers >= 5 `rope_parameters` form and the
-older `rope_theta` + `rope_scaling` form) and `generation_config.json` for eos ids.
+older `rope_theta` + `rope_scaling` form) and, through `common/generation_config.py` (the one
+reader of that file), `generation_config.json` for eos ids.
 """
 
 from __future__ import annotations
@@ -12,6 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.generation_config import (
+    GenerationConfigError,
+    parse_generation_config,
+    read_generation_config,
+    token_ids,
+)
 from common.kv_layout import KVLayout
 
 SUPPORTED_ARCHITECTURES = (
@@ -111,16 +118,12 @@ class ModelConfig:
             ) from e
         if not isinstance(cfg, dict):
             raise ModelConfigError(f"{cfg_path} must hold a JSON object")
-        gen: dict[str, Any] = {}
-        gen_path = d / "generation_config.json"
-        if gen_path.is_file():
-            try:
-                loaded = json.loads(gen_path.read_bytes())
-            except json.JSONDecodeError as e:
-                raise ModelConfigError(f"{gen_path} is not valid JSON: {e.msg}") from e
-            gen = loaded if isinstance(loaded, dict) else {}
+        try:
+            gen = read_generation_config(d)
+        except GenerationConfigError as e:
+            raise ModelConfigError(str(e)) from e
         model_id = hashlib.sha256(raw).hexdigest()[:16]
-        return cls.from_dict(cfg, gen, model_id=model_id, source=str(cfg_path))
+        return cls._build(cfg, gen.eos_token_ids, gen.bos_token_id, model_id, str(cfg_path))
 
     @classmethod
     def from_dict(
@@ -131,7 +134,16 @@ class ModelConfig:
         source: str = "config.json",
     ) -> ModelConfig:
         """Build from parsed config.json (and generation_config.json) dicts."""
-        gen = gen or {}
+        try:
+            g = parse_generation_config(gen or {})
+        except GenerationConfigError as e:
+            raise ModelConfigError(str(e)) from e
+        return cls._build(cfg, g.eos_token_ids, g.bos_token_id, model_id, source)
+
+    @classmethod
+    def _build(
+        cls, cfg: dict[str, Any], gen_eos: tuple[int, ...], gen_bos: int | None, model_id: str, source: str
+    ) -> ModelConfig:
         archs = cfg.get("architectures") or []
         model_type = str(cfg.get("model_type", ""))
         arch = (
@@ -163,8 +175,8 @@ class ModelConfig:
         window = cfg.get("sliding_window")
         if is_qwen2 and not cfg.get("use_sliding_window", False):
             window = None
-        eos = _eos_ids(gen.get("eos_token_id"), cfg.get("eos_token_id"))
-        bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        eos = gen_eos or _cfg_eos(cfg.get("eos_token_id"))
+        bos = gen_bos if gen_bos is not None else cfg.get("bos_token_id")
         dtype = cfg.get("torch_dtype") or cfg.get("dtype")
         quant = cfg.get("quantization_config")
         quant_method = quant.get("quant_method") if isinstance(quant, dict) else None
@@ -223,16 +235,12 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-def _eos_ids(gen_eos: Any, cfg_eos: Any) -> tuple[int, ...]:
-    """generation_config's eos ids win; fall back to config.json's. Either may be int or list."""
-    for value in (gen_eos, cfg_eos):
-        if value is None:
-            continue
-        if isinstance(value, int):
-            return (value,)
-        if isinstance(value, list):
-            return tuple(int(v) for v in value)
-    return ()
+def _cfg_eos(value: Any) -> tuple[int, ...]:
+    """config.json's eos ids, used when generation_config.json names none."""
+    try:
+        return token_ids(value)
+    except GenerationConfigError as e:
+        raise ModelConfigError(f"config.json: {e}") from None
 
 
 def kv_layout(model_config: ModelConfig, block_size: int, dtype: str, weights: str) -> KVLayout:

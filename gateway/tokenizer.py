@@ -2,7 +2,8 @@
 
 Torch-free (the gateway never imports torch): it uses the `tokenizers` library
 directly and reads the special-token facts from `tokenizer_config.json` and
-`generation_config.json`, the way Hugging Face `transformers` would.
+`generation_config.json` (through `common/generation_config.py`, its one reader), the way
+Hugging Face `transformers` would.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from common.generation_config import GenerationConfigError, read_generation_config, token_ids
 from gateway.chat_template import load_chat_template, render_chat_template
 
 
@@ -38,14 +40,6 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):
         return str(value["content"])
     return None
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list):
-        return [int(v) for v in value if isinstance(v, int)]
-    return []
 
 
 class Tokenizer:
@@ -91,10 +85,13 @@ class Tokenizer:
         except Exception as e:  # the Rust side raises plain Exception
             raise TokenizerError(f"cannot load {tok_file}: {e}") from e
         tcfg = _read_json(d / "tokenizer_config.json")
-        gen = _read_json(d / "generation_config.json")
         cfg = _read_json(d / "config.json")
-        gen_eos = _as_id_list(gen.get("eos_token_id", cfg.get("eos_token_id")))
-        bos_id = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        try:
+            gen = read_generation_config(d)
+            gen_eos = gen.eos_token_ids or token_ids(cfg.get("eos_token_id"))
+        except GenerationConfigError as e:
+            raise TokenizerError(str(e)) from e
+        bos_id = gen.bos_token_id if gen.bos_token_id is not None else cfg.get("bos_token_id")
         return cls(
             hf,
             chat_template=load_chat_template(d, tcfg),
