@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.generation_config import SamplingDefaults
 from gateway.backend import PRIORITIES
 
 
@@ -64,7 +65,10 @@ class AdmissionConfig:
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    model_name: str = "pdserve-default"  # the served model id (the `model` field must match)
+    # The served model id: reported in responses and first in /v1/models. A request's
+    # `model` must be it or one of `model_aliases` (vLLM's --served-model-name A B ...).
+    model_name: str = "pdserve-default"
+    model_aliases: tuple[str, ...] = ()
     model_dir: str | None = None
     max_model_len: int = 2048
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -74,9 +78,18 @@ class GatewayConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
     request_timeout_s: float | None = None  # per-request deadline from arrival
     default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default)
+    # Defaults for sampling fields a request leaves out (from generation_config.json).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         if any(not k for k in self.api_keys):
             raise ValueError("api keys must be non-empty")
+        names = self.served_model_names
+        if any(not n for n in names) or len(set(names)) != len(names):
+            raise ValueError("served model names must be non-empty and distinct")
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.model_aliases)

@@ -55,6 +55,23 @@ def request_id(request: web.Request) -> str:
     return rid if _REQUEST_ID_RE.match(rid) else uuid.uuid4().hex
 
 
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request body, refused with a 413 as soon as it passes `limit` bytes."""
+    length = request.content_length
+    if length is not None and length > limit:
+        raise too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await request.content.readany()
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _RequestRun(request, COMPLETION).serve()
 
@@ -124,24 +141,9 @@ class _RequestRun:
     async def _parse(self) -> ParsedRequest:
         config = self.state.config
         check_content_type(self.request.headers.get("Content-Type", ""))
-        raw = await self._read_body(config.limits.max_body_bytes)
+        raw = await read_body(self.request, config.limits.max_body_bytes)
         body = decode_body(raw, config.limits)
         return parse_request(self.kind, body, config, self.request.headers.get(PRIORITY_HEADER))
-
-    async def _read_body(self, limit: int) -> bytes:
-        length = self.request.content_length
-        if length is not None and length > limit:
-            raise too_large(limit)
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            chunk = await self.request.content.readany()
-            if not chunk:
-                return b"".join(chunks)
-            size += len(chunk)
-            if size > limit:
-                raise too_large(limit)
-            chunks.append(chunk)
 
     def _tokenize(self, parsed: ParsedRequest) -> list[int]:
         tok = self.state.tokenizer

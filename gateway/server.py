@@ -8,7 +8,8 @@ it until SIGTERM/SIGINT, then drains: `/ready` and new generation requests answe
 (which aborts them in the backend), and it returns exit code 0.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /v1/models/{model}, GET /v1/workers, GET /health, GET /ready, GET /metrics.
+GET /v1/models/{model}, POST /tokenize, POST /detokenize, GET /v1/workers, GET /health,
+GET /ready, GET /metrics.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import REQUEST_ID_HEADER, chat_completions, completions
 from gateway.state import STATE, GatewayState
+from gateway.tokenize_api import detokenize, tokenize
 from gateway.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.gateway")
@@ -107,22 +109,24 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def _model_card(config: GatewayConfig, created: int) -> dict[str, Any]:
-    return {"id": config.model_name, "object": "model", "created": created, "owned_by": "pdserve",
-            "max_model_len": config.max_model_len}
+def _model_card(config: GatewayConfig, name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "pdserve",
+            "root": config.model_name, "max_model_len": config.max_model_len}
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """Every served name, the primary one first (as vLLM lists --served-model-name)."""
     config = request.app[STATE].config
-    return _json({"object": "list", "data": [_model_card(config, request.app[_CREATED])]})
+    created = request.app[_CREATED]
+    return _json({"object": "list", "data": [_model_card(config, n, created) for n in config.served_model_names]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     config = request.app[STATE].config
     name = request.match_info["model"]
-    if name != config.model_name:
+    if name not in config.served_model_names:
         raise APIError(404, f"The model '{name[:64]}' does not exist.", param="model", code="model_not_found")
-    return _json(_model_card(config, request.app[_CREATED]))
+    return _json(_model_card(config, name, request.app[_CREATED]))
 
 
 async def list_workers(request: web.Request) -> web.Response:
@@ -146,6 +150,8 @@ def build_app(config: GatewayConfig, backend: GenerationBackend, tokenizer: Toke
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/workers", list_workers)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

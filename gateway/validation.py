@@ -127,22 +127,16 @@ def parse_request(
     """Validate a decoded body of the `kind` endpoint. Raises APIError."""
     limits = config.limits
     _check_fields(kind, body)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise invalid("model", "model must be a string", "invalid_type")
-    if model is not None and model != config.model_name:
-        raise APIError(
-            404, f"The model {excerpt(model)} does not exist.", param="model", code="model_not_found", reason="invalid"
-        )
+    check_model(body.get("model"), config)
     prompt_text, prompt_ids, messages = None, None, None
     if kind == CHAT:
-        messages = _messages(body.get("messages"), limits)
+        messages = parse_messages(body.get("messages"), limits)
     else:
         prompt_text, prompt_ids = _prompt(body.get("prompt"))
     max_tokens = _max_tokens(kind, body, limits)
     stream = _bool(body, "stream", False)
     include_usage = _stream_options(body, stream)
-    params = _sampling(kind, body, limits, max_tokens)
+    params = _sampling(kind, body, config, max_tokens)
     return ParsedRequest(
         kind=kind,
         prompt_text=prompt_text,
@@ -158,6 +152,16 @@ def parse_request(
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         include_stop_str=_bool(body, "include_stop_str_in_output", False),
     )
+
+
+def check_model(model: Any, config: GatewayConfig) -> None:
+    """A request's `model`: absent, the served name or one of its aliases; else a 404."""
+    if model is not None and not isinstance(model, str):
+        raise invalid("model", "model must be a string", "invalid_type")
+    if model is not None and model not in config.served_model_names:
+        raise APIError(
+            404, f"The model {excerpt(model)} does not exist.", param="model", code="model_not_found", reason="invalid"
+        )
 
 
 def check_prompt(req: ParsedRequest, prompt_len: int, vocab_size: int, config: GatewayConfig) -> ParsedRequest:
@@ -203,7 +207,7 @@ def _check_fields(kind: str, body: Mapping[str, Any]) -> None:
         raise invalid(key, f"Unrecognized request argument supplied: {excerpt(key, 40)}", "unknown_parameter")
 
 
-def _messages(value: Any, limits: RequestLimits) -> tuple[dict[str, str], ...]:
+def parse_messages(value: Any, limits: RequestLimits) -> tuple[dict[str, str], ...]:
     if value is None:
         raise invalid("messages", "messages is required", "missing_required_parameter")
     if not isinstance(value, list):
@@ -279,7 +283,8 @@ def _max_tokens(kind: str, body: Mapping[str, Any], limits: RequestLimits) -> in
     return value
 
 
-def _sampling(kind: str, body: Mapping[str, Any], limits: RequestLimits, max_tokens: int | None) -> SamplingParams:
+def _sampling(kind: str, body: Mapping[str, Any], config: GatewayConfig, max_tokens: int | None) -> SamplingParams:
+    limits = config.limits
     n = _int(body, "n", lo=1, hi=limits.max_n)
     top_k = _int(body, "top_k", lo=-1)
     logprobs: int | None
@@ -312,6 +317,9 @@ def _sampling(kind: str, body: Mapping[str, Any], limits: RequestLimits, max_tok
         "logprobs": logprobs,
         "n": n,
     }
+    for name, value in config.sampling_defaults.as_dict().items():  # the request's own value wins
+        if kwargs[name] is None:
+            kwargs[name] = value
     try:
         return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None}).validate()
     except SamplingParamsError as e:

@@ -25,7 +25,12 @@ from pdserve.cli.args import (
     positive_float,
     positive_int,
 )
-from pdserve.cli.gateway_options import add_gateway_options, gateway_settings
+from pdserve.cli.gateway_options import (
+    add_gateway_options,
+    check_served_names,
+    gateway_settings,
+    sampling_defaults,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -34,7 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--port", type=port_or_zero, default=8000,
                     help="0: a free one (the `listening` log event names it)")
     ap.add_argument("--model", default=None, help="model dir for the tokenizer (default: built-in)")
-    ap.add_argument("--served-model-name", default=None, help="model id (default: the dir name)")
+    ap.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                    help="model name(s) requests may use; the first is reported in responses "
+                         "(default: the dir name)")
+    ap.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                    help="sampling defaults: auto (the model's generation_config.json), vllm (none), "
+                         "or a directory holding a generation_config.json")
     ap.add_argument("--max-model-len", type=positive_int, default=None, help="default: the model's limit")
     ap.add_argument("--control-host", type=host, default="127.0.0.1", help="address workers connect to")
     ap.add_argument("--control-port", type=port_or_zero, default=0, help="0: a free port")
@@ -63,6 +73,7 @@ def check_args(args: argparse.Namespace) -> int:
         flag = "--curve-authorized-keys" if args.curve_secret_key else "--curve-secret-key"
         raise UsageError(flag, "--curve-secret-key and --curve-authorized-keys go together")
     max_model_len = check_max_model_len(args.max_model_len, check_model(args.model))
+    check_served_names(args.served_model_name)
     if args.port:
         check_listen("--port", args.host, args.port)
     if args.control_port:
@@ -79,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway.tokenizer import Tokenizer
 
     max_model_len = check_args(args)
+    defaults = sampling_defaults(args.generation_config, model_dir(args.model))
     try:
         settings = gateway_settings(args)
     except ValueError as e:
@@ -94,13 +106,16 @@ def run(args: argparse.Namespace) -> int:
         ))
     except ValueError as e:
         raise SystemExit(f"pdserve gateway: {e}") from None
+    names = args.served_model_name or [model.name]
     config = GatewayConfig(
         host=args.host,
         port=args.port,
-        model_name=args.served_model_name or model.name,
+        model_name=names[0],
+        model_aliases=tuple(names[1:]),
         model_dir=str(model),
         max_model_len=max_model_len,
         **settings,
+        sampling_defaults=defaults,
         drain_timeout_s=args.drain_timeout,
         request_timeout_s=args.request_timeout,
     )

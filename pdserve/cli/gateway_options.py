@@ -8,12 +8,17 @@ place (`gateway/config.py`).
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from common import envs
+from common.generation_config import GenerationConfigError, SamplingDefaults, read_generation_config
 from pdserve.cli.args import UsageError, non_negative_float, non_negative_int, positive_int
+
+log = logging.getLogger("pdserve.gateway")
 
 # RequestLimits field -> flag (`max_tokens` is a cap, not the default: hence its name).
 LIMIT_FLAGS = {
@@ -141,3 +146,28 @@ def gateway_settings(args: argparse.Namespace) -> dict[str, Any]:
         out["default_max_tokens"] = args.default_max_tokens
     assert set(out) <= {f.name for f in fields(GatewayConfig)}
     return out
+
+
+def check_served_names(names: list[str] | None) -> None:
+    """`--served-model-name`: distinct, non-empty names."""
+    names = names or []
+    if any(not n.strip() for n in names) or len(set(names)) != len(names):
+        raise UsageError("--served-model-name", f"expected distinct non-empty names, got {names!r}")
+
+
+def sampling_defaults(mode: str, model_dir: Path) -> SamplingDefaults:
+    """`--generation-config`: `auto` reads the model's generation_config.json, `vllm` sets no
+    defaults, anything else is a directory holding one. A bad value or file: UsageError."""
+    if mode == "vllm":
+        return SamplingDefaults()
+    source = model_dir if mode == "auto" else Path(mode)
+    if not source.is_dir():
+        raise UsageError("--generation-config", f"expected auto, vllm or a directory, got {mode!r}")
+    try:
+        defaults = read_generation_config(source).defaults
+    except GenerationConfigError as e:
+        raise UsageError("--generation-config", str(e)) from None
+    if defaults.as_dict():
+        log.info(json.dumps({"event": "sampling_defaults", "source": str(source), **defaults.as_dict(),
+                             "note": "from generation_config.json; --generation-config vllm ignores them"}))
+    return defaults

@@ -22,13 +22,14 @@ from pdserve.cli.args import (
     check_model,
     device,
     host,
+    model_dir,
     non_negative_float,
     non_negative_int,
     port,
     positive_float,
     positive_int,
 )
-from pdserve.cli.gateway_options import api_keys
+from pdserve.cli.gateway_options import api_keys, check_served_names, sampling_defaults
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -67,6 +68,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--api-key", action="append", default=[], help="gateway: require this API key (repeatable)")
     ap.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
                     help="gateway: file of API keys, one per line, '#' comments")
+    ap.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                    help="gateway: model name(s) requests may use; the first is reported")
+    ap.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                    help="gateway: sampling defaults from the model's generation_config.json (auto), "
+                         "none (vllm) or a directory's")
     ap.add_argument("--ready-timeout", type=positive_float, default=120.0)
     ap.set_defaults(func=run)
 
@@ -118,6 +124,10 @@ def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
         cmd += ["--model", str(Path(args.model))]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
+    if args.served_model_name:
+        cmd += ["--served-model-name", *args.served_model_name]
+    mode = args.generation_config
+    cmd += ["--generation-config", mode if mode in ("auto", "vllm") else str(Path(mode).resolve())]
     for key in args.api_key:
         cmd += ["--api-key", key]
     for path in args.api_key_file:
@@ -135,6 +145,8 @@ def _role_names(args: argparse.Namespace) -> list[str]:
 def check_args(args: argparse.Namespace) -> None:
     """Everything a child would otherwise fail on, refused before any child starts."""
     check_max_model_len(args.max_model_len, check_model(args.model))
+    check_served_names(args.served_model_name)
+    sampling_defaults(args.generation_config, model_dir(args.model))
     api_keys(args)  # every --api-key-file readable and not empty
     check_listen("--port", args.host, args.port)
 
