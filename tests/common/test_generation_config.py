@@ -17,6 +17,7 @@ from common.generation_config import (
 from engine.model_config import ModelConfig, ModelConfigError
 from gateway.tokenizer import Tokenizer, TokenizerError
 from pdserve.cli import build_parser
+from pdserve.cli.args import UsageError, model_dir
 from pdserve.cli.gateway_options import sampling_defaults
 from pdserve.cli.up import _gateway_cmd
 from pdserve.default_model import write_default_model
@@ -73,7 +74,7 @@ def test_engine_tokenizer_and_cli_read_the_same_file(tmp_path: Path) -> None:
     other.mkdir()
     (other / "generation_config.json").write_text(json.dumps({"top_k": 3}))
     assert sampling_defaults(str(other), d) == SamplingDefaults(top_k=3)
-    with pytest.raises(ValueError, match="not auto, vllm or a directory"):
+    with pytest.raises(UsageError, match="--generation-config: expected auto, vllm or a directory"):
         sampling_defaults(str(tmp_path / "missing"), d)
 
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
@@ -96,3 +97,22 @@ def test_up_passes_served_names_and_generation_config_to_the_gateway(tmp_path: P
     cmd = _gateway_cmd(build_parser().parse_args(["up", "--generation-config", str(tmp_path)]), 5555)
     assert cmd[cmd.index("--generation-config") + 1] == str(tmp_path.resolve())
     assert "--served-model-name" not in cmd
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--served-model-name", "a", "a"], "--served-model-name: expected distinct non-empty names"),
+    (["--served-model-name", " "], "--served-model-name: expected distinct non-empty names"),
+    (["--generation-config", "/nonexistent"], "--generation-config: expected auto, vllm or a directory"),
+])
+def test_bad_served_names_and_generation_config_are_refused_before_starting(
+    argv: list[str], message: str
+) -> None:
+    from common.transport import free_port
+    from pdserve.cli import gateway, up
+
+    with pytest.raises(UsageError, match=message):
+        up.check_args(build_parser().parse_args(["up", "--port", str(free_port()), *argv]))
+    args = build_parser().parse_args(["gateway", "--port", "0", *argv])
+    with pytest.raises(UsageError, match=message):  # what `pdserve gateway` runs before it binds
+        gateway.check_args(args)
+        sampling_defaults(args.generation_config, model_dir(args.model))
