@@ -66,8 +66,10 @@ class GenerationConfig:
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
-def read_generation_config(model_dir: str | Path) -> GenerationConfig:
-    """`model_dir/generation_config.json`, parsed; an empty config when there is no such file."""
+def read_generation_config(model_dir: str | Path, *, sampling: bool = True) -> GenerationConfig:
+    """`model_dir/generation_config.json`, parsed; an empty config when there is no such file.
+    Without `sampling` the defaults are neither parsed nor checked (readers that need only
+    the token ids do not fail on a sampling value nobody applies)."""
     path = Path(model_dir) / FILE_NAME
     if not path.is_file():
         return GenerationConfig()
@@ -77,25 +79,31 @@ def read_generation_config(model_dir: str | Path) -> GenerationConfig:
         raise GenerationConfigError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(raw, dict):
         raise GenerationConfigError(f"{path} must hold a JSON object")
-    return parse_generation_config(raw, str(path))
+    return parse_generation_config(raw, str(path), sampling=sampling)
 
 
-def parse_generation_config(raw: dict[str, Any], source: str = FILE_NAME) -> GenerationConfig:
+def parse_generation_config(
+    raw: dict[str, Any], source: str = FILE_NAME, *, sampling: bool = True
+) -> GenerationConfig:
     """A parsed generation_config.json object -> GenerationConfig. Raises GenerationConfigError."""
     try:
         return GenerationConfig(
             eos_token_ids=token_ids(raw.get("eos_token_id")),
             bos_token_id=_bos(raw.get("bos_token_id")),
-            defaults=SamplingDefaults(
-                temperature=_number(raw, "temperature"),
-                top_p=_number(raw, "top_p"),
-                top_k=_top_k(raw),
-                min_p=_number(raw, "min_p"),
-                repetition_penalty=_number(raw, "repetition_penalty"),
-            ),
+            defaults=_defaults(raw) if sampling else SamplingDefaults(),
         )
     except GenerationConfigError as e:
         raise GenerationConfigError(f"{source}: {e}") from None
+
+
+def _defaults(raw: dict[str, Any]) -> SamplingDefaults:
+    return SamplingDefaults(
+        temperature=_number(raw, "temperature"),
+        top_p=_number(raw, "top_p"),
+        top_k=_top_k(raw),
+        min_p=_number(raw, "min_p"),
+        repetition_penalty=_number(raw, "repetition_penalty"),
+    )
 
 
 def token_ids(value: Any) -> tuple[int, ...]:

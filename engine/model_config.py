@@ -119,7 +119,7 @@ class ModelConfig:
         if not isinstance(cfg, dict):
             raise ModelConfigError(f"{cfg_path} must hold a JSON object")
         try:
-            gen = read_generation_config(d)
+            gen = read_generation_config(d, sampling=False)
         except GenerationConfigError as e:
             raise ModelConfigError(str(e)) from e
         model_id = hashlib.sha256(raw).hexdigest()[:16]
@@ -135,7 +135,7 @@ class ModelConfig:
     ) -> ModelConfig:
         """Build from parsed config.json (and generation_config.json) dicts."""
         try:
-            g = parse_generation_config(gen or {})
+            g = parse_generation_config(gen or {}, sampling=False)
         except GenerationConfigError as e:
             raise ModelConfigError(str(e)) from e
         return cls._build(cfg, g.eos_token_ids, g.bos_token_id, model_id, source)

@@ -87,7 +87,7 @@ class Tokenizer:
         tcfg = _read_json(d / "tokenizer_config.json")
         cfg = _read_json(d / "config.json")
         try:
-            gen = read_generation_config(d)
+            gen = read_generation_config(d, sampling=False)
             gen_eos = gen.eos_token_ids or token_ids(cfg.get("eos_token_id"))
         except GenerationConfigError as e:
             raise TokenizerError(str(e)) from e

@@ -77,6 +77,13 @@ def test_engine_tokenizer_and_cli_read_the_same_file(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="--generation-config: expected auto, vllm or a directory"):
         sampling_defaults(str(tmp_path / "missing"), d)
 
+    # A bad sampling value stops only the reader that applies it (the gateway's --generation-config).
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [4], "temperature": "hot"}))
+    assert ModelConfig.from_hf_dir(d).eos_token_ids == (4,) and Tokenizer.from_model_dir(d).eos_token_ids == (4,)
+    with pytest.raises(UsageError, match="--generation-config: .*temperature must be a number"):
+        sampling_defaults("auto", d)
+    assert sampling_defaults("vllm", d) == SamplingDefaults()
+
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
     with pytest.raises(ModelConfigError, match="eos_token_id"):
         ModelConfig.from_hf_dir(d)

@@ -87,6 +87,8 @@ def test_every_alias_is_accepted_and_the_first_name_is_reported(gw: GatewayThrea
         assert chunks and {ch.model for ch in chunks} == {PRIMARY}
         assert c.models.retrieve(name).id == name
     assert [m.id for m in c.models.list().data] == [PRIMARY, ALIAS]
+    r = raw(gw.url, "GET", f"/v1/models/{PRIMARY}", headers={"Authorization": "Bearer sk-habits"})
+    assert r.status == 200 and r.json()["id"] == PRIMARY  # a name with a slash, unescaped
 
 
 def test_an_unknown_model_is_a_404_model_not_found(gw: GatewayThread, backend: LocalBackend) -> None:
