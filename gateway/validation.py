@@ -23,6 +23,7 @@ from common.sampling_params import SamplingParams, SamplingParamsError
 from gateway.backend import PRIORITIES
 from gateway.config import GatewayConfig, RequestLimits
 from gateway.errors import APIError, excerpt, invalid
+from gateway.fields import bool_field, float_field, int_field, opt_str_field
 
 COMPLETION = "completion"
 CHAT = "chat"
@@ -134,7 +135,7 @@ def parse_request(
     else:
         prompt_text, prompt_ids = _prompt(body.get("prompt"))
     max_tokens = _max_tokens(kind, body, limits)
-    stream = _bool(body, "stream", False)
+    stream = bool_field(body, "stream", False)
     include_usage = _stream_options(body, stream)
     params = _sampling(kind, body, config, max_tokens)
     return ParsedRequest(
@@ -148,9 +149,9 @@ def parse_request(
         stream=stream,
         include_usage=include_usage,
         priority=_priority(body.get("priority"), header_priority),
-        user=_opt_str(body, "user"),
-        skip_special_tokens=_bool(body, "skip_special_tokens", True),
-        include_stop_str=_bool(body, "include_stop_str_in_output", False),
+        user=opt_str_field(body, "user"),
+        skip_special_tokens=bool_field(body, "skip_special_tokens", True),
+        include_stop_str=bool_field(body, "include_stop_str_in_output", False),
     )
 
 
@@ -279,41 +280,41 @@ def _max_tokens(kind: str, body: Mapping[str, Any], limits: RequestLimits) -> in
     name = "max_tokens"
     if kind == CHAT and body.get("max_completion_tokens") is not None:
         name = "max_completion_tokens"
-    value = _int(body, name, lo=1, hi=limits.max_tokens)
+    value = int_field(body, name, lo=1, hi=limits.max_tokens)
     return value
 
 
 def _sampling(kind: str, body: Mapping[str, Any], config: GatewayConfig, max_tokens: int | None) -> SamplingParams:
     limits = config.limits
-    n = _int(body, "n", lo=1, hi=limits.max_n)
-    top_k = _int(body, "top_k", lo=-1)
+    n = int_field(body, "n", lo=1, hi=limits.max_n)
+    top_k = int_field(body, "top_k", lo=-1)
     logprobs: int | None
     if kind == CHAT:
-        want = _bool(body, "logprobs", False)
-        top = _int(body, "top_logprobs", lo=0, hi=min(limits.max_logprobs, 20))
+        want = bool_field(body, "logprobs", False)
+        top = int_field(body, "top_logprobs", lo=0, hi=min(limits.max_logprobs, 20))
         if top is not None and not want:
             raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
         logprobs = (top or 0) if want else None
     else:
-        logprobs = _int(body, "logprobs", lo=0, hi=min(limits.max_logprobs, 20))
+        logprobs = int_field(body, "logprobs", lo=0, hi=min(limits.max_logprobs, 20))
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and (
         not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids)
     ):
         raise invalid("stop_token_ids", "stop_token_ids must be an array of token ids", "invalid_type")
-    seed = _int(body, "seed", lo=-(2**63), hi=2**64 - 1)
+    seed = int_field(body, "seed", lo=-(2**63), hi=2**64 - 1)
     kwargs: dict[str, Any] = {
         "max_tokens": max_tokens or 1,
-        "temperature": _float(body, "temperature", 0.0, 2.0),
-        "top_p": _float(body, "top_p", 0.0, 1.0, lo_open=True),
+        "temperature": float_field(body, "temperature", 0.0, 2.0),
+        "top_p": float_field(body, "top_p", 0.0, 1.0, lo_open=True),
         "top_k": top_k,
-        "min_p": _float(body, "min_p", 0.0, 1.0),
-        "presence_penalty": _float(body, "presence_penalty", -2.0, 2.0),
-        "frequency_penalty": _float(body, "frequency_penalty", -2.0, 2.0),
-        "repetition_penalty": _float(body, "repetition_penalty", 0.0, None, lo_open=True),
+        "min_p": float_field(body, "min_p", 0.0, 1.0),
+        "presence_penalty": float_field(body, "presence_penalty", -2.0, 2.0),
+        "frequency_penalty": float_field(body, "frequency_penalty", -2.0, 2.0),
+        "repetition_penalty": float_field(body, "repetition_penalty", 0.0, None, lo_open=True),
         "seed": seed,
         "stop_token_ids": tuple(stop_ids or ()),
-        "ignore_eos": _bool(body, "ignore_eos", None),
+        "ignore_eos": bool_field(body, "ignore_eos", None),
         "logprobs": logprobs,
         "n": n,
     }
@@ -353,7 +354,7 @@ def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
     unknown = set(opts) - {"include_usage", "continuous_usage_stats"}
     if unknown:
         raise invalid(f"stream_options.{excerpt(sorted(unknown)[0], 40)}", "unknown stream option", "unknown_parameter")
-    return bool(_bool(opts, "include_usage", False))
+    return bool(bool_field(opts, "include_usage", False))
 
 
 def _priority(value: Any, header: str | None) -> str:
@@ -364,46 +365,3 @@ def _priority(value: Any, header: str | None) -> str:
     if value not in PRIORITIES:
         raise invalid(param, f"priority must be one of {', '.join(PRIORITIES)}")
     return str(value)
-
-
-def _int(body: Mapping[str, Any], name: str, lo: int | None = None, hi: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise invalid(name, f"{name} must be an integer", "invalid_type")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        raise invalid(name, f"{name} must be in {bounds}, got {excerpt(value, 24)}")
-    return value
-
-
-def _float(
-    body: Mapping[str, Any], name: str, lo: float, hi: float | None, lo_open: bool = False
-) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise invalid(name, f"{name} must be a number", "invalid_type")
-    too_low = value <= lo if lo_open else value < lo
-    if too_low or (hi is not None and value > hi):
-        bounds = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}{']' if hi is not None else ')'}"
-        raise invalid(name, f"{name} must be in {bounds}, got {excerpt(value, 24)}")
-    return float(value)
-
-
-def _bool(body: Mapping[str, Any], name: str, default: bool | None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(name, f"{name} must be a boolean", "invalid_type")
-    return value
-
-
-def _opt_str(body: Mapping[str, Any], name: str) -> str | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, str):
-        raise invalid(name, f"{name} must be a string", "invalid_type")
-    return value
