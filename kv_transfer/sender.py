@@ -17,6 +17,10 @@ deadline -- the earlier of our lease and the receiver's grant -- has not
 passed. `poll`, `cancel` and lease expiry take the same lock, so once a
 terminal state is visible no read of the source blocks is in progress or will
 start: the worker may free them.
+
+This module is the worker API and the I/O loop; the records live in
+sender_state.py, chunk planning and production in sender_chunks.py, and what
+the handshake and the receiver's replies do in sender_replies.py.
 """
 
 from __future__ import annotations
@@ -33,19 +37,14 @@ import zmq
 from common.kv_layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.api import TransferState, UnknownTransfer
-from kv_transfer.blocks import (
-    check_block_ids,
-    check_pool,
-    frame_nbytes,
-    gather_with_sums,
-    plan_chunks,
-)
-from kv_transfer.checksum import digest
+from kv_transfer.blocks import check_block_ids, check_pool
 from kv_transfer.copy_threads import DEFAULT_COPY_THREADS, CopyThreads
 from kv_transfer.faults import FaultConfig
-from kv_transfer.links import LinkFactory, Parts, StagingBuffers, Waker
+from kv_transfer.links import LinkFactory, Parts, Waker
 from kv_transfer.pool_ops import pool_ops
-from kv_transfer.sender_state import PeerRecord, TransferRecord, attach_direct
+from kv_transfer.sender_chunks import ChunkMaker
+from kv_transfer.sender_replies import accept_hello_ack, apply_reply
+from kv_transfer.sender_state import PeerRecord, TransferRecord
 from kv_transfer.shm_pool import LivenessLock
 
 log = logging.getLogger(__name__)
@@ -77,8 +76,9 @@ class Sender:
         self.pool = self._ops.array
         self.num_blocks = check_pool(layout, self.pool)
         self.faults = FaultConfig() if faults is None else faults
-        self.chunk_bytes = chunk_bytes
-        self.shm_chunk_bytes = shm_chunk_bytes
+        self._chunks = ChunkMaker(layout, self._ops, self._copy, self.faults,
+                                  chunk_bytes=chunk_bytes, shm_chunk_bytes=shm_chunk_bytes,
+                                  clock=clock)
         self._links = links
         self._clock = clock
         self._lock = threading.Lock()
@@ -87,8 +87,6 @@ class Sender:
         # holds their blocks until it hears that we stopped writing (or its lease ends).
         self._owed: dict[str, TransferRecord] = {}
         self._peers: dict[str, PeerRecord] = {}  # I/O thread only
-        self._chunks_made = 0  # I/O thread only; numbers chunks for fault injection
-        self._staging = StagingBuffers()  # I/O thread only
         self._waker = Waker()
         # Held until close(): a same-host receiver sees its release when this process
         # has stopped writing for good (closed, or died).
@@ -127,7 +125,7 @@ class Sender:
     def poll(self, transfer_id: str) -> TransferState:
         with self._lock:
             t = self._get(transfer_id)
-            self._expire(t, self._clock())
+            t.expire(self._clock())
             return t.state
 
     def reason(self, transfer_id: str) -> str:
@@ -138,13 +136,13 @@ class Sender:
         with self._lock:
             t = self._get(transfer_id)
             if not t.state.terminal:
-                self._end(t, TransferState.ABORTED, "cancelled by sender")
+                t.end(TransferState.ABORTED, "cancelled by sender")
         self._waker.wake()
 
     def forget(self, transfer_id: str) -> None:
         with self._lock:
             t = self._get(transfer_id)
-            self._expire(t, self._clock())
+            t.expire(self._clock())
             if not t.state.terminal:
                 raise ValueError(f"transfer {transfer_id!r} is {t.state.name}; cancel it first")
             del self._transfers[transfer_id]
@@ -159,7 +157,7 @@ class Sender:
         with self._lock:
             for t in self._transfers.values():
                 if not t.state.terminal:
-                    self._end(t, TransferState.ABORTED, "sender closed")
+                    t.end(TransferState.ABORTED, "sender closed")
         self._stop.set()
         self._waker.wake()
         self._thread.join()
@@ -168,6 +166,14 @@ class Sender:
         self._copy.close()
         self._waker.close()
         self._links.close()
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._chunks.chunk_bytes
+
+    @property
+    def shm_chunk_bytes(self) -> int:
+        return self._chunks.shm_chunk_bytes
 
     def __enter__(self) -> Sender:
         return self
@@ -189,17 +195,6 @@ class Sender:
         if t is None:
             raise UnknownTransfer(transfer_id)
         return t
-
-    def _end(self, t: TransferRecord, state: TransferState, reason: str) -> None:
-        """Caller holds the lock. A non-COMPLETE end tells the receiver we stopped writing."""
-        t.state, t.reason = state, reason
-        t.spans.clear()
-        t.pending_layers.clear()
-        t.abort_pending = state is not TransferState.COMPLETE
-
-    def _expire(self, t: TransferRecord, now: float) -> None:
-        if not t.state.terminal and now >= t.deadline:
-            self._end(t, TransferState.FAILED, "no ack from the receiver before the lease deadline")
 
     # ---------------------------------------------------------------- I/O thread
     def _run(self) -> None:
@@ -247,7 +242,7 @@ class Sender:
         with self._lock:
             transfers = list(self._transfers.values())
             for t in transfers:
-                self._expire(t, now)
+                t.expire(now)
             transfers += self._owed.values()
             self._owed.clear()
         for t in transfers:
@@ -263,18 +258,13 @@ class Sender:
                 if t.state.terminal:
                     continue
                 if peer.refused:
-                    self._end(t, TransferState.FAILED, peer.refused)
+                    t.end(TransferState.FAILED, peer.refused)
                 elif peer.ready and not t.claim_sent:
                     t.claim_sent = True
                     peer.control.append([wire.encode(wire.Claim(
                         t.transfer_id, t.request_id, self._compat, t.dst_ids))])
                 elif t.granted:
-                    direct = peer.direct_ops is not None
-                    limit = min(self.shm_chunk_bytes if direct else self.chunk_bytes,
-                                peer.max_frame)
-                    while t.pending_layers:
-                        l0, l1 = t.pending_layers.popleft()
-                        t.spans.extend(plan_chunks(self.layout, len(t.src_ids), l0, l1, limit))
+                    self._chunks.plan(peer, t)
 
     def _open_peer(self, t: TransferRecord) -> PeerRecord | None:
         want_direct = t.peer.startswith(DIRECT_PREFIXES)
@@ -284,7 +274,7 @@ class Sender:
         except (ValueError, zmq.ZMQError) as exc:
             with self._lock:
                 if not t.state.terminal:
-                    self._end(t, TransferState.FAILED, f"cannot connect to {t.peer}: {exc}")
+                    t.end(TransferState.FAILED, f"cannot connect to {t.peer}: {exc}")
                     t.abort_pending = False
             return None
         peer = PeerRecord(t.peer, link, want_direct)
@@ -311,7 +301,7 @@ class Sender:
             return False
         peer.blocked = None
         if buffer is not None:
-            self._staging.give(buffer, sent)
+            self._chunks.staging.give(buffer, sent)
         return True
 
     def _flush_data(self, peer: PeerRecord) -> bool:
@@ -324,53 +314,16 @@ class Sender:
             if not ready:
                 return False
             for t in ready:
-                made = self._make_chunk(peer, t)
+                if self.faults.delay_s:
+                    time.sleep(self.faults.delay_s)  # never under the lock
+                with self._lock:
+                    made = self._chunks.next(peer, t)
                 if made is None:
                     continue
-                parts, buffer = made
-                sent += buffer.nbytes if buffer is not None else self.shm_chunk_bytes
-                if not self._send(peer, parts, buffer):
+                sent += made.buffer.nbytes if made.buffer is not None else self.shm_chunk_bytes
+                if not self._send(peer, made.parts, made.buffer):
                     return False
         return True
-
-    def _make_chunk(self, peer: PeerRecord, t: TransferRecord) -> tuple[Parts, np.ndarray | None] | None:
-        """Produce the next chunk of `t`: (message, its frame buffer or None).
-
-        Inline: gather the blocks into a reusable buffer that travels zero-copy.
-        Shared memory: checksum the source blocks in place and copy them straight
-        into the receiver's pool; the message is only the header.
-        """
-        if self.faults.delay_s:
-            time.sleep(self.faults.delay_s)
-        index = self._chunks_made
-        self._chunks_made += 1
-        with self._lock:
-            if t.state.terminal or not t.spans:
-                return None
-            span = t.spans.popleft()
-            l0, l1 = span.layer_start, span.layer_end
-            src = t.src_ids[span.first:span.last]
-            dst = t.dst_ids[span.first:span.last]
-            nbytes = frame_nbytes(self.layout, l1 - l0, len(src))
-            if index == self.faults.drop_chunk:
-                return None
-            buffer: np.ndarray | None = None
-            if peer.direct_ops is not None:
-                if self._clock() >= t.write_deadline:
-                    self._end(t, TransferState.FAILED, "write deadline passed before the copy")
-                    return None
-                checksum = digest(self._ops.copy_to(peer.direct_ops, l0, l1, src, dst))
-                if index == self.faults.corrupt_chunk:
-                    peer.direct_ops.flip_byte(l0, dst[0])
-            else:
-                buffer = self._staging.take(nbytes)
-                _, sums = gather_with_sums(self.pool, l0, l1, src, buffer, self._copy)
-                checksum = digest(sums)
-                if index == self.faults.corrupt_chunk:
-                    buffer[nbytes // 2] ^= 0xFF
-        header = wire.encode(wire.Chunk(t.transfer_id, t.request_id, self._compat,
-                                        dst, l0, l1, nbytes, checksum, buffer is not None))
-        return ([header], None) if buffer is None else ([header, buffer], buffer)
 
     def _on_reply(self, peer: PeerRecord, parts: list[memoryview]) -> None:
         try:
@@ -378,45 +331,8 @@ class Sender:
         except wire.WireError:
             return  # a broken receiver: its transfers fail at their deadline
         if isinstance(msg, wire.HelloAck):
-            self._on_hello_ack(peer, msg)
-            return
-        if not isinstance(msg, (wire.Grant, wire.Ack, wire.Cancel)):
-            return
-        with self._lock:
-            t = self._transfers.get(msg.transfer_id)
-            if isinstance(msg, wire.Cancel) and (t is None or (t.peer == peer.address and t.state.terminal)):
-                # Not writing it (writes happen only under this lock, for live records):
-                # say so, or the receiver keeps the blocks until its lease ends.
-                if msg.transfer_id not in self._owed and not (t is not None and t.abort_pending):
-                    peer.control.append([wire.encode(wire.Abort(msg.transfer_id, "not sending"))])
-                return
-            if t is None or t.peer != peer.address or t.state.terminal:
-                return
-            if isinstance(msg, wire.Grant):
-                t.granted = True
-                t.write_deadline = min(t.deadline, msg.deadline)
-                t.state = TransferState.TRANSFERRING
-            elif isinstance(msg, wire.Ack) and msg.ok:
-                self._end(t, TransferState.COMPLETE, "")
-            elif isinstance(msg, wire.Ack):
-                self._end(t, TransferState.FAILED, f"receiver rejected: {msg.reason}")
-            else:
-                self._end(t, TransferState.FAILED, f"receiver cancelled: {msg.reason}")
-
-    def _on_hello_ack(self, peer: PeerRecord, msg: wire.HelloAck) -> None:
-        mine = self._compat
-        if not msg.ok or msg.compat_hash != mine:
-            # A receiver names no hash of its own when it refuses; ours is what an operator needs.
-            peer.refused = f"handshake refused: {msg.reason or 'compatibility hash mismatch'} (sender {mine})"
-            return
-        peer.max_frame = msg.max_frame_bytes
-        if peer.want_direct and msg.shm is not None:
-            try:
-                peer.direct = attach_direct(self.layout, msg.shm, self._ops.on_device)
-                peer.direct_ops = pool_ops(peer.direct.array)
-            except (OSError, ValueError, ImportError, RuntimeError):
-                peer.direct = None  # another host or namespace: fall back to inline frames
-        if self._ops.on_device and peer.direct_ops is None:
-            peer.refused = "a device pool can only be sent to a cuda+ receiver on this host"
-            return
-        peer.ready = True
+            accept_hello_ack(peer, msg, self.layout, self._ops.on_device)
+        elif isinstance(msg, (wire.Grant, wire.Ack, wire.Cancel)):
+            with self._lock:
+                t = self._transfers.get(msg.transfer_id)
+                apply_reply(peer, msg, t, msg.transfer_id in self._owed)

@@ -38,6 +38,18 @@ class TransferRecord:
     write_deadline: float = 0.0
     abort_pending: bool = False
 
+    def end(self, state: TransferState, reason: str) -> None:
+        """Caller holds the lock. A non-COMPLETE end tells the receiver we stopped writing."""
+        self.state, self.reason = state, reason
+        self.spans.clear()
+        self.pending_layers.clear()
+        self.abort_pending = state is not TransferState.COMPLETE
+
+    def expire(self, now: float) -> None:
+        """Caller holds the lock: fail a live transfer whose lease has run out."""
+        if not self.state.terminal and now >= self.deadline:
+            self.end(TransferState.FAILED, "no ack from the receiver before the lease deadline")
+
 
 @dataclass
 class PeerRecord:
@@ -51,7 +63,6 @@ class PeerRecord:
     direct_ops: PoolOps | None = None
     control: deque[Parts] = field(default_factory=deque)
     blocked: tuple[Parts, np.ndarray | None] | None = None  # a message that would block
-
 
 
 def attach_direct(layout: KVLayout, descriptor: wire.ShmDescriptor,
