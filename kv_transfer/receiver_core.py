@@ -23,6 +23,10 @@ rule there (same host, so both sides read the same CLOCK_MONOTONIC):
     its process closed the sender or died) or until deadline + `grace_s`
     (covering one chunk copy started just before the deadline). Until then a failed or cancelled reservation reports
     TRANSFERRING / CANCELLING, never a terminal state.
+
+This module is the table and the handshake/claim/grant protocol; each
+reservation's record and holding states are in receiver_state.py, and the checks
+and checksum verification of a chunk's bytes in receiver_frames.py.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,17 +44,13 @@ import numpy as np
 from common.kv_layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.api import TransferState, UnknownTransfer
-from kv_transfer.blocks import (
-    check_block_ids,
-    check_pool,
-    frame_nbytes,
-    scatter_with_sums,
-)
-from kv_transfer.checksum import digest
+from kv_transfer.blocks import check_block_ids, check_pool
 from kv_transfer.copy_threads import CopyThreads
 from kv_transfer.faults import FaultConfig
 from kv_transfer.pending_claims import PendingClaims
 from kv_transfer.pool_ops import pool_ops
+from kv_transfer.receiver_frames import FrameCheck
+from kv_transfer.receiver_state import ReservationRecord
 from kv_transfer.shm_pool import lock_holder_gone, watch_liveness
 
 log = logging.getLogger(__name__)
@@ -68,24 +68,6 @@ class ReceiverStats:
     completed: int
 
 
-@dataclass
-class _Reservation:
-    transfer_id: str
-    request_id: str
-    dst_ids: tuple[int, ...]
-    index: dict[int, int]
-    deadline: float
-    covered: np.ndarray  # [layer, block position] -> arrived and verified
-    state: TransferState = TransferState.RESERVED
-    reason: str = ""
-    peer: bytes | None = None
-    shm_granted: bool = False
-    writer_done: bool = False
-    cancel_sent: bool = False
-    cancel_sent_at: float = 0.0
-    final: TransferState | None = field(default=None)  # outcome waiting for the writer to stop
-
-
 class ReceiverCore:
     def __init__(self, layout: KVLayout, pool: Any, *, shm: wire.ShmDescriptor | None,
                  grace_s: float, max_frame_bytes: int, faults: FaultConfig,
@@ -101,10 +83,12 @@ class ReceiverCore:
         self.grace_s = grace_s
         self.max_frame_bytes = max_frame_bytes
         self.faults = faults
+        self._frames = FrameCheck(layout, self._ops, self._copy,
+                                  max_frame_bytes=max_frame_bytes, shared=shm is not None)
         self._wake = wake
         self._clock = clock
         self._lock = threading.RLock()
-        self._res: dict[str, _Reservation] = {}
+        self._res: dict[str, ReservationRecord] = {}
         self._reserved_blocks: set[int] = set()
         self._pending = PendingClaims()
         # Same-host senders' liveness locks (peer -> descriptor): a cancelled shared-memory
@@ -127,7 +111,7 @@ class ReceiverCore:
             if overlap:
                 raise ValueError(f"blocks {sorted(overlap)[:4]} already reserved by a transfer")
             self._reserved_blocks.update(ids)
-            self._res[transfer_id] = _Reservation(
+            self._res[transfer_id] = ReservationRecord(
                 transfer_id, request_id, ids, {b: i for i, b in enumerate(ids)},
                 self._clock() + lease_s, np.zeros((self.layout.num_layers, len(ids)), bool))
             pending = self._pending.pop(transfer_id)
@@ -150,7 +134,7 @@ class ReceiverCore:
             res = self._get(transfer_id)
             if res.state.terminal or res.state is TransferState.CANCELLING:
                 return
-            self._finish(res, TransferState.ABORTED, "cancelled by receiver")
+            res.finish(TransferState.ABORTED, "cancelled by receiver")
             self._send_cancel(res, "cancelled by receiver")
         self._wake()
 
@@ -262,7 +246,7 @@ class ReceiverCore:
 
     def _on_chunk(self, peer: bytes, msg: wire.Chunk, frame: memoryview | None) -> None:
         res = self._res.get(msg.transfer_id)
-        problem = self._chunk_problem(peer, msg, frame, res)
+        problem = self._frames.problem(peer, msg, frame, res)
         if problem:
             self._rejected += 1
             if res is not None and res.peer == peer and not res.state.terminal:
@@ -273,60 +257,17 @@ class ReceiverCore:
         self._expire(res, now)
         if res.state.terminal or res.state is TransferState.CANCELLING or now >= res.deadline:
             return  # too late: never write into a reservation that is over
-        l0, l1, ids = msg.layer_start, msg.layer_end, msg.dst_block_ids
-        if frame is not None:
-            # Verify while scattering (one pass over the frame): the blocks are reserved
-            # for this transfer and nothing reads them before COMPLETE, so a bad frame
-            # only fails the transfer.
-            data = np.frombuffer(frame, dtype=self.pool.dtype).reshape(
-                (l1 - l0, 2, len(ids)) + self.pool.shape[3:])
-            sums = scatter_with_sums(self.pool, l0, l1, ids, data, self._copy)
-        else:  # shared memory: the bytes are already in our pool; verify them there
-            sums = self._ops.row_sums(l0, l1, ids)
-        if digest(sums) != msg.checksum:
-            self._fail(res, f"checksum mismatch in layers {l0}..{l1 - 1}")
+        if not self._frames.land(msg, frame):
+            self._fail(res, f"checksum mismatch in layers {msg.layer_start}..{msg.layer_end - 1}")
             return
         cols = [res.index[b] for b in msg.dst_block_ids]
         res.covered[msg.layer_start:msg.layer_end, cols] = True
         if res.covered.all():
             res.writer_done = True
             self._completed += 1
-            self._finish(res, TransferState.COMPLETE, "")
+            res.finish(TransferState.COMPLETE, "")
             if not self.faults.drop_acks:
                 self._outbox.append((peer, wire.Ack(res.transfer_id, True, "")))
-
-    def _chunk_problem(self, peer: bytes, msg: wire.Chunk, frame: memoryview | None,
-                       res: _Reservation | None) -> str:
-        """Everything checked before a byte of the frame is interpreted."""
-        nl = self.layout.num_layers
-        if not 0 <= msg.layer_start < msg.layer_end <= nl:
-            return f"bad layer range {msg.layer_start}..{msg.layer_end}"
-        if not msg.dst_block_ids:
-            return "chunk without blocks"
-        expected = frame_nbytes(self.layout, msg.layer_end - msg.layer_start,
-                                len(msg.dst_block_ids))
-        if msg.nbytes != expected:
-            return f"declared {msg.nbytes} bytes, layout says {expected}"
-        if msg.nbytes > self.max_frame_bytes:
-            return f"chunk of {msg.nbytes} bytes exceeds the {self.max_frame_bytes}-byte limit"
-        if msg.inline != (frame is not None):
-            return "frame presence does not match header"
-        if frame is not None and frame.nbytes != msg.nbytes:
-            return f"frame has {frame.nbytes} bytes, header declares {msg.nbytes}"
-        if not msg.inline and self.shm is None:
-            return "shared-memory chunk but this pool is not shared"
-        if msg.inline and self._ops.on_device:
-            return "inline frames into a device pool are not supported"
-        if msg.compat_hash != self.layout.compat_hash:
-            return "compatibility hash mismatch"
-        if res is None:
-            return "no reservation for transfer"
-        if res.peer != peer:
-            return "chunk from a sender that holds no grant"
-        if len(set(msg.dst_block_ids)) != len(msg.dst_block_ids) or any(
-                b not in res.index for b in msg.dst_block_ids):
-            return "chunk names blocks outside the reservation"
-        return ""
 
     def _hold_claim(self, peer: bytes, msg: wire.Claim) -> None:
         """Keep a claim until its reservation arrives (pending_claims.py bounds the table);
@@ -346,37 +287,27 @@ class ReceiverCore:
             return  # only the sender holding the grant (or, before a grant, any) can abort
         res.writer_done = True
         if res.state is TransferState.CANCELLING:
-            self._finish(res, TransferState.ABORTED, res.reason)
+            res.finish(TransferState.ABORTED, res.reason)
         elif not res.state.terminal:
-            self._finish(res, TransferState.FAILED, f"sender aborted: {msg.reason}")
+            res.finish(TransferState.FAILED, f"sender aborted: {msg.reason}")
 
     # ---------------------------------------------------------------- state changes
     def _reject(self, peer: bytes, tid: str, reason: str) -> None:
         self._rejected += 1
         self._outbox.append((peer, wire.Ack(tid, False, reason)))
 
-    def _fail(self, res: _Reservation, reason: str) -> None:
-        self._finish(res, TransferState.FAILED, reason)
+    def _fail(self, res: ReservationRecord, reason: str) -> None:
+        res.finish(TransferState.FAILED, reason)
         if res.peer is not None:
             self._outbox.append((res.peer, wire.Ack(res.transfer_id, False, reason)))
 
-    def _send_cancel(self, res: _Reservation, reason: str) -> None:
+    def _send_cancel(self, res: ReservationRecord, reason: str) -> None:
         if res.peer is not None and not res.cancel_sent:
             res.cancel_sent = True
             res.cancel_sent_at = self._clock()
             self._outbox.append((res.peer, wire.Cancel(res.transfer_id, reason)))
 
-    def _finish(self, res: _Reservation, state: TransferState, reason: str) -> None:
-        """Move to `state`, or to a holding state while a shared-memory writer may be active."""
-        res.reason = reason
-        if state is TransferState.COMPLETE or not res.shm_granted or res.writer_done:
-            res.state = state
-            return
-        res.final = state
-        res.state = (TransferState.CANCELLING if state is TransferState.ABORTED
-                     else TransferState.TRANSFERRING)
-
-    def _expire(self, res: _Reservation, now: float) -> None:
+    def _expire(self, res: ReservationRecord, now: float) -> None:
         if res.state.terminal:
             return
         if res.final is not None:  # waiting for a shared-memory writer to stop
@@ -388,11 +319,11 @@ class ReceiverCore:
             return
         if now >= res.deadline:
             self._send_cancel(res, "lease expired")
-            self._finish(res, TransferState.FAILED, "lease expired before the transfer completed")
+            res.finish(TransferState.FAILED, "lease expired before the transfer completed")
             if res.final is not None:
                 self._expire(res, now)
 
-    def _writer_dead(self, res: _Reservation) -> bool:
+    def _writer_dead(self, res: ReservationRecord) -> bool:
         """The granted sender's process is gone (its liveness lock was released)."""
         fd = self._liveness.get(res.peer) if res.peer is not None else None
         if fd is None or not lock_holder_gone(fd):
@@ -401,7 +332,7 @@ class ReceiverCore:
         res.reason = f"{res.reason} (sender gone)"
         return True
 
-    def _get(self, transfer_id: str) -> _Reservation:
+    def _get(self, transfer_id: str) -> ReservationRecord:
         res = self._res.get(transfer_id)
         if res is None:
             raise UnknownTransfer(transfer_id)
