@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -33,9 +32,11 @@ from engine.outputs import (
     EngineStats,
     GenerationResult,
     RequestOutput,
+    StepDeltas,
     build_outputs,
     generation_result,
 )
+from engine.request_checks import check_request
 from engine.sampler import Sampler, SampleRow, request_seed
 from engine.scheduler import Reservation, Scheduler, SchedulerOutput
 from engine.sequence import Request, SequenceStatus, finish_status
@@ -50,20 +51,6 @@ class PrefillDone(NamedTuple):
 
     request_id: str
     block_ids: list[int]
-
-
-@dataclass
-class _StepDeltas:
-    """Tokens each (request, choice) gained during one step, in order."""
-
-    tokens: dict[str, dict[int, list[int]]] = field(default_factory=dict)
-    logprobs: dict[str, dict[int, list[Logprob]]] = field(default_factory=dict)
-
-    def add(self, seq: Seq, token_id: int, logprob: Logprob | None) -> None:
-        self.tokens.setdefault(seq.request_id, {}).setdefault(seq.choice_index, []).append(token_id)
-        if logprob is not None:
-            per_req = self.logprobs.setdefault(seq.request_id, {})
-            per_req.setdefault(seq.choice_index, []).append(logprob)
 
 
 class LLMEngine:
@@ -284,11 +271,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = [int(t) for t in prompt_token_ids]
         outputs = [int(t) for t in output_token_ids]
-        if outputs and (params.n != 1 or len(outputs) >= params.max_tokens):
-            raise ValueError("resumed output tokens need n=1 and fewer than max_tokens of them")
-        if choice_index and (params.n != 1 or choice_index < 0):
-            raise ValueError("choice_index needs n=1 and is never negative")
-        self._check_fits(prompt + outputs, params, len(prompt))
+        check_request(prompt, outputs, params, choice_index, vocab_size=self.vocab_size,
+                      max_model_len=self.max_model_len, blocks=self.block_manager,
+                      scheduler=self.config.scheduler)
         counter = next(self._request_counter)
         seed = params.seed if params.seed is not None else request_seed(self.config.seed, counter)
         seq = Seq(
@@ -305,31 +290,6 @@ class LLMEngine:
         req = Request(request_id, prompt, params, prefill_only, [seq])
         self._requests[request_id] = req
         return req
-
-    def _check_fits(self, tokens: list[int], params: SamplingParams, prompt_len: int) -> None:
-        if not prompt_len:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        total = prompt_len + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds max_model_len {self.max_model_len}"
-            )
-        bm = self.block_manager
-        if bm.blocks_for(total) > bm.num_allocatable:
-            raise ValueError(
-                f"prompt + max_tokens = {total} tokens needs {bm.blocks_for(total)} KV blocks; "
-                f"the cache has {bm.num_allocatable}"
-            )
-        sc = self.config.scheduler
-        if not sc.enable_chunked_prefill and total > sc.max_num_batched_tokens:
-            raise ValueError(
-                f"{total} tokens exceed max_num_batched_tokens {sc.max_num_batched_tokens} "
-                "and chunked prefill is off"
-            )
 
     def _execute(
         self, batch: SchedulerOutput, layer_hook: Callable[[int], None] | None
@@ -348,7 +308,7 @@ class LLMEngine:
     def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         rows, seqs = self._sample_rows(batch)
         samples = self.sampler(logits, rows)
-        deltas = _StepDeltas()
+        deltas = StepDeltas()
         touched: dict[str, Request] = {}
         for seq, sample in zip(seqs, samples, strict=True):
             seq.append_token(sample.token_id, sample.logprob)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, cast
 
 from common.logprobs import Logprob
@@ -75,6 +75,20 @@ class EngineStats(NamedTuple):
     num_generated_tokens: int
     num_preemptions: int
     num_steps: int = 0  # scheduler steps taken: stands still only when the step loop does
+
+
+@dataclass
+class StepDeltas:
+    """Tokens each (request, choice) gained during one step, in order."""
+
+    tokens: dict[str, dict[int, list[int]]] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, list[Logprob]]] = field(default_factory=dict)
+
+    def add(self, seq: Sequence, token_id: int, logprob: Logprob | None) -> None:
+        self.tokens.setdefault(seq.request_id, {}).setdefault(seq.choice_index, []).append(token_id)
+        if logprob is not None:
+            per_req = self.logprobs.setdefault(seq.request_id, {})
+            per_req.setdefault(seq.choice_index, []).append(logprob)
 
 
 def _finish_reason(seq: Sequence) -> FinishReason | None:
