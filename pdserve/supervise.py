@@ -89,6 +89,7 @@ def _write(line: bytes) -> None:
 class Readiness(NamedTuple):
     ready: bool
     reason: str  # one line when not ready, "" when ready
+    stopped: bool = False  # not ready because a stop was asked for: not a failure
 
 
 def wait_ready(url: str, children: Sequence[Child], timeout_s: float,
@@ -100,7 +101,7 @@ def wait_ready(url: str, children: Sequence[Child], timeout_s: float,
         if failed is not None:
             return Readiness(False, failed.exit_reason())
         if stopping():
-            return Readiness(False, "stopped before the cluster was ready")
+            return Readiness(False, "stopped before the cluster was ready", stopped=True)
         try:
             with urllib.request.urlopen(f"{url}/ready", timeout=1) as r:
                 if json.load(r).get("ready"):

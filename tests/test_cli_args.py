@@ -211,3 +211,17 @@ def test_wait_ready_ends_at_the_first_exit_with_the_childs_last_line() -> None:
     finally:
         stop([alive, dead])
     assert alive.proc.returncode == -signal.SIGTERM
+
+
+def test_a_stop_asked_for_during_start_up_is_clean_not_a_failure() -> None:
+    """SIGTERM/Ctrl-C before the cluster is ready: `up` stops cleanly and exits 0."""
+    from common.transport import free_port
+    from pdserve.supervise import Child, Readiness, stop, wait_ready
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens: never ready
+    alive = Child.start("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        started = wait_ready(url, [alive], timeout_s=300, stopping=lambda: True)
+        assert started == Readiness(False, "stopped before the cluster was ready", stopped=True)
+    finally:
+        stop([alive])

@@ -174,10 +174,10 @@ def run(args: argparse.Namespace) -> int:
         started = supervise.wait_ready(url, children, args.ready_timeout, lambda: stop["now"])
         if not started.ready:
             if not any(c.exited() for c in children):
-                for c in children:  # a slow start: show what the children said
+                for c in children:  # a slow start, or a stop: show what the children said
                     c.forward()
             print(f"pdserve up: {started.reason}", file=sys.stderr)
-            return 1
+            return 0 if started.stopped else 1  # SIGTERM/Ctrl-C during start-up is a clean stop
         for c in children:
             c.forward()
         print(f"pdserve ready at {url}/v1", flush=True)
