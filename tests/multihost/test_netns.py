@@ -191,7 +191,7 @@ def test_cut_decode_link_mid_stream_recovers_on_other_decode(
     # The gateway did recover streams of the cut worker (not just wait for it).
     gw_log = dep.procs["gw"].log(1_000_000)
     removed = re.findall(
-        rf"worker {re.escape(d1_id)} \(decode\) removed, (\d+) requests in flight", gw_log
+        rf"worker {re.escape(d1_id)} \(decode\) lost, (\d+) requests in flight", gw_log
     )
     assert len(removed) == 1 and int(removed[0]) >= 1, (removed, gw_log[-4000:])
     lost_on_d1 = int(removed[0])
