@@ -24,6 +24,7 @@ from aiohttp import web
 from gateway.chat_template import ChatTemplateError
 from gateway.config import GatewayConfig
 from gateway.errors import excerpt, invalid
+from gateway.fields import bool_field
 from gateway.openai_api import read_body
 from gateway.state import STATE
 from gateway.tokenizer import Tokenizer
@@ -76,9 +77,9 @@ def parse_tokenize(body: Mapping[str, Any], config: GatewayConfig) -> TokenizeRe
     return TokenizeRequest(
         prompt=prompt,
         messages=messages,
-        add_special_tokens=_bool(body, "add_special_tokens", not chat),
-        add_generation_prompt=_bool(body, "add_generation_prompt", True),
-        return_token_strs=_bool(body, "return_token_strs", False),
+        add_special_tokens=bool_field(body, "add_special_tokens", not chat),
+        add_generation_prompt=bool_field(body, "add_generation_prompt", True),
+        return_token_strs=bool_field(body, "return_token_strs", False),
     )
 
 
@@ -116,15 +117,6 @@ def _check_fields(body: Mapping[str, Any], known: set[str]) -> None:
     for key in body:
         if key not in known:
             raise invalid(key, f"Unrecognized request argument supplied: {excerpt(key, 40)}", "unknown_parameter")
-
-
-def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(name, f"{name} must be a boolean", "invalid_type")
-    return value
 
 
 def _json(obj: Any) -> web.Response:
