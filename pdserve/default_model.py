@@ -31,9 +31,17 @@ from typing import Any
 
 import numpy as np
 from safetensors.numpy import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from common import envs
+from pdserve.builtin_tokenizer import (
+    BOS_TOKEN,
+    CHAT_TEMPLATE,
+    END_OF_TEXT_TOKEN,
+    EOT_TOKEN,
+    special_ids,
+    tokenizer_config,
+    train_tokenizer,
+)
 from pdserve.corpus import corpus_text
 
 DEFAULT_MODEL_NAME = "pdserve-tiny-llama"
@@ -49,30 +57,6 @@ _FILES = (
     "tokenizer_config.json",
     VERSION_FILE,
 )
-
-BOS_TOKEN = "<|begin_of_text|>"
-END_OF_TEXT_TOKEN = "<|end_of_text|>"
-START_HEADER_TOKEN = "<|start_header_id|>"
-END_HEADER_TOKEN = "<|end_header_id|>"
-EOT_TOKEN = "<|eot_id|>"
-# Trained first, so they get ids 0..4 in this order.
-SPECIAL_TOKENS = (BOS_TOKEN, END_OF_TEXT_TOKEN, START_HEADER_TOKEN, END_HEADER_TOKEN, EOT_TOKEN)
-
-CHAT_TEMPLATE = (
-    "{{- bos_token }}\n"
-    "{%- for message in messages %}\n"
-    "    {%- if message['role'] not in ['system', 'user', 'assistant'] %}\n"
-    "        {{- raise_exception('Unsupported chat role: ' + message['role']"
-    " + ' (expected system, user or assistant)') }}\n"
-    "    {%- endif %}\n"
-    "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
-    " + (message['content'] | trim) + '<|eot_id|>' }}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n"
-    "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
-    "{%- endif %}\n"
-)
-
 
 @dataclass(frozen=True)
 class DefaultModelSpec:
@@ -128,41 +112,6 @@ _POOL_SIZE = (1 << 22) + 1021  # tiled fill: odd, so rows shift phase at each wr
 _VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def train_tokenizer(vocab_size: int = 2048) -> Tokenizer:
-    """Train the byte-level BPE on the built-in corpus (deterministic)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
-        # Every byte is in the vocabulary, so any text (any language, emoji) encodes.
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus_text().split("\n\n"), trainer=trainer)
-    bos_id = tok.token_to_id(BOS_TOKEN)
-    # Like Llama 3: encode(add_special_tokens=True) prepends BOS.
-    tok.post_processor = processors.Sequence(
-        [
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(
-                single=f"{BOS_TOKEN} $A",
-                pair=f"{BOS_TOKEN} $A {BOS_TOKEN}:1 $B:1",
-                special_tokens=[(BOS_TOKEN, bos_id)],
-            ),
-        ]
-    )
-    return tok
-
-
-def _ids(tok: Tokenizer) -> dict[str, int]:
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    assert all(v is not None for v in ids.values()), ids
-    return ids  # type: ignore[return-value]
-
-
 def _hf_config(
     spec: DefaultModelSpec, vocab_size: int, ids: Mapping[str, int], dtype: str = "float32"
 ) -> dict[str, Any]:
@@ -190,32 +139,6 @@ def _hf_config(
         "bos_token_id": ids[BOS_TOKEN],
         "eos_token_id": [ids[END_OF_TEXT_TOKEN], ids[EOT_TOKEN]],
         "torch_dtype": dtype,
-    }
-
-
-def _tokenizer_config(spec: DefaultModelSpec, tok: Tokenizer) -> dict[str, Any]:
-    added = {
-        str(tok.token_to_id(t)): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for t in SPECIAL_TOKENS
-    }
-    return {
-        "added_tokens_decoder": added,
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOT_TOKEN,
-        "pad_token": END_OF_TEXT_TOKEN,
-        "chat_template": CHAT_TEMPLATE,
-        # Keep decode exactly what tokenizer.json's decoder produces.
-        "clean_up_tokenization_spaces": False,
-        "model_input_names": ["input_ids", "attention_mask"],
-        "model_max_length": spec.max_position_embeddings,
-        "tokenizer_class": "PreTrainedTokenizerFast",
     }
 
 
@@ -367,9 +290,9 @@ def write_default_model(
     rows = fmt.vocab_size or vocab_size
     if rows < vocab_size:
         raise ValueError(f"vocab_size {rows} is below the tokenizer's {vocab_size}")
-    ids = _ids(tok)
+    ids = special_ids(tok)
     tok.save(str(out_dir / "tokenizer.json"), pretty=False)
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(spec, tok))
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config(tok, spec.max_position_embeddings))
     _write_json(out_dir / "config.json", _hf_config(spec, rows, ids, fmt.dtype))
     _write_json(
         out_dir / "generation_config.json",

@@ -13,7 +13,7 @@ PACKAGES = ("common", "engine", "kv_transfer", "worker", "prefill_node", "decode
             "gateway", "pdserve", "bench")
 MAX_LINES = 400
 # Not yet split (issue 13): path -> its length when the rule was enforced.
-KNOWN_OVER = {"bench/soak.py": 430, "pdserve/default_model.py": 441}
+KNOWN_OVER = {"bench/soak.py": 430}
 
 
 def line_counts() -> dict[str, int]:

@@ -1,0 +1,96 @@
+"""The built-in model's tokenizer: a byte-level BPE trained on `pdserve.corpus`, with
+Llama-3-style special tokens and chat template (deterministic: two trainings give the
+same `tokenizer.json`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from pdserve.corpus import corpus_text
+
+BOS_TOKEN = "<|begin_of_text|>"
+END_OF_TEXT_TOKEN = "<|end_of_text|>"
+START_HEADER_TOKEN = "<|start_header_id|>"
+END_HEADER_TOKEN = "<|end_header_id|>"
+EOT_TOKEN = "<|eot_id|>"
+# Trained first, so they get ids 0..4 in this order.
+SPECIAL_TOKENS = (BOS_TOKEN, END_OF_TEXT_TOKEN, START_HEADER_TOKEN, END_HEADER_TOKEN, EOT_TOKEN)
+
+CHAT_TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if message['role'] not in ['system', 'user', 'assistant'] %}\n"
+    "        {{- raise_exception('Unsupported chat role: ' + message['role']"
+    " + ' (expected system, user or assistant)') }}\n"
+    "    {%- endif %}\n"
+    "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + (message['content'] | trim) + '<|eot_id|>' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+
+def train_tokenizer(vocab_size: int = 2048) -> Tokenizer:
+    """Train the byte-level BPE on the built-in corpus (deterministic)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        # Every byte is in the vocabulary, so any text (any language, emoji) encodes.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus_text().split("\n\n"), trainer=trainer)
+    bos_id = tok.token_to_id(BOS_TOKEN)
+    # Like Llama 3: encode(add_special_tokens=True) prepends BOS.
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS_TOKEN} $A",
+                pair=f"{BOS_TOKEN} $A {BOS_TOKEN}:1 $B:1",
+                special_tokens=[(BOS_TOKEN, bos_id)],
+            ),
+        ]
+    )
+    return tok
+
+
+def special_ids(tok: Tokenizer) -> dict[str, int]:
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    assert all(v is not None for v in ids.values()), ids
+    return ids  # type: ignore[return-value]
+
+
+def tokenizer_config(tok: Tokenizer, model_max_length: int) -> dict[str, Any]:
+    """`tokenizer_config.json`: special tokens, the chat template, the length limit."""
+    added = {
+        str(tok.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t in SPECIAL_TOKENS
+    }
+    return {
+        "added_tokens_decoder": added,
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOT_TOKEN,
+        "pad_token": END_OF_TEXT_TOKEN,
+        "chat_template": CHAT_TEMPLATE,
+        # Keep decode exactly what tokenizer.json's decoder produces.
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+        "model_max_length": model_max_length,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
