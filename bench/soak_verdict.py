@@ -8,6 +8,15 @@ Rules (printed by the soak script):
 - KV: every live worker at the end (after drain) reports KV usage 0 (all
   blocks free, nothing running).
 - Liveness: every process except the deliberately killed one is alive.
+- Hung worker: a decode worker made to hang (main loop blocked, heartbeats
+  going on) must be marked stalled by the gateway; it is then counted like
+  the killed worker (its streams are recovered; after the run it is killed
+  and left out of the RSS/fd/KV/liveness checks).
+- Twins: when a worker was killed or hung, every recovered stream that
+  completed must equal its undisturbed twin (the single-process engine, same
+  parameters and seed): same text, same finish reason. At least one of the
+  streams compared must be sampled (temperature > 0), or the run proved
+  nothing about sampled recovery.
 - Errors: zero unexplained. An error is *explained* only if it is the
   expected consequence of the injected restart: its code is one the gateway
   uses for "no worker / pool empty" (`no_workers`, HTTP 503) and it happened
@@ -27,6 +36,7 @@ RSS_ABS_BOUND = 50 * MIB
 RSS_REL_BOUND = 0.10
 FD_BOUND = 5
 EXPLAINABLE_CODES = frozenset({"no_workers", "http_503"})
+SHOWN_MISMATCHES = 10
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,23 @@ class ErrorEvent:
     t: float  # seconds since the run started
     kind: str  # e.g. "stream_error:no_workers", "http_503", "timeout", "incomplete_stream"
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class TwinCheck:
+    """Recovered streams that completed, each compared with its undisturbed twin."""
+
+    checked: int  # recovered, completed streams compared
+    sampled: int  # of which sampled (temperature > 0)
+    mismatches: tuple[str, ...] = ()  # one line per stream whose output differed
+
+
+@dataclass(frozen=True)
+class HungWorker:
+    """The worker made to hang, and when the gateway marked it stalled (None: never)."""
+
+    name: str
+    stalled_t: float | None
 
 
 @dataclass
@@ -74,10 +101,26 @@ def judge(
     errors: list[ErrorEvent],
     restart_window: tuple[float, float] | None,
     killed: frozenset[str] = frozenset(),
+    *,
+    hung: HungWorker | None = None,
+    twins: TwinCheck | None = None,
 ) -> Verdict:
     """Apply the rules above. Keys of `start`/`end`/`alive_end` are process names;
-    `kv_usage_end` maps worker names to their final usage ratio (0-1)."""
+    `kv_usage_end` maps worker names to their final usage ratio (0-1). `twins` is
+    None when no worker was killed or hung (nothing was recovered)."""
     v = Verdict(passed=True)
+    if hung is not None:
+        killed = killed | {hung.name}
+        if hung.stalled_t is None:
+            v.reasons.append(f"{hung.name}: hung but never marked stalled by the gateway")
+    if twins is not None:
+        if twins.mismatches:
+            v.reasons.append(f"{len(twins.mismatches)} of {twins.checked} recovered stream(s) differ from "
+                             "their undisturbed twin")
+            v.reasons.extend(f"  {m}" for m in twins.mismatches[:SHOWN_MISMATCHES])
+        if twins.sampled == 0:
+            v.reasons.append(f"no recovered sampled stream was checked against its twin "
+                             f"({twins.checked} recovered stream(s) checked)")
     for name, s in sorted(start.items()):
         if name in killed:
             continue
@@ -92,7 +135,7 @@ def judge(
         if abs(e.fds - s.fds) > FD_BOUND:
             v.reasons.append(f"{name}: open fds {s.fds} -> {e.fds} (more than ±{FD_BOUND})")
     for name, usage in sorted(kv_usage_end.items()):
-        if usage > 0.0:
+        if usage > 0.0 and name not in killed:
             v.reasons.append(f"{name}: KV usage {usage:.4f} at end, not back to idle (0)")
     for name, alive in sorted(alive_end.items()):
         if not alive and name not in killed:
