@@ -8,8 +8,11 @@ checked against their undisturbed twins, and a verdict.
         [--abort-fraction 0.3] [--sampled-fraction 0.5] [--restart-at-minute M]
         [--hang-at-minute H] [--stall-timeout 3] [--json out.json]
 
-Not in CI. Traffic goes to 127.0.0.1 only; every process started is in its
-own process group and is killed on exit (Ctrl-C included). The gateway runs
+The traffic lasts `--minutes`, and longer if a fault has not played out yet (the
+replacement not registered, the hung worker not yet marked stalled). Not in CI;
+tests/bench/test_soak.py runs a very short one. Traffic goes to 127.0.0.1 only;
+every process started is in its own process group and is killed on exit (Ctrl-C
+included). The gateway runs
 with a fixed `PDSERVE_GATEWAY_SEED_KEY`, so the seed it gives an unseeded
 request can be rebuilt for the twin (`bench/soak_twins.py`). The verdict rules
 are in `bench/soak_verdict.py` and printed with the result.
