@@ -182,7 +182,7 @@ async def soak(args: argparse.Namespace, cluster: Cluster, procs: dict[str, Proc
     cluster.stop()  # the twins get the cores to themselves
     twins = twin_check(args, info, traffic, state.recovered)
     killed = frozenset({info["killed"]}) if "killed" in info else frozenset()
-    hung = HungWorker(info["hung"], info.get("stalled_t")) if "hung" in info else None
+    hung = HungWorker(info["hung"], info.get("stalled_t"), info["hung_alive_at_end"]) if "hung" in info else None
     window = None
     if "kill_t" in info:
         window = (info["kill_t"], info.get("replacement_ready_t", args.minutes * 60.0) + args.heartbeat_grace_s)

@@ -98,8 +98,12 @@ async def end_hang(cluster: Cluster, procs: dict[str, Proc], info: dict[str, Any
     if "hung" not in info:
         return
     hung = procs[info["hung"]]
-    info["hung_at_end"] = {k: v for k, v in (_find(cluster, hung.popen.pid) or {}).items()
-                           if k in ("stalled", "running_seqs", "inflight_requests", "free_blocks", "total_blocks")}
+    listed = _find(cluster, hung.popen.pid)
+    # Still listed and stalled; or already dropped: a worker stops heartbeating once its
+    # loop has been silent for a minute (worker/runtime.py `stall_s`), and then expires.
+    info["hung_at_end"] = "dropped (heartbeats stopped)" if listed is None else {
+        k: v for k, v in listed.items()
+        if k in ("stalled", "running_seqs", "inflight_requests", "free_blocks", "total_blocks")}
     info["hung_alive_at_end"] = hung.alive()
     hung.signal(signal.SIGKILL)
     await asyncio.to_thread(hung.popen.wait, 10)

@@ -9,9 +9,10 @@ Rules (printed by the soak script):
   blocks free, nothing running).
 - Liveness: every process except the deliberately killed one is alive.
 - Hung worker: a decode worker made to hang (main loop blocked, heartbeats
-  going on) must be marked stalled by the gateway; it is then counted like
-  the killed worker (its streams are recovered; after the run it is killed
-  and left out of the RSS/fd/KV/liveness checks).
+  going on) must be marked stalled by the gateway and stay alive until the
+  soak kills it; it is then counted like the killed worker (its streams are
+  recovered; after the run it is killed and left out of the
+  RSS/fd/KV/liveness checks).
 - Twins: when a worker was killed or hung, every recovered stream that
   completed must equal its undisturbed twin (the single-process engine, same
   parameters and seed): same text, same finish reason. At least one of the
@@ -67,6 +68,7 @@ class HungWorker:
 
     name: str
     stalled_t: float | None
+    alive_at_end: bool = True  # until the soak killed it: a hang, not a crash
 
 
 @dataclass
@@ -113,6 +115,8 @@ def judge(
         killed = killed | {hung.name}
         if hung.stalled_t is None:
             v.reasons.append(f"{hung.name}: hung but never marked stalled by the gateway")
+        if not hung.alive_at_end:
+            v.reasons.append(f"{hung.name}: exited by itself before the soak killed it (a crash, not a hang)")
     if twins is not None:
         if twins.mismatches:
             v.reasons.append(f"{len(twins.mismatches)} of {twins.checked} recovered stream(s) differ from "

@@ -148,9 +148,12 @@ def test_hung_worker_counts_like_the_killed_one() -> None:
     assert any("decode5: process died" in r for r in undeclared.reasons)
 
 
-def test_hung_worker_never_marked_stalled_fails() -> None:
+def test_hung_worker_never_marked_stalled_or_crashed_fails() -> None:
     v = judge(START, end_samples(), HUNG_END, HUNG_ALIVE, [], WINDOW, KILLED, hung=HungWorker("decode5", None))
     assert not v.passed and v.reasons == ["decode5: hung but never marked stalled by the gateway"]
+    v = judge(START, end_samples(), HUNG_END, HUNG_ALIVE, [], WINDOW, KILLED,
+              hung=HungWorker("decode5", 42.0, alive_at_end=False))
+    assert not v.passed and v.reasons == ["decode5: exited by itself before the soak killed it (a crash, not a hang)"]
 
 
 def test_twins_must_match_and_include_a_sampled_stream() -> None:
@@ -263,7 +266,7 @@ def test_short_soak_with_a_killed_and_a_hung_decode_worker_passes(tmp_path: Path
     faults = result["faults"]
     assert faults["killed"] == "decode2" and "replacement_ready_t" in faults
     assert faults["hung"] == "decode4" and faults["stalled_t"] is not None
-    assert faults["hung_at_end"]["stalled"] is True and faults["hung_alive_at_end"] is True
+    assert faults["hung_alive_at_end"] is True  # it hung; it did not die
     twins = result["twins"]
     assert twins["sampled"] == twins["checked"] > 0 and twins["mismatches"] == []
     assert "VERDICT: PASS" in proc.stdout
