@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.dtype import DTYPE_CHOICES
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -54,10 +56,15 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str
-    dtype: str = "float32"  # float32 | float16 | bfloat16
+    # auto | float32 | float16 | bfloat16; auto: see engine.dtype (`resolved_config`).
+    dtype: str = "auto"
     device: str = "cpu"  # cpu | cuda | cuda:N
     # torch intra-op threads; None leaves torch's default. Workers sharing a host set it.
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")

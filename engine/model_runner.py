@@ -17,6 +17,7 @@ import torch
 from common.kv_layout import KVLayout
 from engine.attention import AttentionBackend, TorchPagedAttention, build_metadata, order_chunks
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.dtype import resolved_config
 from engine.kv_pool import TORCH_DTYPES, KVPool
 from engine.loader import load_config, load_model_with, weights_fingerprint
 from engine.model_config import ModelConfig, kv_layout
@@ -56,10 +57,7 @@ class ModelRunner:
     ) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if config.dtype not in TORCH_DTYPES:
-            raise ValueError(
-                f"unsupported dtype {config.dtype!r}; choose one of {sorted(TORCH_DTYPES)}"
-            )
+        config = resolved_config(config)  # `auto` -> the dtype this host serves in
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
@@ -88,7 +86,9 @@ class ModelRunner:
     @classmethod
     def layout_for(cls, config: EngineConfig) -> KVLayout:
         """The KV layout this config's runner will use; reads config.json and the weights
-        fingerprint (hashing the weights only when no cached fingerprint is current)."""
+        fingerprint (hashing the weights only when no cached fingerprint is current), with
+        the dtype resolved as the runner resolves it."""
+        config = resolved_config(config)
         return kv_layout(load_config(config.model_dir), config.cache.block_size, config.dtype,
                          weights_fingerprint(config.model_dir).digest)
 
