@@ -4,7 +4,8 @@ Torch-free: reads `config.json` through the engine's own parser
 (`engine.model_config`, so plan and engine agree on every bias and flag) and,
 when present, the safetensors headers (for an exact parameter count). The figures:
 
-- weight bytes = parameters x bytes per element of the serving dtype;
+- weight bytes = parameters x bytes per element of the serving dtype (`auto`, the
+  default, resolves as the workers do: `engine.dtype`);
 - KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes
   (never the query head count);
 - KV per full-length request = that x max-model-len (rounded up to whole blocks);
@@ -24,12 +25,11 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from common.kv_layout import DTYPE_BYTES, KVLayout
+from common.kv_layout import KVLayout
+from engine.dtype import host_cpu_flags, resolve_dtype
 from engine.model_config import ModelConfig, ModelConfigError
 
 DEFAULT_OVERHEAD_FRACTION = 0.10
-DEFAULT_DTYPE = "float16"
-DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 
 _UNITS = {
     "": 1,
@@ -73,13 +73,6 @@ def format_bytes(n: int) -> str:
         if abs(n) >= size:
             return f"{n // size} {unit}" if n % size == 0 else f"{n / size:.2f} {unit}"
     return f"{n} B"
-
-
-def normalize_dtype(dtype: str) -> str:
-    d = DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
-    if d not in DTYPE_BYTES:
-        raise PlanError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPE_BYTES)})")
-    return d
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -134,7 +127,8 @@ def safetensors_param_count(model_dir: Path) -> int | None:
 class CapacityPlan:
     model_dir: str
     architecture: str
-    dtype: str
+    dtype: str  # resolved: never "auto"
+    device: str
     bytes_per_element: int
     param_count: int
     param_source: str  # "safetensors headers" | "config shapes"
@@ -165,15 +159,24 @@ def compute_plan(
     device_memory: int,
     max_model_len: int,
     *,
-    dtype: str | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    cpu_flags: frozenset[str] | None = None,
     concurrency: int | None = None,
     overhead_fraction: float = DEFAULT_OVERHEAD_FRACTION,
     block_size: int = 16,
 ) -> CapacityPlan:
-    """The capacity figures for one model on one device (see the module docstring)."""
+    """The capacity figures for one model on one device (see the module docstring).
+
+    `dtype` resolves against the checkpoint, `device` and `cpu_flags` (None: this
+    host's) exactly as a worker started with the same flags resolves it."""
     d = Path(model_dir)
     cfg = read_model_config(d)
-    dt = normalize_dtype(dtype or cfg.torch_dtype or DEFAULT_DTYPE)
+    try:
+        flags = host_cpu_flags() if cpu_flags is None else cpu_flags
+        dt = resolve_dtype(dtype, cfg.torch_dtype, device, flags)
+    except ValueError as e:
+        raise PlanError(str(e)) from e
     if max_model_len < 1 or block_size < 1 or device_memory < 1:
         raise PlanError("device memory, max-model-len and block size must be positive")
     exact = safetensors_param_count(d)
@@ -189,6 +192,7 @@ def compute_plan(
         model_dir=str(d),
         architecture=cfg.architecture,
         dtype=dt,
+        device=device,
         bytes_per_element=layout.bytes_per_element,
         param_count=params,
         param_source="safetensors headers" if exact is not None else "config shapes",
@@ -220,7 +224,7 @@ def format_plan(p: CapacityPlan) -> str:
     """The human-readable report `pdserve plan` prints."""
     rows = [
         ("model", f"{p.model_dir} ({p.architecture})"),
-        ("dtype", f"{p.dtype} ({p.bytes_per_element} bytes per element)"),
+        ("dtype", f"{p.dtype} ({p.bytes_per_element} bytes per element) on {p.device}"),
         ("parameters", f"{p.param_count:,} (from {p.param_source})"),
         ("weight bytes", _b(p.weight_bytes)),
         (

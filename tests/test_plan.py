@@ -54,9 +54,9 @@ def test_design_example_figures(gqa_7b: Path) -> None:
 
 def test_true_llama2_7b_weights_are_about_13_gib(tmp_path: Path) -> None:
     d = _model(tmp_path, "llama-2-7b")  # 32 KV heads (MHA)
-    p = compute_plan(d, 80 * GiB, 8192)
+    p = compute_plan(d, 80 * GiB, 8192, device="cuda")
     assert p.param_count == 6_738_415_616  # the published Llama-2-7b count
-    assert p.dtype == "float16"  # from the config
+    assert p.dtype == "float16"  # auto on CUDA: from the config
     assert round(p.weight_bytes / GiB) == 13
     assert p.kv_bytes_per_token == 512 * 1024  # uses KV heads: here 32
     assert p.kv_bytes_per_request == 4 * GiB
@@ -77,6 +77,25 @@ def test_does_not_fit_and_dtype_override(gqa_7b: Path) -> None:
     assert tiny.kv_budget_bytes == 0 and tiny.max_concurrency == 0
 
 
+def test_auto_dtype_resolves_as_the_workers_do(gqa_7b: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`auto` (the default): on CPU bf16 with native bf16, else float32, whatever the
+    float16 checkpoint says; on CUDA the checkpoint's float16. Bytes follow."""
+    amx = compute_plan(gqa_7b, 80 * GiB, 8192, cpu_flags=frozenset({"avx512_bf16", "amx_bf16"}))
+    avx2 = compute_plan(gqa_7b, 80 * GiB, 8192, cpu_flags=frozenset({"avx2"}))
+    cuda = compute_plan(gqa_7b, 80 * GiB, 8192, device="cuda:0", cpu_flags=frozenset({"avx2"}))
+    assert (amx.dtype, avx2.dtype, cuda.dtype) == ("bfloat16", "float32", "float16")
+    assert (amx.kv_bytes_per_token, avx2.kv_bytes_per_token) == (128 * 1024, 256 * 1024)
+    assert (amx.weight_bytes, avx2.weight_bytes) == (2 * 5_933_109_248, 4 * 5_933_109_248)
+    base = ["plan", "--model", str(gqa_7b), "--device-memory", "80GiB", "--max-model-len", "8192"]
+    assert main([*base, "--device", "cuda", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["dtype"], out["device"], out["kv_bytes_per_token"]) == ("float16", "cuda", 128 * 1024)
+    assert main([*base, "--device", "tpu"]) == 2
+    assert "unsupported device 'tpu'" in capsys.readouterr().err
+    assert main([*base, "--dtype", "int3"]) == 2
+    assert "unknown dtype 'int3'" in capsys.readouterr().err
+
+
 def test_safetensors_headers_give_exact_count(tmp_path: Path) -> None:
     d = _model(
         tmp_path,
@@ -93,7 +112,7 @@ def test_safetensors_headers_give_exact_count(tmp_path: Path) -> None:
         "b": np.zeros(7, np.float16),
     }
     save_file(tensors, str(d / "model.safetensors"))
-    p = compute_plan(d, GiB, 128)
+    p = compute_plan(d, GiB, 128, dtype="float32")
     assert p.param_source == "safetensors headers" and p.param_count == 22
     assert p.weight_bytes == 22 * 4
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import urlparse
 
+from engine.dtype import DTYPE_HELP, normalize_dtype
 from pdserve.plan import PlanError, parse_size
 
 
@@ -164,6 +165,19 @@ def device(text: str) -> str:
     if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
         _bad("cpu, cuda or cuda:N", text)
     return text
+
+
+def dtype(text: str) -> str:
+    """`auto`, `float32`, `float16` or `bfloat16` (also `fp32`, `fp16`, `half`, `bf16`)."""
+    try:
+        return normalize_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_dtype_arg(ap: argparse.ArgumentParser, help_prefix: str = "") -> None:
+    """`--dtype`, default auto (engine/dtype.py), for every command that runs or plans a model."""
+    ap.add_argument("--dtype", type=dtype, default="auto", help=help_prefix + DTYPE_HELP)
 
 
 def http_url(text: str) -> str:

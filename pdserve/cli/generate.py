@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from common.sampling_params import SamplingParams, SamplingParamsError
-from pdserve.cli.args import check_model, device, positive_int
+from pdserve.cli.args import add_dtype_arg, check_model, device, positive_int
 
 
 def register(subparsers: Any) -> None:
@@ -33,7 +33,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--n", type=int, default=1, help="choices per prompt")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    add_dtype_arg(p)
     p.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--num-threads", type=positive_int, default=None, help="torch intra-op threads")
     p.add_argument("--block-size", type=positive_int, default=16)

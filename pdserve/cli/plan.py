@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any
 
-from pdserve.cli.args import UsageError, fraction, model_dir, positive_int
+from pdserve.cli.args import UsageError, add_dtype_arg, device, fraction, model_dir, positive_int
 from pdserve.plan import PlanError, compute_plan, format_plan, parse_size
 
 
@@ -32,7 +32,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device-memory", type=_size, required=True, help="e.g. 80GiB, 80GB, 24GiB")
     p.add_argument("--max-model-len", type=positive_int, required=True, help="tokens per full request")
     p.add_argument("--concurrency", type=positive_int, default=None, help="check this many full requests")
-    p.add_argument("--dtype", default=None, help="float16 | bfloat16 | float32 (default: config)")
+    add_dtype_arg(p)
+    p.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N: what `auto` resolves for")
     p.add_argument("--block-size", type=positive_int, default=16, help="KV block size in tokens")
     p.add_argument(
         "--overhead", type=fraction, default=0.10, help="fraction of device memory held back"
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
             args.device_memory,
             args.max_model_len,
             dtype=args.dtype,
+            device=args.device,
             concurrency=args.concurrency,
             overhead_fraction=args.overhead,
             block_size=args.block_size,

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from pdserve.cli.args import (
+    add_dtype_arg,
     byte_size_text,
     check_listen,
     check_max_model_len,
@@ -48,8 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--decode-threads", type=positive_int, default=None,
                     help="torch threads per decode worker (default: --threads)")
     ap.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
-                    help="workers' weight and KV dtype")
+    add_dtype_arg(ap, "workers' weight and KV dtype, each resolved on its own host; ")
     ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"))
     ap.add_argument("--kv-cache-memory", type=byte_size_text, default=None,
                     help="per-worker KV pool bytes, e.g. 256MiB")

@@ -7,6 +7,7 @@ node and hands it to the shared worker runtime. torch is imported only in `run`.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ from common import envs
 from common.logs import configure_logging
 from pdserve.cli.args import (
     UsageError,
+    add_dtype_arg,
     byte_size,
     check_listen,
     check_max_model_len,
@@ -53,7 +55,7 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
                     "re-resolved); repeat for several gateways")
     ap.add_argument("--model", default=None, help="Hugging Face model dir (default: built-in)")
     ap.add_argument("--device", default="cpu", type=device, help="cpu | cuda | cuda:N")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    add_dtype_arg(ap)
     ap.add_argument("--spin-wait", action="store_true",
                     help="let OpenMP threads spin briefly between parallel regions (OpenMP's own "
                     "default): ~20%% faster steps when this worker's threads have their cores to "
@@ -129,11 +131,12 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     kv_curve = kv_curve_option(args)
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.dtype import model_dtype
 
     try:
         engine_cfg = EngineConfig(
             model_dir=str(model_dir(args.model)),
-            dtype=args.dtype,
+            dtype=model_dtype(args.dtype, model_dir(args.model), args.device),
             device=args.device,
             num_threads=args.threads or default_threads(args.local_workers),
             cache=CacheConfig(
@@ -153,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise SystemExit(f"pdserve {args.role}: {e}") from None
+    logging.getLogger(__name__).info("serving in %s (--dtype %s, device %s)", engine_cfg.dtype,
+                                     args.dtype, args.device)
     from common.transport import CurveClient
     from worker.main import WorkerOptions, run_worker
 
