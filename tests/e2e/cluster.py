@@ -19,9 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from common.transport import free_port
+from engine.dtype import host_cpu_flags, resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_BLOCKS = "256"
+# What `--dtype auto` serves a CPU worker in on this host (on CPU the checkpoint's own
+# dtype does not matter). Workers get it explicitly and the reference engine
+# (conftest.py) runs in it too, so expected tokens come from the dtype served.
+DTYPE = resolve_dtype("auto", None, "cpu", host_cpu_flags())
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -128,7 +133,7 @@ class Cluster:
     def add_worker(self, role: str, *extra: str, env: dict[str, str] | None = None) -> Proc:
         self._n += 1
         args = [role, "--gateway", self.control, "--threads", "1", "--num-blocks", WORKER_BLOCKS,
-                "--heartbeat", "0.25", *extra]
+                "--heartbeat", "0.25", "--dtype", DTYPE, *extra]
         if role == "worker":
             args.append("--colocated")
         proc = start(f"{role}{self._n}", args, self.log_dir, env)

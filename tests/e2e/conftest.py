@@ -48,8 +48,9 @@ def reference(model_dir: Path) -> Iterator[Reference]:
     from engine.config import CacheConfig, EngineConfig
     from engine.llm_engine import LLMEngine
     from gateway.tokenizer import Tokenizer
+    from tests.e2e.cluster import DTYPE
 
-    cfg = EngineConfig(model_dir=str(model_dir), num_threads=1, cache=CacheConfig(num_blocks=256))
+    cfg = EngineConfig(model_dir=str(model_dir), dtype=DTYPE, num_threads=1, cache=CacheConfig(num_blocks=256))
     yield Reference(LLMEngine(cfg), Tokenizer.from_model_dir(model_dir), model_dir.name)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tests.e2e.cluster import Cluster
+from tests.e2e.cluster import DTYPE, Cluster
 from tests.helpers.tiny_models import copy_with_one_weight_changed
 
 
@@ -42,15 +42,16 @@ def test_checkpoint_one_weight_apart_is_refused_at_registration(
 def test_dtype_and_block_size_mismatches_are_refused_at_registration(
     log_dir: Path, model_dir: Path
 ) -> None:
+    other = "float32" if DTYPE == "bfloat16" else "bfloat16"  # not what `auto` gives here
     c = Cluster(log_dir)
     try:
         c.start_gateway()
-        c.add_worker("prefill", "--model", str(model_dir), "--worker-id", "base")
+        c.add_worker("prefill", "--model", str(model_dir), "--worker-id", "base", "--dtype", "auto")
         c.wait_roles(prefill=1)
-        procs = [c.add_worker("decode", "--model", str(model_dir), "--worker-id", "bf16", "--dtype", "bfloat16"),
+        procs = [c.add_worker("decode", "--model", str(model_dir), "--worker-id", "other", "--dtype", other),
                  c.add_worker("decode", "--model", str(model_dir), "--worker-id", "block32",
                               "--block-size", "32")]
-        c._wait(lambda: _refused(c, "bf16") and _refused(c, "block32"), "both mismatched workers refused")
+        c._wait(lambda: _refused(c, "other") and _refused(c, "block32"), "both mismatched workers refused")
         assert [w["id"] for w in c.worker_list()] == ["base"]
         assert all(p.alive() for p in procs)
     finally:
