@@ -60,7 +60,8 @@ def test_pool_rejects_wrong_shape_and_tiny() -> None:
 
 
 def _config(model_dir: Path, **cache: object) -> EngineConfig:
-    return EngineConfig(model_dir=str(model_dir), num_threads=1, cache=CacheConfig(**cache))  # type: ignore[arg-type]
+    return EngineConfig(model_dir=str(model_dir), dtype="float32", num_threads=1,  # float32 byte counts
+                        cache=CacheConfig(**cache))  # type: ignore[arg-type]
 
 
 def test_runner_sizes_pool_from_memory_budget(tiny_model_dir: Callable[..., Path]) -> None:
