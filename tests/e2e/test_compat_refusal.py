@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tests.e2e.cluster import DTYPE, Cluster
+from tests.e2e.cluster import AUTO_DTYPE, Cluster
 from tests.helpers.tiny_models import copy_with_one_weight_changed
 
 
@@ -42,7 +42,7 @@ def test_checkpoint_one_weight_apart_is_refused_at_registration(
 def test_dtype_and_block_size_mismatches_are_refused_at_registration(
     log_dir: Path, model_dir: Path
 ) -> None:
-    other = "float32" if DTYPE == "bfloat16" else "bfloat16"  # not what `auto` gives here
+    other = "float32" if AUTO_DTYPE == "bfloat16" else "bfloat16"  # not what `auto` gives here
     c = Cluster(log_dir)
     try:
         c.start_gateway()

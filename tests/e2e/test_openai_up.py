@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from common.transport import free_port
-from tests.e2e.cluster import ROOT, _env, http
+from tests.e2e.cluster import DTYPE, ROOT, _env, http
 from tests.e2e.conftest import Reference
 
 # Not the model's own limit (2048) nor the default block size (16): `up` must pass them on.
@@ -27,7 +27,7 @@ def up_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--num-blocks", "256", "--threads", "1",
-             "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE)],
+             "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE), "--dtype", DTYPE],
             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=out, start_new_session=True,
         )
     try:

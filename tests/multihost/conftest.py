@@ -78,8 +78,10 @@ def mh_reference(mh_model_dir: Path) -> Reference:
     from engine.llm_engine import LLMEngine
     from gateway.tokenizer import Tokenizer
 
+    # float32 on both sides, as in tests/e2e/cluster.py (DTYPE): exact equality under
+    # recovery holds in float32 only.
     cfg = EngineConfig(
-        model_dir=str(mh_model_dir), num_threads=1, cache=CacheConfig(num_blocks=256)
+        model_dir=str(mh_model_dir), dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=256)
     )
     return Reference(LLMEngine(cfg), Tokenizer.from_model_dir(mh_model_dir), mh_model_dir.name)
 
@@ -196,7 +198,7 @@ class Deployment:
                               "--worker-id", self.worker_id(host), "--threads", "1",
                               "--num-blocks", WORKER_BLOCKS, "--heartbeat", "0.25",
                               "--metrics-host", addr, "--metrics-port", str(METRICS_PORT),
-                              "--kv-host", addr, "--kv-transport", "tcp"])
+                              "--kv-host", addr, "--kv-transport", "tcp", "--dtype", "float32"])
         wanted = {self.worker_id(h) for h in ("pf", "d1", "d2")}
         self.wait(
             lambda: wanted <= {w["id"] for w in self.workers()}, "all three workers registered", 120
