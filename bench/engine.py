@@ -137,6 +137,7 @@ def bench_model(
     max_batch = max(batches)
     cfg = EngineConfig(
         model_dir=str(model_dir),
+        dtype="float32",  # against HF in float32 below
         cache=CacheConfig(
             num_blocks=max_batch * ((args.prompt_len + args.decode_tokens + 1) // 16 + 2) + 1,
             enable_prefix_caching=False,
