@@ -14,6 +14,7 @@ from common.sampling_params import SamplingParams
 from gateway.backend import GenerateRequest
 from gateway.cluster import ClusterBackend, ClusterConfig
 from tests.e2e.cluster import (
+    DTYPE,
     WORKER_BLOCKS,
     Cluster,
     Proc,
@@ -90,10 +91,10 @@ async def _refused_then_reserved(log_dir: Path, reference: Reference) -> None:
     procs: list[Proc] = []
     try:
         procs.append(start("prefill", ["prefill", "--gateway", be.control_address, "--threads", "1",
-                                       "--num-blocks", WORKER_BLOCKS], log_dir))
+                                       "--num-blocks", WORKER_BLOCKS, "--dtype", DTYPE], log_dir))
         # 5 usable blocks of 16 tokens = 80 tokens.
         procs.append(start("decode", ["decode", "--gateway", be.control_address, "--threads", "1",
-                                      "--num-blocks", "6"], log_dir))
+                                      "--num-blocks", "6", "--dtype", DTYPE], log_dir))
         deadline = time.monotonic() + 90
         while not be.ready().ready:
             assert time.monotonic() < deadline, [pr.log() for pr in procs]
