@@ -111,6 +111,10 @@ CASES: dict[str, Case] = {
     "plan-model-missing": Case(
         lambda d, p: ["plan", "--model", "/nonexistent", "--device-memory", "8GiB", "--max-model-len", "8"],
         "argument --model"),
+    "up-dtype-fp8": Case(lambda d, p: ["up", "--dtype", "fp8"], "argument --dtype"),
+    "prefill-dtype-int4": Case(lambda d, p: ["prefill", "--gateway", GW, "--dtype", "int4"], "argument --dtype"),
+    "plan-dtype-fp8": Case(
+        lambda d, p: ["plan", "--device-memory", "8GiB", "--max-model-len", "8", "--dtype", "fp8"], "argument --dtype"),
     "bench-base-url-ftp": Case(lambda d, p: ["bench", "--base-url", "ftp://host"], "argument --base-url"),
     "bench-request-rate-negative": Case(lambda d, p: ["bench", "--request-rate", "-1"], "argument --request-rate"),
     "make-model-under-a-file": Case(lambda d, p: ["make-model", str(d.not_a_dir / "sub")], "cannot write", rc=1),

@@ -90,10 +90,12 @@ def test_auto_dtype_resolves_as_the_workers_do(gqa_7b: Path, capsys: pytest.Capt
     assert main([*base, "--device", "cuda", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["dtype"], out["device"], out["kv_bytes_per_token"]) == ("float16", "cuda", 128 * 1024)
-    assert main([*base, "--device", "tpu"]) == 2
-    assert "unsupported device 'tpu'" in capsys.readouterr().err
-    assert main([*base, "--dtype", "int3"]) == 2
-    assert "unknown dtype 'int3'" in capsys.readouterr().err
+    with pytest.raises(PlanError, match="unsupported device 'tpu'"):
+        compute_plan(gqa_7b, 80 * GiB, 8192, device="tpu")
+    with pytest.raises(SystemExit) as exit_info:
+        main([*base, "--dtype", "int3"])
+    assert exit_info.value.code == 2
+    assert "argument --dtype: unknown dtype 'int3'" in capsys.readouterr().err
 
 
 def test_safetensors_headers_give_exact_count(tmp_path: Path) -> None:
