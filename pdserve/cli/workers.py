@@ -133,10 +133,11 @@ def run(args: argparse.Namespace) -> int:
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.dtype import model_dtype
 
+    model = model_dir(args.model)
     try:
         engine_cfg = EngineConfig(
-            model_dir=str(model_dir(args.model)),
-            dtype=model_dtype(args.dtype, model_dir(args.model), args.device),
+            model_dir=str(model),
+            dtype=model_dtype(args.dtype, model, args.device),  # `auto`: what this host serves in
             device=args.device,
             num_threads=args.threads or default_threads(args.local_workers),
             cache=CacheConfig(
