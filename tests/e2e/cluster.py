@@ -32,6 +32,7 @@ WORKER_BLOCKS = "256"
 DTYPE = "float32"
 # What `--dtype auto` gives a CPU worker on this host (on CPU the checkpoint's dtype
 # plays no part).
+WORKER_COMMANDS = ("prefill", "decode", "worker")
 AUTO_DTYPE = resolve_dtype("auto", None, "cpu", host_cpu_flags())
 
 
@@ -71,6 +72,10 @@ class Proc:
 
 
 def start(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
+    """`python -m pdserve ARGS` in its own process group; a worker runs the suite's
+    `DTYPE` unless `args` name another."""
+    if args and args[0] in WORKER_COMMANDS and "--dtype" not in args:
+        args = [*args, "--dtype", DTYPE]
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as out:
         popen = subprocess.Popen(
