@@ -142,7 +142,8 @@ class RequestPayload:
     @property
     def num_tokens(self) -> int:
         """Tokens to prefill: the prompt and any resumed output."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        resumed = len(self.resume.output_token_ids) if self.resume else 0  # no copy: load() reads it every tick
+        return len(self.prompt_token_ids) + resumed
 
 
 @dataclass(frozen=True)
