@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from common.structured import StructuredOutput, StructuredOutputError
+
 
 class SamplingParamsError(ValueError):
     """An invalid sampling parameter; `param` names it for the API error envelope."""
@@ -33,6 +35,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs of each sampled token; None = off
     n: int = 1
+    # Output constraint (JSON schema, regex, choice, grammar) enforced as a token mask.
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -59,6 +63,11 @@ class SamplingParams:
             raise SamplingParamsError("logprobs", "logprobs must be in [0, 20]")
         if self.n < 1:
             raise SamplingParamsError("n", "n must be at least 1")
+        if self.structured is not None:
+            try:
+                self.structured.validate()
+            except StructuredOutputError as e:
+                raise SamplingParamsError(e.param, str(e)) from None
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,4 +82,6 @@ class SamplingParams:
             raise SamplingParamsError(sorted(set(d) - set(known))[0], "unknown sampling field")
         if "stop_token_ids" in known:
             known["stop_token_ids"] = tuple(int(t) for t in known["stop_token_ids"])
+        if isinstance(known.get("structured"), dict):
+            known["structured"] = StructuredOutput(**known["structured"])
         return cls(**known).validate()

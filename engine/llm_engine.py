@@ -28,6 +28,8 @@ from common.logprobs import Logprob
 from common.sampling_params import SamplingParams
 from engine.block_manager import BlockCopy, BlockManager
 from engine.config import EngineConfig
+from engine.grammar.compiler import GrammarCompiler, load_tokenizer
+from engine.grammar.masking import constrain
 from engine.outputs import (
     EngineStats,
     GenerationResult,
@@ -71,6 +73,10 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.sampler = Sampler()
+        eos = sorted(self.eos_token_ids)
+        self.grammar = GrammarCompiler(
+            lambda: load_tokenizer(config.model_dir, self.vocab_size, eos), eos, config.grammar_compile_timeout_s
+        )
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_counter = itertools.count()
@@ -274,6 +280,8 @@ class LLMEngine:
         check_request(prompt, outputs, params, choice_index, vocab_size=self.vocab_size,
                       max_model_len=self.max_model_len, blocks=self.block_manager,
                       scheduler=self.config.scheduler)
+        if params.structured is not None:
+            self.grammar.compile(params.structured)  # compiled (and cached) before it is queued
         counter = next(self._request_counter)
         seed = params.seed if params.seed is not None else request_seed(self.config.seed, counter)
         seq = Seq(
@@ -307,6 +315,7 @@ class LLMEngine:
 
     def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         rows, seqs = self._sample_rows(batch)
+        constrain(logits, rows, seqs, self.grammar)
         samples = self.sampler(logits, rows)
         deltas = StepDeltas()
         touched: dict[str, Request] = {}

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.logprobs import Logprob
 from common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar.matcher import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -60,6 +64,9 @@ class Sequence:
     prefill_only: bool = False
     # Tokens of the prompt served from the prefix cache on its first admission.
     num_cached_tokens: int = 0
+    # Structured outputs: the grammar state, built on first use by replaying the output
+    # (engine/grammar/masking.py); a fork builds its own.
+    grammar: GrammarMatcher | None = field(default=None, repr=False)
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

@@ -80,6 +80,9 @@ class GatewayConfig:
     default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default)
     # Defaults for sampling fields a request leaves out (from generation_config.json).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # --enable-auto-tool-choice --tool-call-parser: tool_choice "auto" parses calls in
+    # this format (gateway/tool_calls.py); None: only required/named tool choices.
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:

@@ -7,12 +7,14 @@ accumulates them into the final non-streaming body.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.backend import Logprob
 from gateway.generation import ChoiceUpdate
 from gateway.tokenizer import Tokenizer
+from gateway.tool_calls import ToolCallAssembler, ToolCallParser
 from gateway.validation import CHAT
 
 
@@ -34,7 +36,8 @@ class _Accumulated:
 
 
 class ResponseBuilder:
-    def __init__(self, kind: str, request_id: str, model: str, tokenizer: Tokenizer, n: int, want_logprobs: bool) -> None:
+    def __init__(self, kind: str, request_id: str, model: str, tokenizer: Tokenizer, n: int, want_logprobs: bool,
+                 tool_parser: Callable[[], ToolCallParser] | None = None, named_tool: bool = False) -> None:
         self._kind = kind
         self.id = ("chatcmpl-" if kind == CHAT else "cmpl-") + request_id
         self._model = model
@@ -43,6 +46,11 @@ class ResponseBuilder:
         self._created = int(time.time())
         self._acc = [_Accumulated() for _ in range(n)]
         self._text_offset = [0] * n  # completions logprobs.text_offset, per choice
+        # Chat with tools: each choice's text goes through a tool-call parser.
+        self._tool_parser = tool_parser if kind == CHAT else None
+        self._parsers = [tool_parser() for _ in range(n)] if tool_parser is not None and kind == CHAT else []
+        self._calls = [ToolCallAssembler() for _ in range(n)]
+        self._named_tool = named_tool  # OpenAI ends a forced named call with "stop"
 
     # -- streaming ------------------------------------------------------------
 
@@ -59,12 +67,14 @@ class ResponseBuilder:
 
     def chunk(self, u: ChoiceUpdate) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": u.index}
-        if self._kind == CHAT:
+        if self._kind == CHAT and self._parsers:
+            choice["delta"] = self._tool_delta(u)
+        elif self._kind == CHAT:
             choice["delta"] = {"content": u.text} if u.text or u.finish_reason is None else {}
         else:
             choice["text"] = u.text
         choice["logprobs"] = self._logprobs(u.index, u.logprobs, u.text) if self._want_logprobs else None
-        choice["finish_reason"] = u.finish_reason
+        choice["finish_reason"] = self._finish_reason(u.index, u.finish_reason)
         if u.finish_reason is not None:
             choice["stop_reason"] = u.stop_reason
         return self._envelope([choice])
@@ -94,14 +104,45 @@ class ResponseBuilder:
             text = "".join(acc.text)
             lp = self._logprobs(i, acc.logprobs, text) if self._want_logprobs else None
             if self._kind == CHAT:
-                choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": text}}
+                choice: dict[str, Any] = {"index": i, "message": self._message(i, text)}
             else:
                 choice = {"index": i, "text": text}
-            choice.update(logprobs=lp, finish_reason=acc.finish_reason, stop_reason=acc.stop_reason)
+            choice.update(logprobs=lp, finish_reason=self._finish_reason(i, acc.finish_reason),
+                          stop_reason=acc.stop_reason)
             choices.append(choice)
         obj = "chat.completion" if self._kind == CHAT else "text_completion"
         return {"id": self.id, "object": obj, "created": self._created, "model": self._model,
                 "choices": choices, "usage": usage_obj}
+
+    # -- tool calls -----------------------------------------------------------
+
+    def _tool_delta(self, u: ChoiceUpdate) -> dict[str, Any]:
+        parser = self._parsers[u.index]
+        content, calls = parser.feed(u.text)
+        if u.finish_reason is not None:
+            tail = parser.finish()
+            content, calls = content + tail.content, calls + tail.calls
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = self._calls[u.index].deltas(calls)
+        return delta
+
+    def _message(self, index: int, text: str) -> dict[str, Any]:
+        if self._tool_parser is None:
+            return {"role": "assistant", "content": text}
+        parser = self._tool_parser()
+        first, rest = parser.feed(text), parser.finish()
+        calls = self._calls[index]
+        calls.deltas(first.calls + rest.calls)
+        content = first.content + rest.content
+        if not calls.any:
+            return {"role": "assistant", "content": content}
+        return {"role": "assistant", "content": content or None, "tool_calls": calls.calls()}
+
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        if reason == "stop" and self._calls[index].any and not self._named_tool:
+            return "tool_calls"
+        return reason
 
     # -- logprobs -------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from gateway.formatting import ResponseBuilder, usage
 from gateway.generation import ChoiceUpdate, Generation
 from gateway.state import STATE, GatewayState
 from gateway.timing import RequestTimer
+from gateway.tool_calls import parser_factory
 from gateway.validation import (
     CHAT,
     COMPLETION,
@@ -153,7 +154,9 @@ class _RequestRun:
             return tok.encode(parsed.prompt_text, add_special_tokens=True)
         assert parsed.messages is not None
         try:
-            prompt = tok.apply_chat_template(list(parsed.messages), add_generation_prompt=True)
+            tools = parsed.shape.template_tools
+            extra = {"tools": tools} if tools else {}
+            prompt = tok.apply_chat_template(list(parsed.messages), add_generation_prompt=True, **extra)
         except ChatTemplateError as e:
             raise invalid("messages", f"cannot apply the chat template: {str(e)[:200]}", "invalid_messages") from None
         return tok.encode(prompt, add_special_tokens=False)
@@ -174,9 +177,12 @@ class _RequestRun:
             include_stop_str=parsed.include_stop_str,
             on_first_token=lambda: state.metrics.ttft.observe(self.timer.elapsed()),
         )
+        shape = parsed.shape
         builder = ResponseBuilder(
             self.kind, self.rid, state.config.model_name, state.tokenizer, parsed.params.n,
             parsed.params.logprobs is not None,
+            parser_factory(shape.tool_mode, shape.tool_name, state.config.tool_call_parser),
+            named_tool=shape.tool_mode == "named",
         )
         try:
             try:

@@ -38,7 +38,7 @@ _DETOKENIZE_FIELDS = {"model", "tokens"}
 @dataclass(frozen=True)
 class TokenizeRequest:
     prompt: str | None  # the prompt form
-    messages: tuple[dict[str, str], ...] | None  # the chat form
+    messages: tuple[dict[str, Any], ...] | None  # the chat form
     add_special_tokens: bool
     add_generation_prompt: bool
     return_token_strs: bool

@@ -8,8 +8,9 @@ Checks that need the tokenizer (prompt length, token id range, context length) l
 
 Unknown top-level fields are rejected, like OpenAI does ("Unrecognized request
 argument"), except a few that are harmless to ignore (`HARMLESS`). Fields whose
-non-default value would silently change the meaning of the request (tools,
-response_format, echo, logit_bias, ...) are accepted only at their neutral value.
+non-default value would silently change the meaning of the request (echo, logit_bias,
+...) are accepted only at their neutral value. `response_format`, `structured_outputs`,
+`tools` and `tool_choice` are read by gateway/structured.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from gateway.backend import PRIORITIES
 from gateway.config import GatewayConfig, RequestLimits
 from gateway.errors import APIError, excerpt, invalid
 from gateway.fields import bool_field, float_field, int_field, opt_str_field
+from gateway.structured import OutputShape, parse_output_shape, tool_message_fields
 
 COMPLETION = "completion"
 CHAT = "chat"
@@ -32,11 +34,11 @@ _SAMPLING = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "seed", "stop", "n", "stream", "stream_options",
     "ignore_eos", "user", "priority", "stop_token_ids", "skip_special_tokens",
-    "include_stop_str_in_output",
+    "include_stop_str_in_output", "response_format", "structured_outputs",
 }
 _KNOWN = {
     COMPLETION: _SAMPLING | {"prompt", "logprobs"},
-    CHAT: _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+    CHAT: _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"},
 }
 # Ignored without effect on the output.
 HARMLESS = {"store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort"}
@@ -46,19 +48,16 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "best_of": (1,),
     "logit_bias": ({},),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
     "logprobs_mode": (),
 }
-_ROLES = ("system", "developer", "user", "assistant")
-_MESSAGE_KEYS = {"role", "content", "name"}
-_MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {"tool_calls": ([],), "refusal": (), "function_call": ()}
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+_MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {"refusal": (), "function_call": ()}
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ class ParsedRequest:
     kind: str  # COMPLETION | CHAT
     prompt_text: str | None  # completion prompt given as text
     prompt_token_ids: tuple[int, ...] | None  # completion prompt given as token ids
-    messages: tuple[dict[str, str], ...] | None  # chat messages, content flattened to text
+    messages: tuple[dict[str, Any], ...] | None  # chat messages, content flattened to text
     params: SamplingParams
     max_tokens: int | None  # as requested; None -> default
     stop: tuple[str, ...]
@@ -78,6 +77,7 @@ class ParsedRequest:
     user: str | None
     skip_special_tokens: bool = True
     include_stop_str: bool = False
+    shape: OutputShape = OutputShape()  # structured output and tools
 
     @property
     def prompt_param(self) -> str:
@@ -137,7 +137,8 @@ def parse_request(
     max_tokens = _max_tokens(kind, body, limits)
     stream = bool_field(body, "stream", False)
     include_usage = _stream_options(body, stream)
-    params = _sampling(kind, body, config, max_tokens)
+    shape = parse_output_shape(body, kind == CHAT, config.tool_call_parser is not None)
+    params = replace(_sampling(kind, body, config, max_tokens), structured=shape.constraint)
     return ParsedRequest(
         kind=kind,
         prompt_text=prompt_text,
@@ -152,6 +153,7 @@ def parse_request(
         user=opt_str_field(body, "user"),
         skip_special_tokens=bool_field(body, "skip_special_tokens", True),
         include_stop_str=bool_field(body, "include_stop_str_in_output", False),
+        shape=shape,
     )
 
 
@@ -208,7 +210,7 @@ def _check_fields(kind: str, body: Mapping[str, Any]) -> None:
         raise invalid(key, f"Unrecognized request argument supplied: {excerpt(key, 40)}", "unknown_parameter")
 
 
-def parse_messages(value: Any, limits: RequestLimits) -> tuple[dict[str, str], ...]:
+def parse_messages(value: Any, limits: RequestLimits) -> tuple[dict[str, Any], ...]:
     if value is None:
         raise invalid("messages", "messages is required", "missing_required_parameter")
     if not isinstance(value, list):
@@ -220,7 +222,7 @@ def parse_messages(value: Any, limits: RequestLimits) -> tuple[dict[str, str], .
     return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(value))
 
 
-def _message(m: Any, where: str) -> dict[str, str]:
+def _message(m: Any, where: str) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise invalid(where, f"{where} must be an object", "invalid_type")
     for key, val in m.items():
@@ -233,7 +235,8 @@ def _message(m: Any, where: str) -> dict[str, str]:
     content = m.get("content")
     if content is None and role == "assistant":
         content = ""
-    out = {"role": role, "content": _content(content, f"{where}.content")}
+    out: dict[str, Any] = {"role": role, "content": _content(content, f"{where}.content")}
+    out.update(tool_message_fields(m, where))
     name = m.get("name")
     if name is not None:
         if not isinstance(name, str):

@@ -60,6 +60,11 @@ def add_gateway_options(ap: argparse.ArgumentParser) -> None:
     adm.add_argument("--batch-aging", type=non_negative_float, default=None,
                      help="seconds after which a waiting batch request counts as interactive (0: never)")
     adm.add_argument("--retry-after", type=non_negative_int, default=None, help="Retry-After seconds on 503s")
+    tools = ap.add_argument_group("tool calling (vLLM's flags)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto": find tool calls in the output (needs --tool-call-parser)')
+    tools.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                       help="the model's tool-call format: hermes (<tool_call>, Qwen) or llama3_json")
     lim = ap.add_argument_group("request size limits (400/413 beyond these)")
     for name, flag in LIMIT_FLAGS.items():
         lim.add_argument(flag, type=int, default=None, dest=f"limit_{name}", metavar="N")
@@ -144,6 +149,10 @@ def gateway_settings(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.default_max_tokens is not None:
         out["default_max_tokens"] = args.default_max_tokens
+    if args.enable_auto_tool_choice:
+        if args.tool_call_parser is None:
+            raise UsageError("--enable-auto-tool-choice", "needs --tool-call-parser hermes|llama3_json")
+        out["tool_call_parser"] = args.tool_call_parser
     assert set(out) <= {f.name for f in fields(GatewayConfig)}
     return out
 

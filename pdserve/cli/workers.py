@@ -76,6 +76,8 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-watermark", type=fraction, default=0.01,
                     help="decode admission: fraction of the KV pool also kept free")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--grammar-compile-timeout", type=positive_float, default=10.0, metavar="SECONDS",
+                    help="structured outputs: a constraint not compiled in time is refused (400)")
     ap.add_argument("--threads", type=positive_int, default=None,
                     help="torch intra-op threads (default: the cores split among --local-workers)")
     ap.add_argument("--local-workers", type=positive_int, default=1, help="workers sharing this host")
@@ -139,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             model_dir=str(model),
             dtype=model_dtype(args.dtype, model, args.device),  # `auto`: what this host serves in
             device=args.device,
+            grammar_compile_timeout_s=args.grammar_compile_timeout,
             num_threads=args.threads or default_threads(args.local_workers),
             cache=CacheConfig(
                 block_size=args.block_size,

@@ -128,11 +128,12 @@ CASES = [
     # Unknown and unsupported fields.
     c("unknown field", 400, "frobnicate", "unknown_parameter", body=comp(frobnicate=1)),
     c("huge unknown field name", 400, "A" * 64, "unknown_parameter", body=comp(**{HUGE[:1000]: 1})),
-    c("tools not supported", 400, "tools", "unsupported_parameter",
-      body=chat(tools=[{"type": "function", "function": {"name": "f"}}]), chat=True),
+    c("tool_choice auto without a parser", 400, "tool_choice", "invalid_value",
+      body=chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="auto"), chat=True),
     c("echo not supported", 400, "echo", "unsupported_parameter", body=comp(echo=True)),
-    c("response_format json", 400, "response_format", "unsupported_parameter",
-      body=chat(response_format={"type": "json_object"}), chat=True),
+    c("response_format bad schema", 400, "response_format.json_schema.schema", "invalid_structured_output",
+      body=chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+      chat=True),
     c("logit_bias not supported", 400, "logit_bias", "unsupported_parameter", body=comp(logit_bias={"5": 10})),
 ]
 
