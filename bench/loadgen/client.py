@@ -95,6 +95,8 @@ class StreamingClient:
         }
         if self.cfg.ignore_eos:
             body["ignore_eos"] = True
+        if self.cfg.extra_body:
+            body.update(json.loads(self.cfg.extra_body))
         if self.cfg.endpoint is Endpoint.CHAT:
             body["messages"] = spec.chat_messages()
         else:

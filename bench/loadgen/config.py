@@ -48,6 +48,8 @@ class EndpointConfig:
     request_timeout_s: float = 600.0
     ignore_eos: bool = True
     temperature: float = 0.0
+    # JSON object merged into every request body (e.g. a response_format), as text.
+    extra_body: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ lives in `bench/loadgen`.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -29,6 +30,16 @@ from pdserve.cli.args import (
     positive_float,
     positive_int,
 )
+
+
+def _json_object(text: str) -> str:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text[:60]!r}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text[:60]!r}")
+    return text
 
 
 def _positive_ints(text: str) -> tuple[int, ...]:
@@ -55,6 +66,8 @@ def register(subparsers: Any) -> None:
     e.add_argument("--request-timeout", type=positive_float, default=600.0, help="seconds per request")
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos: true")
+    e.add_argument("--extra-body", type=_json_object, default=None, metavar="JSON",
+                   help='merged into every request, e.g. \'{"response_format": {...}}\'')
 
     w = p.add_argument_group("workload")
     w.add_argument(
@@ -130,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             request_timeout_s=args.request_timeout,
             ignore_eos=not args.no_ignore_eos,
             temperature=args.temperature,
+            extra_body=args.extra_body,
         ),
         workload=WorkloadConfig(
             kind=WorkloadKind(kind),
