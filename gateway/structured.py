@@ -19,7 +19,7 @@ from typing import Any
 from common.structured import StructuredOutput, StructuredOutputError, check, json_schema
 from gateway.errors import invalid
 
-MAX_SPEC_CHARS = 32 << 10  # a constraint travels in one control message
+MAX_SPEC_BYTES = 32 << 10  # a constraint travels in one control message (strings <= 64 KiB)
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 NONE, AUTO, REQUIRED, NAMED = "none", "auto", "required", "named"
@@ -83,8 +83,8 @@ def parse_output_shape(body: Mapping[str, Any], chat: bool, auto_tools: bool) ->
 def _checked(shape: OutputShape) -> OutputShape:
     c = shape.constraint
     if c is not None:
-        if len(c.spec) > MAX_SPEC_CHARS:
-            raise invalid(c.param, f"{c.param} is too large (at most {MAX_SPEC_CHARS} characters)", "too_large")
+        if len(c.spec.encode()) > MAX_SPEC_BYTES:
+            raise invalid(c.param, f"{c.param} is too large (at most {MAX_SPEC_BYTES} bytes)", "too_large")
         try:
             check(c)
         except StructuredOutputError as e:

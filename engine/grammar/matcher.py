@@ -31,10 +31,9 @@ class GrammarMatcher:
         """Consume the output tokens not consumed yet; False if the grammar rejected one
         (the matcher then stays in its error state)."""
         new = output_token_ids[self.num_consumed:]
-        if new:
-            self.num_consumed = len(output_token_ids)
-            if not self._m.consume_tokens([int(t) for t in new]):
-                log.warning("grammar rejected an output token: %s", self._m.get_error()[:200])
+        self.num_consumed = len(output_token_ids)
+        if new and not self._m.is_error() and not self._m.consume_tokens([int(t) for t in new]):
+            log.warning("grammar rejected an output token: %s", self._m.get_error()[:200])
         return not self._m.is_error()
 
     def accepted_prefix(self, tokens: Sequence[int]) -> int:

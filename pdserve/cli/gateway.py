@@ -28,6 +28,7 @@ from pdserve.cli.args import (
 from pdserve.cli.gateway_options import (
     add_gateway_options,
     check_served_names,
+    check_tool_flags,
     gateway_settings,
     sampling_defaults,
 )
@@ -74,6 +75,7 @@ def check_args(args: argparse.Namespace) -> int:
         raise UsageError(flag, "--curve-secret-key and --curve-authorized-keys go together")
     max_model_len = check_max_model_len(args.max_model_len, check_model(args.model))
     check_served_names(args.served_model_name)
+    check_tool_flags(args)
     if args.port:
         check_listen("--port", args.host, args.port)
     if args.control_port:

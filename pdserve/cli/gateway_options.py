@@ -150,11 +150,15 @@ def gateway_settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.default_max_tokens is not None:
         out["default_max_tokens"] = args.default_max_tokens
     if args.enable_auto_tool_choice:
-        if args.tool_call_parser is None:
-            raise UsageError("--enable-auto-tool-choice", "needs --tool-call-parser hermes|llama3_json")
         out["tool_call_parser"] = args.tool_call_parser
     assert set(out) <= {f.name for f in fields(GatewayConfig)}
     return out
+
+
+def check_tool_flags(args: argparse.Namespace) -> None:
+    """`--enable-auto-tool-choice` needs the format to parse (vLLM's rule)."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise UsageError("--enable-auto-tool-choice", "needs --tool-call-parser hermes|llama3_json")
 
 
 def check_served_names(names: list[str] | None) -> None:

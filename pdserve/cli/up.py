@@ -30,7 +30,12 @@ from pdserve.cli.args import (
     positive_float,
     positive_int,
 )
-from pdserve.cli.gateway_options import api_keys, check_served_names, sampling_defaults
+from pdserve.cli.gateway_options import (
+    api_keys,
+    check_served_names,
+    check_tool_flags,
+    sampling_defaults,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -73,6 +78,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                     help="gateway: sampling defaults from the model's generation_config.json (auto), "
                          "none (vllm) or a directory's")
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help='gateway: tool_choice "auto" (needs --tool-call-parser)')
+    ap.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                    help="gateway: the model's tool-call format")
+    ap.add_argument("--grammar-compile-timeout", type=positive_float, default=None, metavar="SECONDS",
+                    help="workers: refuse a structured-output constraint not compiled in time (default 10)")
     ap.add_argument("--ready-timeout", type=positive_float, default=120.0)
     ap.set_defaults(func=run)
 
@@ -112,6 +123,8 @@ def _worker_cmds(args: argparse.Namespace, control: str) -> list[list[str]]:
             cmd += ["--block-size", str(args.block_size)]
         if args.no_prefix_caching:
             cmd += ["--no-prefix-caching"]
+        if args.grammar_compile_timeout:
+            cmd += ["--grammar-compile-timeout", str(args.grammar_compile_timeout)]
         cmds.append(cmd)
     return cmds
 
@@ -128,6 +141,10 @@ def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
         cmd += ["--served-model-name", *args.served_model_name]
     mode = args.generation_config
     cmd += ["--generation-config", mode if mode in ("auto", "vllm") else str(Path(mode).resolve())]
+    if args.enable_auto_tool_choice:
+        cmd += ["--enable-auto-tool-choice"]
+    if args.tool_call_parser:
+        cmd += ["--tool-call-parser", args.tool_call_parser]
     for key in args.api_key:
         cmd += ["--api-key", key]
     for path in args.api_key_file:
@@ -146,6 +163,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Everything a child would otherwise fail on, refused before any child starts."""
     check_max_model_len(args.max_model_len, check_model(args.model))
     check_served_names(args.served_model_name)
+    check_tool_flags(args)
     sampling_defaults(args.generation_config, model_dir(args.model))
     api_keys(args)  # every --api-key-file readable and not empty
     check_listen("--port", args.host, args.port)
