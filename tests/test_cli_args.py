@@ -117,6 +117,13 @@ CASES: dict[str, Case] = {
         lambda d, p: ["plan", "--device-memory", "8GiB", "--max-model-len", "8", "--dtype", "fp8"], "argument --dtype"),
     "bench-base-url-ftp": Case(lambda d, p: ["bench", "--base-url", "ftp://host"], "argument --base-url"),
     "bench-request-rate-negative": Case(lambda d, p: ["bench", "--request-rate", "-1"], "argument --request-rate"),
+    "bench-extra-body-not-an-object": Case(lambda d, p: ["bench", "--extra-body", "[1]"], "argument --extra-body"),
+    "gateway-auto-tool-choice-without-parser": Case(
+        lambda d, p: ["gateway", "--enable-auto-tool-choice"], "argument --enable-auto-tool-choice"),
+    "up-tool-call-parser-unknown": Case(lambda d, p: ["up", "--tool-call-parser", "xml"], "argument --tool-call-parser"),
+    "worker-grammar-compile-timeout-0": Case(
+        lambda d, p: ["worker", "--colocated", "--gateway", GW, "--grammar-compile-timeout", "0"],
+        "argument --grammar-compile-timeout"),
     "make-model-under-a-file": Case(lambda d, p: ["make-model", str(d.not_a_dir / "sub")], "cannot write", rc=1),
 }
 

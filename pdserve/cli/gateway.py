@@ -73,9 +73,9 @@ def check_args(args: argparse.Namespace) -> int:
     if bool(args.curve_secret_key) != bool(args.curve_authorized_keys):
         flag = "--curve-authorized-keys" if args.curve_secret_key else "--curve-secret-key"
         raise UsageError(flag, "--curve-secret-key and --curve-authorized-keys go together")
+    check_tool_flags(args)
     max_model_len = check_max_model_len(args.max_model_len, check_model(args.model))
     check_served_names(args.served_model_name)
-    check_tool_flags(args)
     if args.port:
         check_listen("--port", args.host, args.port)
     if args.control_port:

@@ -161,9 +161,9 @@ def _role_names(args: argparse.Namespace) -> list[str]:
 
 def check_args(args: argparse.Namespace) -> None:
     """Everything a child would otherwise fail on, refused before any child starts."""
+    check_tool_flags(args)
     check_max_model_len(args.max_model_len, check_model(args.model))
     check_served_names(args.served_model_name)
-    check_tool_flags(args)
     sampling_defaults(args.generation_config, model_dir(args.model))
     api_keys(args)  # every --api-key-file readable and not empty
     check_listen("--port", args.host, args.port)
