@@ -78,9 +78,13 @@ def test_llama3_json_and_required_parsers() -> None:
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    d: Path = write_default_model(tmp_path_factory.mktemp("tools-model"))
-    return Tokenizer.from_model_dir(d)
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_default_model(tmp_path_factory.mktemp("tools-model"))
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(model_dir)
 
 
 @pytest.fixture()
@@ -88,6 +92,29 @@ def gw(tok: Tokenizer) -> Iterator[tuple[GatewayThread, LocalBackend]]:
     backend = LocalBackend(tok)
     with GatewayThread(GatewayConfig(model_name=MODEL, max_model_len=2048, tool_call_parser="hermes"), backend, tok) as g:
         yield g, backend
+
+
+def test_builtin_template_renders_tools_and_tool_turns_like_transformers(model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    d = model_dir
+    msgs: Any = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]
+    ours = Tokenizer.from_model_dir(d).apply_chat_template(msgs, tools=TOOLS)
+    assert ours == AutoTokenizer.from_pretrained(d).apply_chat_template(msgs, tools=TOOLS, tokenize=False,
+                                                                          add_generation_prompt=True)
+    assert ours.count("<|start_header_id|>system") == 1 and "Be brief.\n\n# Tools" in ours
+    assert '\n{"type": "function", "function": {"name": "get_weather"' in ours
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in ours
+    assert "<tool_response>\nsunny\n</tool_response>" in ours
+    # Without tools the template renders exactly as before: no tool section at all.
+    plain = Tokenizer.from_model_dir(d).apply_chat_template(msgs[:2])
+    assert "# Tools" not in plain and plain.count("<|start_header_id|>system") == 1
 
 
 def _script(backend: LocalBackend, tok: Tokenizer, text: str) -> int:
