@@ -43,6 +43,20 @@ class GrammarMatcher:
             return 0
         return int(self._m.validate_tokens([int(t) for t in tokens]))
 
+    def allowed_along(self, tokens: Sequence[int], vocab_size: int) -> list[np.ndarray]:
+        """The masks at each position of a draft continuing the consumed output: before
+        tokens[0], after tokens[0], ... up to the first token the grammar rejects, so
+        `len(result) - 1` tokens are accepted. Nothing is committed: the matcher is
+        rolled back to where it was."""
+        take = self.accepted_prefix(tokens)
+        masks = [self.allowed(vocab_size)]
+        for t in tokens[:take]:
+            self._m.consume_token(int(t))
+            masks.append(self.allowed(vocab_size))
+        if take:
+            self._m.rollback(take)
+        return masks
+
     def allowed(self, vocab_size: int) -> np.ndarray:
         """Boolean mask of the tokens allowed next. A matcher in its error state (which
         a correct run never reaches) allows only EOS, so the sequence ends."""

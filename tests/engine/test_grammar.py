@@ -177,6 +177,13 @@ def test_matcher_checks_a_draft_without_committing(engine: LLMEngine, model_dir:
     assert m.num_consumed == 0 and m.accepted_prefix(good) == len(good)  # nothing was committed
     assert m.sync(good[:2]) and m.accepted_prefix(good[2:]) == len(good) - 2
     assert not m.allowed(2048)[tok.encode("}", add_special_tokens=False)[0]]
+    # Masks along a draft (for verifying it against the target model's logits): one per
+    # accepted position plus the next, each equal to the committed state's there.
+    masks = m.allowed_along(bad[2:], 2048)
+    assert len(masks) == 2 and m.num_consumed == 2  # bad[2] accepted, bad[3] rejected
+    assert (masks[0] == m.allowed(2048)).all() and masks[0][bad[2]] and not masks[1][bad[3]]
+    step = GrammarMatcher(compiled)
+    assert step.sync(good[:3]) and (step.allowed(2048) == masks[1]).all()
 
 
 def test_compiled_grammars_are_cached_by_schema(engine: LLMEngine, tok: Tokenizer) -> None:
