@@ -27,7 +27,7 @@ class GrammarCompileError(StructuredOutputError):
 
 
 class CompiledGrammar:
-    """A compiled constraint; `matcher()` gives a fresh matcher at the start of output."""
+    """A compiled constraint; `new_matcher()` gives a fresh llguidance matcher at the start of output."""
 
     def __init__(self, key: str, template: Any, eos_token_ids: Sequence[int]) -> None:
         self.key = key
