@@ -2,10 +2,11 @@
 
 `GrammarCompiler.compile(c)` returns a `CompiledGrammar` (a template matcher that each
 sequence copies), from an LRU cache keyed by the constraint's hash. Compiling runs on
-a small thread pool and is waited for at most `timeout_s`: a constraint that takes
-longer is refused with `GrammarCompileError` (the request gets a 400 naming its
-parameter) and the worker's loop goes on. A compile that outlives its wait keeps
-running in the pool and its result is cached when it lands, so a retry can hit.
+a small thread pool and the engine loop waits for it at most `timeout_s`: a constraint
+that takes longer is refused with `GrammarCompileError` (the request gets a 400 naming
+its parameter) and the loop goes on, so one pathological schema costs the worker at most
+that long, once. A compile that outlives its wait keeps running in the pool and is
+cached when it lands, so a retry can hit; a cache hit costs nothing.
 """
 
 from __future__ import annotations
