@@ -76,7 +76,10 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
             self.num_hits += 1
             return hit
-        grammar = check(c)  # a grammar error is reported without compiling anything
+        try:
+            grammar = check(c)  # a grammar error is reported without compiling anything
+        except StructuredOutputError as e:
+            raise GrammarCompileError(e.param, str(e)) from None
         future = self._pending.get(key)
         if future is None:
             tokenizer = self._tok()
