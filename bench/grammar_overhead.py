@@ -1,0 +1,71 @@
+"""Structured outputs: decode step time of the engine with and without a JSON schema.
+
+    .venv/bin/python -m bench.grammar_overhead --batch 8 --output-len 64 --reps 6
+
+The single-process engine decodes `--batch` sampled requests of `--output-len` tokens
+(ignore_eos), alternately without a constraint and with a JSON schema whose one string
+is 400 characters long (so the grammar is live for every token), `--reps` times each.
+Alternating cancels the drift of a shared machine's load; the medians of the mean
+decode step are compared. The per-token cost of the grammar (mask computation, the
+masked fill before the draw) is the difference; the target is a ratio <= 1.10.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from bench import harness
+
+if TYPE_CHECKING:
+    from common.sampling_params import SamplingParams
+    from engine.llm_engine import LLMEngine
+
+SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 400, "maxLength": 400}},
+          "required": ["text"]}
+
+
+def mean_step_s(engine: LLMEngine, batch: int, params: SamplingParams, tag: str) -> float:
+    """Mean decode step once every request has its first token."""
+    for i in range(batch):
+        engine.add_request(f"{tag}-{i}", [0] + [10 + i + j for j in range(64)], params)
+    harness.prefill_all(engine, batch)
+    t0, steps = time.perf_counter(), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - t0) / max(steps, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.parser(__doc__, engine_threads=True)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=6)
+    args = ap.parse_args(argv)
+    from common.sampling_params import SamplingParams
+    from common.structured import json_schema
+
+    engine = harness.reference_engine(args.model, args.threads)
+    base = {"max_tokens": args.output_len, "temperature": 1.0, "ignore_eos": True, "seed": 1}
+    runs = {"plain": SamplingParams(**base),
+            "schema": SamplingParams(**base, structured=json_schema(SCHEMA, "response_format"))}
+    steps: dict[str, list[float]] = {name: [] for name in runs}
+    for rep in range(args.reps):
+        for name, params in runs.items():
+            steps[name].append(mean_step_s(engine, args.batch, params, f"{name}{rep}"))
+    med = {name: statistics.median(v) for name, v in steps.items()}
+    ratio = med["schema"] / med["plain"]
+    for name, v in steps.items():
+        print(f"{name:7s} median decode step {1000 * med[name]:.2f} ms  runs: "
+              + " ".join(f"{1000 * x:.1f}" for x in v))
+    print(f"schema / plain = {ratio:.3f} at batch {args.batch}")
+    harness.write_json(args.output_json, {"batch": args.batch, "output_len": args.output_len,
+                                          "step_s": steps, "median_step_s": med, "ratio": ratio})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
