@@ -271,8 +271,9 @@ class TorchPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         n, h, d = q.shape
         kvh = k_cache.shape[2]
-        if p.start_pos == 0:
-            # The whole context is this chunk: attend to the fresh k/v directly.
+        if p.start_pos == 0 and isinstance(k_cache, torch.Tensor):
+            # The whole context is this chunk: attend to the fresh k/v directly. (A
+            # quantized cache is read back, so a prefix-cache hit equals a miss.)
             keys, vals = k[p.q_start : p.q_end], v[p.q_start : p.q_end]
         else:
             keys = read_blocks(k_cache, p.block_table, q.dtype).view(-1, kvh, d)[: p.ctx_len]

@@ -12,8 +12,9 @@ Scale policy (one scale per block and head, grown as tokens are appended):
    need). When it grows, the block's existing codes are re-quantized to the new
    scale before the new tokens are written.
 3. fp8 scales are powers of two (the largest value lands in (224, 448]): re-scaling
-   an e4m3 code by a power of two is exact, so growth costs fp8 nothing, and a
-   floating-point code keeps its relative precision wherever it lands. int8 scales
+   an e4m3 code by a power of two is exact (codes pushed below 2**-6, e4m3's
+   subnormals, lose bits they would have lost anyway beside the new maximum), so
+   growth costs fp8 next to nothing. int8 scales
    are exactly amax / 127 (a uniform code needs a tight scale); its re-quantization
    rounds once per growth, which happens a few times per block at most (a running
    maximum over 16 tokens sets a new record ~3.4 times).
@@ -85,8 +86,9 @@ def _scale_for(amax: torch.Tensor, kind: str) -> torch.Tensor:
     """The smallest scale that holds `amax` (float32): amax / 127, or a power of two."""
     if kind == "int8":
         return amax / INT8_MAX
-    exp = torch.ceil(torch.log2(torch.clamp(amax, min=_TINY) / FP8_MAX))
-    return torch.where(amax > 0, torch.exp2(exp), torch.zeros_like(amax))
+    scale = torch.exp2(torch.ceil(torch.log2(torch.clamp(amax, min=_TINY) / FP8_MAX)))
+    scale = torch.where(amax > scale * FP8_MAX, scale * 2, scale)  # log2 rounded down
+    return torch.where(amax > 0, scale, torch.zeros_like(amax))
 
 
 def write_kv(cache: KVCacheView, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -113,7 +115,7 @@ def _write_quantized(cache: QuantizedCache, slots: torch.Tensor, x: torch.Tensor
     grown = ((new > old) & (old > 0)).any(dim=1).nonzero().view(-1)
     if grown.numel():  # rule 2: re-quantize what the block already holds
         ids = uniq[grown]
-        ratio = (old[grown] / new[grown])[:, None, :, None]
+        ratio = (old[grown] / new[grown].clamp(min=_TINY))[:, None, :, None]  # 0 where all 0
         held = _decode(cache.codes.index_select(0, ids), cache.kind, torch.float32)
         cache.codes[ids] = _encode(held * ratio, cache.kind)
     cache.scales[uniq] = new
