@@ -82,13 +82,40 @@ def _decode(codes: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
     return typed.to(dtype)
 
 
+# e4m3 sign and exponent-mantissa bits moved into a wider float's (shift, mask as a
+# signed int): that float is the fp8 value x 2**-120, normals and subnormals alike
+# (e4m3's exponent bias is 7, theirs 127). On CPU torch converts fp8 element by element,
+# ~7x slower than these two integer passes.
+_FP8_BITS = {torch.bfloat16: (torch.int16, 4, 0x87FF - (1 << 16)),
+             torch.float32: (torch.int32, 20, 0x87F00000 - (1 << 32))}
+_FP8_BITS_SCALE = 2.0**120
+_FP8_BITS_MAX_SCALE = 2.0**7  # so that scale x 2**120 stays finite in bf16 and float32
+
+
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """codes [n, block_size, kv_heads, head_dim] uint8 x scales [n, kv_heads] -> `dtype`."""
+    n, bs, kvh, hd = codes.shape
+    bits = _FP8_BITS.get(dtype) if kind != "int8" and codes.device.type == "cpu" else None
+    if bits is not None and bool(scales.max() < _FP8_BITS_MAX_SCALE):
+        wide, shift, mask = bits
+        values = codes.view(torch.int8).to(wide).bitwise_left_shift_(shift).bitwise_and_(mask).view(dtype)
+        scales = scales * _FP8_BITS_SCALE
+    else:
+        values = _decode(codes, kind, dtype)
+    # One scale per (block, head) spread over its head_dim: a row broadcast is ~2x
+    # faster on CPU than a 4-D one with a stride-0 innermost dim.
+    row = scales.to(dtype).repeat_interleave(hd, dim=1)[:, None, :]
+    return values.view(n, bs, kvh * hd).mul_(row).view(n, bs, kvh, hd)
+
+
 def _scale_for(amax: torch.Tensor, kind: str) -> torch.Tensor:
     """The smallest scale that holds `amax` (float32): amax / 127, or a power of two."""
     if kind == "int8":
         return amax / INT8_MAX
-    scale = torch.exp2(torch.ceil(torch.log2(torch.clamp(amax, min=_TINY) / FP8_MAX)))
-    scale = torch.where(amax > scale * FP8_MAX, scale * 2, scale)  # log2 rounded down
-    return torch.where(amax > 0, scale, torch.zeros_like(amax))
+    # Round amax / 448 up to a power of two on its float32 bits: a non-zero mantissa
+    # carries into the exponent, then the mantissa is cleared (0 stays 0).
+    bits = (amax / FP8_MAX).view(torch.int32)
+    return bits.add_(0x7FFFFF).bitwise_and_(0x7F800000).view(torch.float32)
 
 
 def write_kv(cache: KVCacheView, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -128,5 +155,5 @@ def read_blocks(cache: KVCacheView, ids: torch.Tensor, dtype: torch.dtype) -> to
     `dtype`: an index_select of a plain pool, dequantized (code x scale) when quantized."""
     if isinstance(cache, torch.Tensor):
         return cache.index_select(0, ids)
-    codes = _decode(cache.codes.index_select(0, ids), cache.kind, dtype)
-    return codes.mul_(cache.scales.index_select(0, ids).to(dtype)[:, None, :, None])
+    return _dequantize(cache.codes.index_select(0, ids), cache.scales.index_select(0, ids),
+                       cache.kind, dtype)
