@@ -137,3 +137,17 @@ def test_plain_pools_are_untouched_by_the_helpers() -> None:
     x = torch.randn(3, KVH, D)
     write_kv(k, _slots(2, 1, 3), x)
     assert torch.equal(read_blocks(k, torch.tensor([2]), torch.float32)[0, 1:], x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scale", [0.37, 2.0**-20, 300.0])  # the last takes torch's conversion
+def test_fp8_reads_equal_torchs_conversion_for_every_code(dtype: torch.dtype, scale: float) -> None:
+    """The CPU read decodes e4m3 through its bits; every finite code, subnormals included."""
+    _, cache = _cache("fp8_e4m3", num_blocks=9)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # the two NaN codes are never written
+    cache.codes.view(9, -1)[1:5, :] = torch.cat([codes, codes[:2]]).view(4, -1)
+    cache.scales[1:5] = scale
+    got = read_blocks(cache, torch.tensor([1, 2, 3, 4]), dtype).reshape(-1)[:254]
+    want = codes.view(torch.float8_e4m3fn).to(dtype) * torch.tensor(scale).to(dtype)
+    assert torch.equal(got, want)
