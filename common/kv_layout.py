@@ -7,6 +7,13 @@ Pool tensor layout (one contiguous tensor per worker):
 so one block of one layer's K (or V) is a contiguous run of
 `block_size * num_kv_heads * head_dim` elements. Block 0 is the null block:
 never handed out, padding writes land there.
+
+A quantized KV cache (`fp8_e4m3`, `int8`) keeps the same row order as raw bytes,
+`kv[layer, kv_index, block, 1, 1, row_bytes]` (uint8): each (layer, K/V, block) row
+holds one float32 scale per KV head, then the block's `block_size * num_kv_heads *
+head_dim` one-byte values, then zero padding to a whole number of 8-byte words. A
+row carries its scales, so everything that copies, ships or checksums rows (CoW
+copies, the prefix cache, every transport) moves the scales with their blocks.
 """
 
 from __future__ import annotations
@@ -14,8 +21,29 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "int8": 1}
+# KV-cache dtypes stored quantized, with per-block-per-head scales in each row.
+QUANTIZED_KV_DTYPES = ("fp8_e4m3", "int8")
+SCALE_BYTES = 4  # one float32 scale per (layer, K/V, block, KV head)
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "int8")  # vLLM's --kv-cache-dtype names
+KV_CACHE_DTYPE_HELP = ("auto (default): the serving dtype; fp8 (= fp8_e4m3) or int8: one byte a "
+                       "value (half of bf16), plus a float32 scale per block and KV head")
 NULL_BLOCK = 0
+
+
+def normalize_kv_cache_dtype(name: str) -> str:
+    """`fp8` -> `fp8_e4m3`; `auto` stays; ValueError naming the choices otherwise."""
+    d = name.strip().lower()
+    if d not in KV_CACHE_DTYPE_CHOICES:
+        raise ValueError(
+            f"unknown KV-cache dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPE_CHOICES)}")
+    return "fp8_e4m3" if d == "fp8" else d
+
+
+def kv_dtype_for(kv_cache_dtype: str, compute_dtype: str) -> str:
+    """The pool's KV dtype: the compute dtype for `auto`, else the quantized one."""
+    d = normalize_kv_cache_dtype(kv_cache_dtype)
+    return compute_dtype if d == "auto" else d
 
 
 @dataclass(frozen=True)
@@ -32,7 +60,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str  # KV-cache dtype: "float32" | "float16" | "bfloat16"
+    dtype: str  # KV-cache dtype: "float32" | "float16" | "bfloat16" | "fp8_e4m3" | "int8"
     weights: str = ""  # weights fingerprint (engine.weights_fingerprint); "" only in tests
     compute_dtype: str | None = None  # dtype the weights run in; None: the KV dtype
     quantization: str = "none"  # weight quantization method; "none" is all the engine loads
@@ -42,8 +70,19 @@ class KVLayout:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def quantized(self) -> bool:
+        return self.dtype in QUANTIZED_KV_DTYPES
+
+    @property
+    def storage_dtype(self) -> str:
+        """The pool array's element type: the KV dtype, or raw bytes when quantized."""
+        return "uint8" if self.quantized else self.dtype
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """2 (K and V) x layers x KV heads x head_dim x bytes -- never the query head count."""
+        """2 (K and V) x layers x KV heads x head_dim x bytes -- never the query head count.
+
+        The values only: a quantized block's scales are in `block_bytes_per_layer`."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_element
 
     @property
@@ -52,11 +91,22 @@ class KVLayout:
         return self.block_size * self.num_kv_heads * self.head_dim
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes of one (layer, K/V, block) row: the values, and when quantized their
+        per-head scales padded to whole 8-byte words."""
+        values = self.block_elems_per_layer_kv * self.bytes_per_element
+        if not self.quantized:
+            return values
+        return -(-(values + self.num_kv_heads * SCALE_BYTES) // 8) * 8
+
+    @property
     def block_bytes_per_layer(self) -> int:
-        """Bytes of one block of one layer, K and V together."""
-        return 2 * self.block_elems_per_layer_kv * self.bytes_per_element
+        """Bytes of one block of one layer, K and V together (scales included)."""
+        return 2 * self.row_bytes
 
     def pool_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
+        if self.quantized:
+            return (self.num_layers, 2, num_blocks, 1, 1, self.row_bytes)
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property

@@ -6,7 +6,9 @@ single-token chunks first (decodes, batched together), then multi-token chunks
 step and shared by every layer.
 
 Pool views handed to a backend are one layer's K and V, each
-`[num_blocks, block_size, num_kv_heads, head_dim]`.
+`[num_blocks, block_size, num_kv_heads, head_dim]`: a tensor, or a quantized
+cache (`engine.kv_quant`) that a backend writes with `write_kv` and reads with
+`read_blocks`, which work on both.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from common.kv_layout import NULL_BLOCK
+from engine.kv_quant import KVCacheView, read_blocks, write_kv
 from engine.runner_types import SeqChunk
 
 
@@ -77,8 +80,8 @@ class AttentionBackend(abc.ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCacheView,
+        v_cache: KVCacheView,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] (RoPE applied) -> attention output [T, H * D].
@@ -213,13 +216,12 @@ class TorchPagedAttention(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCacheView,
+        v_cache: KVCacheView,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        kvh, d = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        write_kv(k_cache, meta.slot_mapping, k)
+        write_kv(v_cache, meta.slot_mapping, v)
         outs = []
         if meta.decode is not None:
             b = meta.decode.num_seqs
@@ -231,7 +233,7 @@ class TorchPagedAttention(AttentionBackend):
 
     @classmethod
     def _decode(
-        cls, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: DecodeBatch
+        cls, q: torch.Tensor, k_cache: KVCacheView, v_cache: KVCacheView, dec: DecodeBatch
     ) -> torch.Tensor:
         if len(dec.groups) == 1 and dec.groups[0].rows is None:
             return cls._decode_group(q, k_cache, v_cache, dec.groups[0])
@@ -245,15 +247,15 @@ class TorchPagedAttention(AttentionBackend):
 
     @staticmethod
     def _decode_group(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup
+        q: torch.Tensor, k_cache: KVCacheView, v_cache: KVCacheView, g: DecodeGroup
     ) -> torch.Tensor:
         b, h, d = q.shape
         kvh = k_cache.shape[2]
         L = g.max_ctx_len
         # index_select on a flat id list is markedly faster than advanced indexing on CPU.
         ids = g.block_tables.view(-1)
-        keys = k_cache.index_select(0, ids).view(b, -1, kvh, d)[:, :L].transpose(1, 2)
-        vals = v_cache.index_select(0, ids).view(b, -1, kvh, d)[:, :L].transpose(1, 2)
+        keys = read_blocks(k_cache, ids, q.dtype).view(b, -1, kvh, d)[:, :L].transpose(1, 2)
+        vals = read_blocks(v_cache, ids, q.dtype).view(b, -1, kvh, d)[:, :L].transpose(1, 2)
         qg = q.reshape(b, kvh, h // kvh, d)
         out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=g.mask)
         return out.reshape(b, h * d)
@@ -263,18 +265,19 @@ class TorchPagedAttention(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCacheView,
+        v_cache: KVCacheView,
         p: PrefillSeq,
     ) -> torch.Tensor:
         n, h, d = q.shape
         kvh = k_cache.shape[2]
-        if p.start_pos == 0:
-            # The whole context is this chunk: attend to the fresh k/v directly.
+        if p.start_pos == 0 and isinstance(k_cache, torch.Tensor):
+            # The whole context is this chunk: attend to the fresh k/v directly. (A
+            # quantized cache is read back, so a prefix-cache hit equals a miss.)
             keys, vals = k[p.q_start : p.q_end], v[p.q_start : p.q_end]
         else:
-            keys = k_cache.index_select(0, p.block_table).view(-1, kvh, d)[: p.ctx_len]
-            vals = v_cache.index_select(0, p.block_table).view(-1, kvh, d)[: p.ctx_len]
+            keys = read_blocks(k_cache, p.block_table, q.dtype).view(-1, kvh, d)[: p.ctx_len]
+            vals = read_blocks(v_cache, p.block_table, q.dtype).view(-1, kvh, d)[: p.ctx_len]
         # [1, heads, tokens, dim]: 4-D inputs with enable_gqa reach the fused CPU
         # kernel without materialising repeated K/V.
         qh = q.transpose(0, 1).unsqueeze(0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.kv_layout import normalize_kv_cache_dtype
 from engine.dtype import DTYPE_CHOICES
 
 
@@ -66,9 +67,12 @@ class EngineConfig:
     seed: int = 0
     # Structured outputs: a constraint whose grammar takes longer to compile is refused.
     grammar_compile_timeout_s: float = 10.0
+    # auto (the compute dtype) | fp8 | fp8_e4m3 | int8: see engine.kv_quant.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+        normalize_kv_cache_dtype(self.kv_cache_dtype)  # ValueError naming the choices

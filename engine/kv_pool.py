@@ -2,6 +2,8 @@
 
     kv[layer, 0=K / 1=V, block, slot, kv_head, head_dim]
 
+(a quantized KV dtype: raw uint8 rows of scales and codes, `engine.kv_quant`).
+
 Block 0 (NULL_BLOCK) is reserved here: the block manager never hands it out, and
 padded block-table entries point at it. The pool can be allocated by torch or
 wrap an external buffer (e.g. shared memory the decode worker created), in which
@@ -16,8 +18,10 @@ import numpy as np
 import torch
 
 from common.kv_layout import NULL_BLOCK, KVLayout
+from engine.kv_quant import KVCacheView, quantized_views
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+STORAGE_DTYPES = {**TORCH_DTYPES, "uint8": torch.uint8}
 
 
 class KVPool:
@@ -31,7 +35,7 @@ class KVPool:
         buffer: torch.Tensor | np.ndarray | None = None,
     ) -> None:
         self.layout = layout
-        self.dtype = TORCH_DTYPES[layout.dtype]
+        self.dtype = STORAGE_DTYPES[layout.storage_dtype]
         if buffer is not None:
             self.kv = _wrap_buffer(buffer, layout, self.dtype)
             # Padding writes and masked reads touch the null block; keep it finite.
@@ -56,11 +60,15 @@ class KVPool:
         """Blocks the block manager may hand out (all but the null block)."""
         return self.num_blocks - 1
 
-    def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) of `layer`, each [num_blocks, block_size, kv_heads, head_dim], contiguous."""
+    def layer_views(self, layer: int) -> tuple[KVCacheView, KVCacheView]:
+        """(K, V) of `layer`, each [num_blocks, block_size, kv_heads, head_dim], contiguous;
+        for a quantized layout, views of each row's codes and scales."""
+        if self.layout.quantized:
+            return (quantized_views(self.kv[layer, 0], self.layout),
+                    quantized_views(self.kv[layer, 1], self.layout))
         return self.kv[layer, 0], self.kv[layer, 1]
 
-    def all_layer_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def all_layer_views(self) -> list[tuple[KVCacheView, KVCacheView]]:
         return [self.layer_views(i) for i in range(self.layout.num_layers)]
 
 

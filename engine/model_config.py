@@ -19,7 +19,7 @@ from common.generation_config import (
     read_generation_config,
     token_ids,
 )
-from common.kv_layout import KVLayout
+from common.kv_layout import KVLayout, kv_dtype_for
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -243,17 +243,18 @@ def _cfg_eos(value: Any) -> tuple[int, ...]:
         raise ModelConfigError(f"config.json: {e}") from None
 
 
-def kv_layout(model_config: ModelConfig, block_size: int, dtype: str, weights: str) -> KVLayout:
+def kv_layout(model_config: ModelConfig, block_size: int, dtype: str, weights: str,
+              kv_cache_dtype: str = "auto") -> KVLayout:
     """The KV pool layout for this model run in `dtype` with weights fingerprint `weights`
     (`engine.loader.weights_fingerprint`); allocates nothing. The KV cache is kept in the
-    compute dtype."""
+    compute dtype unless `kv_cache_dtype` names a quantized one."""
     return KVLayout(
         model_id=model_config.model_id,
         num_layers=model_config.num_layers,
         num_kv_heads=model_config.num_kv_heads,
         head_dim=model_config.head_dim,
         block_size=block_size,
-        dtype=dtype,
+        dtype=kv_dtype_for(kv_cache_dtype, dtype),
         weights=weights,
         compute_dtype=dtype,
         quantization=model_config.quantization,

@@ -70,7 +70,8 @@ class ModelRunner:
         # A caller that sized the pool with `layout_for(config)` passes that layout, so
         # the weights are fingerprinted once even where no cache file can be written.
         weights = layout.weights if layout is not None else weights_fingerprint(config.model_dir).digest
-        self.layout: KVLayout = kv_layout(self.model_config, self.block_size, config.dtype, weights)
+        self.layout: KVLayout = kv_layout(self.model_config, self.block_size, config.dtype, weights,
+                                          config.kv_cache_dtype)
         if layout is not None and layout != self.layout:
             raise ValueError(f"layout {layout} does not belong to this config ({self.layout})")
         if kv_buffer is not None:
@@ -90,7 +91,7 @@ class ModelRunner:
         the dtype resolved as the runner resolves it."""
         config = resolved_config(config)
         return kv_layout(load_config(config.model_dir), config.cache.block_size, config.dtype,
-                         weights_fingerprint(config.model_dir).digest)
+                         weights_fingerprint(config.model_dir).digest, config.kv_cache_dtype)
 
     @staticmethod
     def num_blocks_for_bytes(layout: KVLayout, budget_bytes: int) -> int:

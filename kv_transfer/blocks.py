@@ -21,9 +21,11 @@ from kv_transfer.checksum import word_dtype
 from kv_transfer.copy_threads import CopyThreads, Work
 from kv_transfer.runs import Run, block_runs
 
-# numpy has no bfloat16: such pools are handled as their raw 16-bit patterns.
+# numpy has no bfloat16: such pools are handled as their raw 16-bit patterns. Quantized
+# pools are raw bytes: each row holds its codes and their scales (common/kv_layout.py).
 NUMPY_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
-                "bfloat16": np.dtype(np.uint16)}
+                "bfloat16": np.dtype(np.uint16), "fp8_e4m3": np.dtype(np.uint8),
+                "int8": np.dtype(np.uint8)}
 
 
 def numpy_dtype(layout: KVLayout) -> np.dtype:

@@ -4,8 +4,8 @@ The engine owns its KV pool as a torch tensor; the transfer layer works on
 arrays that share that memory: numpy for CPU pools, and for CUDA pools the
 tensor itself, which `pool_ops` turns into a cupy view (via
 `__cuda_array_interface__`). numpy and cupy have no bfloat16, so bfloat16 pools
-are viewed as their raw uint16 bit patterns -- the transfer layer only moves
-and checksums bytes.
+are viewed as their raw uint16 bit patterns, and quantized pools (codes and scales)
+are uint8 -- the transfer layer only moves and checksums bytes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 from common.kv_layout import KVLayout
 from kv_transfer.shm_pool import ShmPool
 
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                 "fp8_e4m3": torch.uint8, "int8": torch.uint8}
 
 
 def pool_array(tensor: torch.Tensor) -> Any:

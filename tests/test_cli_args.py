@@ -113,6 +113,9 @@ CASES: dict[str, Case] = {
         "argument --model"),
     "up-dtype-fp8": Case(lambda d, p: ["up", "--dtype", "fp8"], "argument --dtype"),
     "prefill-dtype-int4": Case(lambda d, p: ["prefill", "--gateway", GW, "--dtype", "int4"], "argument --dtype"),
+    "up-kv-cache-dtype-fp4": Case(lambda d, p: ["up", "--kv-cache-dtype", "fp4"], "argument --kv-cache-dtype"),
+    "decode-kv-cache-dtype-e5m2": Case(
+        lambda d, p: ["decode", "--gateway", GW, "--kv-cache-dtype", "fp8_e5m2"], "argument --kv-cache-dtype"),
     "plan-dtype-fp8": Case(
         lambda d, p: ["plan", "--device-memory", "8GiB", "--max-model-len", "8", "--dtype", "fp8"], "argument --dtype"),
     "bench-base-url-ftp": Case(lambda d, p: ["bench", "--base-url", "ftp://host"], "argument --base-url"),
@@ -168,6 +171,14 @@ def test_up_forwards_max_model_len_and_block_size() -> None:
     assert gateway.max_model_len == 1024
     plain = build_parser().parse_args(["up"])
     assert all("--block-size" not in c and "--max-model-len" not in c for c in _worker_cmds(plain, "tcp://x:1"))
+
+
+def test_up_forwards_the_kv_cache_dtype() -> None:
+    args = build_parser().parse_args(["up", "--kv-cache-dtype", "fp8"])
+    cmds = _worker_cmds(args, "tcp://127.0.0.1:5555")
+    assert len(cmds) == 2 and all(build_parser().parse_args(c[3:]).kv_cache_dtype == "fp8_e4m3" for c in cmds)
+    plain = build_parser().parse_args(["up"])
+    assert all("--kv-cache-dtype" not in c for c in _worker_cmds(plain, "tcp://x:1"))
 
 
 def test_up_exits_at_once_with_the_failed_childs_reason(dirs: Dirs) -> None:

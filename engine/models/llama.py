@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.kv_quant import KVCacheView
 from engine.model_config import ModelConfig
 from engine.models.rope import RopeTables, apply_rope
 
@@ -72,8 +73,8 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVCacheView,
+        v_cache: KVCacheView,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -157,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        kv_layers: Sequence[tuple[KVCacheView, KVCacheView]],
         backend: AttentionBackend,
         layer_hook: Callable[[int], None] | None = None,
     ) -> torch.Tensor:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import urlparse
 
+from common.kv_layout import KV_CACHE_DTYPE_HELP, normalize_kv_cache_dtype
 from engine.dtype import DTYPE_HELP, normalize_dtype
 from pdserve.plan import PlanError, parse_size
 
@@ -178,6 +179,20 @@ def dtype(text: str) -> str:
 def add_dtype_arg(ap: argparse.ArgumentParser, help_prefix: str = "") -> None:
     """`--dtype`, default auto (engine/dtype.py), for every command that runs or plans a model."""
     ap.add_argument("--dtype", type=dtype, default="auto", help=help_prefix + DTYPE_HELP)
+
+
+def kv_cache_dtype(text: str) -> str:
+    """`auto`, `fp8` (= `fp8_e4m3`), `fp8_e4m3` or `int8`; returned normalized."""
+    try:
+        return normalize_kv_cache_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_kv_cache_dtype_arg(ap: argparse.ArgumentParser) -> None:
+    """`--kv-cache-dtype` (vLLM's name), for every command that runs a model."""
+    ap.add_argument("--kv-cache-dtype", type=kv_cache_dtype, default="auto",
+                    help=KV_CACHE_DTYPE_HELP)
 
 
 def http_url(text: str) -> str:

@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from common.sampling_params import SamplingParams, SamplingParamsError
-from pdserve.cli.args import add_dtype_arg, check_model, device, positive_int
+from pdserve.cli.args import (
+    add_dtype_arg,
+    add_kv_cache_dtype_arg,
+    check_model,
+    device,
+    positive_int,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -34,6 +40,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--n", type=int, default=1, help="choices per prompt")
     p.add_argument("--ignore-eos", action="store_true")
     add_dtype_arg(p)
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--num-threads", type=positive_int, default=None, help="torch intra-op threads")
     p.add_argument("--block-size", type=positive_int, default=16)
@@ -93,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         num_threads=args.num_threads,
+        kv_cache_dtype=args.kv_cache_dtype,
         cache=CacheConfig(block_size=bs, num_blocks=blocks),
     )
     try:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pdserve.cli.args import (
     add_dtype_arg,
+    add_kv_cache_dtype_arg,
     byte_size_text,
     check_listen,
     check_max_model_len,
@@ -55,6 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     help="torch threads per decode worker (default: --threads)")
     ap.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
     add_dtype_arg(ap, "workers' weight and KV dtype, each resolved on its own host; ")
+    add_kv_cache_dtype_arg(ap)
     ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"))
     ap.add_argument("--kv-cache-memory", type=byte_size_text, default=None,
                     help="per-worker KV pool bytes, e.g. 256MiB")
@@ -103,6 +105,7 @@ def _worker_cmds(args: argparse.Namespace, control: str) -> list[list[str]]:
     for role, n in zip(roles, counts, strict=True):
         cmd = [*_pdserve(), role, "--gateway", control, "--threads", str(n), "--device", args.device,
                "--dtype", args.dtype]
+        cmd += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else []
         cmd += ["--colocated"] if role == "worker" else ["--kv-transport", args.kv_transport]
         cmd += ["--spin-wait"] if spin else []
         if args.model:

@@ -10,6 +10,7 @@ import numpy as np
 
 from common.kv_layout import KVLayout
 from kv_transfer.api import TransferState
+from kv_transfer.blocks import numpy_dtype
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import ZmqLinkFactory
@@ -25,8 +26,10 @@ TINY = KVLayout("tiny-model", num_layers=3, num_kv_heads=2, head_dim=4, block_si
 def random_pool(layout: KVLayout, num_blocks: int, seed: int) -> np.ndarray:
     """A pool of random bit patterns (compared bytewise, so NaN patterns are fine)."""
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, int(np.prod(layout.pool_shape(num_blocks))) * 2, dtype=np.uint8)
-    return raw.view(np.float16).reshape(layout.pool_shape(num_blocks))
+    dtype = numpy_dtype(layout)
+    raw = rng.integers(0, 256, int(np.prod(layout.pool_shape(num_blocks))) * dtype.itemsize,
+                       dtype=np.uint8)
+    return raw.view(dtype).reshape(layout.pool_shape(num_blocks))
 
 
 def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
@@ -58,7 +61,7 @@ def make_pair(transport: str, *, src_blocks: int = 64, dst_blocks: int = 64,
     receiver: ZmqReceiver | FakeReceiver
     if transport == "fake":
         fabric = FakeFabric()
-        dst = np.zeros(rlayout.pool_shape(dst_blocks), np.float16)
+        dst = np.zeros(rlayout.pool_shape(dst_blocks), numpy_dtype(rlayout))
         receiver = FakeReceiver(rlayout, dst, fabric, faults=receiver_faults, grace_s=grace_s)
         sender = fake_sender(layout, src, fabric, faults=sender_faults, chunk_bytes=chunk_bytes,
                              shm_chunk_bytes=chunk_bytes, copy_threads=copy_threads)
@@ -69,7 +72,7 @@ def make_pair(transport: str, *, src_blocks: int = 64, dst_blocks: int = 64,
             receiver = ZmqReceiver(rlayout, shm, transport="shm", faults=receiver_faults,
                                    grace_s=grace_s, copy_threads=copy_threads)
         else:
-            dst = np.zeros(rlayout.pool_shape(dst_blocks), np.float16)
+            dst = np.zeros(rlayout.pool_shape(dst_blocks), numpy_dtype(rlayout))
             receiver = ZmqReceiver(rlayout, dst, transport=transport, faults=receiver_faults,
                                    grace_s=grace_s, copy_threads=copy_threads)
         sender = Sender(layout, src, links=ZmqLinkFactory(), faults=sender_faults,
