@@ -277,6 +277,29 @@ class RequestFailed(Message):
     transfer_id: str = ""
 
 
+@dataclass(frozen=True)
+class KvEvents(Message):
+    """Worker -> every gateway, at most once per tick: prefix-cache block keys
+    (common/block_hash.py) stored and evicted since the previous batch. `seq` numbers the
+    batches; a gateway that sees a gap asks for a snapshot. `snapshot`: `stored` is the
+    whole cache as of batch `seq` (to one gateway: on registration, or when asked)."""
+
+    TAG: ClassVar[str] = "kv_events"
+    worker_id: str
+    seq: int
+    stored: list[int]
+    evicted: list[int] = field(default_factory=list)
+    snapshot: bool = False
+
+
+@dataclass(frozen=True)
+class KvSnapshotRequest(Message):
+    """Gateway -> worker: its `KvEvents` had a gap; send a snapshot."""
+
+    TAG: ClassVar[str] = "kv_snapshot_request"
+    worker_id: str
+
+
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     RegisterWorker,
     RegisterAck,
@@ -292,6 +315,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     TokenBatch,
     Abort,
     RequestFailed,
+    KvEvents,
+    KvSnapshotRequest,
 )
 _BY_TAG: dict[str, type[Message]] = {cls.TAG: cls for cls in MESSAGE_TYPES}
 
