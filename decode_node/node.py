@@ -13,6 +13,10 @@ A request's life here:
 4. Each engine step's new tokens go to the gateway as one `TokenBatch`.
 5. Finish, `Abort` or a failed transfer frees the blocks; a failed transfer is
    reported as a retryable `RequestFailed`, so the gateway re-prefills.
+
+Local prefill: a `RunRequest` (the gateway found the prompt's uncached part within
+its `--local-prefill-threshold`, this worker's prefix cache counted) is prefilled
+here, in chunks between decode steps, and decoded like any other: no transfer.
 """
 
 from __future__ import annotations
@@ -90,6 +94,8 @@ class DecodeNode(EngineNode):
     def handle(self, msg: p.Message) -> None:
         if isinstance(msg, p.DecodeReserve):
             self._reserve(msg)
+        elif isinstance(msg, p.RunRequest):
+            self._run_local(msg)
         elif isinstance(msg, p.StartDecode):
             inc = self._incoming.get(msg.request_id)
             if inc is not None and inc.transfer_id == msg.transfer_id:
@@ -119,6 +125,21 @@ class DecodeNode(EngineNode):
         self._incoming[rid] = _Incoming(msg.transfer_id, time.monotonic(), len(blocks))
         self.accepted(rid, f"{len(blocks)} blocks reserved", prefill=False)
         self.send(p.ReserveResult(rid, msg.transfer_id, list(blocks)))
+
+    def _run_local(self, msg: p.RunRequest) -> None:
+        """Prefill the request here as well (no KV transfer): it runs from its first step."""
+        rid = msg.request_id
+
+        def enter(req: p.RequestPayload) -> None:
+            self.engine.add_request(rid, req.prompt_token_ids, req.params, output_token_ids=req.output_token_ids,
+                                    choice_index=req.choice_index)
+
+        if self.admit(msg, enter) is None:
+            return
+        self._running.add(rid)
+        self._timing[rid] = _Stages(0.0, time.monotonic())
+        self.metrics.local_prefills.inc()
+        self.accepted(rid, f"{msg.payload.num_tokens} prompt tokens, prefilled locally", prefill=True)
 
     def _abort(self, rid: str) -> None:
         inc = self._incoming.pop(rid, None)
@@ -194,7 +215,8 @@ class DecodeNode(EngineNode):
         self.send(self.transfers.failed(rid, inc.transfer_id, state))
 
     def load(self) -> NodeLoad:
-        return self.stats.update(self.engine.stats())
+        queued = sum(seq.num_uncomputed_tokens for seq in list(self.engine.scheduler.waiting))  # local prefills
+        return self.stats.update(self.engine.stats(), queued)
 
     def busy(self) -> bool:
         return bool(self._incoming or self._running) or self.transfers.cancelling()
