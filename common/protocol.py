@@ -163,8 +163,9 @@ class ReserveResult(Message):
     TAG: ClassVar[str] = "reserve_result"
     request_id: str
     transfer_id: str
-    block_ids: list[int]
+    block_ids: list[int]  # the blocks the KV is written into
     refused: str = ""  # non-empty: why nothing was reserved
+    cached_blocks: int = 0  # leading prompt blocks decode already holds: not shipped
 
     @property
     def ok(self) -> bool:
@@ -194,6 +195,7 @@ class TransferTarget(Message):
     target_kv_address: str
     target_kv_shm: str
     dst_block_ids: list[int]
+    skip_blocks: int = 0  # the prompt's first blocks decode holds already: ship from this one on
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The decode worker: reserves blocks, receives KV, decodes in continuous batches.
 
 A request's life here:
-1. `DecodeReserve`: the engine reserves blocks for the prompt (WAITING_FOR_KV)
-   and the KV receiver expects the transfer into exactly those blocks; the
-   block ids go back to the gateway (`ReserveResult`). Admission keeps room for
+1. `DecodeReserve`: the engine pins the prompt's leading blocks its prefix
+   cache holds, reserves blocks for the rest (WAITING_FOR_KV), and the KV
+   receiver expects the transfer into exactly those blocks; their ids and the
+   number held go back to the gateway (`ReserveResult`: suffix-only handoff). Admission keeps room for
    the running streams' growth (`engine.scheduler.ReserveCheck`), so a request
    never evicts one; a refusal reserves nothing and says why, and the gateway
    retries it.
@@ -110,7 +111,7 @@ class DecodeNode(EngineNode):
 
         def enter(req: p.RequestPayload) -> Reservation:
             return self.engine.reserve_remote(rid, req.prompt_token_ids, req.params, req.output_token_ids,
-                                              req.choice_index)
+                                              req.choice_index, reuse_prefix=True)
 
         admitted = self.admit(msg, enter)
         if admitted is None:
@@ -123,8 +124,9 @@ class DecodeNode(EngineNode):
         blocks = reservation.block_ids
         self.receiver.expect(msg.transfer_id, rid, list(blocks), TRANSFER_LEASE_S)
         self._incoming[rid] = _Incoming(msg.transfer_id, time.monotonic(), len(blocks))
-        self.accepted(rid, f"{len(blocks)} blocks reserved", prefill=False)
-        self.send(p.ReserveResult(rid, msg.transfer_id, list(blocks)))
+        self.metrics.blocks_reused.inc(reservation.cached_blocks)
+        self.accepted(rid, f"{len(blocks)} blocks reserved, {reservation.cached_blocks} held", prefill=False)
+        self.send(p.ReserveResult(rid, msg.transfer_id, list(blocks), cached_blocks=reservation.cached_blocks))
 
     def _run_local(self, msg: p.RunRequest) -> None:
         """Prefill the request here as well (no KV transfer): it runs from its first step."""
