@@ -5,9 +5,9 @@ A request's life here:
    cache holds, reserves blocks for the rest (WAITING_FOR_KV), and the KV
    receiver expects the transfer into exactly those blocks; their ids and the
    number held go back to the gateway (`ReserveResult`: suffix-only handoff).
-   Admission keeps room for the running streams' growth (`engine.scheduler.ReserveCheck`), so a request
-   never evicts one; a refusal reserves nothing and says why, and the gateway
-   retries it.
+   Admission keeps room for the running streams' growth
+   (`engine.scheduler.ReserveCheck`), so a request never evicts one; a refusal
+   reserves nothing and says why, and the gateway retries it.
 2. `StartDecode` brings the first token(s) sampled by the prefill worker.
 3. When the transfer is COMPLETE (every block verified) and the first tokens
    are known, the engine admits the sequence (`start_remote`, RUNNING).
