@@ -2,12 +2,10 @@
 
 Life of a request (one *attempt*; recovery starts a new attempt):
 
-1. Pick workers (gateway/kv_router.py). With prefill and decode pools: the
-   decode worker with the most free KV; when its own prefix cache leaves at most
-   `local_prefill_threshold` prompt tokens to compute, it runs the whole request
-   (`RunRequest`, no KV transfer); otherwise the prefill worker the router picks
-   (kv-aware: least uncached prompt tokens + queued tokens). With only a
-   colocated pool: the colocated worker the router picks.
+1. Pick workers (gateway/kv_router.py). Disaggregated: the decode worker with
+   the most free KV (it runs the whole request if at most `local_prefill_threshold`
+   prompt tokens are missing from its cache), the prefill worker the router picks.
+   With only a colocated pool: the colocated worker the router picks.
 2. Disaggregated: send `DecodeReserve` and `PrefillRequest` at once, so the
    reservation overlaps the prefill compute. When `ReserveResult` says the
    blocks are reserved, send their ids to the prefill worker (`TransferTarget`):
@@ -219,8 +217,7 @@ class ClusterBackend:
         self._send(pick.worker.worker_id, p.RunRequest(a.wid, a.payload))
 
     def _prefill_locally(self, a: Attempt) -> bool:
-        """Run the attempt on the decode worker when it has the room and its uncached
-        part of the prompt is within the local-prefill threshold."""
+        """Run on the decode worker if it has room and the uncached part is within the threshold."""
         decode = pick_decode(self.registry.pool("decode"))
         if decode is None:
             return False
@@ -298,7 +295,7 @@ class ClusterBackend:
                 for d in self._first_token(flight, ev):
                     yield d
             elif isinstance(ev, p.TokenDelta):
-                self.router.observe(a.route, ev.cached_tokens)  # run here: the first delta says
+                self._prompt_done(a, ev.cached_tokens)  # a run on one worker: its first delta says
                 if a.prefill_id:  # decode is streaming: the KV arrived, prefill's part is over
                     self._unassign(a, a.prefill_id)
                     a.prefill_id = ""
@@ -311,7 +308,7 @@ class ClusterBackend:
 
     def _first_token(self, flight: Flight, ev: p.FirstToken) -> list[TokenDelta]:
         a, out = flight.attempt, []
-        self.router.observe(a.route, ev.cached_tokens)
+        self._prompt_done(a, ev.cached_tokens)
         for i, tok in enumerate(ev.token_ids[: len(a.choices)]):
             first = ev.logprobs[i] if i < len(ev.logprobs) else None
             lp = [first] if first is not None else None
@@ -373,7 +370,7 @@ class ClusterBackend:
     def _assign(a: Attempt, w: WorkerInfo, tokens: int, blocks: int = 0) -> None:
         a.workers.add(w.worker_id)
         w.inflight.add(a.wid)
-        w.pending_tokens += tokens
+        w.add_pending(a.wid, tokens)
         w.pending_blocks += blocks
         w.pending_seqs += 1 if blocks or w.role == "colocated" else 0
 
@@ -382,6 +379,14 @@ class ClusterBackend:
         w = self.registry.get(worker_id)
         if w is not None:
             w.inflight.discard(a.wid)
+            w.settle(a.wid)
+
+    def _prompt_done(self, a: Attempt, cached_tokens: int) -> None:
+        """The prompt is computed: its cache report checks the KV index; no longer queued load."""
+        self.router.observe(a.route, cached_tokens)
+        w = self.registry.get(a.route.worker_id) if a.route is not None else None
+        if w is not None:
+            w.settle(a.wid)
 
     def _end_attempt(self, flight: Flight | None, abort: bool) -> None:
         if flight is None:

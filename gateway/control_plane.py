@@ -156,7 +156,8 @@ class ControlPlane:
 
     def workers(self) -> Sequence[Mapping[str, Any]]:
         now = time.monotonic()
-        return [w.describe(now) for w in self.registry.all()]
+        return [w.describe(now) | {"kv_index_blocks": self.kv_index.num_blocks(w.worker_id)}
+                for w in self.registry.all()]
 
     def fleet_metrics(self) -> Sequence[FleetSample]:
         out: list[FleetSample] = []

@@ -11,7 +11,7 @@ from common.protocol import Heartbeat, KvEvents, RegisterWorker, RequestPayload,
 from common.sampling_params import SamplingParams
 from gateway.kv_index import KvIndex
 from gateway.kv_router import KvRouter, RouterConfig
-from gateway.registry import WorkerInfo
+from gateway.registry import WorkerInfo, WorkerRegistry
 
 BS = 4
 PROMPT = list(range(1, 42))  # 10 full blocks + 1 token; 10 cacheable blocks
@@ -130,3 +130,28 @@ def test_bad_router_settings_are_refused() -> None:
         RouterConfig("random")
     with pytest.raises(ValueError, match="local_prefill_threshold"):
         RouterConfig("kv-aware", -1)
+
+
+def test_a_computed_prompt_stops_counting_as_queued_load() -> None:
+    """A turn-by-turn client comes back before the next heartbeat: the prompt the worker
+    just computed must not still weigh as queued tokens against its cache hit."""
+    a, b = _worker("a"), _worker("b")
+    router = _router(a=KEYS)
+    a.add_pending("r1#1", 41)
+    a.add_pending("r2#1", 5)
+    pick = router.pick([a, b], _payload())
+    assert pick is not None and pick.worker is b  # 41 - 40 + 46 queued > 41
+    a.settle("r1#1")
+    a.settle("r1#1")  # settling twice takes nothing more
+    assert a.queued_tokens == 5
+    pick = router.pick([a, b], _payload())
+    assert pick is not None and pick.worker is a
+    reg = WorkerRegistry(3.0)  # a heartbeat replaces every pending count
+    reg.register(a.reg, 0.0)
+    w = reg.get("a")
+    assert w is not None
+    w.add_pending("r3#1", 7)
+    reg.heartbeat(Heartbeat("a", 3, 256, 256, 0, 0), 1.0)
+    assert (w.queued_tokens, w.pending_prompts) == (3, {})
+    w.settle("r3#1")
+    assert w.queued_tokens == 3
