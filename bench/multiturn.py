@@ -4,8 +4,9 @@
 
 Each of `--conversations` conversations (run concurrently, one client each) grows
 over `--turns` turns: turn i sends everything so far (earlier user messages and the
-answers the server gave) plus a new `--turn-words`-word user message (150 words: about
-270 tokens of the built-in tokenizer, so the sixth turn sends about 1,900 tokens),
+answers the server gave) plus a new `--turn-words`-word user message (100 words: about
+180 tokens of the built-in tokenizer; with the answers re-tokenized the sixth turn sends
+about 1,500 tokens, inside the built-in model's 2,048),
 streams `--output-len` tokens (ignore_eos) and appends the answer. Conversations share
 no prefix. Every configuration (`--up-args` plus `--router R` for each router in
 `--routers`) is started fresh per run; runs alternate the routers, so a ratio is taken
@@ -21,6 +22,7 @@ import statistics
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -35,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = harness.parser(__doc__)
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--turn-words", type=int, default=150, help="words in each new user message")
+    ap.add_argument("--turn-words", type=int, default=100, help="words in each new user message")
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--routers", default="kv-aware,round-robin")
@@ -51,7 +53,11 @@ def _stream(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, 
     req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     start, ttft, text, cached = time.monotonic(), None, [], 0
-    with urllib.request.urlopen(req, timeout=600) as r:
+    try:
+        r = urllib.request.urlopen(req, timeout=600)
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"HTTP {e.code}: {e.read()[:300]!r}") from None
+    with r:
         for line in r:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
