@@ -163,8 +163,9 @@ class ReserveResult(Message):
     TAG: ClassVar[str] = "reserve_result"
     request_id: str
     transfer_id: str
-    block_ids: list[int]
+    block_ids: list[int]  # the blocks the KV is written into
     refused: str = ""  # non-empty: why nothing was reserved
+    cached_blocks: int = 0  # leading prompt blocks decode already holds: not shipped
 
     @property
     def ok(self) -> bool:
@@ -194,6 +195,7 @@ class TransferTarget(Message):
     target_kv_address: str
     target_kv_shm: str
     dst_block_ids: list[int]
+    skip_blocks: int = 0  # the prompt's first blocks decode holds already: ship from this one on
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,29 @@ class RequestFailed(Message):
     transfer_id: str = ""
 
 
+@dataclass(frozen=True)
+class KvEvents(Message):
+    """Worker -> every gateway, at most once per tick: prefix-cache block keys
+    (common/block_hash.py) stored and evicted since the previous batch. `seq` numbers the
+    batches; a gateway that sees a gap asks for a snapshot. `snapshot`: `stored` is the
+    whole cache as of batch `seq` (to one gateway: on registration, or when asked)."""
+
+    TAG: ClassVar[str] = "kv_events"
+    worker_id: str
+    seq: int
+    stored: list[int]
+    evicted: list[int] = field(default_factory=list)
+    snapshot: bool = False
+
+
+@dataclass(frozen=True)
+class KvSnapshotRequest(Message):
+    """Gateway -> worker: its `KvEvents` had a gap; send a snapshot."""
+
+    TAG: ClassVar[str] = "kv_snapshot_request"
+    worker_id: str
+
+
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     RegisterWorker,
     RegisterAck,
@@ -292,6 +317,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     TokenBatch,
     Abort,
     RequestFailed,
+    KvEvents,
+    KvSnapshotRequest,
 )
 _BY_TAG: dict[str, type[Message]] = {cls.TAG: cls for cls in MESSAGE_TYPES}
 

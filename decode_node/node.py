@@ -1,18 +1,23 @@
 """The decode worker: reserves blocks, receives KV, decodes in continuous batches.
 
 A request's life here:
-1. `DecodeReserve`: the engine reserves blocks for the prompt (WAITING_FOR_KV)
-   and the KV receiver expects the transfer into exactly those blocks; the
-   block ids go back to the gateway (`ReserveResult`). Admission keeps room for
-   the running streams' growth (`engine.scheduler.ReserveCheck`), so a request
-   never evicts one; a refusal reserves nothing and says why, and the gateway
-   retries it.
+1. `DecodeReserve`: the engine pins the prompt's leading blocks its prefix
+   cache holds, reserves blocks for the rest (WAITING_FOR_KV), and the KV
+   receiver expects the transfer into exactly those blocks; their ids and the
+   number held go back to the gateway (`ReserveResult`: suffix-only handoff).
+   Admission keeps room for the running streams' growth
+   (`engine.scheduler.ReserveCheck`), so a request never evicts one; a refusal
+   reserves nothing and says why, and the gateway retries it.
 2. `StartDecode` brings the first token(s) sampled by the prefill worker.
 3. When the transfer is COMPLETE (every block verified) and the first tokens
    are known, the engine admits the sequence (`start_remote`, RUNNING).
 4. Each engine step's new tokens go to the gateway as one `TokenBatch`.
 5. Finish, `Abort` or a failed transfer frees the blocks; a failed transfer is
    reported as a retryable `RequestFailed`, so the gateway re-prefills.
+
+Local prefill: a `RunRequest` (the gateway found the prompt's uncached part within
+its `--local-prefill-threshold`, this worker's prefix cache counted) is prefilled
+here, in chunks between decode steps, and decoded like any other: no transfer.
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ class DecodeNode(EngineNode):
     def handle(self, msg: p.Message) -> None:
         if isinstance(msg, p.DecodeReserve):
             self._reserve(msg)
+        elif isinstance(msg, p.RunRequest):
+            self._run_local(msg)
         elif isinstance(msg, p.StartDecode):
             inc = self._incoming.get(msg.request_id)
             if inc is not None and inc.transfer_id == msg.transfer_id:
@@ -104,7 +111,7 @@ class DecodeNode(EngineNode):
 
         def enter(req: p.RequestPayload) -> Reservation:
             return self.engine.reserve_remote(rid, req.prompt_token_ids, req.params, req.output_token_ids,
-                                              req.choice_index)
+                                              req.choice_index, reuse_prefix=True)
 
         admitted = self.admit(msg, enter)
         if admitted is None:
@@ -117,8 +124,24 @@ class DecodeNode(EngineNode):
         blocks = reservation.block_ids
         self.receiver.expect(msg.transfer_id, rid, list(blocks), TRANSFER_LEASE_S)
         self._incoming[rid] = _Incoming(msg.transfer_id, time.monotonic(), len(blocks))
-        self.accepted(rid, f"{len(blocks)} blocks reserved", prefill=False)
-        self.send(p.ReserveResult(rid, msg.transfer_id, list(blocks)))
+        self.metrics.blocks_reused.inc(reservation.cached_blocks)
+        self.accepted(rid, f"{len(blocks)} blocks reserved, {reservation.cached_blocks} held", prefill=False)
+        self.send(p.ReserveResult(rid, msg.transfer_id, list(blocks), cached_blocks=reservation.cached_blocks))
+
+    def _run_local(self, msg: p.RunRequest) -> None:
+        """Prefill the request here as well (no KV transfer): it runs from its first step."""
+        rid = msg.request_id
+
+        def enter(req: p.RequestPayload) -> None:
+            self.engine.add_request(rid, req.prompt_token_ids, req.params, output_token_ids=req.output_token_ids,
+                                    choice_index=req.choice_index)
+
+        if self.admit(msg, enter) is None:
+            return
+        self._running.add(rid)
+        self._timing[rid] = _Stages(0.0, time.monotonic())
+        self.metrics.local_prefills.inc()
+        self.accepted(rid, f"{msg.payload.num_tokens} prompt tokens, prefilled locally", prefill=True)
 
     def _abort(self, rid: str) -> None:
         inc = self._incoming.pop(rid, None)
@@ -194,7 +217,8 @@ class DecodeNode(EngineNode):
         self.send(self.transfers.failed(rid, inc.transfer_id, state))
 
     def load(self) -> NodeLoad:
-        return self.stats.update(self.engine.stats())
+        queued = sum(seq.num_uncomputed_tokens for seq in list(self.engine.scheduler.waiting))  # local prefills
+        return self.stats.update(self.engine.stats(), queued)
 
     def busy(self) -> bool:
         return bool(self._incoming or self._running) or self.transfers.cancelling()

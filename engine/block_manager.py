@@ -17,22 +17,23 @@ the whole prefix, not just the block: two prompts share block i only if they
 agree on every token up to the end of block i (short of a SHA-256 collision),
 and a hit on block i implies hits on blocks 0..i-1. Free blocks that still
 carry a hash are kept in an LRU and reused by a later prompt with the same
-prefix, or evicted (oldest first) when fresh blocks run out.
+prefix, or evicted (oldest first) when fresh blocks run out. The hash lives in
+`common/block_hash.py`, so the gateway's KV index computes the very same chain;
+with `record_events()` every registration and eviction is recorded for it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from common.block_hash import ROOT_DIGEST, block_hash, block_key
 from common.kv_layout import NULL_BLOCK
+from engine.cache_events import CacheEventLog
 
-# Parent digest of the first block of every sequence (a fixed constant).
-ROOT_DIGEST = hashlib.sha256(b"pdserve prefix cache root").digest()
+__all__ = ["ROOT_DIGEST", "BlockManager", "block_hash"]
 
 
 class PrefixHit(NamedTuple):
@@ -69,12 +70,6 @@ class _Block:
     token_ids: tuple[int, ...] = ()
 
 
-def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    """The chained digest of one full block: SHA-256 over the parent's digest and the
-    block's token ids (little-endian int64), so it names the whole prefix."""
-    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
-
-
 class BlockManager:
     """Allocates KV blocks to owners (sequence ids) with refcounts, CoW and prefix caching."""
 
@@ -92,6 +87,8 @@ class BlockManager:
         self._tables: dict[int, list[int]] = {}
         # Digest chain of each owner's leading full, computed blocks.
         self._hashes: dict[int, list[bytes]] = {}
+        # Stored/evicted feed for KV-aware routing; None: nobody listens (`record_events`).
+        self.events: CacheEventLog | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -121,6 +118,16 @@ class BlockManager:
     def block_table(self, owner: int) -> list[int]:
         """A copy of the owner's physical block table (empty if it holds none)."""
         return list(self._tables.get(owner, ()))
+
+    def cached_keys(self) -> list[int]:
+        """The control-plane key of every cached block (a snapshot for the gateway)."""
+        return [block_key(h) for h in self._cached]
+
+    def record_events(self) -> CacheEventLog:
+        """Start recording stored/evicted blocks (drained by the worker every tick)."""
+        if self.events is None:
+            self.events = CacheEventLog()
+        return self.events
 
     def ref_count(self, block_id: int) -> int:
         return self._blocks[block_id].ref_count
@@ -215,6 +222,8 @@ class BlockManager:
                 block.block_hash = h
                 block.token_ids = chunk
                 self._cached[h] = block.block_id
+                if self.events is not None:
+                    self.events.stored(h)
 
     def fork(self, parent: int, child: int) -> None:
         """`child` shares all of `parent`'s blocks (full and partial); writes copy later."""
@@ -249,6 +258,8 @@ class BlockManager:
             block.block_hash = None
             block.token_ids = ()
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     # ---------------------------------------------------------------- internals
     def _acquire(self, block_id: int) -> None:
@@ -265,6 +276,8 @@ class BlockManager:
             block = self._blocks[block_id]
             if block.block_hash is not None and self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.evicted(block.block_hash)
             block.block_hash = None
             block.token_ids = ()
         self._blocks[block_id].ref_count = 1

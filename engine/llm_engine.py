@@ -26,7 +26,7 @@ import torch
 
 from common.logprobs import Logprob
 from common.sampling_params import SamplingParams
-from engine.block_manager import BlockCopy, BlockManager
+from engine.block_manager import NO_HIT, BlockCopy, BlockManager
 from engine.config import EngineConfig
 from engine.grammar.compiler import GrammarCompiler, load_tokenizer
 from engine.grammar.masking import constrain
@@ -195,21 +195,26 @@ class LLMEngine:
         params: SamplingParams,
         output_token_ids: Sequence[int] = (),
         choice_index: int = 0,
+        reuse_prefix: bool = False,
     ) -> Reservation:
         """Allocate blocks for the prompt's KV (WAITING_FOR_KV) if decode admission
         (`Scheduler.check_reserve`) grants it; a refusal reserves nothing.
 
         `output_token_ids`, `choice_index`: a resumed sequence (recovery); its KV arrives
-        with the prompt's, as in `add_request`.
+        with the prompt's, as in `add_request`. `reuse_prefix`: leading blocks this
+        engine's prefix cache already holds are pinned instead (`cached_blocks`), and
+        only the rest are reserved for the transfer (suffix-only handoff).
         """
         req = self._new_request(request_id, prompt_token_ids, params, False, output_token_ids, choice_index)
         seq = req.seqs[0]
         check = self.scheduler.check_reserve(seq)
-        if not check.ok or self.block_manager.allocate_slots(seq.seq_id, seq.num_tokens, 0) is None:
+        hit = self.block_manager.match_prefix(seq.token_ids) if reuse_prefix else NO_HIT
+        if not check.ok or self.block_manager.allocate_slots(seq.seq_id, seq.num_tokens, hit.num_tokens, hit) is None:
             del self._requests[request_id]
             return Reservation([], check)
         self.scheduler.add_waiting_for_kv(seq)
-        return Reservation(self.block_manager.block_table(seq.seq_id), check)
+        cached = len(hit.block_ids)
+        return Reservation(self.block_manager.block_table(seq.seq_id)[cached:], check, cached)
 
     def start_remote(
         self,

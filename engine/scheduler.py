@@ -93,10 +93,13 @@ class ReserveCheck(NamedTuple):
 
 
 class Reservation(NamedTuple):
-    """A decode reservation: the blocks granted (empty when refused) and why."""
+    """A decode reservation: the blocks granted for the KV to arrive in (empty when
+    refused) and why; `cached_blocks`: leading blocks of the prompt already held here
+    (pinned, not part of `block_ids`: suffix-only handoff)."""
 
     block_ids: list[int]
     check: ReserveCheck
+    cached_blocks: int = 0
 
     @property
     def ok(self) -> bool:

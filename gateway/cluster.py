@@ -2,9 +2,10 @@
 
 Life of a request (one *attempt*; recovery starts a new attempt):
 
-1. Pick workers. With prefill and decode pools: the decode worker with the
-   most free KV, then the prefill worker with the fewest queued tokens. With
-   only a colocated pool: the least loaded colocated worker.
+1. Pick workers (gateway/kv_router.py). Disaggregated: the decode worker with
+   the most free KV (it runs the whole request if at most `local_prefill_threshold`
+   prompt tokens are missing from its cache), the prefill worker the router picks.
+   With only a colocated pool: the colocated worker the router picks.
 2. Disaggregated: send `DecodeReserve` and `PrefillRequest` at once, so the
    reservation overlaps the prefill compute. When `ReserveResult` says the
    blocks are reserved, send their ids to the prefill worker (`TransferTarget`):
@@ -67,8 +68,9 @@ from gateway.backend import (
 )
 from gateway.control_plane import ClusterConfig, ControlPlane
 from gateway.flights import Attempt, Flight, FlightTable, RequestState, WorkerLost
+from gateway.kv_router import KvRouter, Pick
 from gateway.registry import WorkerInfo, WorkerRegistry
-from gateway.router import blocks_needed, pick_colocated, pick_decode, pick_prefill
+from gateway.router import blocks_needed, pick_decode
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,7 @@ class ClusterBackend:
         self.config = config or ClusterConfig()
         self.flights = FlightTable()
         self.control = ControlPlane(self.config, self.flights)
+        self.router = KvRouter(self.config.router_config, self.control.kv_index)
         self._seed_key = self.config.seed_key  # None: a random seed per request
 
     # --- the backend contract (gateway/backend.py) ------------------------
@@ -117,7 +120,7 @@ class ClusterBackend:
         return self.control.workers()
 
     def fleet_metrics(self) -> Sequence[FleetSample]:
-        return self.control.fleet_metrics()
+        return [*self.control.fleet_metrics(), *self.router.samples()]
 
     @property
     def registry(self) -> WorkerRegistry:
@@ -193,12 +196,13 @@ class ClusterBackend:
         request, a = flight.request, flight.attempt
         mode = await self._wait_mode(request)
         if mode == "colocated":
-            w = pick_colocated(self.registry.pool("colocated"))
-            assert w is not None
-            self._assign(a, w, a.payload.num_tokens)
-            self._send(w.worker_id, p.RunRequest(a.wid, a.payload))
+            pick = self.router.pick(self.registry.pool("colocated"), a.payload)
+            assert pick is not None
+            self._run_on(a, pick)
             return
         reserve_first, request.reserve_first = request.reserve_first, False
+        if not reserve_first and self._prefill_locally(a):
+            return
         if not reserve_first:  # a retry after a refusal keeps the request's first deadline
             request.reserve_deadline = time.monotonic() + self.config.reserve_timeout_s
         a.reserve_deadline = request.reserve_deadline
@@ -206,11 +210,30 @@ class ClusterBackend:
         if not reserve_first:
             self._start_prefill(a)
 
+    def _run_on(self, a: Attempt, pick: Pick, blocks: int = 0) -> None:
+        """The whole request on one worker: colocated, or a decode worker prefilling locally."""
+        a.route = pick.route
+        self._assign(a, pick.worker, a.payload.num_tokens, blocks=blocks)
+        self._send(pick.worker.worker_id, p.RunRequest(a.wid, a.payload))
+
+    def _prefill_locally(self, a: Attempt) -> bool:
+        """Run on the decode worker if it has room and the uncached part is within the threshold."""
+        decode = pick_decode(self.registry.pool("decode"))
+        if decode is None:
+            return False
+        blocks = blocks_needed(a.payload.num_tokens, decode.reg.block_size)
+        route = self.router.local_prefill(decode, a.payload) if decode.free_blocks >= blocks else None
+        if route is None:
+            return False
+        self._run_on(a, Pick(decode, route), blocks)
+        return True
+
     def _start_prefill(self, a: Attempt) -> None:
-        """Send the attempt's prompt to the prefill worker with the fewest queued tokens."""
-        prefill = pick_prefill(self.registry.pool("prefill"))
-        if prefill is None:
+        """Send the attempt's prompt to the prefill worker the router picks."""
+        pick = self.router.pick(self.registry.pool("prefill"), a.payload)
+        if pick is None:
             raise BackendError(BackendErrorKind.NO_WORKERS, "no prefill worker registered", retry_after=1.0)
+        prefill, a.route = pick.worker, pick.route
         self._assign(a, prefill, a.payload.num_tokens)
         a.prefill_id = prefill.worker_id
         self._send(prefill.worker_id, p.PrefillRequest(a.wid, a.payload))
@@ -235,7 +258,7 @@ class ClusterBackend:
                 self._start_prefill(a)
             self._send(a.prefill_id, p.TransferTarget(
                 a.wid, a.transfer_id, w.worker_id, w.reg.host_id, w.reg.kv_address,
-                w.reg.kv_shm, list(result.block_ids),
+                w.reg.kv_shm, list(result.block_ids), result.cached_blocks,
             ))
             if a.first is not None:
                 self._start_decode(a, a.first)
@@ -272,6 +295,7 @@ class ClusterBackend:
                 for d in self._first_token(flight, ev):
                     yield d
             elif isinstance(ev, p.TokenDelta):
+                self._prompt_done(a, ev.cached_tokens)  # a run on one worker: its first delta says
                 if a.prefill_id:  # decode is streaming: the KV arrived, prefill's part is over
                     self._unassign(a, a.prefill_id)
                     a.prefill_id = ""
@@ -284,6 +308,7 @@ class ClusterBackend:
 
     def _first_token(self, flight: Flight, ev: p.FirstToken) -> list[TokenDelta]:
         a, out = flight.attempt, []
+        self._prompt_done(a, ev.cached_tokens)
         for i, tok in enumerate(ev.token_ids[: len(a.choices)]):
             first = ev.logprobs[i] if i < len(ev.logprobs) else None
             lp = [first] if first is not None else None
@@ -345,7 +370,7 @@ class ClusterBackend:
     def _assign(a: Attempt, w: WorkerInfo, tokens: int, blocks: int = 0) -> None:
         a.workers.add(w.worker_id)
         w.inflight.add(a.wid)
-        w.pending_tokens += tokens
+        w.add_pending(a.wid, tokens)
         w.pending_blocks += blocks
         w.pending_seqs += 1 if blocks or w.role == "colocated" else 0
 
@@ -354,6 +379,14 @@ class ClusterBackend:
         w = self.registry.get(worker_id)
         if w is not None:
             w.inflight.discard(a.wid)
+            w.settle(a.wid)
+
+    def _prompt_done(self, a: Attempt, cached_tokens: int) -> None:
+        """The prompt is computed: its cache report checks the KV index; no longer queued load."""
+        self.router.observe(a.route, cached_tokens)
+        w = self.registry.get(a.route.worker_id) if a.route is not None else None
+        if w is not None:
+            w.settle(a.wid)
 
     def _end_attempt(self, flight: Flight | None, abort: bool) -> None:
         if flight is None:

@@ -4,7 +4,9 @@ worker registry it feeds, and the registry views the HTTP layer reads.
 `ControlPlane` binds the socket (CURVE when configured), answers `RegisterWorker`,
 records `Heartbeat`s, handles `Deregister` (draining, then gone), expires silent
 workers and marks stalled ones (heartbeating, holding work, step counter standing
-still for `stall_timeout_s`: listed as unhealthy, not routed). It knows nothing
+still for `stall_timeout_s`: listed as unhealthy, not routed), and keeps the KV index
+(gateway/kv_index.py) from each worker's `KvEvents`, asking a worker whose batches
+show a gap for a snapshot. It knows nothing
 about requests: it hands each worker event for a request, and each worker that
 left, to the `WorkerEvents` it was built with (the gateway's flight table,
 gateway/flights.py). The request flow itself lives in gateway/cluster.py.
@@ -30,6 +32,8 @@ from gateway.backend import (
     FleetSample,
     ReadyState,
 )
+from gateway.kv_index import KvIndex
+from gateway.kv_router import RouterConfig
 from gateway.registry import WorkerInfo, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -49,12 +53,19 @@ class ClusterConfig:
     # Keys the seeds the gateway gives unseeded requests (gateway/cluster.py); None: a
     # random key per process. Set only where a test must reproduce a sampled run.
     seed_key: bytes | None = None
+    router: str = "kv-aware"  # kv-aware | least-loaded | round-robin (gateway/kv_router.py)
+    local_prefill_threshold: int = 0  # uncached tokens a decode worker prefills itself; 0: off
 
     def __post_init__(self) -> None:
         if self.stall_timeout_s < 0:
             raise ValueError("stall_timeout_s must be >= 0 (0 disables stall detection)")
         if self.seed_key is not None and not 1 <= len(self.seed_key) <= 64:
             raise ValueError("seed_key must be 1 to 64 bytes")
+        RouterConfig(self.router, self.local_prefill_threshold)  # refuses a bad router now
+
+    @property
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(self.router, self.local_prefill_threshold)
 
 
 class WorkerEvents(Protocol):
@@ -77,6 +88,7 @@ class ControlPlane:
         self.config = config
         self.events = events
         self.registry = WorkerRegistry(self.config.heartbeat_timeout_s)
+        self.kv_index = KvIndex()  # every worker's prefix cache, from its KvEvents
         self.control_address = ""
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -144,7 +156,8 @@ class ControlPlane:
 
     def workers(self) -> Sequence[Mapping[str, Any]]:
         now = time.monotonic()
-        return [w.describe(now) for w in self.registry.all()]
+        return [w.describe(now) | {"kv_index_blocks": self.kv_index.num_blocks(w.worker_id)}
+                for w in self.registry.all()]
 
     def fleet_metrics(self) -> Sequence[FleetSample]:
         out: list[FleetSample] = []
@@ -200,6 +213,7 @@ class ControlPlane:
             reason = outcome.reason if outcome else "worker id does not match the connection"
             if accepted:
                 log.info("worker %s (%s) registered", msg.worker_id, msg.role)
+                self.kv_index.reset_worker(msg.worker_id, now)
             else:
                 log.warning("refused worker %s: %s", sender, reason)
             self.send(sender, p.RegisterAck(msg.worker_id, accepted, reason))
@@ -211,6 +225,10 @@ class ControlPlane:
                 self.send(msg.worker_id, p.RegisterAck(msg.worker_id, False, "unknown worker"))
         elif isinstance(msg, p.Deregister):
             self._deregister(sender, msg)
+        elif isinstance(msg, p.KvEvents):
+            if sender == msg.worker_id and self.kv_index.apply(msg, now):
+                log.info("worker %s: gap in its KV events; asking for a snapshot", sender)
+                self.send(sender, p.KvSnapshotRequest(sender))
         elif isinstance(msg, p.TokenBatch):
             self.registry.touch(sender, now)
             for d in msg.deltas:
@@ -224,6 +242,7 @@ class ControlPlane:
         if w is None:
             return
         if msg.final:
+            self.kv_index.drop_worker(sender)
             self.events.lost(self.registry.remove(sender))
         else:
             w.draining = True  # routable no more; in-flight requests still finish there
@@ -240,6 +259,7 @@ class ControlPlane:
                 # proves nothing yet. Give the receive loop a round to catch up.
                 continue
             for w in self.registry.expire(now):
+                self.kv_index.drop_worker(w.worker_id)
                 self.events.lost(w)
             if self.config.stall_timeout_s > 0:
                 for w in self.registry.find_stalled(now, self.config.stall_timeout_s):

@@ -17,6 +17,7 @@ from typing import Any
 
 from common import protocol as p
 from gateway.backend import GenerateRequest
+from gateway.kv_router import Route
 from gateway.registry import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class Attempt:
     reserved: bool = False
     first: p.FirstToken | None = None  # held until the reservation, then StartDecode
     reserve_deadline: float = 0.0
+    route: Route | None = None  # where its prompt is computed, and the KV index's prediction
 
     @property
     def reserving(self) -> bool:

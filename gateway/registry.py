@@ -33,10 +33,21 @@ class WorkerInfo:
     pending_tokens: int = 0
     pending_blocks: int = 0
     pending_seqs: int = 0
+    # Each request's part of `pending_tokens`: settled once its prompt is computed.
+    pending_prompts: dict[str, int] = field(default_factory=dict)
     draining: bool = False  # deregistered but still finishing its in-flight requests
     # Last time its step counter moved or it held no runnable work (stall detection).
     progress_at: float = 0.0
     stalled: bool = False  # no progress while holding work: not routed, requests recovered
+
+    def add_pending(self, request_id: str, tokens: int) -> None:
+        self.pending_tokens += tokens
+        self.pending_prompts[request_id] = self.pending_prompts.get(request_id, 0) + tokens
+
+    def settle(self, request_id: str) -> None:
+        """`request_id`'s prompt is computed (or abandoned): no longer queued load here,
+        even before the next heartbeat says so (a turn-by-turn client comes back at once)."""
+        self.pending_tokens = max(0, self.pending_tokens - self.pending_prompts.pop(request_id, 0))
 
     @property
     def worker_id(self) -> str:
@@ -128,6 +139,7 @@ class WorkerRegistry:
             info.stalled = False
         info.load = hb
         info.pending_tokens = info.pending_blocks = info.pending_seqs = 0
+        info.pending_prompts.clear()
         return True
 
     def touch(self, worker_id: str, now: float) -> None:

@@ -9,7 +9,8 @@ A request's life here:
 3. The first tokens go straight to the gateway (`FirstToken`: TTFT). The KV
    transfer starts once both the KV and the `TransferTarget` (the blocks the
    decode worker reserved) are there: same-host shared memory or tcp, chosen
-   from the peer's address. KV is never written before the reservation. When
+   from the peer's address; only blocks from `skip_blocks` on (those the decode
+   worker does not hold already). KV is never written before the reservation. When
    the target is known before the step that completes the prompt, the push is
    layer-wise: layer i of all the request's blocks ships while layer i+1
    computes (chunked prompts included: earlier chunks' layers are final).
@@ -86,12 +87,25 @@ class PrefillNode(EngineNode):
         elif isinstance(msg, p.TransferTarget):
             job = self._jobs.get(msg.request_id)
             if job is not None and job.target is None:
+                bad = self._bad_target(job, msg)
+                if bad:
+                    self._abort(msg.request_id)
+                    self.send(p.RequestFailed(msg.request_id, f"invalid transfer target: {bad}", retryable=False))
+                    return
                 job.target = msg
                 if job.prefilled:
                     self._start_transfer(job)
         elif isinstance(msg, p.Abort):
             for rid in msg.request_ids:
                 self._abort(rid)
+
+    def _bad_target(self, job: _Job, msg: p.TransferTarget) -> str:
+        """Why `msg` cannot receive this prompt's blocks ("" when it can): the held
+        blocks and the destination blocks must cover the prompt's blocks exactly."""
+        need = -(-job.msg.payload.num_tokens // self.runner.layout.block_size)
+        if msg.skip_blocks < 0 or msg.skip_blocks + len(msg.dst_block_ids) != need:
+            return f"{msg.skip_blocks} held + {len(msg.dst_block_ids)} destination blocks for a {need}-block prompt"
+        return ""
 
     def _add(self, msg: p.PrefillRequest) -> None:
         def enter(req: p.RequestPayload) -> None:
@@ -194,7 +208,8 @@ class PrefillNode(EngineNode):
     def _begin_transfer(self, job: _Job, src_blocks: list[int]) -> None:
         target = job.target
         assert target is not None
-        src = list(src_blocks)[: len(target.dst_block_ids)]
+        skip = target.skip_blocks  # decode holds the prompt's first blocks: only the rest travel
+        src = list(src_blocks)[skip : skip + len(target.dst_block_ids)]
         self.sender.begin(target.transfer_id, job.msg.request_id, peer_address(target), src,
                           list(target.dst_block_ids), TRANSFER_LEASE_S)
         job.transfer_started_at = time.monotonic()

@@ -47,6 +47,10 @@ class WorkerMetrics:
         self.transfer_failures = counter("llm_kv_transfer_failures", "Failed KV transfers")
         self.preemptions = counter("llm_preemptions", "Sequences preempted for recompute")
         self.aborts = counter("llm_worker_aborts", "Requests aborted on this worker")
+        self.blocks_reused = counter(
+            "llm_kv_blocks_reused", "Prompt blocks a decode worker already held, so not shipped")
+        self.local_prefills = counter(
+            "llm_decode_local_prefills", "Requests a decode worker prefilled itself (no KV transfer)")
         self.reservations_refused = counter(
             "llm_decode_reservations_refused", "Decode reservations refused to keep running streams' room")
         self.transfer_seconds = Histogram(

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from common import protocol as p
+from engine.cache_events import CacheEvents
 
 
 class NodeRegistration(NamedTuple):
@@ -43,6 +44,14 @@ class Node(Protocol):
 
     def busy(self) -> bool:
         """True while the node holds requests (draining waits for False)."""
+        ...
+
+    def cache_events(self) -> CacheEvents:
+        """Prefix-cache blocks stored and evicted since the last call (main loop only)."""
+        ...
+
+    def cached_keys(self) -> list[int]:
+        """Every prefix-cache block's key (common/block_hash.py), for a snapshot."""
         ...
 
     def close(self) -> None: ...

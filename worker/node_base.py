@@ -16,6 +16,7 @@ from typing import Generic, TypeVar
 from common import protocol as p
 from common.kv_layout import KVLayout
 from common.logs import request_fields
+from engine.cache_events import CacheEvents
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from worker.engine_glue import StatsMirror
@@ -56,6 +57,13 @@ class EngineNode:
         self.send = send
         self.metrics = metrics
         self.stats = StatsMirror(metrics)
+        self._cache_log = engine.block_manager.record_events()  # the gateways' KV index feed
+
+    def cache_events(self) -> CacheEvents:
+        return self._cache_log.drain()
+
+    def cached_keys(self) -> list[int]:
+        return self.engine.block_manager.cached_keys()
 
     def registration(self) -> NodeRegistration:
         """The node's pool; no KV receiver."""

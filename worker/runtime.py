@@ -19,7 +19,9 @@ recovered).
 With several gateways (`--gateway` repeated, or a `dns+tcp://` name resolving to
 every replica; see `worker.gateways`) the worker registers and heartbeats with
 each on its own channel, reports its total load to each, and sends every reply
-back on the channel its request came from.
+back on the channel its request came from. After every tick it also broadcasts the
+prefix-cache blocks stored and evicted (`KvEvents`, worker/kv_events.py) for the
+gateways' KV-aware routing.
 
 SIGTERM (or SIGINT) drains: the worker sends `Deregister(final=False)` so the
 gateway stops routing to it, finishes what it holds, sends
@@ -41,6 +43,7 @@ from common import protocol as p
 from common.transport import LOOPBACK, CurveClient, WorkerChannel, host_id, transport_kind
 from worker.faults import FaultInjector, WorkerFaults
 from worker.gateways import GatewayLinks
+from worker.kv_events import CachePublisher
 from worker.metrics import MetricsServer, WorkerMetrics
 from worker.node_api import Node, NodeLoad
 
@@ -80,6 +83,7 @@ class WorkerRuntime:
         self.faults = FaultInjector(faults or WorkerFaults())  # none unless the worker was asked
         self._registered_at: dict[str, float] = {}  # gateway address -> last RegisterWorker
         self._snapshot: LoadSnapshot | None = None  # replaced (never mutated) by the main loop
+        self.cache = CachePublisher(config.worker_id)
 
     def request_stop(self, *_: Any) -> None:
         self._stop_requested = True
@@ -133,12 +137,17 @@ class WorkerRuntime:
                 if not msg.accepted and metrics_port and now - self._registered_at.get(gateway, 0.0) > 1.0:
                     log.warning("gateway %s does not know us (%s); registering again", gateway, msg.reason)
                     self._register(node, metrics_port, gateway)
+            elif isinstance(msg, p.KvSnapshotRequest):
+                self.channel.send_to(gateway, self.cache.snapshot(node))
             else:
                 self.faults.on_message(msg)
                 node.handle(msg)
         worked = node.step()
         self.faults.after_step(worked)
         self._publish(node)
+        batch = self.cache.next_batch(node)
+        if batch is not None:
+            self.channel.broadcast(batch)
         self._last_tick = time.monotonic()
         if not worked:
             self.channel.wait(self.config.idle_wait_ms)
@@ -159,6 +168,7 @@ class WorkerRuntime:
             self.config.worker_id, node.role, host_id(), reg.kv_address, reg.kv_shm,
             reg.compat_hash, reg.total_blocks, reg.block_size, metrics_port, os.getpid(),
         ))
+        self.channel.send_to(gateway, self.cache.snapshot(node))  # what the gateway's KV index starts from
 
     def _heartbeat_loop(self) -> None:
         """One lossy socket per gateway; each gets the worker's total load."""

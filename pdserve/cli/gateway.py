@@ -33,6 +33,9 @@ from pdserve.cli.gateway_options import (
     sampling_defaults,
 )
 
+# gateway/kv_router.py: ROUTERS (kept out of this module's imports: parsing loads no zmq)
+ROUTERS = ("kv-aware", "least-loaded", "round-robin")
+
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap = sub.add_parser("gateway", help="run the HTTP gateway and worker registry")
@@ -55,6 +58,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     help="seconds a heartbeating worker may hold work without an engine step before "
                          "it is marked stalled and its requests recovered (0: off)")
     ap.add_argument("--max-recoveries", type=non_negative_int, default=3)
+    ap.add_argument("--router", choices=ROUTERS, default="kv-aware",
+                    help="how a prompt's worker is picked: kv-aware (least uncached prompt tokens + queued "
+                         "tokens, from the workers' prefix-cache events), least-loaded, round-robin")
+    ap.add_argument("--local-prefill-threshold", type=non_negative_int, default=0, metavar="TOKENS",
+                    help="a request whose uncached prompt part on the decode worker is at most this many "
+                         "tokens is prefilled there (no KV transfer); 0: off")
     ap.add_argument("--request-timeout", type=positive_float, default=None, help="per-request deadline (s)")
     ap.add_argument("--drain-timeout", type=positive_float, default=30.0)
     ap.add_argument("--max-in-flight", type=positive_int, default=256, help="requests inside the backend at once")
@@ -105,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
             control_host=args.control_host, control_port=control_port,
             heartbeat_timeout_s=args.heartbeat_timeout, stall_timeout_s=args.stall_timeout,
             max_recoveries=args.max_recoveries, curve=curve, seed_key=envs.gateway_seed_key(),
+            router=args.router, local_prefill_threshold=args.local_prefill_threshold,
         ))
     except ValueError as e:
         raise SystemExit(f"pdserve gateway: {e}") from None

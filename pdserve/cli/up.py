@@ -31,6 +31,7 @@ from pdserve.cli.args import (
     positive_float,
     positive_int,
 )
+from pdserve.cli.gateway import ROUTERS
 from pdserve.cli.gateway_options import (
     api_keys,
     check_served_names,
@@ -86,6 +87,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     help="gateway: the model's tool-call format")
     ap.add_argument("--grammar-compile-timeout", type=positive_float, default=None, metavar="SECONDS",
                     help="workers: refuse a structured-output constraint not compiled in time (default 10)")
+    ap.add_argument("--router", choices=ROUTERS, default="kv-aware", help="gateway: how a prompt's worker is picked")
+    ap.add_argument("--local-prefill-threshold", type=non_negative_int, default=0, metavar="TOKENS",
+                    help="gateway: prefill on the decode worker when at most this many prompt tokens are uncached")
     ap.add_argument("--ready-timeout", type=positive_float, default=120.0)
     ap.set_defaults(func=run)
 
@@ -135,7 +139,8 @@ def _worker_cmds(args: argparse.Namespace, control: str) -> list[list[str]]:
 def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
     cmd = [*_pdserve(), "gateway", "--host", args.host, "--port", str(args.port),
            "--control-port", str(control_port), "--max-recoveries", str(args.max_recoveries),
-           "--stall-timeout", str(args.stall_timeout)]
+           "--stall-timeout", str(args.stall_timeout), "--router", args.router,
+           "--local-prefill-threshold", str(args.local_prefill_threshold)]
     if args.model:
         cmd += ["--model", str(Path(args.model))]
     if args.max_model_len:

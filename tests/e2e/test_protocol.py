@@ -34,6 +34,11 @@ SAMPLES: list[p.Message] = [
                          p.TokenDelta(1, [6], None, "length", 3, request_id="r#2")]),
     p.Abort(["r#1", "r#2"], "client gone"),
     p.RequestFailed("r#1", "kv transfer failed", True, "x1"),
+    p.ReserveResult("r#1", "x1", [7], cached_blocks=3),
+    p.TransferTarget("r#1", "x1", "d-1", "h", "tcp://127.0.0.1:1", "", [7], 3),
+    p.KvEvents("p-1", 7, [(1 << 63) - 1, 0, 12345], [99]),
+    p.KvEvents("p-1", 6, [5, 6], snapshot=True),
+    p.KvSnapshotRequest("p-1"),
 ]
 
 
@@ -77,6 +82,8 @@ def _frame(tag: object, body: object, version: object = p.VERSION, magic: object
         _frame("abort", {"request_ids": "a"}),  # wrong type
         _frame("abort", {"request_ids": [1]}),
         _frame("reserve_result", {"request_id": "r", "transfer_id": "t", "block_ids": [True]}),
+        _frame("kv_events", {"worker_id": "p", "seq": 1, "stored": ["deadbeef"]}),  # keys are ints
+        _frame("kv_events", {"worker_id": "p", "seq": 1, "stored": [1], "evicted": [b"x"]}),
         _frame("register", {**p.encode_fields(SAMPLES[0]), "role": "attacker"}),
         _frame("tokens", {"worker_id": "w", "deltas": [{"request_id": "r"}]}),
         # Leaves deep inside a message are checked as strictly as top-level fields.

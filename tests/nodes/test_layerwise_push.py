@@ -33,9 +33,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 class Pair:
     """A prefill node and a decode node joined by the fake transport; the test is the gateway."""
 
-    def __init__(self, model_dir: Path, budget: int) -> None:
+    def __init__(self, model_dir: Path, budget: int, block_size: int = 16) -> None:
         self.fabric = FakeFabric()
-        self.pe, self.de = make_engine(model_dir, budget=budget), make_engine(model_dir)
+        self.pe = make_engine(model_dir, budget=budget, block_size=block_size)
+        self.de = make_engine(model_dir, block_size=block_size)
         layout = self.pe.runner.layout
         self.sender = fake_sender(layout, pool_array(self.pe.runner.pool.kv), self.fabric)
         self.receiver = FakeReceiver(layout, pool_array(self.de.runner.pool.kv), self.fabric)
@@ -85,8 +86,9 @@ class Pair:
             after_prefill: Callable[[], None] = lambda: None) -> list[int]:
         tid = f"x-{rid}"
         self.decode.handle(p.DecodeReserve(rid, tid, p.RequestPayload(prompt, PARAMS)))
-        blocks = self.take(p.ReserveResult).block_ids
-        target = p.TransferTarget(rid, tid, "d", host_id(), self.receiver.address, "", blocks)
+        reserved = self.take(p.ReserveResult)
+        target = p.TransferTarget(rid, tid, "d", host_id(), self.receiver.address, "", reserved.block_ids,
+                                  reserved.cached_blocks)
         self.prefill.handle(p.PrefillRequest(rid, p.RequestPayload(prompt, PARAMS)))
         if target_first:
             self.prefill.handle(target)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from common import protocol as p
 from common.transport import free_port
+from engine.cache_events import CacheEvents
 from tests.observability.obs import value
 from worker.gateways import GatewayLinks
 from worker.metrics import WorkerMetrics
@@ -53,6 +54,12 @@ class ScriptedNode:
 
     def busy(self) -> bool:
         return False
+
+    def cache_events(self) -> CacheEvents:
+        return CacheEvents([], [])
+
+    def cached_keys(self) -> list[int]:
+        return []
 
     def close(self) -> None:
         pass

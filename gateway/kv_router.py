@@ -1,0 +1,162 @@
+"""Which worker computes a prompt: KV-aware, least-loaded or round-robin routing, and
+the per-request choice to prefill on the decode worker itself.
+
+`kv-aware` (the default) picks the prefill worker (or, with only colocated workers,
+the worker) of least cost, where
+
+    cost(w) = uncached prompt tokens on w + queued prefill tokens on w
+              (+ RUNNING_SEQ_TOKENS per running sequence, colocated workers only)
+
+`uncached` is the prompt's length minus the tokens w's prefix cache would serve: the
+prompt's leading blocks the KV index (gateway/kv_index.py) says w holds, never the
+last token (common/block_hash.py: `cacheable_blocks`). Ties go to fewer requests in
+flight, then the worker id. `least-loaded` is the cache-blind rule of
+gateway/router.py; `round-robin` takes the pool in turn.
+
+Local prefill (`local_prefill_threshold` > 0, any router): when the decode worker
+chosen for a disaggregated request would have to compute at most that many of the
+prompt's tokens itself (its own prefix cache counted), it runs the whole request
+(`RunRequest`): no prefill worker, no KV transfer.
+
+Each decision is counted by reason: `prefix_hit` (kv-aware, the chosen worker holds
+part of the prompt), `load` (kv-aware, it holds none), `least_loaded`, `round_robin`,
+`local_prefill`. The tokens each worker's cache actually served (`cached_tokens`
+reported back) are counted per worker and correct the index.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from common.block_hash import cacheable_blocks, prefix_block_keys
+from common.protocol import RequestPayload
+from gateway.backend import FleetSample
+from gateway.kv_index import KvIndex
+from gateway.registry import WorkerInfo
+from gateway.router import pick_colocated, pick_prefill
+
+ROUTERS = ("kv-aware", "least-loaded", "round-robin")
+# What one running sequence weighs against queued prompt tokens on a colocated worker.
+RUNNING_SEQ_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    kind: str = "kv-aware"
+    local_prefill_threshold: int = 0  # tokens; 0: every disaggregated request ships its KV
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, not {self.kind!r}")
+        if self.local_prefill_threshold < 0:
+            raise ValueError("local_prefill_threshold must be >= 0")
+
+
+@dataclass
+class Route:
+    """Where one attempt's prompt went and what the index predicted there."""
+
+    worker_id: str
+    keys: list[int]  # the prompt's full-block keys
+    predicted_blocks: int  # leading blocks the index said the worker holds (cacheable only)
+    block_size: int
+    reason: str
+    prompt_tokens: int = 0  # a worker reports at most this many cached (resumed output is not prompt)
+    observed: bool = False  # the worker's cached_tokens came back
+
+
+class Pick(NamedTuple):
+    worker: WorkerInfo
+    route: Route
+
+
+def prompt_keys(payload: RequestPayload, block_size: int) -> list[int]:
+    """The block keys of everything the worker prefills: the prompt and any resumed output."""
+    return prefix_block_keys([*payload.prompt_token_ids, *payload.output_token_ids], block_size)
+
+
+class KvRouter:
+    def __init__(self, config: RouterConfig, index: KvIndex) -> None:
+        self.config = config
+        self.index = index
+        self.decisions: Counter[str] = Counter()  # reason -> count
+        self.cached_tokens: Counter[str] = Counter()  # worker -> prompt tokens its cache served
+        self._turn = itertools.count()
+
+    def pick(self, pool: Sequence[WorkerInfo], payload: RequestPayload) -> Pick | None:
+        """The worker of `pool` (prefill or colocated) that computes the prompt."""
+        if not pool:
+            return None
+        block_size = pool[0].reg.block_size
+        keys = prompt_keys(payload, block_size)
+        hits = self._hit_blocks(keys, pool, payload.num_tokens)
+        kind = self.config.kind
+        if kind == "round-robin":
+            w, reason = sorted(pool, key=lambda w: w.worker_id)[next(self._turn) % len(pool)], "round_robin"
+        elif kind == "least-loaded":
+            colocated = pool[0].role == "colocated"
+            best = pick_colocated(pool) if colocated else pick_prefill(pool)
+            assert best is not None
+            w, reason = best, "least_loaded"
+        else:
+            w = min(pool, key=lambda w: (self.cost(w, payload.num_tokens, hits[w.worker_id] * block_size),
+                                         len(w.inflight), w.worker_id))
+            reason = "prefix_hit" if hits[w.worker_id] else "load"
+        self.decisions[reason] += 1
+        return Pick(w, Route(w.worker_id, keys, hits[w.worker_id], block_size, reason,
+                             len(payload.prompt_token_ids)))
+
+    @staticmethod
+    def cost(w: WorkerInfo, num_tokens: int, cached_tokens: int) -> int:
+        """Uncached prompt tokens + queued load (the module docstring's formula)."""
+        load = w.queued_tokens + (RUNNING_SEQ_TOKENS * w.running if w.role == "colocated" else 0)
+        return num_tokens - cached_tokens + load
+
+    def local_prefill(self, decode: WorkerInfo, payload: RequestPayload) -> Route | None:
+        """A route onto decode worker `decode` when its uncached part of the prompt is
+        within the threshold; None: prefill elsewhere and ship the KV."""
+        threshold = self.config.local_prefill_threshold
+        if threshold <= 0 or payload.num_tokens > threshold + self._max_cacheable(decode, payload):
+            return None  # cannot be within the threshold even with every block cached
+        keys = prompt_keys(payload, decode.reg.block_size)
+        hit = self._hit_blocks(keys, [decode], payload.num_tokens)[decode.worker_id]
+        if payload.num_tokens - hit * decode.reg.block_size > threshold:
+            return None
+        self.decisions["local_prefill"] += 1
+        return Route(decode.worker_id, keys, hit, decode.reg.block_size, "local_prefill",
+                     len(payload.prompt_token_ids))
+
+    def observe(self, route: Route | None, cached_tokens: int) -> None:
+        """The worker's own count of cached prompt tokens (first report of an attempt):
+        counted, and the index corrected where it predicted otherwise."""
+        if route is None or route.observed:
+            return
+        route.observed = True
+        self.cached_tokens[route.worker_id] += cached_tokens
+        got = cached_tokens // route.block_size
+        if got < route.predicted_blocks and cached_tokens < route.prompt_tokens:  # evicted meanwhile
+            self.index.remove(route.worker_id, route.keys[got:route.predicted_blocks])
+        elif got > route.predicted_blocks:
+            self.index.add(route.worker_id, route.keys[:got])
+
+    def samples(self) -> list[FleetSample]:
+        """Decisions by reason and prompt tokens served from each worker's cache
+        (cumulative counts), for the gateway's /metrics."""
+        kind = self.config.kind
+        out = [FleetSample("llm_routing_decisions", "Routing decisions by router and reason (cumulative)",
+                           {"router": kind, "reason": r}, float(n)) for r, n in sorted(self.decisions.items())]
+        out += [FleetSample("llm_routed_cached_tokens", "Prompt tokens served from the worker's prefix cache "
+                            "(cumulative)", {"worker": w}, float(n)) for w, n in sorted(self.cached_tokens.items())]
+        return out
+
+    def _hit_blocks(self, keys: list[int], pool: Sequence[WorkerInfo], num_tokens: int) -> dict[str, int]:
+        usable = keys[: cacheable_blocks(num_tokens, pool[0].reg.block_size)]
+        return self.index.overlaps(usable, [w.worker_id for w in pool])
+
+    @staticmethod
+    def _max_cacheable(w: WorkerInfo, payload: RequestPayload) -> int:
+        return cacheable_blocks(payload.num_tokens, w.reg.block_size) * w.reg.block_size
