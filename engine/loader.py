@@ -19,8 +19,8 @@ from engine.kv_pool import TORCH_DTYPES
 from engine.model_config import ModelConfig, ModelConfigError
 from engine.models import MODEL_REGISTRY, LlamaForCausalLM
 from engine.quant.checkpoint import load_linear
-from engine.quant.formats import QuantizationError, served_quantization
-from engine.quant.linear import quantize_model, set_weight
+from engine.quant.formats import ON_THE_FLY, QuantizationError, served_quantization
+from engine.quant.linear import quantize_weight, set_weight
 from engine.weights_fingerprint import FingerprintError, WeightsFingerprint, fingerprint_files
 
 SINGLE_FILE = "model.safetensors"
@@ -177,8 +177,8 @@ def load_model_with(
     unfilled = set(params) - {s.param for s in specs}
     if unfilled:  # a model bug, not a checkpoint problem
         raise RuntimeError(f"weight_specs() leaves parameters unfilled: {sorted(unfilled)}")
-    linears = model.linear_weights()
-    prequant = set(linears) if cfg.prequant is not None else set()
+    linears = set(model.linear_weights())
+    prequant = linears if cfg.prequant is not None else set()
     with ExitStack() as stack, torch.no_grad():
         tensors = _Tensors(files, stack)
         for spec in specs:
@@ -191,7 +191,8 @@ def load_model_with(
                 continue
             parts = [tensors.get(name, shape) for name, shape in spec.sources]
             value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            params[spec.param].copy_(value.to(dtype))
-    if scheme in ("int8", "int4"):
-        quantize_model(model, linears, scheme)
+            if scheme in ON_THE_FLY and spec.param in linears:  # from the checkpoint's precision
+                set_weight(model, spec.param, quantize_weight(value.to(dev), scheme, dtype))
+            else:
+                params[spec.param].copy_(value.to(dtype))
     return cfg, model.eval()

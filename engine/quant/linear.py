@@ -132,17 +132,19 @@ def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return torch.equal(a, b)
 
 
-def quantize_weight(w: torch.Tensor, scheme: str) -> nn.Module:
-    """A float weight [N, K] as an Int8Linear or Int4Linear on its own device and dtype."""
+def quantize_weight(w: torch.Tensor, scheme: str, dtype: torch.dtype | None = None) -> nn.Module:
+    """A float weight [N, K] as an Int8Linear or Int4Linear on its device, computing in
+    `dtype` (default: the weight's). Scales come from `w` as given (the checkpoint's
+    precision), not from a copy rounded to `dtype` first."""
+    dtype = dtype or w.dtype
     if scheme == "int8":
-        return Int8Linear(quantize_int8(w), w.dtype, w.device)
+        return Int8Linear(quantize_int8(w), dtype, w.device)
     if scheme == "int4":
         pad_k = -w.shape[1] % INT4_GROUP
         padded = F.pad(w.float(), (0, pad_k)) if pad_k else w
         parts = quantize_int4(padded, INT4_GROUP)
         # The kernel pads K itself: hand it the real width.
-        q = parts.q[:, : w.shape[1]]
-        return Int4Linear(parts._replace(q=q), w.dtype, w.device)
+        return Int4Linear(parts._replace(q=parts.q[:, : w.shape[1]]), dtype, w.device)
     raise QuantizationError(f"no on-the-fly quantization {scheme!r} (choose {', '.join(ON_THE_FLY)})")
 
 
@@ -153,11 +155,3 @@ def set_weight(model: nn.Module, name: str, value: nn.Module) -> None:
     delattr(owner, attr)
     setattr(owner, attr, value)
 
-
-@torch.no_grad()
-def quantize_model(model: nn.Module, names: Sequence[str], scheme: str) -> None:
-    """Quantize the float weights `names` of `model` in place, one at a time (the float
-    copy of each is freed as soon as its quantized layer exists)."""
-    params = dict(model.named_parameters())
-    for name in names:
-        set_weight(model, name, quantize_weight(params.pop(name), scheme))
