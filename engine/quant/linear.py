@@ -9,6 +9,13 @@ weight converted per call and the scales applied to the output.
 
 The int4 kernels need N % 16 == 0 and K % group == 0: weights are padded with zero
 rows (outputs sliced off) and zero columns (activations zero-padded to match).
+
+The aten CPU kernels are small-M kernels (AVX-512, no AMX): measured on this host
+(1 thread, 768-4096 x 768-2048 layers) they take ~0.3x the bf16 matmul's time at one
+row but 2.5-3x at 16 rows and 3-27x at 128. So an int8 layer given more than
+`INT8_KERNEL_ROWS` rows converts its weight to the compute dtype for that call and
+runs the ordinary matmul, scaling the output per channel (exact: x @ (q s)^T =
+(x @ q^T) s); int4 stays on its kernel (its packed layout has no cheap unpacking).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from engine.quant.formats import INT4_GROUP, ON_THE_FLY, QuantizationError
 from engine.quant.pack import Int4Parts, Int8Parts, quantize_int4, quantize_int8
 
 _N_ALIGN = 16
+INT8_KERNEL_ROWS = 8
 
 
 class Int8Linear(nn.Module):
@@ -37,7 +45,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.device.type == "cpu":
+        if x2.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_ROWS:
             y = torch._weight_int8pack_mm(x2.contiguous(), self.q, self.scales)
         else:
             y = F.linear(x2, self.q.to(x2.dtype)) * self.scales

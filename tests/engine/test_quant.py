@@ -34,19 +34,22 @@ def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
+@pytest.mark.parametrize("rows", [5, 64])  # the aten kernel, and the converted weight past INT8_KERNEL_ROWS
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(96, 64), (40, 688), (256, 384)])  # ragged N and K too
-def test_int8_layer_is_the_matmul_of_its_dequantized_weight(shape: tuple[int, int], dtype: torch.dtype) -> None:
+def test_int8_layer_is_the_matmul_of_its_dequantized_weight(
+    shape: tuple[int, int], dtype: torch.dtype, rows: int
+) -> None:
     w = _weight(*shape)
     parts = quantize_int8(w)
     deq = parts.q.float() * parts.scales[:, None]
     assert (deq - w).abs().max() <= parts.scales.max() / 2 + 1e-7  # half a step at most
-    x = torch.randn(5, shape[1]).to(dtype)
-    layer = quantize_weight(w.to(dtype), "int8")
+    x = torch.randn(rows, shape[1]).to(dtype)
+    layer = quantize_weight(w, "int8", dtype)
     assert isinstance(layer, Int8Linear) and layer.q.dtype == torch.int8
     y = layer(x)
-    assert y.dtype == dtype and y.shape == (5, shape[0])
-    ref = x.float() @ (parts.q.float() * parts.scales.to(dtype).float()[:, None]).t()
+    assert y.dtype == dtype and y.shape == (rows, shape[0])
+    ref = (x.float() @ parts.q.float().t()) * parts.scales.to(dtype).float()
     tol = 1e-4 if dtype == torch.float32 else 3e-2 * ref.abs().max().item()
     assert (y.float() - ref).abs().max().item() <= tol
 
