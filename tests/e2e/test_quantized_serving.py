@@ -50,6 +50,8 @@ def test_disaggregated_equals_colocated_equals_engine(
     want = [[reference.tokenizer.decode([t], skip_special_tokens=False)
              for t in engine.generate([reference.completion_ids(p)], params)[0].token_ids] for p in PROMPTS]
     model = reference.model_name
+    (tmp_path / "pd").mkdir()
+    (tmp_path / "co").mkdir()
     with running_cluster(tmp_path / "pd", {"prefill": 1, "decode": 1}, "--quantization", scheme) as c:
         disaggregated = _served(c, model)
         _says(c, model, scheme)
