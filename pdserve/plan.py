@@ -43,8 +43,8 @@ from engine.quant.formats import (
 
 DEFAULT_OVERHEAD_FRACTION = 0.10
 # `--kv-cache-dtype` values plan takes beyond the serving dtypes: one byte an element.
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "int8")
-_KV_BYTES = {**DTYPE_BYTES, "fp8": 1, "int8": 1}
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "int8")
+_KV_BYTES = {**DTYPE_BYTES, "fp8": 1, "fp8_e4m3": 1, "int8": 1}
 
 _UNITS = {
     "": 1,
