@@ -68,6 +68,8 @@ class RegisterWorker(Message):
     block_size: int
     metrics_port: int
     pid: int
+    quantization: str = "none"  # weight quantization served: none | int8 | int4 | awq | gptq
+    kv_cache_dtype: str = ""  # the KV pool's element dtype
 
 
 @dataclass(frozen=True)

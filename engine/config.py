@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from common.kv_layout import normalize_kv_cache_dtype
 from engine.dtype import DTYPE_CHOICES
+from engine.quant.formats import QUANTIZATION_CHOICES
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     # auto (the compute dtype) | fp8 | fp8_e4m3 | int8: see engine.kv_quant.
     kv_cache_dtype: str = "auto"
+    # Weight-only quantization on the fly: none | int8 | int4 (engine/quant/formats.py).
+    # A pre-quantized (AWQ/GPTQ) checkpoint is served as stored, with "none" here.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.grammar_compile_timeout_s <= 0:
@@ -76,3 +80,6 @@ class EngineConfig:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
         normalize_kv_cache_dtype(self.kv_cache_dtype)  # ValueError naming the choices
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"unsupported quantization {self.quantization!r}; "
+                             f"choose one of {', '.join(QUANTIZATION_CHOICES)}")

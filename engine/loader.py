@@ -18,6 +18,9 @@ from common import envs
 from engine.kv_pool import TORCH_DTYPES
 from engine.model_config import ModelConfig, ModelConfigError
 from engine.models import MODEL_REGISTRY, LlamaForCausalLM
+from engine.quant.checkpoint import load_linear
+from engine.quant.formats import ON_THE_FLY, QuantizationError, served_quantization
+from engine.quant.linear import quantize_weight, set_weight
 from engine.weights_fingerprint import FingerprintError, WeightsFingerprint, fingerprint_files
 
 SINGLE_FILE = "model.safetensors"
@@ -106,6 +109,13 @@ class _Tensors:
             return path if name in self._keys[path] else None
         return self._files.get(name)
 
+    def has(self, name: str) -> bool:
+        path = self._path_of(name)
+        if path is None:
+            return False
+        self._handle(path)
+        return name in self._keys[path]
+
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         path = self._path_of(name)
         if path is None:
@@ -144,14 +154,21 @@ def load_model_with(
     dtype: torch.dtype | str,
     device: torch.device | str,
     max_positions: int | None,
+    quantization: str = "none",
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
-    """`load_model` with RoPE tables sized for `max_positions` (default: the model's maximum)."""
+    """`load_model` with RoPE tables sized for `max_positions` (default: the model's maximum)
+    and the decoder linears quantized on the fly (`quantization` int8 | int4) or read as
+    stored from an AWQ/GPTQ checkpoint (engine/quant)."""
     if isinstance(dtype, str):
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(TORCH_DTYPES)}")
         dtype = TORCH_DTYPES[dtype]
     d = Path(model_dir)
     cfg = load_config(d)
+    try:
+        scheme = served_quantization(quantization, cfg.prequant)
+    except QuantizationError as e:
+        raise CheckpointError(str(e)) from e
     files = weight_files(d)
     dev = torch.device(device)
     model = MODEL_REGISTRY[cfg.architecture](cfg, dtype, dev, max_positions=max_positions)
@@ -160,10 +177,22 @@ def load_model_with(
     unfilled = set(params) - {s.param for s in specs}
     if unfilled:  # a model bug, not a checkpoint problem
         raise RuntimeError(f"weight_specs() leaves parameters unfilled: {sorted(unfilled)}")
+    linears = set(model.linear_weights())
+    prequant = linears if cfg.prequant is not None else set()
     with ExitStack() as stack, torch.no_grad():
         tensors = _Tensors(files, stack)
         for spec in specs:
+            if spec.param in prequant and cfg.prequant is not None:
+                try:
+                    layer = load_linear(tensors.get, tensors.has, spec.sources, cfg.prequant, dtype, dev)
+                except QuantizationError as e:
+                    raise CheckpointError(str(e)) from e
+                set_weight(model, spec.param, layer)
+                continue
             parts = [tensors.get(name, shape) for name, shape in spec.sources]
             value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            params[spec.param].copy_(value.to(dtype))
+            if scheme in ON_THE_FLY and spec.param in linears:  # from the checkpoint's precision
+                set_weight(model, spec.param, quantize_weight(value.to(dev), scheme, dtype))
+            else:
+                params[spec.param].copy_(value.to(dtype))
     return cfg, model.eval()

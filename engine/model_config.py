@@ -20,6 +20,7 @@ from common.generation_config import (
     token_ids,
 )
 from common.kv_layout import KVLayout, kv_dtype_for
+from engine.quant.formats import PrequantConfig, QuantizationError, parse_quantization_config
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -79,8 +80,10 @@ class ModelConfig:
     # Mistral-style sliding window. Not implemented as a window: the runner caps
     # max_model_len at it, where full attention and windowed attention agree.
     sliding_window: int | None = None
-    # `quantization_config.quant_method`; the engine loads unquantized weights only.
+    # `quantization_config.quant_method` ("none": a float checkpoint); `prequant` is
+    # how the loader reads its tensors (engine/quant/formats.py).
     quantization: str = "none"
+    prequant: PrequantConfig | None = None
     # sha256 of config.json bytes; stable identity for KV compatibility hashes.
     model_id: str = field(default="", compare=False)
 
@@ -178,8 +181,10 @@ class ModelConfig:
         eos = gen_eos or _cfg_eos(cfg.get("eos_token_id"))
         bos = gen_bos if gen_bos is not None else cfg.get("bos_token_id")
         dtype = cfg.get("torch_dtype") or cfg.get("dtype")
-        quant = cfg.get("quantization_config")
-        quant_method = quant.get("quant_method") if isinstance(quant, dict) else None
+        try:
+            prequant = parse_quantization_config(cfg.get("quantization_config"))
+        except QuantizationError as e:
+            raise ModelConfigError(f"{source}: {e}") from None
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
@@ -203,7 +208,8 @@ class ModelConfig:
             torch_dtype=str(dtype) if dtype else None,
             hidden_act=str(cfg.get("hidden_act", "silu")),
             sliding_window=int(window) if window else None,
-            quantization=str(quant_method) if quant_method else "none",
+            quantization=prequant.method if prequant else "none",
+            prequant=prequant,
             model_id=model_id,
         )
 
@@ -244,10 +250,11 @@ def _cfg_eos(value: Any) -> tuple[int, ...]:
 
 
 def kv_layout(model_config: ModelConfig, block_size: int, dtype: str, weights: str,
-              kv_cache_dtype: str = "auto") -> KVLayout:
+              kv_cache_dtype: str = "auto", quantization: str | None = None) -> KVLayout:
     """The KV pool layout for this model run in `dtype` with weights fingerprint `weights`
-    (`engine.loader.weights_fingerprint`); allocates nothing. The KV cache is kept in the
-    compute dtype unless `kv_cache_dtype` names a quantized one."""
+    (`engine.loader.weights_fingerprint`) and weight `quantization` (the served scheme,
+    `engine.quant.formats.served_quantization`; None: the checkpoint's); allocates nothing.
+    The KV cache is kept in the compute dtype unless `kv_cache_dtype` names a quantized one."""
     return KVLayout(
         model_id=model_config.model_id,
         num_layers=model_config.num_layers,
@@ -257,5 +264,5 @@ def kv_layout(model_config: ModelConfig, block_size: int, dtype: str, weights: s
         dtype=kv_dtype_for(kv_cache_dtype, dtype),
         weights=weights,
         compute_dtype=dtype,
-        quantization=model_config.quantization,
+        quantization=model_config.quantization if quantization is None else quantization,
     )

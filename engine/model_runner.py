@@ -21,6 +21,7 @@ from engine.dtype import resolved_config
 from engine.kv_pool import TORCH_DTYPES, KVPool
 from engine.loader import load_config, load_model_with, weights_fingerprint
 from engine.model_config import ModelConfig, kv_layout
+from engine.quant.formats import served_quantization
 from engine.runner_types import SeqChunk
 
 
@@ -64,14 +65,16 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         max_len = resolve_max_model_len(config, load_config(config.model_dir))
         self.model_config, self.model = load_model_with(
-            config.model_dir, self.dtype, self.device, max_positions=max_len
+            config.model_dir, self.dtype, self.device, max_positions=max_len,
+            quantization=config.quantization,
         )
         self.max_model_len = max_len
         # A caller that sized the pool with `layout_for(config)` passes that layout, so
         # the weights are fingerprinted once even where no cache file can be written.
         weights = layout.weights if layout is not None else weights_fingerprint(config.model_dir).digest
+        self.quantization = served_quantization(config.quantization, self.model_config.prequant)
         self.layout: KVLayout = kv_layout(self.model_config, self.block_size, config.dtype, weights,
-                                          config.kv_cache_dtype)
+                                          config.kv_cache_dtype, self.quantization)
         if layout is not None and layout != self.layout:
             raise ValueError(f"layout {layout} does not belong to this config ({self.layout})")
         if kv_buffer is not None:
@@ -90,8 +93,10 @@ class ModelRunner:
         fingerprint (hashing the weights only when no cached fingerprint is current), with
         the dtype resolved as the runner resolves it."""
         config = resolved_config(config)
-        return kv_layout(load_config(config.model_dir), config.cache.block_size, config.dtype,
-                         weights_fingerprint(config.model_dir).digest, config.kv_cache_dtype)
+        model_config = load_config(config.model_dir)
+        return kv_layout(model_config, config.cache.block_size, config.dtype,
+                         weights_fingerprint(config.model_dir).digest, config.kv_cache_dtype,
+                         served_quantization(config.quantization, model_config.prequant))
 
     @staticmethod
     def num_blocks_for_bytes(layout: KVLayout, budget_bytes: int) -> int:

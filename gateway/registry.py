@@ -83,6 +83,8 @@ class WorkerInfo:
             "kv_transport": transport_kind(self.reg.kv_address),
             "kv_shm": self.reg.kv_shm,
             "compat_hash": self.reg.compat_hash,
+            "quantization": self.reg.quantization,
+            "kv_cache_dtype": self.reg.kv_cache_dtype,
             "total_blocks": self.reg.total_blocks,
             "block_size": self.reg.block_size,
             "free_blocks": load.free_blocks if load else self.reg.total_blocks,

@@ -109,16 +109,27 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def _model_card(config: GatewayConfig, name: str, created: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "pdserve",
-            "root": config.model_name, "max_model_len": config.max_model_len}
+def _model_card(request: web.Request, name: str) -> dict[str, Any]:
+    """The OpenAI model object, plus what the registered workers run: the weight
+    quantization and KV-cache dtype (one value each, as registration refuses a worker
+    whose compatibility hash differs; null before any worker has registered)."""
+    state = request.app[STATE]
+    config = state.config
+    workers = state.backend.workers()
+
+    def served(key: str) -> str | None:
+        values = sorted({str(w[key]) for w in workers if key in w})
+        return ",".join(values) if values else None
+
+    return {"id": name, "object": "model", "created": request.app[_CREATED], "owned_by": "pdserve",
+            "root": config.model_name, "max_model_len": config.max_model_len,
+            "quantization": served("quantization"), "kv_cache_dtype": served("kv_cache_dtype")}
 
 
 async def list_models(request: web.Request) -> web.Response:
     """Every served name, the primary one first (as vLLM lists --served-model-name)."""
-    config = request.app[STATE].config
-    created = request.app[_CREATED]
-    return _json({"object": "list", "data": [_model_card(config, n, created) for n in config.served_model_names]})
+    names = request.app[STATE].config.served_model_names
+    return _json({"object": "list", "data": [_model_card(request, n) for n in names]})
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -126,7 +137,7 @@ async def get_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     if name not in config.served_model_names:
         raise APIError(404, f"The model '{name[:64]}' does not exist.", param="model", code="model_not_found")
-    return _json(_model_card(config, name, request.app[_CREATED]))
+    return _json(_model_card(request, name))
 
 
 async def list_workers(request: web.Request) -> web.Response:

@@ -5,14 +5,20 @@ Torch-free: reads `config.json` through the engine's own parser
 when present, the safetensors headers (for an exact parameter count). The figures:
 
 - weight bytes = parameters x bytes per element of the serving dtype (`auto`, the
-  default, resolves as the workers do: `engine.dtype`);
-- KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes
-  (never the query head count);
+  default, resolves as the workers do: `engine.dtype`); under weight quantization
+  (`--quantization int8|int4`, or an AWQ/GPTQ checkpoint's own) the decoder linears
+  count their quantized bytes with scales and zeros (`engine.quant.formats`), the
+  embeddings, LM head and norms stay in the serving dtype, as the engine keeps them;
+- KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes of the
+  KV-cache dtype (the serving dtype, or `--kv-cache-dtype fp8|int8`: 1 byte; their
+  per-block scales are not counted) -- never the query head count;
 - KV per full-length request = that x max-model-len (rounded up to whole blocks);
 - KV budget = device memory - weights - overhead (10% of the device by default,
   for activations, graphs, fragmentation and runtime);
 - token budget = KV budget // KV bytes per token; max concurrency = KV budget //
-  KV per request.
+  KV per request;
+- cost per 1M output tokens = GPU hourly cost / (3,600 x output tokens/s) x 10^6
+  (`--gpu-hourly-cost` with `--throughput`).
 """
 
 from __future__ import annotations
@@ -25,11 +31,20 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from common.kv_layout import KVLayout
+from common.kv_layout import DTYPE_BYTES
 from engine.dtype import host_cpu_flags, resolve_dtype
 from engine.model_config import ModelConfig, ModelConfigError
+from engine.quant.formats import (
+    INT4_GROUP,
+    QuantizationError,
+    linear_weight_bytes,
+    served_quantization,
+)
 
 DEFAULT_OVERHEAD_FRACTION = 0.10
+# `--kv-cache-dtype` values plan takes beyond the serving dtypes: one byte an element.
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "int8")
+_KV_BYTES = {**DTYPE_BYTES, "fp8": 1, "fp8_e4m3": 1, "int8": 1}
 
 _UNITS = {
     "": 1,
@@ -90,6 +105,25 @@ def param_count(cfg: ModelConfig) -> int:
     return embed + cfg.num_layers * (attn + mlp + norms) + h
 
 
+def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of every decoder linear weight: what weight quantization applies to."""
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    layer = [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter)]
+    return layer * cfg.num_layers
+
+
+def weight_bytes(cfg: ModelConfig, params: int, scheme: str, compute_bytes: int) -> int:
+    """Bytes of `params` parameters served under `scheme`: decoder linears quantized,
+    everything else (embeddings, LM head, norms, biases) in the compute dtype."""
+    shapes = linear_shapes(cfg)
+    group = INT4_GROUP
+    if cfg.prequant is not None:
+        group = cfg.prequant.group_size
+    linear = sum(linear_weight_bytes(n, k, scheme, compute_bytes, group) for n, k in shapes)
+    rest = params - sum(n * k for n, k in shapes)
+    return linear + rest * compute_bytes
+
+
 def read_model_config(model_dir: Path) -> ModelConfig:
     """The engine's own reading of `config.json`: a model the engine cannot serve is a PlanError."""
     try:
@@ -130,6 +164,9 @@ class CapacityPlan:
     dtype: str  # resolved: never "auto"
     device: str
     bytes_per_element: int
+    quantization: str  # weight scheme: none | int8 | int4 | awq | gptq
+    kv_cache_dtype: str  # resolved: the serving dtype, fp8 or int8
+    kv_bytes_per_element: int
     param_count: int
     param_source: str  # "safetensors headers" | "config shapes"
     weight_bytes: int
@@ -149,6 +186,9 @@ class CapacityPlan:
     concurrency: int | None
     concurrency_kv_bytes: int | None
     fits: bool | None
+    gpu_hourly_cost: float | None = None
+    throughput: float | None = None  # output tokens/s the cost is stated at
+    cost_per_million_tokens: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -165,11 +205,16 @@ def compute_plan(
     concurrency: int | None = None,
     overhead_fraction: float = DEFAULT_OVERHEAD_FRACTION,
     block_size: int = 16,
+    quantization: str = "none",
+    kv_cache_dtype: str = "auto",
+    gpu_hourly_cost: float | None = None,
+    throughput: float | None = None,
 ) -> CapacityPlan:
     """The capacity figures for one model on one device (see the module docstring).
 
     `dtype` resolves against the checkpoint, `device` and `cpu_flags` (None: this
-    host's) exactly as a worker started with the same flags resolves it."""
+    host's) exactly as a worker started with the same flags resolves it; `quantization`
+    as a worker's `--quantization` (an AWQ/GPTQ checkpoint plans as stored)."""
     d = Path(model_dir)
     cfg = read_model_config(d)
     try:
@@ -179,28 +224,46 @@ def compute_plan(
         raise PlanError(str(e)) from e
     if max_model_len < 1 or block_size < 1 or device_memory < 1:
         raise PlanError("device memory, max-model-len and block size must be positive")
-    exact = safetensors_param_count(d)
+    try:
+        scheme = served_quantization(quantization, cfg.prequant)
+    except QuantizationError as e:
+        raise PlanError(str(e)) from e
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise PlanError(f"unknown KV-cache dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+    if (gpu_hourly_cost is None) != (throughput is None):
+        raise PlanError("a cost line needs both the GPU hourly cost and the throughput it is stated at")
+    # A quantized checkpoint's headers hold packed tensors, not parameters.
+    exact = safetensors_param_count(d) if cfg.prequant is None else None
     params = exact if exact is not None else param_count(cfg)
-    layout = KVLayout("plan", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dt)
-    weight_bytes = params * layout.bytes_per_element
+    kv_dt = dt if kv_cache_dtype == "auto" else kv_cache_dtype
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _KV_BYTES[kv_dt]
+    w_bytes = weight_bytes(cfg, params, scheme, DTYPE_BYTES[dt])
     request_tokens = -(-max_model_len // block_size) * block_size  # whole blocks
-    per_request = request_tokens * layout.kv_bytes_per_token
+    per_request = request_tokens * kv_per_token
     overhead = int(device_memory * overhead_fraction)
-    budget = max(0, device_memory - overhead - weight_bytes)
+    budget = max(0, device_memory - overhead - w_bytes)
     conc_bytes = None if concurrency is None else concurrency * per_request
+    cost = None
+    if gpu_hourly_cost is not None and throughput is not None:
+        if gpu_hourly_cost < 0 or throughput <= 0:
+            raise PlanError("the GPU hourly cost must be >= 0 and the throughput > 0")
+        cost = gpu_hourly_cost / (3600 * throughput) * 1e6
     return CapacityPlan(
         model_dir=str(d),
         architecture=cfg.architecture,
         dtype=dt,
         device=device,
-        bytes_per_element=layout.bytes_per_element,
+        bytes_per_element=DTYPE_BYTES[dt],
+        quantization=scheme,
+        kv_cache_dtype=kv_dt,
+        kv_bytes_per_element=_KV_BYTES[kv_dt],
         param_count=params,
         param_source="safetensors headers" if exact is not None else "config shapes",
-        weight_bytes=weight_bytes,
+        weight_bytes=w_bytes,
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
-        kv_bytes_per_token=layout.kv_bytes_per_token,
+        kv_bytes_per_token=kv_per_token,
         max_model_len=max_model_len,
         block_size=block_size,
         kv_bytes_per_request=per_request,
@@ -208,11 +271,14 @@ def compute_plan(
         overhead_fraction=overhead_fraction,
         overhead_bytes=overhead,
         kv_budget_bytes=budget,
-        token_budget=budget // layout.kv_bytes_per_token,
+        token_budget=budget // kv_per_token,
         max_concurrency=budget // per_request,
         concurrency=concurrency,
         concurrency_kv_bytes=conc_bytes,
         fits=None if conc_bytes is None else conc_bytes <= budget,
+        gpu_hourly_cost=gpu_hourly_cost,
+        throughput=throughput,
+        cost_per_million_tokens=cost,
     )
 
 
@@ -226,11 +292,13 @@ def format_plan(p: CapacityPlan) -> str:
         ("model", f"{p.model_dir} ({p.architecture})"),
         ("dtype", f"{p.dtype} ({p.bytes_per_element} bytes per element) on {p.device}"),
         ("parameters", f"{p.param_count:,} (from {p.param_source})"),
+        ("quantization", f"{p.quantization} (decoder linears; embeddings and LM head in {p.dtype})"
+         if p.quantization != "none" else "none"),
         ("weight bytes", _b(p.weight_bytes)),
         (
             "KV bytes per token",
             f"{_b(p.kv_bytes_per_token)} = 2 x {p.num_layers} layers x {p.num_kv_heads} KV heads"
-            f" x {p.head_dim} head_dim x {p.bytes_per_element} bytes",
+            f" x {p.head_dim} head_dim x {p.kv_bytes_per_element} bytes ({p.kv_cache_dtype})",
         ),
         ("KV per request", f"{_b(p.kv_bytes_per_request)} at max-model-len {p.max_model_len:,}"),
         ("device memory", _b(p.device_memory)),
@@ -251,4 +319,7 @@ def format_plan(p: CapacityPlan) -> str:
                 f" against a {format_bytes(p.kv_budget_bytes)} budget",
             )
         )
+    if p.cost_per_million_tokens is not None and p.gpu_hourly_cost is not None and p.throughput is not None:
+        rows.append(("cost", f"${p.cost_per_million_tokens:.2f} per 1M output tokens at "
+                     f"{p.throughput:,.0f} tok/s and ${p.gpu_hourly_cost:.2f}/h"))
     return "\n".join(f"{label + ':':<22}{value}" for label, value in rows)

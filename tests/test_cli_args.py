@@ -118,6 +118,10 @@ CASES: dict[str, Case] = {
         lambda d, p: ["decode", "--gateway", GW, "--kv-cache-dtype", "fp8_e5m2"], "argument --kv-cache-dtype"),
     "plan-dtype-fp8": Case(
         lambda d, p: ["plan", "--device-memory", "8GiB", "--max-model-len", "8", "--dtype", "fp8"], "argument --dtype"),
+    "decode-quantization-int3": Case(
+        lambda d, p: ["decode", "--gateway", GW, "--quantization", "int3"], "argument --quantization"),
+    "generate-quantization-awq": Case(lambda d, p: ["generate", "--quantization", "awq", "hi"],
+                                      "argument --quantization"),
     "bench-base-url-ftp": Case(lambda d, p: ["bench", "--base-url", "ftp://host"], "argument --base-url"),
     "bench-request-rate-negative": Case(lambda d, p: ["bench", "--request-rate", "-1"], "argument --request-rate"),
     "bench-extra-body-not-an-object": Case(lambda d, p: ["bench", "--extra-body", "[1]"], "argument --extra-body"),
@@ -179,6 +183,15 @@ def test_up_forwards_the_kv_cache_dtype() -> None:
     assert len(cmds) == 2 and all(build_parser().parse_args(c[3:]).kv_cache_dtype == "fp8_e4m3" for c in cmds)
     plain = build_parser().parse_args(["up"])
     assert all("--kv-cache-dtype" not in c for c in _worker_cmds(plain, "tcp://x:1"))
+
+
+def test_up_forwards_quantization_to_every_worker() -> None:
+    for layout in (["--prefill", "2"], ["--colocated", "--workers", "2"]):
+        args = build_parser().parse_args(["up", "--quantization", "int4", *layout])
+        cmds = _worker_cmds(args, "tcp://127.0.0.1:5555")
+        assert len(cmds) >= 2
+        assert all(build_parser().parse_args(cmd[3:]).quantization == "int4" for cmd in cmds)
+    assert build_parser().parse_args(["prefill", "--gateway", GW]).quantization == "none"
 
 
 def test_up_exits_at_once_with_the_failed_childs_reason(dirs: Dirs) -> None:

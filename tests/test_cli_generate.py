@@ -122,3 +122,15 @@ def test_make_model_cli(model_dir: Path, tmp_path: Path) -> None:
     (out / "stray.txt").write_text("x")
     assert main(["make-model", "--force", str(out)]) == 0
     assert not (out / "stray.txt").exists() and (out / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_generate_quantized_matches_the_quantized_engine(
+    model_dir: Path, capsys: pytest.CaptureFixture[str], scheme: str
+) -> None:
+    argv = ["generate", "--model", str(model_dir), "--json", "--max-tokens", "8", "--ignore-eos", PROMPTS[0]]
+    assert main([*argv, "--quantization", scheme]) == 0
+    (record,) = _json_lines(capsys.readouterr().out)
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), quantization=scheme, cache=CacheConfig(num_blocks=64)))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert record["token_ids"] == list(engine.generate([record["prompt_token_ids"]], params)[0].token_ids)

@@ -60,8 +60,17 @@ class WorkerMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             registry=r,
         ).labels(**labels)
+        self._info = Gauge("llm_worker_info", "What this worker serves: weight quantization, KV-cache "
+                           "and compute dtype (value 1)", [*names, "quantization", "kv_cache_dtype", "dtype"],
+                           registry=r)
         self._last_preemptions = 0
         self._role = role
+
+    def set_info(self, quantization: str, kv_cache_dtype: str, dtype: str) -> None:
+        """Once, when the node's engine exists: `llm_worker_info{quantization=...} 1`."""
+        self._info.clear()
+        self._info.labels(**self._labels, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                          dtype=dtype).set(1)
 
     def add_transfer_bytes(self, transport: str, num_bytes: int) -> None:
         self._transfer_bytes.labels(**self._labels, transport=transport or "unknown").inc(num_bytes)

@@ -16,6 +16,8 @@ class NodeRegistration(NamedTuple):
     compat_hash: str
     total_blocks: int
     block_size: int
+    quantization: str = "none"
+    kv_cache_dtype: str = ""
 
 
 class NodeLoad(NamedTuple):

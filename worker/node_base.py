@@ -41,7 +41,8 @@ def node_registration(engine: LLMEngine, layout: KVLayout, kv_address: str = "",
                       kv_shm: str = "") -> NodeRegistration:
     """What a node tells the gateway: its pool, and where its KV receiver is (decode)."""
     total = engine.stats().num_total_blocks
-    return NodeRegistration(kv_address, kv_shm, layout.compat_hash, total, layout.block_size)
+    return NodeRegistration(kv_address, kv_shm, layout.compat_hash, total, layout.block_size,
+                            layout.quantization, layout.dtype)
 
 
 class EngineNode:
@@ -58,6 +59,7 @@ class EngineNode:
         self.metrics = metrics
         self.stats = StatsMirror(metrics)
         self._cache_log = engine.block_manager.record_events()  # the gateways' KV index feed
+        metrics.set_info(runner.layout.quantization, runner.layout.dtype, runner.layout.weight_dtype)
 
     def cache_events(self) -> CacheEvents:
         return self._cache_log.drain()

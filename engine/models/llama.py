@@ -24,6 +24,10 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.kv_quant import KVCacheView
 from engine.model_config import ModelConfig
 from engine.models.rope import RopeTables, apply_rope
+from engine.quant.linear import linear
+
+# Decoder linears by parameter name: what weight quantization replaces (engine/quant).
+LINEAR_WEIGHTS = ("self_attn.qkv_weight", "self_attn.o_weight", "mlp.gate_up_weight", "mlp.down_weight")
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         c = self.cfg
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         if self.q_norm is not None and self.k_norm is not None:
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = apply_rope(self.q_norm(q.reshape(t, c.num_heads, c.head_dim)), cos, sin)
@@ -92,7 +96,7 @@ class Attention(nn.Module):
             v = qkv[:, c.q_size + c.kv_size :]
         v = v.reshape(t, c.num_kv_heads, c.head_dim)
         out = backend.forward(q, k, v, k_cache, v_cache, meta)
-        return F.linear(out, self.o_weight, self.o_bias)
+        return linear(out, self.o_weight, self.o_bias)
 
 
 class MLP(nn.Module):
@@ -110,9 +114,9 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        return linear(F.silu(gate) * up, self.down_weight, self.down_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -182,6 +186,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(hidden, weight)
+
+    def linear_weights(self) -> list[str]:
+        """Parameter names of the decoder linears; embeddings and the LM head are not among them."""
+        return [f"layers.{i}.{n}" for i in range(self.cfg.num_layers) for n in LINEAR_WEIGHTS]
 
     def weight_specs(self) -> list[WeightSpec]:
         """How each parameter is assembled from Hugging Face checkpoint tensor names."""

@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 
 from common.kv_layout import KV_CACHE_DTYPE_HELP, normalize_kv_cache_dtype
 from engine.dtype import DTYPE_HELP, normalize_dtype
+from engine.quant.formats import QUANTIZATION_CHOICES
 from pdserve.plan import PlanError, parse_size
 
 
@@ -193,6 +194,14 @@ def add_kv_cache_dtype_arg(ap: argparse.ArgumentParser) -> None:
     """`--kv-cache-dtype` (vLLM's name), for every command that runs a model."""
     ap.add_argument("--kv-cache-dtype", type=kv_cache_dtype, default="auto",
                     help=KV_CACHE_DTYPE_HELP)
+
+
+def add_quantization_arg(ap: argparse.ArgumentParser) -> None:
+    """`--quantization`, weight-only, for every command that runs a model (engine/quant)."""
+    ap.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
+                    help="weight-only quantization of the decoder linears on load: int8 (per-channel "
+                    "scales) or int4 (groups of 128, asymmetric); AWQ/GPTQ checkpoints are served "
+                    "as stored with none")
 
 
 def http_url(text: str) -> str:

@@ -16,6 +16,7 @@ from common.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.cli.args import (
     add_dtype_arg,
     add_kv_cache_dtype_arg,
+    add_quantization_arg,
     check_model,
     device,
     positive_int,
@@ -41,6 +42,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     add_dtype_arg(p)
     add_kv_cache_dtype_arg(p)
+    add_quantization_arg(p)
     p.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--num-threads", type=positive_int, default=None, help="torch intra-op threads")
     p.add_argument("--block-size", type=positive_int, default=16)
@@ -98,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     config = EngineConfig(
         model_dir=str(model_dir),
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         num_threads=args.num_threads,
         kv_cache_dtype=args.kv_cache_dtype,

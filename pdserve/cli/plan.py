@@ -1,7 +1,8 @@
 """`pdserve plan`: will this model, at this context length, fit on this device?
 
 Prints the capacity arithmetic of `pdserve.plan` (weights, KV per token and per
-request, token budget, max concurrency) from the model's own config.json.
+request, token budget, max concurrency, and with a GPU price the cost per 1M output
+tokens) from the model's own config.json.
 """
 
 from __future__ import annotations
@@ -11,8 +12,17 @@ import json
 import sys
 from typing import Any
 
-from pdserve.cli.args import UsageError, add_dtype_arg, device, fraction, model_dir, positive_int
-from pdserve.plan import PlanError, compute_plan, format_plan, parse_size
+from pdserve.cli.args import (
+    UsageError,
+    add_dtype_arg,
+    add_quantization_arg,
+    device,
+    fraction,
+    model_dir,
+    positive_float,
+    positive_int,
+)
+from pdserve.plan import KV_CACHE_DTYPES, PlanError, compute_plan, format_plan, parse_size
 
 
 def _size(text: str) -> int:
@@ -33,6 +43,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-model-len", type=positive_int, required=True, help="tokens per full request")
     p.add_argument("--concurrency", type=positive_int, default=None, help="check this many full requests")
     add_dtype_arg(p)
+    add_quantization_arg(p)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV element type to plan for (auto: the serving dtype; fp8 and int8: 1 byte)")
+    p.add_argument("--gpu-hourly-cost", type=positive_float, default=None, metavar="USD",
+                   help="with --throughput: print the cost per 1M output tokens")
+    p.add_argument("--throughput", type=positive_float, default=None, metavar="TOK_PER_S",
+                   help="output tokens/s the cost is stated at")
     p.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N: what `auto` resolves for")
     p.add_argument("--block-size", type=positive_int, default=16, help="KV block size in tokens")
     p.add_argument(
@@ -56,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
             concurrency=args.concurrency,
             overhead_fraction=args.overhead,
             block_size=args.block_size,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
+            gpu_hourly_cost=args.gpu_hourly_cost,
+            throughput=args.throughput,
         )
     except PlanError as e:
         print(f"pdserve plan: {e}", file=sys.stderr)

@@ -18,6 +18,7 @@ from pathlib import Path
 from pdserve.cli.args import (
     add_dtype_arg,
     add_kv_cache_dtype_arg,
+    add_quantization_arg,
     byte_size_text,
     check_listen,
     check_max_model_len,
@@ -58,6 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
     add_dtype_arg(ap, "workers' weight and KV dtype, each resolved on its own host; ")
     add_kv_cache_dtype_arg(ap)
+    add_quantization_arg(ap)
     ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"))
     ap.add_argument("--kv-cache-memory", type=byte_size_text, default=None,
                     help="per-worker KV pool bytes, e.g. 256MiB")
@@ -108,7 +110,7 @@ def _worker_cmds(args: argparse.Namespace, control: str) -> list[list[str]]:
     spin = sum(counts) <= (os.cpu_count() or 1)
     for role, n in zip(roles, counts, strict=True):
         cmd = [*_pdserve(), role, "--gateway", control, "--threads", str(n), "--device", args.device,
-               "--dtype", args.dtype]
+               "--dtype", args.dtype, "--quantization", args.quantization]
         cmd += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else []
         cmd += ["--colocated"] if role == "worker" else ["--kv-transport", args.kv_transport]
         cmd += ["--spin-wait"] if spin else []

@@ -17,6 +17,7 @@ from pdserve.cli.args import (
     UsageError,
     add_dtype_arg,
     add_kv_cache_dtype_arg,
+    add_quantization_arg,
     byte_size,
     check_listen,
     check_max_model_len,
@@ -58,6 +59,7 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="cpu", type=device, help="cpu | cuda | cuda:N")
     add_dtype_arg(ap)
     add_kv_cache_dtype_arg(ap)
+    add_quantization_arg(ap)
     ap.add_argument("--spin-wait", action="store_true",
                     help="let OpenMP threads spin briefly between parallel regions (OpenMP's own "
                     "default): ~20%% faster steps when this worker's threads have their cores to "
@@ -144,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=model_dtype(args.dtype, model, args.device),  # `auto`: what this host serves in
             device=args.device,
             grammar_compile_timeout_s=args.grammar_compile_timeout,
+            quantization=args.quantization,
             num_threads=args.threads or default_threads(args.local_workers),
             kv_cache_dtype=args.kv_cache_dtype,
             cache=CacheConfig(
@@ -163,8 +166,9 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise SystemExit(f"pdserve {args.role}: {e}") from None
-    logging.getLogger(__name__).info("serving in %s (--dtype %s, KV cache %s, device %s)",
-                                     engine_cfg.dtype, args.dtype, args.kv_cache_dtype, args.device)
+    logging.getLogger(__name__).info("serving in %s (--dtype %s, KV cache %s, device %s, --quantization %s)",
+                                     engine_cfg.dtype, args.dtype, args.kv_cache_dtype, args.device,
+                                     args.quantization)
     from common.transport import CurveClient
     from worker.main import WorkerOptions, run_worker
 

@@ -1,6 +1,6 @@
 """The gateway refuses a worker whose KV compatibility hash differs from the
 registered workers': a checkpoint one weight value apart (same config.json), another
-dtype, another block size. Real gateway and worker processes; a refused worker stays
+dtype, another weight quantization, another block size. Real gateway and worker processes; a refused worker stays
 up (it keeps asking) and never joins a pool."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_checkpoint_one_weight_apart_is_refused_at_registration(
         c.stop()
 
 
-def test_dtype_and_block_size_mismatches_are_refused_at_registration(
+def test_dtype_quantization_and_block_size_mismatches_are_refused_at_registration(
     log_dir: Path, model_dir: Path
 ) -> None:
     other = "float32" if AUTO_DTYPE == "bfloat16" else "bfloat16"  # not what `auto` gives here
@@ -50,8 +50,9 @@ def test_dtype_and_block_size_mismatches_are_refused_at_registration(
         c.wait_roles(prefill=1)
         procs = [c.add_worker("decode", "--model", str(model_dir), "--worker-id", "other", "--dtype", other),
                  c.add_worker("decode", "--model", str(model_dir), "--worker-id", "block32",
-                              "--block-size", "32")]
-        c._wait(lambda: _refused(c, "other") and _refused(c, "block32"), "both mismatched workers refused")
+                              "--block-size", "32"),
+                 c.add_worker("decode", "--model", str(model_dir), "--worker-id", "int8", "--quantization", "int8")]
+        c._wait(lambda: all(_refused(c, w) for w in ("other", "block32", "int8")), "every mismatched worker refused")
         assert [w["id"] for w in c.worker_list()] == ["base"]
         assert all(p.alive() for p in procs)
     finally:

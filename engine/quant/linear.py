@@ -1,0 +1,165 @@
+"""Quantized linear layers over torch's own int8/int4 matmul kernels, and the hook the
+model calls (`linear`) so a layer's weight may be a float tensor or one of these.
+
+CPU: `torch._weight_int8pack_mm` (int8 weight [N, K], per-row scales) and
+`torch._weight_int4pack_mm_for_cpu` over `_convert_weight_to_int4pack_for_cpu`; both
+take float32, float16 and bfloat16 activations and return that dtype. CUDA: int4 through
+`_weight_int4pack_mm` (bfloat16 only, so other activations are cast), int8 as an int8
+weight converted per call and the scales applied to the output.
+
+The int4 kernels need N % 16 == 0 and K % group == 0: weights are padded with zero
+rows (outputs sliced off) and zero columns (activations zero-padded to match).
+
+The aten CPU kernels are small-M kernels (AVX-512, no AMX): measured on this host
+(1 thread, 768-4096 x 768-2048 layers) they take ~0.3x the bf16 matmul's time at one
+row but 2.5-3x at 16 rows and 3-27x at 128. So an int8 layer given more than
+`INT8_KERNEL_ROWS` rows converts its weight to the compute dtype for that call and
+runs the ordinary matmul, scaling the output per channel (exact: x @ (q s)^T =
+(x @ q^T) s); int4 stays on its kernel (its packed layout has no cheap unpacking).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.quant.formats import INT4_GROUP, ON_THE_FLY, QuantizationError
+from engine.quant.pack import Int4Parts, Int8Parts, quantize_int4, quantize_int8
+
+_N_ALIGN = 16
+INT8_KERNEL_ROWS = 8
+
+
+class Int8Linear(nn.Module):
+    q: torch.Tensor  # int8 [N, K]
+    scales: torch.Tensor  # [N], the compute dtype
+
+    def __init__(self, parts: Int8Parts, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.out_features, self.in_features = parts.q.shape
+        self.register_buffer("q", parts.q.to(device).contiguous())
+        self.register_buffer("scales", parts.scales.to(device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_ROWS:
+            y = torch._weight_int8pack_mm(x2.contiguous(), self.q, self.scales)
+        else:
+            y = F.linear(x2, self.q.to(x2.dtype)) * self.scales
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    packed: torch.Tensor  # the kernel's packed codes
+    scales_and_zeros: torch.Tensor  # [K / group, N, 2]: scale, offset
+    perm: torch.Tensor | None  # input-channel order of the codes (GPTQ act-order)
+
+    def __init__(self, parts: Int4Parts, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        n, k = parts.q.shape
+        self.out_features, self.in_features, self.group = n, k, parts.group
+        q, scales, zeros = parts.q, parts.scales, parts.zeros
+        pad_n = -n % _N_ALIGN
+        self.pad_k = -k % parts.group
+        if pad_n or self.pad_k:  # padded weights are 0 (q = zero, any scale)
+            q = F.pad(q, (0, self.pad_k, 0, pad_n))
+            scales = F.pad(scales, (0, 0, 0, pad_n))
+            zeros = F.pad(zeros, (0, 0, 0, pad_n))
+        # Kernel form: w = (q - 8) * scale + offset, so offset = (8 - zero) * scale.
+        sz = torch.stack([scales, (8.0 - zeros) * scales], dim=-1).transpose(0, 1).contiguous()
+        self.on_cuda = device.type == "cuda"
+        kernel_dtype = torch.bfloat16 if self.on_cuda else dtype
+        self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=kernel_dtype))
+        self.register_buffer("packed", _pack_int4(q.to(device), self.on_cuda))
+        self.register_buffer("perm", None if parts.perm is None else parts.perm.to(device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
+        if self.pad_k:
+            x2 = F.pad(x2, (0, self.pad_k))
+        if self.on_cuda:
+            y = torch._weight_int4pack_mm(x2.to(torch.bfloat16).contiguous(), self.packed, self.group,
+                                          self.scales_and_zeros).to(x.dtype)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group,
+                                                  self.scales_and_zeros)
+        if y.shape[-1] != self.out_features:
+            y = y[:, : self.out_features]
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def _pack_int4(q: torch.Tensor, cuda: bool) -> torch.Tensor:
+    if not cuda:
+        return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    k = q.shape[1]
+    tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+    u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).contiguous()
+    return torch._convert_weight_to_int4pack(u8, tiles)
+
+
+class ConcatLinear(nn.Module):
+    """Fused projections whose parts cannot share one kernel call (GPTQ act-order parts
+    with different channel orders): each part runs on its own, outputs concatenated."""
+
+    def __init__(self, parts: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` for a float weight; the quantized layer's own matmul otherwise."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    y = weight(x)
+    return y if bias is None else y + bias
+
+
+def int4_linear(parts: Sequence[Int4Parts], dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """One Int4Linear over parts concatenated along N (same group and channel order),
+    else a ConcatLinear of one per part."""
+    first = parts[0]
+    same = all(p.group == first.group and _same_perm(p.perm, first.perm) for p in parts)
+    if same:
+        cat = Int4Parts(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
+                        torch.cat([p.zeros for p in parts]), first.group, first.perm)
+        return Int4Linear(cat, dtype, device)
+    return ConcatLinear([Int4Linear(p, dtype, device) for p in parts])
+
+
+def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return torch.equal(a, b)
+
+
+def quantize_weight(w: torch.Tensor, scheme: str, dtype: torch.dtype | None = None) -> nn.Module:
+    """A float weight [N, K] as an Int8Linear or Int4Linear on its device, computing in
+    `dtype` (default: the weight's). Scales come from `w` as given (the checkpoint's
+    precision), not from a copy rounded to `dtype` first."""
+    dtype = dtype or w.dtype
+    if scheme == "int8":
+        return Int8Linear(quantize_int8(w), dtype, w.device)
+    if scheme == "int4":
+        pad_k = -w.shape[1] % INT4_GROUP
+        padded = F.pad(w.float(), (0, pad_k)) if pad_k else w
+        parts = quantize_int4(padded, INT4_GROUP)
+        # The kernel pads K itself: hand it the real width.
+        return Int4Linear(parts._replace(q=parts.q[:, : w.shape[1]]), dtype, w.device)
+    raise QuantizationError(f"no on-the-fly quantization {scheme!r} (choose {', '.join(ON_THE_FLY)})")
+
+
+def set_weight(model: nn.Module, name: str, value: nn.Module) -> None:
+    """Replace parameter `name` (dotted path) of `model` by the quantized layer `value`."""
+    owner_path, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_path)
+    delattr(owner, attr)
+    setattr(owner, attr, value)
+

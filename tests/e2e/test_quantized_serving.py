@@ -1,0 +1,62 @@
+"""Greedy output under weight quantization: disaggregated (1 prefill + 1 decode) equals
+colocated equals the single-process engine, token for token, for int8 and int4; the
+workers' registration (/v1/workers, /v1/models) and metrics say which scheme they run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import DTYPE, Cluster, http, running_cluster, worker_metrics
+from tests.e2e.conftest import Reference
+
+PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away, there lived"]
+MAX_TOKENS = 12
+
+
+def _served(c: Cluster, model: str) -> list[list[str]]:
+    """Per prompt, the generated tokens' strings (from logprobs: one per token id)."""
+    out = []
+    for prompt in PROMPTS:
+        body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0}
+        status, resp = http("POST", f"{c.url}/v1/completions", body)
+        assert status == 200, resp
+        out.append(list(resp["choices"][0]["logprobs"]["tokens"]))
+    return out
+
+
+def _says(c: Cluster, model: str, scheme: str) -> None:
+    status, models = http("GET", f"{c.url}/v1/models")
+    assert status == 200 and models["data"][0]["quantization"] == scheme, models
+    assert models["data"][0]["kv_cache_dtype"] == DTYPE
+    for w in c.worker_list():
+        assert w["quantization"] == scheme
+        info = [ln for ln in worker_metrics(w).splitlines() if ln.startswith("llm_worker_info{")]
+        assert len(info) == 1 and f'quantization="{scheme}"' in info[0] and info[0].endswith(" 1.0"), info
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_disaggregated_equals_colocated_equals_engine(
+    tmp_path: Path, model_dir: Path, reference: Reference, scheme: str
+) -> None:
+    from common.sampling_params import SamplingParams
+    from engine.config import CacheConfig, EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype=DTYPE, num_threads=1, quantization=scheme,
+                                    cache=CacheConfig(num_blocks=64)))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    want = [[reference.tokenizer.decode([t], skip_special_tokens=False)
+             for t in engine.generate([reference.completion_ids(p)], params)[0].token_ids] for p in PROMPTS]
+    model = reference.model_name
+    (tmp_path / "pd").mkdir()
+    (tmp_path / "co").mkdir()
+    with running_cluster(tmp_path / "pd", {"prefill": 1, "decode": 1}, "--quantization", scheme) as c:
+        disaggregated = _served(c, model)
+        _says(c, model, scheme)
+        c.wait_idle()
+    with running_cluster(tmp_path / "co", {"worker": 1}, "--quantization", scheme) as c:
+        colocated = _served(c, model)
+        c.wait_idle()
+    assert disaggregated == colocated == want
