@@ -57,6 +57,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "",
             "KV-transfer fault spec (`key=value,...`, see kv_transfer.faults); read only with --enable-fault-injection.",
         ),
+        EnvVar(
+            "PDSERVE_NATIVE_ATTENTION",
+            "1",
+            "0: bf16 decode attention gathers KV and runs SDPA (engine/attention.py) even where "
+            "the in-place native kernel (engine/_paged_attn.c) is built.",
+        ),
     )
 }
 
@@ -107,3 +113,8 @@ def gateway_seed_key() -> bytes | None:
 def api_keys() -> tuple[str, ...]:
     """`PDSERVE_API_KEYS`: the gateway API keys it lists (comma-separated, blanks dropped)."""
     return tuple(k.strip() for k in (get("PDSERVE_API_KEYS") or "").split(",") if k.strip())
+
+
+def native_attention() -> bool:
+    """`PDSERVE_NATIVE_ATTENTION`: False when set to 0 (default on)."""
+    return get("PDSERVE_NATIVE_ATTENTION") != "0"

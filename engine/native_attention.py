@@ -1,0 +1,136 @@
+"""Decode attention read in place from the paged pool (engine/_paged_attn.c, via ctypes).
+
+`TorchPagedAttention` gathers each decoding sequence's whole context out of the
+pool per layer per step (read, write, read again) and pads it to its group's
+longest; on a CPU decode step at a batch of 16 that gather moves more bytes than
+the layer's weights. `InPlacePagedAttention` walks each sequence's block table
+in C instead, reading each K/V row once. Prefill chunks still go through the
+torch path (one SDPA call per chunk, where the gather is amortised over the
+chunk's tokens).
+
+The library is optional, like kv_transfer's native copy: `pip install` builds
+it (setup.py) when a C compiler is there. `NATIVE` is None when it is missing or
+`PDSERVE_NATIVE_ATTENTION=0`; `default_backend` then gives the torch backend.
+It serves bfloat16 by default: float32 keeps SDPA, so float32 greedy output stays
+bit-identical to what the exactness suites were computed with.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import math
+
+import torch
+
+from common import envs
+from engine.attention import AttentionBackend, DecodeBatch, TorchPagedAttention
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_ERRORS = {1: "out of memory", 2: "block id outside the pool", 3: "bad context length or shape"}
+
+
+class NativeAttention:
+    """The loaded kernel library."""
+
+    def __init__(self, path: str) -> None:
+        lib = ctypes.CDLL(path)  # CDLL: the call releases the GIL
+        lib.pd_paged_decode.argtypes = [
+            ctypes.c_int, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+            ctypes.c_float, _P, ctypes.c_int,
+        ]
+        lib.pd_paged_decode.restype = ctypes.c_int
+        self._lib = lib
+        self.path = path
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        num_threads: int,
+    ) -> torch.Tensor:
+        """q [B, H, D]; pool views [num_blocks, block_size, KVH, D]; tables [B, max_blocks]
+        and ctx_lens [B] int64 -> attention output [B, H * D] in q's dtype.
+
+        Raises ValueError on a block id outside the pool, a context longer than its
+        table, or tensors of the wrong dtype, device or layout (nothing is read then).
+        """
+        b, h, d = q.shape
+        nblocks, bs, kvh, kd = k_cache.shape
+        _check(q, k_cache, v_cache, block_tables, ctx_lens, b, d, kd)
+        out = torch.empty(b, h * d, dtype=q.dtype)
+        rc = self._lib.pd_paged_decode(
+            _DTYPE_CODES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.shape[1], ctx_lens.data_ptr(), b, h, kvh, d, bs,
+            nblocks, 1.0 / math.sqrt(d), out.data_ptr(), num_threads,
+        )
+        if rc:
+            raise ValueError(f"paged decode attention refused its input: {_ERRORS.get(rc, rc)}")
+        return out
+
+
+def _check(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
+    lens: torch.Tensor, b: int, d: int, kd: int,
+) -> None:
+    if q.dtype not in _DTYPE_CODES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"paged decode attention serves float32/bfloat16, got {q.dtype}/{k.dtype}")
+    if k.shape != v.shape or kd != d:
+        raise ValueError(f"pool views {tuple(k.shape)}/{tuple(v.shape)} do not fit q's head_dim {d}")
+    if q.shape[1] % k.shape[2]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[2]} KV heads")
+    for t in (q, k, v, tables, lens):
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("paged decode attention needs contiguous CPU tensors")
+    if tables.dtype != torch.long or lens.dtype != torch.long:
+        raise ValueError("block tables and context lengths must be int64")
+    if tables.dim() != 2 or tables.shape[0] != b or tuple(lens.shape) != (b,):
+        raise ValueError(f"{b} queries need [{b}, n] block tables and [{b}] lengths")
+
+
+def _load() -> NativeAttention | None:
+    if not envs.native_attention():
+        return None
+    spec = importlib.util.find_spec("engine._paged_attn")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        return NativeAttention(spec.origin)
+    except OSError:
+        return None
+
+
+NATIVE: NativeAttention | None = _load()
+
+
+class InPlacePagedAttention(TorchPagedAttention):
+    """Decodes through the native kernel over the pool in place; prefill as the torch backend."""
+
+    flat_decode = True
+
+    def __init__(self, native: NativeAttention) -> None:
+        self.native = native
+
+    def _decode(  # type: ignore[override]
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: DecodeBatch
+    ) -> torch.Tensor:
+        assert dec.block_tables is not None and dec.ctx_lens is not None
+        return self.native.decode(q.contiguous(), k_cache, v_cache, dec.block_tables,
+                                  dec.ctx_lens, torch.get_num_threads())
+
+
+def default_backend(dtype: torch.dtype, device: torch.device) -> AttentionBackend:
+    """The in-place kernel for bfloat16 on CPU where it is built, else the torch backend."""
+    if NATIVE is not None and dtype == torch.bfloat16 and device.type == "cpu":
+        return InPlacePagedAttention(NATIVE)
+    return TorchPagedAttention()
+
+
+def describe() -> str:
+    """Which decode attention path bf16 uses in this process, for benchmark output and logs."""
+    return "in-place native" if NATIVE is not None else "gather + SDPA (native kernel not built)"
