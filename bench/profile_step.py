@@ -1,0 +1,150 @@
+"""Time and profile one engine step on the issue's ~125M Llama shape: decode and prefill.
+
+    python -m bench.profile_step [--dtype bfloat16] [--batch 16] [--ctx 512] [--steps 16]
+        [--prefill-len 512] [--reps 3] [--threads N] [--profile]
+
+Decode: `--batch` sequences with `--ctx`-token prompts already in the pool, in
+shuffled blocks (as in a pool that has served a while). A timed run is
+`--steps` decode steps (model + greedy sampler) from the same positions, so
+every run rewrites the same KV slots and reads the same contexts. The attention
+backends take turns within each repetition (gather + SDPA, then in-place
+native), so background load on the shared machine hits both alike; the table
+shows the median step time over `--reps` runs and the ratio to the gather path.
+Prefill: one `--prefill-len`-token prompt per step (its attention is the same
+SDPA call in both backends), median of `--reps`.
+
+--profile adds torch.profiler's top-10 ops by self CPU time for one decode run
+per backend and one prefill, and the share of the wall time no op accounts for
+(Python and dispatch overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.engine import build_125m
+from common.sampling_params import SamplingParams
+from engine.attention import AttentionBackend, TorchPagedAttention
+from engine.config import CacheConfig, EngineConfig
+from engine.model_runner import ModelRunner
+from engine.native_attention import NATIVE, InPlacePagedAttention
+from engine.runner_types import SeqChunk
+from engine.sampler import Sampler, SampleRow
+
+
+class DecodeBench:
+    """`batch` sequences prefilled to `ctx` tokens, and room for `steps` more each."""
+
+    def __init__(self, runner: ModelRunner, batch: int, ctx: int, steps: int,
+                 spare_tokens: int) -> None:
+        bs = runner.block_size
+        per_seq = (ctx + steps + bs - 1) // bs
+        spare = (spare_tokens + bs - 1) // bs
+        g = torch.Generator().manual_seed(0)
+        free = (torch.randperm(runner.num_blocks - 1, generator=g) + 1).tolist()
+        if len(free) < batch * per_seq + spare:
+            raise SystemExit(f"the pool has {len(free)} blocks, {batch * per_seq + spare} needed")
+        self.tables = [free[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
+        self.spare = free[batch * per_seq : batch * per_seq + spare]  # for the prefill bench
+        self.runner, self.ctx, self.steps = runner, ctx, steps
+        prompts = torch.randint(3, runner.model_config.vocab_size, (batch, ctx), generator=g)
+        runner.execute(
+            [SeqChunk(p, 0, t, False) for p, t in zip(prompts.tolist(), self.tables, strict=True)]
+        )
+        greedy = SamplingParams(max_tokens=steps + 1, temperature=0.0)
+        self.rows = [SampleRow(i, greedy, 0, 0, 0, (), ()) for i in range(batch)]
+        self.sampler = Sampler()
+
+    def run(self) -> float:
+        """Median seconds per decode step over one run of `steps` steps."""
+        tokens = [1] * len(self.tables)
+        times = []
+        for i in range(self.steps):
+            chunks = [SeqChunk([tok], self.ctx + i, t, True)
+                      for tok, t in zip(tokens, self.tables, strict=True)]
+            t0 = time.perf_counter()
+            logits = self.runner.execute(chunks)
+            tokens = [r.token_id for r in self.sampler(logits, self.rows)]
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def prefill_run(runner: ModelRunner, length: int, table: list[int]) -> float:
+    prompt = torch.randint(3, runner.model_config.vocab_size, (length,)).tolist()
+    t0 = time.perf_counter()
+    runner.execute([SeqChunk(prompt, 0, table, True)])
+    return time.perf_counter() - t0
+
+
+def profile(label: str, fn: Callable[[], object]) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    # Top-level ops only: a child's time is inside its parent's, so summing every
+    # row would count nested work twice.
+    top_us = sum(e.cpu_time_total for e in prof.events() if e.cpu_parent is None)
+    print(f"\n== {label}: wall {wall * 1e3:.1f} ms, outside any op "
+          f"{max(0.0, 1 - top_us / 1e6 / wall) * 100:.0f}% (Python, dispatch)")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=10))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    if NATIVE is None:
+        raise SystemExit("engine/_paged_attn is not built (pip install -e . builds it)")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_125m(Path(tmp) / "125m")
+        cfg = EngineConfig(model_dir=str(model_dir), dtype=args.dtype, num_threads=args.threads,
+                           cache=CacheConfig(num_blocks=args.batch * ((args.ctx + args.steps) // 16 + 2)
+                                             + args.prefill_len // 16 + 4))
+        runner = ModelRunner(cfg)
+        backends: dict[str, AttentionBackend] = {
+            "gather": TorchPagedAttention(), "inplace": InPlacePagedAttention(NATIVE)
+        }
+        dec = DecodeBench(runner, args.batch, args.ctx, args.steps, args.prefill_len)
+        pre_table = dec.spare
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
+              f"decode batch {args.batch} at ctx {args.ctx}, prefill {args.prefill_len} tokens")
+        times: dict[str, list[float]] = {name: [] for name in backends}
+        prefill: list[float] = []
+        for _ in range(args.reps + 1):  # the first round warms up and is dropped
+            for name, backend in backends.items():
+                runner.backend = backend
+                times[name].append(dec.run())
+            prefill.append(prefill_run(runner, args.prefill_len, pre_table))
+        base = statistics.median(times["gather"][1:])
+        for name, ts in times.items():
+            med = statistics.median(ts[1:])
+            print(f"decode step {name:>8}: {med * 1e3:7.2f} ms  ratio to gather {med / base:.3f}")
+        print(f"prefill step: {statistics.median(prefill[1:]) * 1e3:7.1f} ms")
+        if args.profile:
+            for name, backend in backends.items():
+                runner.backend = backend
+                profile(f"decode x{args.steps} steps, {name}", dec.run)
+            profile("prefill", lambda: prefill_run(runner, args.prefill_len, pre_table))
+
+
+if __name__ == "__main__":
+    main()
