@@ -15,11 +15,12 @@ setup(
             extra_compile_args=["-O3"],
             optional=True,
         ),
-        # In-place paged decode attention (engine/native_attention.py); OpenMP binds to
+        # bf16 CPU kernels (engine/native_kernels.py): in-place paged decode attention, fused
+        # residual add + RMSNorm. OpenMP binds to
         # the libgomp torch already loaded, so it shares torch's thread pool.
         Extension(
-            "engine._paged_attn",
-            sources=["engine/_paged_attn.c"],
+            "engine._cpu_kernels",
+            sources=["engine/_cpu_kernels.c"],
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             libraries=["m"],

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
     if NATIVE is None:
-        raise SystemExit("engine/_paged_attn is not built (pip install -e . builds it)")
+        raise SystemExit("engine/_cpu_kernels is not built (pip install -e . builds it)")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_125m(Path(tmp) / "125m")
         cfg = EngineConfig(model_dir=str(model_dir), dtype=args.dtype, num_threads=args.threads,

@@ -58,10 +58,10 @@ ENV_VARS: dict[str, EnvVar] = {
             "KV-transfer fault spec (`key=value,...`, see kv_transfer.faults); read only with --enable-fault-injection.",
         ),
         EnvVar(
-            "PDSERVE_NATIVE_ATTENTION",
+            "PDSERVE_NATIVE_KERNELS",
             "1",
-            "0: bf16 decode attention gathers KV and runs SDPA (engine/attention.py) even where "
-            "the in-place native kernel (engine/_paged_attn.c) is built.",
+            "0: bf16 runs the torch paths (gather + SDPA decode attention, unfused RMSNorm) even "
+            "where the native CPU kernels (engine/_cpu_kernels.c) are built.",
         ),
     )
 }
@@ -115,6 +115,6 @@ def api_keys() -> tuple[str, ...]:
     return tuple(k.strip() for k in (get("PDSERVE_API_KEYS") or "").split(",") if k.strip())
 
 
-def native_attention() -> bool:
-    """`PDSERVE_NATIVE_ATTENTION`: False when set to 0 (default on)."""
-    return get("PDSERVE_NATIVE_ATTENTION") != "0"
+def native_kernels() -> bool:
+    """`PDSERVE_NATIVE_KERNELS`: False when set to 0 (default on)."""
+    return get("PDSERVE_NATIVE_KERNELS") != "0"

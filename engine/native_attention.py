@@ -1,4 +1,4 @@
-"""Decode attention read in place from the paged pool (engine/_paged_attn.c, via ctypes).
+"""Decode attention read in place from the paged pool (engine/_cpu_kernels.c, via ctypes).
 
 `TorchPagedAttention` gathers each decoding sequence's whole context out of the
 pool per layer per step (read, write, read again) and pads it to its group's
@@ -8,9 +8,8 @@ in C instead, reading each K/V row once. Prefill chunks still go through the
 torch path (one SDPA call per chunk, where the gather is amortised over the
 chunk's tokens).
 
-The library is optional, like kv_transfer's native copy: `pip install` builds
-it (setup.py) when a C compiler is there. `NATIVE` is None when it is missing or
-`PDSERVE_NATIVE_ATTENTION=0`; `default_backend` then gives the torch backend.
+The library is optional (engine/native_kernels.py): `NATIVE` is None without it,
+and `default_backend` then gives the torch backend.
 It serves bfloat16 by default: float32 keeps SDPA, so float32 greedy output stays
 bit-identical to what the exactness suites were computed with.
 """
@@ -18,32 +17,22 @@ bit-identical to what the exactness suites were computed with.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import math
 
 import torch
 
-from common import envs
+from engine import native_kernels
 from engine.attention import AttentionBackend, DecodeBatch, TorchPagedAttention
+from engine.native_kernels import DTYPE_CODES as _DTYPE_CODES
 
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _ERRORS = {1: "out of memory", 2: "block id outside the pool", 3: "bad context length or shape"}
 
 
 class NativeAttention:
     """The loaded kernel library."""
 
-    def __init__(self, path: str) -> None:
-        lib = ctypes.CDLL(path)  # CDLL: the call releases the GIL
-        lib.pd_paged_decode.argtypes = [
-            ctypes.c_int, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64,
-            ctypes.c_float, _P, ctypes.c_int,
-        ]
-        lib.pd_paged_decode.restype = ctypes.c_int
+    def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        self.path = path
 
     def decode(
         self,
@@ -93,19 +82,9 @@ def _check(
         raise ValueError(f"{b} queries need [{b}, n] block tables and [{b}] lengths")
 
 
-def _load() -> NativeAttention | None:
-    if not envs.native_attention():
-        return None
-    spec = importlib.util.find_spec("engine._paged_attn")
-    if spec is None or spec.origin is None:
-        return None
-    try:
-        return NativeAttention(spec.origin)
-    except OSError:
-        return None
-
-
-NATIVE: NativeAttention | None = _load()
+NATIVE: NativeAttention | None = (
+    NativeAttention(native_kernels.LIB) if native_kernels.LIB is not None else None
+)
 
 
 class InPlacePagedAttention(TorchPagedAttention):

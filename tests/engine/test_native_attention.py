@@ -1,4 +1,4 @@
-"""In-place paged decode attention (engine/_paged_attn.c) against a direct softmax over
+"""In-place paged decode attention (engine/_cpu_kernels.c) against a direct softmax over
 each sequence's own keys, the torch backend, and bad input."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ BS, KVH, HEADS, D, NBLOCKS = 16, 2, 6, 64, 600
 @pytest.fixture(scope="module")
 def native() -> NativeAttention:
     # `make install` / `pip install -e .` builds it; a missing build is a failure, not a skip.
-    assert native_attention.NATIVE is not None, "engine/_paged_attn.c was not built (pip install -e .)"
+    assert native_attention.NATIVE is not None, "engine/_cpu_kernels.c was not built (pip install -e .)"
     return native_attention.NATIVE
 
 

@@ -1,4 +1,6 @@
-/* Paged decode attention that reads the KV pool in place.
+/* Native CPU kernels of the bf16 hot path (engine/native_kernels.py loads them):
+ * paged decode attention read in place from the KV pool, the residual add fused with
+ * RMSNorm, and the rotary embedding in place (the last two at the end of the file).
  *
  * The torch backend (engine/attention.py) gathers every decoding sequence's
  * whole context out of the pool, per layer per step, into a padded tensor and
@@ -48,6 +50,9 @@ static inline uint16_t f32_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+
+/* float32 -> the nearest bf16, as float32 (a bf16 op's rounding of its result). */
+static inline float rbf(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* dst[0..D) = row `idx` (element offset) of `base` as float32. */
 static inline void load_row(const void *base, int dtype, int64_t idx, int64_t D, float *dst) {
@@ -157,4 +162,68 @@ int pd_paged_decode(int dtype, const void *q, const void *k, const void *v, cons
         free(work);
     }
     return err;
+}
+
+/* The residual add fused with the next RMSNorm, bfloat16 in and out, rounded where
+ * Hugging Face's Llama rounds (so bf16 output stays within its HF tolerance):
+ *   h   <- bf16(h + delta)                       (in place; delta NULL: h as it is)
+ *   out  = bf16(w * bf16(h * rsqrt(mean(h^2) + eps)))   mean and rsqrt in float32
+ * One pass over h per row instead of ~9 torch ops (add, cast, pow, mean, add, rsqrt,
+ * mul, cast, mul), each a dispatch and a full pass over the row. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void add_rms_norm_row(uint16_t *h, const uint16_t *delta, const uint16_t *w, int64_t dim,
+                             float eps, uint16_t *out) {
+    float ss = 0.0f;
+    if (delta != NULL) {
+        for (int64_t j = 0; j < dim; j++)
+            h[j] = f32_to_bf16(bf16_to_f32(h[j]) + bf16_to_f32(delta[j]));
+    }
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < dim; j++) {
+        float x = bf16_to_f32(h[j]);
+        ss += x * x;
+    }
+    float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int64_t j = 0; j < dim; j++) {
+        float n = bf16_to_f32(f32_to_bf16(bf16_to_f32(h[j]) * inv));
+        out[j] = f32_to_bf16(bf16_to_f32(w[j]) * n);
+    }
+}
+
+void pd_add_rms_norm_bf16(uint16_t *h, const uint16_t *delta, const uint16_t *w, int64_t rows,
+                          int64_t dim, float eps, uint16_t *out, int num_threads) {
+    /* A decode batch's few rows are not worth waking the thread team for. */
+    int threads = rows * dim < (1 << 16) || num_threads < 1 ? 1 : num_threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        add_rms_norm_row(h + r * dim, delta == NULL ? NULL : delta + r * dim, w, dim, eps,
+                         out + r * dim);
+}
+
+/* Rotary embedding in place on the first `nheads` heads of each row of x (bf16):
+ * row t at x + t * row_stride, head h at + h * D; cos/sin rows [T, D], sin with the
+ * rotate_half sign folded in (engine/models/rope.py). Rounded as HF's
+ * `x * cos + rotate_half(x) * sin` in bf16: each product, then the sum. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void rope_row(uint16_t *x, int64_t nheads, int64_t D, const uint16_t *c,
+                     const uint16_t *s) {
+    int64_t half = D / 2;
+    for (int64_t h = 0; h < nheads; h++) {
+        uint16_t *p = x + h * D;
+        for (int64_t j = 0; j < half; j++) {
+            float a = bf16_to_f32(p[j]), b = bf16_to_f32(p[j + half]);
+            float lo = rbf(rbf(a * bf16_to_f32(c[j])) + rbf(b * bf16_to_f32(s[j])));
+            float hi = rbf(rbf(b * bf16_to_f32(c[j + half])) + rbf(a * bf16_to_f32(s[j + half])));
+            p[j] = f32_to_bf16(lo);
+            p[j + half] = f32_to_bf16(hi);
+        }
+    }
+}
+
+void pd_rope_bf16(uint16_t *x, int64_t T, int64_t row_stride, int64_t nheads, int64_t D,
+                  const uint16_t *cos, const uint16_t *sin, int num_threads) {
+    int threads = T * nheads * D < (1 << 16) || num_threads < 1 ? 1 : num_threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        rope_row(x + t * row_stride, nheads, D, cos + t * D, sin + t * D);
 }
