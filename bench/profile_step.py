@@ -6,35 +6,39 @@
 Decode: `--batch` sequences with `--ctx`-token prompts already in the pool, in
 shuffled blocks (as in a pool that has served a while). A timed run is
 `--steps` decode steps (model + greedy sampler) from the same positions, so
-every run rewrites the same KV slots and reads the same contexts. The attention
-backends take turns within each repetition (gather + SDPA, then in-place
-native), so background load on the shared machine hits both alike; the table
-shows the median step time over `--reps` runs and the ratio to the gather path.
-Prefill: one `--prefill-len`-token prompt per step (its attention is the same
-SDPA call in both backends), median of `--reps`.
+every run rewrites the same KV slots and reads the same contexts. Prefill: one
+`--prefill-len`-token prompt in one step. Three variants take turns within each
+repetition, so background load on the shared machine hits all alike: the old
+bf16 path (gather + SDPA decode attention, torch RMSNorm and rotary), in-place
+attention only, and the new path (in-place attention, fused add + RMSNorm,
+in-place rotary). The table shows medians over `--reps` and ratios to the old.
 
 --profile adds torch.profiler's top-10 ops by self CPU time for one decode run
-per backend and one prefill, and the share of the wall time no op accounts for
-(Python and dispatch overhead).
+and one prefill, old and new, and the share of the wall time no op accounts
+for (Python and dispatch overhead).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
 from bench.engine import build_125m
 from common.sampling_params import SamplingParams
-from engine.attention import AttentionBackend, TorchPagedAttention
+from engine import native_kernels
+from engine.attention import TorchPagedAttention
 from engine.config import CacheConfig, EngineConfig
 from engine.model_runner import ModelRunner
-from engine.native_attention import NATIVE, InPlacePagedAttention
+from engine.native_attention import NATIVE, InPlacePagedAttention, NativeAttention
 from engine.runner_types import SeqChunk
 from engine.sampler import Sampler, SampleRow
 
@@ -120,31 +124,63 @@ def main(argv: list[str] | None = None) -> None:
                            cache=CacheConfig(num_blocks=args.batch * ((args.ctx + args.steps) // 16 + 2)
                                              + args.prefill_len // 16 + 4))
         runner = ModelRunner(cfg)
-        backends: dict[str, AttentionBackend] = {
-            "gather": TorchPagedAttention(), "inplace": InPlacePagedAttention(NATIVE)
-        }
         dec = DecodeBench(runner, args.batch, args.ctx, args.steps, args.prefill_len)
         pre_table = dec.spare
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
               f"decode batch {args.batch} at ctx {args.ctx}, prefill {args.prefill_len} tokens")
-        times: dict[str, list[float]] = {name: [] for name in backends}
-        prefill: list[float] = []
+        decode: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        prefill: dict[str, list[float]] = {name: [] for name in VARIANTS}
         for _ in range(args.reps + 1):  # the first round warms up and is dropped
-            for name, backend in backends.items():
-                runner.backend = backend
-                times[name].append(dec.run())
-            prefill.append(prefill_run(runner, args.prefill_len, pre_table))
-        base = statistics.median(times["gather"][1:])
-        for name, ts in times.items():
-            med = statistics.median(ts[1:])
-            print(f"decode step {name:>8}: {med * 1e3:7.2f} ms  ratio to gather {med / base:.3f}")
-        print(f"prefill step: {statistics.median(prefill[1:]) * 1e3:7.1f} ms")
+            for name in VARIANTS:
+                with variant(runner, name):
+                    decode[name].append(dec.run())
+                    prefill[name].append(prefill_run(runner, args.prefill_len, pre_table))
+        for label, times in (("decode step", decode), ("prefill step", prefill)):
+            base = statistics.median(times[OLD][1:])
+            for name, ts in times.items():
+                med = statistics.median(ts[1:])
+                print(f"{label} {name:<24} {med * 1e3:8.2f} ms  ratio to old {med / base:.3f}")
         if args.profile:
-            for name, backend in backends.items():
-                runner.backend = backend
-                profile(f"decode x{args.steps} steps, {name}", dec.run)
-            profile("prefill", lambda: prefill_run(runner, args.prefill_len, pre_table))
+            for name in (OLD, NEW):
+                with variant(runner, name, recorded=True):
+                    profile(f"decode x{args.steps} steps, {name}", dec.run)
+                    profile(f"prefill, {name}",
+                            lambda: prefill_run(runner, args.prefill_len, pre_table))
 
+
+OLD, NEW = "old (gather, torch ops)", "new (in-place, fused)"
+VARIANTS = (OLD, "in-place attention only", NEW)
+
+
+class Recorded:
+    """The native library with each call shown as its own op in torch.profiler."""
+
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        fn = getattr(self.lib, name)
+
+        def call(*args: Any) -> Any:
+            with torch.profiler.record_function(f"native::{name}"):
+                return fn(*args)
+
+        return call
+
+
+@contextmanager
+def variant(runner: ModelRunner, name: str, recorded: bool = False) -> Iterator[None]:
+    """The runner with the old or new bf16 paths for the duration."""
+    lib = native_kernels.LIB
+    assert NATIVE is not None and lib is not None
+    new_lib = cast(ctypes.CDLL, Recorded(lib)) if recorded else lib
+    runner.backend = (TorchPagedAttention() if name == OLD
+                      else InPlacePagedAttention(NativeAttention(new_lib)))
+    native_kernels.LIB = new_lib if name == NEW else None  # the fused norm and rope paths
+    try:
+        yield
+    finally:
+        native_kernels.LIB = lib
 
 if __name__ == "__main__":
     main()
