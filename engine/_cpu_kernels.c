@@ -10,7 +10,9 @@
  *
  * Layouts (element strides, C-contiguous):
  *   q, out        [B, H, D]                       H = KVH * G query heads; heads
- *                                                 h*G .. h*G+G-1 share KV head h
+ *                                                 h*G .. h*G+G-1 share KV head h;
+ *                                                 q's rows may be `q_stride` apart
+ *                                                 (a view into the qkv projection)
  *   k, v (a pool) [num_blocks, bs, KVH, D]
  *   tables        [B, table_stride] int64         block ids; only the first
  *                                                 ceil(ctx_len / bs) are read
@@ -69,13 +71,14 @@ static inline void load_row(const void *base, int dtype, int64_t idx, int64_t D,
  * `work` holds G*D (queries) + D (one K/V row) + G*D (accumulators) + G*L
  * (scores) floats. */
 __attribute__((target_clones("avx512f", "avx2", "default")))
-static int attend(int dtype, const void *q, const void *k, const void *v, const int64_t *table,
-                  int64_t L, int64_t num_blocks, int64_t b, int64_t h, int64_t G, int64_t KVH,
-                  int64_t D, int64_t bs, float scale, void *out, float *work) {
+static int attend(int dtype, const void *q, int64_t q_stride, const void *k, const void *v,
+                  const int64_t *table, int64_t L, int64_t num_blocks, int64_t b, int64_t h,
+                  int64_t G, int64_t KVH, int64_t D, int64_t bs, float scale, void *out,
+                  float *work) {
     float *qf = work, *row = qf + G * D, *acc = row + D, *sc = acc + G * D;
     int64_t q0 = (b * KVH * G + h * G) * D;
     for (int64_t g = 0; g < G; g++) {
-        load_row(q, dtype, q0 + g * D, D, qf + g * D);
+        load_row(q, dtype, b * q_stride + (h * G + g) * D, D, qf + g * D);
         for (int64_t j = 0; j < D; j++)
             qf[g * D + j] *= scale;
     }
@@ -126,7 +129,8 @@ static int attend(int dtype, const void *q, const void *k, const void *v, const 
 
 /* Decode attention for B sequences; returns PD_OK or the first error met
  * (the output is then unspecified). num_threads <= 0 means one thread. */
-int pd_paged_decode(int dtype, const void *q, const void *k, const void *v, const int64_t *tables,
+int pd_paged_decode(int dtype, const void *q, int64_t q_stride, const void *k, const void *v,
+                    const int64_t *tables,
                     int64_t table_stride, const int64_t *ctx_lens, int64_t B, int64_t H,
                     int64_t KVH, int64_t D, int64_t bs, int64_t num_blocks, float scale,
                     void *out, int num_threads) {
@@ -155,8 +159,8 @@ int pd_paged_decode(int dtype, const void *q, const void *k, const void *v, cons
                 continue;
             }
             int64_t b = i / KVH, h = i % KVH;
-            int rc = attend(dtype, q, k, v, tables + b * table_stride, ctx_lens[b], num_blocks,
-                            b, h, G, KVH, D, bs, scale, out, work);
+            int rc = attend(dtype, q, q_stride, k, v, tables + b * table_stride, ctx_lens[b],
+                            num_blocks, b, h, G, KVH, D, bs, scale, out, work);
             err = rc > err ? rc : err;
         }
         free(work);

@@ -54,7 +54,8 @@ class NativeAttention:
         _check(q, k_cache, v_cache, block_tables, ctx_lens, b, d, kd)
         out = torch.empty(b, h * d, dtype=q.dtype)
         rc = self._lib.pd_paged_decode(
-            _DTYPE_CODES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+            v_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.shape[1], ctx_lens.data_ptr(), b, h, kvh, d, bs,
             nblocks, 1.0 / math.sqrt(d), out.data_ptr(), num_threads,
         )
@@ -74,8 +75,13 @@ def _check(
     if q.shape[1] % k.shape[2]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[2]} KV heads")
     for t in (q, k, v, tables, lens):
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError("paged decode attention needs contiguous CPU tensors")
+        if t.device.type != "cpu":
+            raise ValueError("paged decode attention needs CPU tensors")
+    # q's rows may be apart (a view of the qkv projection); each row's heads must not be.
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2] or q.stride(0) < q.shape[1] * q.shape[2]:
+        raise ValueError("paged decode attention needs q's heads of each row contiguous")
+    if not all(t.is_contiguous() for t in (k, v, tables, lens)):
+        raise ValueError("paged decode attention needs contiguous pool views and tables")
     if tables.dtype != torch.long or lens.dtype != torch.long:
         raise ValueError("block tables and context lengths must be int64")
     if tables.dim() != 2 or tables.shape[0] != b or tuple(lens.shape) != (b,):
@@ -99,8 +105,8 @@ class InPlacePagedAttention(TorchPagedAttention):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: DecodeBatch
     ) -> torch.Tensor:
         assert dec.block_tables is not None and dec.ctx_lens is not None
-        return self.native.decode(q.contiguous(), k_cache, v_cache, dec.block_tables,
-                                  dec.ctx_lens, torch.get_num_threads())
+        return self.native.decode(q, k_cache, v_cache, dec.block_tables, dec.ctx_lens,
+                                  torch.get_num_threads())
 
 
 def default_backend(dtype: torch.dtype, device: torch.device) -> AttentionBackend:

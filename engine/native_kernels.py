@@ -33,7 +33,7 @@ def _load() -> ctypes.CDLL | None:
     except OSError:
         return None
     lib.pd_paged_decode.argtypes = [
-        ctypes.c_int, P, P, P, P, I64, P, I64, I64, I64, I64, I64, I64, ctypes.c_float, P,
+        ctypes.c_int, P, I64, P, P, P, I64, P, I64, I64, I64, I64, I64, I64, ctypes.c_float, P,
         ctypes.c_int,
     ]
     lib.pd_paged_decode.restype = ctypes.c_int

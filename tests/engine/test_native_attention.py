@@ -60,7 +60,8 @@ def test_decode_equals_softmax_over_each_sequences_own_keys(
     order = order_chunks(chunks)
     meta = build_metadata(chunks, order, BS, dtype, torch.device("cpu"), flat_decode=True)
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(len(ctx), HEADS, D, generator=g).to(dtype)
+    # q as the model hands it over: a view into the qkv projection, rows apart.
+    q = torch.randn(len(ctx), HEADS + 2 * KVH, D, generator=g).to(dtype)[:, :HEADS]
     k_new = torch.randn(len(ctx), KVH, D, generator=g).to(dtype)
     v_new = torch.randn(len(ctx), KVH, D, generator=g).to(dtype)
     out = InPlacePagedAttention(native).forward(q, k_new, v_new, k_cache, v_cache, meta)
@@ -114,6 +115,9 @@ def test_bad_block_ids_and_lengths_are_refused_not_read(native: NativeAttention)
         native.decode(q, k_cache, v_cache, torch.tensor([[3, 4]], dtype=torch.int32), lens, 2)
     with pytest.raises(ValueError, match="float32/bfloat16"):
         native.decode(q.half(), k_cache.half(), v_cache.half(), torch.tensor([[3, 4]]), lens, 2)
+    with pytest.raises(ValueError, match="heads of each row contiguous"):
+        native.decode(q.transpose(1, 2).contiguous().transpose(1, 2), k_cache, v_cache,
+                      torch.tensor([[3, 4]]), lens, 2)
     with pytest.raises(ValueError, match="head_dim"):
         native.decode(q[..., :32].contiguous(), k_cache, v_cache, torch.tensor([[3, 4]]), lens, 2)
 
