@@ -18,7 +18,9 @@ Each repetition starts, one at a time, on 127.0.0.1:
     colocated  pdserve up --model DIR --dtype bfloat16 --max-model-len 2048 --colocated --port P
     1P+1D      pdserve up --model DIR --dtype bfloat16 --max-model-len 2048 --prefill 1 --decode 1 --port P
 
-and runs `pdserve bench`'s load generator (bench/loadgen) against it:
+(`--configs` adds `1p1d-noborrow` and `1p1d-unpinned`: 1P+1D with --no-core-borrowing
+and with --cpu-affinity off, to measure the core policy) and runs `pdserve bench`'s
+load generator (bench/loadgen) against it:
 
     c1     --input-len 500 --output-len 64 --concurrency 1      (ITL p50)
     c16    the same at --concurrency 16                          (output tok/s)
@@ -27,7 +29,8 @@ and runs `pdserve bench`'s load generator (bench/loadgen) against it:
 
 Prompts are sized in the model's tokens (its tokenizer.json). Figures are medians over
 the repetitions; the configurations take turns within each repetition, so background
-load hits all of them alike. Ratios are pdserve / vLLM; the issue's targets are checked.
+load hits all of them alike. Ratios are to the first configuration (vLLM by default);
+the issue's targets are checked when vLLM ran.
 """
 
 from __future__ import annotations
@@ -71,14 +74,20 @@ TARGETS = (
     ("1P+1D", "mixed", Target("ITL p50 ms", 1.3)),
     ("1P+1D", "mixed", Target("TTFT p50 ms", 1.2)),
 )
-CONFIGS = {"vllm": "vLLM", "colocated": "colocated", "1p1d": "1P+1D"}
+CONFIGS = {"vllm": "vLLM", "colocated": "colocated", "1p1d": "1P+1D",
+           # the core policy's effect (docs/architecture.md, "Threads and cores")
+           "1p1d-noborrow": "1P+1D no borrowing", "1p1d-unpinned": "1P+1D unpinned"}
+SHAPES = {"colocated": ["--colocated"], "1p1d": ["--prefill", "1", "--decode", "1"],
+          "1p1d-noborrow": ["--prefill", "1", "--decode", "1", "--no-core-borrowing"],
+          "1p1d-unpinned": ["--prefill", "1", "--decode", "1", "--cpu-affinity", "off"]}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = harness.parser(__doc__, model_help="HF model dir served by both (default: built-in)",
                         tokenizer=True)
     ap.add_argument("--vllm-python", default="/tmp/vllm/bin/python")
-    ap.add_argument("--configs", default="vllm,colocated,1p1d")
+    ap.add_argument("--configs", default="vllm,colocated,1p1d",
+                    help=f"from {','.join(CONFIGS)}; ratios are to the first")
     ap.add_argument("--workloads", default="c1,c16,mixed")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
@@ -120,8 +129,7 @@ def server(config: str, args: argparse.Namespace, model: str) -> Iterator[Server
         with serve_command("vllm", cmd, port, env={"VLLM_CPU_KVCACHE_SPACE": args.kv_space_gib}) as s:
             yield s
     else:
-        shape = ["--colocated"] if config == "colocated" else ["--prefill", "1", "--decode", "1"]
-        with pdserve_up(config, [*common, *shape, *extra]) as s:
+        with pdserve_up(config, [*common, *SHAPES[config], *extra]) as s:
             yield s
 
 
@@ -156,10 +164,11 @@ def main(argv: list[str] | None = None) -> int:
                     runs.setdefault((config, w), []).append({"all": run.summary, **run.per_tag})
                     print(f"[rep {rep + 1}/{args.reps}] {config} {w} done", file=sys.stderr, flush=True)
     medians = {k: median_summary(v, COLUMNS[k[1]]) for k, v in runs.items()}
-    print(f"model {model}, {args.dtype}, median of {args.reps}; ratios are pdserve / vLLM")
+    base = configs[0]
+    print(f"model {model}, {args.dtype}, median of {args.reps}; ratios are to {base}")
     for w in workloads:
         rows = [(c, medians[(c, w)]) for c in configs]
-        ratios = [(f"{c}/vLLM", c, "vLLM") for c in configs if c != "vLLM" and "vLLM" in configs]
+        ratios = [(f"{c}/{base}", c, base) for c in configs[1:]]
         print(f"\n## {w}\n{format_comparison(COLUMNS[w], rows, ratios)}")
     for config, w, t in TARGETS:
         if (config, w) in medians and ("vLLM", w) in medians:
