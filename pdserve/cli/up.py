@@ -119,7 +119,8 @@ def _thread_counts(args: argparse.Namespace) -> list[int]:
     return [per_role.get(role) or threads for role in roles]
 
 
-def _worker_cmds(args: argparse.Namespace, control: str, share_file: str | None) -> list[list[str]]:
+def _worker_cmds(args: argparse.Namespace, control: str,
+                 share_file: str | None = None) -> list[list[str]]:
     roles, counts = _roles(args), _thread_counts(args)
     cores = core_flags(args, roles, counts, share_file)
     # Threads that fit the cores may spin between parallel regions (see workers.py).
