@@ -143,11 +143,6 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def check_core_args(args: argparse.Namespace) -> None:
-    allowed = os.sched_getaffinity(0)
-    for flag, cores in (("--cpu-cores", args.cpu_cores), ("--borrow-cores", args.borrow_cores)):
-        if cores and not set(cores) <= allowed:
-            raise UsageError(flag, f"cores {format_cpu_list(sorted(set(cores) - allowed))} are not "
-                             f"among this process's cores ({format_cpu_list(sorted(allowed))})")
     if args.core_share and args.role == "colocated":
         raise UsageError("--core-share", "is for a prefill and a decode worker")
     if args.core_share and not os.path.isfile(args.core_share):
@@ -156,6 +151,11 @@ def check_core_args(args: argparse.Namespace) -> None:
         raise UsageError("--borrow-cores", "needs a decode worker with --core-share and --cpu-cores")
     if args.core_share and args.role == "decode" and not args.borrow_cores:
         raise UsageError("--core-share", "a decode worker needs --borrow-cores and --cpu-cores too")
+    allowed = os.sched_getaffinity(0)
+    for flag, cores in (("--cpu-cores", args.cpu_cores), ("--borrow-cores", args.borrow_cores)):
+        if cores and not set(cores) <= allowed:
+            raise UsageError(flag, f"cores {format_cpu_list(sorted(set(cores) - allowed))} are not "
+                             f"among this process's cores ({format_cpu_list(sorted(allowed))})")
 
 
 def run(args: argparse.Namespace) -> int:
