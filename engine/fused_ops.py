@@ -14,7 +14,6 @@ from collections.abc import Callable
 import torch
 
 from engine import native_kernels
-from engine.models.rope import apply_rope
 
 
 def _native(*ts: torch.Tensor) -> bool:
@@ -42,17 +41,16 @@ def add_rms_norm(
 def rope_qk(
     qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
     cos: torch.Tensor, signed_sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D] and k [T, KVH, D] of `qkv` [T, (H + 2 KVH) * D], rotated
-    (`cos`/`signed_sin` as `RopeTables.lookup` gives them, [T, 1, D])."""
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """q [T, H, D] and k [T, KVH, D] of `qkv` [T, (H + 2 KVH) * D], rotated in place
+    (`cos`/`signed_sin` as `RopeTables.lookup` gives them, [T, 1, D]); None where the
+    fast path does not apply, and the caller rotates with `apply_rope`."""
     t = qkv.shape[0]
     nrot = num_heads + num_kv_heads
     lib = native_kernels.LIB
     if lib is None or not _native(qkv, cos, signed_sin) or qkv.dim() != 2 \
             or cos.shape != (t, 1, head_dim) or signed_sin.shape != cos.shape:
-        qk = apply_rope(qkv[:, : nrot * head_dim].reshape(t, -1, head_dim), cos, signed_sin)
-        q, k = qk.split([num_heads, num_kv_heads], dim=1)
-        return q, k
+        return None
     lib.pd_rope_bf16(qkv.data_ptr(), t, qkv.shape[1], nrot, head_dim, cos.data_ptr(),
                      signed_sin.data_ptr(), torch.get_num_threads())
     qk = qkv[:, : nrot * head_dim].unflatten(1, (nrot, head_dim))

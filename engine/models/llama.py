@@ -97,7 +97,11 @@ class Attention(nn.Module):
             k = apply_rope(self.k_norm(k.reshape(t, c.num_kv_heads, c.head_dim)), cos, sin)
         else:
             # Rotate q and k heads in one pass over the [T, H + KVH, D] view.
-            q, k = rope_qk(qkv, c.num_heads, c.num_kv_heads, c.head_dim, cos, sin)
+            qk = rope_qk(qkv, c.num_heads, c.num_kv_heads, c.head_dim, cos, sin)
+            if qk is None:
+                rotated = apply_rope(qkv[:, : c.q_size + c.kv_size].reshape(t, -1, c.head_dim), cos, sin)
+                qk = rotated.split([c.num_heads, c.num_kv_heads], dim=1)
+            q, k = qk
             v = qkv[:, c.q_size + c.kv_size :]
         v = v.reshape(t, c.num_kv_heads, c.head_dim)
         out = backend.forward(q, k, v, k_cache, v_cache, meta)

@@ -48,6 +48,8 @@ def test_float32_and_a_missing_library_take_the_torch_ops(monkeypatch: pytest.Mo
     hb, db = h.bfloat16(), delta.bfloat16()
     got_h, got = fused_ops.add_rms_norm(hb, db, bnorm.weight, bnorm.eps, bnorm)
     assert torch.equal(got, bnorm(hb + db)) and torch.equal(hb, h.bfloat16())  # not in place
+    cos = torch.ones(4, 1, 64, dtype=torch.bfloat16)
+    assert fused_ops.rope_qk(torch.zeros(4, 20 * 64, dtype=torch.bfloat16), 12, 4, 64, cos, cos) is None
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 600])
@@ -59,7 +61,9 @@ def test_bf16_rope_in_place_equals_the_torch_rotation(tokens: int) -> None:
     qkv = torch.randn(tokens, (12 + 2 * 4) * 64, generator=g).bfloat16()
     want = apply_rope(qkv[:, : 16 * 64].reshape(tokens, 16, 64), cos, sin)
     x = qkv.clone()
-    q, k = fused_ops.rope_qk(x, 12, 4, 64, cos, sin)
+    qk = fused_ops.rope_qk(x, 12, 4, 64, cos, sin)
+    assert qk is not None
+    q, k = qk
     assert torch.equal(q, want[:, :12]) and torch.equal(k, want[:, 12:])
     assert q.data_ptr() == x.data_ptr()  # rotated in place in the projection's output
     assert torch.equal(x[:, 16 * 64 :], qkv[:, 16 * 64 :])  # v untouched
