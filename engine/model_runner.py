@@ -85,7 +85,8 @@ class ModelRunner:
         else:
             self.pool = KVPool(self.layout, self._num_blocks_from_budget(), device=self.device)
         self.num_blocks = self.pool.num_blocks
-        self.backend = backend or default_backend(self.dtype, self.device)
+        self.backend = backend or default_backend(self.dtype, self.device,
+                                                  plain_kv=not self.layout.quantized)
         self._kv_layers = self.pool.all_layer_views()
 
     @classmethod

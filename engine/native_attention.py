@@ -109,9 +109,11 @@ class InPlacePagedAttention(TorchPagedAttention):
                                   torch.get_num_threads())
 
 
-def default_backend(dtype: torch.dtype, device: torch.device) -> AttentionBackend:
-    """The in-place kernel for bfloat16 on CPU where it is built, else the torch backend."""
-    if NATIVE is not None and dtype == torch.bfloat16 and device.type == "cpu":
+def default_backend(dtype: torch.dtype, device: torch.device,
+                    plain_kv: bool = True) -> AttentionBackend:
+    """The in-place kernel for bfloat16 on CPU over a plain (not quantized) KV pool where
+    it is built, else the torch backend."""
+    if NATIVE is not None and dtype == torch.bfloat16 and device.type == "cpu" and plain_kv:
         return InPlacePagedAttention(NATIVE)
     return TorchPagedAttention()
 
