@@ -21,8 +21,8 @@ from engine.dtype import resolved_config
 from engine.kv_pool import TORCH_DTYPES, KVPool
 from engine.loader import load_config, load_model_with, weights_fingerprint
 from engine.model_config import ModelConfig, kv_layout
-from engine.quant.formats import served_quantization
 from engine.native_attention import default_backend
+from engine.quant.formats import served_quantization
 from engine.runner_types import SeqChunk
 
 
