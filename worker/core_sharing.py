@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from common import protocol as p
+from engine.cache_events import CacheEvents
 from worker.cpu_cores import CoreGrant, apply_grant, borrow_grant
 from worker.node_api import Node, NodeLoad, NodeRegistration
 
@@ -156,6 +157,12 @@ class SharedCoresNode:
 
     def busy(self) -> bool:
         return self.node.busy()
+
+    def cache_events(self) -> CacheEvents:
+        return self.node.cache_events()
+
+    def cached_keys(self) -> list[int]:
+        return self.node.cached_keys()
 
     def close(self) -> None:
         try:
