@@ -1,4 +1,4 @@
-"""Builds the optional native copy kernel; all other metadata is in pyproject.toml.
+"""Builds the optional native kernels; all other metadata is in pyproject.toml.
 
 `kv_transfer/_hostcopy.c` uses no Python API (kv_transfer/hostcopy.py loads it
 with ctypes). It is optional: without a C compiler the install succeeds and
@@ -14,6 +14,17 @@ setup(
             sources=["kv_transfer/_hostcopy.c"],
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        # bf16 CPU kernels (engine/native_kernels.py): in-place paged decode attention, fused
+        # residual add + RMSNorm. OpenMP binds to
+        # the libgomp torch already loaded, so it shares torch's thread pool.
+        Extension(
+            "engine._cpu_kernels",
+            sources=["engine/_cpu_kernels.c"],
+            extra_compile_args=["-O3", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
+            libraries=["m"],
+            optional=True,
+        ),
     ]
 )

@@ -57,6 +57,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "",
             "KV-transfer fault spec (`key=value,...`, see kv_transfer.faults); read only with --enable-fault-injection.",
         ),
+        EnvVar(
+            "PDSERVE_NATIVE_KERNELS",
+            "1",
+            "0: bf16 runs the torch paths (gather + SDPA decode attention, unfused RMSNorm) even "
+            "where the native CPU kernels (engine/_cpu_kernels.c) are built.",
+        ),
     )
 }
 
@@ -107,3 +113,8 @@ def gateway_seed_key() -> bytes | None:
 def api_keys() -> tuple[str, ...]:
     """`PDSERVE_API_KEYS`: the gateway API keys it lists (comma-separated, blanks dropped)."""
     return tuple(k.strip() for k in (get("PDSERVE_API_KEYS") or "").split(",") if k.strip())
+
+
+def native_kernels() -> bool:
+    """`PDSERVE_NATIVE_KERNELS`: False when set to 0 (default on)."""
+    return get("PDSERVE_NATIVE_KERNELS") != "0"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +61,11 @@ class DecodeBatch:
     """
 
     num_seqs: int
-    groups: tuple[DecodeGroup, ...]
+    groups: tuple[DecodeGroup, ...]  # empty when built for a flat-decode backend
+    # Built only for a backend with `flat_decode` (it reads the pool in place, so it
+    # needs no groups, padding masks or gathers): every decode's table, in row order.
+    block_tables: torch.Tensor | None = None  # [n, max_blocks] long, padded with the null block
+    ctx_lens: torch.Tensor | None = None  # [n] long: keys each decode attends to
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,10 @@ class AttentionMetadata:
 
 class AttentionBackend(abc.ABC):
     """Writes this step's K/V into the pool and attends through block tables."""
+
+    # True: decodes reach `forward` as one flat batch (`DecodeBatch.block_tables`,
+    # `ctx_lens`) instead of padded groups.
+    flat_decode: ClassVar[bool] = False
 
     @abc.abstractmethod
     def forward(
@@ -109,8 +118,10 @@ def build_metadata(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    flat_decode: bool = False,
 ) -> AttentionMetadata:
-    """Metadata for chunks laid out in `order` (see `order_chunks`)."""
+    """Metadata for chunks laid out in `order` (see `order_chunks`); decodes in
+    groups, or flat for a backend whose `flat_decode` is set."""
     ordered = [chunks[i] for i in order]
     num_dec = 0
     while num_dec < len(ordered) and len(ordered[num_dec].token_ids) == 1:
@@ -124,7 +135,8 @@ def build_metadata(
             for c in dec
         ]
         slot_parts.append(torch.tensor(dec_slots, dtype=torch.long))
-        decode = _decode_batch(dec, block_size, dtype, device)
+        decode = (_flat_decode_batch(dec, block_size, device) if flat_decode
+                  else _decode_batch(dec, block_size, dtype, device))
     prefills = []
     row = num_dec
     for c in ordered[num_dec:]:
@@ -200,6 +212,21 @@ def _decode_batch(
         return DecodeBatch(len(dec), (_decode_group(dec, None, block_size, dtype, device),))
     return DecodeBatch(
         len(dec), tuple(_decode_group(dec, g, block_size, dtype, device) for g in groups)
+    )
+
+
+def _flat_decode_batch(
+    dec: Sequence[SeqChunk], block_size: int, device: torch.device
+) -> DecodeBatch:
+    ctx = [c.start_pos + 1 for c in dec]
+    max_blocks = (max(ctx) + block_size - 1) // block_size
+    tables = []
+    for c, n in zip(dec, ctx, strict=True):
+        own = c.block_table[: (n + block_size - 1) // block_size]
+        tables.append(own + [NULL_BLOCK] * (max_blocks - len(own)))
+    return DecodeBatch(
+        len(dec), (), torch.tensor(tables, dtype=torch.long, device=device),
+        torch.tensor(ctx, dtype=torch.long, device=device),
     )
 
 

@@ -15,12 +15,13 @@ import numpy as np
 import torch
 
 from common.kv_layout import KVLayout
-from engine.attention import AttentionBackend, TorchPagedAttention, build_metadata, order_chunks
+from engine.attention import AttentionBackend, build_metadata, order_chunks
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.dtype import resolved_config
 from engine.kv_pool import TORCH_DTYPES, KVPool
 from engine.loader import load_config, load_model_with, weights_fingerprint
 from engine.model_config import ModelConfig, kv_layout
+from engine.native_attention import default_backend
 from engine.quant.formats import served_quantization
 from engine.runner_types import SeqChunk
 
@@ -84,7 +85,8 @@ class ModelRunner:
         else:
             self.pool = KVPool(self.layout, self._num_blocks_from_budget(), device=self.device)
         self.num_blocks = self.pool.num_blocks
-        self.backend = backend or TorchPagedAttention()
+        self.backend = backend or default_backend(self.dtype, self.device,
+                                                  plain_kv=not self.layout.quantized)
         self._kv_layers = self.pool.all_layer_views()
 
     @classmethod
@@ -143,7 +145,8 @@ class ModelRunner:
             ids.extend(c.token_ids)
             positions.append(torch.arange(c.start_pos, c.end_pos))
             last_row[i] = len(ids) - 1
-        meta = build_metadata(chunks, order, self.block_size, self.dtype, self.device)
+        meta = build_metadata(chunks, order, self.block_size, self.dtype, self.device,
+                              self.backend.flat_decode)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.cat(positions).to(self.device)
         hidden = self.model(input_ids, pos, meta, self._kv_layers, self.backend, layer_hook)

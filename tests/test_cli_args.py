@@ -131,6 +131,16 @@ CASES: dict[str, Case] = {
     "worker-grammar-compile-timeout-0": Case(
         lambda d, p: ["worker", "--colocated", "--gateway", GW, "--grammar-compile-timeout", "0"],
         "argument --grammar-compile-timeout"),
+    "decode-cpu-cores-abc": Case(lambda d, p: ["decode", "--gateway", GW, "--cpu-cores", "a-b"], "argument --cpu-cores"),
+    "prefill-cpu-cores-not-ours": Case(
+        lambda d, p: ["prefill", "--gateway", GW, "--model", str(d.good), "--cpu-cores", "4095"],
+        "argument --cpu-cores"),
+    "decode-borrow-without-share": Case(
+        lambda d, p: ["decode", "--gateway", GW, "--model", str(d.good), "--cpu-cores", "0", "--borrow-cores", "0"],
+        "argument --borrow-cores"),
+    "up-cpu-affinity-on-overfull": Case(
+        lambda d, p: ["up", "--model", str(d.good), "--cpu-affinity", "on", "--threads", "4096"],
+        "argument --cpu-affinity"),
     "make-model-under-a-file": Case(lambda d, p: ["make-model", str(d.not_a_dir / "sub")], "cannot write", rc=1),
 }
 

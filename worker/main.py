@@ -12,6 +12,7 @@ from common.transport import CurveClient, new_worker_id
 from engine.config import EngineConfig
 from kv_transfer.auth import CurveKeys, KVCurve, load_keys
 from kv_transfer.faults import FaultConfig
+from worker.core_sharing import share_cores
 from worker.faults import injected_faults
 from worker.gateways import GatewayLinks
 from worker.metrics import WorkerMetrics
@@ -35,6 +36,9 @@ class WorkerOptions:
     curve: CurveClient | None = None
     fault_injection: bool = False  # honour PDSERVE_FAULTS / PDSERVE_KV_FAULTS (tests only)
     kv_curve: KVCurve | None = None  # CURVE on the KV sockets (prefill and decode)
+    core_share: str | None = None  # prefill lends / decode borrows cores (worker/core_sharing.py)
+    cpu_cores: tuple[int, ...] = ()  # the cores this worker is pinned to
+    borrow_cores: tuple[int, ...] = ()  # decode: the prefill worker's cores
 
 
 class NodeParts:
@@ -62,6 +66,8 @@ def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder
     faults = injected_faults(opts.fault_injection)
     runtime = WorkerRuntime(rt_cfg, channel, metrics, faults.worker)
     node, cleanup = build(engine_cfg, opts, NodeParts(worker_id, channel, metrics, faults.kv))
+    if opts.core_share:
+        node = share_cores(node, opts.core_share, opts.cpu_cores, opts.borrow_cores)
     try:
         return runtime.run(node)
     finally:

@@ -96,14 +96,24 @@ def pdserve_up(
     """`pdserve up <up_args> --port P` on 127.0.0.1; yields once it serves."""
     port = free_port()
     cmd = [*pdserve_command(), "up", *up_args, "--port", str(port)]
+    with serve_command(name, cmd, port, ready_timeout_s=ready_timeout_s) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def serve_command(
+    name: str, cmd: Sequence[str], port: int, env: dict[str, str] | None = None,
+    ready_timeout_s: float = 600.0,
+) -> Iterator[ServerHandle]:
+    """Any OpenAI-compatible server started by `cmd` (listening on 127.0.0.1:`port`) in
+    its own process group; yields once it serves, stops the group on exit."""
     base_url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile(
         prefix=f"pdserve-{name}-", suffix=".log", delete=False
     ) as log:  # kept after the run for post-mortems
-        print(
-            f"[{name}] starting: {' '.join(cmd[2:])} (log {log.name})", file=sys.stderr, flush=True
-        )
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        print(f"[{name}] starting: {' '.join(cmd)} (log {log.name})", file=sys.stderr, flush=True)
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=None if env is None else {**os.environ, **env})
         try:
             deadline = time.monotonic() + ready_timeout_s
             while not _ready(base_url):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.fused_ops import add_rms_norm, rope_qk
 from engine.kv_quant import KVCacheView
 from engine.model_config import ModelConfig
 from engine.models.rope import RopeTables, apply_rope
@@ -54,6 +55,11 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, self(h + delta)): the residual add fused with this norm (bf16 on
+        CPU: one native pass, `h` updated in place; otherwise the ops above)."""
+        return add_rms_norm(h, delta, self.weight, self.eps, self)
 
 
 class Attention(nn.Module):
@@ -91,8 +97,11 @@ class Attention(nn.Module):
             k = apply_rope(self.k_norm(k.reshape(t, c.num_kv_heads, c.head_dim)), cos, sin)
         else:
             # Rotate q and k heads in one pass over the [T, H + KVH, D] view.
-            qk = apply_rope(qkv[:, : c.q_size + c.kv_size].reshape(t, -1, c.head_dim), cos, sin)
-            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+            qk = rope_qk(qkv, c.num_heads, c.num_kv_heads, c.head_dim, cos, sin)
+            if qk is None:
+                rotated = apply_rope(qkv[:, : c.q_size + c.kv_size].reshape(t, -1, c.head_dim), cos, sin)
+                qk = rotated.split([c.num_heads, c.num_kv_heads], dim=1)
+            q, k = qk
             v = qkv[:, c.q_size + c.kv_size :]
         v = v.reshape(t, c.num_kv_heads, c.head_dim)
         out = backend.forward(q, k, v, k_cache, v_cache, meta)
@@ -173,15 +182,19 @@ class LlamaForCausalLM(nn.Module):
         """
         h = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rope.lookup(positions)
-        for i, module in enumerate(self.layers):
-            layer = cast(DecoderLayer, module)
+        layers = [cast(DecoderLayer, m) for m in self.layers]
+        # Each residual add is fused with the norm that follows it (the next layer's
+        # input norm, or the final one): the same ops, fewer passes in bf16.
+        norms = [*(layer.input_layernorm for layer in layers[1:]), self.norm]
+        x = layers[0].input_layernorm(h)
+        for i, layer in enumerate(layers):
             k_cache, v_cache = kv_layers[i]
-            attn_in = layer.input_layernorm(h)
-            h = h + layer.self_attn(attn_in, cos, sin, k_cache, v_cache, meta, backend)
+            attn_out = layer.self_attn(x, cos, sin, k_cache, v_cache, meta, backend)
             if layer_hook is not None:
                 layer_hook(i)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+            h, x = layer.post_attention_layernorm.add_forward(h, attn_out)
+            h, x = norms[i].add_forward(h, layer.mlp(x))
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head

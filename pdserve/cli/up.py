@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from pdserve.cli.args import (
+    UsageError,
     add_dtype_arg,
     add_kv_cache_dtype_arg,
     add_quantization_arg,
@@ -39,6 +40,7 @@ from pdserve.cli.gateway_options import (
     check_tool_flags,
     sampling_defaults,
 )
+from worker.cpu_cores import format_cpu_list, plan_cores
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -56,6 +58,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     help="torch threads per prefill worker (default: --threads)")
     ap.add_argument("--decode-threads", type=positive_int, default=None,
                     help="torch threads per decode worker (default: --threads)")
+    ap.add_argument("--cpu-affinity", default="auto", choices=("auto", "on", "off"),
+                    help="pin each worker's threads to cores of its own (auto: when the workers' "
+                    "threads fit this host's cores, on CPU)")
+    ap.add_argument("--no-core-borrowing", action="store_true",
+                    help="with one pinned prefill and one decode worker, do not let the decode "
+                    "worker use the prefill worker's cores while prefill is idle")
     ap.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
     add_dtype_arg(ap, "workers' weight and KV dtype, each resolved on its own host; ")
     add_kv_cache_dtype_arg(ap)
@@ -100,17 +108,27 @@ def _pdserve() -> list[str]:
     return [sys.executable, "-m", "pdserve"]
 
 
-def _worker_cmds(args: argparse.Namespace, control: str) -> list[list[str]]:
-    roles = ["worker"] * args.workers if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
-    threads = args.threads or max(1, (os.cpu_count() or 1) // max(len(roles), 1))
-    cmds = []
+def _roles(args: argparse.Namespace) -> list[str]:
+    return ["worker"] * args.workers if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
+
+
+def _thread_counts(args: argparse.Namespace) -> list[int]:
+    roles = _roles(args)
+    threads = args.threads or max(1, len(os.sched_getaffinity(0)) // max(len(roles), 1))
     per_role = {"prefill": args.prefill_threads, "decode": args.decode_threads}
-    counts = [per_role.get(role) or threads for role in roles]
+    return [per_role.get(role) or threads for role in roles]
+
+
+def _worker_cmds(args: argparse.Namespace, control: str,
+                 share_file: str | None = None) -> list[list[str]]:
+    roles, counts = _roles(args), _thread_counts(args)
+    cores = core_flags(args, roles, counts, share_file)
     # Threads that fit the cores may spin between parallel regions (see workers.py).
-    spin = sum(counts) <= (os.cpu_count() or 1)
-    for role, n in zip(roles, counts, strict=True):
+    spin = sum(counts) <= len(os.sched_getaffinity(0))
+    cmds = []
+    for role, n, pin in zip(roles, counts, cores, strict=True):
         cmd = [*_pdserve(), role, "--gateway", control, "--threads", str(n), "--device", args.device,
-               "--dtype", args.dtype, "--quantization", args.quantization]
+               "--dtype", args.dtype, "--quantization", args.quantization, *pin]
         cmd += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else []
         cmd += ["--colocated"] if role == "worker" else ["--kv-transport", args.kv_transport]
         cmd += ["--spin-wait"] if spin else []
@@ -136,6 +154,36 @@ def _worker_cmds(args: argparse.Namespace, control: str) -> list[list[str]]:
             cmd += ["--grammar-compile-timeout", str(args.grammar_compile_timeout)]
         cmds.append(cmd)
     return cmds
+
+
+def core_plan(args: argparse.Namespace) -> list[tuple[int, ...]] | None:
+    """Each worker's cores under --cpu-affinity, or None when workers run unpinned."""
+    if args.cpu_affinity == "off" or args.device != "cpu":
+        return None
+    plan = plan_cores(sorted(os.sched_getaffinity(0)), _thread_counts(args))
+    if plan is None and args.cpu_affinity == "on":
+        raise UsageError("--cpu-affinity", f"the workers' {sum(_thread_counts(args))} threads do not "
+                         f"fit this host's {len(os.sched_getaffinity(0))} cores")
+    return plan
+
+
+def borrows_cores(args: argparse.Namespace) -> bool:
+    """One pinned prefill and one decode worker: the decode worker may borrow."""
+    return (not args.colocated and args.prefill == 1 and args.decode == 1
+            and not args.no_core_borrowing and core_plan(args) is not None)
+
+
+def core_flags(args: argparse.Namespace, roles: list[str], counts: list[int],
+               share_file: str | None) -> list[list[str]]:
+    """Each worker's --cpu-cores (and core-sharing) flags."""
+    plan = core_plan(args)
+    if plan is None:
+        return [[] for _ in roles]
+    flags = [["--cpu-cores", format_cpu_list(c)] for c in plan]
+    if share_file is not None:
+        flags[0] += ["--core-share", share_file]
+        flags[1] += ["--core-share", share_file, "--borrow-cores", format_cpu_list(plan[0])]
+    return flags
 
 
 def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
@@ -177,6 +225,7 @@ def check_args(args: argparse.Namespace) -> None:
     sampling_defaults(args.generation_config, model_dir(args.model))
     api_keys(args)  # every --api-key-file readable and not empty
     check_listen("--port", args.host, args.port)
+    core_plan(args)  # --cpu-affinity on: the threads must fit
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,9 +242,10 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    share_file = new_share_file() if borrows_cores(args) else None
     gateway = supervise.Child.start("gateway", _gateway_cmd(args, control_port), stdout=subprocess.DEVNULL)
-    workers = [supervise.Child.start(name, cmd)
-               for name, cmd in zip(_role_names(args), _worker_cmds(args, control), strict=True)]
+    workers = [supervise.Child.start(name, cmd) for name, cmd in
+               zip(_role_names(args), _worker_cmds(args, control, share_file), strict=True)]
     children = [gateway, *workers]
     url = f"http://{args.host}:{args.port}"
     try:
@@ -219,3 +269,18 @@ def run(args: argparse.Namespace) -> int:
     finally:
         supervise.stop(workers)
         supervise.stop([gateway])
+        if share_file is not None:
+            os.unlink(share_file)
+
+
+def new_share_file() -> str:
+    """The core-sharing file of this `up` (its pid and a random suffix in the name)."""
+    import tempfile
+
+    from worker.core_sharing import create_share_file
+
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, path = tempfile.mkstemp(prefix=f"pdserve-cores-{os.getpid()}-", dir=shm)
+    os.close(fd)
+    create_share_file(path)
+    return path

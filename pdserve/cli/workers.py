@@ -31,6 +31,7 @@ from pdserve.cli.args import (
     positive_float,
     positive_int,
 )
+from worker.cpu_cores import format_cpu_list, parse_cpu_list, pin_process
 
 if TYPE_CHECKING:
     from kv_transfer.auth import KVCurve
@@ -43,6 +44,13 @@ def gateway_address(text: str) -> str:
 
     try:
         return parse_gateway(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cpu_list(text: str) -> tuple[int, ...]:
+    try:
+        return parse_cpu_list(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -85,6 +93,14 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=positive_int, default=None,
                     help="torch intra-op threads (default: the cores split among --local-workers)")
     ap.add_argument("--local-workers", type=positive_int, default=1, help="workers sharing this host")
+    ap.add_argument("--cpu-cores", type=cpu_list, default=None, metavar="LIST",
+                    help="pin the worker's threads to these cores, e.g. 0-3 (default: unpinned); "
+                    "--threads then defaults to their count")
+    ap.add_argument("--core-share", default=None, metavar="FILE",
+                    help="prefill/decode: the file `pdserve up` made so the decode worker may "
+                    "use the prefill worker's cores while it has no work")
+    ap.add_argument("--borrow-cores", type=cpu_list, default=None, metavar="LIST",
+                    help="decode, with --core-share and --cpu-cores: the prefill worker's cores")
     ap.add_argument("--metrics-host", type=host, default="127.0.0.1")
     ap.add_argument("--metrics-port", type=port_or_zero, default=0, help="worker /health and /metrics (0: free)")
     ap.add_argument("--heartbeat", type=positive_float, default=0.5, help="seconds between heartbeats")
@@ -123,6 +139,23 @@ def check_args(args: argparse.Namespace) -> None:
         check_listen("--metrics-port", args.metrics_host, args.metrics_port)
     if args.kv_port and args.role == "decode":
         check_listen("--kv-port", args.kv_host, args.kv_port)
+    check_core_args(args)
+
+
+def check_core_args(args: argparse.Namespace) -> None:
+    if args.core_share and args.role == "colocated":
+        raise UsageError("--core-share", "is for a prefill and a decode worker")
+    if args.core_share and not os.path.isfile(args.core_share):
+        raise UsageError("--core-share", f"no such file: {args.core_share}")
+    if args.borrow_cores and (args.role != "decode" or not args.core_share or not args.cpu_cores):
+        raise UsageError("--borrow-cores", "needs a decode worker with --core-share and --cpu-cores")
+    if args.core_share and args.role == "decode" and not args.borrow_cores:
+        raise UsageError("--core-share", "a decode worker needs --borrow-cores and --cpu-cores too")
+    allowed = os.sched_getaffinity(0)
+    for flag, cores in (("--cpu-cores", args.cpu_cores), ("--borrow-cores", args.borrow_cores)):
+        if cores and not set(cores) <= allowed:
+            raise UsageError(flag, f"cores {format_cpu_list(sorted(set(cores) - allowed))} are not "
+                             f"among this process's cores ({format_cpu_list(sorted(allowed))})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.spin_wait:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     check_args(args)
+    if args.cpu_cores:  # before torch starts its threads: they inherit the mask
+        pin_process(args.cpu_cores)
     kv_curve = kv_curve_option(args)
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.dtype import model_dtype
@@ -147,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             grammar_compile_timeout_s=args.grammar_compile_timeout,
             quantization=args.quantization,
-            num_threads=args.threads or default_threads(args.local_workers),
+            num_threads=args.threads or (len(args.cpu_cores) if args.cpu_cores
+                                         else default_threads(args.local_workers)),
             kv_cache_dtype=args.kv_cache_dtype,
             cache=CacheConfig(
                 block_size=args.block_size,
@@ -187,6 +223,9 @@ def run(args: argparse.Namespace) -> int:
         curve=curve,
         fault_injection=args.enable_fault_injection,
         kv_curve=kv_curve,
+        core_share=args.core_share,
+        cpu_cores=tuple(args.cpu_cores or ()),
+        borrow_cores=tuple(args.borrow_cores or ()),
     )
     return run_worker(engine_cfg, opts, node_builder(args.role))
 

@@ -1,0 +1,186 @@
+"""Time and profile one engine step on the issue's ~125M Llama shape: decode and prefill.
+
+    python -m bench.profile_step [--dtype bfloat16] [--batch 16] [--ctx 512] [--steps 16]
+        [--prefill-len 512] [--reps 3] [--threads N] [--profile]
+
+Decode: `--batch` sequences with `--ctx`-token prompts already in the pool, in
+shuffled blocks (as in a pool that has served a while). A timed run is
+`--steps` decode steps (model + greedy sampler) from the same positions, so
+every run rewrites the same KV slots and reads the same contexts. Prefill: one
+`--prefill-len`-token prompt in one step. Three variants take turns within each
+repetition, so background load on the shared machine hits all alike: the old
+bf16 path (gather + SDPA decode attention, torch RMSNorm and rotary), in-place
+attention only, and the new path (in-place attention, fused add + RMSNorm,
+in-place rotary). The table shows medians over `--reps` and ratios to the old.
+
+--profile adds torch.profiler's top-10 ops by self CPU time for one decode run
+and one prefill, old and new, and the share of the wall time no op accounts
+for (Python and dispatch overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from bench.engine import build_125m
+from common.sampling_params import SamplingParams
+from engine import native_kernels
+from engine.attention import TorchPagedAttention
+from engine.config import CacheConfig, EngineConfig
+from engine.model_runner import ModelRunner
+from engine.native_attention import NATIVE, InPlacePagedAttention, NativeAttention
+from engine.runner_types import SeqChunk
+from engine.sampler import Sampler, SampleRow
+
+
+class DecodeBench:
+    """`batch` sequences prefilled to `ctx` tokens, and room for `steps` more each."""
+
+    def __init__(self, runner: ModelRunner, batch: int, ctx: int, steps: int,
+                 spare_tokens: int) -> None:
+        bs = runner.block_size
+        per_seq = (ctx + steps + bs - 1) // bs
+        spare = (spare_tokens + bs - 1) // bs
+        g = torch.Generator().manual_seed(0)
+        free = (torch.randperm(runner.num_blocks - 1, generator=g) + 1).tolist()
+        if len(free) < batch * per_seq + spare:
+            raise SystemExit(f"the pool has {len(free)} blocks, {batch * per_seq + spare} needed")
+        self.tables = [free[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
+        self.spare = free[batch * per_seq : batch * per_seq + spare]  # for the prefill bench
+        self.runner, self.ctx, self.steps = runner, ctx, steps
+        prompts = torch.randint(3, runner.model_config.vocab_size, (batch, ctx), generator=g)
+        runner.execute(
+            [SeqChunk(p, 0, t, False) for p, t in zip(prompts.tolist(), self.tables, strict=True)]
+        )
+        greedy = SamplingParams(max_tokens=steps + 1, temperature=0.0)
+        self.rows = [SampleRow(i, greedy, 0, 0, 0, (), ()) for i in range(batch)]
+        self.sampler = Sampler()
+
+    def run(self) -> float:
+        """Median seconds per decode step over one run of `steps` steps."""
+        tokens = [1] * len(self.tables)
+        times = []
+        for i in range(self.steps):
+            chunks = [SeqChunk([tok], self.ctx + i, t, True)
+                      for tok, t in zip(tokens, self.tables, strict=True)]
+            t0 = time.perf_counter()
+            logits = self.runner.execute(chunks)
+            tokens = [r.token_id for r in self.sampler(logits, self.rows)]
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def prefill_run(runner: ModelRunner, length: int, table: list[int]) -> float:
+    prompt = torch.randint(3, runner.model_config.vocab_size, (length,)).tolist()
+    t0 = time.perf_counter()
+    runner.execute([SeqChunk(prompt, 0, table, True)])
+    return time.perf_counter() - t0
+
+
+def profile(label: str, fn: Callable[[], object]) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    # Top-level ops only: a child's time is inside its parent's, so summing every
+    # row would count nested work twice.
+    top_us = sum(e.cpu_time_total for e in prof.events() if e.cpu_parent is None)
+    print(f"\n== {label}: wall {wall * 1e3:.1f} ms, outside any op "
+          f"{max(0.0, 1 - top_us / 1e6 / wall) * 100:.0f}% (Python, dispatch)")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=10))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    if NATIVE is None:
+        raise SystemExit("engine/_cpu_kernels is not built (pip install -e . builds it)")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_125m(Path(tmp) / "125m")
+        cfg = EngineConfig(model_dir=str(model_dir), dtype=args.dtype, num_threads=args.threads,
+                           cache=CacheConfig(num_blocks=args.batch * ((args.ctx + args.steps) // 16 + 2)
+                                             + args.prefill_len // 16 + 4))
+        runner = ModelRunner(cfg)
+        dec = DecodeBench(runner, args.batch, args.ctx, args.steps, args.prefill_len)
+        pre_table = dec.spare
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
+              f"decode batch {args.batch} at ctx {args.ctx}, prefill {args.prefill_len} tokens")
+        decode: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        prefill: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        for _ in range(args.reps + 1):  # the first round warms up and is dropped
+            for name in VARIANTS:
+                with variant(runner, name):
+                    decode[name].append(dec.run())
+                    prefill[name].append(prefill_run(runner, args.prefill_len, pre_table))
+        for label, times in (("decode step", decode), ("prefill step", prefill)):
+            base = statistics.median(times[OLD][1:])
+            for name, ts in times.items():
+                med = statistics.median(ts[1:])
+                print(f"{label} {name:<24} {med * 1e3:8.2f} ms  ratio to old {med / base:.3f}")
+        if args.profile:
+            for name in (OLD, NEW):
+                with variant(runner, name, recorded=True):
+                    profile(f"decode x{args.steps} steps, {name}", dec.run)
+                    profile(f"prefill, {name}",
+                            lambda: prefill_run(runner, args.prefill_len, pre_table))
+
+
+OLD, NEW = "old (gather, torch ops)", "new (in-place, fused)"
+VARIANTS = (OLD, "in-place attention only", NEW)
+
+
+class Recorded:
+    """The native library with each call shown as its own op in torch.profiler."""
+
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        fn = getattr(self.lib, name)
+
+        def call(*args: Any) -> Any:
+            with torch.profiler.record_function(f"native::{name}"):
+                return fn(*args)
+
+        return call
+
+
+@contextmanager
+def variant(runner: ModelRunner, name: str, recorded: bool = False) -> Iterator[None]:
+    """The runner with the old or new bf16 paths for the duration."""
+    lib = native_kernels.LIB
+    assert NATIVE is not None and lib is not None
+    new_lib = cast(ctypes.CDLL, Recorded(lib)) if recorded else lib
+    runner.backend = (TorchPagedAttention() if name == OLD
+                      else InPlacePagedAttention(NativeAttention(new_lib)))
+    native_kernels.LIB = new_lib if name == NEW else None  # the fused norm and rope paths
+    try:
+        yield
+    finally:
+        native_kernels.LIB = lib
+
+if __name__ == "__main__":
+    main()

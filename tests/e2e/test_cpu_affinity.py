@@ -1,0 +1,67 @@
+"""Real worker processes pinned with --cpu-cores: every thread of the prefill worker runs
+on its core, and the decode worker runs on both workers' cores while the prefill worker
+is idle (it borrows them through --core-share), serving requests meanwhile."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from tests.e2e.cluster import Cluster, http
+from tests.e2e.conftest import Reference
+from worker.core_sharing import create_share_file
+from worker.cpu_cores import format_cpu_list, parse_cpu_list
+
+
+def threads_allowed(pid: int) -> list[set[int]]:
+    """Cpus_allowed_list of every thread of `pid`, as /proc reports it."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        line = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list:"))
+        out.append(set(parse_cpu_list(line.split(":", 1)[1].strip())))
+    return out
+
+
+def wait_allowed(pid: int, want: set[int], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    seen: list[set[int]] = []
+    while time.monotonic() < deadline:
+        seen = threads_allowed(pid)
+        if seen and all(s == want for s in seen):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"threads of {pid} on {seen}, want all on {want}")
+
+
+def test_pinned_workers_and_a_decode_worker_borrowing_idle_prefill_cores(
+    tmp_path: Path, reference: Reference
+) -> None:
+    host = sorted(os.sched_getaffinity(0))
+    lend, own = {host[0]}, {host[-1]}  # one core each; the same one on a 1-core host
+    share = str(tmp_path / "cores")
+    create_share_file(share)
+    c = Cluster(tmp_path)
+    try:
+        c.start_gateway()
+        prefill = c.add_worker("prefill", "--cpu-cores", format_cpu_list(lend), "--core-share", share)
+        decode = c.add_worker("decode", "--cpu-cores", format_cpu_list(own), "--core-share", share,
+                              "--borrow-cores", format_cpu_list(lend))
+        c.wait_roles(prefill=1, decode=1)
+        wait_allowed(prefill.popen.pid, lend)
+        wait_allowed(decode.popen.pid, own | lend)  # prefill idle: decode runs on both
+        status, out = http("POST", f"{c.url}/v1/completions",
+                           {"model": reference.model_name, "prompt": "The quick brown fox",
+                            "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert status == 200, out
+        assert out["usage"]["completion_tokens"] == 8
+        c.wait_idle()
+        wait_allowed(prefill.popen.pid, lend)  # threads the prefill made since inherit its core
+        wait_allowed(decode.popen.pid, own | lend)  # prefill idle again: borrowed again
+        assert prefill.alive() and decode.alive()
+    finally:
+        c.stop()
