@@ -125,7 +125,10 @@ def test_kill_decode_mid_speculation_resumes_exactly(tmp_path: Path, reference: 
                               "--enable-fault-injection", env={"PDSERVE_FAULTS": "step_delay_s=0.1"})
         survivor = c.add_worker("decode", "--speculative-config", NGRAM)
         c.wait_roles(prefill=1, decode=2)
-        streams = [Stream(c.url, f"exact-{i}", body) for i, body in enumerate(_mixed_bodies(reference))]
+        # Streams four times as long as test_exact_recovery's: a verified step yields up to
+        # five tokens, and every stream must still be mid-way when the kill lands.
+        bodies = [{**body, "max_tokens": 4 * body["max_tokens"]} for body in _mixed_bodies(reference)]
+        streams = [Stream(c.url, f"exact-{i}", body) for i, body in enumerate(bodies)]
         for s in streams:
             s.thread.start()
         for s in streams:

@@ -17,7 +17,14 @@ from common.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.spec.config import SpeculativeConfig
 from engine.spec.draft_model import DraftModelProposer
-from tests.engine.test_spec_decode import GREEDY, PENALIZED, SEEDED, make_engine, outcome, prompts
+from tests.engine.test_spec_decode import (
+    GREEDY,
+    PENALIZED,
+    SEEDED,
+    assert_same,
+    make_engine,
+    prompts,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -50,7 +57,7 @@ def test_target_as_its_own_draft_accepts_greedy_drafts_and_matches(model_dir: Pa
     batch = prompts(5, 19, 8, seed=11)
     off = make_engine(model_dir).generate(batch, GREEDY)
     engine = draft_engine(model_dir, model_dir)
-    assert outcome(engine.generate(batch, GREEDY)) == outcome(off)
+    assert_same(engine.generate(batch, GREEDY), off)
     stats = engine.stats().spec
     assert stats is not None and stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0, stats
     assert stats.mean_acceptance_length > 3.5
@@ -63,7 +70,7 @@ def test_an_unrelated_draft_changes_nothing(model_dir: Path, other_draft: Path, 
     nparams = SamplingParams(**{**params.to_dict(), "n": 2})
     off = make_engine(model_dir).generate(batch, nparams)
     engine = draft_engine(model_dir, other_draft, k=3)
-    assert outcome(engine.generate(batch, nparams)) == outcome(off)
+    assert_same(engine.generate(batch, nparams), off)
     assert engine.stats().spec.num_draft_tokens > 0  # type: ignore[union-attr]
     assert_both_pools_idle(engine)
 
