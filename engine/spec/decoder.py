@@ -26,7 +26,7 @@ only change how many of them one forward yields.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence as Seq
@@ -54,6 +54,7 @@ class Proposer(Protocol):
         """Up to `num_tokens` guesses of the tokens that follow `token_ids`."""
 
 
+@runtime_checkable
 class BatchProposer(Protocol):
     """A proposer with per-sequence state (a draft model's KV)."""
 
@@ -109,7 +110,8 @@ class SpecDecoder:
             if config.method != "ngram":
                 raise ValueError(f"speculative method {config.method!r} needs its proposer")
             proposer = NgramProposer(*config.lookup_range)
-        self.proposer: BatchProposer = proposer if hasattr(proposer, "propose_batch") else _Stateless(proposer)  # type: ignore[arg-type]
+        self.proposer: BatchProposer = (proposer if isinstance(proposer, BatchProposer)
+                                        else _Stateless(proposer))
         self._drafts = 0
         self._draft_tokens = 0
         self._accepted = 0
