@@ -37,6 +37,8 @@ class SamplingParams:
     n: int = 1
     # Output constraint (JSON schema, regex, choice, grammar) enforced as a token mask.
     structured: StructuredOutput | None = None
+    # False: never draft for this request, whatever --speculative-config says.
+    speculative: bool = True
 
     @property
     def greedy(self) -> bool:

@@ -241,13 +241,22 @@ class BlockManager:
         self._hashes.pop(owner, None)
         # Tail first: the LRU then evicts a prompt's tail before its (more shareable) head.
         for b in reversed(table):
-            block = self._blocks[b]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is not None:
-                    self._free_cached[b] = None
-                else:
-                    self._free_fresh.append(b)
+            self._release(b)
+
+    def trim(self, owner: int, num_tokens: int) -> int:
+        """Drop the owner's blocks past the first `num_tokens` tokens (speculative slots
+        that were rejected); returns how many left its table. Only uncached tail blocks
+        can be past its computed tokens, so nothing cached is lost."""
+        table = self._tables.get(owner)
+        if table is None:
+            return 0
+        keep = self.blocks_for(num_tokens)
+        dropped = table[keep:]
+        del table[keep:]
+        del self._hashes[owner][keep:]
+        for b in reversed(dropped):
+            self._release(b)
+        return len(dropped)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (owned blocks keep their KV, just not shareable)."""
@@ -267,6 +276,15 @@ class BlockManager:
         if block.ref_count == 0:
             del self._free_cached[block_id]
         block.ref_count += 1
+
+    def _release(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is not None:
+                self._free_cached[block_id] = None
+            else:
+                self._free_fresh.append(block_id)
 
     def _take_free(self) -> int:
         if self._free_fresh:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from common.kv_layout import normalize_kv_cache_dtype
 from engine.dtype import DTYPE_CHOICES
 from engine.quant.formats import QUANTIZATION_CHOICES
+from engine.spec.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class EngineConfig:
     # Weight-only quantization on the fly: none | int8 | int4 (engine/quant/formats.py).
     # A pre-quantized (AWQ/GPTQ) checkpoint is served as stored, with "none" here.
     quantization: str = "none"
+    # Speculative decoding (`--speculative-config`); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.grammar_compile_timeout_s <= 0:

@@ -43,6 +43,7 @@ from engine.sampler import Sampler, SampleRow, request_seed
 from engine.scheduler import Reservation, Scheduler, SchedulerOutput
 from engine.sequence import Request, SequenceStatus, finish_status
 from engine.sequence import Sequence as Seq
+from engine.spec.decoder import SpecDecoder, accepted_prefix, draft_proposer
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
@@ -77,6 +78,9 @@ class LLMEngine:
         self.grammar = GrammarCompiler(
             lambda: load_tokenizer(config.model_dir, self.vocab_size, eos), eos, config.grammar_compile_timeout_s
         )
+        self.spec = (SpecDecoder(config.speculative, self.block_manager, self.max_model_len,
+                                 draft_proposer(config, runner))
+                     if config.speculative is not None else None)
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_counter = itertools.count()
@@ -114,6 +118,8 @@ class LLMEngine:
 
         Pass it to `execute` before anything else touches the engine."""
         self._num_steps += 1
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, len(self.scheduler.running))
         return self.scheduler.schedule()
 
     def execute(
@@ -124,7 +130,10 @@ class LLMEngine:
             return []
         logits = self._execute(batch, layer_hook)
         self.scheduler.mark_computed(batch)
-        return self._postprocess(batch, logits)
+        outputs = self._postprocess(batch, logits)
+        if self.spec is not None:
+            self.spec.retain(self.scheduler.running)  # a draft model's KV of ended sequences
+        return outputs
 
     def completing_prefills(self, batch: SchedulerOutput) -> list[PrefillDone]:
         """Prefill-only requests whose prompt `batch` finishes, with their blocks.
@@ -149,6 +158,8 @@ class LLMEngine:
                 seq.status = SequenceStatus.FINISHED_ABORTED
             elif not seq.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if self.spec is not None:
+            self.spec.retain(self.scheduler.running)
         return True
 
     def has_unfinished(self) -> bool:
@@ -265,6 +276,7 @@ class LLMEngine:
             num_generated_tokens=self._num_generated,
             num_preemptions=s.num_preemptions,
             num_steps=self._num_steps,
+            spec=self.spec.stats() if self.spec is not None else None,
         )
 
     # ----------------------------------------------------------------- internals
@@ -320,18 +332,28 @@ class LLMEngine:
 
     def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         rows, seqs = self._sample_rows(batch)
-        constrain(logits, rows, seqs, self.grammar)
+        # A constrained request never drafts (engine.spec), so its one row is its own.
+        constrain(logits, rows, [s for s in seqs for _ in range(1 + len(s.spec_token_ids))], self.grammar)
         samples = self.sampler(logits, rows)
         deltas = StepDeltas()
         touched: dict[str, Request] = {}
-        for seq, sample in zip(seqs, samples, strict=True):
-            seq.append_token(sample.token_id, sample.logprob)
-            self._num_generated += 1
-            deltas.add(seq, sample.token_id, sample.logprob)
+        at = 0
+        for seq in seqs:
+            drafts, seq.spec_token_ids = seq.spec_token_ids, []
+            group = samples[at:at + 1 + len(drafts)]
+            at += len(group)
+            kept = accepted_prefix(drafts, [s.token_id for s in group])
+            for sample in group[:kept]:
+                seq.append_token(sample.token_id, sample.logprob)
+                self._num_generated += 1
+                deltas.add(seq, sample.token_id, sample.logprob)
+                status = finish_status(seq, self.eos_token_ids, self.max_model_len)
+                if status is not None:
+                    self.scheduler.finish(seq, status)
+                    break
+            if drafts and self.spec is not None:
+                self.spec.settle(seq, drafts, kept)
             touched[seq.request_id] = self._requests[seq.request_id]
-            status = finish_status(seq, self.eos_token_ids, self.max_model_len)
-            if status is not None:
-                self.scheduler.finish(seq, status)
         outputs = build_outputs(list(touched.values()), deltas.tokens, deltas.logprobs)
         for req in touched.values():
             if req.finished and not req.holds_blocks:
@@ -339,7 +361,9 @@ class LLMEngine:
         return outputs
 
     def _sample_rows(self, batch: SchedulerOutput) -> tuple[list[SampleRow], list[Seq]]:
-        """One row per choice whose chunk reached its end; the n>1 fork happens here."""
+        """One row per choice whose chunk reached its end, plus one per draft token of
+        it (row j as if drafts[:j] had been generated one by one: engine.spec); the n>1
+        fork happens here (a forking chunk carries no drafts)."""
         rows: list[SampleRow] = []
         seqs: list[Seq] = []
         logits_index = 0
@@ -347,19 +371,13 @@ class LLMEngine:
             if not chunk.need_logits:
                 continue
             for s in [seq, *self._fork_choices(seq)]:
-                rows.append(
-                    SampleRow(
-                        logits_index,
-                        s.params,
-                        s.sampling_seed,
-                        s.choice_index,
-                        len(s.output_token_ids),
-                        s.prompt_token_ids,
-                        s.output_token_ids,
-                    )
-                )
+                out = s.output_token_ids
+                for j in range(1 + len(s.spec_token_ids)):
+                    rows.append(SampleRow(logits_index + j, s.params, s.sampling_seed, s.choice_index,
+                                          len(out) + j, s.prompt_token_ids,
+                                          out + s.spec_token_ids[:j] if j else out))
                 seqs.append(s)
-            logits_index += 1
+            logits_index += chunk.num_logits
         return rows, seqs
 
     def _fork_choices(self, parent: Seq) -> list[Seq]:

@@ -127,7 +127,8 @@ class ModelRunner:
         chunks: Sequence[SeqChunk],
         layer_hook: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Compute one step; float32 logits [chunks with need_logits, vocab] in chunk order.
+        """Compute one step; float32 logits [sum of chunks' num_logits, vocab] in chunk order
+        (one row per chunk with need_logits, plus one per draft token).
 
         `layer_hook(i)` is called once layer i's K/V for all chunks is in the pool.
         On CUDA the writes are queued on the current stream when the hook runs;
@@ -150,7 +151,7 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.cat(positions).to(self.device)
         hidden = self.model(input_ids, pos, meta, self._kv_layers, self.backend, layer_hook)
-        rows = [last_row[i] for i, c in enumerate(chunks) if c.need_logits]
+        rows = [r for i, c in enumerate(chunks) for r in range(last_row[i] - c.num_logits + 1, last_row[i] + 1)]
         if not rows:
             return torch.empty(
                 0, self.model_config.vocab_size, dtype=torch.float32, device=self.device
@@ -163,6 +164,8 @@ class ModelRunner:
         for c in chunks:
             if not c.token_ids:
                 raise ValueError("a SeqChunk must carry at least one token")
+            if not 0 <= c.num_draft_tokens < len(c.token_ids):
+                raise ValueError(f"{c.num_draft_tokens} draft tokens in a chunk of {len(c.token_ids)}")
             if c.start_pos < 0 or c.end_pos > self.max_model_len:
                 raise ValueError(
                     f"chunk covers positions [{c.start_pos}, {c.end_pos}) beyond max_model_len {self.max_model_len}"

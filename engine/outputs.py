@@ -7,6 +7,7 @@ from typing import Literal, NamedTuple, cast
 
 from common.logprobs import Logprob
 from engine.sequence import FINISH_REASONS, Request, Sequence
+from engine.spec.decoder import SpecStats
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -75,6 +76,7 @@ class EngineStats(NamedTuple):
     num_generated_tokens: int
     num_preemptions: int
     num_steps: int = 0  # scheduler steps taken: stands still only when the step loop does
+    spec: SpecStats | None = None  # speculative decoding counters (None: off)
 
 
 @dataclass

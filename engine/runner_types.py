@@ -17,12 +17,21 @@ class SeqChunk:
                  tokens occupy positions [start_pos, start_pos + len(token_ids)).
     block_table: physical block ids covering positions [0, start_pos + len(token_ids)).
     need_logits: return the logits of the last token of this chunk.
+    num_draft_tokens: the last this many tokens are speculative drafts (engine.spec);
+                 with need_logits the runner returns the logits of each of them and
+                 of the token before them, in position order.
     """
 
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
     need_logits: bool
+    num_draft_tokens: int = 0
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows this chunk yields."""
+        return 1 + self.num_draft_tokens if self.need_logits else 0
 
     @property
     def num_tokens(self) -> int:

@@ -14,9 +14,13 @@ Life of a request (one `Sequence` per choice):
 3. Blocks are allocated as tokens are scheduled. When none are left the
    latest-admitted RUNNING sequence is preempted by recompute: its blocks are
    freed, its progress reset, and it goes back to the front of WAITING.
-4. After the model runs, `mark_computed` advances `num_computed_tokens` and
-   registers newly full blocks in the prefix cache; the engine samples and
-   appends a token to every sequence whose chunk reached its end.
+   A decode sequence's draft tokens (`spec_token_ids`, engine.spec) ride in its
+   chunk behind its last token, within the budget; they are dropped, never a
+   sequence preempted, when their slots do not fit.
+4. After the model runs, `mark_computed` advances `num_computed_tokens` (drafts
+   excluded: `SpecDecoder.settle` counts the accepted ones) and registers newly
+   full blocks in the prefix cache; the engine samples and appends a token to
+   every sequence whose chunk reached its end (more when drafts are accepted).
 5. `finish` ends a sequence (stopped, length, aborted) and frees its blocks, or,
    for a prefill-only request (FINISHED_PREFILLED), keeps them until `release`.
 """
@@ -196,7 +200,7 @@ class Scheduler:
     def mark_computed(self, output: SchedulerOutput) -> None:
         """The runner computed `output`: advance progress and cache full blocks."""
         for chunk, seq in zip(output.chunks, output.seqs, strict=True):
-            seq.num_computed_tokens = chunk.end_pos
+            seq.num_computed_tokens = chunk.end_pos - chunk.num_draft_tokens
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
@@ -230,7 +234,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget, self._prefill_cap)
+            num_new = self._fit_drafts(seq, min(seq.num_uncomputed_tokens + len(seq.spec_token_ids),
+                                                budget, self._prefill_cap))
             if num_new <= 0:
                 i += 1
                 continue
@@ -238,6 +243,9 @@ class Scheduler:
             while alloc is None:
                 end = seq.num_computed_tokens + num_new
                 alloc = self.block_manager.allocate_slots(seq.seq_id, end, seq.num_computed_tokens)
+                if alloc is None and seq.spec_token_ids:
+                    num_new = self._fit_drafts(seq, num_new - len(seq.spec_token_ids))
+                    continue
                 if alloc is None:
                     # Victims come from the tail (latest admitted); never from already
                     # scheduled sequences, which all sit before index i.
@@ -284,6 +292,14 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
 
+    @staticmethod
+    def _fit_drafts(seq: Sequence, num_new: int) -> int:
+        """Cut `seq`'s drafts to what `num_new` scheduled tokens leave room for."""
+        room = max(0, num_new - seq.num_uncomputed_tokens)
+        if len(seq.spec_token_ids) > room:
+            seq.spec_token_ids = seq.spec_token_ids[:room]
+        return num_new
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.seq_id)
         seq.reset_for_recompute()
@@ -292,10 +308,12 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, num_new: int) -> SeqChunk:
         start = seq.num_computed_tokens
-        end = start + num_new
+        drafts = seq.spec_token_ids  # scheduled whole (`_fit_drafts`), behind the last token
+        end = start + num_new - len(drafts)
         return SeqChunk(
-            token_ids=seq.token_ids[start:end],
+            token_ids=seq.token_ids[start:end] + drafts,
             start_pos=start,
             block_table=self.block_manager.block_table(seq.seq_id),
             need_logits=end == seq.num_tokens,
+            num_draft_tokens=len(drafts),
         )

@@ -67,6 +67,9 @@ class Sequence:
     # Structured outputs: the grammar state, built on first use by replaying the output
     # (engine/grammar/masking.py); a fork builds its own.
     grammar: GrammarMatcher | None = field(default=None, repr=False)
+    # Draft tokens this step verifies after the last token (engine.spec); not part of
+    # token_ids until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -108,6 +111,7 @@ class Sequence:
         """Recompute preemption: its KV is gone; prompt + output will be prefilled again."""
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
+        self.spec_token_ids = []
 
     def fork(self, seq_id: int, choice_index: int) -> Sequence:
         """A sibling choice with the same tokens and progress (its blocks are forked apart)."""

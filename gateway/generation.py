@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,7 @@ from gateway.backend import (
     GenerationBackend,
     Logprob,
 )
-from gateway.detokenizer import IncrementalDetokenizer
+from gateway.detokenizer import DetokDelta, IncrementalDetokenizer
 from gateway.timing import RequestTimer
 from gateway.tokenizer import Tokenizer
 
@@ -151,17 +151,35 @@ class Generation:
                     self._on_first_token()
             self.stats.last_token_at = now
         with self._timer.measure("detokenize"):
-            out = choice.detok.push(list(delta.token_ids))
+            out, used = push_until_stop(choice.detok, delta.token_ids)
             text, finish, stop_reason = out.text, delta.finish_reason, None
             if out.stopped:
                 finish, stop_reason = "stop", out.stop_reason
             elif finish is not None:
                 text += choice.detok.flush()
-        choice.num_tokens += len(delta.token_ids)
-        self.stats.completion_tokens += len(delta.token_ids)
+        token_ids = list(delta.token_ids[:used])
+        logprobs = delta.logprobs[:used] if delta.logprobs else delta.logprobs
+        choice.num_tokens += used
+        self.stats.completion_tokens += used
         if finish is not None:
             choice.finished = True
             self.stats.finish_reasons[delta.index] = finish
-        if not text and finish is None and not delta.logprobs:
+        if not text and finish is None and not logprobs:
             return None
-        return ChoiceUpdate(delta.index, text, list(delta.token_ids), delta.logprobs, finish, stop_reason)
+        return ChoiceUpdate(delta.index, text, token_ids, logprobs, finish, stop_reason)
+
+
+def push_until_stop(detok: IncrementalDetokenizer, token_ids: Sequence[int]) -> tuple[DetokDelta, int]:
+    """Push a delta's tokens one at a time: a delta of several tokens (speculative
+    decoding) then ends at the token that completes a stop string, exactly where
+    one-token deltas would, so the text, logprobs and usage are the same. Returns the
+    text and how many of the tokens it consumed."""
+    if len(token_ids) <= 1:
+        return detok.push(list(token_ids)), len(token_ids)
+    texts = []
+    for i, token in enumerate(token_ids):
+        out = detok.push([token])
+        texts.append(out.text)
+        if out.stopped:
+            return DetokDelta("".join(texts), True, out.stop_reason), i + 1
+    return DetokDelta("".join(texts), False, None), len(token_ids)

@@ -34,7 +34,7 @@ _SAMPLING = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "seed", "stop", "n", "stream", "stream_options",
     "ignore_eos", "user", "priority", "stop_token_ids", "skip_special_tokens",
-    "include_stop_str_in_output", "response_format", "structured_outputs",
+    "include_stop_str_in_output", "response_format", "structured_outputs", "speculative",
 }
 _KNOWN = {
     COMPLETION: _SAMPLING | {"prompt", "logprobs"},
@@ -320,6 +320,8 @@ def _sampling(kind: str, body: Mapping[str, Any], config: GatewayConfig, max_tok
         "ignore_eos": bool_field(body, "ignore_eos", None),
         "logprobs": logprobs,
         "n": n,
+        # false: this request never speculates (pdserve's own field; output is the same).
+        "speculative": bool_field(body, "speculative", None),
     }
     for name, value in config.sampling_defaults.as_dict().items():  # the request's own value wins
         if kwargs[name] is None:

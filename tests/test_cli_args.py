@@ -141,6 +141,18 @@ CASES: dict[str, Case] = {
     "up-cpu-affinity-on-overfull": Case(
         lambda d, p: ["up", "--model", str(d.good), "--cpu-affinity", "on", "--threads", "4096"],
         "argument --cpu-affinity"),
+    "up-speculative-config-not-json": Case(
+        lambda d, p: ["up", "--speculative-config", "{ngram"], "argument --speculative-config"),
+    "decode-speculative-missing-k": Case(
+        lambda d, p: ["decode", "--gateway", GW, "--speculative-config", '{"method": "ngram"}'],
+        "argument --speculative-config"),
+    "worker-speculative-draft-missing": Case(
+        lambda d, p: ["worker", "--colocated", "--gateway", GW, "--speculative-config",
+                      '{"method": "draft_model", "model": "/nonexistent", "num_speculative_tokens": 2}'],
+        "argument --speculative-config"),
+    "generate-speculative-unknown-key": Case(
+        lambda d, p: ["generate", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
+                      '"k": 1}', "hi"], "argument --speculative-config"),
     "make-model-under-a-file": Case(lambda d, p: ["make-model", str(d.not_a_dir / "sub")], "cannot write", rc=1),
 }
 
@@ -202,6 +214,21 @@ def test_up_forwards_quantization_to_every_worker() -> None:
         assert len(cmds) >= 2
         assert all(build_parser().parse_args(cmd[3:]).quantization == "int4" for cmd in cmds)
     assert build_parser().parse_args(["prefill", "--gateway", GW]).quantization == "none"
+
+
+def test_up_forwards_the_speculative_config_to_decode_and_colocated_workers_only() -> None:
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "disable_by_batch_size": 4}'
+    for flags, roles in ((["--prefill", "1", "--decode", "2"], ["prefill", "decode", "decode"]),
+                         (["--colocated", "--workers", "2"], ["worker", "worker"])):
+        args = build_parser().parse_args(["up", *flags, "--speculative-config", spec])
+        cmds = _worker_cmds(args, "tcp://127.0.0.1:5555")
+        assert [c[3] for c in cmds] == roles
+        for cmd in cmds:
+            parsed = build_parser().parse_args(cmd[3:])
+            assert getattr(parsed, "speculative_config", None) == (None if cmd[3] == "prefill"
+                                                                   else args.speculative_config)
+    assert args.speculative_config.num_speculative_tokens == 3
+    assert args.speculative_config.disable_by_batch_size == 4
 
 
 def test_up_exits_at_once_with_the_failed_childs_reason(dirs: Dirs) -> None:

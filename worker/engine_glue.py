@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineStats, RequestOutput
+from engine.spec.decoder import SpecStats
 from worker.metrics import WorkerMetrics
 from worker.node_api import NodeLoad
 
@@ -49,6 +50,7 @@ class StatsMirror:
         self.metrics = metrics
         self._prompt = 0
         self._generated = 0
+        self._spec = SpecStats(0, 0, 0, ())
 
     def update(self, s: EngineStats, queued_prefill_tokens: int = 0) -> NodeLoad:
         m = self.metrics
@@ -59,7 +61,20 @@ class StatsMirror:
             m.decode_tokens.inc(s.num_generated_tokens - self._generated)
             self._generated = s.num_generated_tokens
         m.set_preemptions(s.num_preemptions)
+        if s.spec is not None and s.spec != self._spec:
+            self._mirror_spec(s.spec)
         return NodeLoad(
             queued_prefill_tokens, s.num_free_blocks, s.num_total_blocks, s.num_running,
             s.num_waiting + s.num_waiting_for_kv, s.num_steps,
         )
+
+    def _mirror_spec(self, now: SpecStats) -> None:
+        m, was = self.metrics, self._spec
+        m.spec_drafts.inc(now.num_drafts - was.num_drafts)
+        m.spec_draft_tokens.inc(now.num_draft_tokens - was.num_draft_tokens)
+        m.spec_accepted_tokens.inc(now.num_accepted_tokens - was.num_accepted_tokens)
+        for j, count in enumerate(now.accepted_per_position):
+            before = was.accepted_per_position[j] if j < len(was.accepted_per_position) else 0
+            if count > before:
+                m.add_accepted_at(j, count - before)
+        self._spec = now

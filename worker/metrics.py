@@ -63,6 +63,13 @@ class WorkerMetrics:
         self._info = Gauge("llm_worker_info", "What this worker serves: weight quantization, KV-cache "
                            "and compute dtype (value 1)", [*names, "quantization", "kv_cache_dtype", "dtype"],
                            registry=r)
+        # Speculative decoding, vLLM's spec_decode_* counters.
+        self.spec_drafts = counter("llm_spec_decode_num_drafts", "Sequence steps verified with draft tokens")
+        self.spec_draft_tokens = counter("llm_spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.spec_accepted_tokens = counter("llm_spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self._spec_per_pos = Counter("llm_spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted at each draft position", [*names, "position"],
+                                     registry=r)
         self._last_preemptions = 0
         self._role = role
 
@@ -74,6 +81,9 @@ class WorkerMetrics:
 
     def add_transfer_bytes(self, transport: str, num_bytes: int) -> None:
         self._transfer_bytes.labels(**self._labels, transport=transport or "unknown").inc(num_bytes)
+
+    def add_accepted_at(self, position: int, count: int) -> None:
+        self._spec_per_pos.labels(**self._labels, position=str(position)).inc(count)
 
     def set_preemptions(self, total: int) -> None:
         if total > self._last_preemptions:
@@ -102,7 +112,11 @@ class WorkerMetrics:
             "llm_prefill_tokens_count": float(self.prefill_tokens._value.get()),
             "llm_decode_tokens_count": float(self.decode_tokens._value.get()),
             "llm_prefill_requests_count": float(self.prefill_requests._value.get()),
-        }
+        } | ({} if self._role == "prefill" else {
+            "llm_spec_decode_num_drafts_count": float(self.spec_drafts._value.get()),
+            "llm_spec_decode_num_draft_tokens_count": float(self.spec_draft_tokens._value.get()),
+            "llm_spec_decode_num_accepted_tokens_count": float(self.spec_accepted_tokens._value.get()),
+        })
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

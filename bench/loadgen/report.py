@@ -60,6 +60,13 @@ def run_lines(run: RunResult) -> list[str]:
             f"goodput {_num(g['request_goodput'])} req/s: {g['requests_met']}/{s['num_requests']}"
             f" requests met {slo}"
         )
+    spec = s.get("spec_decode")
+    if spec:
+        lines.append(
+            f"speculative decoding (server): mean acceptance length {spec['mean_acceptance_length']:.2f}"
+            f"   {spec['accepted_tokens']:.0f}/{spec['draft_tokens']:.0f} draft tokens accepted"
+            f" ({spec['acceptance_rate'] * 100:.0f}%) over {spec['drafts']:.0f} drafts"
+        )
     if s["failures"]:
         lines.append("failures: " + ", ".join(f"{k}={v}" for k, v in sorted(s["failures"].items())))
     if s["requests_without_usage"]:

@@ -26,6 +26,7 @@ from bench.loadgen.metrics import summarize
 from bench.loadgen.progress import ProgressBar
 from bench.loadgen.prompts import TokenCounter
 from bench.loadgen.records import RequestRecord, RequestSpec
+from bench.loadgen.server_stats import SETTLE_S, scrape, spec_summary
 from bench.loadgen.workloads import Workload
 
 
@@ -159,6 +160,7 @@ async def _measure(
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     origin = time.perf_counter()
     budget = _Budget(load.num_requests, load.max_duration_s)
+    spec_before = await scrape(client.session, cfg.endpoint)
 
     def make() -> list[Awaitable[None]]:
         coros: list[Awaitable[None]] = []
@@ -186,6 +188,9 @@ async def _measure(
     progress.close()
     records = run.records
     summary = summarize(records, cfg.slo)
+    if spec_before is not None:  # the counters reach the gateway with the next heartbeats
+        await asyncio.sleep(SETTLE_S)
+        summary["spec_decode"] = spec_summary(spec_before, await scrape(client.session, cfg.endpoint))
     tags = sorted({r.tag for r in records})
     per_tag = (
         {

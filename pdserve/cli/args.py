@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 from common.kv_layout import KV_CACHE_DTYPE_HELP, normalize_kv_cache_dtype
 from engine.dtype import DTYPE_HELP, normalize_dtype
 from engine.quant.formats import QUANTIZATION_CHOICES
+from engine.spec.config import SpeculativeConfig
 from pdserve.plan import PlanError, parse_size
 
 
@@ -202,6 +203,30 @@ def add_quantization_arg(ap: argparse.ArgumentParser) -> None:
                     help="weight-only quantization of the decoder linears on load: int8 (per-channel "
                     "scales) or int4 (groups of 128, asymmetric); AWQ/GPTQ checkpoints are served "
                     "as stored with none")
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """vLLM's `--speculative-config` JSON (engine/spec/config.py)."""
+    try:
+        return SpeculativeConfig.from_json(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_speculative_arg(ap: argparse.ArgumentParser) -> None:
+    """`--speculative-config` for every command that decodes."""
+    ap.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                    help='speculative decoding, vLLM\'s shape: {"method": "ngram", '
+                    '"num_speculative_tokens": K, "prompt_lookup_min": a, "prompt_lookup_max": b} or '
+                    '{"method": "draft_model", "model": DIR, "num_speculative_tokens": K}; optional '
+                    '"disable_by_batch_size" (default 8): no drafts in a step with more running '
+                    'sequences. Output is identical with it on or off')
+
+
+def check_speculative(spec: SpeculativeConfig | None) -> None:
+    """A draft model must be a readable model directory."""
+    if spec is not None and spec.model is not None:
+        check_model(spec.model, tokenizer=False, flag="--speculative-config")
 
 
 def http_url(text: str) -> str:

@@ -17,7 +17,9 @@ from pdserve.cli.args import (
     add_dtype_arg,
     add_kv_cache_dtype_arg,
     add_quantization_arg,
+    add_speculative_arg,
     check_model,
+    check_speculative,
     device,
     positive_int,
 )
@@ -47,6 +49,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--num-threads", type=positive_int, default=None, help="torch intra-op threads")
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    add_speculative_arg(p)
     p.set_defaults(func=run)
 
 
@@ -83,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve generate: --{e.param.replace('_', '-')}: {e}", file=sys.stderr)
         return 2
     check_model(args.model)
+    check_speculative(args.speculative_config)
     model_dir = args.model or default_model_dir()
     tokenizer = Tokenizer.from_model_dir(model_dir)
     try:
@@ -96,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Exactly the blocks this batch can use (plus the null block), not a default budget.
     bs = args.block_size
+    # Drafts never reach past prompt + max_tokens (engine/spec/decoder.py caps them).
     blocks = sum(-(-(len(p) + params.max_tokens) // bs) * params.n for p in prompts) + 1
     config = EngineConfig(
         model_dir=str(model_dir),
@@ -105,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         num_threads=args.num_threads,
         kv_cache_dtype=args.kv_cache_dtype,
         cache=CacheConfig(block_size=bs, num_blocks=blocks),
+        speculative=args.speculative_config,
     )
     try:
         results = LLMEngine(config).generate(prompts, params)

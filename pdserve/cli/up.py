@@ -20,10 +20,12 @@ from pdserve.cli.args import (
     add_dtype_arg,
     add_kv_cache_dtype_arg,
     add_quantization_arg,
+    add_speculative_arg,
     byte_size_text,
     check_listen,
     check_max_model_len,
     check_model,
+    check_speculative,
     device,
     host,
     model_dir,
@@ -80,6 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     help="longest prompt + output, for the gateway and every worker (default: the model's)")
     ap.add_argument("--block-size", type=positive_int, default=None, help="per-worker KV block size in tokens")
     ap.add_argument("--no-prefix-caching", action="store_true", help="disable the workers' prefix cache")
+    add_speculative_arg(ap)  # decode and colocated workers
     ap.add_argument("--max-recoveries", type=non_negative_int, default=3)
     ap.add_argument("--stall-timeout", type=non_negative_float, default=30.0,
                     help="gateway: seconds a worker may hold work without an engine step (0: off)")
@@ -152,6 +155,8 @@ def _worker_cmds(args: argparse.Namespace, control: str,
             cmd += ["--no-prefix-caching"]
         if args.grammar_compile_timeout:
             cmd += ["--grammar-compile-timeout", str(args.grammar_compile_timeout)]
+        if args.speculative_config is not None and role != "prefill":
+            cmd += ["--speculative-config", args.speculative_config.to_json()]
         cmds.append(cmd)
     return cmds
 
@@ -222,6 +227,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_tool_flags(args)
     check_max_model_len(args.max_model_len, check_model(args.model))
     check_served_names(args.served_model_name)
+    check_speculative(args.speculative_config)
     sampling_defaults(args.generation_config, model_dir(args.model))
     api_keys(args)  # every --api-key-file readable and not empty
     check_listen("--port", args.host, args.port)

@@ -18,10 +18,12 @@ from pdserve.cli.args import (
     add_dtype_arg,
     add_kv_cache_dtype_arg,
     add_quantization_arg,
+    add_speculative_arg,
     byte_size,
     check_listen,
     check_max_model_len,
     check_model,
+    check_speculative,
     device,
     fraction,
     host,
@@ -126,6 +128,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         if command == "worker":
             ap.add_argument("--colocated", action="store_true", required=True,
                             help="prefill and decode in one process")
+        if command != "prefill":
+            add_speculative_arg(ap)
         ap.set_defaults(func=run, role=role)
 
 
@@ -135,6 +139,7 @@ def check_args(args: argparse.Namespace) -> None:
         flag = "--curve-server-key" if args.curve_key else "--curve-key"
         raise UsageError(flag, "--curve-key and --curve-server-key go together")
     check_max_model_len(args.max_model_len, check_model(args.model, tokenizer=False))
+    check_speculative(getattr(args, "speculative_config", None))
     if args.metrics_port:
         check_listen("--metrics-port", args.metrics_host, args.metrics_port)
     if args.kv_port and args.role == "decode":
@@ -199,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
                 reserve_decode_tokens=args.reserve_decode_tokens,
                 watermark=args.kv_watermark,
             ),
+            speculative=getattr(args, "speculative_config", None),
         )
     except ValueError as e:
         raise SystemExit(f"pdserve {args.role}: {e}") from None

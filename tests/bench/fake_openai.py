@@ -30,6 +30,9 @@ class FakeBehaviour:
     report_usage: bool = True
     api_key: str | None = None
     model: str = "fake-model"
+    # (drafts, draft tokens, accepted tokens) each request adds to a pdserve-style
+    # /metrics; None: no /metrics (404), like a server without speculation counters.
+    spec_per_request: tuple[int, int, int] | None = None
 
 
 class FakeOpenAIServer:
@@ -63,6 +66,7 @@ class FakeOpenAIServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
+        app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -72,6 +76,18 @@ class FakeOpenAIServer:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.behaviour.model}]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        per = self.behaviour.spec_per_request
+        if per is None:
+            raise web.HTTPNotFound()
+        n = len(self.requests)
+        names = ("llm_spec_decode_num_drafts_count", "llm_spec_decode_num_draft_tokens_count",
+                 "llm_spec_decode_num_accepted_tokens_count")
+        lines = []
+        for name, value in zip(names, per, strict=True):
+            lines += [f"# TYPE {name} gauge", f'{name}{{role="decode",worker="d1"}} {float(value * n)}']
+        return web.Response(text="\n".join(lines) + "\n")
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         b = self.behaviour

@@ -101,3 +101,20 @@ def test_cli_unreachable_endpoint_is_a_clean_error(capsys: pytest.CaptureFixture
         port = s.getsockname()[1]
     assert main(["bench", "--base-url", f"http://127.0.0.1:{port}", "--no-progress"]) == 2
     assert "v1/models" in capsys.readouterr().err
+
+
+def test_cli_prints_the_servers_mean_acceptance_length(
+    fake_server: FakeOpenAIServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_server.behaviour.ttft_s = fake_server.behaviour.itl_s = 0.005
+    fake_server.behaviour.spec_per_request = (4, 12, 6)  # 1 + 6/4 tokens per verifying forward
+    out_json = tmp_path / "spec.json"
+    args = ["bench", "--base-url", fake_server.url, "--num-requests", "3", "--output-len", "3", "--warmup", "1"]
+    assert main([*args, "--no-progress", "--output-json", str(out_json)]) == 0
+    assert "mean acceptance length 2.50   18/36 draft tokens accepted (50%) over 12 drafts" in capsys.readouterr().out
+    spec = json.loads(out_json.read_text())["runs"][0]["summary"]["spec_decode"]
+    assert spec == {"drafts": 12.0, "draft_tokens": 36.0, "accepted_tokens": 18.0,
+                    "mean_acceptance_length": 2.5, "acceptance_rate": 0.5}
+    fake_server.behaviour.spec_per_request = None
+    assert main([*args, "--no-progress"]) == 0
+    assert "acceptance" not in capsys.readouterr().out  # a server without the counters

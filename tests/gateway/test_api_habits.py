@@ -75,6 +75,13 @@ def test_a_request_value_overrides_each_default(gw: GatewayThread, backend: Loca
     assert p.temperature == 0.0 and p.top_k == 7  # only what the request names is overridden
 
 
+def test_a_request_opts_out_of_speculation(gw: GatewayThread, backend: LocalBackend) -> None:
+    client(gw).completions.create(model=PRIMARY, prompt="Hi", max_tokens=2, extra_body={"speculative": False})
+    assert backend.requests[-1].params.speculative is False
+    client(gw).chat.completions.create(model=PRIMARY, messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+    assert backend.requests[-1].params.speculative is True  # speculation is on unless a request says no
+
+
 # --- served model names ----------------------------------------------------------------
 
 

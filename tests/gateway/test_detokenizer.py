@@ -197,3 +197,29 @@ def test_stop_matches_reference(tok: Tokenizer, text: str, stop: str, include: b
     expected = text if idx < 0 else text[: idx + (len(stop) if include else 0)]
     assert out == expected
     assert det.stopped == (idx >= 0)
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_a_multi_token_delta_stops_at_the_same_token_as_single_tokens(tok: Tokenizer, size: int) -> None:
+    from gateway.generation import push_until_stop
+
+    ids = list(tok.encode("alpha beta gamma delta epsilon zeta eta theta", add_special_tokens=False))
+    stop = "delta"
+    one = IncrementalDetokenizer(tok, stop=[stop])
+    texts, stopped_at = [], None
+    for i, t in enumerate(ids):  # what one-token deltas (speculation off) produce
+        out = one.push([t])
+        texts.append(out.text)
+        if out.stopped:
+            stopped_at = i + 1
+            break
+    assert stopped_at is not None and stopped_at < len(ids)
+    many = IncrementalDetokenizer(tok, stop=[stop])
+    got, used_total = [], 0
+    for start in range(0, len(ids), size):  # speculation's deltas of several tokens
+        out, used = push_until_stop(many, ids[start:start + size])
+        got.append(out.text)
+        used_total += used
+        if out.stopped:
+            break
+    assert "".join(got) == "".join(texts) and used_total == stopped_at

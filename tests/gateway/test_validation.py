@@ -122,6 +122,7 @@ CASES = [
     c("stream_options without stream", 400, "stream_options", "invalid_value",
       body=comp(stream_options={"include_usage": True})),
     c("ignore_eos string", 400, "ignore_eos", "invalid_type", body=comp(ignore_eos="true")),
+    c("speculative string", 400, "speculative", "invalid_type", body=comp(speculative="no")),
     c("priority unknown", 400, "priority", "invalid_value", body=comp(priority="urgent")),
     c("priority header unknown", 400, "x-pdserve-priority", "invalid_value", body=comp(),
       headers=(("x-pdserve-priority", "vip"),)),

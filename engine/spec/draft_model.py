@@ -1,0 +1,104 @@
+"""Draft-model proposing: a small model with the target's tokenizer guesses K tokens.
+
+Where the draft's KV lives: on the worker that decodes, in a pool of its own. The
+draft prefills a sequence's prompt (and any output so far) locally the first time
+it drafts for it, in the same forward that drafts its first token. So nothing of
+the draft crosses the KV handoff: the prefill worker neither loads the draft nor
+ships its KV, the compatibility hash stays the target's, a prefill worker and a
+decode worker can never disagree on a draft config, and a decode worker that takes
+over a recovered stream rebuilds the draft state from prompt + output the same way.
+The price is one draft prefill per sequence on the decode worker (the draft is
+small: a fraction of the target's prefill, paid once).
+
+Per step, for the sequences that draft (greedy drafts; acceptance is the target's
+own draw, `engine.spec.decoder`, so output is exact whatever the draft proposes):
+1. each sequence's draft KV is cut back to the longest prefix of its tokens the
+   draft has computed (rejected drafts fall off), then caught up to its last token
+   in one batched forward whose logits give draft token 1;
+2. K - 1 more batched single-token forwards give tokens 2..K.
+Draft blocks of sequences that no longer draft are freed at the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import CacheConfig, EngineConfig
+from engine.runner_types import SeqChunk
+from engine.spec.decoder import DraftInput
+
+
+@dataclass
+class _DraftState:
+    computed: list[int] = field(default_factory=list)  # tokens whose KV the draft pool holds
+
+
+class DraftModelProposer:
+    """Greedy drafts from a second `ModelRunner` over its own KV pool."""
+
+    def __init__(self, target: EngineConfig, draft_dir: str, num_blocks: int, vocab_size: int,
+                 max_model_len: int) -> None:
+        from engine.model_runner import ModelRunner
+
+        cfg = EngineConfig(model_dir=draft_dir, dtype=target.dtype, device=target.device,
+                           cache=CacheConfig(block_size=target.cache.block_size, num_blocks=num_blocks,
+                                             enable_prefix_caching=False),
+                           scheduler=replace(target.scheduler, max_model_len=None))
+        self.runner = ModelRunner(cfg)
+        if self.runner.model_config.vocab_size != vocab_size:
+            raise ValueError(f"draft model {draft_dir} has a vocabulary of {self.runner.model_config.vocab_size}, "
+                             f"the target {vocab_size}: a draft must share the target's tokenizer")
+        self.max_model_len = min(max_model_len, self.runner.max_model_len)
+        self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, enable_prefix_caching=False)
+        self._states: dict[int, _DraftState] = {}
+
+    def retain(self, live: set[int]) -> None:
+        """Free the draft KV of every sequence not in `live`."""
+        for seq_id in [s for s in self._states if s not in live]:
+            del self._states[seq_id]
+            self.blocks.free(seq_id)
+
+    @torch.inference_mode()
+    def propose_batch(self, inputs: Sequence[DraftInput]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in inputs]
+        active = [i for i, x in enumerate(inputs) if self._catch_up_plan(x)]
+        if not active:
+            return drafts
+        chunks = [self._chunk(inputs[i].seq_id, inputs[i].token_ids) for i in active]
+        while active:
+            tokens = torch.argmax(self.runner.execute(chunks), dim=-1).tolist()  # one row per chunk
+            for i, tok in zip(active, tokens, strict=True):
+                drafts[i].append(int(tok))
+            active = [i for i in active if len(drafts[i]) < inputs[i].num_tokens]
+            chunks = [self._chunk(inputs[i].seq_id, [*inputs[i].token_ids, *drafts[i]]) for i in active]
+        return drafts
+
+    def _catch_up_plan(self, x: DraftInput) -> bool:
+        """Cut the draft KV of `x` back to the prefix it shares with `x.token_ids` and
+        reserve slots for the catch-up and every draft; False: no room, no drafts."""
+        state = self._states.setdefault(x.seq_id, _DraftState())
+        tokens = x.token_ids
+        keep = 0
+        limit = min(len(state.computed), len(tokens) - 1)  # the last token is always recomputed
+        while keep < limit and state.computed[keep] == tokens[keep]:
+            keep += 1
+        del state.computed[keep:]
+        self.blocks.trim(x.seq_id, keep)
+        end = len(tokens) + x.num_tokens - 1
+        if x.num_tokens <= 0 or end > self.max_model_len or \
+                self.blocks.allocate_slots(x.seq_id, end, keep) is None:
+            self._states.pop(x.seq_id)
+            self.blocks.free(x.seq_id)
+            return False
+        return True
+
+    def _chunk(self, seq_id: int, tokens: Sequence[int]) -> SeqChunk:
+        state = self._states[seq_id]
+        start = len(state.computed)
+        new = list(tokens[start:])
+        state.computed.extend(new)
+        return SeqChunk(new, start, self.blocks.block_table(seq_id), need_logits=True)

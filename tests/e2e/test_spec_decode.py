@@ -1,0 +1,144 @@
+"""Speculative decoding through real processes: colocated, 1P+1D with n-gram drafts
+and with a draft model on the decode worker, and a decode worker killed with SIGKILL
+mid-stream. Every stream equals the single-process engine without speculation, the
+workers report their drafts, and every KV block comes back."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.cluster import Cluster, http, metric_value, sse, worker_metrics
+from tests.e2e.conftest import Reference
+from tests.e2e.test_exact_recovery import (
+    KEY,
+    KILL_AFTER,
+    Stream,
+    _check,
+    _mixed_bodies,
+    _stop_after,
+)
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                    "prompt_lookup_max": 3})
+PROMPTS = ["one two three four one two three four one two", "The cat sat on the mat. The cat sat on the"]
+MAX_TOKENS = 24
+
+
+def _draft_config(model_dir: Path) -> str:
+    # The target as its own draft: every greedy draft is accepted, so drafting is visible.
+    return json.dumps({"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3})
+
+
+TOPOLOGIES = ("colocated-ngram", "1p1d-ngram", "1p1d-draft-model")
+
+
+@pytest.fixture(scope="module", params=TOPOLOGIES)
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+            model_dir: Path) -> Iterator[Cluster]:
+    name = request.param
+    spec = _draft_config(model_dir) if "draft" in name else NGRAM
+    c = Cluster(tmp_path_factory.mktemp(name))
+    try:
+        c.start_gateway()
+        if name.startswith("colocated"):
+            c.add_worker("worker", "--speculative-config", spec)
+            c.wait_roles(colocated=1)
+        else:
+            c.add_worker("prefill")
+            c.add_worker("decode", "--speculative-config", spec)
+            c.wait_roles(prefill=1, decode=1)
+        yield c
+    finally:
+        c.stop()
+
+
+def _bodies(reference: Reference) -> list[dict[str, Any]]:
+    base = {"model": reference.model_name, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    return [
+        {**base, "prompt": PROMPTS[0], "temperature": 0, "logprobs": 2},
+        {**base, "prompt": PROMPTS[1], "temperature": 0.9, "seed": 3, "presence_penalty": 0.5,
+         "frequency_penalty": 0.4, "repetition_penalty": 1.2},
+        {**base, "prompt": PROMPTS[0], "temperature": 0.8, "seed": 4, "n": 2},
+        {**base, "prompt": PROMPTS[1], "temperature": 0, "speculative": False},
+    ]
+
+
+def _expected(reference: Reference, body: dict[str, Any]) -> list[str]:
+    knobs = {k: v for k, v in body.items() if k not in ("model", "prompt", "stream", "speculative")}
+    return [reference.text(ids) for ids in reference.generate(reference.completion_ids(body["prompt"]), **knobs)]
+
+
+def _texts(events: list[Any], n: int) -> list[str]:
+    texts = [""] * n
+    for ev in events[:-1]:
+        for ch in ev.get("choices", []):
+            texts[ch["index"]] += ch["text"]
+    return texts
+
+
+def test_streams_equal_the_engine_without_speculation(cluster: Cluster, reference: Reference) -> None:
+    for body in _bodies(reference):
+        want = _expected(reference, body)
+        status, out = http("POST", f"{cluster.url}/v1/completions", body)
+        assert status == 200, out
+        assert [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])] == want, body
+        events = sse(f"{cluster.url}/v1/completions", {**body, "stream": True})
+        assert events[-1] == "[DONE]" and _texts(events, body.get("n", 1)) == want, body
+    # A stop string that ends the text inside a verified run of drafts.
+    body = _bodies(reference)[0]
+    full = _expected(reference, body)[0]
+    ids = reference.generate(reference.completion_ids(body["prompt"]), max_tokens=MAX_TOKENS, temperature=0.0)[0]
+    stop = _stop_after(reference, ids, 8)
+    cut = full[:full.find(stop)]
+    status, out = http("POST", f"{cluster.url}/v1/completions", {**body, "stop": stop})
+    assert status == 200 and out["choices"][0]["text"] == cut and out["choices"][0]["finish_reason"] == "stop"
+    cluster.wait_idle()
+
+
+def test_decode_worker_reports_drafts_and_the_gateway_reexports_them(cluster: Cluster) -> None:
+    decoder = next(w for w in cluster.worker_list() if w["role"] != "prefill")
+    text = worker_metrics(decoder)
+    drafts = metric_value(text, "llm_spec_decode_num_drafts_total")
+    accepted = metric_value(text, "llm_spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and 0 < accepted <= metric_value(text, "llm_spec_decode_num_draft_tokens_total")
+    assert metric_value(text, "llm_spec_decode_num_accepted_tokens_per_pos_total") == accepted
+
+    def reexported() -> bool:  # after the worker's next heartbeat
+        status, body = http("GET", f"{cluster.url}/metrics")
+        return metric_value(body, "llm_spec_decode_num_drafts_count") == drafts
+
+    cluster._wait(reexported, "the gateway's llm_spec_decode_num_drafts_count", timeout=10)
+
+
+def test_kill_decode_mid_speculation_resumes_exactly(tmp_path: Path, reference: Reference) -> None:
+    c = Cluster(tmp_path)
+    c.start_gateway("--heartbeat-timeout", "1.5", env={"PDSERVE_GATEWAY_SEED_KEY": KEY.hex()})
+    try:
+        c.add_worker("prefill")
+        victim = c.add_worker("decode", "--num-blocks", "1024", "--speculative-config", NGRAM,
+                              "--enable-fault-injection", env={"PDSERVE_FAULTS": "step_delay_s=0.1"})
+        survivor = c.add_worker("decode", "--speculative-config", NGRAM)
+        c.wait_roles(prefill=1, decode=2)
+        # Streams four times as long as test_exact_recovery's: a verified step yields up to
+        # five tokens, and every stream must still be mid-way when the kill lands.
+        bodies = [{**body, "max_tokens": 4 * body["max_tokens"]} for body in _mixed_bodies(reference)]
+        streams = [Stream(c.url, f"exact-{i}", body) for i, body in enumerate(bodies)]
+        for s in streams:
+            s.thread.start()
+        for s in streams:
+            s.wait_chunks(KILL_AFTER)
+        victim.signal(signal.SIGKILL)
+        assert all(not s.finishes for s in streams)  # each cut mid-stream
+        _check(reference, streams)
+        c.wait_roles(prefill=1, decode=1)
+        c.wait_idle(timeout=50)
+        left = next(w for w in c.worker_list() if w["pid"] == survivor.popen.pid)
+        assert metric_value(worker_metrics(left), "llm_spec_decode_num_drafts_total") > 0
+    finally:
+        c.stop()
