@@ -1,15 +1,15 @@
-"""The built-in default model: a deterministic random-weight Llama checkpoint.
+"""The built-in random-weight Llama checkpoint (benchmarks and plumbing tests).
 
-`write_default_model(dir)` writes a complete Hugging Face directory —
+`write_random_model(dir)` writes a complete Hugging Face directory —
 `config.json`, `generation_config.json`, `model.safetensors`, `tokenizer.json`,
 `tokenizer_config.json` (with a Llama-3-style chat template) — so every code
 path that loads real checkpoints loads this one too. The tokenizer is a real
 byte-level BPE trained on `pdserve.corpus`; the weights are N(0, 0.02) from a
-fixed seed. Two builds give byte-identical files.
+fixed seed. Two builds give byte-identical files. A `DefaultModelSpec` gives any
+Llama shape (the benchmarks' 125M and 8B shapes), a `WeightFormat` its storage.
 
-`default_model_dir()` returns `<PDSERVE_HOME>/models/pdserve-tiny-llama`,
-building it on first use (in a temporary directory renamed into place, so
-concurrent first uses are safe).
+`pdserve.default_model` serves this checkpoint as `pdserve-tiny-llama` when
+`PDSERVE_BUILTIN_WEIGHTS=random` (the plumbing tests do), and the trained one otherwise.
 
 This module deliberately needs only numpy, safetensors and tokenizers — not
 torch — so torch-free processes (the gateway) can resolve the default model.
@@ -17,13 +17,9 @@ torch — so torch-free processes (the gateway) can resolve the default model.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import shutil
 import struct
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +27,8 @@ from typing import Any
 
 import numpy as np
 from safetensors.numpy import save_file
+from tokenizers import Tokenizer
 
-from common import envs
 from pdserve.builtin_tokenizer import (
     BOS_TOKEN,
     CHAT_TEMPLATE,
@@ -49,7 +45,7 @@ DEFAULT_MODEL_NAME = "pdserve-tiny-llama"
 # changes are caught by the fingerprint. A cached model that differs is rebuilt.
 DEFAULT_MODEL_VERSION = 2
 VERSION_FILE = "pdserve-model.json"
-_FILES = (
+FILES = (
     "config.json",
     "generation_config.json",
     "model.safetensors",
@@ -112,7 +108,7 @@ _POOL_SIZE = (1 << 22) + 1021  # tiled fill: odd, so rows shift phase at each wr
 _VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def _hf_config(
+def hf_config(
     spec: DefaultModelSpec, vocab_size: int, ids: Mapping[str, int], dtype: str = "float32"
 ) -> dict[str, Any]:
     return {
@@ -266,11 +262,24 @@ def _save_streamed(
             f.write(np.ascontiguousarray(arr).data)
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def write_model_metadata(
+    out_dir: Path, tok: Tokenizer, spec: DefaultModelSpec, vocab_size: int, dtype: str = "float32"
+) -> None:
+    """`tokenizer_config.json`, `config.json` and `generation_config.json` of a built-in model."""
+    ids = special_ids(tok)
+    write_json(out_dir / "tokenizer_config.json", tokenizer_config(tok, spec.max_position_embeddings))
+    write_json(out_dir / "config.json", hf_config(spec, vocab_size, ids, dtype))
+    write_json(
+        out_dir / "generation_config.json",
+        {"bos_token_id": ids[BOS_TOKEN], "eos_token_id": [ids[END_OF_TEXT_TOKEN], ids[EOT_TOKEN]]},
+    )
+
+
+def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_default_model(
+def write_random_model(
     out_dir: Path, spec: DefaultModelSpec | None = None, fmt: WeightFormat | None = None
 ) -> Path:
     """Write the checkpoint into `out_dir` (created if missing) and return it.
@@ -290,75 +299,28 @@ def write_default_model(
     rows = fmt.vocab_size or vocab_size
     if rows < vocab_size:
         raise ValueError(f"vocab_size {rows} is below the tokenizer's {vocab_size}")
-    ids = special_ids(tok)
     tok.save(str(out_dir / "tokenizer.json"), pretty=False)
-    _write_json(out_dir / "tokenizer_config.json", tokenizer_config(tok, spec.max_position_embeddings))
-    _write_json(out_dir / "config.json", _hf_config(spec, rows, ids, fmt.dtype))
-    _write_json(
-        out_dir / "generation_config.json",
-        {"bos_token_id": ids[BOS_TOKEN], "eos_token_id": [ids[END_OF_TEXT_TOKEN], ids[EOT_TOKEN]]},
-    )
+    write_model_metadata(out_dir, tok, spec, rows, fmt.dtype)
     weights = _weights(spec, vocab_size, fmt)
     if fmt.dtype == "float32":
         save_file(dict(weights), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     else:
         shapes = _weight_shapes(spec, vocab_size, rows)
         _save_streamed(out_dir / "model.safetensors", shapes, weights, fmt.dtype)
-    _write_json(
+    write_json(
         out_dir / VERSION_FILE,
         {
             "name": DEFAULT_MODEL_NAME,
             "version": DEFAULT_MODEL_VERSION,
-            "fingerprint": _fingerprint(spec),
+            "fingerprint": fingerprint(spec),
         },
     )
-    for f in _FILES:
+    for f in FILES:
         (out_dir / f).chmod(0o644)  # safetensors writes 0600; the model is shared data
     return out_dir
 
 
-def _fingerprint(spec: DefaultModelSpec) -> str:
+def fingerprint(spec: DefaultModelSpec) -> str:
     """Hash of every input of the build, so an edit to any of them is noticed."""
     key = f"{DEFAULT_MODEL_VERSION}|{spec!r}|{CHAT_TEMPLATE}|{corpus_text()}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-def _is_current(path: Path) -> bool:
-    try:
-        meta = json.loads((path / VERSION_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return bool(
-        meta.get("version") == DEFAULT_MODEL_VERSION
-        and meta.get("fingerprint") == _fingerprint(DefaultModelSpec())
-    )
-
-
-def default_model_dir() -> Path:
-    """`<PDSERVE_HOME>/models/pdserve-tiny-llama`, built on first use.
-
-    Safe under concurrency: each builder writes a private temporary directory and
-    renames it into place; a loser of the race discards its copy and uses the winner's.
-    """
-    path = envs.home() / "models" / DEFAULT_MODEL_NAME
-    if _is_current(path):
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=path.parent))
-    try:
-        write_default_model(tmp)
-        tmp.chmod(0o755)  # mkdtemp creates 0700
-        if path.exists() and not _is_current(path):
-            # A stale (older version or half-copied by hand) model: move it aside first.
-            stale = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.stale-", dir=path.parent))
-            with contextlib.suppress(OSError):  # another process may have moved it first
-                os.replace(path, stale / "old")
-            shutil.rmtree(stale, ignore_errors=True)
-        try:
-            os.rename(tmp, path)
-        except OSError:
-            if not _is_current(path):  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
