@@ -13,7 +13,7 @@ perplexity of both on the actual next tokens.
 
 A scheme is a row of `SCHEMES`: overrides of `EngineConfig` fields, a dotted name for
 a nested one. A new quantization adds one line, e.g.
-`"int8": {"quantization": "int8"}` or `"fp8 KV": {"cache.kv_cache_dtype": "fp8"}`.
+`"int8": {"quantization": "int8"}`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ REFERENCE: dict[str, Any] = {"dtype": "float32"}
 SCHEMES: dict[str, dict[str, Any]] = {
     "float32": {"dtype": "float32"},  # the reference against itself: 100%, KL 0
     "bfloat16": {"dtype": "bfloat16"},
+    "fp8 KV": {"dtype": "float32", "kv_cache_dtype": "fp8"},  # e4m3, per-block-per-head scales
+    "int8 KV": {"dtype": "float32", "kv_cache_dtype": "int8"},
 }
 
 
