@@ -32,6 +32,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "Root of pdserve's own files; the default model lives in <home>/models.",
         ),
         EnvVar(
+            "PDSERVE_BUILTIN_WEIGHTS",
+            "trained",
+            "Which weights the built-in pdserve-tiny-llama serves: trained (the model trained on "
+            "the story corpus) or random (the random-weight checkpoint the plumbing tests use).",
+        ),
+        EnvVar(
             "PDSERVE_LOG_LEVEL",
             "INFO",
             "Log level name for every pdserve process (DEBUG, INFO, WARNING, ERROR).",
@@ -82,6 +88,17 @@ def home() -> Path:
     value = get("PDSERVE_HOME")
     assert value is not None  # declared with a default
     return Path(value).expanduser().resolve()
+
+
+BUILTIN_WEIGHTS = ("trained", "random")
+
+
+def builtin_weights() -> str:
+    """`PDSERVE_BUILTIN_WEIGHTS`: "trained" (default) or "random"; ValueError otherwise."""
+    value = get("PDSERVE_BUILTIN_WEIGHTS")
+    if value not in BUILTIN_WEIGHTS:
+        raise ValueError(f"PDSERVE_BUILTIN_WEIGHTS must be one of {', '.join(BUILTIN_WEIGHTS)}, got {value!r}")
+    return value
 
 
 def log_level() -> str:

@@ -1,9 +1,11 @@
-"""The built-in model's tokenizer: a byte-level BPE trained on `pdserve.corpus`, with
-Llama-3-style special tokens and chat template (deterministic: two trainings give the
-same `tokenizer.json`)."""
+"""The built-in models' tokenizer: a byte-level BPE with Llama-3-style special tokens
+and chat template, trained on `pdserve.corpus` (the random-weight model) or on the story
+corpus (the trained models; `pdserve.train_builtin`). Deterministic: two trainings on the
+same text give the same `tokenizer.json`."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -59,8 +61,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(vocab_size: int = 2048) -> Tokenizer:
-    """Train the byte-level BPE on the built-in corpus (deterministic)."""
+def train_tokenizer(vocab_size: int = 2048, texts: Iterable[str] | None = None) -> Tokenizer:
+    """Train the byte-level BPE on `texts` (default: `pdserve.corpus`'s sections)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -72,7 +74,9 @@ def train_tokenizer(vocab_size: int = 2048) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus_text().split("\n\n"), trainer=trainer)
+    tok.train_from_iterator(
+        corpus_text().split("\n\n") if texts is None else texts, trainer=trainer
+    )
     bos_id = tok.token_to_id(BOS_TOKEN)
     # Like Llama 3: encode(add_special_tokens=True) prepends BOS.
     tok.post_processor = processors.Sequence(

@@ -1,364 +1,207 @@
-"""The built-in default model: a deterministic random-weight Llama checkpoint.
+"""The built-in models, and the directories they are served from.
 
-`write_default_model(dir)` writes a complete Hugging Face directory —
-`config.json`, `generation_config.json`, `model.safetensors`, `tokenizer.json`,
-`tokenizer_config.json` (with a Llama-3-style chat template) — so every code
-path that loads real checkpoints loads this one too. The tokenizer is a real
-byte-level BPE trained on `pdserve.corpus`; the weights are N(0, 0.02) from a
-fixed seed. Two builds give byte-identical files.
+- `pdserve-tiny-llama`: a small Llama (hidden 256, 4 layers, 8 heads, 4 KV heads)
+  trained on `pdserve.story_corpus`; greedy output is readable English in the style of
+  short children's stories, and the chat template answers questions such as "Tell me
+  about the sea.".
+- `pdserve-tiny-llama-draft`: a smaller one (hidden 128, 2 layers) with the same
+  tokenizer, trained the same way, for speculative decoding.
 
-`default_model_dir()` returns `<PDSERVE_HOME>/models/pdserve-tiny-llama`,
-building it on first use (in a temporary directory renamed into place, so
-concurrent first uses are safe).
+Their weights, tokenizer and training record are committed under
+`pdserve/builtin_weights/` (written by `pdserve train-model`, `pdserve.train_builtin`).
+`write_builtin_model(dir)` assembles a complete Hugging Face directory from them
+(`config.json`, `generation_config.json`, `model.safetensors`, `tokenizer.json`,
+`tokenizer_config.json`) without training; two assemblies give byte-identical files.
 
-This module deliberately needs only numpy, safetensors and tokenizers — not
-torch — so torch-free processes (the gateway) can resolve the default model.
+`default_model_dir()` returns `<PDSERVE_HOME>/models/pdserve-tiny-llama`, assembled
+on first use; with `PDSERVE_BUILTIN_WEIGHTS=random` it returns the random-weight
+checkpoint of the same name and shape (`pdserve.random_model`, kept for benchmarks and
+plumbing tests that need tokens to flow without an early end of sequence) from
+`<PDSERVE_HOME>/models/random/pdserve-tiny-llama`. `draft_model_dir()` is the draft's.
+
+This module needs only the standard library, safetensors' numpy side and tokenizers,
+never torch: torch-free processes (the gateway) resolve the default model too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import shutil
-import struct
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-from safetensors.numpy import save_file
+from tokenizers import Tokenizer
 
 from common import envs
-from pdserve.builtin_tokenizer import (
-    BOS_TOKEN,
-    CHAT_TEMPLATE,
-    END_OF_TEXT_TOKEN,
-    EOT_TOKEN,
-    special_ids,
-    tokenizer_config,
-    train_tokenizer,
-)
-from pdserve.corpus import corpus_text
-
-DEFAULT_MODEL_NAME = "pdserve-tiny-llama"
-# Bump when the writing code changes the files; corpus, shape, seed and template
-# changes are caught by the fingerprint. A cached model that differs is rebuilt.
-DEFAULT_MODEL_VERSION = 2
-VERSION_FILE = "pdserve-model.json"
-_FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
+from pdserve.builtin_tokenizer import BOS_TOKEN, CHAT_TEMPLATE, EOT_TOKEN
+from pdserve.random_model import (
+    DEFAULT_MODEL_NAME,
+    FILES,
     VERSION_FILE,
+    DefaultModelSpec,
+    WeightFormat,
+    fingerprint,
+    write_json,
+    write_model_metadata,
+    write_random_model,
 )
 
+__all__ = [
+    "BOS_TOKEN", "DEFAULT_MODEL_NAME", "DRAFT", "DRAFT_MODEL_NAME", "EOT_TOKEN", "TRAINED",
+    "BuiltinModel", "DefaultModelSpec", "WeightFormat", "default_model_dir", "draft_model_dir",
+    "write_builtin_model", "write_default_model", "write_random_model",
+]
+
+DRAFT_MODEL_NAME = "pdserve-tiny-llama-draft"
+BUILTIN_WEIGHTS_DIR = Path(__file__).resolve().with_name("builtin_weights")
+WEIGHT_FILES = {
+    "tokenizer": "tokenizer.json",
+    "tiny-llama": "tiny-llama.safetensors",
+    "tiny-llama-draft": "tiny-llama-draft.safetensors",
+    "record": "training.json",
+}
+TINY_SPEC = DefaultModelSpec()
+DRAFT_SPEC = DefaultModelSpec(
+    hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=344
+)
+# Bump when the assembling code changes the files it writes from the same inputs.
+ASSEMBLY_VERSION = 1
+
+# The random-weight writer under its earlier name, for callers that need a given shape.
+write_default_model = write_random_model
+
+
 @dataclass(frozen=True)
-class DefaultModelSpec:
-    """Shape and seed of the generated checkpoint (the defaults are the default model)."""
+class BuiltinModel:
+    """A trained built-in model: its served name and its committed weights file."""
 
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 8
-    num_kv_heads: int = 4
-    intermediate_size: int = 688
-    max_position_embeddings: int = 2048
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    init_std: float = 0.02
-    # lm_head is drawn wider than the rest so logits are decisive: with 0.02 the
-    # top-2 logit gap is often ~1e-3, and greedy output would flip under mere
-    # float-ordering differences (batched vs alone, bf16 on GPU).
-    lm_head_std: float = 0.2
-    target_vocab_size: int = 2048
-    seed: int = 1234
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    name: str
+    weights: str  # key of WEIGHT_FILES
+    spec: DefaultModelSpec
 
 
-@dataclass(frozen=True)
-class WeightFormat:
-    """How the weights are stored (the defaults are the default model's).
+TRAINED = BuiltinModel(DEFAULT_MODEL_NAME, "tiny-llama", TINY_SPEC)
+DRAFT = BuiltinModel(DRAFT_MODEL_NAME, "tiny-llama-draft", DRAFT_SPEC)
 
-    `dtype`: "float32" or "bfloat16" (the float32 draw rounded to nearest even).
-    `vocab_size`: rows of the embedding and the LM head; None: the tokenizer's size.
-    Rows past the tokenizer's are zero: no prompt holds their ids, and a zero LM-head
-    row gives logit 0, far below the largest real logit (rows are N(0, lm_head_std)
-    against a final hidden state of norm sqrt(hidden)), so greedy decoding never
-    emits an id the tokenizer cannot decode. They cost the bytes a real vocabulary
-    costs, which is what speed benchmarks of a shape need.
-    `tiled`: fill each tensor by cycling through one seeded pool of normal draws from
-    a random start instead of drawing every element, at memcpy speed: drawing 8e9
-    values takes minutes. Values are still N(0, std) but repeat, with a period no
-    power-of-two row length divides; for speed benchmarks, not statistics.
+
+class BuiltinWeightsError(RuntimeError):
+    """The committed files are missing or are not the ones `training.json` records."""
+
+
+@functools.lru_cache(maxsize=1)
+def _record_text() -> str:
+    path = BUILTIN_WEIGHTS_DIR / WEIGHT_FILES["record"]
+    try:
+        return path.read_text()
+    except OSError as e:
+        raise BuiltinWeightsError(
+            f"{path}: {e.strerror or e}; run `pdserve train-model` to write the built-in weights"
+        ) from None
+
+
+def training_record() -> dict[str, object]:
+    """`training.json`: step counts, losses, seconds and digests of the last training."""
+    record: dict[str, object] = json.loads(_record_text())
+    return record
+
+
+def _verified(key: str, want: object) -> Path:
+    path = BUILTIN_WEIGHTS_DIR / WEIGHT_FILES[key]
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != want:
+        raise BuiltinWeightsError(
+            f"{path} is not the file training.json records (sha256 {digest}, want {want}); "
+            "rerun `pdserve train-model`"
+        )
+    return path
+
+
+def write_builtin_model(out_dir: Path, model: BuiltinModel = TRAINED) -> Path:
+    """Assemble `model`'s Hugging Face directory in `out_dir` (created if missing).
+
+    The weights and tokenizer are copied byte for byte after their digests are checked
+    against `training.json`; existing files of the same names are overwritten.
     """
-
-    dtype: str = "float32"
-    vocab_size: int | None = None
-    tiled: bool = False
-
-
-# safetensors dtype codes of the storable dtypes.
-_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
-_POOL_SIZE = (1 << 22) + 1021  # tiled fill: odd, so rows shift phase at each wrap
-# The tensors with one row per token id, padded to `WeightFormat.vocab_size`.
-_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-def _hf_config(
-    spec: DefaultModelSpec, vocab_size: int, ids: Mapping[str, int], dtype: str = "float32"
-) -> dict[str, Any]:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab_size,
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": spec.max_position_embeddings,
-        "initializer_range": spec.init_std,
-        "rms_norm_eps": spec.rms_norm_eps,
-        "rope_theta": spec.rope_theta,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "bos_token_id": ids[BOS_TOKEN],
-        "eos_token_id": [ids[END_OF_TEXT_TOKEN], ids[EOT_TOKEN]],
-        "torch_dtype": dtype,
-    }
-
-
-def _random_shapes(spec: DefaultModelSpec, vocab_size: int) -> dict[str, tuple[int, ...]]:
-    """The normal-initialised tensors, in draw order (embedding and LM head unpadded)."""
-    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "self_attn.q_proj.weight"] = (q, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, spec.intermediate_size)
-    shapes["lm_head.weight"] = (vocab_size, h)
-    return shapes
-
-
-def _norm_names(spec: DefaultModelSpec) -> list[str]:
-    names = []
-    for i in range(spec.num_layers):
-        names.append(f"model.layers.{i}.input_layernorm.weight")
-        names.append(f"model.layers.{i}.post_attention_layernorm.weight")
-    return [*names, "model.norm.weight"]
-
-
-def _weight_shapes(
-    spec: DefaultModelSpec, vocab_size: int, rows: int
-) -> dict[str, tuple[int, ...]]:
-    """Every stored tensor in the order `_weights` yields them (vocabulary padded to `rows`)."""
-    shapes = _random_shapes(spec, vocab_size)
-    for name in _VOCAB_TENSORS:
-        shapes[name] = (rows, spec.hidden_size)
-    return {**shapes, **{n: (spec.hidden_size,) for n in _norm_names(spec)}}
-
-
-def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), round to nearest even; finite inputs."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return (
-        (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
-    ).astype(np.uint16)
-
-
-def _cast(x: np.ndarray, dtype: str) -> np.ndarray:
-    return _to_bf16_bits(x) if dtype == "bfloat16" else x
-
-
-def _tiled_drawer(
-    rng: np.random.Generator, dtype: str
-) -> Callable[[tuple[int, ...], np.float32], np.ndarray]:
-    """`draw(shape, std)` copying from one pool of normal draws, scaled and cast once per std."""
-    pool = rng.standard_normal(_POOL_SIZE, dtype=np.float32)
-    scaled: dict[float, np.ndarray] = {}
-
-    def draw(shape: tuple[int, ...], std: np.float32) -> np.ndarray:
-        src = scaled.setdefault(float(std), _cast(pool * std, dtype))
-        n = int(np.prod(shape))
-        out = np.empty(n, dtype=src.dtype)
-        pos, start = 0, int(rng.integers(len(src)))
-        while pos < n:
-            k = min(n - pos, len(src) - start)
-            out[pos : pos + k] = src[start : start + k]
-            pos, start = pos + k, 0
-        return out.reshape(shape)
-
-    return draw
-
-
-def _weights(
-    spec: DefaultModelSpec, vocab_size: int, fmt: WeightFormat | None = None
-) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, array) in `_weight_shapes` order; bfloat16 as uint16 bit patterns."""
-    fmt = fmt or WeightFormat()
-    rows = fmt.vocab_size or vocab_size
-    rng = np.random.default_rng(spec.seed)
-    tiled = _tiled_drawer(rng, fmt.dtype) if fmt.tiled else None
-    # Drawn in one fixed order so the bytes never depend on dict or file ordering.
-    for name, shape in _random_shapes(spec, vocab_size).items():
-        std = np.float32(spec.lm_head_std if name == "lm_head.weight" else spec.init_std)
-        if tiled is not None:
-            value = tiled(shape, std)
-        else:
-            value = _cast(rng.standard_normal(shape, dtype=np.float32) * std, fmt.dtype)
-        if name in _VOCAB_TENSORS and rows > vocab_size:
-            value = np.concatenate([value, np.zeros((rows - vocab_size, shape[1]), value.dtype)])
-        yield name, value
-    for name in _norm_names(spec):
-        yield name, _cast(np.ones(spec.hidden_size, dtype=np.float32), fmt.dtype)
-
-
-def _save_streamed(
-    path: Path,
-    shapes: Mapping[str, tuple[int, ...]],
-    tensors: Iterator[tuple[str, np.ndarray]],
-    dtype: str,
-) -> None:
-    """Write a safetensors file one tensor at a time (peak memory: the largest tensor).
-
-    The format: 8-byte little-endian header length, a JSON header of dtype, shape and
-    byte offsets per tensor (space-padded to 8 bytes), then the tensors' bytes in order.
-    """
-    item = 2 if dtype == "bfloat16" else 4
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape in shapes.items():
-        end = offset + int(np.prod(shape)) * item
-        header[name] = {
-            "dtype": _ST_DTYPES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, end],
-        }
-        offset = end
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for (name, arr), (want, shape) in zip(tensors, shapes.items(), strict=True):
-            if name != want or arr.shape != shape or arr.itemsize != item:
-                raise AssertionError(
-                    f"tensor {name} {arr.shape} out of the layout ({want} {shape})"
-                )
-            f.write(np.ascontiguousarray(arr).data)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def write_default_model(
-    out_dir: Path, spec: DefaultModelSpec | None = None, fmt: WeightFormat | None = None
-) -> Path:
-    """Write the checkpoint into `out_dir` (created if missing) and return it.
-
-    Existing files of the same names are overwritten; other files are left alone.
-    `fmt` (default: float32, the tokenizer's vocabulary, every value drawn) changes
-    only how the weights are stored, not the fingerprint.
-    """
-    spec = spec or DefaultModelSpec()
-    fmt = fmt or WeightFormat()
-    if fmt.dtype not in _ST_DTYPES:
-        raise ValueError(f"unsupported dtype {fmt.dtype!r}; choose one of {sorted(_ST_DTYPES)}")
+    record = training_record()
+    entry = record[model.weights]
+    assert isinstance(entry, dict), entry
+    tok_path = _verified("tokenizer", record["tokenizer_sha256"])
+    weights = _verified(model.weights, entry["sha256"])
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(spec.target_vocab_size)
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    rows = fmt.vocab_size or vocab_size
-    if rows < vocab_size:
-        raise ValueError(f"vocab_size {rows} is below the tokenizer's {vocab_size}")
-    ids = special_ids(tok)
-    tok.save(str(out_dir / "tokenizer.json"), pretty=False)
-    _write_json(out_dir / "tokenizer_config.json", tokenizer_config(tok, spec.max_position_embeddings))
-    _write_json(out_dir / "config.json", _hf_config(spec, rows, ids, fmt.dtype))
-    _write_json(
-        out_dir / "generation_config.json",
-        {"bos_token_id": ids[BOS_TOKEN], "eos_token_id": [ids[END_OF_TEXT_TOKEN], ids[EOT_TOKEN]]},
-    )
-    weights = _weights(spec, vocab_size, fmt)
-    if fmt.dtype == "float32":
-        save_file(dict(weights), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        shapes = _weight_shapes(spec, vocab_size, rows)
-        _save_streamed(out_dir / "model.safetensors", shapes, weights, fmt.dtype)
-    _write_json(
+    shutil.copyfile(tok_path, out_dir / "tokenizer.json")
+    shutil.copyfile(weights, out_dir / "model.safetensors")
+    tok = Tokenizer.from_file(str(tok_path))
+    write_model_metadata(out_dir, tok, model.spec, tok.get_vocab_size(with_added_tokens=True))
+    write_json(
         out_dir / VERSION_FILE,
-        {
-            "name": DEFAULT_MODEL_NAME,
-            "version": DEFAULT_MODEL_VERSION,
-            "fingerprint": _fingerprint(spec),
-        },
+        {"name": model.name, "version": ASSEMBLY_VERSION, "fingerprint": _fingerprint(model)},
     )
-    for f in _FILES:
-        (out_dir / f).chmod(0o644)  # safetensors writes 0600; the model is shared data
+    for f in FILES:
+        (out_dir / f).chmod(0o644)
     return out_dir
 
 
-def _fingerprint(spec: DefaultModelSpec) -> str:
-    """Hash of every input of the build, so an edit to any of them is noticed."""
-    key = f"{DEFAULT_MODEL_VERSION}|{spec!r}|{CHAT_TEMPLATE}|{corpus_text()}"
+def _fingerprint(model: BuiltinModel) -> str:
+    """Hash of every input of an assembly (the record holds the files' digests)."""
+    key = f"{ASSEMBLY_VERSION}|{model!r}|{CHAT_TEMPLATE}|{_record_text()}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def _is_current(path: Path) -> bool:
+def _is_current(path: Path, want: str) -> bool:
     try:
         meta = json.loads((path / VERSION_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return bool(
-        meta.get("version") == DEFAULT_MODEL_VERSION
-        and meta.get("fingerprint") == _fingerprint(DefaultModelSpec())
-    )
+    return bool(meta.get("fingerprint") == want)
 
 
-def default_model_dir() -> Path:
-    """`<PDSERVE_HOME>/models/pdserve-tiny-llama`, built on first use.
+def _built(path: Path, write: Callable[[Path], object], want: str) -> Path:
+    """`path`, (re)built by `write` unless its fingerprint is `want`.
 
     Safe under concurrency: each builder writes a private temporary directory and
     renames it into place; a loser of the race discards its copy and uses the winner's.
     """
-    path = envs.home() / "models" / DEFAULT_MODEL_NAME
-    if _is_current(path):
+    if _is_current(path, want):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        write_default_model(tmp)
+        write(tmp)
         tmp.chmod(0o755)  # mkdtemp creates 0700
-        if path.exists() and not _is_current(path):
+        if path.exists() and not _is_current(path, want):
             # A stale (older version or half-copied by hand) model: move it aside first.
-            stale = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.stale-", dir=path.parent))
+            stale = Path(tempfile.mkdtemp(prefix=f".{path.name}.stale-", dir=path.parent))
             with contextlib.suppress(OSError):  # another process may have moved it first
                 os.replace(path, stale / "old")
             shutil.rmtree(stale, ignore_errors=True)
         try:
             os.rename(tmp, path)
         except OSError:
-            if not _is_current(path):  # not a lost race: a real failure
+            if not _is_current(path, want):  # not a lost race: a real failure
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def default_model_dir() -> Path:
+    """`<PDSERVE_HOME>/models/pdserve-tiny-llama` (trained), built on first use; the
+    random-weight model's directory instead under `PDSERVE_BUILTIN_WEIGHTS=random`."""
+    models = envs.home() / "models"
+    if envs.builtin_weights() == "random":
+        spec = DefaultModelSpec()
+        return _built(models / "random" / DEFAULT_MODEL_NAME, write_random_model, fingerprint(spec))
+    return _built(models / DEFAULT_MODEL_NAME, write_builtin_model, _fingerprint(TRAINED))
+
+
+def draft_model_dir() -> Path:
+    """`<PDSERVE_HOME>/models/pdserve-tiny-llama-draft`, built on first use."""
+    path = envs.home() / "models" / DRAFT_MODEL_NAME
+    return _built(path, lambda d: write_builtin_model(d, DRAFT), _fingerprint(DRAFT))

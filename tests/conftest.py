@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,14 @@ import pytest
 import torch
 
 from tests.helpers.tiny_models import make_tiny_model
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The plumbing tests (e2e, observability, multihost, CLI) serve the random-weight
+    # built-in model, which never ends a stream early; every process they start
+    # inherits this. Tests of the trained model set PDSERVE_BUILTIN_WEIGHTS=trained or
+    # assemble it themselves. Set it to `trained` to run the suite on the trained model.
+    os.environ.setdefault("PDSERVE_BUILTIN_WEIGHTS", "random")
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from gateway.tokenizer import Tokenizer
 from pdserve.cli import main
-from pdserve.default_model import write_default_model
+from pdserve.default_model import write_builtin_model, write_default_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The capital of France is", "Once upon a time, 你好 🚀"]
@@ -35,17 +35,16 @@ def _json_lines(out: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
-def test_generate_subprocess_matches_engine_and_default_model(
-    model_dir: Path, tmp_path: Path
-) -> None:
-    env = {**os.environ, "PDSERVE_HOME": str(tmp_path / "home")}
+def test_generate_subprocess_matches_engine_and_default_model(tmp_path: Path) -> None:
+    env = {**os.environ, "PDSERVE_HOME": str(tmp_path / "home"), "PDSERVE_BUILTIN_WEIGHTS": "trained"}
     base = [sys.executable, "-m", "pdserve", "generate", "--json", "--max-tokens", "12", *PROMPTS]
-    # No --model: the default model is built on first use under PDSERVE_HOME ...
+    # No --model: the default (trained) model is assembled on first use under PDSERVE_HOME ...
     out = subprocess.run(base, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     records = _json_lines(out.stdout)
     assert (tmp_path / "home" / "models" / "pdserve-tiny-llama" / "model.safetensors").is_file()
-    # ... and it is the same model as write_default_model, so the engine run directly agrees.
+    # ... and it is the model write_builtin_model assembles, so the engine run directly agrees.
+    model_dir = write_builtin_model(tmp_path / "trained")
     tok = Tokenizer.from_model_dir(model_dir)
     prompts = [tok.encode(p) for p in PROMPTS]
     expected = _direct(model_dir, prompts, SamplingParams(max_tokens=12, temperature=0.0))
@@ -112,12 +111,18 @@ def test_generate_rejects_bad_params(model_dir: Path, capsys: pytest.CaptureFixt
 
 
 def test_make_model_cli(model_dir: Path, tmp_path: Path) -> None:
+    from pdserve.default_model import DRAFT
+
+    def weights(d: Path) -> bytes:
+        return (d / "model.safetensors").read_bytes()
+
     out = tmp_path / "m"
-    assert main(["make-model", str(out)]) == 0
-    same = (out / "model.safetensors").read_bytes() == (
-        model_dir / "model.safetensors"
-    ).read_bytes()
-    assert same
+    assert main(["make-model", str(out)]) == 0  # the trained model
+    assert weights(out) == weights(write_builtin_model(tmp_path / "trained"))
+    assert main(["make-model", "--draft", str(tmp_path / "d")]) == 0
+    assert weights(tmp_path / "d") == weights(write_builtin_model(tmp_path / "draft", DRAFT))
+    assert main(["make-model", "--random", str(tmp_path / "r")]) == 0
+    assert weights(tmp_path / "r") == weights(model_dir)
     assert main(["make-model", str(out)]) == 1  # refuses to overwrite
     (out / "stray.txt").write_text("x")
     assert main(["make-model", "--force", str(out)]) == 0

@@ -1,4 +1,5 @@
-"""The built-in default model: deterministic, loadable by transformers, real BPE."""
+"""The built-in random-weight model (what `PDSERVE_BUILTIN_WEIGHTS=random` serves):
+deterministic, loadable by transformers, real BPE; and where the built-in models live."""
 
 from __future__ import annotations
 
@@ -11,14 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from pdserve import default_model
-from pdserve.default_model import (
-    BOS_TOKEN,
-    EOT_TOKEN,
-    DefaultModelSpec,
-    default_model_dir,
-    write_default_model,
-)
+from pdserve.builtin_tokenizer import BOS_TOKEN, EOT_TOKEN, train_tokenizer
+from pdserve.default_model import default_model_dir, write_builtin_model
+from pdserve.random_model import DefaultModelSpec
+from pdserve.random_model import write_random_model as write_default_model
 
 FILES = (
     "config.json",
@@ -44,10 +41,10 @@ def test_two_builds_are_byte_identical(model_dir: Path, tmp_path: Path) -> None:
 
 
 def test_bpe_training_is_deterministic() -> None:
-    a = default_model.train_tokenizer(2048).to_str()
-    b = default_model.train_tokenizer(2048).to_str()
+    a = train_tokenizer(2048).to_str()
+    b = train_tokenizer(2048).to_str()
     assert a == b
-    assert default_model.train_tokenizer(1024).to_str() != a  # the vocab size is real
+    assert train_tokenizer(1024).to_str() != a  # the vocab size is real
 
 
 def test_config_shape(model_dir: Path) -> None:
@@ -130,15 +127,19 @@ def test_spec_changes_shape(tmp_path: Path) -> None:
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]) == (64, 1, 16)
 
 
+@pytest.mark.parametrize("weights", ["trained", "random"])
 def test_default_model_dir_builds_once_and_concurrently(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_dir: Path
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_dir: Path, weights: str
 ) -> None:
     monkeypatch.setenv("PDSERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PDSERVE_BUILTIN_WEIGHTS", weights)
     with ThreadPoolExecutor(4) as pool:
         dirs = list(pool.map(lambda _: default_model_dir(), range(4)))
-    expected = tmp_path / "home" / "models" / "pdserve-tiny-llama"
+    models = tmp_path / "home" / "models"
+    expected = models / "pdserve-tiny-llama" if weights == "trained" else models / "random" / "pdserve-tiny-llama"
+    want = write_builtin_model(tmp_path / "want") if weights == "trained" else model_dir
     assert dirs == [expected] * 4
-    assert _digests(expected) == _digests(model_dir)
+    assert _digests(expected) == _digests(want)
     # No temporary directories are left behind by the losers of the race.
     assert sorted(p.name for p in expected.parent.iterdir()) == ["pdserve-tiny-llama"]
     # A second call reuses it (no rebuild: the file is not rewritten).
@@ -151,11 +152,17 @@ def test_default_model_dir_rebuilds_stale_version(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
+    monkeypatch.setenv("PDSERVE_BUILTIN_WEIGHTS", "trained")
     stale = tmp_path / "models" / "pdserve-tiny-llama"
-    stale.mkdir(parents=True)
-    (stale / "pdserve-model.json").write_text('{"version": -1}')
+    write_default_model(stale)  # the random model a previous version served here
     assert default_model_dir() == stale
-    assert (stale / "model.safetensors").is_file()
+    assert _digests(stale) == _digests(write_builtin_model(tmp_path / "want"))
+
+
+def test_builtin_weights_variable_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_BUILTIN_WEIGHTS", "fp8")
+    with pytest.raises(ValueError, match="PDSERVE_BUILTIN_WEIGHTS must be one of trained, random"):
+        default_model_dir()
 
 
 def test_envs_home_and_declared_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
