@@ -1,0 +1,158 @@
+"""Triton paged decode attention: reads the KV pool in place through block tables.
+
+Selected by `select_backend` on CUDA when triton imports and the KV cache is
+unquantized. Decodes run the Triton kernels in `engine.triton_kernels` (no per-step
+gather of each sequence's KV; grouped-query heads packed; float32 accumulation;
+long contexts split over several programs and merged by a log-sum-exp reduction).
+Prefill chunks still go through `TorchPagedAttention`'s gather + SDPA.
+
+A quantized pool (`engine.kv_quant.QuantizedCache`, one scale per block and head
+ahead of one-byte codes) is not read by these kernels: the backend refuses it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeBatch,
+    DecodeGroup,
+    TorchPagedAttention,
+)
+from engine.kv_quant import KVCacheView, QuantizedCache, write_kv
+from engine.native_attention import default_backend as native_default_backend
+
+# A split covers at least this many KV blocks; splits are added until about
+# TARGET_PROGRAMS programs run (enough to fill a GPU's SMs at small batch).
+MIN_BLOCKS_PER_SPLIT = 8
+TARGET_PROGRAMS = 256
+
+
+def triton_available() -> bool:
+    """Whether triton is importable here."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def select_backend(dtype: torch.dtype, device: torch.device, plain_kv: bool = True
+                   ) -> AttentionBackend:
+    """Triton on CUDA over a plain (not quantized) pool where triton is installed; else
+    `engine.native_attention.default_backend` (in-place C kernel for bf16 on CPU, or torch)."""
+    if device.type == "cuda" and plain_kv and triton_available():
+        return TritonPagedAttention()
+    return native_default_backend(dtype, device, plain_kv)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    num_splits: int
+    blocks_per_split: int
+
+
+def plan_splits(batch: int, kv_heads: int, max_blocks: int, num_splits: int | None = None
+                ) -> SplitPlan:
+    """How many KV splits a decode group uses (`num_splits` forces a count)."""
+    max_blocks = max(max_blocks, 1)
+    if num_splits is None:
+        want = math.ceil(TARGET_PROGRAMS / max(batch * kv_heads, 1))
+        num_splits = min(want, math.ceil(max_blocks / MIN_BLOCKS_PER_SPLIT))
+    num_splits = max(1, min(num_splits, max_blocks))
+    per = math.ceil(max_blocks / num_splits)
+    return SplitPlan(math.ceil(max_blocks / per), per)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class TritonPagedAttention(AttentionBackend):
+    """Decode attention in Triton over the paged pool; prefill via gather + SDPA."""
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        from engine import triton_kernels  # deferred: triton is optional
+
+        self._kernels = triton_kernels
+        self.num_splits = num_splits
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: KVCacheView,
+        v_cache: KVCacheView,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        if isinstance(k_cache, QuantizedCache) or isinstance(v_cache, QuantizedCache):
+            raise TypeError("TritonPagedAttention reads only unquantized KV pools; serve "
+                            "--kv-cache-dtype fp8/int8 with TorchPagedAttention")
+        write_kv(k_cache, meta.slot_mapping, k)
+        write_kv(v_cache, meta.slot_mapping, v)
+        outs = []
+        if meta.decode is not None:
+            b = meta.decode.num_seqs
+            outs.append(self._decode(q[:b], k_cache, v_cache, meta.decode))
+        for p in meta.prefills:
+            outs.append(TorchPagedAttention._prefill(q[p.q_start : p.q_end], k, v, k_cache,
+                                                     v_cache, p))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                dec: DecodeBatch) -> torch.Tensor:
+        if len(dec.groups) == 1 and dec.groups[0].rows is None:
+            return self.decode_group(q, k_cache, v_cache, dec.groups[0])
+        b, h, d = q.shape
+        out = q.new_empty(b, h * d)
+        for g in dec.groups:
+            assert g.rows is not None
+            out.index_copy_(0, g.rows, self.decode_group(q.index_select(0, g.rows), k_cache,
+                                                         v_cache, g))
+        return out
+
+    def decode_group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     g: DecodeGroup) -> torch.Tensor:
+        """q [n, H, D] for the group's rows -> [n, H * D]."""
+        if g.ctx_lens is None:
+            raise ValueError("TritonPagedAttention needs DecodeGroup.ctx_lens (build_metadata)")
+        b, h, d = q.shape
+        kvh = k_cache.shape[2]
+        block_size = k_cache.shape[1]
+        if h % kvh or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+            raise ValueError(f"{h} query heads over {kvh} KV heads, or a non-unit dim stride")
+        q = q.contiguous()
+        tables = g.block_tables
+        plan = plan_splits(b, kvh, tables.shape[1], self.num_splits)
+        part = torch.empty(b, h, plan.num_splits, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(b, h, plan.num_splits, dtype=torch.float32, device=q.device)
+        group = h // kvh
+        use_dot = block_size >= 16 and d >= 16 and _pow2(d) == d and _pow2(block_size) == block_size
+        kern = self._kernels
+        kern.paged_decode_kernel[(b, kvh, plan.num_splits)](
+            q, k_cache, v_cache, tables, g.ctx_lens, part, lse,
+            1.0 / math.sqrt(d),
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            tables.stride(0),
+            part.stride(0), part.stride(1), part.stride(2),
+            lse.stride(0), lse.stride(1),
+            GROUP=group, GROUP_PAD=max(16, _pow2(group)) if use_dot else _pow2(group),
+            HEAD_DIM=d, DIM_PAD=_pow2(d),
+            BLOCK_SIZE=block_size, BLOCK_PAD=_pow2(block_size),
+            BLOCKS_PER_SPLIT=plan.blocks_per_split, USE_DOT=use_dot,
+        )
+        out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
+        kern.split_reduce_kernel[(b, h)](
+            part, lse, out,
+            part.stride(0), part.stride(1), part.stride(2),
+            lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            NUM_SPLITS=plan.num_splits, SPLIT_PAD=_pow2(plan.num_splits),
+            HEAD_DIM=d, DIM_PAD=_pow2(d),
+        )
+        return out.view(b, h * d)
