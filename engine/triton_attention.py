@@ -4,7 +4,8 @@ Selected by `select_backend` on CUDA when triton imports and the KV cache is
 unquantized. Decodes run the Triton kernels in `engine.triton_kernels` (no per-step
 gather of each sequence's KV; grouped-query heads packed; float32 accumulation;
 long contexts split over several programs and merged by a log-sum-exp reduction).
-Prefill chunks still go through `TorchPagedAttention`'s gather + SDPA.
+Prefill chunks (whole prompts, prefix-cache hits, later chunks of a chunked prefill)
+run a causal kernel over the pool too, without a mask tensor.
 
 A quantized pool (`engine.kv_quant.QuantizedCache`, one scale per block and head
 ahead of one-byte codes) is not read by these kernels: the backend refuses it.
@@ -23,6 +24,7 @@ from engine.attention import (
     AttentionMetadata,
     DecodeBatch,
     DecodeGroup,
+    PrefillSeq,
     TorchPagedAttention,
 )
 from engine.kv_quant import KVCacheView, QuantizedCache, write_kv
@@ -70,8 +72,23 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _dot_ok(block_size: int, head_dim: int) -> bool:
+    """tl.dot needs power-of-two tiles of at least 16 on a GPU; else broadcast + sum."""
+    return block_size >= 16 and head_dim >= 16 and _pow2(head_dim) == head_dim \
+        and _pow2(block_size) == block_size
+
+
+def _check_heads(h: int, kvh: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if h % kvh or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError(f"{h} query heads over {kvh} KV heads, or a non-unit head_dim stride")
+
+
 class TritonPagedAttention(AttentionBackend):
-    """Decode attention in Triton over the paged pool; prefill via gather + SDPA."""
+    """Decode and prefill attention in Triton over the paged pool."""
 
     def __init__(self, num_splits: int | None = None) -> None:
         from engine import triton_kernels  # deferred: triton is optional
@@ -98,9 +115,31 @@ class TritonPagedAttention(AttentionBackend):
             b = meta.decode.num_seqs
             outs.append(self._decode(q[:b], k_cache, v_cache, meta.decode))
         for p in meta.prefills:
-            outs.append(TorchPagedAttention._prefill(q[p.q_start : p.q_end], k, v, k_cache,
-                                                     v_cache, p))
+            outs.append(self.prefill(q[p.q_start : p.q_end], k_cache, v_cache, p))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                p: PrefillSeq) -> torch.Tensor:
+        """One chunk's q [n, H, D] (its K/V already in the pool) -> [n, H * D]."""
+        n, h, d = q.shape
+        kvh = k_cache.shape[2]
+        block_size = k_cache.shape[1]
+        _check_heads(h, kvh, k_cache, v_cache)
+        out = torch.empty(n, h, d, dtype=q.dtype, device=q.device)
+        use_dot = _dot_ok(block_size, d)
+        block_m = 16 if use_dot else 8
+        self._kernels.paged_prefill_kernel[(triton_cdiv(n, block_m), h)](
+            q, k_cache, v_cache, p.block_table, out,
+            1.0 / math.sqrt(d), n, p.start_pos, p.ctx_len,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            out.stride(0), out.stride(1),
+            GROUP=h // kvh, HEAD_DIM=d, DIM_PAD=_pow2(d),
+            BLOCK_SIZE=block_size, BLOCK_PAD=_pow2(block_size),
+            BLOCK_M=block_m, USE_DOT=use_dot,
+        )
+        return out.view(n, h * d)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 dec: DecodeBatch) -> torch.Tensor:
@@ -122,15 +161,14 @@ class TritonPagedAttention(AttentionBackend):
         b, h, d = q.shape
         kvh = k_cache.shape[2]
         block_size = k_cache.shape[1]
-        if h % kvh or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-            raise ValueError(f"{h} query heads over {kvh} KV heads, or a non-unit dim stride")
+        _check_heads(h, kvh, k_cache, v_cache)
         q = q.contiguous()
         tables = g.block_tables
         plan = plan_splits(b, kvh, tables.shape[1], self.num_splits)
         part = torch.empty(b, h, plan.num_splits, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(b, h, plan.num_splits, dtype=torch.float32, device=q.device)
         group = h // kvh
-        use_dot = block_size >= 16 and d >= 16 and _pow2(d) == d and _pow2(block_size) == block_size
+        use_dot = _dot_ok(block_size, d)
         kern = self._kernels
         kern.paged_decode_kernel[(b, kvh, plan.num_splits)](
             q, k_cache, v_cache, tables, g.ctx_lens, part, lse,

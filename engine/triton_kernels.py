@@ -112,3 +112,64 @@ def split_reduce_kernel(
     out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def paged_prefill_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, o_ptr,
+    scale, n_rows, start_pos, ctx_len,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
+):
+    """One chunk's rows [tile * BLOCK_M, +BLOCK_M) of query head h, at positions
+    start_pos + row, attend causally to the pool (which holds this chunk's K/V too):
+    no mask tensor, no gather; prefix-cache hits and later chunks read their context
+    through the block table."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, DIM_PAD)
+    offs_t = tl.arange(0, BLOCK_PAD)
+    r_ok = rows < n_rows
+    d_ok = offs_d < HEAD_DIM
+    q_pos = start_pos + rows
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    end = tl.minimum(start_pos + (tile + 1) * BLOCK_M, ctx_len)
+    m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
+    for i in range(0, tl.cdiv(end, BLOCK_SIZE)):
+        blk = tl.load(table_ptr + i).to(tl.int64)
+        pos = i * BLOCK_SIZE + offs_t
+        t_ok = (offs_t < BLOCK_SIZE) & (pos < ctx_len)
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + blk * stride_kb + offs_t[:, None] * stride_kt + kvh * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + blk * stride_vb + offs_t[:, None] * stride_vt + kvh * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k))
+        else:
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        allowed = t_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(allowed, s * scale, -1e30)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.where(allowed, tl.exp(s - m_new[:, None]), 0.0)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])

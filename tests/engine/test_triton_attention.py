@@ -24,9 +24,9 @@ from engine.triton_attention import (  # noqa: E402
 NUM_BLOCKS = 64
 
 
-def _batch(ctx: list[int], prefill: tuple[int, int] | None, bs: int, heads: int, kvh: int,
+def _batch(ctx: list[int], prefills: list[tuple[int, int]], bs: int, heads: int, kvh: int,
            d: int, seed: int):
-    """Decodes at `ctx` (+ one chunk of (start_pos, n) tokens) on fragmented block tables."""
+    """Decodes at `ctx`, then chunks of (start_pos, n) tokens, on fragmented block tables."""
     gen = torch.Generator().manual_seed(seed)
     k_cache = torch.randn(NUM_BLOCKS, bs, kvh, d, generator=gen)
     v_cache = torch.randn(NUM_BLOCKS, bs, kvh, d, generator=gen)
@@ -34,7 +34,7 @@ def _batch(ctx: list[int], prefill: tuple[int, int] | None, bs: int, heads: int,
     v_cache[NULL_BLOCK] = 1e4
     perm = [b for b in torch.randperm(NUM_BLOCKS, generator=gen).tolist() if b != NULL_BLOCK]
     chunks, taken = [], 0
-    spans = [(n - 1, 1) for n in ctx] + ([prefill] if prefill else [])
+    spans = [(n - 1, 1) for n in ctx] + prefills
     for start, n in spans:
         nb = math.ceil((start + n) / bs)
         table, taken = perm[taken : taken + nb], taken + nb
@@ -58,7 +58,7 @@ def test_decode_matches_torch_paged_attention(group: int, bs: int, d: int,
     ctx = [1, 5, 16, 17, 47, 130] if bs == 16 else [1, 3, 4, 9, 22]
     if bs == 16:
         ctx.append(300)
-    q, k, v, kc, vc, meta = _batch(ctx, None, bs, kvh * group, kvh, d, seed=group + bs)
+    q, k, v, kc, vc, meta = _batch(ctx, [], bs, kvh * group, kvh, d, seed=group + bs)
     assert meta.decode is not None
     kc2, vc2 = kc.clone(), vc.clone()
     want = TorchPagedAttention().forward(q, k, v, kc, vc, meta)
@@ -68,8 +68,23 @@ def test_decode_matches_torch_paged_attention(group: int, bs: int, d: int,
 
 
 def test_mixed_step_keeps_prefill_rows_after_decodes() -> None:
-    q, k, v, kc, vc, meta = _batch([9, 40], (20, 7), 16, 8, 2, 16, seed=7)
+    q, k, v, kc, vc, meta = _batch([9, 40], [(20, 7)], 16, 8, 2, 16, seed=7)
     assert meta.prefills and meta.decode is not None
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = TorchPagedAttention().forward(q, k, v, kc, vc, meta)
+    got = TritonPagedAttention().forward(q, k, v, kc2, vc2, meta)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("bs,d", [(16, 16), (4, 8)])
+def test_prefill_chunks_match_torch_paged_attention(group: int, bs: int, d: int) -> None:
+    """Whole prompts, prefix-cache hits and later chunks (start_pos > 0), lengths on and
+    off block boundaries, rows spanning several query tiles."""
+    kvh = 2
+    chunks = [(0, 21), (0, 16), (16, 5), (13, 40), (37, 1 + bs)]
+    q, k, v, kc, vc, meta = _batch([], chunks, bs, kvh * group, kvh, d, seed=3 * group + bs)
+    assert len(meta.prefills) == len(chunks) and meta.decode is None
     kc2, vc2 = kc.clone(), vc.clone()
     want = TorchPagedAttention().forward(q, k, v, kc, vc, meta)
     got = TritonPagedAttention().forward(q, k, v, kc2, vc2, meta)
@@ -89,7 +104,7 @@ def test_split_plan_covers_every_block_once() -> None:
 def test_quantized_pool_is_refused_and_never_selected() -> None:
     codes = torch.zeros(4, 16, 2, 16, dtype=torch.uint8)
     qc = QuantizedCache(codes, torch.ones(4, 2), "int8")
-    q, k, v, _, _, meta = _batch([5], None, 16, 4, 2, 16, seed=1)
+    q, k, v, _, _, meta = _batch([5], [], 16, 4, 2, 16, seed=1)
     with pytest.raises(TypeError, match="unquantized"):
         TritonPagedAttention().forward(q, k, v, qc, qc, meta)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
