@@ -49,7 +49,6 @@ class DecodeGroup:
     max_ctx_len: int
     # [n, 1, 1, max_ctx_len] additive float mask; None if all lengths are equal
     mask: torch.Tensor | None
-    ctx_lens: torch.Tensor | None = None  # [n] int32: each row's context length (kernels)
 
 
 @dataclass(frozen=True)
@@ -202,8 +201,7 @@ def _decode_group(
         allowed = (torch.arange(max_ctx)[None, :] < lens[:, None]).view(len(ctx), 1, 1, max_ctx)
         mask = _additive(allowed, dtype, device)
     rows = None if idx is None else torch.tensor(idx, dtype=torch.long, device=device)
-    return DecodeGroup(rows, torch.tensor(tables, dtype=torch.long, device=device), max_ctx, mask,
-                       torch.tensor(ctx, dtype=torch.int32, device=device))
+    return DecodeGroup(rows, torch.tensor(tables, dtype=torch.long, device=device), max_ctx, mask)
 
 
 def _decode_batch(

@@ -23,9 +23,7 @@ from engine.attention import (
     AttentionBackend,
     AttentionMetadata,
     DecodeBatch,
-    DecodeGroup,
     PrefillSeq,
-    TorchPagedAttention,
 )
 from engine.kv_quant import KVCacheView, QuantizedCache, write_kv
 from engine.native_attention import default_backend as native_default_backend
@@ -90,6 +88,8 @@ def _check_heads(h: int, kvh: int, k_cache: torch.Tensor, v_cache: torch.Tensor)
 class TritonPagedAttention(AttentionBackend):
     """Decode and prefill attention in Triton over the paged pool."""
 
+    flat_decode = True  # one launch over all decodes; split-KV evens out long contexts
+
     def __init__(self, num_splits: int | None = None) -> None:
         from engine import triton_kernels  # deferred: triton is optional
 
@@ -143,27 +143,16 @@ class TritonPagedAttention(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 dec: DecodeBatch) -> torch.Tensor:
-        if len(dec.groups) == 1 and dec.groups[0].rows is None:
-            return self.decode_group(q, k_cache, v_cache, dec.groups[0])
-        b, h, d = q.shape
-        out = q.new_empty(b, h * d)
-        for g in dec.groups:
-            assert g.rows is not None
-            out.index_copy_(0, g.rows, self.decode_group(q.index_select(0, g.rows), k_cache,
-                                                         v_cache, g))
-        return out
-
-    def decode_group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     g: DecodeGroup) -> torch.Tensor:
-        """q [n, H, D] for the group's rows -> [n, H * D]."""
-        if g.ctx_lens is None:
-            raise ValueError("TritonPagedAttention needs DecodeGroup.ctx_lens (build_metadata)")
+        """q [B, H, D] of every decode, one launch over the flat batch -> [B, H * D]."""
+        if dec.block_tables is None or dec.ctx_lens is None:
+            raise ValueError("TritonPagedAttention needs flat decode metadata "
+                             "(build_metadata(..., flat_decode=True))")
+        tables, ctx_lens = dec.block_tables, dec.ctx_lens
         b, h, d = q.shape
         kvh = k_cache.shape[2]
         block_size = k_cache.shape[1]
         _check_heads(h, kvh, k_cache, v_cache)
         q = q.contiguous()
-        tables = g.block_tables
         plan = plan_splits(b, kvh, tables.shape[1], self.num_splits)
         part = torch.empty(b, h, plan.num_splits, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(b, h, plan.num_splits, dtype=torch.float32, device=q.device)
@@ -171,7 +160,7 @@ class TritonPagedAttention(AttentionBackend):
         use_dot = _dot_ok(block_size, d)
         kern = self._kernels
         kern.paged_decode_kernel[(b, kvh, plan.num_splits)](
-            q, k_cache, v_cache, tables, g.ctx_lens, part, lse,
+            q, k_cache, v_cache, tables, ctx_lens, part, lse,
             1.0 / math.sqrt(d),
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
