@@ -21,9 +21,9 @@ from engine.dtype import resolved_config
 from engine.kv_pool import TORCH_DTYPES, KVPool
 from engine.loader import load_config, load_model_with, weights_fingerprint
 from engine.model_config import ModelConfig, kv_layout
-from engine.native_attention import default_backend
 from engine.quant.formats import served_quantization
 from engine.runner_types import SeqChunk
+from engine.triton_attention import select_backend
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -85,8 +85,8 @@ class ModelRunner:
         else:
             self.pool = KVPool(self.layout, self._num_blocks_from_budget(), device=self.device)
         self.num_blocks = self.pool.num_blocks
-        self.backend = backend or default_backend(self.dtype, self.device,
-                                                  plain_kv=not self.layout.quantized)
+        self.backend = backend or select_backend(self.dtype, self.device,
+                                                 plain_kv=not self.layout.quantized)
         self._kv_layers = self.pool.all_layer_views()
 
     @classmethod

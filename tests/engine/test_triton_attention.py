@@ -1,0 +1,115 @@
+"""Triton paged decode attention against `TorchPagedAttention`, on CPU under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors: run the kernels interpreted
+pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
+
+from common.kv_layout import NULL_BLOCK  # noqa: E402
+from engine.attention import TorchPagedAttention, build_metadata, order_chunks  # noqa: E402
+from engine.kv_quant import QuantizedCache  # noqa: E402
+from engine.runner_types import SeqChunk  # noqa: E402
+from engine.triton_attention import (  # noqa: E402
+    TritonPagedAttention,
+    plan_splits,
+    select_backend,
+)
+
+NUM_BLOCKS = 64
+
+
+def _batch(ctx: list[int], prefills: list[tuple[int, int]], bs: int, heads: int, kvh: int,
+           d: int, seed: int):
+    """Decodes at `ctx`, then chunks of (start_pos, n) tokens, on fragmented block tables."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(NUM_BLOCKS, bs, kvh, d, generator=gen)
+    v_cache = torch.randn(NUM_BLOCKS, bs, kvh, d, generator=gen)
+    k_cache[NULL_BLOCK] = 1e4  # padding must never reach the output
+    v_cache[NULL_BLOCK] = 1e4
+    perm = [b for b in torch.randperm(NUM_BLOCKS, generator=gen).tolist() if b != NULL_BLOCK]
+    chunks, taken = [], 0
+    spans = [(n - 1, 1) for n in ctx] + prefills
+    for start, n in spans:
+        nb = math.ceil((start + n) / bs)
+        table, taken = perm[taken : taken + nb], taken + nb
+        chunks.append(SeqChunk([1] * n, start, table, True))
+    order = order_chunks(chunks)
+    cpu = torch.device("cpu")
+    meta = build_metadata(chunks, order, bs, torch.float32, cpu)  # groups, for the torch path
+    flat = build_metadata(chunks, order, bs, torch.float32, cpu, flat_decode=True)
+    t = meta.num_tokens
+    q = torch.randn(t, heads, d, generator=gen)
+    k = torch.randn(t, kvh, d, generator=gen)
+    v = torch.randn(t, kvh, d, generator=gen)
+    return q, k, v, k_cache, v_cache, meta, flat
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("bs,d", [(16, 16), (4, 8)])  # tl.dot path, and the broadcast path
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_decode_matches_torch_paged_attention(group: int, bs: int, d: int,
+                                              num_splits: int | None) -> None:
+    kvh = 2
+    # Lengths on and off block boundaries; 300 forms its own decode group.
+    ctx = [1, 5, 16, 17, 47, 130] if bs == 16 else [1, 3, 4, 9, 22, 61]
+    if bs == 16:
+        ctx.append(300)
+    q, k, v, kc, vc, meta, flat = _batch(ctx, [], bs, kvh * group, kvh, d, seed=group + bs)
+    assert meta.decode is not None and flat.decode is not None
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = TorchPagedAttention().forward(q, k, v, kc, vc, meta)
+    got = TritonPagedAttention(num_splits=num_splits).forward(q, k, v, kc2, vc2, flat)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # the step's K/V written alike
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_step_keeps_prefill_rows_after_decodes() -> None:
+    q, k, v, kc, vc, meta, flat = _batch([9, 40], [(20, 7)], 16, 8, 2, 16, seed=7)
+    assert meta.prefills and meta.decode is not None
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = TorchPagedAttention().forward(q, k, v, kc, vc, meta)
+    got = TritonPagedAttention().forward(q, k, v, kc2, vc2, flat)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("bs,d", [(16, 16), (4, 8)])
+def test_prefill_chunks_match_torch_paged_attention(group: int, bs: int, d: int) -> None:
+    """Whole prompts, prefix-cache hits and later chunks (start_pos > 0), lengths on and
+    off block boundaries, rows spanning several query tiles."""
+    kvh = 2
+    chunks = [(0, 21), (0, 16), (16, 5), (13, 40), (37, 1 + bs)]
+    q, k, v, kc, vc, meta, flat = _batch([], chunks, bs, kvh * group, kvh, d, seed=3 * group + bs)
+    assert len(meta.prefills) == len(chunks) and meta.decode is None
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = TorchPagedAttention().forward(q, k, v, kc, vc, meta)
+    got = TritonPagedAttention().forward(q, k, v, kc2, vc2, flat)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_split_plan_covers_every_block_once() -> None:
+    for batch, blocks, forced in [(1, 256, None), (64, 256, None), (1, 3, None), (2, 10, 4),
+                                  (1, 5, 99)]:
+        plan = plan_splits(batch, 8, blocks, forced)
+        assert plan.num_splits * plan.blocks_per_split >= blocks
+        assert (plan.num_splits - 1) * plan.blocks_per_split < blocks  # no empty split
+    assert plan_splits(1, 8, 256).num_splits > 1  # long context, small batch: split
+    assert plan_splits(64, 8, 256).num_splits == 1  # enough programs already
+
+
+def test_quantized_pool_is_refused_and_never_selected() -> None:
+    codes = torch.zeros(4, 16, 2, 16, dtype=torch.uint8)
+    qc = QuantizedCache(codes, torch.ones(4, 2), "int8")
+    q, k, v, _, _, _, flat = _batch([5], [], 16, 4, 2, 16, seed=1)
+    with pytest.raises(TypeError, match="unquantized"):
+        TritonPagedAttention().forward(q, k, v, qc, qc, flat)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert type(select_backend(torch.bfloat16, cuda, plain_kv=False)) is TorchPagedAttention
+    assert type(select_backend(torch.float32, cpu)) is TorchPagedAttention
+    assert isinstance(select_backend(torch.bfloat16, cuda), TritonPagedAttention)
