@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llama", "llama31", "mistral", "qwen2", "qwen3", "tied", "mqa")
+FAMILIES = ("llama", "llama31", "mistral", "qwen2", "qwen3", "tied", "mqa", "mixtral", "qwen3_moe")
 
 _BASE: dict[str, Any] = {
     "hidden_size": 64,
@@ -57,6 +57,13 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any], int | list[int]]] = {
     "qwen3": ("Qwen3Config", {"head_dim": 32, "rope_theta": 1000000.0}, [2, 3]),
     "tied": ("LlamaConfig", {"tie_word_embeddings": True, "vocab_size": 256}, 2),
     "mqa": ("LlamaConfig", {"num_key_value_heads": 1, "num_attention_heads": 4}, 2),
+    # Mixtral: every layer routed, top-2 of 4, renormalised.
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
+                                  "sliding_window": None, "rope_theta": 1000000.0}, 2),
+    # Qwen3-MoE: top-2 of 8 without renormalisation (norm_topk_prob false), layer 1 dense.
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "norm_topk_prob": False, "mlp_only_layers": [1], "head_dim": 32,
+                                     "rope_theta": 1000000.0}, [2, 3]),
 }
 
 
