@@ -104,7 +104,24 @@ def make_hf_model(family: str = "llama", seed: int = 0, **overrides: Any) -> Any
     torch.manual_seed(seed * 1000 + FAMILIES.index(family))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomise_norms_and_biases(model, scale=0.2)
+    _sharpen_routers(model, factor=ROUTER_SCALE)
     return model.eval()
+
+
+# MoE routers (`*.gate.weight`, [experts, hidden]) are scaled up so each token's top-k
+# experts win by a margin: with the plain init, router scores of a random model sit
+# close together and a bf16 rounding (fused vs unfused norms) can swap an expert,
+# which moves the logits by far more than a rounding would.
+ROUTER_SCALE = 4.0
+
+
+def _sharpen_routers(model: Any, factor: float) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".gate.weight"):
+                p.mul_(factor)
 
 
 def make_tiny_model(out_dir: Path, family: str = "llama", seed: int = 0, **overrides: Any) -> Path:
