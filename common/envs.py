@@ -69,6 +69,10 @@ ENV_VARS: dict[str, EnvVar] = {
             "0: bf16 runs the torch paths (gather + SDPA decode attention, unfused RMSNorm) even "
             "where the native CPU kernels (engine/_cpu_kernels.c) are built.",
         ),
+        EnvVar("HF_TOKEN", "", "Hugging Face token for `--model org/name` downloads of gated or private repos."),
+        EnvVar("HF_HUB_OFFLINE", "", "1: resolve `--model org/name` from the local Hugging Face cache only."),
+        EnvVar("HF_HUB_CACHE", "", "The Hugging Face hub cache (default: <HF_HOME>/hub)."),
+        EnvVar("HF_HOME", "~/.cache/huggingface", "Root of Hugging Face's files; the hub cache is <HF_HOME>/hub."),
     )
 }
 
@@ -135,3 +139,21 @@ def api_keys() -> tuple[str, ...]:
 def native_kernels() -> bool:
     """`PDSERVE_NATIVE_KERNELS`: False when set to 0 (default on)."""
     return get("PDSERVE_NATIVE_KERNELS") != "0"
+
+
+def hf_token() -> str | None:
+    """`HF_TOKEN`, or None when unset (huggingface_hub then uses a saved login, if any)."""
+    return get("HF_TOKEN") or None
+
+
+def hf_offline() -> bool:
+    """`HF_HUB_OFFLINE` is set to a true value (1, true, yes, on)."""
+    return (get("HF_HUB_OFFLINE") or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hf_cache_dir() -> Path:
+    """`HF_HUB_CACHE`, else `<HF_HOME>/hub`: where `--model org/name` snapshots live."""
+    cache = get("HF_HUB_CACHE")
+    if cache:
+        return Path(cache).expanduser()
+    return Path(get("HF_HOME") or "~/.cache/huggingface").expanduser() / "hub"

@@ -20,6 +20,7 @@ from common.generation_config import (
     token_ids,
 )
 from common.kv_layout import KVLayout, kv_dtype_for
+from engine.moe_config import MOE_ARCHITECTURES, MoEConfig, MoEConfigError, parse_moe
 from engine.quant.formats import PrequantConfig, QuantizationError, parse_quantization_config
 
 SUPPORTED_ARCHITECTURES = (
@@ -27,6 +28,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *MOE_ARCHITECTURES,
 )
 
 
@@ -36,6 +38,8 @@ _ARCH_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -84,6 +88,7 @@ class ModelConfig:
     # how the loader reads its tensors (engine/quant/formats.py).
     quantization: str = "none"
     prequant: PrequantConfig | None = None
+    moe: MoEConfig | None = None  # routed experts (Mixtral, Qwen3-MoE); None: dense
     # sha256 of config.json bytes; stable identity for KV compatibility hashes.
     model_id: str = field(default="", compare=False)
 
@@ -169,7 +174,9 @@ class ModelConfig:
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         theta, scaling = _parse_rope(cfg)
         is_qwen2 = model_type == "qwen2" or arch == "Qwen2ForCausalLM"
-        is_mistral = model_type == "mistral" or arch == "MistralForCausalLM"
+        # Mixtral's attention is Mistral's; Qwen3-MoE's is Qwen3's.
+        is_mistral = model_type in ("mistral", "mixtral") or arch in ("MistralForCausalLM", "MixtralForCausalLM")
+        is_qwen3 = model_type in ("qwen3", "qwen3_moe") or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         # Mistral never has attention biases; Llama and Qwen3 put attention_bias on
         # q/k/v/o alike; Qwen2 always has q/k/v bias and never o bias.
         attn_bias = bool(cfg.get("attention_bias", False)) and not is_mistral
@@ -201,7 +208,7 @@ class ModelConfig:
             attention_bias=qkv_bias,
             o_proj_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3" or arch == "Qwen3ForCausalLM",
+            qk_norm=is_qwen3,
             rope_scaling=scaling,
             eos_token_ids=eos,
             bos_token_id=int(bos) if isinstance(bos, int) else None,
@@ -210,6 +217,7 @@ class ModelConfig:
             sliding_window=int(window) if window else None,
             quantization=prequant.method if prequant else "none",
             prequant=prequant,
+            moe=_moe(cfg, arch, int(need("num_hidden_layers")), source),
             model_id=model_id,
         )
 
@@ -239,6 +247,13 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
             scaling_raw.get("original_max_position_embeddings", 8192)
         ),
     )
+
+
+def _moe(cfg: dict[str, Any], arch: str, num_layers: int, source: str) -> MoEConfig | None:
+    try:
+        return parse_moe(cfg, arch, num_layers, source)
+    except MoEConfigError as e:
+        raise ModelConfigError(str(e)) from None
 
 
 def _cfg_eos(value: Any) -> tuple[int, ...]:

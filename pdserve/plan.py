@@ -4,6 +4,8 @@ Torch-free: reads `config.json` through the engine's own parser
 (`engine.model_config`, so plan and engine agree on every bias and flag) and,
 when present, the safetensors headers (for an exact parameter count). The figures:
 
+- for a MoE model (Mixtral, Qwen3-MoE) every expert is counted in the weights, and
+  the parameters one token runs through (its top-k experts) are reported beside them;
 - weight bytes = parameters x bytes per element of the serving dtype (`auto`, the
   default, resolves as the workers do: `engine.dtype`); under weight quantization
   (`--quantization int8|int4`, or an AWQ/GPTQ checkpoint's own) the decoder linears
@@ -29,7 +31,7 @@ import struct
 from dataclasses import asdict, dataclass
 from math import prod
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from common.kv_layout import DTYPE_BYTES
 from engine.dtype import host_cpu_flags, resolve_dtype
@@ -102,14 +104,35 @@ def param_count(cfg: ModelConfig) -> int:
     mlp = 3 * h * cfg.intermediate_size + (2 * cfg.intermediate_size + h if cfg.mlp_bias else 0)
     norms = 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0)
     embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return embed + cfg.num_layers * (attn + mlp + norms) + h
+    sparse = len(cfg.moe.sparse_layers) if cfg.moe else 0
+    experts = expert_counts(cfg)
+    router = h * cfg.moe.num_experts * sparse if cfg.moe else 0
+    return embed + cfg.num_layers * (attn + norms) + (cfg.num_layers - sparse) * mlp + router + experts.total + h
+
+
+class ExpertCounts(NamedTuple):
+    """Expert weights of a MoE model (zeros for a dense one): all experts of every
+    routed layer, and the top-k of them one token runs through."""
+
+    total: int
+    active: int
+
+
+def expert_counts(cfg: ModelConfig) -> ExpertCounts:
+    if cfg.moe is None:
+        return ExpertCounts(0, 0)
+    per_expert = 3 * cfg.hidden_size * cfg.moe.expert_intermediate_size  # gate, up, down
+    layers = len(cfg.moe.sparse_layers)
+    return ExpertCounts(per_expert * cfg.moe.num_experts * layers, per_expert * cfg.moe.top_k * layers)
 
 
 def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     """(out, in) of every decoder linear weight: what weight quantization applies to."""
     h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    layer = [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter)]
-    return layer * cfg.num_layers
+    attn, mlp = [(q, h), (kv, h), (kv, h), (h, q)], [(inter, h), (inter, h), (h, inter)]
+    # A MoE layer's experts are served unquantized (engine/models/moe.py): not listed.
+    sparse = set(cfg.moe.sparse_layers) if cfg.moe else set()
+    return [s for i in range(cfg.num_layers) for s in attn + ([] if i in sparse else mlp)]
 
 
 def weight_bytes(cfg: ModelConfig, params: int, scheme: str, compute_bytes: int) -> int:
@@ -169,6 +192,8 @@ class CapacityPlan:
     kv_bytes_per_element: int
     param_count: int
     param_source: str  # "safetensors headers" | "config shapes"
+    expert_param_count: int  # routed experts' weights, all of them (0: dense model)
+    active_param_count: int  # parameters one token runs through (all of them when dense)
     weight_bytes: int
     num_layers: int
     num_kv_heads: int
@@ -235,6 +260,7 @@ def compute_plan(
     # A quantized checkpoint's headers hold packed tensors, not parameters.
     exact = safetensors_param_count(d) if cfg.prequant is None else None
     params = exact if exact is not None else param_count(cfg)
+    experts = expert_counts(cfg)
     kv_dt = dt if kv_cache_dtype == "auto" else kv_cache_dtype
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _KV_BYTES[kv_dt]
     w_bytes = weight_bytes(cfg, params, scheme, DTYPE_BYTES[dt])
@@ -259,6 +285,8 @@ def compute_plan(
         kv_bytes_per_element=_KV_BYTES[kv_dt],
         param_count=params,
         param_source="safetensors headers" if exact is not None else "config shapes",
+        expert_param_count=experts.total,
+        active_param_count=params - experts.total + experts.active,
         weight_bytes=w_bytes,
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads,
@@ -294,6 +322,8 @@ def format_plan(p: CapacityPlan) -> str:
         ("parameters", f"{p.param_count:,} (from {p.param_source})"),
         ("quantization", f"{p.quantization} (decoder linears; embeddings and LM head in {p.dtype})"
          if p.quantization != "none" else "none"),
+        *([("expert parameters", f"{p.expert_param_count:,} (all experts); {p.active_param_count:,}"
+            " parameters active per token")] if p.expert_param_count else []),
         ("weight bytes", _b(p.weight_bytes)),
         (
             "KV bytes per token",

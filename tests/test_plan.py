@@ -179,6 +179,11 @@ TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "nu
         # Llama with attention_bias: q/k/v and o_proj bias; Qwen3: q/k norms, tied embeddings.
         ("LlamaForCausalLM", "llama", {"attention_bias": True, "mlp_bias": True}),
         ("Qwen3ForCausalLM", "qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+        # MoE: every layer routed (Mixtral); routed every 2nd layer but not layer 3 (Qwen3-MoE).
+        ("MixtralForCausalLM", "mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        ("Qwen3MoeForCausalLM", "qwen3_moe", {"num_experts": 6, "num_experts_per_tok": 2, "num_hidden_layers": 4,
+                                              "moe_intermediate_size": 24, "decoder_sparse_step": 2,
+                                              "mlp_only_layers": [3]}),
     ],
 )
 def test_plan_counts_the_parameters_the_engine_and_transformers_build(
@@ -187,14 +192,14 @@ def test_plan_counts_the_parameters_the_engine_and_transformers_build(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine.model_config import ModelConfig
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models import MODEL_REGISTRY
 
     d = tmp_path / model_type
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type, **TINY, **extra}))
     plan = compute_plan(d, GiB, 128)  # no weights: counted from the config
     cfg = ModelConfig.from_hf_dir(d)
-    engine_model = LlamaForCausalLM(cfg, torch.float32, torch.device("cpu"))
+    engine_model = MODEL_REGISTRY[cfg.architecture](cfg, torch.float32, torch.device("cpu"))
     hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), dtype=torch.float32)
     assert plan.param_source == "config shapes"
     assert plan.param_count == sum(p.numel() for p in engine_model.parameters())
@@ -207,3 +212,20 @@ def test_plan_refuses_a_model_the_engine_cannot_serve(tmp_path: Path) -> None:
     d = _model(tmp_path, "gpt2", architectures=["GPT2LMHeadModel"])
     with pytest.raises(PlanError, match="unsupported architecture 'GPT2LMHeadModel'"):
         compute_plan(d, 80 * GiB, 1024)
+
+
+def test_plan_counts_mixtral_8x7b_experts_total_and_active(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Mixtral-8x7B's published figures: 46.7B parameters, 12.9B of them active per token (top-2 of 8)."""
+    d = _model(tmp_path, "mixtral", architectures=["MixtralForCausalLM"], model_type="mixtral",
+               num_key_value_heads=8, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+               torch_dtype="bfloat16")
+    plan = compute_plan(d, 80 * GiB, 4096)
+    assert plan.param_count == 46_702_792_704
+    assert plan.expert_param_count == 32 * 8 * 3 * 4096 * 14336
+    assert plan.active_param_count == 12_879_925_248
+    int8 = compute_plan(d, 80 * GiB, 4096, quantization="int8")  # experts stay bf16, attention shrinks
+    assert plan.expert_param_count * 2 < int8.weight_bytes < plan.weight_bytes
+    dense = compute_plan(_model(tmp_path, "dense"), 80 * GiB, 4096)
+    assert dense.expert_param_count == 0 and dense.active_param_count == dense.param_count
+    assert main(["plan", "--model", str(d), "--device-memory", "80GiB", "--max-model-len", "4096"]) == 0
+    assert "45,097,156,608 (all experts); 12,879,925,248 parameters active per token" in capsys.readouterr().out

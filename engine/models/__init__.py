@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import MoEForCausalLM
 
-# All four architectures share one implementation; differences are config flags.
+# The dense architectures share one implementation, differences are config flags;
+# the MoE ones add routed experts to it (`ModelConfig.moe`).
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MoEForCausalLM,
+    "Qwen3MoeForCausalLM": MoEForCausalLM,
 }
 
 __all__ = ["MODEL_REGISTRY", "LlamaForCausalLM"]

@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from pdserve.cli.args import Parser, UsageError
+from pdserve.cli.args import Parser, UsageError, resolve_model_arg
 
 # Module names under pdserve.cli, one per subcommand (or group of subcommands).
 COMMAND_MODULES = (
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        resolve_model_arg(args)
         return int(args.func(args) or 0)
     except UsageError as e:
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)

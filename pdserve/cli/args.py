@@ -241,6 +241,30 @@ def http_url(text: str) -> str:
     return text
 
 
+def add_model_arg(ap: argparse.ArgumentParser, note: str = "") -> None:
+    """`--model` (a directory or a Hugging Face repo id) with `--revision` and `--download-dir`;
+    `pdserve.cli.main` resolves an id to its snapshot directory before the command runs."""
+    ap.add_argument("--model", default=None,
+                    help="model directory or Hugging Face repo id org/name (default: built-in)" + note)
+    ap.add_argument("--revision", default=None, help="with a repo id: branch, tag or commit (default: main)")
+    ap.add_argument("--download-dir", type=Path, default=None,
+                    help="with a repo id: the Hugging Face cache to use (default: $HF_HUB_CACHE or $HF_HOME/hub)")
+
+
+def resolve_model_arg(args: argparse.Namespace) -> None:
+    """Replace a repo id in `args.model` by its local snapshot directory (see pdserve/hub.py);
+    `args.repo_id` keeps the id (None for a directory), the name the gateway serves it as."""
+    if getattr(args, "model", None) is None or not hasattr(args, "revision"):
+        return
+    from pdserve.hub import HubError, HubSource, is_repo_id, resolve_model
+
+    args.repo_id = str(args.model) if is_repo_id(str(args.model)) else None
+    try:
+        args.model = resolve_model(str(args.model), HubSource(args.revision, args.download_dir))
+    except HubError as e:
+        raise UsageError("--model", str(e)) from None
+
+
 def model_dir(path: str | Path | None) -> Path:
     """The model directory a command will use: `path`, or the built-in model."""
     if path is None:

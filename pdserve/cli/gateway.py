@@ -14,6 +14,7 @@ from common import envs
 from common.logs import configure_logging
 from pdserve.cli.args import (
     UsageError,
+    add_model_arg,
     check_listen,
     check_max_model_len,
     check_model,
@@ -42,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--host", type=host, default="127.0.0.1")
     ap.add_argument("--port", type=port_or_zero, default=8000,
                     help="0: a free one (the `listening` log event names it)")
-    ap.add_argument("--model", default=None, help="model dir for the tokenizer (default: built-in)")
+    add_model_arg(ap, " (for the tokenizer)")
     ap.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                     help="model name(s) requests may use; the first is reported in responses "
                          "(default: the dir name)")
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         ))
     except ValueError as e:
         raise SystemExit(f"pdserve gateway: {e}") from None
-    names = args.served_model_name or [model.name]
+    names = args.served_model_name or [getattr(args, "repo_id", None) or model.name]
     config = GatewayConfig(
         host=args.host,
         port=args.port,

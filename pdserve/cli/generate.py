@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from common.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.cli.args import (
     add_dtype_arg,
     add_kv_cache_dtype_arg,
+    add_model_arg,
     add_quantization_arg,
     add_speculative_arg,
     check_model,
@@ -30,7 +30,7 @@ def register(subparsers: Any) -> None:
         "generate", help="generate text in one process", description=__doc__.splitlines()[0]
     )
     p.add_argument("prompts", nargs="+", help="one or more prompts (run together in one batch)")
-    p.add_argument("--model", type=Path, default=None, help="model dir (default: built-in model)")
+    add_model_arg(p)
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--max-tokens", type=int, default=32)

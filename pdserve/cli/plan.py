@@ -15,6 +15,7 @@ from typing import Any
 from pdserve.cli.args import (
     UsageError,
     add_dtype_arg,
+    add_model_arg,
     add_quantization_arg,
     device,
     fraction,
@@ -38,7 +39,7 @@ def register(subparsers: Any) -> None:
         help="capacity arithmetic for a model on a device",
         description=__doc__.splitlines()[0],
     )
-    p.add_argument("--model", default=None, help="model directory (default: the built-in model)")
+    add_model_arg(p)
     p.add_argument("--device-memory", type=_size, required=True, help="e.g. 80GiB, 80GB, 24GiB")
     p.add_argument("--max-model-len", type=positive_int, required=True, help="tokens per full request")
     p.add_argument("--concurrency", type=positive_int, default=None, help="check this many full requests")

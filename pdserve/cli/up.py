@@ -19,6 +19,7 @@ from pdserve.cli.args import (
     UsageError,
     add_dtype_arg,
     add_kv_cache_dtype_arg,
+    add_model_arg,
     add_quantization_arg,
     add_speculative_arg,
     byte_size_text,
@@ -47,7 +48,7 @@ from worker.cpu_cores import format_cpu_list, plan_cores
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap = sub.add_parser("up", help="start a gateway and workers on this machine")
-    ap.add_argument("--model", default=None, help="model dir (default: built-in)")
+    add_model_arg(ap, " (resolved once here; the children get the directory)")
     ap.add_argument("--host", type=host, default="127.0.0.1")
     ap.add_argument("--port", type=port, default=8000)
     ap.add_argument("--prefill", type=positive_int, default=1, help="prefill workers")
@@ -200,8 +201,9 @@ def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
         cmd += ["--model", str(Path(args.model))]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
-    if args.served_model_name:
-        cmd += ["--served-model-name", *args.served_model_name]
+    names = args.served_model_name or ([args.repo_id] if getattr(args, "repo_id", None) else [])
+    if names:  # a repo id is served by its name, not by its snapshot directory's
+        cmd += ["--served-model-name", *names]
     mode = args.generation_config
     cmd += ["--generation-config", mode if mode in ("auto", "vllm") else str(Path(mode).resolve())]
     if args.enable_auto_tool_choice:

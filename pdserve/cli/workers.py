@@ -17,6 +17,7 @@ from pdserve.cli.args import (
     UsageError,
     add_dtype_arg,
     add_kv_cache_dtype_arg,
+    add_model_arg,
     add_quantization_arg,
     add_speculative_arg,
     byte_size,
@@ -65,7 +66,7 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gateway", required=True, action="append", type=gateway_address,
                     help="gateway control address, tcp://HOST:PORT or dns+tcp://NAME:PORT (every A record, "
                     "re-resolved); repeat for several gateways")
-    ap.add_argument("--model", default=None, help="Hugging Face model dir (default: built-in)")
+    add_model_arg(ap)
     ap.add_argument("--device", default="cpu", type=device, help="cpu | cuda | cuda:N")
     add_dtype_arg(ap)
     add_kv_cache_dtype_arg(ap)

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llama", "llama31", "mistral", "qwen2", "qwen3", "tied", "mqa")
+FAMILIES = ("llama", "llama31", "mistral", "qwen2", "qwen3", "tied", "mqa", "mixtral", "qwen3_moe")
 
 _BASE: dict[str, Any] = {
     "hidden_size": 64,
@@ -57,6 +57,13 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any], int | list[int]]] = {
     "qwen3": ("Qwen3Config", {"head_dim": 32, "rope_theta": 1000000.0}, [2, 3]),
     "tied": ("LlamaConfig", {"tie_word_embeddings": True, "vocab_size": 256}, 2),
     "mqa": ("LlamaConfig", {"num_key_value_heads": 1, "num_attention_heads": 4}, 2),
+    # Mixtral: every layer routed, top-2 of 4, renormalised.
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
+                                  "sliding_window": None, "rope_theta": 1000000.0}, 2),
+    # Qwen3-MoE: top-2 of 8 without renormalisation (norm_topk_prob false), layer 1 dense.
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "norm_topk_prob": False, "mlp_only_layers": [1], "head_dim": 32,
+                                     "rope_theta": 1000000.0}, [2, 3]),
 }
 
 
@@ -97,7 +104,24 @@ def make_hf_model(family: str = "llama", seed: int = 0, **overrides: Any) -> Any
     torch.manual_seed(seed * 1000 + FAMILIES.index(family))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomise_norms_and_biases(model, scale=0.2)
+    _sharpen_routers(model, factor=ROUTER_SCALE)
     return model.eval()
+
+
+# MoE routers (`*.gate.weight`, [experts, hidden]) are scaled up so each token's top-k
+# experts win by a margin: with the plain init, router scores of a random model sit
+# close together and a bf16 rounding (fused vs unfused norms) can swap an expert,
+# which moves the logits by far more than a rounding would.
+ROUTER_SCALE = 4.0
+
+
+def _sharpen_routers(model: Any, factor: float) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".gate.weight"):
+                p.mul_(factor)
 
 
 def make_tiny_model(out_dir: Path, family: str = "llama", seed: int = 0, **overrides: Any) -> Path:
