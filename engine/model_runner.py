@@ -23,6 +23,7 @@ from engine.loader import load_config, load_model_with, weights_fingerprint
 from engine.model_config import ModelConfig, kv_layout
 from engine.native_attention import default_backend
 from engine.quant.formats import served_quantization
+from engine.parallel.plan import TPShard
 from engine.runner_types import SeqChunk
 
 
@@ -56,7 +57,10 @@ class ModelRunner:
         kv_buffer: torch.Tensor | np.ndarray | None = None,
         backend: AttentionBackend | None = None,
         layout: KVLayout | None = None,
+        shard: TPShard | None = None,
     ) -> None:
+        """`shard`: this process is one tensor-parallel rank (`engine.parallel`): it loads
+        that slice of the weights and attends over its KV heads of the (full-layout) pool."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         config = resolved_config(config)  # `auto` -> the dtype this host serves in
@@ -67,7 +71,7 @@ class ModelRunner:
         max_len = resolve_max_model_len(config, load_config(config.model_dir))
         self.model_config, self.model = load_model_with(
             config.model_dir, self.dtype, self.device, max_positions=max_len,
-            quantization=config.quantization,
+            quantization=config.quantization, shard=shard,
         )
         self.max_model_len = max_len
         # A caller that sized the pool with `layout_for(config)` passes that layout, so
@@ -88,6 +92,9 @@ class ModelRunner:
         self.backend = backend or default_backend(self.dtype, self.device,
                                                   plain_kv=not self.layout.quantized)
         self._kv_layers = self.pool.all_layer_views()
+        if shard is not None:
+            h = shard.kv_heads
+            self._kv_layers = [(k[:, :, h.start:h.stop], v[:, :, h.start:h.stop]) for k, v in self._kv_layers]
 
     @classmethod
     def layout_for(cls, config: EngineConfig) -> KVLayout:

@@ -157,6 +157,9 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
+        # Tensor parallel (`engine.parallel`) sums the row-parallel o_proj and down_proj
+        # partial outputs across ranks here: one all-reduce per attention and MLP block.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce
         self.rope = RopeTables(
             cfg.head_dim,
             cfg.rope_theta,
@@ -189,11 +192,11 @@ class LlamaForCausalLM(nn.Module):
         x = layers[0].input_layernorm(h)
         for i, layer in enumerate(layers):
             k_cache, v_cache = kv_layers[i]
-            attn_out = layer.self_attn(x, cos, sin, k_cache, v_cache, meta, backend)
+            attn_out = self.reduce(layer.self_attn(x, cos, sin, k_cache, v_cache, meta, backend))
             if layer_hook is not None:
                 layer_hook(i)
             h, x = layer.post_attention_layernorm.add_forward(h, attn_out)
-            h, x = norms[i].add_forward(h, layer.mlp(x))
+            h, x = norms[i].add_forward(h, self.reduce(layer.mlp(x)))
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -259,6 +262,10 @@ class LlamaForCausalLM(nn.Module):
         if not c.tie_word_embeddings:
             specs.append(_spec("lm_head", "lm_head.weight", (c.vocab_size, hd)))
         return specs
+
+
+def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _spec(param: str, name: str, shape: tuple[int, ...]) -> WeightSpec:
