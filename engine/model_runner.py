@@ -96,6 +96,9 @@ class ModelRunner:
             h = shard.kv_heads
             self._kv_layers = [(k[:, :, h.start:h.stop], v[:, :, h.start:h.stop]) for k, v in self._kv_layers]
 
+    def close(self) -> None:
+        """Release what the runner started (a tensor-parallel rank 0 stops its followers)."""
+
     @classmethod
     def layout_for(cls, config: EngineConfig) -> KVLayout:
         """The KV layout this config's runner will use; reads config.json and the weights

@@ -300,3 +300,15 @@ def check_listen(flag: str, host_name: str, port_number: int) -> None:
             raise UsageError(
                 flag, f"cannot listen on {host_name}:{port_number}: {e.strerror or e}"
             ) from None
+
+
+def check_parallel(flag: str, size: int, device_name: str, config: Any) -> None:
+    """A tensor-parallel size must split the model's heads and MLP, on CPU (gloo) for now."""
+    from engine.parallel.plan import ParallelLayoutError, check_tp
+
+    if size > 1 and not device_name.startswith("cpu"):
+        raise UsageError(flag, "tensor parallel runs on --device cpu only so far")
+    try:
+        check_tp(config, size)
+    except ParallelLayoutError as e:
+        raise UsageError(flag, str(e)) from None

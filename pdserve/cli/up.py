@@ -25,6 +25,7 @@ from pdserve.cli.args import (
     check_listen,
     check_max_model_len,
     check_model,
+    check_parallel,
     check_speculative,
     device,
     host,
@@ -66,6 +67,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--no-core-borrowing", action="store_true",
                     help="with one pinned prefill and one decode worker, do not let the decode "
                     "worker use the prefill worker's cores while prefill is idle")
+    ap.add_argument("--prefill-tp", type=positive_int, default=1,
+                    help="tensor-parallel ranks per prefill worker")
+    ap.add_argument("--decode-tp", type=positive_int, default=1,
+                    help="tensor-parallel ranks per decode (or colocated) worker")
     ap.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
     add_dtype_arg(ap, "workers' weight and KV dtype, each resolved on its own host; ")
     add_kv_cache_dtype_arg(ap)
@@ -127,13 +132,16 @@ def _worker_cmds(args: argparse.Namespace, control: str,
     roles, counts = _roles(args), _thread_counts(args)
     cores = core_flags(args, roles, counts, share_file)
     # Threads that fit the cores may spin between parallel regions (see workers.py).
-    spin = sum(counts) <= len(os.sched_getaffinity(0))
+    ranks = [args.prefill_tp if role == "prefill" else args.decode_tp for role in roles]
+    spin = sum(n * r for n, r in zip(counts, ranks, strict=True)) <= len(os.sched_getaffinity(0))
     cmds = []
     for role, n, pin in zip(roles, counts, cores, strict=True):
         cmd = [*_pdserve(), role, "--gateway", control, "--threads", str(n), "--device", args.device,
                "--dtype", args.dtype, "--quantization", args.quantization, *pin]
         cmd += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else []
         cmd += ["--colocated"] if role == "worker" else ["--kv-transport", args.kv_transport]
+        tp = args.prefill_tp if role == "prefill" else args.decode_tp
+        cmd += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         cmd += ["--spin-wait"] if spin else []
         if args.model:
             cmd += ["--model", args.model]
@@ -225,7 +233,10 @@ def _role_names(args: argparse.Namespace) -> list[str]:
 def check_args(args: argparse.Namespace) -> None:
     """Everything a child would otherwise fail on, refused before any child starts."""
     check_tool_flags(args)
-    check_max_model_len(args.max_model_len, check_model(args.model))
+    config = check_model(args.model)
+    check_max_model_len(args.max_model_len, config)
+    check_parallel("--prefill-tp", args.prefill_tp, args.device, config)
+    check_parallel("--decode-tp", args.decode_tp, args.device, config)
     check_served_names(args.served_model_name)
     check_speculative(args.speculative_config)
     sampling_defaults(args.generation_config, model_dir(args.model))
