@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,10 @@ def start_followers(args: list[RankArgs]) -> list[Any]:
 def follower_main(args: RankArgs) -> None:
     """A follower rank's process: load, join the group, run steps until STOP."""
     _exit_with_parent()
+    # The group lives as long as rank 0: a signal to the worker's process group (SIGTERM
+    # to drain, Ctrl-C under `pdserve up`) is rank 0's to act on; it then says STOP.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
 
     from engine.loader import load_config

@@ -81,12 +81,17 @@ class TPRunner(ModelRunner):
         args = [RankArgs(config, layout, r, size, store.port, pool_name, nbytes, GROUP_TIMEOUT_S)
                 for r in range(1, size)]
         self._procs = start_followers(args)
+        self._on_rank_death = on_rank_death
         self._watch = RankWatch(self._procs, on_rank_death)
-        super().__init__(config, kv_buffer=kv_buffer, backend=backend, layout=layout,
-                         shard=tp_shard(full, size, 0))
-        self.group = TPGroup(store, 0, size, GROUP_TIMEOUT_S)
-        self.model.reduce = self.group.all_reduce
-        self.group.barrier()
+        try:
+            super().__init__(config, kv_buffer=kv_buffer, backend=backend, layout=layout,
+                             shard=tp_shard(full, size, 0))
+            self.group = TPGroup(store, 0, size, GROUP_TIMEOUT_S)
+            self.model.reduce = self.group.all_reduce
+            self.group.barrier()
+        except BaseException:
+            self._abandon()
+            raise
         if self._segment is not None:
             self._segment.unlink()  # every rank has mapped it
         self._store = store
@@ -98,8 +103,13 @@ class TPRunner(ModelRunner):
         """`ModelRunner.execute` on every rank: checked here, broadcast, then run."""
         if chunks:
             self._check(chunks)  # bad input never reaches the followers
-            self.group.broadcast_longs(encode_step(chunks))
-        return super().execute(chunks, layer_hook)
+        try:
+            if chunks:
+                self.group.broadcast_longs(encode_step(chunks))
+            return super().execute(chunks, layer_hook)
+        except RuntimeError:  # a collective failed: the group is broken for good
+            self._group_failed()
+            raise
 
     def close(self) -> None:
         """Stop the followers and wait for them."""
@@ -107,9 +117,30 @@ class TPRunner(ModelRunner):
             return
         self._closed = True
         self._watch.stop()
+        if any(not p.is_alive() for p in self._procs):
+            return  # a broken group: nobody would hear the stop
         self.group.broadcast_longs(encode_stop())
         for proc in self._procs:
             proc.join(GROUP_TIMEOUT_S)
+
+    def _group_failed(self) -> None:
+        """Report the first dead follower (or rank 0's own failure) once."""
+        self._watch.stop()
+        for rank, proc in enumerate(self._procs, start=1):
+            proc.join(1.0)
+            if proc.exitcode is not None:
+                self._on_rank_death(rank, proc.exitcode)
+                return
+        self._on_rank_death(0, None)
+
+    def _abandon(self) -> None:
+        """Construction failed: stop the followers without a word on the group."""
+        self._watch.stop()
+        for proc in self._procs:
+            proc.kill()
+            proc.join(5.0)
+        if self._segment is not None:
+            self._segment.unlink()
 
     @property
     def rank_pids(self) -> list[int]:
