@@ -114,10 +114,14 @@ def test_tp_greedy_and_logits_match_single_process_and_hf(
     assert (logits - hf_logits[:NEW_TOKENS]).abs().max().item() < LOGIT_ATOL
 
 
-@pytest.mark.parametrize(("family", "overrides"), [("mqa", {}), ("llama", {"num_key_value_heads": 4})])
-def test_tp2_with_one_and_with_two_kv_heads_per_rank(
+@pytest.mark.parametrize(("family", "overrides"), [
+    ("mqa", {}),  # one KV head: replicated on both ranks
+    ("llama", {"num_key_value_heads": 4}),  # two KV heads per rank
+    ("llama", {"attention_bias": True, "mlp_bias": True}),  # o_proj and down_proj biases added once
+])
+def test_tp2_kv_head_splits_and_row_parallel_biases(
     tiny_model_dir: Callable[..., Path], tp_runner: Callable[[EngineConfig], ModelRunner], family: str,
-    overrides: dict[str, int],
+    overrides: dict[str, object],
 ) -> None:
     d = tiny_model_dir(family, **overrides)
     runner = tp_runner(_config(d, 2))
