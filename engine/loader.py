@@ -18,12 +18,12 @@ from common import envs
 from engine.kv_pool import TORCH_DTYPES
 from engine.model_config import ModelConfig, ModelConfigError
 from engine.models import MODEL_REGISTRY, LlamaForCausalLM
+from engine.models.llama import WeightSpec
+from engine.parallel.plan import TPShard, local_config
+from engine.parallel.weights import shard_source, stage_specs
 from engine.quant.checkpoint import load_linear
 from engine.quant.formats import ON_THE_FLY, QuantizationError, served_quantization
 from engine.quant.linear import quantize_weight, set_weight
-from engine.models.llama import WeightSpec
-from engine.parallel.plan import TPShard, local_config
-from engine.parallel.weights import shard_source
 from engine.weights_fingerprint import FingerprintError, WeightsFingerprint, fingerprint_files
 
 SINGLE_FILE = "model.safetensors"
@@ -185,6 +185,8 @@ def load_model_with(
     model = model_cls(model_cfg, dtype, dev, max_positions=max_positions)
     params = dict(model.named_parameters())
     specs = model.weight_specs() if shard is None else _full_specs(model_cls, cfg, dtype)
+    if shard is not None and shard.layers is not None:
+        specs = stage_specs(specs, shard.layers)
     unfilled = set(params) - {s.param for s in specs}
     if unfilled:  # a model bug, not a checkpoint problem
         raise RuntimeError(f"weight_specs() leaves parameters unfilled: {sorted(unfilled)}")

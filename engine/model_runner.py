@@ -10,20 +10,21 @@ reads block tables and writes K/V at the slots they imply.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from common.kv_layout import KVLayout
-from engine.attention import AttentionBackend, build_metadata, order_chunks
+from engine.attention import AttentionBackend, AttentionMetadata, build_metadata, order_chunks
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.dtype import resolved_config
 from engine.kv_pool import TORCH_DTYPES, KVPool
 from engine.loader import load_config, load_model_with, weights_fingerprint
 from engine.model_config import ModelConfig, kv_layout
 from engine.native_attention import default_backend
-from engine.quant.formats import served_quantization
 from engine.parallel.plan import TPShard
+from engine.quant.formats import served_quantization
 from engine.runner_types import SeqChunk
 
 
@@ -38,6 +39,13 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
             f"max_model_len {requested} exceeds the model's limit of {limit} positions"
         )
     return requested
+
+
+class StepInputs(NamedTuple):
+    input_ids: torch.Tensor  # [T] flat, in `order_chunks` order
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logit_rows: list[int]  # row of each need_logits chunk's last token, in chunk order
 
 
 class ModelRunner:
@@ -95,6 +103,13 @@ class ModelRunner:
         if shard is not None:
             h = shard.kv_heads
             self._kv_layers = [(k[:, :, h.start:h.stop], v[:, :, h.start:h.stop]) for k, v in self._kv_layers]
+            if shard.layers is not None:  # a pipeline stage: its layers' views only
+                self._kv_layers = self._kv_layers[shard.layers.start:shard.layers.stop]
+
+    @property
+    def kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(K, V) pool views of the layers this runner computes, each [blocks, slot, heads, dim]."""
+        return self._kv_layers
 
     def close(self) -> None:
         """Release what the runner started (a tensor-parallel rank 0 stops its followers)."""
@@ -147,6 +162,12 @@ class ModelRunner:
         if not chunks:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32)
         self._check(chunks)
+        step = self.step_inputs(chunks)
+        hidden = self.model(step.input_ids, step.positions, step.meta, self._kv_layers, self.backend, layer_hook)
+        return self.logits(hidden, step.logit_rows)
+
+    def step_inputs(self, chunks: Sequence[SeqChunk]) -> StepInputs:
+        """Flat token ids, positions and attention metadata of checked `chunks`."""
         order = order_chunks(chunks)
         ids: list[int] = []
         positions: list[torch.Tensor] = []
@@ -160,8 +181,11 @@ class ModelRunner:
                               self.backend.flat_decode)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.cat(positions).to(self.device)
-        hidden = self.model(input_ids, pos, meta, self._kv_layers, self.backend, layer_hook)
         rows = [r for i, c in enumerate(chunks) for r in range(last_row[i] - c.num_logits + 1, last_row[i] + 1)]
+        return StepInputs(input_ids, pos, meta, rows)
+
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Float32 logits of the final-norm `hidden` at `rows`."""
         if not rows:
             return torch.empty(
                 0, self.model_config.vocab_size, dtype=torch.float32, device=self.device

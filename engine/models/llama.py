@@ -184,6 +184,22 @@ class LlamaForCausalLM(nn.Module):
         layer i's K/V for every token of the step is in the pool.
         """
         h = F.embedding(input_ids, self.embed_tokens)
+        return self.run_layers(h, positions, meta, kv_layers, backend, layer_hook, final_norm=True)
+
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_layers: Sequence[tuple[KVCacheView, KVCacheView]],
+        backend: AttentionBackend,
+        layer_hook: Callable[[int], None] | None = None,
+        first_layer: int = 0,
+        final_norm: bool = False,
+    ) -> torch.Tensor:
+        """The decoder layers over the residual stream `h`: the final norm's output with
+        `final_norm`, else the residual stream after the last layer (a pipeline stage,
+        `engine.parallel`, runs its layers, numbered from `first_layer`, alone)."""
         cos, sin = self.rope.lookup(positions)
         layers = [cast(DecoderLayer, m) for m in self.layers]
         # Each residual add is fused with the norm that follows it (the next layer's
@@ -194,10 +210,10 @@ class LlamaForCausalLM(nn.Module):
             k_cache, v_cache = kv_layers[i]
             attn_out = self.reduce(layer.self_attn(x, cos, sin, k_cache, v_cache, meta, backend))
             if layer_hook is not None:
-                layer_hook(i)
+                layer_hook(first_layer + i)
             h, x = layer.post_attention_layernorm.add_forward(h, attn_out)
             h, x = norms[i].add_forward(h, self.reduce(layer.mlp(x)))
-        return x
+        return x if final_norm else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head

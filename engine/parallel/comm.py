@@ -44,6 +44,14 @@ class TPGroup:
         self._pg.broadcast([buf], self._bcast).wait()
         return buf
 
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Point to point (pipeline stages); matched by `recv` on `dst`, in order."""
+        self._pg.send([x], dst, 0).wait()
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        self._pg.recv([x], src, 0).wait()
+        return x
+
     def barrier(self) -> None:
         self._pg.barrier().wait()
 

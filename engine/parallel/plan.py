@@ -41,6 +41,7 @@ class TPShard:
     q_heads: HeadRange
     kv_heads: HeadRange
     inter: HeadRange  # columns of gate/up (rows of down)
+    layers: HeadRange | None = None  # a pipeline stage's decoder layers; None: all of them
 
 
 def check_tp(cfg: ModelConfig, size: int) -> None:
@@ -77,9 +78,40 @@ def tp_shard(cfg: ModelConfig, size: int, rank: int) -> TPShard:
                    HeadRange(rank * inter, (rank + 1) * inter))
 
 
+def check_pp(cfg: ModelConfig, stages: int, tp: int = 1) -> None:
+    """Raise ParallelLayoutError unless `cfg` splits into `stages` pipeline stages."""
+    if stages < 1:
+        raise ParallelLayoutError(f"pipeline_parallel_size must be >= 1, got {stages}")
+    if stages > cfg.num_layers:
+        raise ParallelLayoutError(f"pipeline_parallel_size {stages} exceeds the {cfg.num_layers} layers")
+    if stages > 1 and tp > 1:
+        raise ParallelLayoutError("tensor and pipeline parallel together are not implemented yet")
+
+
+def stage_layers(num_layers: int, stages: int, stage: int) -> HeadRange:
+    """Stage `stage`'s layers: an even split, the first stages taking one more."""
+    per, extra = divmod(num_layers, stages)
+    start = stage * per + min(stage, extra)
+    return HeadRange(start, start + per + (1 if stage < extra else 0))
+
+
+def stage_shard(cfg: ModelConfig, stages: int, stage: int) -> TPShard:
+    """Pipeline stage `stage` of `stages` (no tensor parallel inside it): all heads, its layers."""
+    check_pp(cfg, stages)
+    whole = tp_shard(cfg, 1, 0)
+    return dataclasses.replace(whole, layers=stage_layers(cfg.num_layers, stages, stage))
+
+
 def local_config(cfg: ModelConfig, shard: TPShard) -> ModelConfig:
     """The config of the rank's slice: its head counts and intermediate size; the rest
     (hidden size, head_dim, vocabulary) is the full model's."""
+    layers = cfg.num_layers if shard.layers is None else shard.layers.count
     return dataclasses.replace(cfg, num_heads=shard.q_heads.count,
                                num_kv_heads=shard.kv_heads.count,
-                               intermediate_size=shard.inter.count)
+                               intermediate_size=shard.inter.count, num_layers=layers)
+
+
+def rank_shard(cfg: ModelConfig, tp: int, pp: int, rank: int) -> TPShard:
+    """Rank `rank` of a group of `tp` x `pp` ranks (one of them 1, for now)."""
+    check_pp(cfg, pp, tp)
+    return stage_shard(cfg, pp, rank) if pp > 1 else tp_shard(cfg, tp, rank)

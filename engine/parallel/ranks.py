@@ -65,23 +65,30 @@ def follower_main(args: RankArgs) -> None:
     from engine.loader import load_config
     from engine.model_runner import ModelRunner
     from engine.parallel.comm import TPGroup, follower_store
-    from engine.parallel.plan import tp_shard
+    from engine.parallel.pipeline import stage_step
+    from engine.parallel.plan import rank_shard
     from engine.parallel.shared_pool import attach_segment
     from engine.parallel.steps import decode_step
 
     segment = attach_segment(args.pool_name, args.pool_bytes)
-    shard = tp_shard(load_config(args.config.model_dir), args.size, args.rank)
+    cfg = args.config
+    shard = rank_shard(load_config(cfg.model_dir), cfg.tensor_parallel_size, cfg.pipeline_parallel_size,
+                       args.rank)
     runner = ModelRunner(args.config, kv_buffer=segment.tensor, layout=args.layout, shard=shard)
     group = TPGroup(follower_store(args.store_port, args.size, args.timeout_s), args.rank, args.size,
                     args.timeout_s)
-    runner.model.reduce = group.all_reduce
+    if shard.layers is None:  # tensor parallel: sum the row-parallel partials
+        runner.model.reduce = group.all_reduce
     group.barrier()  # every rank has mapped the pool: rank 0 may unlink its name
     with torch.inference_mode():
         while True:
             chunks = decode_step(group.broadcast_longs(None))
             if chunks is None:
                 return
-            runner.execute(chunks)
+            if shard.layers is not None:
+                stage_step(runner, group, chunks, shard.layers)
+            else:
+                runner.execute(chunks)
 
 
 def _exit_with_parent() -> None:

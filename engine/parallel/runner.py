@@ -1,4 +1,5 @@
-"""TPRunner: rank 0 of a tensor-parallel group, a ModelRunner the engine drives as usual.
+"""TPRunner: rank 0 of a tensor- or pipeline-parallel group, a ModelRunner the engine
+drives as usual (pipeline stages: `engine.parallel.pipeline`).
 
     runner = make_runner(EngineConfig(model_dir=..., tensor_parallel_size=2))
 
@@ -29,7 +30,8 @@ from engine.dtype import resolved_config
 from engine.loader import load_config
 from engine.model_runner import ModelRunner
 from engine.parallel.comm import TPGroup, leader_store
-from engine.parallel.plan import check_tp, tp_shard
+from engine.parallel.pipeline import leader_step
+from engine.parallel.plan import rank_shard
 from engine.parallel.ranks import RankArgs, RankWatch, exit_process, start_followers
 from engine.parallel.shared_pool import SharedSegment, create_segment
 from engine.parallel.steps import encode_step, encode_stop
@@ -45,7 +47,7 @@ def make_runner(config: EngineConfig, kv_buffer: torch.Tensor | np.ndarray | Non
 
     `pool_name`: the /dev/shm segment holding `kv_buffer` (tensor parallel only: the
     follower ranks map it)."""
-    if config.tensor_parallel_size == 1:
+    if config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1:
         return ModelRunner(config, kv_buffer=kv_buffer, layout=layout)
     return TPRunner(config, kv_buffer=kv_buffer, layout=layout, pool_name=pool_name)
 
@@ -63,11 +65,11 @@ class TPRunner(ModelRunner):
         on_rank_death: Callable[[int, int | None], None] = exit_process,
     ) -> None:
         config = resolved_config(config)
-        size = config.tensor_parallel_size
+        size = config.tensor_parallel_size * config.pipeline_parallel_size
         full = load_config(config.model_dir)
-        check_tp(full, size)  # a clear error before anything is spawned
+        shard = rank_shard(full, config.tensor_parallel_size, config.pipeline_parallel_size, 0)  # checks first
         if not config.device.startswith("cpu"):
-            raise ValueError("tensor parallel runs on CPU (gloo) only so far; use --tensor-parallel-size 1")
+            raise ValueError("tensor and pipeline parallel run on CPU (gloo) only so far")
         layout = layout or ModelRunner.layout_for(config)
         self._segment: SharedSegment | None = None
         if kv_buffer is None:
@@ -84,10 +86,10 @@ class TPRunner(ModelRunner):
         self._on_rank_death = on_rank_death
         self._watch = RankWatch(self._procs, on_rank_death)
         try:
-            super().__init__(config, kv_buffer=kv_buffer, backend=backend, layout=layout,
-                             shard=tp_shard(full, size, 0))
+            super().__init__(config, kv_buffer=kv_buffer, backend=backend, layout=layout, shard=shard)
             self.group = TPGroup(store, 0, size, GROUP_TIMEOUT_S)
-            self.model.reduce = self.group.all_reduce
+            if shard.layers is None:  # tensor parallel: sum the row-parallel partials
+                self.model.reduce = self.group.all_reduce
             self.group.barrier()
         except BaseException:
             self._abandon()
@@ -96,6 +98,7 @@ class TPRunner(ModelRunner):
             self._segment.unlink()  # every rank has mapped it
         self._store = store
         self._closed = False
+        self._stage = shard.layers  # None: tensor parallel
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[SeqChunk],
@@ -104,8 +107,11 @@ class TPRunner(ModelRunner):
         if chunks:
             self._check(chunks)  # bad input never reaches the followers
         try:
-            if chunks:
-                self.group.broadcast_longs(encode_step(chunks))
+            if not chunks:
+                return super().execute(chunks, layer_hook)
+            self.group.broadcast_longs(encode_step(chunks))
+            if self._stage is not None:
+                return leader_step(self, self.group, chunks, self._stage, layer_hook)
             return super().execute(chunks, layer_hook)
         except RuntimeError:  # a collective failed: the group is broken for good
             self._group_failed()

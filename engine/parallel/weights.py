@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.models.llama import WeightSpec
 from engine.parallel.plan import HeadRange, TPShard
 
 _QKV = ("self_attn.qkv_weight", "self_attn.qkv_bias")
@@ -36,3 +37,17 @@ def shard_source(param: str, index: int, tensor: torch.Tensor, shard: TPShard,
 
 def _rows(tensor: torch.Tensor, part: HeadRange, width: int) -> torch.Tensor:
     return tensor[part.start * width: part.stop * width]
+
+
+def stage_specs(specs: list[WeightSpec], layers: HeadRange) -> list[WeightSpec]:
+    """The specs a pipeline stage loads: its layers (renumbered from 0) and every
+    parameter outside the layers (embedding, final norm, LM head: small, kept on all)."""
+    out = []
+    for spec in specs:
+        if not spec.param.startswith("layers."):
+            out.append(spec)
+            continue
+        index, rest = spec.param[len("layers."):].split(".", 1)
+        if layers.start <= int(index) < layers.stop:
+            out.append(WeightSpec(f"layers.{int(index) - layers.start}.{rest}", spec.sources))
+    return out

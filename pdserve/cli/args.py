@@ -302,13 +302,15 @@ def check_listen(flag: str, host_name: str, port_number: int) -> None:
             ) from None
 
 
-def check_parallel(flag: str, size: int, device_name: str, config: Any) -> None:
-    """A tensor-parallel size must split the model's heads and MLP, on CPU (gloo) for now."""
-    from engine.parallel.plan import ParallelLayoutError, check_tp
+def check_parallel(flag: str, tp: int, pp: int, device_name: str, config: Any) -> None:
+    """A tensor-parallel size must split the model's heads and MLP, a pipeline size its
+    layers (one of them 1 for now), on CPU (gloo) for now; `flag` names the refusal."""
+    from engine.parallel.plan import ParallelLayoutError, check_pp, check_tp
 
-    if size > 1 and not device_name.startswith("cpu"):
-        raise UsageError(flag, "tensor parallel runs on --device cpu only so far")
+    if tp * pp > 1 and not device_name.startswith("cpu"):
+        raise UsageError(flag, "tensor and pipeline parallel run on --device cpu only so far")
     try:
-        check_tp(config, size)
+        check_tp(config, tp)
+        check_pp(config, pp, tp)
     except ParallelLayoutError as e:
         raise UsageError(flag, str(e)) from None

@@ -63,16 +63,22 @@ def test_colocated_tp2_worker_is_one_worker_serving_the_engines_tokens(log_dir: 
         c.stop()
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp", "transport"),
-                         [(1, 2, "auto"), (2, 1, "auto"), (2, 2, "tcp")])
-def test_kv_handoff_between_tp_layouts_equals_the_engine(
-    log_dir: Path, reference: Reference, prefill_tp: int, decode_tp: int, transport: str
+TP2 = ("--tensor-parallel-size", "2")
+PP2 = ("--pipeline-parallel-size", "2")
+
+
+@pytest.mark.parametrize(("prefill", "decode", "transport"), [
+    ((), TP2, "auto"), (TP2, (), "auto"), (TP2, TP2, "tcp"), (PP2, (), "auto"), ((), PP2, "auto"),
+    (PP2, TP2, "tcp"),
+], ids=["tp1-tp2", "tp2-tp1", "tp2-tp2-tcp", "pp2-tp1", "tp1-pp2", "pp2-tp2-tcp"])
+def test_kv_handoff_between_parallel_layouts_equals_the_engine(
+    log_dir: Path, reference: Reference, prefill: tuple[str, ...], decode: tuple[str, ...], transport: str
 ) -> None:
     c = Cluster(log_dir)
     try:
         c.start_gateway()
-        c.add_worker("prefill", "--tensor-parallel-size", str(prefill_tp), "--kv-transport", transport)
-        c.add_worker("decode", "--tensor-parallel-size", str(decode_tp), "--kv-transport", transport)
+        c.add_worker("prefill", *prefill, "--kv-transport", transport)
+        c.add_worker("decode", *decode, "--kv-transport", transport)
         c.wait_roles(prefill=1, decode=1)
         for prompt in PROMPTS:
             _completion(c, reference, prompt)

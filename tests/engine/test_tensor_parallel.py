@@ -1,10 +1,10 @@
-"""Tensor parallel (engine/parallel): a group of spawned gloo ranks computes what the
-single-process engine and Hugging Face compute.
+"""Tensor and pipeline parallel (engine/parallel): a group of spawned gloo ranks
+computes what the single-process engine and Hugging Face compute.
 
 Greedy tokens are equal and every step's float32 logits agree within LOGIT_ATOL (the
-all-reduce only changes the summation order) for TP 2 and TP 4 -- the tiny models
-have 2 KV heads, so TP 4 replicates each KV head on two ranks -- across Llama, Qwen2
-(q/k/v bias) and Qwen3 (q/k norm).
+all-reduce only changes the summation order) for TP 2, TP 4 -- the tiny models have 2
+KV heads, so TP 4 replicates each KV head on two ranks -- and PP 2, across Llama,
+Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
-from engine.parallel.plan import ParallelLayoutError, check_tp, tp_shard
+from engine.parallel.plan import ParallelLayoutError, check_pp, check_tp, stage_layers, tp_shard
 from engine.parallel.runner import TPRunner, make_runner
 from engine.parallel.steps import StepFormatError, decode_step, encode_step, encode_stop
 from engine.runner_types import SeqChunk
@@ -35,9 +35,9 @@ NEW_TOKENS = 16
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _config(model_dir: Path, tp: int = 1) -> EngineConfig:
+def _config(model_dir: Path, tp: int = 1, pp: int = 1) -> EngineConfig:
     return EngineConfig(model_dir=str(model_dir), dtype="float32", num_threads=1,
-                        tensor_parallel_size=tp, cache=CacheConfig(num_blocks=64))
+                        tensor_parallel_size=tp, pipeline_parallel_size=pp, cache=CacheConfig(num_blocks=64))
 
 
 @pytest.fixture
@@ -85,6 +85,19 @@ def test_a_model_that_does_not_split_is_refused(heads: int, kv_heads: int, inter
         check_tp(_model_cfg(heads, kv_heads, inter), size)
 
 
+@pytest.mark.parametrize(("layers", "stages", "want"), [
+    (2, 2, [(0, 1), (1, 2)]), (5, 2, [(0, 3), (3, 5)]), (7, 3, [(0, 3), (3, 5), (5, 7)])])
+def test_pipeline_stages_split_the_layers_evenly(layers: int, stages: int, want: list[tuple[int, int]]) -> None:
+    assert [(r.start, r.stop) for r in (stage_layers(layers, stages, s) for s in range(stages))] == want
+
+
+def test_a_pipeline_that_does_not_split_is_refused() -> None:
+    with pytest.raises(ParallelLayoutError, match="exceeds the 2 layers"):
+        check_pp(_model_cfg(4, 2), 3)
+    with pytest.raises(ParallelLayoutError, match="together"):
+        check_pp(_model_cfg(4, 2), 2, tp=2)
+
+
 def test_step_message_round_trip_and_bad_lengths() -> None:
     chunks = [SeqChunk([5], 33, [1, 2, 3], True), SeqChunk([7, 8, 9], 0, [4], True)]
     back = decode_step(encode_step(chunks))
@@ -97,13 +110,14 @@ def test_step_message_round_trip_and_bad_lengths() -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tp_greedy_and_logits_match_single_process_and_hf(
-    tiny_model_dir: Callable[..., Path], tp_runner: Callable[[EngineConfig], ModelRunner], family: str, tp: int
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (4, 1), (1, 2)])
+def test_parallel_greedy_and_logits_match_single_process_and_hf(
+    tiny_model_dir: Callable[..., Path], tp_runner: Callable[[EngineConfig], ModelRunner], family: str, tp: int,
+    pp: int,
 ) -> None:
     d = tiny_model_dir(family)
-    runner = tp_runner(_config(d, tp))
-    assert isinstance(runner, TPRunner) and len(runner.rank_pids) == tp - 1
+    runner = tp_runner(_config(d, tp, pp))
+    assert isinstance(runner, TPRunner) and len(runner.rank_pids) == tp * pp - 1
     single = ModelRunner(_config(d))
     prompt = prompt_of(21, runner.model_config.vocab_size)
     tokens, logits = greedy(runner, prompt, chunk_size=8, new_tokens=NEW_TOKENS)
@@ -132,23 +146,26 @@ def test_tp2_kv_head_splits_and_row_parallel_biases(
     assert (logits - ref_logits).abs().max().item() < LOGIT_ATOL
 
 
-def test_tp_engine_batches_prefix_hits_and_forks_like_one_process(tiny_model_dir: Callable[..., Path]) -> None:
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_parallel_engine_batches_prefix_hits_and_forks_like_one_process(
+    tiny_model_dir: Callable[..., Path], tp: int, pp: int
+) -> None:
     """Continuous batching, a prefix-cache hit and n=2 copy-on-write forks (block copies
-    on rank 0 cover every rank's heads in the shared pool) give the same tokens."""
+    on rank 0 cover every rank's heads and layers in the shared pool) give the same tokens."""
     d = tiny_model_dir("qwen2")
     shared = prompt_of(40, 300, seed=3)
     prompts = [shared + [7, 8, 9], shared + [10, 11], prompt_of(9, 300, seed=4)]
     params = [SamplingParams(max_tokens=12, temperature=0.0),
               SamplingParams(max_tokens=12, temperature=0.8, seed=11, n=2),
               SamplingParams(max_tokens=12, temperature=0.0)]
-    tp = LLMEngine(_config(d, 2))
+    group = LLMEngine(_config(d, tp, pp))
     try:
-        assert isinstance(tp.runner, TPRunner)
-        got = tp.generate(prompts, params)
-        assert tp.stats().num_cached_tokens_hit > 0
-        assert tp.block_manager.num_free_blocks == tp.block_manager.num_allocatable
+        assert isinstance(group.runner, TPRunner)
+        got = group.generate(prompts, params)
+        assert group.stats().num_cached_tokens_hit > 0
+        assert group.block_manager.num_free_blocks == group.block_manager.num_allocatable
     finally:
-        tp.runner.close()
+        group.runner.close()
     want = LLMEngine(_config(d)).generate(prompts, params)
     assert [[c.token_ids for c in r.choices] for r in got] == [[c.token_ids for c in r.choices] for r in want]
 
