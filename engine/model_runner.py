@@ -20,10 +20,12 @@ from engine.attention import AttentionBackend, AttentionMetadata, build_metadata
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.dtype import resolved_config
 from engine.kv_pool import TORCH_DTYPES, KVPool
+from engine.kv_quant import KVCacheView
 from engine.loader import load_config, load_model_with, weights_fingerprint
 from engine.model_config import ModelConfig, kv_layout
 from engine.native_attention import default_backend
 from engine.parallel.plan import TPShard
+from engine.parallel.shared_pool import head_slice
 from engine.quant.formats import served_quantization
 from engine.runner_types import SeqChunk
 
@@ -102,12 +104,12 @@ class ModelRunner:
         self._kv_layers = self.pool.all_layer_views()
         if shard is not None:
             h = shard.kv_heads
-            self._kv_layers = [(k[:, :, h.start:h.stop], v[:, :, h.start:h.stop]) for k, v in self._kv_layers]
+            self._kv_layers = [(head_slice(k, h), head_slice(v, h)) for k, v in self._kv_layers]
             if shard.layers is not None:  # a pipeline stage: its layers' views only
                 self._kv_layers = self._kv_layers[shard.layers.start:shard.layers.stop]
 
     @property
-    def kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def kv_layers(self) -> list[tuple[KVCacheView, KVCacheView]]:
         """(K, V) pool views of the layers this runner computes, each [blocks, slot, heads, dim]."""
         return self._kv_layers
 

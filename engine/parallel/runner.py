@@ -71,6 +71,8 @@ class TPRunner(ModelRunner):
         if not config.device.startswith("cpu"):
             raise ValueError("tensor and pipeline parallel run on CPU (gloo) only so far")
         layout = layout or ModelRunner.layout_for(config)
+        if layout.quantized and config.tensor_parallel_size > 1:
+            raise ValueError("tensor parallel with a quantized KV cache (--kv-cache-dtype) is not supported yet")
         self._segment: SharedSegment | None = None
         if kv_buffer is None:
             nbytes = _pool_bytes(config, layout)

@@ -17,6 +17,9 @@ import secrets
 
 import torch
 
+from engine.kv_quant import KVCacheView, QuantizedCache
+from engine.parallel.plan import HeadRange
+
 _DEV_SHM = "/dev/shm"
 
 
@@ -56,3 +59,12 @@ def attach_segment(name: str, nbytes: int) -> SharedSegment:
     if "/" in name or not name:
         raise ValueError(f"bad shared pool name {name!r}")
     return SharedSegment(name, nbytes, create=False)
+
+
+def head_slice(view: KVCacheView, heads: HeadRange) -> KVCacheView:
+    """A rank's KV heads of one layer's K (or V) pool view, [blocks, slot, heads, dim]
+    (a quantized view: its codes and per-head scales alike); strided, never a copy."""
+    if isinstance(view, QuantizedCache):
+        return QuantizedCache(view.codes[:, :, heads.start:heads.stop], view.scales[:, heads.start:heads.stop],
+                              view.kind)
+    return view[:, :, heads.start:heads.stop]
