@@ -24,7 +24,7 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
     def node(kv_buffer: Any, pool: Any, transport: str, kv_shm: str = "") -> DecodeNode:
         """The engine over `kv_buffer` (None: its own pool), a receiver for `pool` (None:
         the engine's pool) over `transport`, and the node."""
-        engine, runner = build_engine(engine_cfg, kv_buffer=kv_buffer, layout=layout)
+        engine, runner = build_engine(engine_cfg, kv_buffer=kv_buffer, layout=layout, pool_name=kv_shm)
         receiver = make_receiver(runner.layout, pool_array(runner) if pool is None else pool, transport,
                                  host=opts.kv_host, port=opts.kv_port, faults=parts.kv_faults,
                                  curve=curve)
@@ -32,7 +32,8 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
 
     on_cuda = engine_cfg.device.startswith("cuda")
     if not on_cuda and opts.kv_transport == "tcp":
-        return node(None, None, "tcp"), []
+        plain = node(None, None, "tcp")
+        return plain, [plain.runner.close]
     num_blocks = engine_cfg.cache.num_blocks or ModelRunner.num_blocks_for_bytes(
         layout, engine_cfg.cache.kv_cache_memory or default_kv_bytes()
     )
@@ -42,12 +43,14 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
         from kv_transfer.tensor_adapter import tensor_from_array
 
         cuda_pool = create_cuda_pool(layout, num_blocks, cuda_index(engine_cfg.device))
-        return node(tensor_from_array(cuda_pool.array, layout.dtype), cuda_pool, "cuda+tcp"), []
+        on_gpu = node(tensor_from_array(cuda_pool.array, layout.dtype), cuda_pool, "cuda+tcp")
+        return on_gpu, [on_gpu.runner.close]
     from kv_transfer.shm_pool import create_shm_pool
 
     shm_pool = create_shm_pool(layout, num_blocks)  # sweeps segments of dead workers first
     try:
-        return node(shm_pool.array, shm_pool, "shm+tcp", shm_pool.descriptor.name), [shm_pool.unlink]
+        shared = node(shm_pool.array, shm_pool, "shm+tcp", shm_pool.descriptor.name)
+        return shared, [shared.runner.close, shm_pool.unlink]
     except BaseException:
         shm_pool.unlink()  # the cleanup list never reaches the caller
         raise

@@ -76,10 +76,17 @@ class EngineConfig:
     quantization: str = "none"
     # Speculative decoding (`--speculative-config`); None: off.
     speculative: SpeculativeConfig | None = None
+    # Ranks of one tensor-parallel group (`engine.parallel`); rank 0 is this process.
+    tensor_parallel_size: int = 1
+    # Pipeline stages, one process each, layers split evenly (not with tensor parallel yet).
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
         normalize_kv_cache_dtype(self.kv_cache_dtype)  # ValueError naming the choices

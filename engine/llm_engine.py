@@ -61,9 +61,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         if runner is None:
-            from engine.model_runner import ModelRunner
+            from engine.parallel.runner import make_runner
 
-            runner = ModelRunner(config)
+            runner = make_runner(config)
         self.config = config
         self.runner = runner
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)

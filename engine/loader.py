@@ -18,6 +18,9 @@ from common import envs
 from engine.kv_pool import TORCH_DTYPES
 from engine.model_config import ModelConfig, ModelConfigError
 from engine.models import MODEL_REGISTRY, LlamaForCausalLM
+from engine.models.llama import WeightSpec
+from engine.parallel.plan import TPShard, local_config
+from engine.parallel.weights import shard_source, stage_specs
 from engine.quant.checkpoint import load_linear
 from engine.quant.formats import ON_THE_FLY, QuantizationError, served_quantization
 from engine.quant.linear import quantize_weight, set_weight
@@ -155,10 +158,14 @@ def load_model_with(
     device: torch.device | str,
     max_positions: int | None,
     quantization: str = "none",
+    shard: TPShard | None = None,
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """`load_model` with RoPE tables sized for `max_positions` (default: the model's maximum)
     and the decoder linears quantized on the fly (`quantization` int8 | int4) or read as
-    stored from an AWQ/GPTQ checkpoint (engine/quant)."""
+    stored from an AWQ/GPTQ checkpoint (engine/quant).
+
+    With `shard`, the model holds one tensor-parallel rank's slice (`engine.parallel`);
+    the returned config is still the full model's."""
     if isinstance(dtype, str):
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(TORCH_DTYPES)}")
@@ -169,11 +176,17 @@ def load_model_with(
         scheme = served_quantization(quantization, cfg.prequant)
     except QuantizationError as e:
         raise CheckpointError(str(e)) from e
+    if shard is not None and scheme != "none":
+        raise CheckpointError(f"tensor/pipeline parallel with {scheme} weights is not supported yet")
     files = weight_files(d)
     dev = torch.device(device)
-    model = MODEL_REGISTRY[cfg.architecture](cfg, dtype, dev, max_positions=max_positions)
+    model_cls = MODEL_REGISTRY[cfg.architecture]
+    model_cfg = cfg if shard is None else local_config(cfg, shard)
+    model = model_cls(model_cfg, dtype, dev, max_positions=max_positions)
     params = dict(model.named_parameters())
-    specs = model.weight_specs()
+    specs = model.weight_specs() if shard is None else _full_specs(model_cls, cfg, dtype)
+    if shard is not None and shard.layers is not None:
+        specs = stage_specs(specs, shard.layers)
     unfilled = set(params) - {s.param for s in specs}
     if unfilled:  # a model bug, not a checkpoint problem
         raise RuntimeError(f"weight_specs() leaves parameters unfilled: {sorted(unfilled)}")
@@ -190,9 +203,16 @@ def load_model_with(
                 set_weight(model, spec.param, layer)
                 continue
             parts = [tensors.get(name, shape) for name, shape in spec.sources]
+            if shard is not None:
+                parts = [shard_source(spec.param, i, t, shard, cfg.head_dim) for i, t in enumerate(parts)]
             value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             if scheme in ON_THE_FLY and spec.param in linears:  # from the checkpoint's precision
                 set_weight(model, spec.param, quantize_weight(value.to(dev), scheme, dtype))
             else:
                 params[spec.param].copy_(value.to(dtype))
     return cfg, model.eval()
+
+
+def _full_specs(model_cls: type[LlamaForCausalLM], cfg: ModelConfig, dtype: torch.dtype) -> list[WeightSpec]:
+    """The checkpoint's (full-size) tensors, from a model on the meta device (no memory)."""
+    return model_cls(cfg, dtype, torch.device("meta"), max_positions=1).weight_specs()

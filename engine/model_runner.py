@@ -10,17 +10,21 @@ reads block tables and writes K/V at the slots they imply.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from common.kv_layout import KVLayout
-from engine.attention import AttentionBackend, build_metadata, order_chunks
+from engine.attention import AttentionBackend, AttentionMetadata, build_metadata, order_chunks
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.dtype import resolved_config
 from engine.kv_pool import TORCH_DTYPES, KVPool
+from engine.kv_quant import KVCacheView
 from engine.loader import load_config, load_model_with, weights_fingerprint
 from engine.model_config import ModelConfig, kv_layout
+from engine.parallel.plan import TPShard
+from engine.parallel.shared_pool import head_slice
 from engine.quant.formats import served_quantization
 from engine.runner_types import SeqChunk
 from engine.triton_attention import select_backend
@@ -37,6 +41,13 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
             f"max_model_len {requested} exceeds the model's limit of {limit} positions"
         )
     return requested
+
+
+class StepInputs(NamedTuple):
+    input_ids: torch.Tensor  # [T] flat, in `order_chunks` order
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logit_rows: list[int]  # row of each need_logits chunk's last token, in chunk order
 
 
 class ModelRunner:
@@ -56,7 +67,10 @@ class ModelRunner:
         kv_buffer: torch.Tensor | np.ndarray | None = None,
         backend: AttentionBackend | None = None,
         layout: KVLayout | None = None,
+        shard: TPShard | None = None,
     ) -> None:
+        """`shard`: this process is one tensor-parallel rank (`engine.parallel`): it loads
+        that slice of the weights and attends over its KV heads of the (full-layout) pool."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         config = resolved_config(config)  # `auto` -> the dtype this host serves in
@@ -67,7 +81,7 @@ class ModelRunner:
         max_len = resolve_max_model_len(config, load_config(config.model_dir))
         self.model_config, self.model = load_model_with(
             config.model_dir, self.dtype, self.device, max_positions=max_len,
-            quantization=config.quantization,
+            quantization=config.quantization, shard=shard,
         )
         self.max_model_len = max_len
         # A caller that sized the pool with `layout_for(config)` passes that layout, so
@@ -88,6 +102,19 @@ class ModelRunner:
         self.backend = backend or select_backend(self.dtype, self.device,
                                                  plain_kv=not self.layout.quantized)
         self._kv_layers = self.pool.all_layer_views()
+        if shard is not None:
+            h = shard.kv_heads
+            self._kv_layers = [(head_slice(k, h), head_slice(v, h)) for k, v in self._kv_layers]
+            if shard.layers is not None:  # a pipeline stage: its layers' views only
+                self._kv_layers = self._kv_layers[shard.layers.start:shard.layers.stop]
+
+    @property
+    def kv_layers(self) -> list[tuple[KVCacheView, KVCacheView]]:
+        """(K, V) pool views of the layers this runner computes, each [blocks, slot, heads, dim]."""
+        return self._kv_layers
+
+    def close(self) -> None:
+        """Release what the runner started (a tensor-parallel rank 0 stops its followers)."""
 
     @classmethod
     def layout_for(cls, config: EngineConfig) -> KVLayout:
@@ -137,6 +164,12 @@ class ModelRunner:
         if not chunks:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32)
         self._check(chunks)
+        step = self.step_inputs(chunks)
+        hidden = self.model(step.input_ids, step.positions, step.meta, self._kv_layers, self.backend, layer_hook)
+        return self.logits(hidden, step.logit_rows)
+
+    def step_inputs(self, chunks: Sequence[SeqChunk]) -> StepInputs:
+        """Flat token ids, positions and attention metadata of checked `chunks`."""
         order = order_chunks(chunks)
         ids: list[int] = []
         positions: list[torch.Tensor] = []
@@ -150,8 +183,11 @@ class ModelRunner:
                               self.backend.flat_decode)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.cat(positions).to(self.device)
-        hidden = self.model(input_ids, pos, meta, self._kv_layers, self.backend, layer_hook)
         rows = [r for i, c in enumerate(chunks) for r in range(last_row[i] - c.num_logits + 1, last_row[i] + 1)]
+        return StepInputs(input_ids, pos, meta, rows)
+
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Float32 logits of the final-norm `hidden` at `rows`."""
         if not rows:
             return torch.empty(
                 0, self.model_config.vocab_size, dtype=torch.float32, device=self.device

@@ -153,6 +153,14 @@ CASES: dict[str, Case] = {
     "generate-speculative-unknown-key": Case(
         lambda d, p: ["generate", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
                       '"k": 1}', "hi"], "argument --speculative-config"),
+    # Parallel layouts the model cannot split (the built-in model: 8 heads, 4 KV heads, 4 layers).
+    "up-decode-tp-3": Case(lambda d, p: ["up", "--model", str(d.good), "--decode-tp", "3"], "argument --decode-tp"),
+    "decode-tp-3": Case(lambda d, p: ["decode", "--gateway", GW, "--tensor-parallel-size", "3"],
+                        "argument --tensor-parallel-size"),
+    "worker-pp-9": Case(lambda d, p: ["worker", "--colocated", "--gateway", GW, "--pipeline-parallel-size", "9"],
+                        "argument --pipeline-parallel-size"),
+    "prefill-tp-with-pp": Case(lambda d, p: ["prefill", "--gateway", GW, "--tensor-parallel-size", "2",
+                                             "--pipeline-parallel-size", "2"], "argument --pipeline-parallel-size"),
     "make-model-under-a-file": Case(lambda d, p: ["make-model", str(d.not_a_dir / "sub")], "cannot write", rc=1),
 }
 
@@ -229,6 +237,15 @@ def test_up_forwards_the_speculative_config_to_decode_and_colocated_workers_only
                                                                    else args.speculative_config)
     assert args.speculative_config.num_speculative_tokens == 3
     assert args.speculative_config.disable_by_batch_size == 4
+
+
+def test_up_forwards_parallel_layouts_per_role() -> None:
+    args = build_parser().parse_args(["up", "--prefill-tp", "2", "--decode-pp", "2", "--threads", "1"])
+    layouts = {}
+    for cmd in _worker_cmds(args, "tcp://127.0.0.1:5555"):
+        parsed = build_parser().parse_args(cmd[3:])
+        layouts[parsed.role] = (parsed.tensor_parallel_size, parsed.pipeline_parallel_size)
+    assert layouts == {"prefill": (2, 1), "decode": (1, 2)}
 
 
 def test_up_exits_at_once_with_the_failed_childs_reason(dirs: Dirs) -> None:

@@ -12,19 +12,23 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineStats, RequestOutput
+from engine.parallel.runner import make_runner
 from engine.spec.decoder import SpecStats
 from worker.metrics import WorkerMetrics
 from worker.node_api import NodeLoad
 
 
-def build_engine(config: EngineConfig, kv_buffer: Any = None,
-                 layout: KVLayout | None = None) -> tuple[LLMEngine, ModelRunner]:
-    """The engine and its runner; `layout`: `ModelRunner.layout_for(config)` if already known."""
+def build_engine(config: EngineConfig, kv_buffer: Any = None, layout: KVLayout | None = None,
+                 pool_name: str = "") -> tuple[LLMEngine, ModelRunner]:
+    """The engine and its runner; `layout`: `ModelRunner.layout_for(config)` if already known.
+
+    With `config.tensor_parallel_size` > 1 the runner is rank 0 of a group whose follower
+    ranks map `kv_buffer` by its shared-memory name `pool_name`; its `close` stops them."""
     if config.num_threads:
         import torch
 
         torch.set_num_threads(config.num_threads)
-    runner = ModelRunner(config, kv_buffer=kv_buffer, layout=layout)
+    runner = make_runner(config, kv_buffer=kv_buffer, layout=layout, pool_name=pool_name)
     return LLMEngine(config, runner=runner), runner
 
 

@@ -82,7 +82,7 @@ def build_colocated(engine_cfg: EngineConfig, opts: WorkerOptions,
     from worker.engine_glue import build_engine
 
     engine, runner = build_engine(engine_cfg)
-    return ColocatedNode(parts.worker_id, engine, runner, parts.send, parts.metrics), []
+    return ColocatedNode(parts.worker_id, engine, runner, parts.send, parts.metrics), [runner.close]
 
 
 def kv_keys(opts: WorkerOptions) -> CurveKeys | None:

@@ -157,6 +157,9 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
+        # Tensor parallel (`engine.parallel`) sums the row-parallel o_proj and down_proj
+        # partial outputs across ranks here: one all-reduce per attention and MLP block.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce
         self.rope = RopeTables(
             cfg.head_dim,
             cfg.rope_theta,
@@ -181,6 +184,22 @@ class LlamaForCausalLM(nn.Module):
         layer i's K/V for every token of the step is in the pool.
         """
         h = F.embedding(input_ids, self.embed_tokens)
+        return self.run_layers(h, positions, meta, kv_layers, backend, layer_hook, final_norm=True)
+
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_layers: Sequence[tuple[KVCacheView, KVCacheView]],
+        backend: AttentionBackend,
+        layer_hook: Callable[[int], None] | None = None,
+        first_layer: int = 0,
+        final_norm: bool = False,
+    ) -> torch.Tensor:
+        """The decoder layers over the residual stream `h`: the final norm's output with
+        `final_norm`, else the residual stream after the last layer (a pipeline stage,
+        `engine.parallel`, runs its layers, numbered from `first_layer`, alone)."""
         cos, sin = self.rope.lookup(positions)
         layers = [cast(DecoderLayer, m) for m in self.layers]
         # Each residual add is fused with the norm that follows it (the next layer's
@@ -189,12 +208,12 @@ class LlamaForCausalLM(nn.Module):
         x = layers[0].input_layernorm(h)
         for i, layer in enumerate(layers):
             k_cache, v_cache = kv_layers[i]
-            attn_out = layer.self_attn(x, cos, sin, k_cache, v_cache, meta, backend)
+            attn_out = self.reduce(layer.self_attn(x, cos, sin, k_cache, v_cache, meta, backend))
             if layer_hook is not None:
-                layer_hook(i)
+                layer_hook(first_layer + i)
             h, x = layer.post_attention_layernorm.add_forward(h, attn_out)
-            h, x = norms[i].add_forward(h, layer.mlp(x))
-        return x
+            h, x = norms[i].add_forward(h, self.reduce(layer.mlp(x)))
+        return x if final_norm else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
@@ -259,6 +278,10 @@ class LlamaForCausalLM(nn.Module):
         if not c.tie_word_embeddings:
             specs.append(_spec("lm_head", "lm_head.weight", (c.vocab_size, hd)))
         return specs
+
+
+def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _spec(param: str, name: str, shape: tuple[int, ...]) -> WeightSpec:

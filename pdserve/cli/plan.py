@@ -56,6 +56,12 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--overhead", type=fraction, default=0.10, help="fraction of device memory held back"
     )
+    p.add_argument("--devices", type=positive_int, default=None,
+                   help="recommend the smallest tensor x pipeline parallel layout of at most this many "
+                   "devices of --device-memory each that holds the weights and --concurrency (default 1) "
+                   "full requests")
+    p.add_argument("--devices-per-node", type=positive_int, default=8,
+                   help="with --devices: the largest tensor-parallel group (TP inside a node)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=run)
 
@@ -82,5 +88,16 @@ def run(args: argparse.Namespace) -> int:
     except PlanError as e:
         print(f"pdserve plan: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    if args.devices is None:
+        print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+        return 0
+    from pdserve.plan import read_model_config
+    from pdserve.plan_parallel import format_parallel, recommend
+
+    wanted = args.concurrency or 1
+    layout = recommend(plan, read_model_config(model), args.devices, args.devices_per_node, wanted)
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "parallel": None if layout is None else layout.to_dict()}, indent=2))
+    else:
+        print(format_plan(plan) + "\n" + format_parallel(layout, args.devices, wanted))
     return 0

@@ -26,6 +26,7 @@ from pdserve.cli.args import (
     check_listen,
     check_max_model_len,
     check_model,
+    check_parallel,
     check_speculative,
     device,
     host,
@@ -67,6 +68,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--no-core-borrowing", action="store_true",
                     help="with one pinned prefill and one decode worker, do not let the decode "
                     "worker use the prefill worker's cores while prefill is idle")
+    ap.add_argument("--prefill-tp", type=positive_int, default=1,
+                    help="tensor-parallel ranks per prefill worker")
+    ap.add_argument("--decode-tp", type=positive_int, default=1,
+                    help="tensor-parallel ranks per decode (or colocated) worker")
+    ap.add_argument("--prefill-pp", type=positive_int, default=1, help="pipeline stages per prefill worker")
+    ap.add_argument("--decode-pp", type=positive_int, default=1,
+                    help="pipeline stages per decode (or colocated) worker")
     ap.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
     add_dtype_arg(ap, "workers' weight and KV dtype, each resolved on its own host; ")
     add_kv_cache_dtype_arg(ap)
@@ -128,13 +136,17 @@ def _worker_cmds(args: argparse.Namespace, control: str,
     roles, counts = _roles(args), _thread_counts(args)
     cores = core_flags(args, roles, counts, share_file)
     # Threads that fit the cores may spin between parallel regions (see workers.py).
-    spin = sum(counts) <= len(os.sched_getaffinity(0))
+    ranks = [_parallel(args, role)[0] * _parallel(args, role)[1] for role in roles]
+    spin = sum(n * r for n, r in zip(counts, ranks, strict=True)) <= len(os.sched_getaffinity(0))
     cmds = []
     for role, n, pin in zip(roles, counts, cores, strict=True):
         cmd = [*_pdserve(), role, "--gateway", control, "--threads", str(n), "--device", args.device,
                "--dtype", args.dtype, "--quantization", args.quantization, *pin]
         cmd += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else []
         cmd += ["--colocated"] if role == "worker" else ["--kv-transport", args.kv_transport]
+        tp, pp = _parallel(args, role)
+        cmd += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+        cmd += ["--pipeline-parallel-size", str(pp)] if pp > 1 else []
         cmd += ["--spin-wait"] if spin else []
         if args.model:
             cmd += ["--model", args.model]
@@ -192,6 +204,11 @@ def core_flags(args: argparse.Namespace, roles: list[str], counts: list[int],
     return flags
 
 
+def _parallel(args: argparse.Namespace, role: str) -> tuple[int, int]:
+    """(tensor, pipeline) parallel sizes of one worker of `role`."""
+    return (args.prefill_tp, args.prefill_pp) if role == "prefill" else (args.decode_tp, args.decode_pp)
+
+
 def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
     cmd = [*_pdserve(), "gateway", "--host", args.host, "--port", str(args.port),
            "--control-port", str(control_port), "--max-recoveries", str(args.max_recoveries),
@@ -227,7 +244,10 @@ def _role_names(args: argparse.Namespace) -> list[str]:
 def check_args(args: argparse.Namespace) -> None:
     """Everything a child would otherwise fail on, refused before any child starts."""
     check_tool_flags(args)
-    check_max_model_len(args.max_model_len, check_model(args.model))
+    config = check_model(args.model)
+    check_max_model_len(args.max_model_len, config)
+    check_parallel("--prefill-tp", args.prefill_tp, args.prefill_pp, args.device, config)
+    check_parallel("--decode-tp", args.decode_tp, args.decode_pp, args.device, config)
     check_served_names(args.served_model_name)
     check_speculative(args.speculative_config)
     sampling_defaults(args.generation_config, model_dir(args.model))

@@ -24,6 +24,7 @@ from pdserve.cli.args import (
     check_listen,
     check_max_model_len,
     check_model,
+    check_parallel,
     check_speculative,
     device,
     fraction,
@@ -94,7 +95,14 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--grammar-compile-timeout", type=positive_float, default=10.0, metavar="SECONDS",
                     help="structured outputs: a constraint not compiled in time is refused (400)")
     ap.add_argument("--threads", type=positive_int, default=None,
-                    help="torch intra-op threads (default: the cores split among --local-workers)")
+                    help="torch intra-op threads per rank (default: the cores split among --local-workers)")
+    ap.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                    help="ranks of this worker's tensor-parallel group (CPU: gloo, one process per rank, "
+                    "one registration); must divide the attention heads and intermediate size, and "
+                    "divide or be a multiple of the KV heads")
+    ap.add_argument("--pipeline-parallel-size", type=positive_int, default=1,
+                    help="pipeline stages of this worker, one process each, layers split evenly "
+                    "(one step at a time, no micro-batch overlap yet; not with --tensor-parallel-size)")
     ap.add_argument("--local-workers", type=positive_int, default=1, help="workers sharing this host")
     ap.add_argument("--cpu-cores", type=cpu_list, default=None, metavar="LIST",
                     help="pin the worker's threads to these cores, e.g. 0-3 (default: unpinned); "
@@ -139,8 +147,11 @@ def check_args(args: argparse.Namespace) -> None:
     if bool(args.curve_key) != bool(args.curve_server_key):
         flag = "--curve-server-key" if args.curve_key else "--curve-key"
         raise UsageError(flag, "--curve-key and --curve-server-key go together")
-    check_max_model_len(args.max_model_len, check_model(args.model, tokenizer=False))
+    config = check_model(args.model, tokenizer=False)
+    check_max_model_len(args.max_model_len, config)
     check_speculative(getattr(args, "speculative_config", None))
+    flag = "--pipeline-parallel-size" if args.pipeline_parallel_size > 1 else "--tensor-parallel-size"
+    check_parallel(flag, args.tensor_parallel_size, args.pipeline_parallel_size, args.device, config)
     if args.metrics_port:
         check_listen("--metrics-port", args.metrics_host, args.metrics_port)
     if args.kv_port and args.role == "decode":
@@ -191,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
             num_threads=args.threads or (len(args.cpu_cores) if args.cpu_cores
                                          else default_threads(args.local_workers)),
             kv_cache_dtype=args.kv_cache_dtype,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
             cache=CacheConfig(
                 block_size=args.block_size,
                 kv_cache_memory=args.kv_cache_memory,

@@ -1,0 +1,66 @@
+"""One tensor-parallel group's collectives, without torch's process-global default group.
+
+Rank 0 hosts the rendezvous store on an ephemeral loopback port (a TP group lives on
+one host); every rank builds a gloo group over it. So one process may hold several
+groups (tests do), and nothing is ever pickled: the step inputs travel as int64
+tensors (`engine.parallel.steps`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HOST = "127.0.0.1"
+
+
+class TPGroup:
+    """All-reduce for the model's blocks and a broadcast of rank 0's step inputs."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float) -> None:
+        gloo: Any = dist.ProcessGroupGloo  # its stubs lack the collectives and _Options
+        opts = gloo._Options()
+        opts._devices = [gloo.create_device(hostname=HOST)]
+        opts._timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank = rank
+        self.size = size
+        self._pg = gloo(store, rank, size, opts)
+        self._bcast = dist.BroadcastOptions()
+        self._bcast.rootRank = 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place; returns `x`."""
+        self._pg.allreduce([x]).wait()
+        return x
+
+    def broadcast_longs(self, values: torch.Tensor | None) -> torch.Tensor:
+        """Rank 0 sends a 1-D int64 tensor (its length first); every rank returns it."""
+        n = torch.tensor([0 if values is None else values.numel()], dtype=torch.int64)
+        self._pg.broadcast([n], self._bcast).wait()
+        buf = values if values is not None else torch.empty(int(n.item()), dtype=torch.int64)
+        self._pg.broadcast([buf], self._bcast).wait()
+        return buf
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Point to point (pipeline stages); matched by `recv` on `dst`, in order."""
+        self._pg.send([x], dst, 0).wait()
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        self._pg.recv([x], src, 0).wait()
+        return x
+
+    def barrier(self) -> None:
+        self._pg.barrier().wait()
+
+
+def leader_store(size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free loopback port (`store.port`)."""
+    return dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def follower_store(port: int, size: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(HOST, port, size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))

@@ -1,0 +1,117 @@
+"""Which slice of the model one tensor-parallel rank holds (torch-free).
+
+Attention heads and the MLP's intermediate dimension are split evenly across the
+`size` ranks. KV heads are split too while there are at least as many as ranks;
+with fewer KV heads than ranks each KV head is replicated on `size // num_kv_heads`
+consecutive ranks, so rank r holds KV head `r // replicas` -- the one its query heads
+attend to (query head q reads KV head `q // (num_heads // num_kv_heads)`).
+
+The embedding, the final norm and the LM head are replicated: every rank ends a step
+with the full hidden state, and rank 0 alone computes logits and samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from engine.model_config import ModelConfig
+
+
+class ParallelLayoutError(ValueError):
+    """A model that cannot be split across the requested ranks; the message names why."""
+
+
+@dataclass(frozen=True)
+class HeadRange:
+    start: int
+    stop: int
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Rank `rank` of `size`: its query heads, KV heads and intermediate columns."""
+
+    rank: int
+    size: int
+    q_heads: HeadRange
+    kv_heads: HeadRange
+    inter: HeadRange  # columns of gate/up (rows of down)
+    layers: HeadRange | None = None  # a pipeline stage's decoder layers; None: all of them
+
+
+def check_tp(cfg: ModelConfig, size: int) -> None:
+    """Raise ParallelLayoutError unless `cfg` splits across `size` ranks."""
+    if size < 1:
+        raise ParallelLayoutError(f"tensor_parallel_size must be >= 1, got {size}")
+    if cfg.num_heads % size:
+        raise ParallelLayoutError(
+            f"tensor_parallel_size {size} does not divide the {cfg.num_heads} attention heads")
+    kvh = cfg.num_kv_heads
+    if kvh % size and size % kvh:
+        raise ParallelLayoutError(
+            f"tensor_parallel_size {size} and the {kvh} KV heads do not divide one another")
+    if cfg.intermediate_size % size:
+        raise ParallelLayoutError(
+            f"tensor_parallel_size {size} does not divide intermediate_size {cfg.intermediate_size}")
+
+
+def tp_shard(cfg: ModelConfig, size: int, rank: int) -> TPShard:
+    """The slice rank `rank` of a `size`-way tensor-parallel group holds."""
+    check_tp(cfg, size)
+    if not 0 <= rank < size:
+        raise ParallelLayoutError(f"rank {rank} is outside a group of {size}")
+    q = cfg.num_heads // size
+    kvh = cfg.num_kv_heads
+    if kvh >= size:
+        per = kvh // size
+        kv = HeadRange(rank * per, (rank + 1) * per)
+    else:
+        head = rank // (size // kvh)
+        kv = HeadRange(head, head + 1)
+    inter = cfg.intermediate_size // size
+    return TPShard(rank, size, HeadRange(rank * q, (rank + 1) * q), kv,
+                   HeadRange(rank * inter, (rank + 1) * inter))
+
+
+def check_pp(cfg: ModelConfig, stages: int, tp: int = 1) -> None:
+    """Raise ParallelLayoutError unless `cfg` splits into `stages` pipeline stages."""
+    if stages < 1:
+        raise ParallelLayoutError(f"pipeline_parallel_size must be >= 1, got {stages}")
+    if stages > cfg.num_layers:
+        raise ParallelLayoutError(f"pipeline_parallel_size {stages} exceeds the {cfg.num_layers} layers")
+    if stages > 1 and tp > 1:
+        raise ParallelLayoutError("tensor and pipeline parallel together are not implemented yet")
+
+
+def stage_layers(num_layers: int, stages: int, stage: int) -> HeadRange:
+    """Stage `stage`'s layers: an even split, the first stages taking one more."""
+    per, extra = divmod(num_layers, stages)
+    start = stage * per + min(stage, extra)
+    return HeadRange(start, start + per + (1 if stage < extra else 0))
+
+
+def stage_shard(cfg: ModelConfig, stages: int, stage: int) -> TPShard:
+    """Pipeline stage `stage` of `stages` (no tensor parallel inside it): all heads, its layers."""
+    check_pp(cfg, stages)
+    whole = tp_shard(cfg, 1, 0)
+    return dataclasses.replace(whole, layers=stage_layers(cfg.num_layers, stages, stage))
+
+
+def local_config(cfg: ModelConfig, shard: TPShard) -> ModelConfig:
+    """The config of the rank's slice: its head counts and intermediate size; the rest
+    (hidden size, head_dim, vocabulary) is the full model's."""
+    layers = cfg.num_layers if shard.layers is None else shard.layers.count
+    return dataclasses.replace(cfg, num_heads=shard.q_heads.count,
+                               num_kv_heads=shard.kv_heads.count,
+                               intermediate_size=shard.inter.count, num_layers=layers)
+
+
+def rank_shard(cfg: ModelConfig, tp: int, pp: int, rank: int) -> TPShard:
+    """Rank `rank` of a group of `tp` x `pp` ranks (one of them 1, for now)."""
+    check_pp(cfg, pp, tp)
+    return stage_shard(cfg, pp, rank) if pp > 1 else tp_shard(cfg, tp, rank)

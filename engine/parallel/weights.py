@@ -1,0 +1,53 @@
+"""Slicing checkpoint tensors for one tensor-parallel rank.
+
+Column-parallel (output rows split): q/k/v and gate/up, weights and biases.
+Row-parallel (input columns split, partial sums all-reduced): o_proj and down_proj;
+their biases are added once, so only rank 0 keeps them (the others hold zeros).
+Everything else (embedding, norms, q/k norms, LM head) is replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.llama import WeightSpec
+from engine.parallel.plan import HeadRange, TPShard
+
+_QKV = ("self_attn.qkv_weight", "self_attn.qkv_bias")
+_GATE_UP = ("mlp.gate_up_weight", "mlp.gate_up_bias")
+_ROW_BIAS = ("self_attn.o_bias", "mlp.down_bias")
+
+
+def shard_source(param: str, index: int, tensor: torch.Tensor, shard: TPShard,
+                 head_dim: int) -> torch.Tensor:
+    """Rank `shard.rank`'s part of source `index` of parameter `param` (full `tensor`)."""
+    if param.endswith(_QKV):
+        heads = shard.q_heads if index == 0 else shard.kv_heads
+        return _rows(tensor, heads, head_dim)
+    if param.endswith(_GATE_UP):
+        return _rows(tensor, shard.inter, 1)
+    if param.endswith("self_attn.o_weight"):
+        return tensor[:, shard.q_heads.start * head_dim: shard.q_heads.stop * head_dim]
+    if param.endswith("mlp.down_weight"):
+        return tensor[:, shard.inter.start: shard.inter.stop]
+    if param.endswith(_ROW_BIAS) and shard.rank != 0:
+        return torch.zeros_like(tensor)
+    return tensor
+
+
+def _rows(tensor: torch.Tensor, part: HeadRange, width: int) -> torch.Tensor:
+    return tensor[part.start * width: part.stop * width]
+
+
+def stage_specs(specs: list[WeightSpec], layers: HeadRange) -> list[WeightSpec]:
+    """The specs a pipeline stage loads: its layers (renumbered from 0) and every
+    parameter outside the layers (embedding, final norm, LM head: small, kept on all)."""
+    out = []
+    for spec in specs:
+        if not spec.param.startswith("layers."):
+            out.append(spec)
+            continue
+        index, rest = spec.param[len("layers."):].split(".", 1)
+        if layers.start <= int(index) < layers.stop:
+            out.append(WeightSpec(f"layers.{int(index) - layers.start}.{rest}", spec.sources))
+    return out
