@@ -99,14 +99,18 @@ class ModelRunner:
         else:
             self.pool = KVPool(self.layout, self._num_blocks_from_budget(), device=self.device)
         self.num_blocks = self.pool.num_blocks
-        self.backend = backend or select_backend(self.dtype, self.device,
-                                                 plain_kv=not self.layout.quantized)
         self._kv_layers = self.pool.all_layer_views()
         if shard is not None:
             h = shard.kv_heads
             self._kv_layers = [(head_slice(k, h), head_slice(v, h)) for k, v in self._kv_layers]
             if shard.layers is not None:  # a pipeline stage: its layers' views only
                 self._kv_layers = self._kv_layers[shard.layers.start:shard.layers.stop]
+        # The in-place kernels read whole, contiguous pool views; a tensor-parallel rank's
+        # head slice of the shared pool is strided, so it keeps the gather path.
+        plain_kv = not self.layout.quantized and (shard is None or all(
+            isinstance(k, torch.Tensor) and k.is_contiguous() and v.is_contiguous()
+            for k, v in self._kv_layers))
+        self.backend = backend or select_backend(self.dtype, self.device, plain_kv=plain_kv)
 
     @property
     def kv_layers(self) -> list[tuple[KVCacheView, KVCacheView]]:

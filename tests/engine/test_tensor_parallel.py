@@ -199,3 +199,17 @@ def test_a_dead_follower_rank_is_reported(tiny_model_dir: Callable[..., Path]) -
     assert seen == [2]
     for pid in (runner.rank_pids[0], runner.rank_pids[2]):
         os.kill(pid, signal.SIGKILL)
+
+
+def test_bf16_ranks_attend_over_their_strided_head_slices(tiny_model_dir: Callable[..., Path]) -> None:
+    """bf16 is the CPU default; a rank's KV heads are a strided slice of the shared pool,
+    which the in-place bf16 kernel refuses, so ranks keep the gather path and serve."""
+    cfg = dataclasses.replace(_config(tiny_model_dir("llama"), tp=2), dtype="bfloat16")
+    group = LLMEngine(cfg)
+    try:
+        assert isinstance(group.runner, TPRunner)
+        out = group.generate([prompt_of(9, 300, seed=5)], [SamplingParams(max_tokens=8, temperature=0.0)])
+        assert len(out[0].choices[0].token_ids) == 8
+        assert group.block_manager.num_free_blocks == group.block_manager.num_allocatable
+    finally:
+        group.runner.close()
