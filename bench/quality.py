@@ -38,6 +38,8 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "bfloat16": {"dtype": "bfloat16"},
     "fp8 KV": {"dtype": "float32", "kv_cache_dtype": "fp8"},  # e4m3, per-block-per-head scales
     "int8 KV": {"dtype": "float32", "kv_cache_dtype": "int8"},
+    "int8 weights": {"dtype": "float32", "quantization": "int8"},  # per-output-channel scales
+    "int4 weights": {"dtype": "float32", "quantization": "int4"},  # group 128, asymmetric
 }
 
 
