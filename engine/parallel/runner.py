@@ -84,7 +84,12 @@ class TPRunner(ModelRunner):
         store = leader_store(size, GROUP_TIMEOUT_S)
         args = [RankArgs(config, layout, r, size, store.port, pool_name, nbytes, GROUP_TIMEOUT_S)
                 for r in range(1, size)]
-        self._procs = start_followers(args)
+        try:
+            self._procs = start_followers(args)
+        except BaseException:  # no follower to abandon, but the segment is ours
+            if self._segment is not None:
+                self._segment.unlink()
+            raise
         self._on_rank_death = on_rank_death
         self._watch = RankWatch(self._procs, on_rank_death)
         try:
