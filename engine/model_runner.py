@@ -108,8 +108,8 @@ class ModelRunner:
         # The in-place kernels read whole, contiguous pool views; a tensor-parallel rank's
         # head slice of the shared pool is strided, so it keeps the gather path.
         plain_kv = not self.layout.quantized and (shard is None or all(
-            isinstance(k, torch.Tensor) and k.is_contiguous() and v.is_contiguous()
-            for k, v in self._kv_layers))
+            isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and k.is_contiguous() and v.is_contiguous() for k, v in self._kv_layers))
         self.backend = backend or select_backend(self.dtype, self.device, plain_kv=plain_kv)
 
     @property
