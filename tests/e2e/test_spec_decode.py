@@ -103,17 +103,23 @@ def test_streams_equal_the_engine_without_speculation(cluster: Cluster, referenc
 
 def test_decode_worker_reports_drafts_and_the_gateway_reexports_them(cluster: Cluster) -> None:
     decoder = next(w for w in cluster.worker_list() if w["role"] != "prefill")
-    text = worker_metrics(decoder)
-    drafts = metric_value(text, "llm_spec_decode_num_drafts_total")
-    accepted = metric_value(text, "llm_spec_decode_num_accepted_tokens_total")
-    assert drafts > 0 and 0 < accepted <= metric_value(text, "llm_spec_decode_num_draft_tokens_total")
-    assert metric_value(text, "llm_spec_decode_num_accepted_tokens_per_pos_total") == accepted
+    seen: dict[str, float] = {}
 
-    def reexported() -> bool:  # after the worker's next heartbeat
+    def reexported() -> bool:
+        # A request the gateway already finished (the stop-string one) may still be
+        # drafting on the worker until its abort lands: wait for the worker to be idle,
+        # then for its heartbeat to carry the final count to the gateway.
+        text = worker_metrics(decoder)
+        if metric_value(text, "llm_num_running_seqs") != 0:
+            return False
+        for name in ("drafts", "draft_tokens", "accepted_tokens", "accepted_tokens_per_pos"):
+            seen[name] = metric_value(text, f"llm_spec_decode_num_{name}_total")
         status, body = http("GET", f"{cluster.url}/metrics")
-        return metric_value(body, "llm_spec_decode_num_drafts_count") == drafts
+        return metric_value(body, "llm_spec_decode_num_drafts_count") == seen["drafts"]
 
-    cluster._wait(reexported, "the gateway's llm_spec_decode_num_drafts_count", timeout=10)
+    cluster._wait(reexported, "the gateway's llm_spec_decode_num_drafts_count", timeout=30)
+    assert seen["drafts"] > 0 and 0 < seen["accepted_tokens"] <= seen["draft_tokens"]
+    assert seen["accepted_tokens_per_pos"] == seen["accepted_tokens"]
 
 
 def test_kill_decode_mid_speculation_resumes_exactly(tmp_path: Path, reference: Reference) -> None:

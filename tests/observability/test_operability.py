@@ -93,6 +93,8 @@ def test_up_lets_openmp_spin_only_when_the_worker_threads_fit_the_cores(
     import os
 
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    # up counts the cores this process may run on, not the host's
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
 
     def spins(*argv: str) -> list[bool]:
         cmds = _worker_cmds(build_parser().parse_args(["up", *argv]), "tcp://127.0.0.1:5555")
