@@ -1,4 +1,5 @@
 /* Native CPU kernels of the bf16 hot path (engine/native_kernels.py loads them):
+ * (also the int4 weight unpacking of engine/quant/linear.py, at the end of the file)
  * paged decode attention read in place from the KV pool, the residual add fused with
  * RMSNorm, and the rotary embedding in place (the last two at the end of the file).
  *
@@ -230,4 +231,68 @@ void pd_rope_bf16(uint16_t *x, int64_t T, int64_t row_stride, int64_t nheads, in
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < T; t++)
         rope_row(x + t * row_stride, nheads, D, cos + t * D, sin + t * D);
+}
+
+/* int4 weights in the layout torch's CPU int4 kernel packs them in
+ * (`_convert_weight_to_int4pack_for_cpu(q, 1)` with N a multiple of 64):
+ *   packed [N/64, K, 32] uint8: the byte for (block nb, column k, lane d) holds row
+ *   nb*64+d in its low nibble and row nb*64+32+d in its high nibble;
+ *   sz [K/group, N, 2] (float32 or bf16): scale and offset, w = (q - 8) * scale + offset
+ * -> out [N, K] dense, float32 or bf16 (rounded to nearest even). The aten kernel is a
+ * small-M kernel: past a few dozen rows a dense matmul over this is several times faster
+ * (engine/quant/linear.py). */
+/* One 64-row block, 16 columns at a time: the 16 x 32 bytes are first split into a
+ * [64 rows][16 columns] tile of codes (in L1), then each row's 16 values are scaled and
+ * stored contiguously (one vector). `group` is a multiple of 16 (checked by the caller).
+ * Codes, scales and offsets are finite, so bf16 rounding needs no NaN case. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void int4_block(const uint8_t *packed, const void *sz, int sz_dtype, int64_t nb,
+                       int64_t N, int64_t K, int64_t group, int out_dtype, void *out) {
+    const uint8_t *src = packed + nb * K * 32;
+    uint8_t tile[64][16];
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+        for (int kk = 0; kk < 16; kk++) {
+            const uint8_t *row = src + (k0 + kk) * 32;
+            for (int d = 0; d < 32; d++) {
+                tile[d][kk] = row[d] & 15;
+                tile[32 + d][kk] = row[d] >> 4;
+            }
+        }
+        int64_t g = k0 / group;
+        for (int r = 0; r < 64; r++) {
+            int64_t n = nb * 64 + r, at = (g * N + n) * 2;
+            float s, o;
+            if (sz_dtype == 1) {
+                s = bf16_to_f32(((const uint16_t *)sz)[at]);
+                o = bf16_to_f32(((const uint16_t *)sz)[at + 1]);
+            } else {
+                s = ((const float *)sz)[at];
+                o = ((const float *)sz)[at + 1];
+            }
+            float w[16];
+            for (int kk = 0; kk < 16; kk++)
+                w[kk] = (float)((int)tile[r][kk] - 8) * s + o;
+            if (out_dtype == 1) {
+                uint16_t *dst = (uint16_t *)out + n * K + k0;
+                for (int kk = 0; kk < 16; kk++) {
+                    uint32_t u;
+                    memcpy(&u, &w[kk], sizeof u);
+                    dst[kk] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+                }
+            } else {
+                memcpy((float *)out + n * K + k0, w, sizeof w);
+            }
+        }
+    }
+}
+
+int pd_int4_dequant(const uint8_t *packed, const void *sz, int sz_dtype, int64_t N, int64_t K,
+                    int64_t group, int out_dtype, void *out, int num_threads) {
+    if (N % 64 != 0 || group <= 0 || group % 16 != 0 || K % group != 0)
+        return PD_ERR_LEN;
+    int threads = num_threads < 1 ? 1 : num_threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t nb = 0; nb < N / 64; nb++)
+        int4_block(packed, sz, sz_dtype, nb, N, K, group, out_dtype, out);
+    return PD_OK;
 }

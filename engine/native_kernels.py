@@ -41,6 +41,10 @@ def _load() -> ctypes.CDLL | None:
     lib.pd_add_rms_norm_bf16.restype = None
     lib.pd_rope_bf16.argtypes = [P, I64, I64, I64, I64, P, P, ctypes.c_int]
     lib.pd_rope_bf16.restype = None
+    if hasattr(lib, "pd_int4_dequant"):  # a library built before it had one goes without
+        lib.pd_int4_dequant.argtypes = [P, P, ctypes.c_int, I64, I64, I64, ctypes.c_int, P,
+                                        ctypes.c_int]
+        lib.pd_int4_dequant.restype = ctypes.c_int
     return lib
 
 

@@ -15,7 +15,13 @@ The aten CPU kernels are small-M kernels (AVX-512, no AMX): measured on this hos
 row but 2.5-3x at 16 rows and 3-27x at 128. So an int8 layer given more than
 `INT8_KERNEL_ROWS` rows converts its weight to the compute dtype for that call and
 runs the ordinary matmul, scaling the output per channel (exact: x @ (q s)^T =
-(x @ q^T) s); int4 stays on its kernel (its packed layout has no cheap unpacking).
+(x @ q^T) s). An int4 layer given more than `INT4_KERNEL_ROWS` rows on CPU unpacks its
+packed codes into a dense weight of the compute dtype (the native kernel
+`pd_int4_dequant`, engine/_cpu_kernels.c, ~1 ms for a 2048 x 768 layer) and runs the
+ordinary matmul: prefill then costs about what the bf16 model's does, where the aten
+kernel took ~8x (`python -m bench.quant` measures both). Without the native library it
+stays on the aten kernel. CPU int4 weights are padded to N % 64 == 0, the block the
+packed layout is uniform over.
 """
 
 from __future__ import annotations
@@ -26,11 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import native_kernels
+from engine.native_kernels import DTYPE_CODES
 from engine.quant.formats import INT4_GROUP, ON_THE_FLY, QuantizationError
 from engine.quant.pack import Int4Parts, Int8Parts, quantize_int4, quantize_int8
 
 _N_ALIGN = 16
+_N_ALIGN_CPU = 64
 INT8_KERNEL_ROWS = 8
+INT4_KERNEL_ROWS = 32
 
 
 class Int8Linear(nn.Module):
@@ -62,7 +72,8 @@ class Int4Linear(nn.Module):
         n, k = parts.q.shape
         self.out_features, self.in_features, self.group = n, k, parts.group
         q, scales, zeros = parts.q, parts.scales, parts.zeros
-        pad_n = -n % _N_ALIGN
+        self.on_cuda = device.type == "cuda"
+        pad_n = -n % (_N_ALIGN if self.on_cuda else _N_ALIGN_CPU)
         self.pad_k = -k % parts.group
         if pad_n or self.pad_k:  # padded weights are 0 (q = zero, any scale)
             q = F.pad(q, (0, self.pad_k, 0, pad_n))
@@ -70,7 +81,6 @@ class Int4Linear(nn.Module):
             zeros = F.pad(zeros, (0, 0, 0, pad_n))
         # Kernel form: w = (q - 8) * scale + offset, so offset = (8 - zero) * scale.
         sz = torch.stack([scales, (8.0 - zeros) * scales], dim=-1).transpose(0, 1).contiguous()
-        self.on_cuda = device.type == "cuda"
         kernel_dtype = torch.bfloat16 if self.on_cuda else dtype
         self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=kernel_dtype))
         self.register_buffer("packed", _pack_int4(q.to(device), self.on_cuda))
@@ -82,7 +92,9 @@ class Int4Linear(nn.Module):
             x2 = x2.index_select(1, self.perm)
         if self.pad_k:
             x2 = F.pad(x2, (0, self.pad_k))
-        if self.on_cuda:
+        if not self.on_cuda and x2.shape[0] > INT4_KERNEL_ROWS and _dequantizes(x2.dtype, self.scales_and_zeros.dtype):
+            y = F.linear(x2, self.dense_weight(x2.dtype))
+        elif self.on_cuda:
             y = torch._weight_int4pack_mm(x2.to(torch.bfloat16).contiguous(), self.packed, self.group,
                                           self.scales_and_zeros).to(x.dtype)
         else:
@@ -91,6 +103,28 @@ class Int4Linear(nn.Module):
         if y.shape[-1] != self.out_features:
             y = y[:, : self.out_features]
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The CPU-packed codes as a dense [N_padded, K_padded] weight of `dtype`
+        (float32 or bfloat16), through the native kernel."""
+        lib = native_kernels.LIB
+        assert lib is not None and not self.on_cuda
+        sz = self.scales_and_zeros
+        n = sz.shape[1]
+        out = torch.empty(n, self.in_features + self.pad_k, dtype=dtype)
+        rc = lib.pd_int4_dequant(self.packed.data_ptr(), sz.data_ptr(), DTYPE_CODES[sz.dtype], n,
+                                 out.shape[1], self.group, DTYPE_CODES[dtype], out.data_ptr(),
+                                 torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"int4 weight of shape {tuple(out.shape)} cannot be unpacked (code {rc})")
+        return out
+
+
+def _dequantizes(x_dtype: torch.dtype, sz_dtype: torch.dtype) -> bool:
+    lib = native_kernels.LIB
+    return (lib is not None and hasattr(lib, "pd_int4_dequant") and x_dtype in DTYPE_CODES
+            and sz_dtype in DTYPE_CODES)
 
 
 def _pack_int4(q: torch.Tensor, cuda: bool) -> torch.Tensor:

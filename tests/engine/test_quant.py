@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
+from engine import native_kernels
 from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import CheckpointError, load_model_with
@@ -21,7 +22,7 @@ from engine.quant.formats import (
     linear_weight_bytes,
     served_quantization,
 )
-from engine.quant.linear import Int4Linear, Int8Linear, quantize_weight
+from engine.quant.linear import INT4_KERNEL_ROWS, Int4Linear, Int8Linear, quantize_weight
 from engine.quant.pack import quantize_int4, quantize_int8
 from tests.helpers.tiny_models import FAMILIES
 
@@ -54,9 +55,12 @@ def test_int8_layer_is_the_matmul_of_its_dequantized_weight(
     assert (y.float() - ref).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("rows", [3, 40])  # the aten kernel, and the unpacked weight past INT4_KERNEL_ROWS
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(96, 64), (40, 688), (256, 384)])
-def test_int4_layer_is_the_matmul_of_its_dequantized_weight(shape: tuple[int, int], dtype: torch.dtype) -> None:
+def test_int4_layer_is_the_matmul_of_its_dequantized_weight(
+    shape: tuple[int, int], dtype: torch.dtype, rows: int
+) -> None:
     n, k = shape
     w = _weight(n, k, seed=1)
     layer = quantize_weight(w.to(dtype), "int4")
@@ -66,12 +70,30 @@ def test_int4_layer_is_the_matmul_of_its_dequantized_weight(shape: tuple[int, in
     deq = parts.dequantize()[:, :k]
     step = parts.scales.max().item()
     assert (deq - w.to(dtype).float()).abs().max().item() <= step / 2 + 1e-6
-    x = torch.randn(3, k).to(dtype)
+    x = torch.randn(rows, k).to(dtype)
     y = layer(x)
-    assert y.dtype == dtype and y.shape == (3, n)
+    assert y.dtype == dtype and y.shape == (rows, n)
     ref = x.float() @ deq.t()
     tol = 1e-4 if dtype == torch.float32 else 3e-2 * ref.abs().max().item()
     assert (y.float() - ref).abs().max().item() <= tol
+
+
+@pytest.mark.skipif(native_kernels.LIB is None, reason="the native CPU kernels were not built")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_native_unpacking_gives_the_dequantized_int4_weight(dtype: torch.dtype) -> None:
+    w = _weight(200, 256, seed=2).to(dtype)  # N padded to 256: 4 blocks of the packed layout
+    layer = quantize_weight(w, "int4")
+    assert isinstance(layer, Int4Linear) and INT4_KERNEL_ROWS < 64
+    dense = layer.dense_weight(dtype)
+    assert dense.shape == (256, 256) and dense.dtype == dtype
+    want = quantize_int4(w.float(), 128).dequantize().to(dtype)
+    if dtype == torch.float32:
+        assert torch.allclose(dense[:200], want, rtol=0, atol=1e-6)
+    else:  # scales and offsets are stored in bf16 for a bf16 layer: within a bf16 step
+        assert ((dense[:200].float() - want.float()).abs() <= 2 ** -7 * want.float().abs() + 2e-3).all()
+    assert not dense[200:].any()  # the padding rows are zero weights
+    x = torch.randn(64, 256).to(dtype)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, dense)[:, :200])
 
 
 def test_int4_groups_are_asymmetric_and_128_wide() -> None:
