@@ -78,10 +78,19 @@ def test_poll_and_cancel_do_not_wait_for_a_device_copy() -> None:
         receiver.expect("t", "r", DST, lease_s=20)
         sender.begin("t", "r", receiver.address, SRC, DST, lease_s=20)
         sender.send_all("t")
+        states: list[TransferState] = []
+        answered = threading.Event()
+
+        def worker_loop() -> None:
+            sender.cancel("t")
+            states.append(sender.poll("t"))
+            answered.set()
+
         try:
             assert waiting.wait(10), "the copy never started"
-            sender.cancel("t")
-            assert sender.poll("t") is TransferState.CANCELLING
+            threading.Thread(target=worker_loop, daemon=True).start()
+            assert answered.wait(5), "cancel/poll waited for the copy: the sender lock is held"
+            assert states == [TransferState.CANCELLING]
             with pytest.raises(ValueError, match="CANCELLING"):
                 sender.forget("t")
         finally:
