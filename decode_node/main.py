@@ -31,7 +31,8 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
         return DecodeNode(parts.worker_id, engine, runner, receiver, parts.send, parts.metrics, kv_shm)
 
     on_cuda = engine_cfg.device.startswith("cuda")
-    if not on_cuda and opts.kv_transport == "tcp":
+    transport = receiver_transport(opts.kv_transport, on_cuda)
+    if transport == "tcp":  # the engine's own pool; on CUDA, frames land through host staging
         plain = node(None, None, "tcp")
         return plain, [plain.runner.close]
     num_blocks = engine_cfg.cache.num_blocks or ModelRunner.num_blocks_for_bytes(
@@ -43,17 +44,32 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
         from kv_transfer.tensor_adapter import tensor_from_array
 
         cuda_pool = create_cuda_pool(layout, num_blocks, cuda_index(engine_cfg.device))
-        on_gpu = node(tensor_from_array(cuda_pool.array, layout.dtype), cuda_pool, "cuda+tcp")
+        on_gpu = node(tensor_from_array(cuda_pool.array, layout.dtype), cuda_pool, transport)
         return on_gpu, [on_gpu.runner.close]
     from kv_transfer.shm_pool import create_shm_pool
 
     shm_pool = create_shm_pool(layout, num_blocks)  # sweeps segments of dead workers first
     try:
-        shared = node(shm_pool.array, shm_pool, "shm+tcp", shm_pool.descriptor.name)
+        shared = node(shm_pool.array, shm_pool, transport, shm_pool.descriptor.name)
         return shared, [shared.runner.close, shm_pool.unlink]
     except BaseException:
         shm_pool.unlink()  # the cleanup list never reaches the caller
         raise
+
+
+def receiver_transport(kv_transport: str, on_cuda: bool) -> str:
+    """The receiver for `--kv-transport`: tcp is plain frames whatever the device (a
+    device pool is written through host staging: pods on different hosts); auto (and
+    shm on CPU) also offers same-host senders direct writes -- shared memory on CPU,
+    CUDA IPC on a GPU -- with tcp for the control messages."""
+    if kv_transport == "tcp":
+        return "tcp"
+    if kv_transport not in ("auto", "shm"):
+        raise ValueError(f"unknown --kv-transport {kv_transport!r} (auto, tcp, shm)")
+    if on_cuda and kv_transport == "shm":
+        raise ValueError("--kv-transport shm keeps KV in host shared memory but the device is "
+                         "a GPU: use auto (CUDA IPC with same-host peers) or tcp")
+    return "cuda+tcp" if on_cuda else "shm+tcp"
 
 
 def cuda_index(device: str) -> int:

@@ -30,9 +30,11 @@ from kv_transfer.links import ZmqLinkFactory
 from kv_transfer.receiver import ZmqReceiver
 from kv_transfer.sender import Sender
 from kv_transfer.shm_pool import ShmPool, attach_shm_pool, create_shm_pool
+from kv_transfer.staging import HiddenHostPool
 
 __all__ = [
-    "TERMINAL_STATES", "FakeFabric", "FakeReceiver", "FaultConfig", "KVReceiver", "KVSender",
+    "TERMINAL_STATES", "FakeFabric", "FakeReceiver", "FaultConfig", "HiddenHostPool", "KVReceiver",
+    "KVSender",
     "Sender", "ShmPool", "TransferState", "UnknownTransfer", "ZmqReceiver", "attach_shm_pool",
     "create_shm_pool", "fake_sender", "make_receiver", "make_sender",
 ]
@@ -57,6 +59,6 @@ def make_sender(layout: KVLayout, pool: Any, *, fabric: FakeFabric | None = None
     worker's keys, for receivers that serve CURVE (kv_transfer/auth.py)."""
     if fabric is not None:
         return fake_sender(layout, pool, fabric, **options)
-    if isinstance(pool, np.ndarray) or hasattr(pool, "__cuda_array_interface__"):
+    if isinstance(pool, (np.ndarray, HiddenHostPool)) or hasattr(pool, "__cuda_array_interface__"):
         return Sender(layout, pool, links=ZmqLinkFactory(curve), **options)
     raise TypeError("pool must be a numpy array or a device array (see tensor_adapter)")

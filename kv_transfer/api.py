@@ -86,11 +86,12 @@ class KVSender(Protocol):
         """Start a transfer; FAILED unless the receiver acks it within `lease_s`."""
         ...
 
-    def send_layer(self, transfer_id: str, layer: int) -> None:
-        """Queue layer `layer` of all source blocks (returns at once)."""
+    def send_layer(self, transfer_id: str, layer: int, ready: object = None) -> None:
+        """Queue layer `layer` of all source blocks (returns at once). `ready`: a device
+        event recorded once the layer is written (the copy waits for it, not the host)."""
         ...
 
-    def send_all(self, transfer_id: str) -> None:
+    def send_all(self, transfer_id: str, ready: object = None) -> None:
         """Queue every layer (whole-request mode)."""
         ...
 

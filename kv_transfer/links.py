@@ -171,7 +171,9 @@ class StagingBuffers:
     frame buffers are recycled -- but only once their send is `done`.
     """
 
-    def __init__(self, keep_per_size: int = 8) -> None:
+    def __init__(self, keep_per_size: int = 8,
+                 alloc: Callable[[int], np.ndarray] | None = None) -> None:
+        self._alloc = alloc  # e.g. pinned memory for a device pool's staging copies
         self._free: dict[int, list[np.ndarray]] = {}
         self._busy: list[tuple[np.ndarray, Sent]] = []
         self._keep = keep_per_size
@@ -179,7 +181,9 @@ class StagingBuffers:
     def take(self, nbytes: int) -> np.ndarray:
         self._reap()
         free = self._free.get(nbytes)
-        return free.pop() if free else np.empty(nbytes, np.uint8)
+        if free:
+            return free.pop()
+        return np.empty(nbytes, np.uint8) if self._alloc is None else self._alloc(nbytes)
 
     def give(self, buffer: np.ndarray, sent: Sent) -> None:
         self._busy.append((buffer, sent))

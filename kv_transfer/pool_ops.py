@@ -1,9 +1,10 @@
 """What the transfer layer does to a pool in place, for host (numpy) and device pools.
 
-`pool_ops(array)` returns `HostPoolOps` for a numpy pool; any other array (a
-cupy array, e.g. a torch CUDA pool seen through DLPack) gets the CUDA
-implementation from `kv_transfer.cuda_ipc`, imported only then, so CPU-only
-installs never import cupy.
+`pool_ops(array)` returns `HostPoolOps` for a numpy pool, the staging test double
+for a `staging.HiddenHostPool`; any other array (a cupy array, e.g. a torch CUDA
+pool seen through DLPack) gets the CUDA implementation from `kv_transfer.cuda_ipc`,
+imported only then, so CPU-only installs never import cupy. Device pools
+(`on_device`) also implement `staging.DeviceOps`.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ def pool_ops(array: Any, workers: CopyThreads | None = None) -> PoolOps:
     """Ops for `array`; host copies share their work with `workers` when given."""
     if isinstance(array, np.ndarray):
         return HostPoolOps(array, workers)
+    from kv_transfer.staging import HiddenHostPool, HostStagedOps
+
+    if isinstance(array, HiddenHostPool):
+        return HostStagedOps(array)
     from kv_transfer.cuda_ipc import DevicePoolOps
 
     return DevicePoolOps(array)

@@ -3,7 +3,8 @@
 A ROUTER socket bound to loopback (or a private ipc path carrying pid + random
 suffix) on a background I/O thread; all bookkeeping is in `ReceiverCore`.
 
-transport: "tcp" / "ipc" -- tensor frames travel inline. "shm" (a pool from
+transport: "tcp" / "ipc" -- tensor frames travel inline (into a device pool through
+a host staging buffer, staging.py). "shm" (a pool from
 `create_shm_pool`) or "cuda" (a pool from `cuda_ipc.create_cuda_pool`), each
 optionally "+tcp"/"+ipc" for the control socket (default ipc): the address is
 `shm+ipc://...` / `cuda+ipc://...`, and same-host senders write blocks straight
@@ -39,6 +40,7 @@ from kv_transfer.faults import FaultConfig
 from kv_transfer.links import Waker, tune_socket
 from kv_transfer.receiver_core import ReceiverCore, ReceiverStats
 from kv_transfer.shm_pool import ShmPool
+from kv_transfer.staging import HiddenHostPool
 
 TRANSPORTS = ("tcp", "ipc", "shm", "shm+ipc", "shm+tcp", "cuda", "cuda+ipc", "cuda+tcp")
 log = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ MAX_MESSAGES_PER_ROUND = 256
 class ZmqReceiver:
     """Implements `kv_transfer.api.KVReceiver`. Call `close()` (or use `with`)."""
 
-    def __init__(self, layout: KVLayout, pool: np.ndarray | ShmPool | CudaPool, *,
+    def __init__(self, layout: KVLayout, pool: np.ndarray | ShmPool | CudaPool | HiddenHostPool, *,
                  transport: str = "ipc",
                  host: str = "127.0.0.1", port: int = 0, faults: FaultConfig | None = None,
                  grace_s: float = 1.0,

@@ -66,6 +66,7 @@ class ReceiverStats:
     malformed: int  # headers that failed to decode or validate
     rejected: int  # well-formed messages refused (unknown transfer, bad blocks, mismatch)
     completed: int
+    staged_bytes: int = 0  # inline bytes written into a device pool through host staging
 
 
 class ReceiverCore:
@@ -149,7 +150,8 @@ class ReceiverCore:
 
     def stats(self) -> ReceiverStats:
         with self._lock:
-            return ReceiverStats(self._malformed, self._rejected, self._completed)
+            return ReceiverStats(self._malformed, self._rejected, self._completed,
+                                 getattr(self._ops, "staged_bytes", 0))
 
     def close(self) -> None:
         """Stop the copy helper threads (after the transport stopped calling `handle`)."""

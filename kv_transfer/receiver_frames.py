@@ -3,11 +3,14 @@
 Everything about a chunk is checked before a byte of its frame is interpreted:
 the header against the layout and this receiver's limits, then against the
 reservation it names. Only then are the bytes written (inline frames, scattered
-into the reserved blocks) or found (shared memory: the sender already wrote them
+into the reserved blocks, host -> device through a staging buffer for a device
+pool) or found (shared memory: the sender already wrote them
 into this pool) and checked against the chunk's checksum, in one pass.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import numpy as np
 
@@ -18,6 +21,7 @@ from kv_transfer.checksum import digest
 from kv_transfer.copy_threads import CopyThreads
 from kv_transfer.pool_ops import PoolOps
 from kv_transfer.receiver_state import ReservationRecord
+from kv_transfer.staging import DeviceOps
 
 
 class FrameCheck:
@@ -54,8 +58,6 @@ class FrameCheck:
             return f"frame has {frame.nbytes} bytes, header declares {msg.nbytes}"
         if not msg.inline and not self.shared:
             return "shared-memory chunk but this pool is not shared"
-        if msg.inline and self._ops.on_device:
-            return "inline frames into a device pool are not supported"
         if msg.compat_hash != self.layout.compat_hash:
             return "compatibility hash mismatch"
         return ""
@@ -66,7 +68,10 @@ class FrameCheck:
         reservation is live: the blocks are reserved for this transfer and nothing
         reads them before COMPLETE, so a bad frame only fails the transfer."""
         l0, l1, ids = msg.layer_start, msg.layer_end, msg.dst_block_ids
-        if frame is not None:  # verify while scattering: one pass over the frame
+        if frame is not None and self._ops.on_device:  # host -> device through staging
+            raw = np.frombuffer(frame, dtype=np.uint8)
+            sums = cast(DeviceOps, self._ops).scatter_from_host(l0, l1, ids, raw)
+        elif frame is not None:  # verify while scattering: one pass over the frame
             pool = self._ops.array
             data = np.frombuffer(frame, dtype=pool.dtype).reshape(
                 (l1 - l0, 2, len(ids)) + pool.shape[3:])

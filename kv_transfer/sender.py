@@ -114,19 +114,21 @@ class Sender:
                 transfer_id, request_id, peer_address, src, dst, self._clock() + lease_s)
         self._waker.wake()
 
-    def send_layer(self, transfer_id: str, layer: int) -> None:
+    def send_layer(self, transfer_id: str, layer: int, ready: Any = None) -> None:
+        """`ready`: for a device pool, an event the compute stream recorded after writing
+        layer `layer` (the copy waits for it on the device; None: already written)."""
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} outside 0..{self.layout.num_layers - 1}")
-        self._queue(transfer_id, layer, layer + 1)
+        self._queue(transfer_id, layer, layer + 1, ready)
 
-    def send_all(self, transfer_id: str) -> None:
-        self._queue(transfer_id, 0, self.layout.num_layers)
+    def send_all(self, transfer_id: str, ready: Any = None) -> None:
+        self._queue(transfer_id, 0, self.layout.num_layers, ready)
 
     def poll(self, transfer_id: str) -> TransferState:
         with self._lock:
             t = self._get(transfer_id)
             t.expire(self._clock())
-            return t.state
+            return t.visible_state
 
     def reason(self, transfer_id: str) -> str:
         with self._lock:
@@ -143,8 +145,8 @@ class Sender:
         with self._lock:
             t = self._get(transfer_id)
             t.expire(self._clock())
-            if not t.state.terminal:
-                raise ValueError(f"transfer {transfer_id!r} is {t.state.name}; cancel it first")
+            if not t.visible_state.terminal:
+                raise ValueError(f"transfer {transfer_id!r} is {t.visible_state.name}; cancel it first")
             del self._transfers[transfer_id]
             if t.abort_pending:
                 self._owed[transfer_id] = t
@@ -168,6 +170,11 @@ class Sender:
         self._links.close()
 
     @property
+    def staged_bytes(self) -> int:
+        """Bytes a device pool sent through host staging buffers (0 for a host pool)."""
+        return int(getattr(self._ops, "staged_bytes", 0))
+
+    @property
     def chunk_bytes(self) -> int:
         return self._chunks.chunk_bytes
 
@@ -182,12 +189,12 @@ class Sender:
         self.close()
 
     # ---------------------------------------------------------------- shared helpers
-    def _queue(self, transfer_id: str, l0: int, l1: int) -> None:
+    def _queue(self, transfer_id: str, l0: int, l1: int, ready: Any) -> None:
         with self._lock:
             t = self._get(transfer_id)
             if t.state.terminal:
                 return  # a failed transfer swallows further layers; the worker sees it in poll
-            t.pending_layers.append((l0, l1))
+            t.pending_layers.append((l0, l1, ready))
         self._waker.wake()
 
     def _get(self, transfer_id: str) -> TransferRecord:
@@ -245,6 +252,9 @@ class Sender:
                 t.expire(now)
             transfers += self._owed.values()
             self._owed.clear()
+            lapsed = {t.peer for t in transfers if t.lapsed}
+            for t in transfers:
+                t.lapsed = False
         for t in transfers:
             if t.state.terminal and not t.abort_pending:
                 continue  # nothing left to say about it; never reconnect for it
@@ -265,6 +275,28 @@ class Sender:
                         t.transfer_id, t.request_id, self._compat, t.dst_ids))])
                 elif t.granted:
                     self._chunks.plan(peer, t)
+        self._drop_lapsed_peers(lapsed)
+
+    def _drop_lapsed_peers(self, lapsed: set[str]) -> None:
+        """A peer whose transfer ran out of lease (no ack: the decode worker may be dead)
+        and that has nothing else live is closed now -- its mapped pool (shared memory or
+        CUDA IPC) included, which would otherwise stay mapped until this sender closes.
+        A later transfer to the same address reconnects and maps it afresh."""
+        for address in lapsed:
+            peer = self._peers.get(address)
+            if peer is None or peer.direct is None:
+                continue
+            with self._lock:
+                if any(t.peer == address and (not t.state.terminal or t.copying)
+                       for t in self._transfers.values()):
+                    continue
+            self._flush_control(peer)  # the Aborts of the lapsed transfers, best effort
+            del self._peers[address]
+            peer.link.close()
+            peer.direct_ops = None  # its views of the mapping go first
+            peer.direct.close()
+            peer.direct = None
+            log.info("kv sender: closed the mapped pool of %s (lease lapsed)", address)
 
     def _open_peer(self, t: TransferRecord) -> PeerRecord | None:
         want_direct = t.peer.startswith(DIRECT_PREFIXES)
@@ -316,8 +348,7 @@ class Sender:
             for t in ready:
                 if self.faults.delay_s:
                     time.sleep(self.faults.delay_s)  # never under the lock
-                with self._lock:
-                    made = self._chunks.next(peer, t)
+                made = self._chunks.produce(self._lock, peer, t)
                 if made is None:
                     continue
                 sent += made.buffer.nbytes if made.buffer is not None else self.shm_chunk_bytes

@@ -25,15 +25,14 @@ def accept_hello_ack(peer: PeerRecord, msg: wire.HelloAck, layout: KVLayout,
         peer.refused = f"handshake refused: {msg.reason or 'compatibility hash mismatch'} (sender {mine})"
         return
     peer.max_frame = msg.max_frame_bytes
+    # No direct mapping (another host, or a host pool on one side): inline frames, a
+    # device pool's staged through pinned host buffers (staging.py).
     if peer.want_direct and msg.shm is not None:
         try:
             peer.direct = attach_direct(layout, msg.shm, on_device)
             peer.direct_ops = pool_ops(peer.direct.array)
         except (OSError, ValueError, ImportError, RuntimeError):
             peer.direct = None  # another host or namespace: fall back to inline frames
-    if on_device and peer.direct_ops is None:
-        peer.refused = "a device pool can only be sent to a cuda+ receiver on this host"
-        return
     peer.ready = True
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -31,12 +32,15 @@ class TransferRecord:
     deadline: float
     state: TransferState = TransferState.RESERVED
     reason: str = ""
-    pending_layers: deque[tuple[int, int]] = field(default_factory=deque)
-    spans: deque[ChunkSpan] = field(default_factory=deque)
+    # Layer ranges queued by the worker, each with the event its KV is ready at (or None).
+    pending_layers: deque[tuple[int, int, Any]] = field(default_factory=deque)
+    spans: deque[tuple[ChunkSpan, Any]] = field(default_factory=deque)
     claim_sent: bool = False
     granted: bool = False
     write_deadline: float = 0.0
     abort_pending: bool = False
+    lapsed: bool = False  # its lease ran out with no ack; the I/O thread clears it once seen
+    copying: int = 0  # device copies of this transfer in flight, waited on without the lock
 
     def end(self, state: TransferState, reason: str) -> None:
         """Caller holds the lock. A non-COMPLETE end tells the receiver we stopped writing."""
@@ -45,10 +49,19 @@ class TransferRecord:
         self.pending_layers.clear()
         self.abort_pending = state is not TransferState.COMPLETE
 
+    @property
+    def visible_state(self) -> TransferState:
+        """What the worker sees: a copy still reading the source blocks (or writing a
+        peer's pool) makes a terminal record CANCELLING until it is done."""
+        if self.state.terminal and self.copying:
+            return TransferState.CANCELLING
+        return self.state
+
     def expire(self, now: float) -> None:
         """Caller holds the lock: fail a live transfer whose lease has run out."""
         if not self.state.terminal and now >= self.deadline:
             self.end(TransferState.FAILED, "no ack from the receiver before the lease deadline")
+            self.lapsed = True
 
 
 @dataclass

@@ -19,4 +19,6 @@ def build_prefill(engine_cfg: EngineConfig, opts: WorkerOptions,
     engine, runner = build_engine(engine_cfg)
     sender = make_sender(runner.layout, pool_array(runner), faults=parts.kv_faults,
                          curve=kv_keys(opts))
-    return PrefillNode(parts.worker_id, engine, runner, sender, parts.send, parts.metrics), [runner.close]
+    node = PrefillNode(parts.worker_id, engine, runner, sender, parts.send, parts.metrics,
+                       direct=opts.kv_transport != "tcp")
+    return node, [runner.close]

@@ -58,22 +58,36 @@ class _Job:
     transfer_started_at: float = 0.0
 
 
-def peer_address(msg: p.TransferTarget) -> str:
-    """Direct copies (shared memory, CUDA IPC) only with a same-host decode worker;
-    tcp frames otherwise."""
+def peer_address(msg: p.TransferTarget, direct: bool = True) -> str:
+    """Direct copies (shared memory, CUDA IPC) only when both sides asked for them (the
+    decode worker advertises `shm+`/`cuda+`, this worker's `--kv-transport` is not tcp)
+    and they share a host; plain frames otherwise (a device pool's through host staging)."""
     peer = msg.target_kv_address
-    if msg.target_host_id != host_id():
+    if not direct or msg.target_host_id != host_id():
         for prefix in ("shm+", "cuda+"):
             peer = peer.removeprefix(prefix)
     return peer
+
+
+def layer_ready(device: torch.device) -> torch.cuda.Event | None:
+    """An event on the compute stream after the KV written so far (None on CPU, where
+    compute is done when the step returns): the sender's copy stream waits on it on the
+    device, so layer i is copied while layer i + 1 computes, and the host never blocks."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 class PrefillNode(EngineNode):
     role = "prefill"
 
     def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, sender: KVSender,
-                 send: Sender, metrics: WorkerMetrics, layerwise: bool = True) -> None:
+                 send: Sender, metrics: WorkerMetrics, layerwise: bool = True,
+                 direct: bool = True) -> None:
         super().__init__(worker_id, engine, runner, send, metrics)
+        self.direct = direct  # --kv-transport allows shm / CUDA IPC with same-host peers
         # Push each layer's KV while the next layer computes (when the target is known in time).
         self.layerwise = layerwise
         self.sender = sender
@@ -189,13 +203,10 @@ class PrefillNode(EngineNode):
                 tids.append(job.target.transfer_id)
         if not tids:
             return None
-        sync = self.runner.device.type == "cuda"
-
         def send_layer(layer: int) -> None:
-            if sync:  # the sender copies on its own stream: layer i's writes must be done
-                torch.cuda.current_stream().synchronize()
+            ready = layer_ready(self.runner.device)
             for tid in tids:
-                self.sender.send_layer(tid, layer)
+                self.sender.send_layer(tid, layer, ready)
 
         return send_layer
 
@@ -203,14 +214,14 @@ class PrefillNode(EngineNode):
         """Whole-request push: the prefill is done and the target is known."""
         self._begin_transfer(job, self.engine.held_blocks(job.msg.request_id))
         assert job.target is not None
-        self.sender.send_all(job.target.transfer_id)
+        self.sender.send_all(job.target.transfer_id, layer_ready(self.runner.device))
 
     def _begin_transfer(self, job: _Job, src_blocks: list[int]) -> None:
         target = job.target
         assert target is not None
         skip = target.skip_blocks  # decode holds the prompt's first blocks: only the rest travel
         src = list(src_blocks)[skip : skip + len(target.dst_block_ids)]
-        self.sender.begin(target.transfer_id, job.msg.request_id, peer_address(target), src,
+        self.sender.begin(target.transfer_id, job.msg.request_id, peer_address(target, self.direct), src,
                           list(target.dst_block_ids), TRANSFER_LEASE_S)
         job.transfer_started_at = time.monotonic()
 
@@ -240,7 +251,7 @@ class PrefillNode(EngineNode):
             tid = job.target.transfer_id
             state = self.sender.poll(tid)
             if state == TransferState.COMPLETE:
-                self.transfers.completed(job.transfer_started_at, peer_address(job.target),
+                self.transfers.completed(job.transfer_started_at, peer_address(job.target, self.direct),
                                          len(job.target.dst_block_ids))
                 self._finish(job)
                 changed = True

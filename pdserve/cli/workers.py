@@ -119,7 +119,8 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-host", type=host, default="127.0.0.1", help="decode: address the KV receiver binds")
     ap.add_argument("--kv-port", type=port_or_zero, default=0, help="decode: KV receiver tcp port (0: ephemeral)")
     ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"),
-                    help="auto: shared memory with same-host peers, tcp otherwise")
+                    help="auto: shared memory (CPU) or CUDA IPC (GPU) with same-host peers, tcp "
+                    "otherwise; tcp: always tcp (a GPU pool through pinned host staging)")
     ap.add_argument("--enable-fault-injection", action="store_true",
                     help="tests only: inject the faults PDSERVE_FAULTS and PDSERVE_KV_FAULTS ask for "
                     "(ignored without this flag); logs a WARNING")

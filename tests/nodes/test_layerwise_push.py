@@ -17,6 +17,10 @@ from common.transport import host_id
 from decode_node.node import DecodeNode
 from kv_transfer.api import TransferState
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
+from kv_transfer.links import ZmqLinkFactory
+from kv_transfer.receiver import ZmqReceiver
+from kv_transfer.sender import Sender
+from kv_transfer.staging import HiddenHostPool
 from kv_transfer.tensor_adapter import pool_array
 from prefill_node.node import PrefillNode
 from tests.engine.test_engine import assert_idle, make_engine, prompts
@@ -33,13 +37,21 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 class Pair:
     """A prefill node and a decode node joined by the fake transport; the test is the gateway."""
 
-    def __init__(self, model_dir: Path, budget: int, block_size: int = 16) -> None:
+    def __init__(self, model_dir: Path, budget: int, block_size: int = 16, staged: bool = False) -> None:
+        """`staged`: real tcp sockets, both pools wrapped as device pools (staging.py)."""
         self.fabric = FakeFabric()
         self.pe = make_engine(model_dir, budget=budget, block_size=block_size)
         self.de = make_engine(model_dir, block_size=block_size)
         layout = self.pe.runner.layout
-        self.sender = fake_sender(layout, pool_array(self.pe.runner.pool.kv), self.fabric)
-        self.receiver = FakeReceiver(layout, pool_array(self.de.runner.pool.kv), self.fabric)
+        src, dst = pool_array(self.pe.runner.pool.kv), pool_array(self.de.runner.pool.kv)
+        self.sender: Sender
+        self.receiver: FakeReceiver | ZmqReceiver
+        if staged:
+            self.sender = Sender(layout, HiddenHostPool(src), links=ZmqLinkFactory())
+            self.receiver = ZmqReceiver(layout, HiddenHostPool(dst), transport="tcp")
+        else:
+            self.sender = fake_sender(layout, src, self.fabric)
+            self.receiver = FakeReceiver(layout, dst, self.fabric)
         self.to_gateway: list[p.Message] = []
         self.prefill = PrefillNode("p", self.pe, self.pe.runner, self.sender, self.to_gateway.append,
                                    WorkerMetrics("prefill", "p"))
@@ -64,13 +76,13 @@ class Pair:
             finally:
                 self._in_step = False
 
-        def spy_layer(transfer_id: str, layer: int) -> None:
+        def spy_layer(transfer_id: str, layer: int, ready: Any = None) -> None:
             self.calls.append(("send_layer", transfer_id, layer, self._in_step))
-            send_layer(transfer_id, layer)
+            send_layer(transfer_id, layer, ready)
 
-        def spy_all(transfer_id: str) -> None:
+        def spy_all(transfer_id: str, ready: Any = None) -> None:
             self.calls.append(("send_all", transfer_id, -1, self._in_step))
-            send_all(transfer_id)
+            send_all(transfer_id, ready)
 
         self.pe.runner.execute = spy_execute  # type: ignore[method-assign]
         self.sender.send_layer = spy_layer  # type: ignore[method-assign]
