@@ -22,6 +22,7 @@ from engine.dtype import resolved_config
 from engine.kv_pool import TORCH_DTYPES, KVPool
 from engine.kv_quant import KVCacheView
 from engine.loader import load_config, load_model_with, weights_fingerprint
+from engine.memory_budget import cuda_kv_budget
 from engine.model_config import ModelConfig, kv_layout
 from engine.parallel.plan import TPShard
 from engine.parallel.shared_pool import head_slice
@@ -56,8 +57,8 @@ class ModelRunner:
     Pool size: `kv_buffer` when given (shape `layout.pool_shape(n)` in the pool
     dtype, or raw bytes; on the runner's device; the caller owns its memory), else
     `cache.num_blocks`, else `cache.kv_cache_memory` bytes (default: CPU
-    DEFAULT_CPU_KV_BYTES, CUDA `gpu_memory_utilization` of free memory after the
-    weights) divided by the bytes of one block across all layers. `num_blocks`
+    DEFAULT_CPU_KV_BYTES, CUDA what `gpu_memory_utilization` of the device's total memory
+    leaves after the weights and activations, `engine.memory_budget`) divided by the bytes of one block across all layers. `num_blocks`
     counts the null block.
     """
 
@@ -142,9 +143,9 @@ class ModelRunner:
             return cache.num_blocks
         budget = cache.kv_cache_memory
         if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * cache.gpu_memory_utilization)
+            if self.device.type == "cuda":  # the weights are loaded: what they took is exact
+                weights = torch.cuda.memory_allocated(self.device)
+                budget = cuda_kv_budget(self.config, self.model_config, weights).kv_bytes
             else:
                 budget = DEFAULT_CPU_KV_BYTES
         n = self.num_blocks_for_bytes(self.layout, budget)
