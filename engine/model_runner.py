@@ -28,6 +28,7 @@ from engine.parallel.plan import TPShard
 from engine.parallel.shared_pool import head_slice
 from engine.quant.formats import served_quantization
 from engine.runner_types import SeqChunk
+from engine.step_staging import PinnedStager, stage_metadata
 from engine.triton_attention import select_backend
 
 
@@ -112,6 +113,7 @@ class ModelRunner:
             isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
             and k.is_contiguous() and v.is_contiguous() for k, v in self._kv_layers))
         self.backend = backend or select_backend(self.dtype, self.device, plain_kv=plain_kv)
+        self._stager = PinnedStager(self.device) if self.device.type == "cuda" else None
 
     @property
     def kv_layers(self) -> list[tuple[KVCacheView, KVCacheView]]:
@@ -184,10 +186,14 @@ class ModelRunner:
             ids.extend(c.token_ids)
             positions.append(torch.arange(c.start_pos, c.end_pos))
             last_row[i] = len(ids) - 1
-        meta = build_metadata(chunks, order, self.block_size, self.dtype, self.device,
+        # On CUDA everything is built on the host and crosses in one pinned copy.
+        host = torch.device("cpu") if self._stager is not None else self.device
+        meta = build_metadata(chunks, order, self.block_size, self.dtype, host,
                               self.backend.flat_decode)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.cat(positions).to(self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=host)
+        pos = torch.cat(positions).to(host)
+        if self._stager is not None:
+            input_ids, pos, meta = stage_metadata(input_ids, pos, meta, self._stager)
         rows = [r for i, c in enumerate(chunks) for r in range(last_row[i] - c.num_logits + 1, last_row[i] + 1)]
         return StepInputs(input_ids, pos, meta, rows)
 
