@@ -18,6 +18,7 @@ import torch
 from common.kv_layout import KVLayout
 from engine.attention import AttentionBackend, AttentionMetadata, build_metadata, order_chunks
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.cuda_graphs import DecodeGraphs, StaticDecodeStep, graph_buckets, graph_support
 from engine.dtype import resolved_config
 from engine.kv_pool import TORCH_DTYPES, KVPool
 from engine.kv_quant import KVCacheView
@@ -114,6 +115,21 @@ class ModelRunner:
             and k.is_contiguous() and v.is_contiguous() for k, v in self._kv_layers))
         self.backend = backend or select_backend(self.dtype, self.device, plain_kv=plain_kv)
         self._stager = PinnedStager(self.device) if self.device.type == "cuda" else None
+        self._graphs = self._capture_graphs(sharded=shard is not None)
+
+    def _capture_graphs(self, sharded: bool) -> DecodeGraphs | None:
+        """Decode graphs per `engine.cuda_graphs` where this runner allows them; asked for
+        explicitly (`cuda_graphs=True`) where it does not, a ValueError saying why."""
+        why_not = graph_support(self.config.cuda_graphs, self.device, self.backend,
+                                self.layout.quantized, sharded, self.model_config.moe is not None)
+        if why_not is not None:
+            if self.config.cuda_graphs:
+                raise ValueError(f"--cuda-graphs: no decode graphs with {why_not}")
+            return None
+        buckets = graph_buckets(self.config.scheduler.max_num_seqs)
+        step = StaticDecodeStep(self.model, self._kv_layers, self.backend, self.device,
+                                buckets[-1], self.max_model_len, self.block_size)
+        return DecodeGraphs(step, buckets)
 
     @property
     def kv_layers(self) -> list[tuple[KVCacheView, KVCacheView]]:
@@ -171,6 +187,10 @@ class ModelRunner:
         if not chunks:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32)
         self._check(chunks)
+        if self._graphs is not None and layer_hook is None:
+            replayed = self._graphs.run(chunks)  # None: not a step a graph covers
+            if replayed is not None:
+                return replayed
         step = self.step_inputs(chunks)
         hidden = self.model(step.input_ids, step.positions, step.meta, self._kv_layers, self.backend, layer_hook)
         return self.logits(hidden, step.logit_rows)
