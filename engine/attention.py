@@ -20,9 +20,9 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from common.kv_layout import NULL_BLOCK
+from engine.chunk_attention import chunk_causal_attention
 from engine.kv_quant import KVCacheView, read_blocks, write_kv
 from engine.runner_types import SeqChunk
 
@@ -36,8 +36,8 @@ class PrefillSeq:
     start_pos: int
     ctx_len: int
     block_table: torch.Tensor  # [ceil(ctx_len / block_size)] long
-    # No mask travels with a chunk: row i attends to positions [0, start_pos + i],
-    # which is causal attention aligned to the bottom-right corner (`chunk_causal`).
+    # No mask travels with a chunk: row i attends to positions [0, start_pos + i]
+    # (`engine.chunk_attention`).
 
 
 @dataclass(frozen=True)
@@ -227,15 +227,6 @@ def _flat_decode_batch(
     )
 
 
-def chunk_causal(num_queries: int, ctx_len: int) -> CausalBias:
-    """The causal pattern of a chunk whose `num_queries` rows are the last of `ctx_len`
-    positions, with no mask tensor: SDPA reads it as is_causal when the chunk is the whole
-    context, and runs a lower-right causal kernel otherwise (flash / memory-efficient on
-    CUDA with grouped-query heads unrepeated), instead of the math backend that a dense
-    float mask with `enable_gqa` forces."""
-    return causal_lower_right(num_queries, ctx_len)
-
-
 class TorchPagedAttention(AttentionBackend):
     """Gather each sequence's context through its block table, then SDPA.
 
@@ -316,7 +307,5 @@ class TorchPagedAttention(AttentionBackend):
         qh = q.transpose(0, 1).unsqueeze(0)
         keys = keys.transpose(0, 1).unsqueeze(0)
         vals = vals.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=chunk_causal(n, p.ctx_len),
-                                             enable_gqa=True)
-        out = out.squeeze(0)
+        out = chunk_causal_attention(qh, keys, vals, p.start_pos).squeeze(0)
         return out.transpose(0, 1).reshape(n, h * d)

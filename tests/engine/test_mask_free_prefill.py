@@ -4,15 +4,13 @@ the dense-mask formulation computed."""
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import CausalBias
 
-from engine import attention
+from engine import attention, chunk_attention
 from engine.attention import TorchPagedAttention, build_metadata, order_chunks
 from engine.runner_types import SeqChunk
 
@@ -44,16 +42,15 @@ def test_prefix_hit_and_later_chunk_match_the_dense_mask_without_building_one(
         raise AssertionError("a prefill chunk built a dense mask")
 
     monkeypatch.setattr(attention, "_additive", no_dense_mask)
-    masks: list[object] = []
-    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(chunk_attention, "dense_fallback", no_dense_mask)
+    fused: list[bool] = []
+    cpu_flash = chunk_attention._cpu_flash
 
-    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        masks.append(kwargs.get("attn_mask"))
-        return sdpa(*args, **kwargs)
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Any:
+        fused.append(causal)
+        return cpu_flash(q, k, v, causal)
 
-    # A stand-in for the module `attention` calls through (patching torch's own function
-    # would hide it from the CausalBias dispatch, which checks its identity).
-    monkeypatch.setattr(attention, "F", SimpleNamespace(scaled_dot_product_attention=spy))
+    monkeypatch.setattr(chunk_attention, "_cpu_flash", spy)
     meta = build_metadata(chunks, order_chunks(chunks), bs, dtype, torch.device("cpu"))
     n = meta.num_tokens
     q = torch.randn(n, heads, d, dtype=dtype)
@@ -61,8 +58,8 @@ def test_prefix_hit_and_later_chunk_match_the_dense_mask_without_building_one(
     v_new = torch.randn(n, kvh, d, dtype=dtype)
     out = TorchPagedAttention().forward(q, k_new, v_new, k_cache, v_cache, meta)
 
-    # Each chunk passes a causal pattern (no storage of its own), never a dense tensor.
-    assert len(masks) == 2 and all(type(m) is CausalBias for m in masks)
+    # The prefix-hit chunk: two fused calls (its cached prefix unmasked, itself causal).
+    assert fused == [False, True]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for p, c in zip(meta.prefills, chunks, strict=True):
         slots = torch.arange(c.end_pos)
@@ -71,3 +68,17 @@ def test_prefix_hit_and_later_chunk_match_the_dense_mask_without_building_one(
         want = _dense_mask_reference(q[p.q_start:p.q_end], keys, vals, c.start_pos)
         torch.testing.assert_close(out[p.q_start:p.q_end], want, rtol=tol, atol=tol)
         assert math.isfinite(float(out[p.q_start:p.q_end].float().abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "start"), [(1, 30), (7, 1), (16, 48), (33, 5)])
+def test_chunk_causal_attention_is_the_lower_right_causal_pattern(dtype: torch.dtype, n: int,
+                                                                  start: int) -> None:
+    torch.manual_seed(n * 100 + start)
+    q = torch.randn(1, 8, n, 16, dtype=dtype)
+    k = torch.randn(1, 2, start + n, 16, dtype=dtype)
+    v = torch.randn(1, 2, start + n, 16, dtype=dtype)
+    got = chunk_attention.chunk_causal_attention(q, k, v, start)
+    want = chunk_attention.dense_fallback(q, k, v, start)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
