@@ -36,7 +36,7 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
         plain = node(None, None, "tcp")
         return plain, [plain.runner.close]
     num_blocks = engine_cfg.cache.num_blocks or ModelRunner.num_blocks_for_bytes(
-        layout, engine_cfg.cache.kv_cache_memory or default_kv_bytes()
+        layout, engine_cfg.cache.kv_cache_memory or default_kv_bytes(engine_cfg)
     )
     if on_cuda:
         # The pool lives in one cudaMalloc whose IPC handle same-host prefill workers map.
@@ -77,7 +77,22 @@ def cuda_index(device: str) -> int:
     return int(index) if index else 0
 
 
-def default_kv_bytes() -> int:
+def default_kv_bytes(engine_cfg: EngineConfig) -> int:
+    """The pool's bytes without --kv-cache-memory: on CUDA what --gpu-memory-utilization of
+    the device leaves after the weights (counted from the checkpoint's headers, as the pool
+    is made before they load) and activations; on CPU DEFAULT_CPU_KV_BYTES."""
     from engine.config import DEFAULT_CPU_KV_BYTES
 
-    return DEFAULT_CPU_KV_BYTES
+    if not engine_cfg.device.startswith("cuda"):
+        return DEFAULT_CPU_KV_BYTES
+    from pathlib import Path
+
+    from engine.dtype import resolved_config
+    from engine.kv_pool import TORCH_DTYPES
+    from engine.loader import load_config, weight_files
+    from engine.memory_budget import checkpoint_weight_bytes, cuda_kv_budget
+
+    cfg = resolved_config(engine_cfg)
+    files = sorted(set(weight_files(Path(cfg.model_dir)).values()))
+    weights = checkpoint_weight_bytes(files, TORCH_DTYPES[cfg.dtype].itemsize)
+    return cuda_kv_budget(cfg, load_config(cfg.model_dir), weights).kv_bytes

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from common.kv_layout import NULL_BLOCK
+from engine.chunk_attention import chunk_causal_attention
 from engine.kv_quant import KVCacheView, read_blocks, write_kv
 from engine.runner_types import SeqChunk
 
@@ -35,9 +36,8 @@ class PrefillSeq:
     start_pos: int
     ctx_len: int
     block_table: torch.Tensor  # [ceil(ctx_len / block_size)] long
-    # [n, ctx_len] additive float mask (0 / -inf); None when the chunk is the whole
-    # context (start_pos == 0) and plain causal attention applies.
-    mask: torch.Tensor | None
+    # No mask travels with a chunk: row i attends to positions [0, start_pos + i]
+    # (`engine.chunk_attention`).
 
 
 @dataclass(frozen=True)
@@ -143,12 +143,8 @@ def build_metadata(
         n = len(c.token_ids)
         slot_parts.append(_slots(c, block_size))
         nblk = (c.end_pos + block_size - 1) // block_size
-        mask = None
-        if c.start_pos > 0:
-            q_pos = torch.arange(c.start_pos, c.end_pos)[:, None]
-            mask = _additive(torch.arange(c.end_pos)[None, :] <= q_pos, dtype, device)
         table = torch.tensor(c.block_table[:nblk], dtype=torch.long, device=device)
-        prefills.append(PrefillSeq(row, row + n, c.start_pos, c.end_pos, table, mask))
+        prefills.append(PrefillSeq(row, row + n, c.start_pos, c.end_pos, table))
         row += n
     slot_mapping = (
         torch.cat(slot_parts).to(device) if slot_parts else torch.empty(0, dtype=torch.long)
@@ -157,7 +153,8 @@ def build_metadata(
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Boolean "may attend" -> additive float mask (0 / -inf), built once per step."""
+    """Boolean "may attend" -> additive float mask (0 / -inf), built once per step
+    (decode groups of unequal lengths only: a prefill chunk never builds one)."""
     mask = torch.zeros(allowed.shape, dtype=dtype)
     return mask.masked_fill_(~allowed, float("-inf")).to(device)
 
@@ -310,9 +307,5 @@ class TorchPagedAttention(AttentionBackend):
         qh = q.transpose(0, 1).unsqueeze(0)
         keys = keys.transpose(0, 1).unsqueeze(0)
         vals = vals.transpose(0, 1).unsqueeze(0)
-        if p.mask is None:
-            out = F.scaled_dot_product_attention(qh, keys, vals, is_causal=True, enable_gqa=True)
-        else:
-            out = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=p.mask, enable_gqa=True)
-        out = out.squeeze(0)
+        out = chunk_causal_attention(qh, keys, vals, p.start_pos).squeeze(0)
         return out.transpose(0, 1).reshape(n, h * d)

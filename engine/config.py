@@ -17,13 +17,18 @@ from engine.spec.config import SpeculativeConfig
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    # KV pool budget in bytes. None: on GPU `gpu_memory_utilization` of free memory
-    # after weights; on CPU DEFAULT_CPU_KV_BYTES.
+    # KV pool budget in bytes. None: on GPU what `gpu_memory_utilization` of the device's
+    # total memory leaves after weights and activations (engine.memory_budget); on CPU
+    # DEFAULT_CPU_KV_BYTES.
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     # Explicit block count (tests, tiny budgets); overrides kv_cache_memory.
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -80,8 +85,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Pipeline stages, one process each, layers split evenly (not with tensor parallel yet).
     pipeline_parallel_size: int = 1
+    # Decode steps replayed from CUDA graphs (engine.cuda_graphs); None: on with CUDA.
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs needs a CUDA device, not {self.device!r}")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:

@@ -18,15 +18,18 @@ import torch
 from common.kv_layout import KVLayout
 from engine.attention import AttentionBackend, AttentionMetadata, build_metadata, order_chunks
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.cuda_graphs import DecodeGraphs, StaticDecodeStep, graph_buckets, graph_support
 from engine.dtype import resolved_config
 from engine.kv_pool import TORCH_DTYPES, KVPool
 from engine.kv_quant import KVCacheView
 from engine.loader import load_config, load_model_with, weights_fingerprint
+from engine.memory_budget import cuda_kv_budget
 from engine.model_config import ModelConfig, kv_layout
 from engine.parallel.plan import TPShard
 from engine.parallel.shared_pool import head_slice
 from engine.quant.formats import served_quantization
 from engine.runner_types import SeqChunk
+from engine.step_staging import PinnedStager, stage_metadata
 from engine.triton_attention import select_backend
 
 
@@ -56,8 +59,8 @@ class ModelRunner:
     Pool size: `kv_buffer` when given (shape `layout.pool_shape(n)` in the pool
     dtype, or raw bytes; on the runner's device; the caller owns its memory), else
     `cache.num_blocks`, else `cache.kv_cache_memory` bytes (default: CPU
-    DEFAULT_CPU_KV_BYTES, CUDA `gpu_memory_utilization` of free memory after the
-    weights) divided by the bytes of one block across all layers. `num_blocks`
+    DEFAULT_CPU_KV_BYTES, CUDA what `gpu_memory_utilization` of the device's total memory
+    leaves after the weights and activations, `engine.memory_budget`) divided by the bytes of one block across all layers. `num_blocks`
     counts the null block.
     """
 
@@ -111,6 +114,22 @@ class ModelRunner:
             isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
             and k.is_contiguous() and v.is_contiguous() for k, v in self._kv_layers))
         self.backend = backend or select_backend(self.dtype, self.device, plain_kv=plain_kv)
+        self._stager = PinnedStager(self.device) if self.device.type == "cuda" else None
+        self._graphs = self._capture_graphs(sharded=shard is not None)
+
+    def _capture_graphs(self, sharded: bool) -> DecodeGraphs | None:
+        """Decode graphs per `engine.cuda_graphs` where this runner allows them; asked for
+        explicitly (`cuda_graphs=True`) where it does not, a ValueError saying why."""
+        why_not = graph_support(self.config.cuda_graphs, self.device, self.backend,
+                                self.layout.quantized, sharded, self.model_config.moe is not None)
+        if why_not is not None:
+            if self.config.cuda_graphs:
+                raise ValueError(f"--cuda-graphs: no decode graphs with {why_not}")
+            return None
+        buckets = graph_buckets(self.config.scheduler.max_num_seqs)
+        step = StaticDecodeStep(self.model, self._kv_layers, self.backend, self.device,
+                                buckets[-1], self.max_model_len, self.block_size)
+        return DecodeGraphs(step, buckets)
 
     @property
     def kv_layers(self) -> list[tuple[KVCacheView, KVCacheView]]:
@@ -142,9 +161,9 @@ class ModelRunner:
             return cache.num_blocks
         budget = cache.kv_cache_memory
         if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * cache.gpu_memory_utilization)
+            if self.device.type == "cuda":  # the weights are loaded: what they took is exact
+                weights = torch.cuda.memory_allocated(self.device)
+                budget = cuda_kv_budget(self.config, self.model_config, weights).kv_bytes
             else:
                 budget = DEFAULT_CPU_KV_BYTES
         n = self.num_blocks_for_bytes(self.layout, budget)
@@ -168,6 +187,10 @@ class ModelRunner:
         if not chunks:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32)
         self._check(chunks)
+        if self._graphs is not None and layer_hook is None:
+            replayed = self._graphs.run(chunks)  # None: not a step a graph covers
+            if replayed is not None:
+                return replayed
         step = self.step_inputs(chunks)
         hidden = self.model(step.input_ids, step.positions, step.meta, self._kv_layers, self.backend, layer_hook)
         return self.logits(hidden, step.logit_rows)
@@ -183,10 +206,14 @@ class ModelRunner:
             ids.extend(c.token_ids)
             positions.append(torch.arange(c.start_pos, c.end_pos))
             last_row[i] = len(ids) - 1
-        meta = build_metadata(chunks, order, self.block_size, self.dtype, self.device,
+        # On CUDA everything is built on the host and crosses in one pinned copy.
+        host = torch.device("cpu") if self._stager is not None else self.device
+        meta = build_metadata(chunks, order, self.block_size, self.dtype, host,
                               self.backend.flat_decode)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.cat(positions).to(self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=host)
+        pos = torch.cat(positions).to(host)
+        if self._stager is not None:
+            input_ids, pos, meta = stage_metadata(input_ids, pos, meta, self._stager)
         rows = [r for i, c in enumerate(chunks) for r in range(last_row[i] - c.num_logits + 1, last_row[i] + 1)]
         return StepInputs(input_ids, pos, meta, rows)
 

@@ -136,7 +136,11 @@ def _logprob(raw_logits: torch.Tensor, token_id: int, top_n: int) -> Logprob:
 
 
 class Sampler:
-    """Draws one token per row; stateless, so one instance serves every step."""
+    """Draws one token per row; stateless, so one instance serves every step.
+
+    Rows stay on the logits' device: greedy rows are one batched argmax, sampled rows one
+    batched exponential race (`draw_batch`); only the chosen token ids reach the host.
+    """
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[SampleResult]:
         if not rows:
@@ -148,9 +152,24 @@ class Sampler:
             idx = torch.tensor([rows[i].logits_index for i in plain], device=logits.device)
             for i, t in zip(plain, torch.argmax(logits[idx], dim=-1).tolist(), strict=True):
                 tokens[i] = int(t)
+        greedy: list[tuple[int, torch.Tensor]] = []
+        sampled: list[tuple[int, torch.Tensor]] = []
         for i, row in enumerate(rows):
             if tokens[i] is None:
-                tokens[i] = self._sample_row(logits[row.logits_index], row)
+                x = apply_penalties(logits[row.logits_index].float(), row)
+                if row.params.greedy:
+                    greedy.append((i, x))
+                else:
+                    sampled.append((i, sampling_probs(x, row.params)))
+        if greedy:
+            ids = torch.argmax(torch.stack([x for _, x in greedy]), dim=-1).tolist()
+            for (i, _), t in zip(greedy, ids, strict=True):
+                tokens[i] = int(t)
+        if sampled:
+            keys = [(rows[i].seed, rows[i].choice_index, rows[i].token_index) for i, _ in sampled]
+            drawn = draw_batch(torch.stack([p for _, p in sampled]), keys)
+            for (i, _), t in zip(sampled, drawn, strict=True):
+                tokens[i] = t
         results = []
         for row, tok in zip(rows, tokens, strict=True):
             assert tok is not None
@@ -160,13 +179,19 @@ class Sampler:
             results.append(SampleResult(tok, lp))
         return results
 
-    @staticmethod
-    def _sample_row(raw: torch.Tensor, row: SampleRow) -> int:
-        x = apply_penalties(raw.float(), row)
-        if row.params.greedy:
-            return int(torch.argmax(x).item())
-        probs = sampling_probs(x, row.params)
-        return draw(probs, row.seed, row.choice_index, row.token_index)
+
+def draw_batch(probs: torch.Tensor, keys: Sequence[tuple[int, int, int]]) -> list[int]:
+    """`draw` for each row of `probs` [R, vocab] (on any device) with its (seed, choice,
+    index) key, as one batched op: the noise comes from the same CPU generators (so the
+    tokens equal `draw`'s row by row), goes to the device in one copy, and only R token ids
+    come back."""
+    noise = torch.empty(len(keys), probs.shape[-1], dtype=torch.float32,
+                        pin_memory=probs.device.type == "cuda")
+    for row, (seed, choice, index) in enumerate(keys):
+        gen = torch.Generator(device="cpu").manual_seed(generator_seed(seed, choice, index))
+        noise[row].exponential_(generator=gen)
+    noise = noise.to(probs.device, non_blocking=True)
+    return [int(t) for t in torch.argmax(probs / noise, dim=-1).tolist()]
 
 
 def _no_penalty(p: SamplingParams) -> bool:

@@ -126,6 +126,24 @@ def fraction(text: str) -> float:
     return value
 
 
+def memory_fraction(text: str) -> float:
+    """A share of a device's memory: 0 < x <= 1."""
+    value = _float(text, "a fraction 0 < x <= 1")
+    if not 0 < value <= 1:
+        _bad("a fraction 0 < x <= 1", text)
+    return value
+
+
+def add_gpu_args(ap: argparse.ArgumentParser, per_worker_default: str) -> None:
+    """--gpu-memory-utilization and --cuda-graphs (CUDA workers only)."""
+    ap.add_argument("--gpu-memory-utilization", type=memory_fraction, default=None, metavar="FRACTION",
+                    help="CUDA: fraction of the device's total memory a worker may use (weights, "
+                    f"activations and KV cache); default {per_worker_default}")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="CUDA: replay decode steps from CUDA graphs captured at batch sizes "
+                    "1, 2, 4 ... 64 (default on with a CUDA device; never on CPU)")
+
+
 def byte_size(text: str) -> int:
     """Bytes > 0: `256MiB`, `1GiB`, `2GB`, `1048576` (one parser: `pdserve.plan.parse_size`)."""
     try:

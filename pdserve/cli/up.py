@@ -18,6 +18,7 @@ from pathlib import Path
 from pdserve.cli.args import (
     UsageError,
     add_dtype_arg,
+    add_gpu_args,
     add_kv_cache_dtype_arg,
     add_model_arg,
     add_quantization_arg,
@@ -83,6 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--kv-cache-memory", type=byte_size_text, default=None,
                     help="per-worker KV pool bytes, e.g. 256MiB")
     ap.add_argument("--num-blocks", type=positive_int, default=None)
+    add_gpu_args(ap, "0.9 / the number of workers on the device")
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="per-worker token budget per step")
     ap.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=None,
                     help="per-worker cap on one sequence's prefill tokens per step")
@@ -154,6 +156,7 @@ def _worker_cmds(args: argparse.Namespace, control: str,
             cmd += ["--kv-cache-memory", args.kv_cache_memory]
         if args.num_blocks:
             cmd += ["--num-blocks", str(args.num_blocks)]
+        cmd += gpu_flags(args, len(roles))
         if args.max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         if args.long_prefill_token_threshold:
@@ -172,6 +175,22 @@ def _worker_cmds(args: argparse.Namespace, control: str,
             cmd += ["--speculative-config", args.speculative_config.to_json()]
         cmds.append(cmd)
     return cmds
+
+
+def gpu_flags(args: argparse.Namespace, num_workers: int) -> list[str]:
+    """A CUDA worker's memory share (all of `up`'s workers sit on --device) and graphs flag."""
+    if not args.device.startswith("cuda"):
+        if args.cuda_graphs or args.gpu_memory_utilization is not None:
+            flag = "--cuda-graphs" if args.cuda_graphs else "--gpu-memory-utilization"
+            raise UsageError(flag, f"applies to a CUDA --device, not {args.device}")
+        return []
+    from engine.memory_budget import default_gpu_memory_utilization
+
+    share = args.gpu_memory_utilization or default_gpu_memory_utilization(num_workers)
+    flags = ["--gpu-memory-utilization", f"{share:.6g}"]
+    if args.cuda_graphs is not None:
+        flags.append("--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs")
+    return flags
 
 
 def core_plan(args: argparse.Namespace) -> list[tuple[int, ...]] | None:
@@ -254,6 +273,7 @@ def check_args(args: argparse.Namespace) -> None:
     api_keys(args)  # every --api-key-file readable and not empty
     check_listen("--port", args.host, args.port)
     core_plan(args)  # --cpu-affinity on: the threads must fit
+    gpu_flags(args, 1)  # the GPU flags need a CUDA --device
 
 
 def run(args: argparse.Namespace) -> int:

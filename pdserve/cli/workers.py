@@ -16,6 +16,7 @@ from common.logs import configure_logging
 from pdserve.cli.args import (
     UsageError,
     add_dtype_arg,
+    add_gpu_args,
     add_kv_cache_dtype_arg,
     add_model_arg,
     add_quantization_arg,
@@ -78,6 +79,7 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
                     "themselves, a collapse when other busy processes share them. Without it "
                     "the worker sets OMP_WAIT_POLICY=PASSIVE unless the environment sets it")
     ap.add_argument("--kv-cache-memory", type=byte_size, default=None, help="KV pool bytes, e.g. 256MiB")
+    add_gpu_args(ap, "0.9")
     ap.add_argument("--num-blocks", type=positive_int, default=None, help="explicit KV block count")
     ap.add_argument("--block-size", type=positive_int, default=16)
     ap.add_argument("--max-num-seqs", type=positive_int, default=64)
@@ -158,6 +160,17 @@ def check_args(args: argparse.Namespace) -> None:
     if args.kv_port and args.role == "decode":
         check_listen("--kv-port", args.kv_host, args.kv_port)
     check_core_args(args)
+    check_gpu_args(args)
+
+
+def check_gpu_args(args: argparse.Namespace) -> None:
+    if args.device.startswith("cuda"):
+        return
+    if args.cuda_graphs:
+        raise UsageError("--cuda-graphs", f"needs a CUDA --device, not {args.device}")
+    if args.gpu_memory_utilization is not None:
+        raise UsageError("--gpu-memory-utilization", f"applies to a CUDA --device, not {args.device}; "
+                         "size a CPU pool with --kv-cache-memory")
 
 
 def check_core_args(args: argparse.Namespace) -> None:
@@ -191,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
     kv_curve = kv_curve_option(args)
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.dtype import model_dtype
+    from engine.memory_budget import DEFAULT_GPU_MEMORY_UTILIZATION
 
     model = model_dir(args.model)
     try:
@@ -208,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
             cache=CacheConfig(
                 block_size=args.block_size,
                 kv_cache_memory=args.kv_cache_memory,
+                gpu_memory_utilization=args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
                 num_blocks=args.num_blocks,
                 enable_prefix_caching=not args.no_prefix_caching,
             ),
@@ -220,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
                 watermark=args.kv_watermark,
             ),
             speculative=getattr(args, "speculative_config", None),
+            cuda_graphs=args.cuda_graphs,
         )
     except ValueError as e:
         raise SystemExit(f"pdserve {args.role}: {e}") from None

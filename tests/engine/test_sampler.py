@@ -168,3 +168,44 @@ def test_finish_status_stop_ids_eos_and_length() -> None:
     s = _seq(SamplingParams(max_tokens=9), prefill_only=True)
     s.append_token(5)
     assert finish_status(s, eos, 100) is SequenceStatus.FINISHED_PREFILLED
+
+
+def test_batched_draw_takes_the_tokens_each_row_drew_alone() -> None:
+    """The sampler draws sampled rows in one batched op; each token equals the
+    per-row draw of the same (seed, choice, index), over mixed knobs and penalties."""
+    torch.manual_seed(3)
+    vocab, n = 257, 24
+    logits = torch.randn(n, vocab) * 3
+    knobs = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=20),
+             SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=0.9, min_p=0.05),
+             SamplingParams(temperature=1.1, frequency_penalty=0.5, repetition_penalty=1.2),
+             SamplingParams(temperature=0.0, presence_penalty=0.7), SamplingParams(temperature=0.0)]
+    rows = [row(knobs[i % len(knobs)], index=i, seed=1000 + i // 3, choice=i % 3, token=i,
+                prompt=(1, 2, 3), output=(5, 5, 9)) for i in range(n)]
+    got = [r.token_id for r in Sampler()(logits, rows)]
+    want = []
+    for r in rows:
+        x = apply_penalties(logits[r.logits_index], r)
+        if r.params.greedy:
+            want.append(int(torch.argmax(x)))
+        else:
+            want.append(draw(sampling_probs(x, r.params), r.seed, r.choice_index, r.token_index))
+    assert got == want
+    assert len(set(got)) > 5  # the seeds really differ
+
+
+def test_sampled_rows_are_drawn_in_one_batched_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No per-row draw: the sampled rows of a step reach `draw_batch` together."""
+    from engine import sampler as sampler_module
+
+    calls: list[int] = []
+    real = sampler_module.draw_batch
+
+    def spy(probs: torch.Tensor, keys: list[tuple[int, int, int]]) -> list[int]:
+        calls.append(len(keys))
+        return real(probs, keys)
+
+    monkeypatch.setattr(sampler_module, "draw_batch", spy)
+    rows = [row(SamplingParams(temperature=1.0), index=0, seed=s) for s in range(6)]
+    Sampler()(LOGITS[None].expand(1, 4).contiguous(), rows)
+    assert calls == [6]
