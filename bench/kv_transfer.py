@@ -256,7 +256,7 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int,
     med = statistics.median
     return Result(nbytes, med(times), med(data), med(cpu), base)
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--runs", type=int, default=7)
@@ -269,7 +269,7 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--transports", nargs="+", default=DEFAULT_TRANSPORTS, choices=TRANSPORTS)
     ap.add_argument("--output-json", default=None, help="every row, failures included")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows: list[dict[str, Any]] = []
     print(f"host copy: {hostcopy.describe()}; shm chunk {args.shm_chunk_mib:g} MiB, "
           f"zmq frame {args.chunk_mib:g} MiB")
