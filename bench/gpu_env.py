@@ -50,6 +50,12 @@ def versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
             out[name] = None
             continue
         out[name] = str(getattr(mod, "__version__", "unknown"))
+    try:  # the native host copy (built by gpu_check.sh's `native` phase) or numpy
+        from kv_transfer import hostcopy
+
+        out["kv_transfer.hostcopy"] = hostcopy.describe()
+    except Exception as e:
+        out["kv_transfer.hostcopy"] = f"unavailable: {e!r}"
     return out
 
 
