@@ -58,19 +58,20 @@ class AttentionResult:
 
 
 def _inputs(cfg: AttentionBench) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(0)
     blocks_per_seq = math.ceil(cfg.context / cfg.block_size)
     num_blocks = cfg.batch * blocks_per_seq + 1  # + the null block
     dev, dt = torch.device(cfg.device), getattr(torch, cfg.dtype)
-    shape = (num_blocks, cfg.block_size, cfg.kv_heads, cfg.head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dev, dt)
-    v_cache = torch.randn(shape, generator=gen).to(dev, dt)
-    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(cfg.batch, blocks_per_seq)
-    t = cfg.batch
-    q = torch.randn(t, cfg.heads, cfg.head_dim, generator=gen).to(dev, dt)
-    k = torch.randn(t, cfg.kv_heads, cfg.head_dim, generator=gen).to(dev, dt)
-    v = torch.randn(t, cfg.kv_heads, cfg.head_dim, generator=gen).to(dev, dt)
-    return q, k, v, k_cache, v_cache, perm
+    gen = torch.Generator(device=dev).manual_seed(0)  # drawn on the device: 1 GiB of pool at batch 64 x 4k
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=dev, dtype=dt)
+
+    k_cache = randn(num_blocks, cfg.block_size, cfg.kv_heads, cfg.head_dim)
+    v_cache = randn(num_blocks, cfg.block_size, cfg.kv_heads, cfg.head_dim)
+    perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0)) + 1
+    q = randn(cfg.batch, cfg.heads, cfg.head_dim)
+    k, v = randn(cfg.batch, cfg.kv_heads, cfg.head_dim), randn(cfg.batch, cfg.kv_heads, cfg.head_dim)
+    return q, k, v, k_cache, v_cache, perm.view(cfg.batch, blocks_per_seq)
 
 
 def _time(cfg: AttentionBench, step: Callable[[], torch.Tensor]) -> float:
