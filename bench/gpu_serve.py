@@ -19,6 +19,10 @@ through the real stack, and decode as a fraction of the HBM-bandwidth limit.
    weight but the embedding table (only B of its rows) plus B sequences' KV at the mean
    decode context (prompt + output/2). HBM GB/s is `--hbm-gbps` (nominal: 4800 for H200);
    `--measure-hbm` also times a device-to-device copy and reports the fraction of that.
+5. Prefill as a fraction of peak: FLOP/s = requests x FLOPs of one prompt / wall time,
+   against `--peak-tflops` (H200 SXM dense bf16 by the datasheet: 989). One prompt of L
+   tokens costs 2 x (matmul weights of every layer) per token, one LM-head row, and causal
+   attention, 4 x heads x head_dim x L(L+1)/2 per layer (`prefill_flops`).
 """
 
 from __future__ import annotations
@@ -128,6 +132,23 @@ class HbmLimit(NamedTuple):
 def hbm_limit(measured_tps: float, batch: int, step_bytes: float, hbm_gbps: float) -> HbmLimit:
     limit = batch * hbm_gbps * 1e9 / step_bytes
     return HbmLimit(step_bytes, limit, measured_tps / limit)
+
+
+def prefill_flops(s: LlamaShape, prompt_len: int) -> float:
+    """FLOPs of one prompt's prefill (module docstring, step 5); norms and RoPE not counted."""
+    attn_w = s.hidden * s.heads * s.head_dim * 2 + s.hidden * s.kv_heads * s.head_dim * 2
+    layer_w = attn_w + 3 * s.hidden * s.ffn
+    causal = 4 * s.heads * s.head_dim * prompt_len * (prompt_len + 1) / 2
+    return prompt_len * 2 * s.layers * layer_w + 2 * s.vocab * s.hidden + s.layers * causal
+
+
+def prefill_peak_fraction(p: PrefillResult, s: LlamaShape, peak_tflops: float) -> dict[str, float]:
+    """Achieved prefill FLOP/s and its fraction of `peak_tflops` (the prompts' mean length)."""
+    if not p.requests or p.tokens_per_s <= 0:
+        return {"flops_per_s": 0.0, "fraction_of_peak": 0.0}
+    mean_len = p.prompt_tokens / p.requests
+    flops_per_s = p.tokens_per_s / mean_len * prefill_flops(s, round(mean_len))
+    return {"flops_per_s": flops_per_s, "fraction_of_peak": flops_per_s / (peak_tflops * 1e12)}
 
 
 def copy_gbps(nbytes: int, copies: int, seconds: float) -> float:
@@ -253,6 +274,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill-len", type=int, default=1024)
     ap.add_argument("--prefill-requests", type=int, default=32)
     ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="nominal HBM GB/s (H200: 4800)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0,
+                    help="dense bf16 peak TFLOP/s (H200 SXM datasheet: 989)")
     ap.add_argument("--measure-hbm", action="store_true", help="also time a device copy (CUDA only)")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="per worker")
     ap.add_argument("--kv-cache-memory", default=None, help="per worker (default: 8GiB on CUDA)")
@@ -289,7 +312,9 @@ def report(meta: Mapping[str, Any], prefill: PrefillResult, rows: list[dict[str,
           f"{_fmt(meta['hbm_gbps_measured'], '.0f')} measured")
     print(f"prefill: {prefill.requests} x {meta['prefill_len']} tokens: {prefill.tokens_per_s:.1f} tok/s "
           f"(per request p50 {_fmt(prefill.per_request_p50_tokens_per_s)} tok/s, "
-          f"TTFT p50 {_fmt(prefill.ttft_p50_s, '.1f', 1e3)} ms)")
+          f"TTFT p50 {_fmt(prefill.ttft_p50_s, '.1f', 1e3)} ms); "
+          f"{meta['prefill_flops_per_s'] / 1e12:.1f} TFLOP/s = "
+          f"{meta['prefill_fraction_of_peak']:.3g} of {meta['peak_tflops']:.0f}")
     print(f"{'batch':>6}{'decode tok/s':>14}{'TPOT p50 ms':>13}{'GB/step':>9}{'limit tok/s':>13}"
           f"{'fraction':>10}{'limit@meas':>12}{'frac@meas':>11}")
     for r in rows:
@@ -331,10 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     ]
     meta = {"shape": args.shape, "dtype": args.dtype, "device": args.device, "model_dir": str(model_dir),
             "param_count": param_count(shape), "weight_bytes": weight_bytes(shape, nbytes),
-            "hbm_gbps": args.hbm_gbps, "hbm_gbps_measured": measured_gbps, "prefill_len": args.prefill_len}
+            "hbm_gbps": args.hbm_gbps, "hbm_gbps_measured": measured_gbps, "prefill_len": args.prefill_len,
+            "peak_tflops": args.peak_tflops}
+    peak = prefill_peak_fraction(prefill, shape, args.peak_tflops)
+    meta.update({f"prefill_{k}": v for k, v in peak.items()})
     report(meta, prefill, rows)
     harness.write_json(args.output_json, {"schema_version": 1, **meta, "args": vars(args),
-                                          "prefill": prefill._asdict(), "decode": rows})
+                                          "prefill": {**prefill._asdict(), **peak},
+                                          "decode": rows})
     failed = prefill.failed + sum(d.failed for d in decodes)
     if failed or prefill.tokens_per_s <= 0 or any(d.tokens_per_s <= 0 for d in decodes):
         print(

@@ -13,13 +13,21 @@ wall time to other load on a shared machine.
     .venv/bin/python -m bench.kv_transfer                  # both shapes, all transports
     .venv/bin/python -m bench.kv_transfer --tokens 1024 --runs 3 --transports shm ipc
     .venv/bin/python -m bench.kv_transfer --copy-threads 2     # helper copy threads per side
+    python -m bench.kv_transfer --transports cuda cuda-tcp --output-json kv.json   # on a GPU
+
+`cuda`: device pools on both sides, CUDA IPC (same host); `cuda-tcp`: device pools on both
+sides over plain tcp, the path between GPU pods (staged through host memory). A transport
+that fails (absent, or refused by this build) is reported as failed and the others still
+run; the exit status is then 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import statistics
+import sys
 import time
 import zlib
 from dataclasses import dataclass
@@ -46,7 +54,8 @@ SHAPES = {
         "bench-8b", num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16"
     ),
 }
-TRANSPORTS = ["shm", "ipc", "tcp", "cuda"]
+TRANSPORTS = ["shm", "ipc", "tcp", "cuda", "cuda-tcp"]
+DEVICE_TRANSPORTS = {"cuda": "cuda", "cuda-tcp": "tcp"}  # bench name -> receiver transport
 DEFAULT_TRANSPORTS = ["shm", "ipc", "tcp"]  # "cuda" needs cupy and a GPU (bench/gpu_check.sh)
 
 
@@ -82,11 +91,12 @@ def receiver_main(shape: str, transport: str, num_blocks: int, conn: Connection,
     layout = SHAPES[shape]
     shm = create_shm_pool(layout, num_blocks) if transport == "shm" else None
     pool: Any = shm if shm is not None else np.zeros(layout.pool_shape(num_blocks), np.float16)
-    if transport == "cuda":
+    if transport in DEVICE_TRANSPORTS:
         from kv_transfer.cuda_ipc import create_cuda_pool
 
         pool = create_cuda_pool(layout, num_blocks)
-    with ZmqReceiver(layout, pool, transport=transport, copy_threads=copy_threads) as receiver:
+    wire = DEVICE_TRANSPORTS.get(transport, transport)
+    with ZmqReceiver(layout, pool, transport=wire, copy_threads=copy_threads) as receiver:
         conn.send(receiver.address)
         cpu0 = 0.0
         while True:
@@ -159,6 +169,18 @@ class Result:
         return self.memcpy_s / self.data_s
 
 
+RUN_TIMEOUT_S = 60.0  # one transfer; a stuck one fails the transport, not the whole run
+
+
+def _wait(sender: Sender, tid: str, done: Any, transport: str) -> TransferState:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not done(state := sender.poll(tid)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{transport}: still {state.name} after {RUN_TIMEOUT_S:.0f} s")
+        time.sleep(POLL_S)
+    return state
+
+
 def bench_one(shape: str, transport: str, tokens: int, runs: int,
               chunk_bytes: int = DEFAULT_CHUNK_BYTES,
               copy_threads: int = DEFAULT_COPY_THREADS,
@@ -172,7 +194,7 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int,
     src_ids = [int(b) for b in rng.permutation(np.arange(1, n + 1))]
     dst_ids = [int(b) for b in rng.permutation(np.arange(1, n + 1))]
     source: Any = src_pool
-    if transport == "cuda":
+    if transport in DEVICE_TRANSPORTS:
         import cupy
 
         source = cupy.asarray(src_pool)
@@ -181,7 +203,13 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int,
     proc = ctx.Process(target=receiver_main,
                        args=(shape, transport, n + 1, child, copy_threads))
     proc.start()
-    address = parent.recv()
+    child.close()  # the receiver's end: its exit now ends `recv` with EOFError, never a hang
+    try:
+        address = parent.recv()
+    except EOFError:
+        proc.join(30)
+        raise RuntimeError(f"{transport}: the receiver process exited ({proc.exitcode}) "
+                           "before it listened") from None
     times: list[float] = []
     data: list[float] = []
     cpu: list[float] = []
@@ -201,12 +229,10 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int,
                 sender.begin(tid, "bench", address, src_ids, dst_ids, lease_s=120)
                 # In serving, Claim/Grant happen while the prefill runs; wait for the grant
                 # (the sender is idle until then) to time the data phase on its own too.
-                while (state := sender.poll(tid)) is TransferState.RESERVED:
-                    time.sleep(POLL_S)
+                _wait(sender, tid, lambda st: st is not TransferState.RESERVED, transport)
                 t1 = time.perf_counter()
                 sender.send_all(tid)
-                while not (state := sender.poll(tid)).terminal:
-                    time.sleep(POLL_S)
+                state = _wait(sender, tid, lambda st: st.terminal, transport)
                 t2 = time.perf_counter()
                 elapsed = t2 - t0
                 sender_cpu = time.process_time() - cpu0
@@ -230,7 +256,7 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int,
     med = statistics.median
     return Result(nbytes, med(times), med(data), med(cpu), base)
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--runs", type=int, default=7)
@@ -242,7 +268,9 @@ def main() -> None:
                     help="copy threads per side (Sender/ZmqReceiver copy_threads=)")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--transports", nargs="+", default=DEFAULT_TRANSPORTS, choices=TRANSPORTS)
-    args = ap.parse_args()
+    ap.add_argument("--output-json", default=None, help="every row, failures included")
+    args = ap.parse_args(argv)
+    rows: list[dict[str, Any]] = []
     print(f"host copy: {hostcopy.describe()}; shm chunk {args.shm_chunk_mib:g} MiB, "
           f"zmq frame {args.chunk_mib:g} MiB")
     print("latency: begin -> ack (incl. the Claim/Grant round trip); data: grant -> ack; "
@@ -255,8 +283,17 @@ def main() -> None:
         blocks = -(-args.tokens // layout.block_size)
         nbytes = blocks * layout.block_size * layout.kv_bytes_per_token
         for transport in args.transports:
-            r = bench_one(shape, transport, args.tokens, args.runs, int(args.chunk_mib * 2**20),
-                          args.copy_threads, int(args.shm_chunk_mib * 2**20))
+            try:
+                r = bench_one(shape, transport, args.tokens, args.runs,
+                              int(args.chunk_mib * 2**20), args.copy_threads,
+                              int(args.shm_chunk_mib * 2**20))
+            except Exception as e:  # absent or refused here: report it, run the others
+                rows.append({"shape": shape, "transport": transport, "error": repr(e)})
+                print(f"{shape:<12} {nbytes / 2**20:>7.1f} {transport:<9} FAILED: {e!r}", flush=True)
+                continue
+            rows.append({"shape": shape, "transport": transport, "nbytes": r.nbytes,
+                         "gbps": r.gbps, "data_gbps": r.data_gbps, "memcpy_gbps": r.memcpy_gbps,
+                         "ratio": r.ratio, "data_ratio": r.data_ratio, "latency_s": r.latency_s})
             print(f"{shape:<12} {nbytes / 2**20:>7.1f} {transport:<9} {r.latency_s * 1e3:>11.2f} "
                   f"{r.gbps:>7.2f} {r.memcpy_gbps:>12.2f} {100 * r.ratio:>8.0f}% "
                   f"{r.data_s * 1e3:>8.2f} {r.data_gbps:>10.2f} {100 * r.data_ratio:>6.0f}% "
@@ -265,7 +302,11 @@ def main() -> None:
         print(f"{shape:<12} checksum (row sums + blake2b): {ours:.2f} GB/s; zlib.crc32: {crc:.2f} GB/s; "
               f"memcpy: {nbytes / Memcpy(np.ones(nbytes, np.uint8), nbytes).seconds(5) / 1e9:.2f} GB/s",
               flush=True)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"tokens": args.tokens, "runs": args.runs, "rows": rows}, f, indent=2)
+    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

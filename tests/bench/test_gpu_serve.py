@@ -22,6 +22,7 @@ from bench.gpu_serve import (
     PRESETS,
     DecodeResult,
     LlamaShape,
+    PrefillResult,
     copy_gbps,
     decode_row,
     decode_step_bytes,
@@ -31,6 +32,8 @@ from bench.gpu_serve import (
     mean_decode_context,
     param_count,
     parse_args,
+    prefill_flops,
+    prefill_peak_fraction,
     weight_bytes,
 )
 from bench.stack import StackConfig, stack_commands
@@ -72,6 +75,22 @@ def test_llama3_8b_limit_at_batch_1_and_32() -> None:
     assert 318 < 4.8e12 / b1 < 320  # ~15.03 GB per step at batch 1
     b32 = decode_step_bytes(LLAMA3_8B, 32, ctx, 2)
     assert b32 - b1 == 31 * (4096 * 2 + 193 * 131_072)
+
+
+def test_prefill_flops_by_hand_and_fraction_of_peak() -> None:
+    # SMALL, 3 tokens: matmul weights per layer q,o 32 + k,v 16 + MLP 96 = 144 -> 3 x 2 x 144
+    # = 864; one LM-head row 2 x 10 x 4 = 80; causal attention 4 x 2 heads x 2 dims x (1+2+3)
+    # = 96 in the one layer.
+    assert prefill_flops(SMALL, 3) == 864 + 80 + 96
+    # 2 requests of 3 tokens in 0.5 s (12 tok/s): 4 prompts' FLOPs a second.
+    p = PrefillResult(2, 6, 12.0, None, None, 0)
+    got = prefill_peak_fraction(p, SMALL, peak_tflops=1040 * 8 / 1e12)
+    assert got == pytest.approx({"flops_per_s": 4 * 1040, "fraction_of_peak": 0.5})
+    assert prefill_peak_fraction(p._replace(tokens_per_s=0.0), SMALL, 989)["fraction_of_peak"] == 0
+    # Llama-3-8B at 2,048 tokens: ~14.5 GFLOP a token (2 x 6.98e9 matmul weights + attention),
+    # so 989 TFLOP/s is ~68k prompt tokens/s.
+    per_token = prefill_flops(LLAMA3_8B, 2048) / 2048
+    assert 14.4e9 < per_token < 14.6e9
 
 
 def test_copy_bandwidth_counts_read_and_write() -> None:

@@ -30,3 +30,24 @@ def test_hostcopy_bench_reports_rates_for_the_transfer_bytes() -> None:
     r = bench_kernel("llama-125m", tokens=32, repeats=2)
     assert r.nbytes == 32 * 12 * 2 * 4 * 64 * 2
     assert min(r.memcpy_gbps, r.copy_gbps, r.sum_gbps) > 0
+
+
+def test_a_failing_transport_is_reported_and_the_others_still_run(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuda-tcp (device pools over tcp) cannot start without cupy (here: hidden): its row
+    carries the error, the tcp row after it is still measured, and the exit status is 1."""
+    import json
+    import sys
+
+    from bench.kv_transfer import main
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises in this process
+    out = tmp_path / "kv.json"
+    argv = ["--shapes", "llama-125m", "--tokens", "32", "--runs", "1",
+            "--transports", "cuda-tcp", "tcp", "--output-json", str(out)]
+    assert main(argv) == 1
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["transport"] for r in rows] == ["cuda-tcp", "tcp"]
+    assert "cupy" in rows[0]["error"] and "gbps" not in rows[0]
+    assert rows[1]["gbps"] > 0 and rows[1]["nbytes"] == 32 * 12 * 2 * 4 * 64 * 2
