@@ -124,3 +124,19 @@ def test_ngram_drafts_of_schema_requests_are_exact(model_dir: Path, tok: Tokeniz
     stats = engine.stats().spec
     assert stats is not None and stats.num_drafts > 0, stats
     assert_idle_and_clean(engine, full_sequences(off))
+
+
+def test_unconstrained_batches_never_reach_the_grammar_hook(model_dir: Path, tok: Tokenizer,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch-level guard: with no constrained row in the batch `constrain` is not
+    called at all (it used to run, and build an expanded sequence list, every step)."""
+    import engine.llm_engine as llm_engine
+
+    calls: list[int] = []
+    real = llm_engine.constrain
+    monkeypatch.setattr(llm_engine, "constrain", lambda *a: (calls.append(1), real(*a))[1])
+    engine = make_engine(model_dir, SpeculativeConfig("ngram", K, prompt_lookup_min=1, prompt_lookup_max=3))
+    engine.generate([tok.encode("plain"), tok.encode("text")], SamplingParams(max_tokens=8, temperature=0.0))
+    assert calls == []
+    engine.generate([tok.encode("plain")], GREEDY)  # a constrained one does reach it
+    assert calls
