@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-import numpy as np
 import torch
 
 from engine.grammar.compiler import GrammarCompiler
@@ -68,8 +67,7 @@ def constrain(logits: torch.Tensor, rows: Seq[SampleRow], seqs: Seq[Sequence], c
         # Past a draft token the grammar rejects (`cut_drafts` leaves none) that row's draw
         # differs from the draft, so the rows after it are discarded: any mask will do.
         masks += masks[-1:] * (len(own) - len(masks))
-        disallowed = torch.from_numpy(~np.stack(masks[:len(own)])).to(logits.device)
-        index = torch.tensor([r.logits_index for r in own], dtype=torch.long, device=logits.device)
         with torch.inference_mode():  # the runner's logits are inference tensors
-            logits[index] = logits[index].masked_fill_(disallowed, float("-inf"))
+            for row, mask in zip(own, masks, strict=False):  # row by row: cheaper than index_put
+                logits[row.logits_index].masked_fill_(torch.from_numpy(~mask).to(logits.device), float("-inf"))
     assert at == len(rows), "rows and sequences out of step"

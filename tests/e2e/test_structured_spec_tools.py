@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 
 from tests.e2e.cluster import Cluster, metric_value, worker_metrics
