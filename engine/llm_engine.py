@@ -29,7 +29,7 @@ from common.sampling_params import SamplingParams
 from engine.block_manager import NO_HIT, BlockCopy, BlockManager
 from engine.config import EngineConfig
 from engine.grammar.compiler import GrammarCompiler, load_tokenizer
-from engine.grammar.masking import constrain
+from engine.grammar.masking import any_constrained, constrain, cut_drafts
 from engine.outputs import (
     EngineStats,
     GenerationResult,
@@ -120,6 +120,7 @@ class LLMEngine:
         self._num_steps += 1
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, len(self.scheduler.running))
+            cut_drafts(self.scheduler.running, self.grammar)  # at the first token a grammar rejects
         return self.scheduler.schedule()
 
     def execute(
@@ -332,8 +333,8 @@ class LLMEngine:
 
     def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         rows, seqs = self._sample_rows(batch)
-        # A constrained request never drafts (engine.spec), so its one row is its own.
-        constrain(logits, rows, [s for s in seqs for _ in range(1 + len(s.spec_token_ids))], self.grammar)
+        if any_constrained(seqs):  # masks along drafts too (engine.grammar.masking)
+            constrain(logits, rows, seqs, self.grammar)
         samples = self.sampler(logits, rows)
         deltas = StepDeltas()
         touched: dict[str, Request] = {}

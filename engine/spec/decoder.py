@@ -138,11 +138,10 @@ class SpecDecoder:
     def _room(self, seq: Seq) -> int:
         """Drafts `seq` may verify this step: none unless it decodes, at most K, and never
         past max_tokens or max_model_len."""
-        # A structured-output request does not speculate: its grammar state would have to
-        # advance through every draft to mask the rows after it.
+        # A structured-output request speculates too: the engine cuts its drafts at the
+        # first token its grammar rejects and masks each row along them (engine.grammar).
         if (seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1
-                or seq.prefill_only or seq.pending_forks or not seq.params.speculative
-                or seq.params.structured is not None):
+                or seq.prefill_only or seq.pending_forks or not seq.params.speculative):
             return 0
         return min(self.config.num_speculative_tokens,
                    seq.params.max_tokens - len(seq.output_token_ids) - 1,

@@ -17,7 +17,8 @@ from common.sampling_params import SamplingParams
 from tests.engine.test_engine import assert_idle, make_engine, prompts
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = ("overhead", "throughput", "prefix", "disagg_vs_colocated", "serve", "gpu_serve", "grammar_overhead")
+SCRIPTS = ("overhead", "throughput", "prefix", "disagg_vs_colocated", "serve", "gpu_serve", "grammar_overhead",
+           "structured_scale")
 
 
 def _edits_sys_path(path: Path) -> bool:
