@@ -34,6 +34,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 from pdserve.sim_profile import Profile
@@ -149,7 +150,7 @@ class _Sim:
             if r.blocks > self.capacity:
                 raise SimulationError(f"a request of {req.prompt_tokens}+{req.output_tokens} tokens needs "
                                       f"{r.blocks} KV blocks; a decode worker holds {self.capacity}")
-            self.at(req.arrival, lambda r=r: self.arrive(r))
+            self.at(req.arrival, partial(self.arrive, r))
         while self.events:
             self.now, _, fn = heapq.heappop(self.events)
             fn()
@@ -202,7 +203,7 @@ class _Sim:
                 if r.tokens == r.req.output_tokens:
                     self.finish(r)
                 else:
-                    self.at(self.now + self.c.handoff_s, lambda r=r: self.handed_off(r))
+                    self.at(self.now + self.c.handoff_s, partial(self.handed_off, r))
         self.prefill_step(w)
 
     # 4-5: decode

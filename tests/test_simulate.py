@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.sim_profile import DecodeFit, PrefillFit, Profile, ProfileError, fit_decode, fit_prefill
+from pdserve.sim_profile import (
+    DecodeFit,
+    PrefillFit,
+    Profile,
+    ProfileError,
+    fit_decode,
+    fit_prefill,
+)
 from pdserve.simulate import Cluster, SimulationError, recommend, simulate, simulate_splits
 from pdserve.workload import Lengths, SimRequest, Slo, Workload, WorkloadError
 
