@@ -40,6 +40,8 @@ from typing import NamedTuple
 from pdserve.sim_profile import Profile
 from pdserve.workload import SimRequest, Slo
 
+TIE = 0.02  # goodputs this close are the same for `recommend`
+
 
 class SimulationError(ValueError):
     """A workload the simulated cluster can never serve (a request larger than a
@@ -270,13 +272,19 @@ def simulate_splits(profile: Profile, workers: int, requests: Sequence[SimReques
             for p in range(1, workers)]
 
 
-def recommend(results: Sequence[SimResult]) -> SimResult:
-    """The split of highest goodput; ties: lower p90 TTFT, then fewer prefill workers."""
-    return max(results, key=lambda r: (r.goodput, -r.ttft.p90, -r.cluster.prefill_workers))
+def recommend(results: Sequence[SimResult], slo: Slo) -> SimResult:
+    """The split of highest goodput; splits within `TIE` of it count as tied (goodput
+    of a workload every split keeps up with is its arrival rate, give or take the
+    last request), and the tie goes to more requests meeting the SLOs, then the most
+    headroom: the least p90 TTFT / SLO + p90 ITL / SLO, then fewer prefill workers."""
+    top = max(r.goodput for r in results)
+    tied = [r for r in results if r.goodput >= top * (1 - TIE)]
+    return min(tied, key=lambda r: (-r.met, r.ttft.p90 / slo.ttft_s + r.itl.p90 / slo.itl_s,
+                                    r.cluster.prefill_workers))
 
 
 def format_results(results: Sequence[SimResult], slo: Slo) -> str:
-    best = recommend(results)
+    best = recommend(results, slo)
     lines = [f"SLO: TTFT <= {slo.ttft_s * 1000:g} ms, ITL <= {slo.itl_s * 1000:g} ms",
              f"{'P:D':>5} {'TTFT p50/p90/p99 ms':>24} {'ITL p50/p90/p99 ms':>22} {'met':>9} {'goodput req/s':>14}"]
     for r in results:

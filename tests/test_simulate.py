@@ -97,10 +97,10 @@ def test_recommends_more_prefill_for_long_prompts_and_more_decode_for_long_outpu
     heavy_prompt = Workload(8.0, 40, Lengths(200, 200), Lengths(2, 2), "uniform").requests()
     prefill_bound = simulate_splits(LINEAR, 3, heavy_prompt, Slo(0.5, 1.0))
     assert [r.cluster.prefill_workers for r in prefill_bound] == [1, 2]
-    assert recommend(prefill_bound).cluster.prefill_workers == 2
+    assert recommend(prefill_bound, Slo(0.5, 1.0)).cluster.prefill_workers == 2
     small_kv = Profile(LINEAR.prefill, DecodeFit(0.010, 0.0, 0.0), chunk_tokens=100, kv_capacity_tokens=1024)
     long_out = Workload(8.0, 40, Lengths(10, 10), Lengths(200, 200), "uniform").requests()
-    assert recommend(simulate_splits(small_kv, 3, long_out, Slo(0.5, 1.0))).cluster.prefill_workers == 1
+    assert recommend(simulate_splits(small_kv, 3, long_out, Slo(0.5, 1.0)), Slo(0.5, 1.0)).cluster.prefill_workers == 1
 
 
 def test_profile_fit_recovers_coefficients_and_round_trips(tmp_path: Path) -> None:
