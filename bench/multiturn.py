@@ -9,10 +9,11 @@ answers the server gave) plus a new `--turn-words`-word user message (100 words:
 about 1,500 tokens, inside the built-in model's 2,048),
 streams `--output-len` tokens (ignore_eos) and appends the answer. Conversations share
 no prefix. The built-in model is the trained one (its answers are words, so the
-re-tokenized history continues the token chain the worker cached). Every worker gets
-`--num-blocks` KV blocks (default 1,024 of 16 tokens): fewer than the working set a
-prefill worker meets under round-robin (every conversation, ~1,500 blocks at the last
-turn) but room for its half under kv-aware routing, so cache-blind routing evicts. Every configuration (`--up-args` plus `--router R` for each router in
+re-tokenized history continues the token chain the worker cached). Each prefill worker
+gets `--prefill-num-blocks` KV blocks (default 1,024 of 16 tokens): fewer than the
+working set it meets under round-robin (every conversation, ~1,500 blocks at the last
+turn) but room for its half under kv-aware routing, so cache-blind routing evicts; the
+decode worker keeps its default pool, which holds every conversation. Every configuration (`--up-args` plus `--router R` for each router in
 `--routers`) is started fresh per run; runs alternate the routers, so a ratio is taken
 within one run, and the median of the per-run ratios is reported. Targets of issue 18:
 TTFT p50 with kv-aware routing at least 3x lower than round-robin; KV bytes shipped
@@ -48,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--routers", default="kv-aware,round-robin")
     ap.add_argument("--up-args", default="--prefill 2 --decode 1")
-    ap.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker (0: the default pool)")
+    ap.add_argument("--prefill-num-blocks", type=int, default=1024,
+                    help="KV blocks per prefill worker (0: the default pool; decode keeps its default)")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict[str, Any]] = {}
         for router in routers:
             up = harness.up_args(args.up_args, args.model) + ["--router", router]
-            up += ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
+            up += ["--prefill-num-blocks", str(args.prefill_num_blocks)] if args.prefill_num_blocks else []
             with pdserve_up(f"{router}-{run}", up) as server:
                 results[router] = run_workload(server.base_url, args)
             r = results[router]
