@@ -14,12 +14,14 @@ Prompts are random token ids (the time of a step does not depend on which tokens
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from common.sampling_params import SamplingParams
 from pdserve.sim_profile import Profile, fit_decode, fit_prefill
 
 
@@ -88,14 +90,10 @@ class _Timer:
         self._n = 0
 
     def _prompt(self, length: int) -> list[int]:
-        import random
-
         rng = random.Random(self._n)
         return [rng.randrange(3, self.engine.vocab_size) for _ in range(length)]
 
     def _add(self, length: int, max_tokens: int) -> None:
-        from common.sampling_params import SamplingParams
-
         self._n += 1
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self.engine.add_request(f"profile-{self._n}", self._prompt(length), params)
