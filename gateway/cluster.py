@@ -2,9 +2,10 @@
 
 Life of a request (one *attempt*; recovery starts a new attempt):
 
-1. Pick workers (gateway/kv_router.py). Disaggregated: the decode worker with
-   the most free KV (it runs the whole request if at most `local_prefill_threshold`
-   prompt tokens are missing from its cache), the prefill worker the router picks.
+1. Pick workers (gateway/kv_router.py). Disaggregated: the decode worker the
+   router picks (kv-aware: fewest blocks to ship, with room; it runs the whole
+   request if at most `local_prefill_threshold` prompt tokens are missing from its
+   cache), the prefill worker the router picks.
    With only a colocated pool: the colocated worker the router picks.
 2. Disaggregated: send `DecodeReserve` and `PrefillRequest` at once, so the
    reservation overlaps the prefill compute. When `ReserveResult` says the
@@ -70,7 +71,7 @@ from gateway.control_plane import ClusterConfig, ControlPlane
 from gateway.flights import Attempt, Flight, FlightTable, RequestState, WorkerLost
 from gateway.kv_router import KvRouter, Pick
 from gateway.registry import WorkerInfo, WorkerRegistry
-from gateway.router import blocks_needed, pick_decode
+from gateway.router import blocks_needed
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ class ClusterBackend:
 
     def _prefill_locally(self, a: Attempt) -> bool:
         """Run on the decode worker if it has room and the uncached part is within the threshold."""
-        decode = pick_decode(self.registry.pool("decode"))
+        decode = self.router.pick_decode(self.registry.pool("decode"), a.payload, count=False)
         if decode is None:
             return False
         blocks = blocks_needed(a.payload.num_tokens, decode.reg.block_size)
@@ -239,8 +240,8 @@ class ClusterBackend:
         self._send(prefill.worker_id, p.PrefillRequest(a.wid, a.payload))
 
     def _reserve(self, a: Attempt) -> None:
-        """Ask the decode worker with the most free KV to reserve blocks for the prompt."""
-        decode = pick_decode(self.registry.pool("decode"))
+        """Ask the decode worker the router picks to reserve blocks for the prompt."""
+        decode = self.router.pick_decode(self.registry.pool("decode"), a.payload)
         if decode is None:
             raise BackendError(BackendErrorKind.NO_WORKERS, "no decode worker registered", retry_after=1.0)
         a.transfer_id = new_id("xfer")

@@ -13,6 +13,16 @@ last token (common/block_hash.py: `cacheable_blocks`). Ties go to fewer requests
 flight, then the worker id. `least-loaded` is the cache-blind rule of
 gateway/router.py; `round-robin` takes the pool in turn.
 
+The decode worker of a disaggregated request (kv-aware, several decode workers): of
+those with room for the blocks they would reserve (the prompt's, less the leading
+ones they hold and pin), the one of least
+
+    decode_cost(w) = prompt blocks w lacks (the blocks the prefill worker ships)
+                     + DECODE_RUNNING_SEQ_BLOCKS per sequence running on w
+
+ties to more free blocks, then the worker id. With no room anywhere, or another
+router, the decode worker with the most free KV (gateway/router.py: `pick_decode`).
+
 Local prefill (`local_prefill_threshold` > 0, any router): when the decode worker
 chosen for a disaggregated request would have to compute at most that many of the
 prompt's tokens itself (its own prefix cache counted), it runs the whole request
@@ -20,7 +30,8 @@ prompt's tokens itself (its own prefix cache counted), it runs the whole request
 
 Each decision is counted by reason: `prefix_hit` (kv-aware, the chosen worker holds
 part of the prompt), `load` (kv-aware, it holds none), `least_loaded`, `round_robin`,
-`local_prefill`. The tokens each worker's cache actually served (`cached_tokens`
+`local_prefill`, and for reservations on decode workers `decode_prefix_hit` (kv-aware
+chose one that holds part of the prompt; other decode choices count nothing). The tokens each worker's cache actually served (`cached_tokens`
 reported back) are counted per worker and correct the index.
 """
 
@@ -37,11 +48,14 @@ from common.protocol import RequestPayload
 from gateway.backend import FleetSample
 from gateway.kv_index import KvIndex
 from gateway.registry import WorkerInfo
-from gateway.router import pick_colocated, pick_prefill
+from gateway.router import blocks_needed, pick_colocated, pick_decode, pick_prefill
 
 ROUTERS = ("kv-aware", "least-loaded", "round-robin")
 # What one running sequence weighs against queued prompt tokens on a colocated worker.
 RUNNING_SEQ_TOKENS = 16
+# What one running sequence weighs against a block shipped to a decode worker: each
+# slows every decode step there, a shipped block costs one copy once.
+DECODE_RUNNING_SEQ_BLOCKS = 4
 
 
 @dataclass(frozen=True)
@@ -115,6 +129,28 @@ class KvRouter:
         """Uncached prompt tokens + queued load (the module docstring's formula)."""
         load = w.queued_tokens + (RUNNING_SEQ_TOKENS * w.running if w.role == "colocated" else 0)
         return num_tokens - cached_tokens + load
+
+    def pick_decode(self, pool: Sequence[WorkerInfo], payload: RequestPayload,
+                    count: bool = True) -> WorkerInfo | None:
+        """The decode worker that reserves the prompt's blocks (the module docstring's
+        rule); `count`: a reservation follows, count the decision."""
+        if self.config.kind != "kv-aware" or len(pool) < 2:
+            return pick_decode(pool)
+        block_size = pool[0].reg.block_size
+        need = blocks_needed(payload.num_tokens, block_size)
+        hits = self._hit_blocks(prompt_keys(payload, block_size), pool, payload.num_tokens)
+        roomy = [w for w in pool if w.free_blocks >= need - hits[w.worker_id]]
+        if not roomy:
+            return pick_decode(pool)
+        best = min(roomy, key=lambda w: (self.decode_cost(w, need, hits[w.worker_id]), -w.free_blocks, w.worker_id))
+        if count and hits[best.worker_id]:
+            self.decisions["decode_prefix_hit"] += 1
+        return best
+
+    @staticmethod
+    def decode_cost(w: WorkerInfo, prompt_blocks: int, held_blocks: int) -> int:
+        """Blocks to ship + running load (the module docstring's formula)."""
+        return prompt_blocks - held_blocks + DECODE_RUNNING_SEQ_BLOCKS * w.running
 
     def local_prefill(self, decode: WorkerInfo, payload: RequestPayload) -> Route | None:
         """A route onto decode worker `decode` when its uncached part of the prompt is

@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "workers",
     "up",
     "plan",
+    "profile",
     "bench",
 )
 

@@ -2,7 +2,8 @@
 
 Prints the capacity arithmetic of `pdserve.plan` (weights, KV per token and per
 request, token budget, max concurrency, and with a GPU price the cost per 1M output
-tokens) from the model's own config.json.
+tokens) from the model's own config.json. With `--simulate PROFILE`: the predicted
+TTFT, ITL and goodput of each P:D split for a workload (pdserve/cli/plan_simulate.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pdserve.cli.args import (
     positive_float,
     positive_int,
 )
+from pdserve.cli.plan_simulate import add_simulate_args, run_simulate
 from pdserve.plan import KV_CACHE_DTYPES, PlanError, compute_plan, format_plan, parse_size
 
 
@@ -40,8 +42,10 @@ def register(subparsers: Any) -> None:
         description=__doc__.splitlines()[0],
     )
     add_model_arg(p)
-    p.add_argument("--device-memory", type=_size, required=True, help="e.g. 80GiB, 80GB, 24GiB")
-    p.add_argument("--max-model-len", type=positive_int, required=True, help="tokens per full request")
+    p.add_argument("--device-memory", type=_size, default=None, help="e.g. 80GiB, 80GB, 24GiB (required "
+                   "unless --simulate)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="tokens per full request (required unless --simulate)")
     p.add_argument("--concurrency", type=positive_int, default=None, help="check this many full requests")
     add_dtype_arg(p)
     add_quantization_arg(p)
@@ -63,10 +67,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("--devices-per-node", type=positive_int, default=8,
                    help="with --devices: the largest tensor-parallel group (TP inside a node)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    add_simulate_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.simulate is not None:
+        return run_simulate(args)
+    for flag, value in (("--device-memory", args.device_memory), ("--max-model-len", args.max_model_len)):
+        if value is None:
+            raise UsageError(flag, "is required (unless --simulate)")
     model = model_dir(args.model)
     if not model.is_dir():
         raise UsageError("--model", f"{model} is not a directory")

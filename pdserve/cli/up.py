@@ -84,6 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--kv-cache-memory", type=byte_size_text, default=None,
                     help="per-worker KV pool bytes, e.g. 256MiB")
     ap.add_argument("--num-blocks", type=positive_int, default=None)
+    ap.add_argument("--prefill-num-blocks", type=positive_int, default=None,
+                    help="KV blocks of each prefill worker (default: --num-blocks)")
     add_gpu_args(ap, "0.9 / the number of workers on the device")
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="per-worker token budget per step")
     ap.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=None,
@@ -154,8 +156,9 @@ def _worker_cmds(args: argparse.Namespace, control: str,
             cmd += ["--model", args.model]
         if args.kv_cache_memory:
             cmd += ["--kv-cache-memory", args.kv_cache_memory]
-        if args.num_blocks:
-            cmd += ["--num-blocks", str(args.num_blocks)]
+        blocks = (args.prefill_num_blocks if role == "prefill" else None) or args.num_blocks
+        if blocks:
+            cmd += ["--num-blocks", str(blocks)]
         cmd += gpu_flags(args, len(roles))
         if args.max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]

@@ -52,13 +52,13 @@ def gateway_metrics(c: Cluster) -> str:
 
 # (router, pools, cached tokens expected > 0 for requests 1..4 of the same prompt)
 CASES = [
-    ("kv-aware", {"prefill": 2, "decode": 1}, [False, True, True, True]),
+    ("kv-aware", {"prefill": 2, "decode": 2}, [False, True, True, True]),
     ("round-robin", {"prefill": 2, "decode": 1}, [False, False, True, True]),
     ("kv-aware", {"worker": 2}, [False, True, True, True]),
 ]
 
 
-@pytest.mark.parametrize(("router", "roles", "hits"), CASES, ids=["kv-aware-2p1d", "round-robin-2p1d",
+@pytest.mark.parametrize(("router", "roles", "hits"), CASES, ids=["kv-aware-2p2d", "round-robin-2p1d",
                                                                   "kv-aware-colocated"])
 def test_a_repeated_prefix_lands_on_the_worker_holding_it(
     log_dir: Path, reference: Reference, router: str, roles: dict[str, int], hits: list[bool]
@@ -79,4 +79,6 @@ def test_a_repeated_prefix_lands_on_the_worker_holding_it(
         reasons = {"kv-aware": ("prefix_hit", 3), "round-robin": ("round_robin", 4)}[router]
         assert value(text, "llm_routing_decisions", router=router, reason=reasons[0]) == reasons[1]
         assert value(text, "llm_routed_cached_tokens") == sum(cached)
+        if roles.get("decode", 0) > 1:  # requests 2..4 reserve on the decode worker holding the prefix
+            assert value(text, "llm_routing_decisions", router=router, reason="decode_prefix_hit") == 3
         c.wait_idle()

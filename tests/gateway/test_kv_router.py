@@ -155,3 +155,35 @@ def test_a_computed_prompt_stops_counting_as_queued_load() -> None:
     assert (w.queued_tokens, w.pending_prompts) == (3, {})
     w.settle("r3#1")
     assert w.queued_tokens == 3
+
+
+def _decode(wid: str, free: int = 256, running: int = 0) -> WorkerInfo:
+    w = _worker(wid, "decode", running=running)
+    assert w.load is not None
+    w.load = Heartbeat(wid, 0, free, 256, running, 0)
+    return w
+
+
+def test_decode_worker_holding_the_prefix_receives_only_the_suffix() -> None:
+    # 41 tokens: 11 blocks to reserve; b holds 6 of them, a has more free KV.
+    a, b = _decode("a", free=200), _decode("b", free=100)
+    router = _router(b=KEYS[:6])
+    assert router.pick_decode([a, b], _payload()) is b
+    assert router.decode_cost(a, 11, 0) == 11 and router.decode_cost(b, 11, 6) == 5
+    assert router.decisions == {"decode_prefix_hit": 1}
+    assert router.pick_decode([a, b], _payload([500, *PROMPT[1:]])) is a  # shares nothing: most free KV
+    assert router.pick_decode([a, b], _payload(), count=False) is b and router.decisions["decode_prefix_hit"] == 1
+
+
+def test_decode_choice_weighs_running_sequences_and_room() -> None:
+    a = _decode("a")
+    router = _router(b=KEYS[:6])  # b: 11 - 6 = 5 blocks to ship
+    assert router.pick_decode([a, _decode("b", running=1)], _payload()).worker_id == "b"  # 5 + 4 < 11
+    assert router.pick_decode([a, _decode("b", running=2)], _payload()) is a  # 5 + 8 > 11
+    assert router.pick_decode([a, _decode("b", free=5)], _payload()).worker_id == "b"  # room for its 5
+    assert router.pick_decode([a, _decode("b", free=4)], _payload()) is a  # no room for its 5
+    tight = [_decode("x", free=3), _decode("y", free=4)]  # no room anywhere: most free KV
+    assert router.pick_decode(tight, _payload()).worker_id == "y"
+    for kind in ("round-robin", "least-loaded"):  # cache-blind: most free KV
+        blind = _router(kind, b=KEYS)
+        assert blind.pick_decode([_decode("a", free=200), _decode("b", free=100)], _payload()).worker_id == "a"

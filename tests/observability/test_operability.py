@@ -108,6 +108,16 @@ def test_up_lets_openmp_spin_only_when_the_worker_threads_fit_the_cores(
     assert [c[c.index("--threads") + 1] for c in cmds] == ["3", "2"]
 
 
+def test_prefill_workers_may_get_their_own_kv_pool() -> None:
+    def blocks(*argv: str) -> list[str | None]:
+        cmds = _worker_cmds(build_parser().parse_args(["up", "--prefill", "2", *argv]), "tcp://x:1")
+        return [c[c.index("--num-blocks") + 1] if "--num-blocks" in c else None for c in cmds]
+
+    assert blocks("--num-blocks", "500", "--prefill-num-blocks", "100") == ["100", "100", "500"]
+    assert blocks("--prefill-num-blocks", "100") == ["100", "100", None]
+    assert blocks("--num-blocks", "500") == ["500", "500", "500"]
+
+
 def test_kv_receiver_binds_a_fixed_port() -> None:
     from common.transport import free_port
     from kv_transfer.receiver import ZmqReceiver

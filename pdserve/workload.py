@@ -1,0 +1,152 @@
+"""Workloads for `pdserve plan --simulate` and `bench/simulate_check.py`: arrivals,
+prompt and output lengths, and the SLOs a request must meet to count as goodput.
+
+A workload is written as comma-separated `key=value` pairs:
+
+    rate=4,n=200,prompt=128-512,output=64,arrivals=poisson,seed=0
+
+- `rate`: requests per second (> 0); `n`: number of requests;
+- `prompt`, `output`: token counts, each `N` (fixed) or `A-B` (uniform, inclusive);
+- `arrivals`: `poisson` (exponential gaps of mean 1/rate, the default) or `uniform`
+  (exactly 1/rate apart); the first request arrives at 0;
+- `seed`: the draws are a pure function of the workload (`random.Random(seed)`), so
+  the simulator and a measuring client replay the same requests.
+
+SLOs (`Slo`): a request meets them when its time to first token is at most `ttft_s`
+and its mean inter-token latency ((last token - first token) / (output - 1); 0 for a
+one-token output) is at most `itl_s`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import NamedTuple
+
+ARRIVALS = ("poisson", "uniform")
+
+
+class WorkloadError(ValueError):
+    """A workload or SLO spec that cannot be read; the message says which part."""
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Token counts drawn uniformly from [low, high] (low == high: fixed)."""
+
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.low <= self.high:
+            raise WorkloadError(f"lengths must satisfy 1 <= low <= high, not {self.low}-{self.high}")
+
+    @classmethod
+    def parse(cls, text: str) -> Lengths:
+        lo, sep, hi = text.partition("-")
+        try:
+            low = int(lo)
+            high = int(hi) if sep else low
+        except ValueError:
+            raise WorkloadError(f"a length is N or A-B, not {text!r}") from None
+        return cls(low, high)
+
+    @property
+    def mean(self) -> float:
+        return (self.low + self.high) / 2
+
+    def draw(self, rng: random.Random) -> int:
+        return self.low if self.low == self.high else rng.randint(self.low, self.high)
+
+
+class SimRequest(NamedTuple):
+    arrival: float  # seconds from the workload's start
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    rate: float
+    num_requests: int
+    prompt: Lengths
+    output: Lengths
+    arrivals: str = "poisson"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0:
+            raise WorkloadError(f"rate must be > 0 requests/s, not {self.rate}")
+        if self.num_requests < 1:
+            raise WorkloadError(f"n must be >= 1, not {self.num_requests}")
+        if self.arrivals not in ARRIVALS:
+            raise WorkloadError(f"arrivals must be one of {', '.join(ARRIVALS)}, not {self.arrivals!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> Workload:
+        fields = _pairs(text, {"rate", "n", "prompt", "output", "arrivals", "seed"})
+        missing = {"rate", "n", "prompt", "output"} - fields.keys()
+        if missing:
+            raise WorkloadError(f"workload needs {', '.join(sorted(missing))} (e.g. rate=4,n=200,prompt=256,output=64)")
+        try:
+            rate, n, seed = float(fields["rate"]), int(fields["n"]), int(fields.get("seed", "0"))
+        except ValueError as e:
+            raise WorkloadError(f"workload: {e}") from None
+        return cls(rate, n, Lengths.parse(fields["prompt"]), Lengths.parse(fields["output"]),
+                   fields.get("arrivals", "poisson"), seed)
+
+    def spec(self) -> str:
+        """The `key=value` text this workload parses from."""
+        def length(x: Lengths) -> str:
+            return str(x.low) if x.low == x.high else f"{x.low}-{x.high}"
+        return (f"rate={self.rate:g},n={self.num_requests},prompt={length(self.prompt)},"
+                f"output={length(self.output)},arrivals={self.arrivals},seed={self.seed}")
+
+    def requests(self) -> list[SimRequest]:
+        rng = random.Random(self.seed)
+        out, t = [], 0.0
+        for i in range(self.num_requests):
+            if i:
+                t += rng.expovariate(self.rate) if self.arrivals == "poisson" else 1.0 / self.rate
+            out.append(SimRequest(t, self.prompt.draw(rng), self.output.draw(rng)))
+        return out
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float
+    itl_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.itl_s > 0):
+            raise WorkloadError(f"SLOs must be > 0 s, not ttft={self.ttft_s} itl={self.itl_s}")
+
+    @classmethod
+    def parse(cls, text: str) -> Slo:
+        """`ttft=1.0,itl=0.1` (seconds)."""
+        fields = _pairs(text, {"ttft", "itl"})
+        if fields.keys() != {"ttft", "itl"}:
+            raise WorkloadError("SLO needs ttft and itl in seconds, e.g. ttft=1.0,itl=0.1")
+        try:
+            return cls(float(fields["ttft"]), float(fields["itl"]))
+        except ValueError as e:
+            raise WorkloadError(f"SLO: {e}") from None
+
+    def met(self, ttft_s: float, itl_s: float) -> bool:
+        return ttft_s <= self.ttft_s and itl_s <= self.itl_s
+
+
+def _pairs(text: str, known: set[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        if not sep or not value:
+            raise WorkloadError(f"expected key=value, not {part!r}")
+        if key not in known:
+            raise WorkloadError(f"unknown key {key!r} (known: {', '.join(sorted(known))})")
+        if key in out:
+            raise WorkloadError(f"{key!r} given twice")
+        out[key] = value
+    return out

@@ -1,0 +1,28 @@
+"""bench/simulate_check.py's measuring side against a server of known timing: each
+request is sent at its workload arrival with a prompt of exactly its drawn length and
+its drawn output length, and TTFT / ITL / goodput come out as the server's timing."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.simulate_check import replay
+from pdserve.simulate import Cluster, summarize
+from pdserve.workload import Slo, Workload
+from tests.bench.fake_openai import FakeOpenAIServer
+
+
+def test_replay_sends_the_workload_and_measures_its_timing(fake_server: FakeOpenAIServer) -> None:
+    fake_server.behaviour.ttft_s, fake_server.behaviour.itl_s = 0.05, 0.01
+    requests = Workload.parse("rate=10,n=4,prompt=5-40,output=6,arrivals=uniform,seed=7").requests()
+    results = replay(fake_server.url, requests, vocab=100, seed=7)
+    assert [len(b["prompt"]) for b in fake_server.requests] == [q.prompt_tokens for q in requests]
+    assert all(b["max_tokens"] == 6 and b["ignore_eos"] and b["stream"] for b in fake_server.requests)
+    assert all(0 <= t < 100 for b in fake_server.requests for t in b["prompt"])
+    assert all(r.arrival >= q.arrival for r, q in zip(results, requests, strict=True))  # never early
+    assert all(r.ttft_s >= 0.05 for r in results)  # the server's own first-token delay
+    # the last token comes >= 5 gaps of 10 ms after the first is due; ITL is the mean gap after the first
+    assert all(r.finish - r.arrival >= 0.05 + 5 * 0.01 * (1 - 1e-6) for r in results)
+    assert all(r.ttft_s + 5 * r.itl_s == pytest.approx(r.finish - r.arrival) for r in results)
+    res = summarize(Cluster(1, 1), results, Slo(ttft_s=0.04, itl_s=1.0))  # TTFT SLO below the server's
+    assert res.met == 0 and summarize(Cluster(1, 1), results, Slo(1.0, 1.0)).met == 4
