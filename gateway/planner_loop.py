@@ -1,0 +1,191 @@
+"""The planner inside the gateway (`pdserve gateway --planner flip|replicas --slo ...`).
+
+It runs in the gateway because the gateway already holds every signal the decision
+reads (the registry's heartbeated load, its own TTFT/ITL histograms) and the admin
+path that flips a worker; a separate process would only scrape and re-post them.
+
+Every `interval_s` it builds a `LoadSample` (gateway/planner.py) from the routable
+pools, the queued prefill tokens, the decode workers' mean KV usage and the p90 of the
+TTFT and time-per-output-token observations of the last `window_s`, and asks
+`decide()`. It publishes
+
+- `llm_planner_desired_workers{role}`: the split it wants (what the deploy/ HPA and
+  KEDA objects scale the prefill and decode Deployments to),
+- `llm_planner_pressure{role}`: the two pressures (1.0 = at the SLO),
+- `llm_planner_decisions_total{action}`: flips decided (`to_prefill`, `to_decode`).
+
+In `flip` mode it also flips a worker through `RoleFlips.request` (the admin path):
+the decode worker with the fewest running sequences, or the prefill worker with the
+fewest queued tokens, so the drain is short. While a flip is under way it decides
+nothing (the pools are one short and the signals stale).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+
+from aiohttp import web
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.admin_roles import FlipCollector, RoleFlips, add_admin_routes
+from gateway.control_plane import ControlPlane
+from gateway.planner import Action, Decision, LoadSample, PlannerSettings, PlannerState, decide
+from gateway.registry import WorkerRegistry
+from gateway.state import STATE
+
+log = logging.getLogger(__name__)
+
+class HistogramWindow:
+    """A quantile of what a cumulative Prometheus histogram saw in the last `window_s`
+    (bucket counts now minus those `window_s` ago; the answer is a bucket's upper bound)."""
+
+    def __init__(self, hist: Histogram, window_s: float) -> None:
+        self.hist = hist
+        self.window_s = window_s
+        self._history: collections.deque[tuple[float, list[tuple[float, float]]]] = collections.deque()
+
+    def _buckets(self) -> list[tuple[float, float]]:
+        out = []
+        for metric in self.hist.collect():
+            for s in metric.samples:
+                if s.name.endswith("_bucket"):
+                    out.append((float(s.labels["le"]), float(s.value)))
+        return sorted(out)
+
+    def quantile(self, q: float, now: float) -> float | None:
+        current = self._buckets()
+        self._history.append((now, current))
+        while len(self._history) > 1 and now - self._history[1][0] >= self.window_s:
+            self._history.popleft()
+        base = dict(self._history[0][1]) if len(self._history) > 1 else {}
+        window = [(le, count - base.get(le, 0.0)) for le, count in current]
+        total = window[-1][1] if window else 0.0
+        if total <= 0:
+            return None
+        finite = [le for le, _ in window if le != float("inf")]
+        for le, count in window:
+            if count >= q * total:
+                return le if le != float("inf") else 2 * max(finite, default=1.0)
+        return None
+
+
+class PlannerLoop:
+    def __init__(self, settings: PlannerSettings, registry: WorkerRegistry, flips: RoleFlips,
+                 ttft: Histogram, itl: Histogram) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.flips = flips
+        self._ttft = HistogramWindow(ttft, settings.window_s)
+        self._itl = HistogramWindow(itl, settings.window_s)
+        self.state = PlannerState()
+        self.last: Decision | None = None
+        self.decisions: dict[str, int] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def sample(self, now: float) -> LoadSample:
+        prefill, decode = self.registry.pool("prefill"), self.registry.pool("decode")
+        usage = [(w.reg.total_blocks - w.free_blocks) / max(w.reg.total_blocks, 1) for w in decode]
+        q = self.settings.quantile
+        return LoadSample(now, len(prefill), len(decode), sum(w.queued_tokens for w in prefill),
+                          sum(usage) / len(usage) if usage else 0.0,
+                          self._ttft.quantile(q, now), self._itl.quantile(q, now))
+
+    def tick(self, now: float | None = None) -> Decision | None:
+        now = time.monotonic() if now is None else now
+        s = self.sample(now)
+        if self.flips.pending() or not (s.prefill_workers and s.decode_workers):
+            self.state = PlannerState(last_flip=self.state.last_flip)
+            return None
+        decision = decide(s, self.state, self.settings.config)
+        self.state, self.last = decision.state, decision
+        if decision.action is not Action.HOLD:
+            key = decision.action.value
+            self.decisions[key] = self.decisions.get(key, 0) + 1
+            log.info("planner: %s (%s)", key, decision.reason)
+            if self.settings.mode == "flip":
+                self._flip(decision.action)
+        return decision
+
+    def _flip(self, action: Action) -> None:
+        giver = "decode" if action is Action.TO_PREFILL else "prefill"
+        pool = self.registry.pool(giver)
+        if not pool:
+            return
+        w = min(pool, key=lambda w: (w.running if giver == "decode" else w.queued_tokens, len(w.inflight)))
+        result = self.flips.request(w.worker_id, "prefill" if giver == "decode" else "decode")
+        if result.status != 202:
+            log.warning("planner: flip of %s refused: %s", w.worker_id, result.message)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.interval_s)
+            try:
+                self.tick()
+            except Exception:  # the planner must never take the gateway down
+                log.exception("planner tick failed")
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+class PlannerCollector(Collector):
+    def __init__(self, loop: PlannerLoop) -> None:
+        self.loop = loop
+
+    def collect(self) -> Iterable[Metric]:
+        last = self.loop.last
+        desired = GaugeMetricFamily("llm_planner_desired_workers", "Workers per role the planner wants",
+                                    labels=["role"])
+        pressure = GaugeMetricFamily("llm_planner_pressure", "Planner load per role (1.0 = at the SLO)",
+                                     labels=["role"])
+        if last is not None:
+            desired.add_metric(["prefill"], last.desired_prefill)
+            desired.add_metric(["decode"], last.desired_decode)
+            pressure.add_metric(["prefill"], last.pressures.prefill)
+            pressure.add_metric(["decode"], last.pressures.decode)
+        decisions = CounterMetricFamily("llm_planner_decisions", "Flips the planner decided", labels=["action"])
+        for action in (Action.TO_PREFILL.value, Action.TO_DECODE.value):
+            decisions.add_metric([action], self.loop.decisions.get(action, 0))
+        yield from (desired, pressure, decisions)
+
+
+def install_roles(app: web.Application) -> None:
+    """The admin routes, the flip counter and (when configured) the planner, on a gateway
+    app whose backend is a worker cluster (one with a `ControlPlane`)."""
+    state = app[STATE]
+    control = getattr(state.backend, "control", None)
+    if not isinstance(control, ControlPlane):
+        add_admin_routes(app, None)
+        return
+    flips = RoleFlips(control)
+    add_admin_routes(app, flips)
+    state.metrics.registry.register(FlipCollector(flips.control))
+    settings = state.config.planner
+    if settings is None:
+        return
+    loop = PlannerLoop(settings, flips.control.registry, flips, state.metrics.ttft, state.metrics.tpot)
+    state.metrics.registry.register(PlannerCollector(loop))
+
+    async def start(_: web.Application) -> None:
+        loop.start()
+
+    async def close(_: web.Application) -> None:
+        await loop.close()
+
+    app.on_startup.append(start)
+    app.on_cleanup.insert(0, close)
