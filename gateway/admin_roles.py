@@ -52,6 +52,7 @@ class FlipResult:
     message: str
     from_role: str = ""
     to_role: str = ""
+    inflight: int = 0  # requests the worker still held when it started draining
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class RoleFlips:
         self.control.send(worker_id, p.SwitchRole(worker_id, role))
         self._pending[worker_id] = PendingFlip(worker_id, w.role, role, time.monotonic() if now is None else now)
         log.info("flipping worker %s: %s -> %s", worker_id, w.role, role)
-        return FlipResult(202, "switching", w.role, role)
+        return FlipResult(202, "switching", w.role, role, len(w.inflight))
 
     def pending(self) -> dict[str, PendingFlip]:
         """Flips not yet seen through: the worker has not registered again since."""
@@ -149,7 +150,7 @@ async def set_role(request: web.Request) -> web.Response:
         raise APIError(result.status, result.message, param="role" if result.status == 400 else None,
                        code="conflict" if result.status == 409 else None)
     out = {"worker": request.match_info["worker_id"], "from": result.from_role, "to": result.to_role,
-           "status": result.message}
+           "status": result.message, "inflight": result.inflight}
     return web.Response(status=202, body=json.dumps(out).encode(), content_type="application/json")
 
 
