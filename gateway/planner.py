@@ -93,6 +93,7 @@ class PlannerSettings:
     interval_s: float = 2.0
     window_s: float = 30.0  # latency percentiles over this much recent history
     quantile: float = 0.9
+    converge_s: float = 300.0  # replicas mode: how long the autoscaler may take to reach the split
 
     def __post_init__(self) -> None:
         if self.mode not in PLANNER_MODES:

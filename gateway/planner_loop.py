@@ -16,8 +16,9 @@ TTFT and time-per-output-token observations of the last `window_s`, and asks
 
 In `flip` mode it also flips a worker through `RoleFlips.request` (the admin path):
 the decode worker with the fewest running sequences, or the prefill worker with the
-fewest queued tokens, so the drain is short. While a flip is under way it decides
-nothing (the pools are one short and the signals stale).
+fewest queued tokens, so the drain is short. While a flip is under way (or, in
+`replicas` mode, until the pools show the published split, for at most `converge_s`)
+it decides nothing: the pools are one short and the signals stale.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class PlannerLoop:
         self.state = PlannerState()
         self.last: Decision | None = None
         self.decisions: dict[str, int] = {}
+        # replicas mode: the split published last and when; held until the pools show it
+        self._target: tuple[int, int, float] | None = None
         self._task: asyncio.Task[None] | None = None
 
     def sample(self, now: float) -> LoadSample:
@@ -100,7 +103,7 @@ class PlannerLoop:
     def tick(self, now: float | None = None) -> Decision | None:
         now = time.monotonic() if now is None else now
         s = self.sample(now)
-        if self.flips.pending() or not (s.prefill_workers and s.decode_workers):
+        if self._converging(s) or not (s.prefill_workers and s.decode_workers):
             self.state = PlannerState(last_flip=self.state.last_flip)
             return None
         decision = decide(s, self.state, self.settings.config)
@@ -111,7 +114,22 @@ class PlannerLoop:
             log.info("planner: %s (%s)", key, decision.reason)
             if self.settings.mode == "flip":
                 self._flip(decision.action)
+            else:
+                self._target = (decision.desired_prefill, decision.desired_decode, now)
         return decision
+
+    def _converging(self, s: LoadSample) -> bool:
+        """A flip under way, or (replicas mode) pools not yet at the published split; the
+        autoscaler gets `converge_s` for that, then the planner starts from what it sees."""
+        if self.flips.pending():
+            return True
+        if self._target is None:
+            return False
+        p, d, since = self._target
+        if (s.prefill_workers, s.decode_workers) == (p, d) or s.t - since > self.settings.converge_s:
+            self._target = None
+            return False
+        return True
 
     def _flip(self, action: Action) -> None:
         giver = "decode" if action is Action.TO_PREFILL else "prefill"

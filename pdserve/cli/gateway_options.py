@@ -16,7 +16,13 @@ from typing import Any
 
 from common import envs
 from common.generation_config import GenerationConfigError, SamplingDefaults, read_generation_config
-from pdserve.cli.args import UsageError, non_negative_float, non_negative_int, positive_float, positive_int
+from pdserve.cli.args import (
+    UsageError,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 log = logging.getLogger("pdserve.gateway")
 
