@@ -29,10 +29,10 @@ from typing import Any
 
 from tests.e2e.cluster import Cluster, http, metric_value
 
-PHASES = {  # name -> (prompt words, max_tokens)
-    "prefill-heavy": (180, 2),
-    "decode-heavy": (8, 96),
-    "constant": (120, 24),
+PHASES = {  # name -> (prompt words, max_tokens, clients per --concurrency)
+    "prefill-heavy": (180, 2, 1),
+    "decode-heavy": (8, 96, 2),
+    "constant": (60, 24, 1),
 }
 TOKEN = "planner-ramp-admin-token-000000"
 
@@ -72,7 +72,8 @@ def _gauge(text: str, name: str, role: str) -> float | None:
 
 
 def run_phase(c: Cluster, model: str, name: str, seconds: float, concurrency: int) -> dict[str, Any]:
-    words, max_tokens = PHASES[name]
+    words, max_tokens, scale = PHASES[name]
+    concurrency *= scale
     before = metric_value(_gateway_metrics(c), "llm_role_flips_total")
     counts = {"sent": 0, "failed": 0}
     lock, stop = threading.Lock(), threading.Event()
@@ -99,7 +100,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=3, help="1 prefill + the rest decode (>= 2)")
     ap.add_argument("--phase-s", type=float, default=60.0)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--slo", default="ttft=1.5,itl=0.03")
+    ap.add_argument("--slo", default="ttft=1.0,itl=0.1")
     ap.add_argument("--dwell", type=float, default=8.0)
     ap.add_argument("--json", default=None, help="also write the result here")
     args = ap.parse_args()

@@ -5,8 +5,9 @@ reads (the registry's heartbeated load, its own TTFT/ITL histograms) and the adm
 path that flips a worker; a separate process would only scrape and re-post them.
 
 Every `interval_s` it builds a `LoadSample` (gateway/planner.py) from the routable
-pools, the queued prefill tokens, the decode workers' mean KV usage and the p90 of the
-TTFT and time-per-output-token observations of the last `window_s`, and asks
+pools, the queued prefill tokens, the decode workers' mean KV usage, the p90 of the
+TTFT observations of the last `window_s`, and the inter-token latency the decode
+workers' heartbeats imply (running sequences / tokens decoded per second), and asks
 `decide()`. It publishes
 
 - `llm_planner_desired_workers{role}`: the split it wants (what the deploy/ HPA and
@@ -38,7 +39,7 @@ from prometheus_client.registry import Collector
 from gateway.admin_roles import FlipCollector, RoleFlips, add_admin_routes
 from gateway.control_plane import ControlPlane
 from gateway.planner import Action, Decision, LoadSample, PlannerSettings, PlannerState, decide
-from gateway.registry import WorkerRegistry
+from gateway.registry import WorkerInfo, WorkerRegistry
 from gateway.state import STATE
 
 log = logging.getLogger(__name__)
@@ -79,12 +80,13 @@ class HistogramWindow:
 
 class PlannerLoop:
     def __init__(self, settings: PlannerSettings, registry: WorkerRegistry, flips: RoleFlips,
-                 ttft: Histogram, itl: Histogram) -> None:
+                 ttft: Histogram) -> None:
         self.settings = settings
         self.registry = registry
         self.flips = flips
         self._ttft = HistogramWindow(ttft, settings.window_s)
-        self._itl = HistogramWindow(itl, settings.window_s)
+        self._itl: float | None = None  # smoothed over ticks
+        self._decoded: dict[str, tuple[float, float]] = {}  # decode worker -> (time, tokens decoded)
         self.state = PlannerState()
         self.last: Decision | None = None
         self.decisions: dict[str, int] = {}
@@ -98,7 +100,29 @@ class PlannerLoop:
         q = self.settings.quantile
         return LoadSample(now, len(prefill), len(decode), sum(w.queued_tokens for w in prefill),
                           sum(usage) / len(usage) if usage else 0.0,
-                          self._ttft.quantile(q, now), self._itl.quantile(q, now))
+                          self._ttft.quantile(q, now), self._decode_itl(decode, now))
+
+    def _decode_itl(self, decode: list[WorkerInfo], now: float) -> float | None:
+        """Inter-token latency from the decode workers' heartbeats: running sequences over
+        tokens decoded per second since the last tick (the worst worker), smoothed. Read
+        from the workers rather than the gateway's per-request TPOT histogram, which a
+        2-token request fills with its KV transfer time."""
+        worst: float | None = None
+        for w in decode:
+            hb = w.load
+            tokens = hb.gauges.get("llm_decode_tokens_count") if hb is not None else None
+            if hb is None or tokens is None:
+                continue
+            prev = self._decoded.get(w.worker_id)
+            self._decoded[w.worker_id] = (now, tokens)
+            if prev is not None and tokens > prev[1] and hb.running_seqs > 0 and now > prev[0]:
+                itl = hb.running_seqs * (now - prev[0]) / (tokens - prev[1])
+                worst = itl if worst is None else max(worst, itl)
+        if worst is None:  # no decoding: the last estimate fades
+            self._itl = None if self._itl is None or self._itl < 1e-3 else self._itl * 0.5
+        else:
+            self._itl = worst if self._itl is None else 0.5 * self._itl + 0.5 * worst
+        return self._itl
 
     def tick(self, now: float | None = None) -> Decision | None:
         now = time.monotonic() if now is None else now
@@ -196,7 +220,7 @@ def install_roles(app: web.Application) -> None:
     settings = state.config.planner
     if settings is None:
         return
-    loop = PlannerLoop(settings, flips.control.registry, flips, state.metrics.ttft, state.metrics.tpot)
+    loop = PlannerLoop(settings, flips.control.registry, flips, state.metrics.ttft)
     state.metrics.registry.register(PlannerCollector(loop))
 
     async def start(_: web.Application) -> None:

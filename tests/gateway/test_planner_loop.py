@@ -45,9 +45,8 @@ def _loop(mode: str, prefill: int = 2, decode: int = 2) -> tuple[PlannerLoop, _C
         _register(control, f"d{i}", "decode")
     r = CollectorRegistry()
     ttft = Histogram("ttft", "", buckets=(0.5, 1.0, 2.0, 4.0), registry=r)
-    itl = Histogram("itl", "", buckets=(0.01, 0.05, 0.1), registry=r)
     cfg = PlannerConfig(Slo(1.0, 0.05), dwell_s=10.0, cooldown_s=10.0)
-    return PlannerLoop(PlannerSettings(cfg, mode=mode), control.registry, RoleFlips(control), ttft, itl), control, ttft
+    return PlannerLoop(PlannerSettings(cfg, mode=mode), control.registry, RoleFlips(control), ttft), control, ttft
 
 
 def test_histogram_window_forgets_what_is_older_than_the_window() -> None:
@@ -102,6 +101,30 @@ def test_the_last_worker_of_a_role_is_never_flipped() -> None:
         loop.tick(float(t))
     assert control.sent == []
     assert loop.flips.request("d0", "prefill").status == 409
+
+
+def test_decode_itl_comes_from_the_decode_workers_heartbeats() -> None:
+    """Two decode workers with 4 running sequences each; d0 decodes 80 tokens in 2 s
+    (ITL 4 * 2 / 80 = 0.1 s), d1 twice as fast: the slower one counts (2x the target)."""
+    loop, control, _ = _loop("flip", prefill=2, decode=2)
+
+    def beat(t: float, tokens: dict[str, float]) -> None:
+        for wid, n in tokens.items():
+            control.registry.heartbeat(p.Heartbeat(wid, 0, 80, 100, 4, 0, gauges={"llm_decode_tokens_count": n}), t)
+
+    beat(0.0, {"d0": 0.0, "d1": 0.0})
+    assert loop.sample(0.0).itl_s is None
+    beat(2.0, {"d0": 80.0, "d1": 160.0})
+    s = loop.sample(2.0)
+    assert s.itl_s == pytest.approx(0.1) and s.kv_usage == pytest.approx(0.2)
+    actions = []
+    for i in range(2, 12):
+        beat(2.0 * i, {"d0": 40.0 * i, "d1": 80.0 * i})
+        d = loop.tick(2.0 * i)
+        actions.append(d.action.value if d else "pending")
+    assert "to_decode" in actions  # ITL 2x its target, prefill idle: a prefill worker moves
+    (wid, msg), = control.sent
+    assert msg == p.SwitchRole(wid, "decode") and wid.startswith("p")
 
 
 def _registry_of(loop: PlannerLoop) -> CollectorRegistry:
