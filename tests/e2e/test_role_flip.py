@@ -86,6 +86,9 @@ def flip_under_load(c: Cluster, ref: Reference, target: str, role: str, tag: str
         got = [f.result(timeout=120) for f in futures]
     assert body["inflight"] > 0  # it drained work, not an idle worker
     assert got == [want_text(ref, p) for p in prompts]
+    # Drained, not aborted: no stream needed the gateway's recovery (re-prefill elsewhere),
+    # which would also give the same tokens.
+    assert c.gateway is not None and "recovering" not in c.gateway.log_path.read_text()
     c._wait(lambda: by_id(c, target)["role"] == role and not by_id(c, target)["draining"],
             f"{target} registered as {role}", 90)
     return by_id(c, target)
