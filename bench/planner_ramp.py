@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=3, help="1 prefill + the rest decode (>= 2)")
     ap.add_argument("--phase-s", type=float, default=60.0)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--slo", default="ttft=1.0,itl=0.1")
+    ap.add_argument("--slo", default="ttft=1.0,itl=0.025")
     ap.add_argument("--dwell", type=float, default=8.0)
     ap.add_argument("--json", default=None, help="also write the result here")
     args = ap.parse_args()
