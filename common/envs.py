@@ -53,6 +53,11 @@ ENV_VARS: dict[str, EnvVar] = {
             "Gateway API keys, comma-separated; added to --api-key and --api-key-file.",
         ),
         EnvVar(
+            "PDSERVE_ADMIN_TOKEN",
+            "",
+            "Gateway admin bearer token (live role flips); used when --admin-token is not given.",
+        ),
+        EnvVar(
             "PDSERVE_GATEWAY_SEED_KEY",
             "",
             "Test hook: hex key (1-64 bytes) of the seeds the gateway gives unseeded requests, "
@@ -134,6 +139,11 @@ def gateway_seed_key() -> bytes | None:
 def api_keys() -> tuple[str, ...]:
     """`PDSERVE_API_KEYS`: the gateway API keys it lists (comma-separated, blanks dropped)."""
     return tuple(k.strip() for k in (get("PDSERVE_API_KEYS") or "").split(",") if k.strip())
+
+
+def admin_token() -> str | None:
+    """`PDSERVE_ADMIN_TOKEN`: the gateway's admin bearer token, None when unset."""
+    return (get("PDSERVE_ADMIN_TOKEN") or "").strip() or None
 
 
 def native_kernels() -> bool:

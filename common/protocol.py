@@ -39,6 +39,7 @@ MAX_MAP_LEN = 4096
 MAX_STR_LEN = 1 << 16
 
 ROLES = ("prefill", "decode", "colocated")
+FLIP_ROLES = ("prefill", "decode")  # the roles a live role flip moves between
 
 
 class ProtocolError(ValueError):
@@ -304,6 +305,17 @@ class KvSnapshotRequest(Message):
     worker_id: str
 
 
+@dataclass(frozen=True)
+class SwitchRole(Message):
+    """Gateway -> worker (admin call or planner): drain, then serve as `role` (prefill or
+    decode) under the same worker id, and register again. The gateway stops routing to the
+    worker before it sends this, so every request it routed there arrives first."""
+
+    TAG: ClassVar[str] = "switch_role"
+    worker_id: str
+    role: str
+
+
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     RegisterWorker,
     RegisterAck,
@@ -321,6 +333,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     RequestFailed,
     KvEvents,
     KvSnapshotRequest,
+    SwitchRole,
 )
 _BY_TAG: dict[str, type[Message]] = {cls.TAG: cls for cls in MESSAGE_TYPES}
 
@@ -377,4 +390,6 @@ def decode(data: bytes) -> Message:
         raise ProtocolError(f"{tag}: {type(e).__name__}") from None
     if isinstance(msg, RegisterWorker) and msg.role not in ROLES:
         raise ProtocolError(f"unknown role {msg.role[:20]!r}")
+    if isinstance(msg, SwitchRole) and msg.role not in FLIP_ROLES:
+        raise ProtocolError(f"cannot switch to role {msg.role[:20]!r}")
     return msg

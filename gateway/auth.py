@@ -2,7 +2,8 @@
 
 Keys are compared with `hmac.compare_digest` against every configured key (no early
 exit), so the time taken reveals neither which key nor how much of one matched.
-`/health` and `/ready` are always open; `/metrics` is open unless configured protected.
+`/health` and `/ready` are always open; `/metrics` is open unless configured protected;
+`/admin/...` checks the admin token instead (gateway/admin_roles.py).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from collections.abc import Sequence
 from gateway.errors import APIError
 
 ALWAYS_OPEN = frozenset({"/health", "/ready"})
+ADMIN_PREFIX = "/admin/"  # its own bearer token (gateway/admin_roles.py), never an API key
 
 
 def is_protected(path: str, metrics_protected: bool) -> bool:
-    if path in ALWAYS_OPEN:
+    if path in ALWAYS_OPEN or path.startswith(ADMIN_PREFIX):
         return False
     return not (path == "/metrics" and not metrics_protected)
 

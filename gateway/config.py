@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from common.generation_config import SamplingDefaults
 from gateway.backend import PRIORITIES
+from gateway.planner import PlannerSettings
 
 
 @dataclass(frozen=True)
@@ -83,12 +84,18 @@ class GatewayConfig:
     # --enable-auto-tool-choice --tool-call-parser: tool_choice "auto" parses calls in
     # this format (gateway/tool_calls.py); None: only required/named tool choices.
     tool_call_parser: str | None = None
+    # Bearer token of the admin routes (/admin/..., gateway/admin_roles.py); None: no admin API.
+    admin_token: str | None = None
+    # --planner: the P:D planner (gateway/planner_loop.py); None: off.
+    planner: PlannerSettings | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         if any(not k for k in self.api_keys):
             raise ValueError("api keys must be non-empty")
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ValueError("the admin token must be at least 16 characters")
         names = self.served_model_names
         if any(not n for n in names) or len(set(names)) != len(names):
             raise ValueError("served model names must be non-empty and distinct")

@@ -89,6 +89,7 @@ class ControlPlane:
         self.events = events
         self.registry = WorkerRegistry(self.config.heartbeat_timeout_s)
         self.kv_index = KvIndex()  # every worker's prefix cache, from its KvEvents
+        self.role_flips: dict[tuple[str, str], int] = {}  # (from role, to role) -> completed flips
         self.control_address = ""
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -208,11 +209,15 @@ class ControlPlane:
     def _handle(self, sender: str, msg: p.Message) -> None:
         now = time.monotonic()
         if isinstance(msg, p.RegisterWorker):
+            old = self.registry.get(msg.worker_id)
             outcome = self.registry.register(msg, now) if msg.worker_id == sender else None
             accepted = bool(outcome and outcome.accepted)
             reason = outcome.reason if outcome else "worker id does not match the connection"
             if accepted:
                 log.info("worker %s (%s) registered", msg.worker_id, msg.role)
+                if old is not None and old.role != msg.role:  # a live role flip completed
+                    key = (old.role, msg.role)
+                    self.role_flips[key] = self.role_flips.get(key, 0) + 1
                 self.kv_index.reset_worker(msg.worker_id, now)
             else:
                 log.warning("refused worker %s: %s", sender, reason)

@@ -9,7 +9,7 @@ it until SIGTERM/SIGINT, then drains: `/ready` and new generation requests answe
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /v1/models/{model}, POST /tokenize, POST /detokenize, GET /v1/workers, GET /health,
-GET /ready, GET /metrics.
+GET /ready, GET /metrics, POST /admin/workers/{id}/role (gateway/admin_roles.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import REQUEST_ID_HEADER, chat_completions, completions
+from gateway.planner_loop import install_roles
 from gateway.state import STATE, GatewayState
 from gateway.tokenize_api import detokenize, tokenize
 from gateway.tokenizer import Tokenizer
@@ -167,6 +168,7 @@ def build_app(config: GatewayConfig, backend: GenerationBackend, tokenizer: Toke
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    install_roles(app)  # POST /admin/workers/{id}/role, flip metrics, the planner
 
     async def start_backend(_: web.Application) -> None:
         await backend.start()

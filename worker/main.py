@@ -4,7 +4,7 @@ that the caller (the CLI) picks, so this package never imports a node package.""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ from worker.faults import injected_faults
 from worker.gateways import GatewayLinks
 from worker.metrics import WorkerMetrics
 from worker.node_api import Node
+from worker.role_switch import RoleSwitcher
 from worker.runtime import RuntimeConfig, WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -57,22 +58,30 @@ class NodeParts:
 NodeBuilder = Callable[[EngineConfig, WorkerOptions, NodeParts], tuple[Node, list[Callable[[], Any]]]]
 
 
-def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder) -> int:
+def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder,
+               flip_builders: Mapping[str, NodeBuilder] | None = None) -> int:
+    """Serve as `opts.role` (its node from `build`); with `flip_builders` (role -> builder)
+    the worker can also switch live to any of those roles (worker/role_switch.py)."""
     worker_id = opts.worker_id or new_worker_id(opts.role)
-    metrics = WorkerMetrics(opts.role, worker_id)
     channel = GatewayLinks(opts.gateways, worker_id, opts.curve)
     rt_cfg = RuntimeConfig(opts.gateways, worker_id, opts.metrics_host, opts.metrics_port, opts.heartbeat_s,
                            curve=opts.curve)
     faults = injected_faults(opts.fault_injection)
-    runtime = WorkerRuntime(rt_cfg, channel, metrics, faults.worker)
-    node, cleanup = build(engine_cfg, opts, NodeParts(worker_id, channel, metrics, faults.kv))
+
+    def parts_for(role: str) -> NodeParts:
+        return NodeParts(worker_id, channel, WorkerMetrics(role, worker_id), faults.kv)
+
+    switcher = RoleSwitcher(engine_cfg, opts, {**(flip_builders or {}), opts.role: build}, parts_for)
+    node = switcher.build(opts.role)
+    assert switcher.metrics is not None
+    runtime = WorkerRuntime(rt_cfg, channel, switcher.metrics, faults.worker,
+                            switcher if flip_builders else None)
     if opts.core_share:
         node = share_cores(node, opts.core_share, opts.cpu_cores, opts.borrow_cores)
     try:
         return runtime.run(node)
     finally:
-        for fn in cleanup:
-            fn()
+        switcher.close()
         log.debug("cleanup done")
 
 

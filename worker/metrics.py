@@ -72,6 +72,7 @@ class WorkerMetrics:
                                      registry=r)
         self._last_preemptions = 0
         self._role = role
+        self.role_flips = counter("llm_role_flips", "Live role flips this worker made (its role label is the new role)")
 
     def set_info(self, quantization: str, kv_cache_dtype: str, dtype: str) -> None:
         """Once, when the node's engine exists: `llm_worker_info{quantization=...} 1`."""
@@ -126,12 +127,13 @@ class MetricsServer:
     """`GET /health` and `GET /metrics` on (host, port); port 0 picks a free one."""
 
     def __init__(self, metrics: WorkerMetrics, host: str, port: int, health: Any) -> None:
-        outer_metrics, outer_health = metrics, health
+        self.metrics = metrics  # replaced whole when the worker switches roles
+        outer, outer_health = self, health
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server API)
                 if self.path.startswith("/metrics"):
-                    body, ctype, code = outer_metrics.render(), CONTENT_TYPE_LATEST, 200
+                    body, ctype, code = outer.metrics.render(), CONTENT_TYPE_LATEST, 200
                 elif self.path.startswith("/health"):
                     ok = bool(outer_health())
                     body = b'{"status":"ok"}' if ok else b'{"status":"stopping"}'

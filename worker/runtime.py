@@ -23,6 +23,9 @@ back on the channel its request came from. After every tick it also broadcasts t
 prefix-cache blocks stored and evicted (`KvEvents`, worker/kv_events.py) for the
 gateways' KV-aware routing.
 
+`SwitchRole` flips the worker's role live (worker/role_switch.py): drain, rebuild
+the node for the other role, register again.
+
 SIGTERM (or SIGINT) drains: the worker sends `Deregister(final=False)` so the
 gateway stops routing to it, finishes what it holds, sends
 `Deregister(final=True)` and exits 0.
@@ -46,6 +49,7 @@ from worker.gateways import GatewayLinks
 from worker.kv_events import CachePublisher
 from worker.metrics import MetricsServer, WorkerMetrics
 from worker.node_api import Node, NodeLoad
+from worker.role_switch import RoleSwitcher, misrouted
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +77,10 @@ class LoadSnapshot:
 
 class WorkerRuntime:
     def __init__(self, config: RuntimeConfig, channel: GatewayLinks, metrics: WorkerMetrics,
-                 faults: WorkerFaults | None = None) -> None:
+                 faults: WorkerFaults | None = None, switcher: RoleSwitcher | None = None) -> None:
         self.config = config
+        self.switcher = switcher  # None: this worker keeps its role
+        self._switch_to = ""  # a SwitchRole's role, acted on after the tick that read it
         self.channel = channel
         self.metrics = metrics
         self._stop_requested = False
@@ -103,8 +109,9 @@ class WorkerRuntime:
         if kv_address:
             log.info("%s worker %s KV receiver on %s (%s)", node.role, self.config.worker_id, kv_address,
                      transport_kind(kv_address))
+        self._server = server
         try:
-            self._serve(node, server.port)
+            node = self._serve(node, server.port)
             self._drain(node)
         finally:
             log.debug("stopping: heartbeats")
@@ -119,9 +126,40 @@ class WorkerRuntime:
             log.debug("stopped")
         return 0
 
-    def _serve(self, node: Node, metrics_port: int) -> None:
+    def _serve(self, node: Node, metrics_port: int) -> Node:
         while not self._stop_requested:
             self._tick(node, metrics_port)
+            if self._switch_to:
+                node = self._switch_role(node, metrics_port)
+        return node
+
+    def _switch_role(self, node: Node, metrics_port: int) -> Node:
+        """Drain, rebuild the node as the asked role, register again (worker/role_switch.py)."""
+        role, self._switch_to = self._switch_to, ""
+        refusal = self.switcher.refusal(role) if self.switcher else None
+        if refusal is None or not refusal.ok or role == node.role:
+            if role != node.role:
+                log.warning("not switching to %s: %s", role, refusal.reason if refusal else "no builders")
+            return self._register_all(node, metrics_port)
+        self.channel.broadcast(p.Deregister(self.config.worker_id, final=False, reason=f"switching to {role}"))
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while node.busy() and time.monotonic() < deadline and not self._stop_requested:
+            self._tick(node, 0)
+        if node.busy() or self._stop_requested:
+            log.warning("not switching to %s: still busy after draining", role)
+            return self._register_all(node, metrics_port)
+        assert self.switcher is not None
+        node = self.switcher.switch(node, role)
+        if self.switcher.metrics is not None:  # the new role's metrics (role label)
+            self.metrics = self._server.metrics = self.switcher.metrics
+            self.metrics.role_flips.inc(self.switcher.flips)
+        return self._register_all(node, metrics_port)
+
+    def _register_all(self, node: Node, metrics_port: int) -> Node:
+        self._publish(node)
+        for gateway in self.channel.addresses:
+            self._register(node, metrics_port, gateway)
+        return node
 
     def _drain(self, node: Node) -> None:
         self.channel.broadcast(p.Deregister(self.config.worker_id, final=False, reason="draining"))
@@ -139,6 +177,10 @@ class WorkerRuntime:
                     self._register(node, metrics_port, gateway)
             elif isinstance(msg, p.KvSnapshotRequest):
                 self.channel.send_to(gateway, self.cache.snapshot(node))
+            elif isinstance(msg, p.SwitchRole):
+                self._switch_to = msg.role if msg.worker_id == self.config.worker_id else ""
+            elif (failed := misrouted(node.role, msg)) is not None:
+                self.channel.send(failed)  # for the role this worker left: the gateway re-routes it
             else:
                 self.faults.on_message(msg)
                 node.handle(msg)

@@ -16,7 +16,13 @@ from typing import Any
 
 from common import envs
 from common.generation_config import GenerationConfigError, SamplingDefaults, read_generation_config
-from pdserve.cli.args import UsageError, non_negative_float, non_negative_int, positive_int
+from pdserve.cli.args import (
+    UsageError,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -65,6 +71,20 @@ def add_gateway_options(ap: argparse.ArgumentParser) -> None:
                        help='tool_choice "auto": find tool calls in the output (needs --tool-call-parser)')
     tools.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                        help="the model's tool-call format: hermes (<tool_call>, Qwen) or llama3_json")
+    roles = ap.add_argument_group("live role flips and the P:D planner")
+    roles.add_argument("--admin-token", default=None, metavar="TOKEN",
+                       help="bearer token of POST /admin/workers/{id}/role (live role flip); default "
+                       "PDSERVE_ADMIN_TOKEN; without one the admin API is off")
+    roles.add_argument("--planner", choices=("off", "flip", "replicas"), default="off",
+                       help="P:D planner: flip moves workers between prefill and decode, replicas only "
+                       "publishes llm_planner_desired_workers{role} for the HPA/KEDA objects")
+    roles.add_argument("--slo", default="ttft=2,itl=0.1", metavar="ttft=S,itl=S",
+                       help="the planner's targets: p90 time to first token and time per output token")
+    roles.add_argument("--planner-dwell", type=non_negative_float, default=20.0, metavar="SECONDS",
+                       help="a flip must be wanted this long without a break")
+    roles.add_argument("--planner-margin", type=non_negative_float, default=0.2,
+                       help="a flip must improve the worse SLO pressure by more than this fraction")
+    roles.add_argument("--planner-interval", type=positive_float, default=2.0, metavar="SECONDS")
     lim = ap.add_argument_group("request size limits (400/413 beyond these)")
     for name, flag in LIMIT_FLAGS.items():
         lim.add_argument(flag, type=int, default=None, dest=f"limit_{name}", metavar="N")
@@ -147,12 +167,31 @@ def gateway_settings(args: argparse.Namespace) -> dict[str, Any]:
         "api_keys": api_keys(args),
         "metrics_protected": args.metrics_protected,
     }
+    out["admin_token"] = args.admin_token or envs.admin_token()
+    if out["admin_token"] is not None and len(out["admin_token"]) < 16:
+        raise UsageError("--admin-token", "must be at least 16 characters (or PDSERVE_ADMIN_TOKEN)")
+    out["planner"] = planner_settings(args)
     if args.default_max_tokens is not None:
         out["default_max_tokens"] = args.default_max_tokens
     if args.enable_auto_tool_choice:
         out["tool_call_parser"] = args.tool_call_parser
     assert set(out) <= {f.name for f in fields(GatewayConfig)}
     return out
+
+
+def planner_settings(args: argparse.Namespace) -> Any:
+    """--planner and its knobs -> `PlannerSettings` (None when off); bad --slo: UsageError."""
+    from gateway.planner import PlannerConfig, PlannerSettings, parse_slo
+
+    try:
+        slo = parse_slo(args.slo)
+    except ValueError as e:
+        raise UsageError("--slo", str(e)) from None
+    if args.planner == "off":
+        return None
+    config = PlannerConfig(slo, dwell_s=args.planner_dwell, cooldown_s=max(args.planner_dwell, 10.0),
+                           margin=args.planner_margin)
+    return PlannerSettings(config, mode=args.planner, interval_s=args.planner_interval)
 
 
 def check_tool_flags(args: argparse.Namespace) -> None:

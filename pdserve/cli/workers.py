@@ -264,7 +264,9 @@ def run(args: argparse.Namespace) -> int:
         cpu_cores=tuple(args.cpu_cores or ()),
         borrow_cores=tuple(args.borrow_cores or ()),
     )
-    return run_worker(engine_cfg, opts, node_builder(args.role))
+    # Prefill and decode workers can switch between the two live (gateway admin call).
+    flips = {r: node_builder(r) for r in ("prefill", "decode")} if args.role != "colocated" else None
+    return run_worker(engine_cfg, opts, node_builder(args.role), flips)
 
 
 def kv_curve_option(args: argparse.Namespace) -> KVCurve | None:

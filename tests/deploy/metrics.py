@@ -46,6 +46,7 @@ _WORKER = frozenset(
         # prefill/colocated workers, the prefill HPA's signal) and running sequences.
         "llm_prefill_queued_tokens",
         "llm_num_running_seqs",
+        "llm_role_flips_total",
     }
 )
 
@@ -69,6 +70,10 @@ EXPORTED_METRICS: dict[str, frozenset[str]] = {
             "llm_prompt_cached_tokens_total",
             "llm_queue_depth",  # label: priority
             "llm_requests_in_flight",
+            "llm_role_flips_total",  # labels: from_role, to_role
+            "llm_planner_desired_workers",  # label: role (--planner)
+            "llm_planner_pressure",
+            "llm_planner_decisions_total",
         }
     ),
     "prefill": _WORKER,
