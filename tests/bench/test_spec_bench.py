@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from bench import spec_decode
+from engine.llm_engine import LLMEngine
 from engine.spec.config import SpeculativeConfig
+from tests.engine.test_spec_decode import make_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -37,12 +39,16 @@ def test_open_workload_drafts_with_the_trained_draft_model() -> None:
     assert SpeculativeConfig.from_json(spec_decode.default_spec("quote")).method == "ngram"
 
 
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir: Callable[..., Path]) -> tuple[LLMEngine, LLMEngine]:
+    model = tiny_model_dir("llama")
+    return make_engine(model), make_engine(model, SpeculativeConfig.from_json(spec_decode.NGRAM))
+
+
 @pytest.mark.parametrize("on_first", [False, True])
 def test_a_round_matches_outputs_and_reports_acceptance(on_first: bool,
-                                                        tiny_model_dir: Callable[..., Path]) -> None:
-    model = str(tiny_model_dir("llama"))
-    off = spec_decode.build(model, 1, "float32", None)
-    on = spec_decode.build(model, 1, "float32", SpeculativeConfig.from_json(spec_decode.NGRAM))
+                                                        engines: tuple[LLMEngine, LLMEngine]) -> None:
+    off, on = engines
     batch = spec_decode.prompts("repeat", 2, 24, 3, 100)
     a, b, ratio = spec_decode.compare(off, on, batch, 12, on_first)
     assert ratio.identical and a.outputs == b.outputs and all(len(o) == 12 for o in a.outputs)
