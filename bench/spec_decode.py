@@ -1,43 +1,98 @@
 """Speculative decoding: engine decode tokens/s with speculation off vs on, same run.
 
-    .venv/bin/python -m bench.spec_decode [--model DIR] [--concurrency 1,16] [--rounds 3]
-        [--speculative-config JSON] [--workload repeat|random] [--threads N]
+    .venv/bin/python -m bench.spec_decode [--workload quote|open|repeat|random]
+        [--concurrency 1,16] [--rounds 3] [--speculative-config JSON]
+        [--disable-sweep 2,4,8,16] [--model DIR] [--threads N]
 
-Two engines over the same weights, one without and one with `--speculative-config`
-(default: n-gram, K=4, lookup 1..3). Each round runs the same C requests on each,
-off first, then on (fresh prompts every round, so no prefix-cache hit); the decode
-rate counts tokens after each request's first, over the window after every prompt
-is prefilled. Prints each round's ratio on/off and the median over rounds, with the
-mean acceptance length of the on runs. Outputs are checked identical (greedy).
+Workloads (the trained built-in model unless `--model`):
+- `quote`: output repeats the prompt (summarize-and-quote): a held-out story, then its
+  first sentence again, so the continuation quotes the story; n-gram drafts by default.
+- `open`: open-ended prompts, the first sentence of a held-out story; the trained
+  draft model `pdserve-tiny-llama-draft` drafts by default (K=3, chosen by measurement:
+  bench/README.md).
+- `repeat` / `random`: random token segments said twice / never repeated (any model).
 
-`repeat` prompts are a random segment said twice (summarize-and-quote, code edit:
-text the output can copy); `random` prompts never repeat.
+Two engines over the same weights, one without and one with `--speculative-config`.
+Each round runs the same C requests on each (fresh prompts every round, so no
+prefix-cache hit), off first in even rounds and on first in odd ones; the decode rate
+counts tokens after each request's first, over the window after every prompt is
+prefilled. Each rate is printed twice: by the wall clock, and by this process's CPU
+time (the engine runs on this process's threads, so the CPU-time ratio is the one
+other processes' load on the machine does not move). Prints each round's ratios, and
+per concurrency the medians over rounds with the mean acceptance length (1 + accepted
+drafts per verifying step). Outputs are checked identical (greedy).
+
+`--disable-sweep V1,V2,...` repeats the on engine with `disable_by_batch_size` set to
+each value (one engine each) to choose that default.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from bench import harness
 from common.sampling_params import SamplingParams
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+DRAFT_K = 3
+WORKLOADS = ("quote", "open", "repeat", "random")
+HELDOUT_SEED = 1_000_000  # pdserve.story_corpus: stories from here on were never trained on
 
 
 @dataclass(frozen=True)
 class Run:
-    tokens_per_s: float
+    tokens_per_s: float  # wall clock
+    cpu_tokens_per_s: float  # this process's CPU time
     outputs: list[tuple[int, ...]]
     drafts: int
     accepted: int
 
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.accepted / self.drafts if self.drafts else 1.0
 
-def prompts(workload: str, n: int, length: int, salt: int, vocab: int) -> list[list[int]]:
-    import random
 
+@dataclass(frozen=True)
+class Ratio:
+    wall: float
+    cpu: float
+    mean_acceptance_length: float
+    identical: bool
+
+
+def default_spec(workload: str) -> str:
+    """The speculative config a workload is measured with unless one is given."""
+    if workload != "open":
+        return NGRAM
+    import json
+
+    from pdserve.default_model import draft_model_dir
+
+    return json.dumps({"method": "draft_model", "model": str(draft_model_dir()), "num_speculative_tokens": DRAFT_K})
+
+
+def _story(seed: int) -> str:
+    from pdserve.story_corpus import story
+
+    return story(random.Random(HELDOUT_SEED + seed))
+
+
+def text_prompt(workload: str, seed: int) -> str:
+    """`quote`: a story, a blank line and its first sentence again; `open`: a first sentence."""
+    text = _story(seed)
+    first = text.split(". ")[0] + "."
+    return f"{text}\n\n{first}" if workload == "quote" else first
+
+
+def prompts(workload: str, n: int, length: int, salt: int, vocab: int, tokenizer: Any = None) -> list[list[int]]:
+    """`n` prompts of `workload` (token ids); `length` sizes the random-token ones."""
+    if workload in ("quote", "open"):
+        return [list(tokenizer.encode(text_prompt(workload, salt * 100 + i), add_special_tokens=True))
+                for i in range(n)]
     rng = random.Random(salt)
     out = []
     for _ in range(n):
@@ -53,8 +108,7 @@ def build(model: str, threads: int, dtype: str, spec: Any) -> Any:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model_dir=harness.model_dir(model), dtype=dtype, num_threads=threads,
-                                  speculative=spec))
+    return LLMEngine(EngineConfig(model_dir=model, dtype=dtype, num_threads=threads, speculative=spec))
 
 
 def decode_run(engine: Any, batch: list[list[int]], output_len: int) -> Run:
@@ -69,58 +123,95 @@ def decode_run(engine: Any, batch: list[list[int]], output_len: int) -> Run:
         for o in engine.step():
             outputs[o.request_id].extend(t for c in o.outputs for t in c.token_ids)
             started.add(o.request_id)
-    tokens, t0 = 0, time.perf_counter()
+    tokens, t0, c0 = 0, time.perf_counter(), time.process_time()
     while engine.has_unfinished():
         for o in engine.step():
             new = [t for c in o.outputs for t in c.token_ids]
             outputs[o.request_id].extend(new)
             tokens += len(new)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     after = engine.stats().spec
     drafts = (after.num_drafts - before.num_drafts) if after is not None else 0
     accepted = (after.num_accepted_tokens - before.num_accepted_tokens) if after is not None else 0
-    return Run(tokens / elapsed, [tuple(outputs[r]) for r in ids], drafts, accepted)
+    return Run(tokens / elapsed, tokens / max(cpu, 1e-9), [tuple(outputs[r]) for r in ids], drafts, accepted)
+
+
+def compare(off: Any, on: Any, batch: list[list[int]], output_len: int, on_first: bool) -> tuple[Run, Run, Ratio]:
+    """One round: the same batch on both engines, in the order asked."""
+    if on_first:
+        b = decode_run(on, batch, output_len)
+        a = decode_run(off, batch, output_len)
+    else:
+        a = decode_run(off, batch, output_len)
+        b = decode_run(on, batch, output_len)
+    return a, b, Ratio(b.tokens_per_s / a.tokens_per_s, b.cpu_tokens_per_s / a.cpu_tokens_per_s,
+                       b.mean_acceptance_length, a.outputs == b.outputs)
+
+
+def rounds(off: Any, on: Any, make_batch: Any, c: int, n_rounds: int, output_len: int,
+           label: str, runs: list[dict[str, Any]]) -> Ratio:
+    """`n_rounds` alternating rounds at concurrency `c`; the medians."""
+    got = []
+    for r in range(n_rounds):
+        a, b, ratio = compare(off, on, make_batch(c, r), output_len, on_first=r % 2 == 1)
+        got.append(ratio)
+        print(f"{label} C={c} round {r + 1} ({'on' if r % 2 else 'off'} first): off {a.tokens_per_s:.1f} / "
+              f"on {b.tokens_per_s:.1f} tok/s, ratio wall {ratio.wall:.2f} cpu {ratio.cpu:.2f}, mean acceptance "
+              f"length {ratio.mean_acceptance_length:.2f} ({b.drafts} drafts), "
+              f"outputs {'identical' if ratio.identical else 'DIFFER'}")
+        runs += [replace(a, outputs=[]).__dict__ | {"label": label, "concurrency": c, "round": r, "spec": False},
+                 replace(b, outputs=[]).__dict__ | {"label": label, "concurrency": c, "round": r, "spec": True,
+                                                    "identical": ratio.identical}]
+    med = Ratio(statistics.median(x.wall for x in got), statistics.median(x.cpu for x in got),
+                statistics.median(x.mean_acceptance_length for x in got), all(x.identical for x in got))
+    print(f"{label} C={c}: median ratio on/off wall {med.wall:.2f}, cpu {med.cpu:.2f} over {n_rounds} rounds, "
+          f"median mean acceptance length {med.mean_acceptance_length:.2f}"
+          f"{'' if med.identical else ', OUTPUTS DIFFER'}")
+    return med
 
 
 def main() -> int:
     ap = harness.parser(__doc__, engine_threads=True)
     ap.add_argument("--concurrency", default="1,16", help="comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=128, help="repeat/random workloads")
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--workload", choices=("repeat", "random"), default="repeat")
-    ap.add_argument("--speculative-config", default=NGRAM)
+    ap.add_argument("--workload", choices=WORKLOADS, default="quote")
+    ap.add_argument("--speculative-config", default=None, help="default: per workload (see above)")
+    ap.add_argument("--disable-sweep", default="", help="disable_by_batch_size values, comma-separated")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     from engine.spec.config import SpeculativeConfig
 
-    spec = SpeculativeConfig.from_json(args.speculative_config)
-    off = build(args.model, args.threads, args.dtype, None)
-    on = build(args.model, args.threads, args.dtype, spec)
-    vocab = min(on.vocab_size, 2000)
-    warm = prompts(args.workload, 1, args.prompt_len, 999, vocab)
-    decode_run(off, warm, 8)
-    decode_run(on, warm, 8)
-    result: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "output_json"}, "runs": []}
-    print(f"speculative config: {spec.to_json()}  workload {args.workload}, prompt {args.prompt_len}, "
-          f"output {args.output_len}, {args.threads} threads, dtype {on.runner.dtype}")
-    for c in (int(x) for x in args.concurrency.split(",")):
-        ratios, lengths = [], []
-        for r in range(args.rounds):
-            batch = prompts(args.workload, c, args.prompt_len, 1000 * c + r, vocab)
-            a, b = decode_run(off, batch, args.output_len), decode_run(on, batch, args.output_len)
-            same = a.outputs == b.outputs
-            mal = 1 + b.accepted / b.drafts if b.drafts else 1.0
-            ratios.append(b.tokens_per_s / a.tokens_per_s)
-            lengths.append(mal)
-            print(f"C={c} round {r + 1}: off {a.tokens_per_s:.1f} tok/s, on {b.tokens_per_s:.1f} tok/s, "
-                  f"ratio {ratios[-1]:.2f}, mean acceptance length {mal:.2f} ({b.drafts} drafts), "
-                  f"outputs {'identical' if same else 'DIFFER'}")
-            result["runs"].append(replace(a, outputs=[]).__dict__ | {"concurrency": c, "round": r, "spec": False})
-            result["runs"].append(replace(b, outputs=[]).__dict__ | {"concurrency": c, "round": r, "spec": True,
-                                                                     "identical": same})
-        print(f"C={c}: median ratio on/off {statistics.median(ratios):.2f} over {args.rounds} rounds, "
-              f"median mean acceptance length {statistics.median(lengths):.2f}")
+    model = harness.model_dir(args.model)
+    spec = SpeculativeConfig.from_json(args.speculative_config or default_spec(args.workload))
+    off = build(model, args.threads, args.dtype, None)
+    tokenizer = None
+    if args.workload in ("quote", "open"):
+        from gateway.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_model_dir(model)
+    vocab = min(off.vocab_size, 2000)
+
+    def make_batch(c: int, r: int) -> list[list[int]]:
+        return prompts(args.workload, c, args.prompt_len, 1000 * c + r, vocab, tokenizer)
+
+    variants = ([replace(spec, disable_by_batch_size=int(v)) for v in args.disable_sweep.split(",")]
+                if args.disable_sweep else [spec])
+    runs: list[dict[str, Any]] = []
+    summary: list[dict[str, Any]] = []
+    print(f"workload {args.workload}, output {args.output_len}, {args.threads} threads, dtype {off.runner.dtype}")
+    for variant in variants:
+        on = build(model, args.threads, args.dtype, variant)
+        for engine in (off, on):  # warm both
+            decode_run(engine, make_batch(1, 999), 8)
+        label = f"disable_by_batch_size={variant.disable_by_batch_size}"
+        print(f"speculative config: {variant.to_json()}")
+        for c in (int(x) for x in args.concurrency.split(",")):
+            med = rounds(off, on, make_batch, c, args.rounds, args.output_len, label, runs)
+            summary.append({"label": label, "concurrency": c, **asdict(med)})
+    result = {"config": {k: v for k, v in vars(args).items() if k != "output_json"}, "runs": runs,
+              "summary": summary}
     harness.write_json(args.output_json, result)
     return 0
 

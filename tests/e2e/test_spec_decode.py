@@ -122,14 +122,43 @@ def test_decode_worker_reports_drafts_and_the_gateway_reexports_them(cluster: Cl
     assert seen["accepted_tokens_per_pos"] == seen["accepted_tokens"]
 
 
-def test_kill_decode_mid_speculation_resumes_exactly(tmp_path: Path, reference: Reference) -> None:
+def _trained(home: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, str], Reference, str]:
+    """The trained built-in model and its trained draft: the processes' environment, the
+    reference engine, and a draft_model config that drafts at every batch size."""
+    from engine.config import CacheConfig, EngineConfig
+    from engine.llm_engine import LLMEngine
+    from gateway.tokenizer import Tokenizer
+    from pdserve.default_model import default_model_dir, draft_model_dir
+    from tests.e2e.cluster import DTYPE
+
+    env = {"PDSERVE_HOME": str(home), "PDSERVE_BUILTIN_WEIGHTS": "trained"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    model = default_model_dir()  # assembled here, before the processes look for it
+    engine = LLMEngine(EngineConfig(model_dir=str(model), dtype=DTYPE, num_threads=1,
+                                    cache=CacheConfig(num_blocks=256)))
+    spec = json.dumps({"method": "draft_model", "model": str(draft_model_dir()), "num_speculative_tokens": 3,
+                       "disable_by_batch_size": 64})
+    return env, Reference(engine, Tokenizer.from_model_dir(model), model.name), spec
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_kill_decode_mid_speculation_resumes_exactly(method: str, tmp_path: Path, reference: Reference,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # draft_model: the trained target with its trained draft. The survivor has none of the
+    # victim's draft KV; it prefills the draft over prompt + recovered output itself, and
+    # keeps accepting drafts only if that rebuilt state matches the sequence.
+    env: dict[str, str] = {}
+    spec = NGRAM
+    if method == "draft_model":
+        env, reference, spec = _trained(tmp_path / "home", monkeypatch)
     c = Cluster(tmp_path)
-    c.start_gateway("--heartbeat-timeout", "1.5", env={"PDSERVE_GATEWAY_SEED_KEY": KEY.hex()})
+    c.start_gateway("--heartbeat-timeout", "1.5", env={**env, "PDSERVE_GATEWAY_SEED_KEY": KEY.hex()})
     try:
-        c.add_worker("prefill")
-        victim = c.add_worker("decode", "--num-blocks", "1024", "--speculative-config", NGRAM,
-                              "--enable-fault-injection", env={"PDSERVE_FAULTS": "step_delay_s=0.1"})
-        survivor = c.add_worker("decode", "--speculative-config", NGRAM)
+        c.add_worker("prefill", env=env)
+        victim = c.add_worker("decode", "--num-blocks", "1024", "--speculative-config", spec,
+                              "--enable-fault-injection", env={**env, "PDSERVE_FAULTS": "step_delay_s=0.1"})
+        survivor = c.add_worker("decode", "--speculative-config", spec, env=env)
         c.wait_roles(prefill=1, decode=2)
         # Streams four times as long as test_exact_recovery's: a verified step yields up to
         # five tokens, and every stream must still be mid-way when the kill lands.
@@ -142,9 +171,17 @@ def test_kill_decode_mid_speculation_resumes_exactly(tmp_path: Path, reference: 
         victim.signal(signal.SIGKILL)
         assert all(not s.finishes for s in streams)  # each cut mid-stream
         _check(reference, streams)
+        gateway_log = c.gateway.log_path.read_text() if c.gateway else ""
+        for s in streams:  # each was interrupted and continued on the surviving decode worker
+            assert f"recovering {s.rid} " in gateway_log, s.rid
         c.wait_roles(prefill=1, decode=1)
         c.wait_idle(timeout=50)
-        left = next(w for w in c.worker_list() if w["pid"] == survivor.popen.pid)
-        assert metric_value(worker_metrics(left), "llm_spec_decode_num_drafts_total") > 0
+        left = worker_metrics(next(w for w in c.worker_list() if w["pid"] == survivor.popen.pid))
+        drafted = metric_value(left, "llm_spec_decode_num_draft_tokens_total")
+        accepted = metric_value(left, "llm_spec_decode_num_accepted_tokens_total")
+        print(f"survivor: {accepted:.0f} of {drafted:.0f} draft tokens accepted")
+        assert metric_value(left, "llm_spec_decode_num_drafts_total") > 0
+        if method == "draft_model":
+            assert accepted >= 0.3 * drafted, (accepted, drafted)
     finally:
         c.stop()
