@@ -9,6 +9,7 @@ Used by tests/e2e/test_layout_pairs.py (a subset) and bench/layout_pairs.py (all
 from __future__ import annotations
 
 import itertools
+import signal
 from pathlib import Path
 
 from tests.e2e.cluster import WORKER_BLOCKS, Cluster, Proc, http, remove_leaked_shm, start
@@ -67,6 +68,9 @@ class LayoutGrid:
             c.wait_idle(timeout=50)
 
     def stop(self) -> None:
+        for w in self._workers:  # all drain at once, not one after another
+            if w.alive():
+                w.signal(signal.SIGTERM)
         for w in self._workers:
             w.stop()
             remove_leaked_shm(w.popen.pid)

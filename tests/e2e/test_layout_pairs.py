@@ -5,7 +5,6 @@ all 16 pairs of TP, PP in {1, 2}) generates what the single-process engine does.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
