@@ -146,12 +146,13 @@ def test_tp2_kv_head_splits_and_row_parallel_biases(
     assert (logits - ref_logits).abs().max().item() < LOGIT_ATOL
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (2, 2)])
 def test_parallel_engine_batches_prefix_hits_and_forks_like_one_process(
     tiny_model_dir: Callable[..., Path], tp: int, pp: int
 ) -> None:
     """Continuous batching, a prefix-cache hit and n=2 copy-on-write forks (block copies
-    on rank 0 cover every rank's heads and layers in the shared pool) give the same tokens."""
+    on rank 0 cover every rank's heads and layers in the shared pool) give the same tokens;
+    with TP 2 x PP 2 a batched step runs as micro-batches through each stage's TP pair."""
     d = tiny_model_dir("qwen2")
     shared = prompt_of(40, 300, seed=3)
     prompts = [shared + [7, 8, 9], shared + [10, 11], prompt_of(9, 300, seed=4)]
