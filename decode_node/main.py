@@ -13,6 +13,7 @@ from worker.node_api import Node
 
 def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
                  parts: NodeParts) -> tuple[Node, list[Callable[[], Any]]]:
+    from common.parallel_layout import ParallelLayout
     from decode_node.node import DecodeNode
     from engine.model_runner import ModelRunner
     from kv_transfer import make_receiver
@@ -27,7 +28,9 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
         engine, runner = build_engine(engine_cfg, kv_buffer=kv_buffer, layout=layout, pool_name=kv_shm)
         receiver = make_receiver(runner.layout, pool_array(runner) if pool is None else pool, transport,
                                  host=opts.kv_host, port=opts.kv_port, faults=parts.kv_faults,
-                                 curve=curve)
+                                 curve=curve, parallel=ParallelLayout.of(
+                                     engine_cfg.tensor_parallel_size, engine_cfg.pipeline_parallel_size,
+                                     runner.layout))
         return DecodeNode(parts.worker_id, engine, runner, receiver, parts.send, parts.metrics, kv_shm)
 
     on_cuda = engine_cfg.device.startswith("cuda")

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from common.kv_layout import KVLayout
+from common.parallel_layout import ParallelLayout
 from kv_transfer import wire
 from kv_transfer.api import TransferState
 from kv_transfer.faults import FaultConfig
@@ -95,13 +96,14 @@ class FakeReceiver:
 
     def __init__(self, layout: KVLayout, pool: np.ndarray | ShmPool, fabric: FakeFabric, *,
                  shared: bool = False, faults: FaultConfig | None = None, grace_s: float = 1.0,
-                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES) -> None:
+                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+                 parallel: ParallelLayout | None = None) -> None:
         array = pool.array if isinstance(pool, ShmPool) else pool
         shm = pool.descriptor if shared and isinstance(pool, ShmPool) else None
         self._links: dict[bytes, _FakeLink] = {}
         self.core = ReceiverCore(
             layout, array, shm=shm, grace_s=grace_s, max_frame_bytes=max_frame_bytes,
-            faults=FaultConfig() if faults is None else faults, wake=self._route)
+            faults=FaultConfig() if faults is None else faults, wake=self._route, parallel=parallel)
         self._fabric = fabric
         endpoint = fabric.register(self)
         self._address = ("shm+" if shm else "") + endpoint

@@ -32,6 +32,7 @@ import numpy as np
 import zmq
 
 from common.kv_layout import KVLayout
+from common.parallel_layout import ParallelLayout
 from kv_transfer import auth, wire
 from kv_transfer.api import TransferState
 from kv_transfer.copy_threads import DEFAULT_COPY_THREADS
@@ -57,7 +58,8 @@ class ZmqReceiver:
                  grace_s: float = 1.0,
                  max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
                  copy_threads: int = DEFAULT_COPY_THREADS,
-                 curve: auth.CurveKeys | None = None) -> None:
+                 curve: auth.CurveKeys | None = None,
+                 parallel: ParallelLayout | None = None) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r} not in {TRANSPORTS}")
         kind, _, inner = transport.partition("+")
@@ -75,7 +77,7 @@ class ZmqReceiver:
             layout, array, shm=descriptor,
             grace_s=grace_s, max_frame_bytes=max_frame_bytes,
             faults=FaultConfig() if faults is None else faults, wake=self._waker.wake,
-            copy_threads=copy_threads)
+            copy_threads=copy_threads, parallel=parallel)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         # Before bind: a socket is a CURVE server from its first connection or never.

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from common.kv_layout import KVLayout
+from common.parallel_layout import LayoutPairError, ParallelLayout, check_pair
 from kv_transfer import wire
 from kv_transfer.api import TransferState, UnknownTransfer
 from kv_transfer.blocks import check_block_ids, check_pool
@@ -73,8 +74,9 @@ class ReceiverCore:
     def __init__(self, layout: KVLayout, pool: Any, *, shm: wire.ShmDescriptor | None,
                  grace_s: float, max_frame_bytes: int, faults: FaultConfig,
                  wake: Callable[[], None], clock: Callable[[], float] = time.monotonic,
-                 copy_threads: int = 1) -> None:
+                 copy_threads: int = 1, parallel: ParallelLayout | None = None) -> None:
         self.layout = layout
+        self.parallel = parallel  # this worker's rank layout; checked against a sender's
         self._copy = CopyThreads(copy_threads)  # helpers for scattering and verifying
         # A device pool (anything but numpy) is handled through cupy, see cuda_ipc.py.
         self._ops = pool_ops(pool, self._copy)
@@ -215,6 +217,12 @@ class ReceiverCore:
                             "ours %s", n, msg.compat_hash, mine)
             self._outbox.append((peer, wire.HelloAck("", False, REFUSED, 0, None)))
             return
+        unmappable = self._unmappable(msg)
+        if unmappable:
+            self._rejected += 1
+            log.warning("refused a KV handshake: %s", unmappable)
+            self._outbox.append((peer, wire.HelloAck("", False, unmappable[:wire.MAX_REASON_LEN], 0, None)))
+            return
         self._outbox.append((peer, wire.HelloAck(mine, ok, "", self.max_frame_bytes, self.shm)))
         if self.shm is not None and msg.liveness:
             fd = watch_liveness(msg.liveness)
@@ -223,6 +231,17 @@ class ReceiverCore:
                 os.close(old)
             if fd is not None:
                 self._liveness[peer] = fd
+
+    def _unmappable(self, msg: wire.Hello) -> str:
+        """Why KV from a sender of `msg`'s rank layout cannot land in this pool ("": it can;
+        a side that says no layout is taken as mappable)."""
+        if self.parallel is None or not msg.parallel:
+            return ""
+        try:
+            check_pair(ParallelLayout.decode(msg.parallel), self.parallel)
+        except LayoutPairError as e:
+            return str(e)
+        return ""
 
     def _on_claim(self, peer: bytes, msg: wire.Claim) -> None:
         tid = msg.transfer_id

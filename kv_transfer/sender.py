@@ -35,6 +35,7 @@ import numpy as np
 import zmq
 
 from common.kv_layout import KVLayout
+from common.parallel_layout import ParallelLayout
 from kv_transfer import wire
 from kv_transfer.api import TransferState, UnknownTransfer
 from kv_transfer.blocks import check_block_ids, check_pool
@@ -65,9 +66,12 @@ class Sender:
                  faults: FaultConfig | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  shm_chunk_bytes: int = DEFAULT_SHM_CHUNK_BYTES,
                  copy_threads: int = DEFAULT_COPY_THREADS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 parallel: ParallelLayout | None = None) -> None:
+        """`parallel`: this worker's rank layout, said in the handshake (None: not said)."""
         self.layout = layout
         self._compat = layout.compat_hash
+        self._parallel = () if parallel is None else parallel.encode()
         # Helpers for the I/O thread's copies; each copy is complete before the I/O
         # thread goes on (and releases the lock), so the lease rule below still holds.
         self._copy = CopyThreads(copy_threads)
@@ -311,7 +315,7 @@ class Sender:
             return None
         peer = PeerRecord(t.peer, link, want_direct)
         liveness = self._liveness.name if want_direct and self._liveness is not None else ""
-        peer.control.append([wire.encode(wire.Hello(self._compat, liveness))])
+        peer.control.append([wire.encode(wire.Hello(self._compat, liveness, self._parallel))])
         self._peers[t.peer] = peer
         return peer
 

@@ -13,7 +13,8 @@ raises `WireError` before anything is allocated from its declared sizes
 Conversation (sender = prefill side, receiver = decode side):
 
     sender                              receiver
-    Hello(compat_hash, liveness)  ->                     (liveness: see shm_pool.LivenessLock)
+    Hello(compat_hash, liveness, parallel) ->            (liveness: see shm_pool.LivenessLock;
+                                                          parallel: common.parallel_layout)
                                 <-      HelloAck(compat_hash, ok, shm pool, max frame)
     Claim(transfer, dst blocks) ->                       (once per transfer)
                                 <-      Grant(transfer, deadline) | Ack(ok=False)
@@ -61,6 +62,8 @@ class MsgType(enum.IntEnum):
 class Hello:
     compat_hash: str
     liveness: str = ""  # a same-host sender's LivenessLock name ("" if none)
+    # The sender's common.parallel_layout.ParallelLayout fields; () if it says none.
+    parallel: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,7 @@ Message = Hello | HelloAck | Claim | Grant | Chunk | Ack | Abort | Cancel
 
 def _fields(msg: Message) -> tuple[MsgType, list[Any]]:
     if isinstance(msg, Hello):
-        return MsgType.HELLO, [msg.compat_hash, msg.liveness]
+        return MsgType.HELLO, [msg.compat_hash, msg.liveness, list(msg.parallel)]
     if isinstance(msg, HelloAck):
         shm = None if msg.shm is None else [msg.shm.name, list(msg.shm.shape), msg.shm.dtype]
         return MsgType.HELLO_ACK, [msg.compat_hash, msg.ok, msg.reason, msg.max_frame_bytes, shm]
@@ -211,6 +214,12 @@ def _ids(v: Any, what: str) -> tuple[int, ...]:
     return tuple(_int(x, what, 0, (1 << 31) - 1) for x in v)
 
 
+def _parallel(v: Any) -> tuple[int, ...]:
+    if type(v) is not list or len(v) not in (0, 4):
+        raise WireError("parallel: expected a list of 0 or 4 ints")
+    return tuple(_int(x, "parallel", 1, 1 << 20) for x in v)
+
+
 def _shm(v: Any) -> ShmDescriptor | None:
     if v is None:
         return None
@@ -225,7 +234,7 @@ def _shm(v: Any) -> ShmDescriptor | None:
 
 
 _ARITY = {
-    MsgType.HELLO: 2, MsgType.HELLO_ACK: 5, MsgType.CLAIM: 4, MsgType.GRANT: 2,
+    MsgType.HELLO: 3, MsgType.HELLO_ACK: 5, MsgType.CLAIM: 4, MsgType.GRANT: 2,
     MsgType.CHUNK: 9, MsgType.ACK: 3, MsgType.ABORT: 2, MsgType.CANCEL: 2,
 }
 
@@ -253,7 +262,7 @@ def decode(data: bytes | memoryview) -> Message:
     if len(f) != _ARITY[msg_type]:
         raise WireError(f"{msg_type.name}: expected {_ARITY[msg_type]} fields, got {len(f)}")
     if msg_type is MsgType.HELLO:
-        return Hello(_str(f[0], "compat_hash"), _str(f[1], "liveness"))
+        return Hello(_str(f[0], "compat_hash"), _str(f[1], "liveness"), _parallel(f[2]))
     if msg_type is MsgType.HELLO_ACK:
         return HelloAck(_str(f[0], "compat_hash"), _bool(f[1], "ok"),
                         _str(f[2], "reason", MAX_REASON_LEN), _int(f[3], "max_frame_bytes"),

@@ -159,8 +159,8 @@ CASES: dict[str, Case] = {
                         "argument --tensor-parallel-size"),
     "worker-pp-9": Case(lambda d, p: ["worker", "--colocated", "--gateway", GW, "--pipeline-parallel-size", "9"],
                         "argument --pipeline-parallel-size"),
-    "prefill-tp-with-pp": Case(lambda d, p: ["prefill", "--gateway", GW, "--tensor-parallel-size", "2",
-                                             "--pipeline-parallel-size", "2"], "argument --pipeline-parallel-size"),
+    "prefill-tp-with-pp-9": Case(lambda d, p: ["prefill", "--gateway", GW, "--tensor-parallel-size", "2",
+                                               "--pipeline-parallel-size", "9"], "argument --pipeline-parallel-size"),
     "make-model-under-a-file": Case(lambda d, p: ["make-model", str(d.not_a_dir / "sub")], "cannot write", rc=1),
 }
 

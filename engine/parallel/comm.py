@@ -44,16 +44,35 @@ class TPGroup:
         self._pg.broadcast([buf], self._bcast).wait()
         return buf
 
-    def send(self, x: torch.Tensor, dst: int) -> None:
-        """Point to point (pipeline stages); matched by `recv` on `dst`, in order."""
-        self._pg.send([x], dst, 0).wait()
+    def isend(self, x: torch.Tensor, dst: int, tag: int = 0) -> Any:
+        """Point to point (pipeline stages), not waited for: returns the work to `wait()`
+        on before `x` is reused; matched by `recv` on `dst` with the same tag, in order."""
+        return self._pg.send([x], dst, tag)
 
-    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
-        self._pg.recv([x], src, 0).wait()
+    def recv(self, x: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        self._pg.recv([x], src, tag).wait()
         return x
 
     def barrier(self) -> None:
         self._pg.barrier().wait()
+
+
+def sub_group(store: dist.Store, name: str, rank: int, size: int, timeout_s: float) -> TPGroup:
+    """A group of some of the ranks (one pipeline stage's tensor-parallel ranks), over the
+    same rendezvous store under its own key prefix; `rank` is the rank within it."""
+    return TPGroup(dist.PrefixStore(f"{name}/", store), rank, size, timeout_s)
+
+
+def reduce_group(store: dist.Store, world: TPGroup, tp: int, pp: int, timeout_s: float) -> TPGroup | None:
+    """The group whose all-reduce sums this rank's tensor-parallel partials: the whole
+    group without pipeline parallel, the rank's own stage (`tp` ranks) with it; None
+    without tensor parallel. Ranks are a grid: rank = stage * tp + t."""
+    if tp == 1:
+        return None
+    if pp == 1:
+        return world
+    stage, t = divmod(world.rank, tp)
+    return sub_group(store, f"stage{stage}", t, tp, timeout_s)
 
 
 def leader_store(size: int, timeout_s: float) -> dist.TCPStore:

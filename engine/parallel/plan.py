@@ -8,12 +8,16 @@ attend to (query head q reads KV head `q // (num_heads // num_kv_heads)`).
 
 The embedding, the final norm and the LM head are replicated: every rank ends a step
 with the full hidden state, and rank 0 alone computes logits and samples.
+
+Tensor and pipeline parallel combine as a grid of `tp` x `pp` ranks: rank
+`stage * tp + t` is tensor-parallel rank t of pipeline stage `stage` (`grid_place`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.model_config import ModelConfig
 
@@ -42,6 +46,7 @@ class TPShard:
     kv_heads: HeadRange
     inter: HeadRange  # columns of gate/up (rows of down)
     layers: HeadRange | None = None  # a pipeline stage's decoder layers; None: all of them
+    stage: int = 0  # the pipeline stage this rank belongs to
 
 
 def check_tp(cfg: ModelConfig, size: int) -> None:
@@ -78,14 +83,12 @@ def tp_shard(cfg: ModelConfig, size: int, rank: int) -> TPShard:
                    HeadRange(rank * inter, (rank + 1) * inter))
 
 
-def check_pp(cfg: ModelConfig, stages: int, tp: int = 1) -> None:
+def check_pp(cfg: ModelConfig, stages: int) -> None:
     """Raise ParallelLayoutError unless `cfg` splits into `stages` pipeline stages."""
     if stages < 1:
         raise ParallelLayoutError(f"pipeline_parallel_size must be >= 1, got {stages}")
     if stages > cfg.num_layers:
         raise ParallelLayoutError(f"pipeline_parallel_size {stages} exceeds the {cfg.num_layers} layers")
-    if stages > 1 and tp > 1:
-        raise ParallelLayoutError("tensor and pipeline parallel together are not implemented yet")
 
 
 def stage_layers(num_layers: int, stages: int, stage: int) -> HeadRange:
@@ -93,13 +96,6 @@ def stage_layers(num_layers: int, stages: int, stage: int) -> HeadRange:
     per, extra = divmod(num_layers, stages)
     start = stage * per + min(stage, extra)
     return HeadRange(start, start + per + (1 if stage < extra else 0))
-
-
-def stage_shard(cfg: ModelConfig, stages: int, stage: int) -> TPShard:
-    """Pipeline stage `stage` of `stages` (no tensor parallel inside it): all heads, its layers."""
-    check_pp(cfg, stages)
-    whole = tp_shard(cfg, 1, 0)
-    return dataclasses.replace(whole, layers=stage_layers(cfg.num_layers, stages, stage))
 
 
 def local_config(cfg: ModelConfig, shard: TPShard) -> ModelConfig:
@@ -111,7 +107,26 @@ def local_config(cfg: ModelConfig, shard: TPShard) -> ModelConfig:
                                intermediate_size=shard.inter.count, num_layers=layers)
 
 
+class GridPlace(NamedTuple):
+    stage: int
+    tp_rank: int
+
+
+def grid_place(rank: int, tp: int) -> GridPlace:
+    """Where group rank `rank` sits in a grid of `tp`-wide stages."""
+    stage, t = divmod(rank, tp)
+    return GridPlace(stage, t)
+
+
 def rank_shard(cfg: ModelConfig, tp: int, pp: int, rank: int) -> TPShard:
-    """Rank `rank` of a group of `tp` x `pp` ranks (one of them 1, for now)."""
-    check_pp(cfg, pp, tp)
-    return stage_shard(cfg, pp, rank) if pp > 1 else tp_shard(cfg, tp, rank)
+    """Rank `rank` of a group of `tp` x `pp` ranks: its stage's layers (all of them
+    without pipeline parallel) and its tensor-parallel slice of their heads."""
+    check_pp(cfg, pp)
+    check_tp(cfg, tp)
+    if not 0 <= rank < tp * pp:
+        raise ParallelLayoutError(f"rank {rank} is outside a group of {tp} x {pp}")
+    place = grid_place(rank, tp)
+    shard = tp_shard(cfg, tp, place.tp_rank)
+    if pp == 1:
+        return shard
+    return dataclasses.replace(shard, layers=stage_layers(cfg.num_layers, pp, place.stage), stage=place.stage)

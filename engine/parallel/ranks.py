@@ -64,8 +64,8 @@ def follower_main(args: RankArgs) -> None:
 
     from engine.loader import load_config
     from engine.model_runner import ModelRunner
-    from engine.parallel.comm import TPGroup, follower_store
-    from engine.parallel.pipeline import stage_step
+    from engine.parallel.comm import TPGroup, follower_store, reduce_group
+    from engine.parallel.pipeline import stage_links, stage_step
     from engine.parallel.plan import rank_shard
     from engine.parallel.shared_pool import attach_segment
     from engine.parallel.steps import decode_step
@@ -75,18 +75,21 @@ def follower_main(args: RankArgs) -> None:
     shard = rank_shard(load_config(cfg.model_dir), cfg.tensor_parallel_size, cfg.pipeline_parallel_size,
                        args.rank)
     runner = ModelRunner(args.config, kv_buffer=segment.tensor, layout=args.layout, shard=shard)
-    group = TPGroup(follower_store(args.store_port, args.size, args.timeout_s), args.rank, args.size,
-                    args.timeout_s)
-    if shard.layers is None:  # tensor parallel: sum the row-parallel partials
-        runner.model.reduce = group.all_reduce
+    store = follower_store(args.store_port, args.size, args.timeout_s)
+    group = TPGroup(store, args.rank, args.size, args.timeout_s)
+    tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
+    reduce = reduce_group(store, group, tp, pp, args.timeout_s)
+    if reduce is not None:  # tensor parallel: sum the row-parallel partials
+        runner.model.reduce = reduce.all_reduce
+    links = None if shard.layers is None else stage_links(args.rank, tp, pp, shard.layers)
     group.barrier()  # every rank has mapped the pool: rank 0 may unlink its name
     with torch.inference_mode():
         while True:
             chunks = decode_step(group.broadcast_longs(None))
             if chunks is None:
                 return
-            if shard.layers is not None:
-                stage_step(runner, group, chunks, shard.layers)
+            if links is not None:
+                stage_step(runner, group, chunks, links)
             else:
                 runner.execute(chunks)
 

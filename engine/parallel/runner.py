@@ -29,8 +29,8 @@ from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.dtype import resolved_config
 from engine.loader import load_config
 from engine.model_runner import ModelRunner
-from engine.parallel.comm import TPGroup, leader_store
-from engine.parallel.pipeline import leader_step
+from engine.parallel.comm import TPGroup, leader_store, reduce_group
+from engine.parallel.pipeline import PipeEvent, leader_step, stage_links
 from engine.parallel.plan import rank_shard
 from engine.parallel.ranks import RankArgs, RankWatch, exit_process, start_followers
 from engine.parallel.shared_pool import SharedSegment, create_segment
@@ -95,8 +95,10 @@ class TPRunner(ModelRunner):
         try:
             super().__init__(config, kv_buffer=kv_buffer, backend=backend, layout=layout, shard=shard)
             self.group = TPGroup(store, 0, size, GROUP_TIMEOUT_S)
-            if shard.layers is None:  # tensor parallel: sum the row-parallel partials
-                self.model.reduce = self.group.all_reduce
+            tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+            reduce = reduce_group(store, self.group, tp, pp, GROUP_TIMEOUT_S)
+            if reduce is not None:  # tensor parallel: sum the row-parallel partials
+                self.model.reduce = reduce.all_reduce
             self.group.barrier()
         except BaseException:
             self._abandon()
@@ -105,7 +107,9 @@ class TPRunner(ModelRunner):
             self._segment.unlink()  # every rank has mapped it
         self._store = store
         self._closed = False
-        self._stage = shard.layers  # None: tensor parallel
+        self._links = None if shard.layers is None else stage_links(0, tp, pp, shard.layers)
+        # Called with rank 0's pipeline progress (`engine.parallel.pipeline.PipeEvent`).
+        self.on_pipe_event: PipeEvent | None = None
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[SeqChunk],
@@ -117,8 +121,8 @@ class TPRunner(ModelRunner):
             if not chunks:
                 return super().execute(chunks, layer_hook)
             self.group.broadcast_longs(encode_step(chunks))
-            if self._stage is not None:
-                return leader_step(self, self.group, chunks, self._stage, layer_hook)
+            if self._links is not None:
+                return leader_step(self, self.group, chunks, self._links, layer_hook, self.on_pipe_event)
             return super().execute(chunks, layer_hook)
         except RuntimeError:  # a collective failed: the group is broken for good
             self._group_failed()

@@ -346,13 +346,13 @@ def check_listen(flag: str, host_name: str, port_number: int) -> None:
 
 def check_parallel(flag: str, tp: int, pp: int, device_name: str, config: Any) -> None:
     """A tensor-parallel size must split the model's heads and MLP, a pipeline size its
-    layers (one of them 1 for now), on CPU (gloo) for now; `flag` names the refusal."""
+    layers, on CPU (gloo) for now; `flag` names the refusal."""
     from engine.parallel.plan import ParallelLayoutError, check_pp, check_tp
 
     if tp * pp > 1 and not device_name.startswith("cpu"):
         raise UsageError(flag, "tensor and pipeline parallel run on --device cpu only so far")
     try:
         check_tp(config, tp)
-        check_pp(config, pp, tp)
+        check_pp(config, pp)
     except ParallelLayoutError as e:
         raise UsageError(flag, str(e)) from None

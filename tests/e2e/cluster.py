@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -116,6 +117,46 @@ def sse(url: str, body: dict[str, Any], timeout: float = 60.0) -> list[Any]:
                 payload = line[6:].decode()
                 events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+class CountedStreams:
+    """Greedy streams through /v1/completions that count the chunks each has received,
+    so a test can kill a worker once every stream is under way (`run` in a thread each)."""
+
+    def __init__(self, url: str, model: str, prompts: list[str], max_tokens: int) -> None:
+        self._url = url
+        self._model = model
+        self.prompts = prompts
+        self._max_tokens = max_tokens
+        self.progress = [0] * len(prompts)
+        self._lock = threading.Lock()
+
+    def run(self, i: int) -> str:
+        """Stream prompt i to the end; its text (no error event may arrive)."""
+        body = {"model": self._model, "prompt": self.prompts[i], "max_tokens": self._max_tokens,
+                "temperature": 0, "stream": True, "ignore_eos": True}
+        req = urllib.request.Request(f"{self._url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        text = []
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                if line.startswith(b"data: {"):
+                    ev = json.loads(line[6:])
+                    assert "error" not in ev, ev
+                    text += [ch["text"] for ch in ev.get("choices", [])]
+                    with self._lock:
+                        self.progress[i] += 1
+        return "".join(text)
+
+    def wait_under_way(self, chunks: int = 3, timeout: float = 60.0) -> None:
+        """Until every stream has received `chunks` chunks (or `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while min(self.progress) < chunks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def least(self) -> int:
+        with self._lock:
+            return min(self.progress)
 
 
 @dataclass

@@ -6,10 +6,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import signal
 import threading
-import time
 from pathlib import Path
 
-from tests.e2e.cluster import Cluster, http, sse
+from tests.e2e.cluster import Cluster, CountedStreams, http, sse
 from tests.e2e.conftest import Reference
 
 LONG = 160
@@ -30,38 +29,15 @@ def test_kill_decode_mid_stream_all_streams_complete_identically(log_dir: Path, 
     c = _cluster(log_dir, prefill=1, decode=2)
     try:
         prompts = [f"Stream {i} keeps going and going" for i in range(8)]
-        progress = [0] * 8
-        lock = threading.Lock()
-
-        def run(i: int) -> str:
-            import json
-            import urllib.request
-
-            body = {"model": reference.model_name, "prompt": prompts[i], "max_tokens": LONG, "temperature": 0,
-                    "stream": True, "ignore_eos": True}
-            req = urllib.request.Request(f"{c.url}/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            text = []
-            with urllib.request.urlopen(req, timeout=120) as r:
-                for line in r:
-                    if line.startswith(b"data: {"):
-                        ev = json.loads(line[6:])
-                        assert "error" not in ev, ev
-                        text += [ch["text"] for ch in ev.get("choices", [])]
-                        with lock:
-                            progress[i] += 1
-            return "".join(text)
-
+        streams = CountedStreams(c.url, reference.model_name, prompts, LONG)
         with cf.ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(run, i) for i in range(8)]
-            deadline = time.monotonic() + 60
-            while min(progress) < 3 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            futures = [pool.submit(streams.run, i) for i in range(8)]
+            streams.wait_under_way()
             decodes = [w for w in c.worker_list() if w["role"] == "decode"]
             victim_info = max(decodes, key=lambda w: w["inflight_requests"])
             victim = next(p for p in c.workers if p.popen.pid == victim_info["pid"])
             victim.signal(signal.SIGKILL)
-            killed_at = min(progress)
+            killed_at = streams.least()
             texts = [f.result(timeout=120) for f in futures]
         assert killed_at < LONG, "streams finished before the kill: the test proved nothing"
         for i, text in enumerate(texts):

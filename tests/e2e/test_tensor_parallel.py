@@ -6,17 +6,13 @@ the gateway then recovers its streams on another worker, token for token."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import os
 import signal
-import threading
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.cluster import Cluster, http
+from tests.e2e.cluster import Cluster, CountedStreams, http
 from tests.e2e.conftest import Reference
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land", "1, 2, 3, 4,"]
@@ -100,34 +96,14 @@ def test_kill9_of_a_decode_rank_takes_the_worker_out_and_streams_recover(
         c.wait_roles(prefill=1, decode=2)
         [rank1] = follower_pids(group.popen.pid)
         prompts = [f"Stream {i} keeps going and going" for i in range(4)]
-        progress = [0] * len(prompts)
-        lock = threading.Lock()
-
-        def run(i: int) -> str:
-            body = {"model": reference.model_name, "prompt": prompts[i], "max_tokens": LONG, "temperature": 0,
-                    "stream": True, "ignore_eos": True}
-            req = urllib.request.Request(f"{c.url}/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            text = []
-            with urllib.request.urlopen(req, timeout=120) as r:
-                for line in r:
-                    if line.startswith(b"data: {"):
-                        ev = json.loads(line[6:])
-                        assert "error" not in ev, ev
-                        text += [ch["text"] for ch in ev.get("choices", [])]
-                        with lock:
-                            progress[i] += 1
-            return "".join(text)
-
+        streams = CountedStreams(c.url, reference.model_name, prompts, LONG)
         with cf.ThreadPoolExecutor(len(prompts)) as pool:
-            futures = [pool.submit(run, i) for i in range(len(prompts))]
-            deadline = time.monotonic() + 60
-            while min(progress) < 3 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            futures = [pool.submit(streams.run, i) for i in range(len(prompts))]
+            streams.wait_under_way()
             on_group = next(w for w in c.worker_list() if w["pid"] == group.popen.pid)
             assert on_group["inflight_requests"] == len(prompts), on_group
             os.kill(rank1, signal.SIGKILL)
-            killed_at = min(progress)
+            killed_at = streams.least()
             assert group.popen.wait(30) == 70, group.log()  # the whole worker went, not half of it
             texts = [f.result(timeout=120) for f in futures]
         assert killed_at < LONG, "streams finished before the kill: the test proved nothing"

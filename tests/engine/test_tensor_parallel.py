@@ -3,7 +3,7 @@ computes what the single-process engine and Hugging Face compute.
 
 Greedy tokens are equal and every step's float32 logits agree within LOGIT_ATOL (the
 all-reduce only changes the summation order) for TP 2, TP 4 -- the tiny models have 2
-KV heads, so TP 4 replicates each KV head on two ranks -- and PP 2, across Llama,
+KV heads, so TP 4 replicates each KV head on two ranks -- PP 2 and TP 2 x PP 2, across Llama,
 Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
 """
 
@@ -94,8 +94,6 @@ def test_pipeline_stages_split_the_layers_evenly(layers: int, stages: int, want:
 def test_a_pipeline_that_does_not_split_is_refused() -> None:
     with pytest.raises(ParallelLayoutError, match="exceeds the 2 layers"):
         check_pp(_model_cfg(4, 2), 3)
-    with pytest.raises(ParallelLayoutError, match="together"):
-        check_pp(_model_cfg(4, 2), 2, tp=2)
 
 
 def test_step_message_round_trip_and_bad_lengths() -> None:
@@ -109,8 +107,10 @@ def test_step_message_round_trip_and_bad_lengths() -> None:
             decode_step(bad)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (4, 1), (1, 2)])
+@pytest.mark.parametrize(("family", "tp", "pp"), [
+    *((f, tp, pp) for f in ("llama", "qwen2", "qwen3") for tp, pp in ((2, 1), (4, 1), (2, 2))),
+    ("llama", 1, 2),  # pipeline alone (the grid above covers it for every family)
+])
 def test_parallel_greedy_and_logits_match_single_process_and_hf(
     tiny_model_dir: Callable[..., Path], tp_runner: Callable[[EngineConfig], ModelRunner], family: str, tp: int,
     pp: int,
@@ -146,12 +146,13 @@ def test_tp2_kv_head_splits_and_row_parallel_biases(
     assert (logits - ref_logits).abs().max().item() < LOGIT_ATOL
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (2, 2)])
 def test_parallel_engine_batches_prefix_hits_and_forks_like_one_process(
     tiny_model_dir: Callable[..., Path], tp: int, pp: int
 ) -> None:
     """Continuous batching, a prefix-cache hit and n=2 copy-on-write forks (block copies
-    on rank 0 cover every rank's heads and layers in the shared pool) give the same tokens."""
+    on rank 0 cover every rank's heads and layers in the shared pool) give the same tokens;
+    with TP 2 x PP 2 a batched step runs as micro-batches through each stage's TP pair."""
     d = tiny_model_dir("qwen2")
     shared = prompt_of(40, 300, seed=3)
     prompts = [shared + [7, 8, 9], shared + [10, 11], prompt_of(9, 300, seed=4)]

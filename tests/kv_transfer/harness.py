@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.kv_layout import KVLayout
+from common.parallel_layout import ParallelLayout
 from kv_transfer.api import TransferState
 from kv_transfer.blocks import numpy_dtype
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
@@ -54,7 +55,9 @@ def make_pair(transport: str, *, src_blocks: int = 64, dst_blocks: int = 64,
               layout: KVLayout = TINY, receiver_layout: KVLayout | None = None,
               sender_faults: FaultConfig = FaultConfig(),
               receiver_faults: FaultConfig = FaultConfig(), grace_s: float = 0.3,
-              chunk_bytes: int = 1 << 20, seed: int = 0, copy_threads: int = 1) -> Pair:
+              chunk_bytes: int = 1 << 20, seed: int = 0, copy_threads: int = 1,
+              sender_parallel: ParallelLayout | None = None,
+              receiver_parallel: ParallelLayout | None = None) -> Pair:
     rlayout = receiver_layout or layout
     src = random_pool(layout, src_blocks, seed)
     shm: ShmPool | None = None
@@ -62,22 +65,23 @@ def make_pair(transport: str, *, src_blocks: int = 64, dst_blocks: int = 64,
     if transport == "fake":
         fabric = FakeFabric()
         dst = np.zeros(rlayout.pool_shape(dst_blocks), numpy_dtype(rlayout))
-        receiver = FakeReceiver(rlayout, dst, fabric, faults=receiver_faults, grace_s=grace_s)
+        receiver = FakeReceiver(rlayout, dst, fabric, faults=receiver_faults, grace_s=grace_s,
+                                parallel=receiver_parallel)
         sender = fake_sender(layout, src, fabric, faults=sender_faults, chunk_bytes=chunk_bytes,
-                             shm_chunk_bytes=chunk_bytes, copy_threads=copy_threads)
+                             shm_chunk_bytes=chunk_bytes, copy_threads=copy_threads, parallel=sender_parallel)
     else:
         if transport == "shm":
             shm = create_shm_pool(rlayout, dst_blocks)
             dst = shm.array
             receiver = ZmqReceiver(rlayout, shm, transport="shm", faults=receiver_faults,
-                                   grace_s=grace_s, copy_threads=copy_threads)
+                                   grace_s=grace_s, copy_threads=copy_threads, parallel=receiver_parallel)
         else:
             dst = np.zeros(rlayout.pool_shape(dst_blocks), numpy_dtype(rlayout))
             receiver = ZmqReceiver(rlayout, dst, transport=transport, faults=receiver_faults,
-                                   grace_s=grace_s, copy_threads=copy_threads)
+                                   grace_s=grace_s, copy_threads=copy_threads, parallel=receiver_parallel)
         sender = Sender(layout, src, links=ZmqLinkFactory(), faults=sender_faults,
                         chunk_bytes=chunk_bytes, shm_chunk_bytes=chunk_bytes,
-                        copy_threads=copy_threads)
+                        copy_threads=copy_threads, parallel=sender_parallel)
     pair = Pair(transport, sender, receiver, src, dst)
     pair.closers.append(receiver.close)
     if shm is not None:
