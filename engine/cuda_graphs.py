@@ -31,6 +31,7 @@ import torch
 
 from common.kv_layout import NULL_BLOCK
 from engine.attention import AttentionBackend, AttentionMetadata, DecodeBatch
+from engine.cuda_device import stream_event
 from engine.kv_quant import KVCacheView
 from engine.runner_types import SeqChunk
 
@@ -136,8 +137,7 @@ class StaticDecodeStep:
         fill_decode_inputs(self._host, self.layout, chunks, bucket, self.block_size)
         self.buffers.copy_(self._host, non_blocking=self._cuda)
         if self._cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied = stream_event(self.buffers.device)
 
     def forward(self, bucket: int) -> torch.Tensor:
         """Float32 logits [bucket, vocab] of the buffers' first `bucket` rows."""

@@ -18,6 +18,7 @@ import torch
 from common.kv_layout import KVLayout
 from engine.attention import AttentionBackend, AttentionMetadata, build_metadata, order_chunks
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.cuda_device import bind_device
 from engine.cuda_graphs import DecodeGraphs, StaticDecodeStep, graph_buckets, graph_support
 from engine.dtype import resolved_config
 from engine.kv_pool import TORCH_DTYPES, KVPool
@@ -79,6 +80,7 @@ class ModelRunner:
         config = resolved_config(config)  # `auto` -> the dtype this host serves in
         self.config = config
         self.device = torch.device(config.device)
+        bind_device(self.device)  # Triton, graph capture and bare events use the current device
         self.dtype = TORCH_DTYPES[config.dtype]
         self.block_size = config.cache.block_size
         max_len = resolve_max_model_len(config, load_config(config.model_dir))
