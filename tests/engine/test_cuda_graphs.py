@@ -106,6 +106,7 @@ def test_static_padded_step_computes_the_eager_step(tiny_model_dir: Callable[...
     assert runner._graphs is None  # never on CPU
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_graph_replay_draws_the_eager_tokens_on_cuda(tiny_model_dir: Callable[..., Path]) -> None:
     model = str(tiny_model_dir("llama"))
