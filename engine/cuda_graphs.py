@@ -197,6 +197,21 @@ class DecodeGraphs:
         return requested_rows(out, chunks)
 
 
+def capture_or_eager(step: StaticDecodeStep, buckets: Sequence[int], required: bool
+                     ) -> DecodeGraphs | None:
+    """`DecodeGraphs` over `step`; where capture fails (a CUDA error, a host sync in the
+    model) and graphs were not asked for explicitly (`required`, `--cuda-graphs`), None
+    and an error in the log: the worker serves eagerly rather than not at all."""
+    try:
+        return DecodeGraphs(step, buckets)
+    except RuntimeError as e:
+        if required:
+            raise
+        log.error("decode CUDA graphs could not be captured, serving eagerly (--no-cuda-graphs "
+                  "silences this): %s", e)
+        return None
+
+
 def graph_support(enabled: bool | None, device: torch.device, backend: AttentionBackend,
                   quantized_kv: bool, sharded: bool, moe: bool) -> str | None:
     """Why decode graphs cannot be captured here (None: they can); `enabled` False is the
