@@ -103,6 +103,9 @@ main() {
   fi
   # The repo itself too: worker processes are started from other directories' view.
   export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  # Kernel caches under $WORK unless set: a home that is read-only (as in the GPU image)
+  # makes cupy's and Triton's first compile fail, in every phase and worker.
+  export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-$WORK/cupy}" TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$WORK/triton}"
   phase native 60 "$SERVE_MIN_S" 10 "$PY" setup.py -q build_ext --inplace
   phase env 60 "$SERVE_MIN_S" 10 "$PY" -m bench.gpu_env --output-json "$WORK/env.json"
   phase gpu_tests 150 "$SERVE_MIN_S" 10 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu \
