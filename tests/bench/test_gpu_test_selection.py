@@ -8,8 +8,12 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest's own dependency
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 BUILTIN_MARKS = {"parametrize", "skip", "skipif", "xfail", "usefixtures", "filterwarnings"}
