@@ -96,9 +96,11 @@ def run(cfg: AttentionBench) -> AttentionResult:
     if cfg.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
     from engine.attention import TorchPagedAttention, build_metadata, order_chunks
+    from engine.cuda_device import bind_device
     from engine.runner_types import SeqChunk
     from engine.triton_attention import TritonPagedAttention
 
+    bind_device(torch.device(cfg.device))  # Triton and the timing events use the current device
     q, k, v, k_cache, v_cache, tables = _inputs(cfg)
     chunks = [SeqChunk([1], cfg.context - 1, tables[i].tolist(), True) for i in range(cfg.batch)]
     order = order_chunks(chunks)

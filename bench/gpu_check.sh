@@ -10,7 +10,9 @@
 #   wheels     .whl/*.whl installed with --no-index into a target dir put on PYTHONPATH
 #   native     the optional C extensions built for this interpreter (setup.py build_ext)
 #   env        versions, the device, a two-process CUDA IPC probe (bench/gpu_env.py)
-#   gpu_tests  pytest -m gpu: the CUDA IPC transport, Triton attention parity in bf16
+#   gpu_tests  pytest -m gpu: the CUDA IPC transport and the staging path, Triton attention
+#              parity in bf16, decode graphs against eager steps, pinned step metadata,
+#              chunk attention through flash attention's log-sum-exp
 #   hf_equiv   pytest -m gpu of tests/engine/test_hf_equivalence.py (bf16 and fp16 on CUDA
 #              against transformers); skipped with a note where transformers is missing
 #   kv         KV transfer GB/s (bench/kv_transfer.py, Llama-3-8B KV of 2,048 tokens): CUDA
@@ -101,11 +103,16 @@ main() {
   fi
   # The repo itself too: worker processes are started from other directories' view.
   export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  # Kernel caches under $WORK unless set: a home that is read-only (as in the GPU image)
+  # makes cupy's and Triton's first compile fail, in every phase and worker.
+  export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-$WORK/cupy}" TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$WORK/triton}"
   phase native 60 "$SERVE_MIN_S" 10 "$PY" setup.py -q build_ext --inplace
   phase env 60 "$SERVE_MIN_S" 10 "$PY" -m bench.gpu_env --output-json "$WORK/env.json"
   phase gpu_tests 150 "$SERVE_MIN_S" 10 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu \
     --junitxml "$WORK/gpu_tests.xml" tests/kv_transfer/test_cuda_ipc.py \
-    tests/engine/test_triton_attention.py
+    tests/kv_transfer/test_cuda_device.py tests/engine/test_triton_attention.py \
+    tests/engine/test_cuda_graphs.py tests/engine/test_step_staging.py \
+    tests/engine/test_mask_free_prefill.py
   if "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('transformers') is None)"; then
     phase hf_equiv 90 "$SERVE_MIN_S" 10 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu \
       --junitxml "$WORK/hf_equiv.xml" tests/engine/test_hf_equivalence.py

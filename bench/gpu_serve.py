@@ -160,15 +160,16 @@ def measure_hbm_gbps(device: str, nbytes: int = 4 << 30, copies: int = 20) -> fl
     """Time `copies` copies of an `nbytes` buffer on the GPU (before the stack starts)."""
     import torch
 
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(copies):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
+    with torch.cuda.device(torch.device(device)):  # the events mark `device`'s stream
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(copies):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
     seconds = start.elapsed_time(end) / 1e3
     del src, dst
     torch.cuda.empty_cache()

@@ -31,6 +31,7 @@ import torch
 
 from common.kv_layout import NULL_BLOCK
 from engine.attention import AttentionBackend, AttentionMetadata, DecodeBatch
+from engine.cuda_device import stream_event
 from engine.kv_quant import KVCacheView
 from engine.runner_types import SeqChunk
 
@@ -136,8 +137,7 @@ class StaticDecodeStep:
         fill_decode_inputs(self._host, self.layout, chunks, bucket, self.block_size)
         self.buffers.copy_(self._host, non_blocking=self._cuda)
         if self._cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied = stream_event(self.buffers.device)
 
     def forward(self, bucket: int) -> torch.Tensor:
         """Float32 logits [bucket, vocab] of the buffers' first `bucket` rows."""
@@ -195,6 +195,21 @@ class DecodeGraphs:
         graph, out = self._graphs[bucket]
         graph.replay()
         return requested_rows(out, chunks)
+
+
+def capture_or_eager(step: StaticDecodeStep, buckets: Sequence[int], required: bool
+                     ) -> DecodeGraphs | None:
+    """`DecodeGraphs` over `step`; where capture fails (a CUDA error, a host sync in the
+    model) and graphs were not asked for explicitly (`required`, `--cuda-graphs`), None
+    and an error in the log: the worker serves eagerly rather than not at all."""
+    try:
+        return DecodeGraphs(step, buckets)
+    except RuntimeError as e:
+        if required:
+            raise
+        log.error("decode CUDA graphs could not be captured, serving eagerly (--no-cuda-graphs "
+                  "silences this): %s", e)
+        return None
 
 
 def graph_support(enabled: bool | None, device: torch.device, backend: AttentionBackend,

@@ -18,7 +18,14 @@ import torch
 from common.kv_layout import KVLayout
 from engine.attention import AttentionBackend, AttentionMetadata, build_metadata, order_chunks
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
-from engine.cuda_graphs import DecodeGraphs, StaticDecodeStep, graph_buckets, graph_support
+from engine.cuda_device import bind_device
+from engine.cuda_graphs import (
+    DecodeGraphs,
+    StaticDecodeStep,
+    capture_or_eager,
+    graph_buckets,
+    graph_support,
+)
 from engine.dtype import resolved_config
 from engine.kv_pool import TORCH_DTYPES, KVPool
 from engine.kv_quant import KVCacheView
@@ -79,6 +86,7 @@ class ModelRunner:
         config = resolved_config(config)  # `auto` -> the dtype this host serves in
         self.config = config
         self.device = torch.device(config.device)
+        bind_device(self.device)  # Triton, graph capture and bare events use the current device
         self.dtype = TORCH_DTYPES[config.dtype]
         self.block_size = config.cache.block_size
         max_len = resolve_max_model_len(config, load_config(config.model_dir))
@@ -129,7 +137,7 @@ class ModelRunner:
         buckets = graph_buckets(self.config.scheduler.max_num_seqs)
         step = StaticDecodeStep(self.model, self._kv_layers, self.backend, self.device,
                                 buckets[-1], self.max_model_len, self.block_size)
-        return DecodeGraphs(step, buckets)
+        return capture_or_eager(step, buckets, required=bool(self.config.cuda_graphs))
 
     @property
     def kv_layers(self) -> list[tuple[KVCacheView, KVCacheView]]:

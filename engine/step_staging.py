@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cuda_device import stream_event
 
 
 class Span(NamedTuple):
@@ -76,8 +77,7 @@ class PinnedStager:
         dev = torch.empty(total, dtype=torch.long, device=self.device)
         dev.copy_(self._host[:total], non_blocking=self._pin)
         if self._pin:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied = stream_event(self.device)  # the copy's stream: the device's own
         return unpack(dev, spans)
 
 

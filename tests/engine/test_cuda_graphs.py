@@ -106,6 +106,7 @@ def test_static_padded_step_computes_the_eager_step(tiny_model_dir: Callable[...
     assert runner._graphs is None  # never on CPU
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_graph_replay_draws_the_eager_tokens_on_cuda(tiny_model_dir: Callable[..., Path]) -> None:
     model = str(tiny_model_dir("llama"))
@@ -123,3 +124,24 @@ def test_graph_replay_draws_the_eager_tokens_on_cuda(tiny_model_dir: Callable[..
             decodes = [SeqChunk([t], c.start_pos + 1, c.block_table, True) for t, c in zip(nxt, decodes, strict=True)]
         tokens[graphs] = out
     assert tokens[True] == tokens[False]
+
+
+def test_a_failed_capture_serves_eagerly_unless_graphs_were_asked_for(
+        tiny_model_dir: Callable[..., Path], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from engine import cuda_graphs, model_runner
+
+    def fail(*_: object) -> None:
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(model_runner, "graph_support", lambda *_: None)  # as on a GPU
+    monkeypatch.setattr(cuda_graphs, "DecodeGraphs", fail)
+    cfg = EngineConfig(model_dir=str(tiny_model_dir("llama")), cache=CacheConfig(num_blocks=24),
+                       scheduler=SchedulerConfig(max_num_seqs=4))
+    with caplog.at_level("ERROR", logger="engine.cuda_graphs"):
+        runner = ModelRunner(cfg)
+    assert runner._graphs is None and "serving eagerly" in caplog.text
+    decodes = _prefilled(runner, [list(range(3, 8))])
+    assert runner.execute(decodes).shape == (1, runner.model_config.vocab_size)
+    with pytest.raises(RuntimeError, match="stream is capturing"):  # --cuda-graphs given
+        cuda_graphs.capture_or_eager(runner._graphs, (1, 2, 4), required=True)  # type: ignore[arg-type]

@@ -82,3 +82,17 @@ def test_chunk_causal_attention_is_the_lower_right_causal_pattern(dtype: torch.d
     want = chunk_attention.dense_fallback(q, k, v, start)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flash attention's log-sum-exp)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "start"), [(1, 300), (64, 1000), (257, 33)])
+def test_chunk_attention_on_cuda_merges_two_flash_calls(dtype: torch.dtype, n: int, start: int) -> None:
+    gen = torch.Generator().manual_seed(n + start)
+    q, k, v = (torch.randn(1, h, length, 128, generator=gen).to("cuda", dtype)
+               for h, length in ((32, n), (8, start + n), (8, start + n)))
+    assert chunk_attention.lse_attention(q) is chunk_attention._cuda_flash
+    got = chunk_attention.chunk_causal_attention(q, k, v, start)
+    want = chunk_attention.dense_fallback(q.float(), k.float(), v.float(), start)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

@@ -74,6 +74,7 @@ def test_the_host_buffer_grows_and_steps_do_not_alias() -> None:
     assert a.tolist() == [0, 1, 2] and b.tolist() == list(range(100, 200))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned memory)")
 def test_staging_to_cuda_uses_pinned_memory() -> None:
     ids, pos, meta = _step(True)
