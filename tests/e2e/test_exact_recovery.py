@@ -149,7 +149,9 @@ def _cluster(log_dir: Path, victim_faults: str, *gateway_args: str) -> tuple[Clu
     """A gateway, a prefill worker, a victim decode worker with four times the KV of the
     other (so the gateway routes every request to it) and the other decode worker."""
     c = Cluster(log_dir)
-    c.start_gateway("--heartbeat-timeout", "1.5", *gateway_args, env={"PDSERVE_GATEWAY_SEED_KEY": KEY.hex()})
+    # least-loaded: decode placement by most free KV (kv-aware would spread by running count).
+    c.start_gateway("--heartbeat-timeout", "1.5", "--router", "least-loaded", *gateway_args,
+                    env={"PDSERVE_GATEWAY_SEED_KEY": KEY.hex()})
     c.add_worker("prefill")
     victim = c.add_worker("decode", "--num-blocks", "1024", "--enable-fault-injection",
                           env={"PDSERVE_FAULTS": victim_faults})

@@ -153,7 +153,10 @@ def test_kill_decode_mid_speculation_resumes_exactly(method: str, tmp_path: Path
     if method == "draft_model":
         env, reference, spec = _trained(tmp_path / "home", monkeypatch)
     c = Cluster(tmp_path)
-    c.start_gateway("--heartbeat-timeout", "1.5", env={**env, "PDSERVE_GATEWAY_SEED_KEY": KEY.hex()})
+    # least-loaded: decode placement by most free KV, so every stream lands on the victim
+    # (kv-aware would spread them by running count).
+    c.start_gateway("--heartbeat-timeout", "1.5", "--router", "least-loaded",
+                    env={**env, "PDSERVE_GATEWAY_SEED_KEY": KEY.hex()})
     try:
         c.add_worker("prefill", env=env)
         victim = c.add_worker("decode", "--num-blocks", "1024", "--speculative-config", spec,

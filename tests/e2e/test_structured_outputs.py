@@ -161,7 +161,9 @@ def test_seeded_schema_requests_are_valid_and_identical_colocated_and_disaggrega
 def test_kill_decode_mid_stream_schema_streams_resume_valid_and_exact(log_dir: Path, reference: Reference) -> None:
     c = Cluster(log_dir)
     try:
-        c.start_gateway("--heartbeat-timeout", "1.5", env={"PDSERVE_GATEWAY_SEED_KEY": KEY.hex()})
+        # least-loaded: decode placement by most free KV (kv-aware would spread by running count).
+        c.start_gateway("--heartbeat-timeout", "1.5", "--router", "least-loaded",
+                        env={"PDSERVE_GATEWAY_SEED_KEY": KEY.hex()})
         c.add_worker("prefill")
         # Four times the KV of the other decode worker (so every request is routed to it),
         # slowed down (0.1 s a step) so the kill lands mid-stream.

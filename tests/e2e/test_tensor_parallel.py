@@ -88,7 +88,8 @@ def test_kill9_of_a_decode_rank_takes_the_worker_out_and_streams_recover(
 ) -> None:
     c = Cluster(log_dir)
     try:
-        c.start_gateway("--heartbeat-timeout", "1.5")
+        # least-loaded: decode placement by most free KV (kv-aware would spread by running count).
+        c.start_gateway("--heartbeat-timeout", "1.5", "--router", "least-loaded")
         c.add_worker("prefill")
         # Twice the blocks: the gateway routes every stream to the TP group first.
         group = c.add_worker("decode", "--tensor-parallel-size", "2", "--num-blocks", "512")
