@@ -12,7 +12,9 @@
 #   env        versions, the device, a two-process CUDA IPC probe (bench/gpu_env.py)
 #   gpu_tests  pytest -m gpu: the CUDA IPC transport and the staging path, Triton attention
 #              parity in bf16, decode graphs against eager steps, pinned step metadata,
-#              chunk attention through flash attention's log-sum-exp
+#              chunk attention through flash attention's log-sum-exp, FlashInfer
+#              parity where flashinfer is installed (not on the expected machine nor in
+#              .whl/: that case skips with its reason)
 #   hf_equiv   pytest -m gpu of tests/engine/test_hf_equivalence.py (bf16 and fp16 on CUDA
 #              against transformers); skipped with a note where transformers is missing
 #   kv         KV transfer GB/s (bench/kv_transfer.py, Llama-3-8B KV of 2,048 tokens): CUDA
@@ -112,7 +114,7 @@ main() {
     --junitxml "$WORK/gpu_tests.xml" tests/kv_transfer/test_cuda_ipc.py \
     tests/kv_transfer/test_cuda_device.py tests/engine/test_triton_attention.py \
     tests/engine/test_cuda_graphs.py tests/engine/test_step_staging.py \
-    tests/engine/test_mask_free_prefill.py
+    tests/engine/test_mask_free_prefill.py tests/engine/test_flashinfer_attention.py
   if "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('transformers') is None)"; then
     phase hf_equiv 90 "$SERVE_MIN_S" 10 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu \
       --junitxml "$WORK/hf_equiv.xml" tests/engine/test_hf_equivalence.py

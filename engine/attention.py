@@ -82,6 +82,8 @@ class AttentionBackend(abc.ABC):
     # True: decodes reach `forward` as one flat batch (`DecodeBatch.block_tables`,
     # `ctx_lens`) instead of padded groups.
     flat_decode: ClassVar[bool] = False
+    # False: `forward` does host work per step (engine.cuda_graphs captures no graphs over it).
+    graph_safe: ClassVar[bool] = True
 
     @abc.abstractmethod
     def forward(

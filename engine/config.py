@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.kv_layout import normalize_kv_cache_dtype
+from engine.backend_choice import ATTENTION_BACKENDS
 from engine.dtype import DTYPE_CHOICES
 from engine.quant.formats import QUANTIZATION_CHOICES
 from engine.spec.config import SpeculativeConfig
@@ -87,8 +88,14 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     # Decode steps replayed from CUDA graphs (engine.cuda_graphs); None: on with CUDA.
     cuda_graphs: bool | None = None
+    # auto | torch | triton | flashinfer (engine.backend_choice); checked against the
+    # device and installed packages when the runner picks its backend.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}; "
+                             f"choose one of {', '.join(ATTENTION_BACKENDS)}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs needs a CUDA device, not {self.device!r}")
         if self.grammar_compile_timeout_s <= 0:

@@ -222,6 +222,8 @@ def graph_support(enabled: bool | None, device: torch.device, backend: Attention
         return f"the device is {device.type}"
     if not backend.flat_decode:
         return f"{type(backend).__name__} has no flat decode (Triton is missing)"
+    if not backend.graph_safe:
+        return f"{type(backend).__name__} (it plans each step on the host)"
     if quantized_kv:
         return "a quantized KV cache"
     if sharded:

@@ -17,6 +17,7 @@ import torch
 
 from common.kv_layout import KVLayout
 from engine.attention import AttentionBackend, AttentionMetadata, build_metadata, order_chunks
+from engine.backend_choice import make_backend
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.cuda_device import bind_device
 from engine.cuda_graphs import (
@@ -37,7 +38,6 @@ from engine.parallel.shared_pool import head_slice
 from engine.quant.formats import served_quantization
 from engine.runner_types import SeqChunk
 from engine.step_staging import PinnedStager, stage_metadata
-from engine.triton_attention import select_backend
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -58,6 +58,8 @@ class StepInputs(NamedTuple):
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     logit_rows: list[int]  # row of each need_logits chunk's last token, in chunk order
+    # `logit_rows` on the device, staged with the rest (CUDA); None: built by `logits`
+    logit_index: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -121,7 +123,8 @@ class ModelRunner:
         plain_kv = not self.layout.quantized and (shard is None or all(
             isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
             and k.is_contiguous() and v.is_contiguous() for k, v in self._kv_layers))
-        self.backend = backend or select_backend(self.dtype, self.device, plain_kv=plain_kv)
+        self.backend = backend or make_backend(config.attention_backend, self.dtype, self.device,
+                                               plain_kv=plain_kv)
         self._stager = PinnedStager(self.device) if self.device.type == "cuda" else None
         self._graphs = self._capture_graphs(sharded=shard is not None)
 
@@ -201,7 +204,7 @@ class ModelRunner:
                 return replayed
         step = self.step_inputs(chunks)
         hidden = self.model(step.input_ids, step.positions, step.meta, self._kv_layers, self.backend, layer_hook)
-        return self.logits(hidden, step.logit_rows)
+        return self.logits(hidden, step.logit_rows, step.logit_index)
 
     def step_inputs(self, chunks: Sequence[SeqChunk]) -> StepInputs:
         """Flat token ids, positions and attention metadata of checked `chunks`."""
@@ -220,18 +223,25 @@ class ModelRunner:
                               self.backend.flat_decode)
         input_ids = torch.tensor(ids, dtype=torch.long, device=host)
         pos = torch.cat(positions).to(host)
-        if self._stager is not None:
-            input_ids, pos, meta = stage_metadata(input_ids, pos, meta, self._stager)
         rows = [r for i, c in enumerate(chunks) for r in range(last_row[i] - c.num_logits + 1, last_row[i] + 1)]
-        return StepInputs(input_ids, pos, meta, rows)
+        index = None
+        if self._stager is not None:
+            staged = stage_metadata(input_ids, pos, meta, self._stager,
+                                    torch.tensor(rows, dtype=torch.long) if rows else None)
+            input_ids, pos, meta, index = staged
+        return StepInputs(input_ids, pos, meta, rows, index)
 
-    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Float32 logits of the final-norm `hidden` at `rows`."""
+    def logits(self, hidden: torch.Tensor, rows: list[int], index: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """Float32 logits of the final-norm `hidden` at `rows` (`index`: the same rows as
+        a device tensor already staged, else built here)."""
         if not rows:
             return torch.empty(
                 0, self.model_config.vocab_size, dtype=torch.float32, device=self.device
             )
-        sel = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        if index is None:
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        sel = hidden[index]
         return self.model.compute_logits(sel).float()
 
     def _check(self, chunks: Sequence[SeqChunk]) -> None:

@@ -1,12 +1,12 @@
 """A step's small host -> device copies, packed into one pinned buffer and one copy.
 
-Token ids, positions, slot mapping, block tables, context lengths and decode-group rows
-are all int64. Built on the host, they are packed end to end into one pinned buffer,
+Token ids, positions, slot mapping, block tables, context lengths, decode-group rows and
+the rows whose logits are computed are all int64. Built on the host, they are packed end to end into one pinned buffer,
 copied with one `non_blocking` copy, and handed to the model as views of the one device
 tensor: one transfer per step instead of several synchronous ones.
 
     stager = PinnedStager(torch.device("cuda:0"))
-    ids, positions, meta = stage_metadata(ids, positions, meta, stager)
+    ids, positions, meta, logit_rows = stage_metadata(ids, positions, meta, stager, logit_rows)
 """
 
 from __future__ import annotations
@@ -81,11 +81,21 @@ class PinnedStager:
         return unpack(dev, spans)
 
 
+class StagedStep(NamedTuple):
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor | None  # the rows `ModelRunner.logits` selects; None if not given
+
+
 def stage_metadata(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                   stager: PinnedStager) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Host-built step inputs on `stager.device`, every int64 tensor in one copy (a decode
-    group's float padding mask, built only on the gather path, travels on its own)."""
+                   stager: PinnedStager, logit_rows: torch.Tensor | None = None) -> StagedStep:
+    """Host-built step inputs (and the logits' row index, if given) on `stager.device`,
+    every int64 tensor in one copy (a decode group's float padding mask, built only on the
+    gather path, travels on its own)."""
     parts: list[torch.Tensor] = [input_ids, positions, meta.slot_mapping]
+    if logit_rows is not None:
+        parts.append(logit_rows)
     dec = meta.decode
     if dec is not None:
         parts += [t for t in (dec.block_tables, dec.ctx_lens) if t is not None]
@@ -94,6 +104,7 @@ def stage_metadata(input_ids: torch.Tensor, positions: torch.Tensor, meta: Atten
     parts += [p.block_table for p in meta.prefills]
     staged = iter(stager.stage(parts))
     ids, pos, slots = next(staged), next(staged), next(staged)
+    rows_index = next(staged) if logit_rows is not None else None
     decode = None
     if dec is not None:
         tables = next(staged) if dec.block_tables is not None else None
@@ -107,5 +118,5 @@ def stage_metadata(input_ids: torch.Tensor, positions: torch.Tensor, meta: Atten
         decode = dataclasses.replace(dec, groups=tuple(groups), block_tables=tables, ctx_lens=lens)
     prefills = tuple(dataclasses.replace(p, block_table=next(staged)) for p in meta.prefills)
     staged_meta = dataclasses.replace(meta, slot_mapping=slots, decode=decode, prefills=prefills)
-    return ids, pos, staged_meta
+    return StagedStep(ids, pos, staged_meta, rows_index)
 

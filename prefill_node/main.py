@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
 from worker.main import NodeParts, WorkerOptions, kv_keys, pool_array
 from worker.node_api import Node
+
+
+def prefill_engine_config(engine_cfg: EngineConfig) -> EngineConfig:
+    """A prefill worker's engine config: no decode graphs (it never runs a decode step, so
+    capturing them would only cost start-up time and graph-pool memory)."""
+    if engine_cfg.cuda_graphs:
+        logging.getLogger(__name__).info("--cuda-graphs ignored: a prefill worker runs no decode steps")
+    return dataclasses.replace(engine_cfg, cuda_graphs=False)
 
 
 def build_prefill(engine_cfg: EngineConfig, opts: WorkerOptions,
@@ -17,7 +27,7 @@ def build_prefill(engine_cfg: EngineConfig, opts: WorkerOptions,
     from prefill_node.node import PrefillNode
     from worker.engine_glue import build_engine
 
-    engine, runner = build_engine(engine_cfg)
+    engine, runner = build_engine(prefill_engine_config(engine_cfg))
     sender = make_sender(runner.layout, pool_array(runner), faults=parts.kv_faults,
                          curve=kv_keys(opts), parallel=ParallelLayout.of(
                              engine_cfg.tensor_parallel_size, engine_cfg.pipeline_parallel_size, runner.layout))

@@ -90,7 +90,7 @@ def leader_step(runner: ModelRunner, group: TPGroup, chunks: Sequence[SeqChunk],
         h = _hidden(runner, len(step.input_ids))
         group.recv(h, links.last, i)
         emit("back", i)
-        logits.append(runner.logits(runner.model.norm(h), step.logit_rows))
+        logits.append(runner.logits(runner.model.norm(h), step.logit_rows, step.logit_index))
     _wait(sends)
     if layer_hook is not None:
         for layer in range(links.layers.stop, runner.model_config.num_layers):

@@ -142,6 +142,10 @@ def add_gpu_args(ap: argparse.ArgumentParser, per_worker_default: str) -> None:
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="CUDA: replay decode steps from CUDA graphs captured at batch sizes "
                     "1, 2, 4 ... 64 (default on with a CUDA device; never on CPU)")
+    ap.add_argument("--attention-backend", choices=("auto", "torch", "triton", "flashinfer"),
+                    default="auto",
+                    help="auto: on CUDA flashinfer if installed, else triton; on CPU the native/torch "
+                    "kernels. triton and flashinfer need CUDA and the package installed")
 
 
 def byte_size(text: str) -> int:

@@ -182,18 +182,22 @@ def _worker_cmds(args: argparse.Namespace, control: str,
 
 def gpu_flags(args: argparse.Namespace, num_workers: int) -> list[str]:
     """A CUDA worker's memory share (all of `up`'s workers sit on --device) and graphs flag."""
+    backend = [] if args.attention_backend == "auto" else ["--attention-backend", args.attention_backend]
     if not args.device.startswith("cuda"):
         if args.cuda_graphs or args.gpu_memory_utilization is not None:
             flag = "--cuda-graphs" if args.cuda_graphs else "--gpu-memory-utilization"
             raise UsageError(flag, f"applies to a CUDA --device, not {args.device}")
-        return []
+        if args.attention_backend in ("triton", "flashinfer"):
+            raise UsageError("--attention-backend", f"{args.attention_backend} needs a CUDA --device, "
+                             f"not {args.device}")
+        return backend
     from engine.memory_budget import default_gpu_memory_utilization
 
     share = args.gpu_memory_utilization or default_gpu_memory_utilization(num_workers)
     flags = ["--gpu-memory-utilization", f"{share:.6g}"]
     if args.cuda_graphs is not None:
         flags.append("--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs")
-    return flags
+    return flags + backend
 
 
 def core_plan(args: argparse.Namespace) -> list[tuple[int, ...]] | None:

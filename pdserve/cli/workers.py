@@ -164,6 +164,13 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def check_gpu_args(args: argparse.Namespace) -> None:
+    from engine.backend_choice import installed, refusal
+
+    choice = args.attention_backend
+    why = refusal(choice, "cuda" if args.device.startswith("cuda") else args.device,
+                  args.kv_cache_dtype != "auto", choice in ("auto", "torch") or installed(choice))
+    if why is not None:
+        raise UsageError("--attention-backend", why)
     if args.device.startswith("cuda"):
         return
     if args.cuda_graphs:
@@ -236,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
             ),
             speculative=getattr(args, "speculative_config", None),
             cuda_graphs=args.cuda_graphs,
+            attention_backend=args.attention_backend,
         )
     except ValueError as e:
         raise SystemExit(f"pdserve {args.role}: {e}") from None

@@ -48,9 +48,11 @@ def test_stage_metadata_moves_every_int64_tensor_in_one_copy(flat_decode: bool,
         return real(self, parts)
 
     monkeypatch.setattr(PinnedStager, "stage", spy)
-    s_ids, s_pos, s_meta = stage_metadata(ids, pos, meta, stager)
-    before = [ids, pos, meta.slot_mapping, *[p.block_table for p in meta.prefills]]
-    after = [s_ids, s_pos, s_meta.slot_mapping, *[p.block_table for p in s_meta.prefills]]
+    rows = torch.tensor([0, 1, 4])  # the logits' row index travels in the same copy
+    s_ids, s_pos, s_meta, s_rows = stage_metadata(ids, pos, meta, stager, rows)
+    assert s_rows is not None
+    before = [ids, pos, meta.slot_mapping, rows, *[p.block_table for p in meta.prefills]]
+    after = [s_ids, s_pos, s_meta.slot_mapping, s_rows, *[p.block_table for p in s_meta.prefills]]
     assert meta.decode is not None and s_meta.decode is not None
     if flat_decode:
         before += [meta.decode.block_tables, meta.decode.ctx_lens]
@@ -79,6 +81,37 @@ def test_the_host_buffer_grows_and_steps_do_not_alias() -> None:
 def test_staging_to_cuda_uses_pinned_memory() -> None:
     ids, pos, meta = _step(True)
     stager = PinnedStager(torch.device("cuda"))
-    s_ids, _, s_meta = stage_metadata(ids, pos, meta, stager)
+    s_ids, _, s_meta, s_rows = stage_metadata(ids, pos, meta, stager, torch.tensor([0, 1, 4]))
     assert stager._host.is_pinned() and s_ids.is_cuda and s_meta.slot_mapping.is_cuda
+    assert s_rows is not None and s_rows.is_cuda and s_rows.tolist() == [0, 1, 4]
     assert torch.equal(s_ids.cpu(), ids)
+
+
+def test_the_runner_selects_logits_through_the_staged_row_index(
+        tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner that stages (on CUDA; forced here on the CPU) makes no copy of its own for
+    the logits' rows: it indexes with the view staged with the step, and gets the same logits."""
+    from engine.config import CacheConfig, EngineConfig
+    from engine.model_runner import ModelRunner
+
+    runner = ModelRunner(EngineConfig(model_dir=str(tiny_model_dir()), dtype="float32",
+                                      cache=CacheConfig(num_blocks=16)))
+    chunks = [SeqChunk([5], 3, [1], True), SeqChunk([1, 2, 3, 4], 0, [2], True),
+              SeqChunk([7, 8], 0, [3], False)]
+    want = runner.execute(chunks)
+    runner._stager = PinnedStager(CPU)
+    step = runner.step_inputs(chunks)
+    assert step.logit_rows == [0, 4] and step.logit_index is not None
+    assert step.logit_index.tolist() == [0, 4]
+    assert step.logit_index.untyped_storage().data_ptr() == step.input_ids.untyped_storage().data_ptr()
+    seen: list[Any] = []
+    real = ModelRunner.logits
+
+    def spy(self: ModelRunner, hidden: torch.Tensor, rows: list[int], index: Any = None) -> torch.Tensor:
+        seen.append(index)
+        return real(self, hidden, rows, index)
+
+    monkeypatch.setattr(ModelRunner, "logits", spy)
+    got = runner.execute(chunks)
+    assert torch.equal(got, want)
+    assert len(seen) == 1 and seen[0] is not None and seen[0].tolist() == [0, 4]

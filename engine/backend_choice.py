@@ -1,0 +1,77 @@
+"""`--attention-backend auto|torch|triton|flashinfer`: which attention backend a runner uses.
+
+    auto        CUDA over a plain pool: flashinfer if installed, else triton if installed,
+                else torch; CPU (or a quantized pool): the native/torch default
+    torch       gather + SDPA (on CPU the in-place native decode kernel where it is built)
+    triton      the Triton kernels; CUDA, triton installed, an unquantized pool
+    flashinfer  FlashInfer's paged wrappers; CUDA, flashinfer installed, an unquantized pool
+
+Asking for triton or flashinfer where it cannot run is a one-line error naming why
+(`refusal`), never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.attention import AttentionBackend
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+
+
+def installed(package: str) -> bool:
+    """Whether `package` is importable here (without importing it)."""
+    return importlib.util.find_spec(package) is not None
+
+
+def refusal(choice: str, device_type: str, quantized_kv: bool, have_package: bool) -> str | None:
+    """Why `--attention-backend choice` cannot serve here (None: it can). `have_package`:
+    whether the package the choice needs (triton or flashinfer) is installed."""
+    if choice not in ATTENTION_BACKENDS:
+        return f"unknown attention backend {choice!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
+    if choice in ("auto", "torch"):
+        return None
+    if device_type != "cuda":
+        return f"{choice} needs a CUDA device, not {device_type}"
+    if not have_package:
+        return f"{choice} needs the {choice} package, which is not installed here"
+    if quantized_kv:
+        return (f"{choice} reads only a plain KV pool (unquantized, not a tensor-parallel head "
+                "slice); serve --kv-cache-dtype fp8/int8 with torch")
+    return None
+
+
+def resolve(choice: str, device_type: str, quantized_kv: bool, have_triton: bool,
+            have_flashinfer: bool) -> str:
+    """The backend `choice` means here: torch, triton or flashinfer (ValueError when refused)."""
+    have = {"triton": have_triton, "flashinfer": have_flashinfer}.get(choice, True)
+    why = refusal(choice, device_type, quantized_kv, have)
+    if why is not None:
+        raise ValueError(f"--attention-backend {why}")
+    if choice != "auto":
+        return choice
+    if device_type != "cuda" or quantized_kv:
+        return "torch"
+    return "flashinfer" if have_flashinfer else "triton" if have_triton else "torch"
+
+
+def make_backend(choice: str, dtype: torch.dtype, device: torch.device, plain_kv: bool = True
+                 ) -> AttentionBackend:
+    """The backend `choice` resolves to for a runner on `device` (`plain_kv`: an unquantized
+    pool whose views are whole and contiguous)."""
+    name = resolve(choice, device.type, not plain_kv, installed("triton"), installed("flashinfer"))
+    if name == "flashinfer":
+        from engine.flashinfer_attention import FlashInferAttention
+
+        return FlashInferAttention(device)
+    if name == "triton":
+        from engine.triton_attention import TritonPagedAttention
+
+        return TritonPagedAttention()
+    from engine.native_attention import default_backend
+
+    return default_backend(dtype, device, plain_kv)
