@@ -194,6 +194,10 @@ def test_auto_prefers_flashinfer_then_triton_on_cuda_and_explicit_choices_are_ch
     assert resolve("triton", "cuda", False, True, True) == "triton"
     assert resolve("flashinfer", "cuda", False, False, True) == "flashinfer"
     assert resolve("torch", "cuda", False, True, True) == "torch"
+    assert resolve("auto", "cuda", False, True, True, head_dim=128) == "flashinfer"
+    assert resolve("auto", "cuda", False, True, True, head_dim=16) == "triton"  # no flashinfer kernel
+    with pytest.raises(ValueError, match="flashinfer has kernels for head sizes 64, 128, 256, not 16"):
+        resolve("flashinfer", "cuda", False, True, True, head_dim=16)
     for choice in ("triton", "flashinfer"):
         with pytest.raises(ValueError, match=f"^--attention-backend {choice} needs a CUDA device, not cpu$"):
             resolve(choice, "cpu", False, True, True)
