@@ -30,7 +30,7 @@ import torch
 
 from common.kv_layout import NULL_BLOCK
 from engine.attention import AttentionBackend, AttentionMetadata, PrefillSeq
-from engine.kv_quant import KVCacheView, QuantizedCache, write_kv
+from engine.kv_quant import KVCacheView, write_plain_kv
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's documented default float workspace
 
@@ -113,11 +113,7 @@ class FlashInferAttention(AttentionBackend):
         v_cache: KVCacheView,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        if isinstance(k_cache, QuantizedCache) or isinstance(v_cache, QuantizedCache):
-            raise TypeError("FlashInferAttention reads only unquantized KV pools; serve "
-                            "--kv-cache-dtype fp8/int8 with --attention-backend torch")
-        write_kv(k_cache, meta.slot_mapping, k)
-        write_kv(v_cache, meta.slot_mapping, v)
+        k_cache, v_cache = write_plain_kv("FlashInferAttention", k_cache, v_cache, meta.slot_mapping, k, v)
         if self._planned is not meta:
             self._plan(meta, q, k_cache)
         outs = []

@@ -157,3 +157,16 @@ def read_blocks(cache: KVCacheView, ids: torch.Tensor, dtype: torch.dtype) -> to
         return cache.index_select(0, ids)
     return _dequantize(cache.codes.index_select(0, ids), cache.scales.index_select(0, ids),
                        cache.kind, dtype)
+
+
+def write_plain_kv(backend: str, k_cache: KVCacheView, v_cache: KVCacheView, slot_mapping: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`write_kv` for K and V, by a GPU backend (`backend` names it) that reads only an
+    unquantized pool: a quantized one is refused before anything is written. Returns the
+    two pool views as the plain tensors they are."""
+    if isinstance(k_cache, QuantizedCache) or isinstance(v_cache, QuantizedCache):
+        raise TypeError(f"{backend} reads only unquantized KV pools; serve "
+                        "--kv-cache-dtype fp8/int8 with --attention-backend torch")
+    write_kv(k_cache, slot_mapping, k)
+    write_kv(v_cache, slot_mapping, v)
+    return k_cache, v_cache

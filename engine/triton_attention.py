@@ -25,7 +25,7 @@ from engine.attention import (
     DecodeBatch,
     PrefillSeq,
 )
-from engine.kv_quant import KVCacheView, QuantizedCache, write_kv
+from engine.kv_quant import KVCacheView, write_plain_kv
 from engine.native_attention import default_backend as native_default_backend
 
 # A split covers at least this many KV blocks; splits are added until about
@@ -105,11 +105,7 @@ class TritonPagedAttention(AttentionBackend):
         v_cache: KVCacheView,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        if isinstance(k_cache, QuantizedCache) or isinstance(v_cache, QuantizedCache):
-            raise TypeError("TritonPagedAttention reads only unquantized KV pools; serve "
-                            "--kv-cache-dtype fp8/int8 with TorchPagedAttention")
-        write_kv(k_cache, meta.slot_mapping, k)
-        write_kv(v_cache, meta.slot_mapping, v)
+        k_cache, v_cache = write_plain_kv("TritonPagedAttention", k_cache, v_cache, meta.slot_mapping, k, v)
         outs = []
         if meta.decode is not None:
             b = meta.decode.num_seqs
