@@ -30,7 +30,7 @@ from bench import harness
 from bench.loadgen.launch import pdserve_up
 from pdserve.sim_profile import Profile
 from pdserve.simulate import Cluster, RequestResult, SimResult, simulate, summarize
-from pdserve.workload import SimRequest, Slo, Workload
+from pdserve.workload import SimRequest, Workload, parse_workload_slo
 
 WORKLOADS = (
     "rate=1,n=20,prompt=128-512,output=16,seed=1",  # light, mixed
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.plan import read_model_config
 
     vocab = read_model_config(Path(model)).vocab_size
-    slo = Slo.parse(args.slo)
+    slo = parse_workload_slo(args.slo)
     workloads = [Workload.parse(w) for w in args.workloads.split(";") if w.strip()]
     rows = []
     for split in args.splits.split(","):

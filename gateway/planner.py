@@ -30,38 +30,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
+from common.slo import Slo
+
 
 class Action(enum.Enum):
     HOLD = "hold"
     TO_PREFILL = "to_prefill"  # one decode worker becomes a prefill worker
     TO_DECODE = "to_decode"  # one prefill worker becomes a decode worker
-
-
-@dataclass(frozen=True)
-class Slo:
-    ttft_s: float
-    itl_s: float
-
-    def __post_init__(self) -> None:
-        if not (self.ttft_s > 0 and self.itl_s > 0):
-            raise ValueError("SLO targets must be positive seconds")
-
-
-def parse_slo(text: str) -> Slo:
-    """`ttft=2.0,itl=0.05` (seconds; `ms` suffix allowed) -> Slo. ValueError when malformed."""
-    values: dict[str, float] = {}
-    for part in text.split(","):
-        key, sep, raw = part.strip().partition("=")
-        if not sep or key not in ("ttft", "itl") or key in values:
-            raise ValueError(f"expected ttft=SECONDS,itl=SECONDS, got {text!r}")
-        scale = 1e-3 if raw.endswith("ms") else 1.0
-        try:
-            values[key] = float(raw.removesuffix("ms").removesuffix("s")) * scale
-        except ValueError:
-            raise ValueError(f"not a number of seconds: {raw!r}") from None
-    if set(values) != {"ttft", "itl"}:
-        raise ValueError(f"expected both ttft= and itl=, got {text!r}")
-    return Slo(values["ttft"], values["itl"])
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ Life of a simulated request:
    finishes and frees its blocks, and step 1's admission runs again.
 
 Reported per P:D split: TTFT and inter-token latency percentiles (nearest rank; ITL
-over every token gap), and goodput = requests meeting both SLOs (workload.Slo) /
+over every token gap), and goodput = requests meeting both SLOs (common.slo.Slo) /
 makespan (first arrival to last token).
 """
 
@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
+from common.slo import Slo
 from pdserve.sim_profile import Profile
-from pdserve.workload import SimRequest, Slo
+from pdserve.workload import SimRequest
 
 TIE = 0.02  # goodputs this close are the same for `recommend`
 

@@ -12,7 +12,7 @@ A workload is written as comma-separated `key=value` pairs:
 - `seed`: the draws are a pure function of the workload (`random.Random(seed)`), so
   the simulator and a measuring client replay the same requests.
 
-SLOs (`Slo`): a request meets them when its time to first token is at most `ttft_s`
+SLOs (`common.slo.Slo`): a request meets them when its time to first token is at most `ttft_s`
 and its mean inter-token latency ((last token - first token) / (output - 1); 0 for a
 one-token output) is at most `itl_s`.
 """
@@ -22,6 +22,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from common.slo import Slo, parse_slo
 
 ARRIVALS = ("poisson", "uniform")
 
@@ -112,28 +114,12 @@ class Workload:
         return out
 
 
-@dataclass(frozen=True)
-class Slo:
-    ttft_s: float
-    itl_s: float
-
-    def __post_init__(self) -> None:
-        if not (self.ttft_s > 0 and self.itl_s > 0):
-            raise WorkloadError(f"SLOs must be > 0 s, not ttft={self.ttft_s} itl={self.itl_s}")
-
-    @classmethod
-    def parse(cls, text: str) -> Slo:
-        """`ttft=1.0,itl=0.1` (seconds)."""
-        fields = _pairs(text, {"ttft", "itl"})
-        if fields.keys() != {"ttft", "itl"}:
-            raise WorkloadError("SLO needs ttft and itl in seconds, e.g. ttft=1.0,itl=0.1")
-        try:
-            return cls(float(fields["ttft"]), float(fields["itl"]))
-        except ValueError as e:
-            raise WorkloadError(f"SLO: {e}") from None
-
-    def met(self, ttft_s: float, itl_s: float) -> bool:
-        return ttft_s <= self.ttft_s and itl_s <= self.itl_s
+def parse_workload_slo(text: str) -> Slo:
+    """`ttft=1.0,itl=0.1` (common.slo's form) -> Slo; WorkloadError when malformed."""
+    try:
+        return parse_slo(text)
+    except ValueError as e:
+        raise WorkloadError(f"SLO: {e}") from None
 
 
 def _pairs(text: str, known: set[str]) -> dict[str, str]:

@@ -45,7 +45,7 @@ def test_plan_simulate_prints_every_split_and_recommends_one(profile_path: Path,
 
 @pytest.mark.parametrize("extra, message", [
     (["--workload", "rate=2,n=5,prompt=64"], "workload needs output"),
-    (["--workload", "rate=2,n=5,prompt=64,output=8", "--slo", "ttft=1"], "SLO needs ttft and itl"),
+    (["--workload", "rate=2,n=5,prompt=64,output=8", "--slo", "ttft=1"], "SLO: expected both ttft= and itl="),
     (["--workload", "rate=2,n=5,prompt=64,output=8", "--kv-tokens", "32"], "needs 5 KV blocks"),
 ])
 def test_plan_simulate_refuses_bad_input(profile_path: Path, capsys: pytest.CaptureFixture[str],

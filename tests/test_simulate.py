@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from common.slo import Slo
 from pdserve.sim_profile import (
     DecodeFit,
     PrefillFit,
@@ -17,7 +18,7 @@ from pdserve.sim_profile import (
     fit_prefill,
 )
 from pdserve.simulate import Cluster, SimulationError, recommend, simulate, simulate_splits
-from pdserve.workload import Lengths, SimRequest, Slo, Workload, WorkloadError
+from pdserve.workload import Lengths, SimRequest, Workload, WorkloadError, parse_workload_slo
 
 # 1 ms per prompt token, 10 ms per decode step whatever the batch.
 LINEAR = Profile(PrefillFit(0.0, 0.001, 0.0), DecodeFit(0.010, 0.0, 0.0), block_size=16, chunk_tokens=100,
@@ -137,11 +138,11 @@ def test_workload_specs_parse_draw_reproducibly_and_refuse_bad_input() -> None:
     assert reqs == w.requests() and reqs != Workload.parse("rate=4,n=400,prompt=64-128,output=16").requests()
     assert all(64 <= r.prompt_tokens <= 128 and r.output_tokens == 16 for r in reqs)
     assert reqs[-1].arrival / 399 == pytest.approx(0.25, rel=0.15)  # Poisson: mean gap 1 / rate
-    assert Slo.parse("ttft=0.5,itl=0.05") == Slo(0.5, 0.05)
+    assert parse_workload_slo("ttft=0.5,itl=0.05") == Slo(0.5, 0.05)
     for bad, msg in [("rate=4,n=1,prompt=8", "needs output"), ("rate=0,n=1,prompt=8,output=1", "rate must be"),
                      ("rate=1,n=1,prompt=9-3,output=1", "low <= high"), ("rate=1,n=1,prompt=8,output=1,x=2",
                                                                         "unknown key 'x'")]:
         with pytest.raises(WorkloadError, match=msg):
             Workload.parse(bad)
-    with pytest.raises(WorkloadError, match="needs ttft and itl"):
-        Slo.parse("ttft=1")
+    with pytest.raises(WorkloadError, match="SLO: expected both ttft= and itl="):
+        parse_workload_slo("ttft=1")

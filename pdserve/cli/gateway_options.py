@@ -181,7 +181,8 @@ def gateway_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def planner_settings(args: argparse.Namespace) -> Any:
     """--planner and its knobs -> `PlannerSettings` (None when off); bad --slo: UsageError."""
-    from gateway.planner import PlannerConfig, PlannerSettings, parse_slo
+    from common.slo import parse_slo
+    from gateway.planner import PlannerConfig, PlannerSettings
 
     try:
         slo = parse_slo(args.slo)

@@ -32,14 +32,14 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
 def run_simulate(args: argparse.Namespace) -> int:
     from pdserve.sim_profile import Profile, ProfileError
     from pdserve.simulate import SimulationError, format_results, recommend, simulate_splits
-    from pdserve.workload import Slo, Workload, WorkloadError
+    from pdserve.workload import Workload, WorkloadError, parse_workload_slo
 
     if args.workload is None:
         raise UsageError("--workload", "is required with --simulate")
     if args.workers < 2:
         raise UsageError("--workers", "a P:D split needs at least 2 workers")
     try:
-        workload, slo = Workload.parse(args.workload), Slo.parse(args.slo)
+        workload, slo = Workload.parse(args.workload), parse_workload_slo(args.slo)
         profile = Profile.load(args.simulate)
         results = simulate_splits(profile, args.workers, workload.requests(), slo,
                                   args.handoff_ms / 1000, args.kv_tokens)

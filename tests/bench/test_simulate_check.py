@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from bench.simulate_check import replay
+from common.slo import Slo
 from pdserve.simulate import Cluster, summarize
-from pdserve.workload import Slo, Workload
+from pdserve.workload import Workload
 from tests.bench.fake_openai import FakeOpenAIServer
 
 

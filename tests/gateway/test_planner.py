@@ -12,14 +12,13 @@ import random
 
 import pytest
 
+from common.slo import Slo, parse_slo
 from gateway.planner import (
     Action,
     LoadSample,
     PlannerConfig,
     PlannerState,
-    Slo,
     decide,
-    parse_slo,
     pressures,
     wanted_flip,
 )

@@ -10,9 +10,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from common import protocol as p
+from common.slo import Slo
 from gateway.admin_roles import RoleFlips
 from gateway.control_plane import ClusterConfig, ControlPlane
-from gateway.planner import PlannerConfig, PlannerSettings, Slo
+from gateway.planner import PlannerConfig, PlannerSettings
 from gateway.planner_loop import HistogramWindow, PlannerCollector, PlannerLoop
 
 
