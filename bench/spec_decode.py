@@ -1,12 +1,18 @@
 """Speculative decoding: engine decode tokens/s with speculation off vs on, same run.
 
-    .venv/bin/python -m bench.spec_decode [--workload quote|open|repeat|random]
+    .venv/bin/python -m bench.spec_decode [--workload redo|quote|open|repeat|random]
         [--concurrency 1,16] [--rounds 3] [--speculative-config JSON]
         [--disable-sweep 2,4,8,16] [--model DIR] [--threads N]
 
 Workloads (the trained built-in model unless `--model`):
 - `quote`: output repeats the prompt (summarize-and-quote): a held-out story, then its
-  first sentence again, so the continuation quotes the story; n-gram drafts by default.
+  first sentence again, meant to be quoted (the trained model does not copy it: 3-gram
+  copied fraction ~0.1); n-gram drafts by default.
+- `redo`: output repeats the prompt on the trained model (regenerate / ask-again traffic):
+  a held-out story's first sentence, the model's own earlier greedy answer and its end
+  token, then the same first sentence again (`redo_prompt`). The model does
+  not copy a text it did not write (`quote`), but it repeats its own answer held in the context.
+  n-gram drafts K=6 with lookup 2-4 tokens by default (chosen by measurement: bench/README.md).
 - `open`: open-ended prompts, the first sentence of a held-out story; the trained
   draft model `pdserve-tiny-llama-draft` drafts by default (K=3, chosen by measurement:
   bench/README.md).
@@ -20,7 +26,8 @@ prefilled. Each rate is printed twice: by the wall clock, and by this process's 
 time (the engine runs on this process's threads, so the CPU-time ratio is the one
 other processes' load on the machine does not move). Prints each round's ratios, and
 per concurrency the medians over rounds with the mean acceptance length (1 + accepted
-drafts per verifying step). Outputs are checked identical (greedy).
+drafts per verifying step) and the fraction of output tokens that complete a 3-gram of
+their prompt ("copied": how much the output repeats the prompt). Outputs are checked identical (greedy).
 
 `--disable-sweep V1,V2,...` repeats the on engine with `disable_by_batch_size` set to
 each value (one engine each) to choose that default.
@@ -38,8 +45,11 @@ from bench import harness
 from common.sampling_params import SamplingParams
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+REDO_NGRAM = '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 DRAFT_K = 3
-WORKLOADS = ("quote", "open", "repeat", "random")
+WORKLOADS = ("redo", "quote", "open", "repeat", "random")
+REDO_ANSWER_LEN = 192  # the earlier answer: generated until the model's end token, at most this
+REDO_PASSES = 2  # the earlier answer: to the bare opening, then to the redo prompt holding that one
 HELDOUT_SEED = 1_000_000  # pdserve.story_corpus: stories from here on were never trained on
 
 
@@ -62,10 +72,13 @@ class Ratio:
     cpu: float
     mean_acceptance_length: float
     identical: bool
+    copied: float  # mean fraction of output tokens completing a 3-gram of their prompt
 
 
 def default_spec(workload: str) -> str:
     """The speculative config a workload is measured with unless one is given."""
+    if workload == "redo":
+        return REDO_NGRAM  # K and lookup chosen by measurement (bench/README.md)
     if workload != "open":
         return NGRAM
     import json
@@ -88,8 +101,45 @@ def text_prompt(workload: str, seed: int) -> str:
     return f"{text}\n\n{first}" if workload == "quote" else first
 
 
-def prompts(workload: str, n: int, length: int, salt: int, vocab: int, tokenizer: Any = None) -> list[list[int]]:
-    """`n` prompts of `workload` (token ids); `length` sizes the random-token ones."""
+def prompt_ngram_fraction(prompt: list[int], output: tuple[int, ...] | list[int], n: int = 3) -> float:
+    """The fraction of `output` tokens that end an `n`-gram (counting the prompt's tail) found in `prompt`."""
+    grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
+    seq = list(prompt) + list(output)
+    hits = sum(tuple(seq[k - n + 1:k + 1]) in grams for k in range(len(prompt), len(seq)))
+    return hits / len(output) if output else 0.0
+
+
+def greedy_answer(engine: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    """The engine's greedy output for `prompt`, up to and with its end token."""
+    rid = f"answer{time.monotonic_ns()}"
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    out: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.extend(t for c in o.outputs for t in c.token_ids)
+    return out
+
+
+def redo_prompt(engine: Any, opening: list[int], end_ids: tuple[int, ...]) -> list[int]:
+    """`redo`: the opening, the model's earlier greedy answer closed by an end token, the opening
+    again. The earlier answer is the one the model gives in that same context (its answer to
+    `opening, first answer, end, opening`), as a regenerated chat turn holds the previous answer
+    to the same conversation; the model's first answer to the bare opening often differs."""
+    answer: list[int] = []
+    for _ in range(REDO_PASSES):
+        answer = greedy_answer(engine, opening + answer + opening if answer else opening, REDO_ANSWER_LEN)
+        if not answer or answer[-1] not in end_ids:
+            answer.append(end_ids[0])
+    return opening + answer + opening
+
+
+def prompts(workload: str, n: int, length: int, salt: int, vocab: int, tokenizer: Any = None,
+            engine: Any = None) -> list[list[int]]:
+    """`n` prompts of `workload` (token ids); `length` sizes the random-token ones; `redo`
+    generates each earlier answer on `engine` (greedy)."""
+    if workload == "redo":
+        return [redo_prompt(engine, list(tokenizer.encode(text_prompt("open", salt * 100 + i), add_special_tokens=True)),
+                            tuple(tokenizer.eos_token_ids)) for i in range(n)]
     if workload in ("quote", "open"):
         return [list(tokenizer.encode(text_prompt(workload, salt * 100 + i), add_special_tokens=True))
                 for i in range(n)]
@@ -144,8 +194,9 @@ def compare(off: Any, on: Any, batch: list[list[int]], output_len: int, on_first
     else:
         a = decode_run(off, batch, output_len)
         b = decode_run(on, batch, output_len)
+    copied = statistics.mean(prompt_ngram_fraction(p, o) for p, o in zip(batch, a.outputs, strict=True))
     return a, b, Ratio(b.tokens_per_s / a.tokens_per_s, b.cpu_tokens_per_s / a.cpu_tokens_per_s,
-                       b.mean_acceptance_length, a.outputs == b.outputs)
+                       b.mean_acceptance_length, a.outputs == b.outputs, copied)
 
 
 def rounds(off: Any, on: Any, make_batch: Any, c: int, n_rounds: int, output_len: int,
@@ -157,15 +208,16 @@ def rounds(off: Any, on: Any, make_batch: Any, c: int, n_rounds: int, output_len
         got.append(ratio)
         print(f"{label} C={c} round {r + 1} ({'on' if r % 2 else 'off'} first): off {a.tokens_per_s:.1f} / "
               f"on {b.tokens_per_s:.1f} tok/s, ratio wall {ratio.wall:.2f} cpu {ratio.cpu:.2f}, mean acceptance "
-              f"length {ratio.mean_acceptance_length:.2f} ({b.drafts} drafts), "
+              f"length {ratio.mean_acceptance_length:.2f} ({b.drafts} drafts), copied {ratio.copied:.2f}, "
               f"outputs {'identical' if ratio.identical else 'DIFFER'}")
         runs += [replace(a, outputs=[]).__dict__ | {"label": label, "concurrency": c, "round": r, "spec": False},
                  replace(b, outputs=[]).__dict__ | {"label": label, "concurrency": c, "round": r, "spec": True,
                                                     "identical": ratio.identical}]
     med = Ratio(statistics.median(x.wall for x in got), statistics.median(x.cpu for x in got),
-                statistics.median(x.mean_acceptance_length for x in got), all(x.identical for x in got))
+                statistics.median(x.mean_acceptance_length for x in got), all(x.identical for x in got),
+                statistics.median(x.copied for x in got))
     print(f"{label} C={c}: median ratio on/off wall {med.wall:.2f}, cpu {med.cpu:.2f} over {n_rounds} rounds, "
-          f"median mean acceptance length {med.mean_acceptance_length:.2f}"
+          f"median mean acceptance length {med.mean_acceptance_length:.2f}, copied {med.copied:.2f}"
           f"{'' if med.identical else ', OUTPUTS DIFFER'}")
     return med
 
@@ -176,7 +228,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=128, help="repeat/random workloads")
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--workload", choices=WORKLOADS, default="quote")
+    ap.add_argument("--workload", choices=WORKLOADS, default="redo")
     ap.add_argument("--speculative-config", default=None, help="default: per workload (see above)")
     ap.add_argument("--disable-sweep", default="", help="disable_by_batch_size values, comma-separated")
     ap.add_argument("--dtype", default="auto")
@@ -187,14 +239,14 @@ def main() -> int:
     spec = SpeculativeConfig.from_json(args.speculative_config or default_spec(args.workload))
     off = build(model, args.threads, args.dtype, None)
     tokenizer = None
-    if args.workload in ("quote", "open"):
+    if args.workload in ("redo", "quote", "open"):
         from gateway.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_model_dir(model)
     vocab = min(off.vocab_size, 2000)
 
     def make_batch(c: int, r: int) -> list[list[int]]:
-        return prompts(args.workload, c, args.prompt_len, 1000 * c + r, vocab, tokenizer)
+        return prompts(args.workload, c, args.prompt_len, 1000 * c + r, vocab, tokenizer, off)
 
     variants = ([replace(spec, disable_by_batch_size=int(v)) for v in args.disable_sweep.split(",")]
                 if args.disable_sweep else [spec])

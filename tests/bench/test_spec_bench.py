@@ -19,6 +19,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 class _Chars:
     """A stand-in tokenizer: one id per character."""
 
+    eos_token_ids = (1,)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(ch) % 200 + 5 for ch in text]
 
@@ -37,6 +39,8 @@ def test_open_workload_drafts_with_the_trained_draft_model() -> None:
     assert spec.method == "draft_model" and spec.num_speculative_tokens == spec_decode.DRAFT_K
     assert spec.model is not None and Path(spec.model).name == "pdserve-tiny-llama-draft"
     assert SpeculativeConfig.from_json(spec_decode.default_spec("quote")).method == "ngram"
+    redo = SpeculativeConfig.from_json(spec_decode.default_spec("redo"))
+    assert (redo.method, redo.num_speculative_tokens, redo.prompt_lookup_min) == ("ngram", 6, 2)
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +58,22 @@ def test_a_round_matches_outputs_and_reports_acceptance(on_first: bool,
     assert ratio.identical and a.outputs == b.outputs and all(len(o) == 12 for o in a.outputs)
     assert a.drafts == 0 and b.drafts > 0 and ratio.mean_acceptance_length == b.mean_acceptance_length > 1
     assert ratio.wall > 0 and ratio.cpu > 0
+
+
+def test_prompt_ngram_fraction_counts_output_tokens_that_continue_a_prompt_trigram() -> None:
+    assert spec_decode.prompt_ngram_fraction([1, 2, 3, 1, 2], [3, 1, 2]) == 1.0  # the prompt's tail counts
+    prompt = [1, 2, 3, 4, 5]
+    assert spec_decode.prompt_ngram_fraction(prompt, [9, 9, 9]) == 0.0
+    assert spec_decode.prompt_ngram_fraction(prompt, [6, 1, 2, 3]) == 0.25  # only (1, 2, 3)
+
+
+def test_redo_prompt_holds_the_models_own_answer_then_the_opening_again(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    off, _ = engines
+    [prompt] = spec_decode.prompts("redo", 1, 0, 5, 100, _Chars(), off)
+    opening = _Chars().encode(spec_decode.text_prompt("open", 500))
+    first = spec_decode.greedy_answer(off, opening, spec_decode.REDO_ANSWER_LEN)
+    first = first if first and first[-1] == 1 else [*first, 1]
+    answer = spec_decode.greedy_answer(off, opening + first + opening, spec_decode.REDO_ANSWER_LEN)
+    closed = answer if answer and answer[-1] == 1 else [*answer, 1]
+    assert spec_decode.REDO_PASSES == 2 and prompt == opening + closed + opening and len(answer) > 0
+    assert spec_decode.prompts("redo", 2, 0, 6, 100, _Chars(), off)[1] != prompt  # fresh stories per request
