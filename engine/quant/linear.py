@@ -57,6 +57,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("q", parts.q.to(device).contiguous())
         self.register_buffer("scales", parts.scales.to(device=device, dtype=dtype))
         # The native kernel's copy of the codes, laid out once here (not a buffer: CPU only).
+        # It doubles the layer's code bytes (q stays for one row and for more than 32).
         self.native: int8_kernel.PackedInt8 | None = None
         if int8_kernel.packs_for(dtype, device):
             self.native = int8_kernel.pack(self.q, self.scales)
