@@ -45,6 +45,13 @@ def _load() -> ctypes.CDLL | None:
         lib.pd_int4_dequant.argtypes = [P, P, ctypes.c_int, I64, I64, I64, ctypes.c_int, P,
                                         ctypes.c_int]
         lib.pd_int4_dequant.restype = ctypes.c_int
+    if hasattr(lib, "pd_int8_gemm_bf16"):
+        lib.pd_int8_gemm_bf16.argtypes = [P, I64, I64, P, P, I64, P, ctypes.c_int, ctypes.c_int]
+        lib.pd_int8_gemm_bf16.restype = ctypes.c_int
+        lib.pd_int8_gemm_supported.argtypes = []
+        lib.pd_int8_gemm_supported.restype = ctypes.c_int
+        lib.pd_int8_gemm_amx_supported.argtypes = []
+        lib.pd_int8_gemm_amx_supported.restype = ctypes.c_int
     return lib
 
 

@@ -12,8 +12,11 @@ rows (outputs sliced off) and zero columns (activations zero-padded to match).
 
 The aten CPU kernels are small-M kernels (AVX-512, no AMX): measured on this host
 (1 thread, 768-4096 x 768-2048 layers) they take ~0.3x the bf16 matmul's time at one
-row but 2.5-3x at 16 rows and 3-27x at 128. So an int8 layer given more than
-`INT8_KERNEL_ROWS` rows converts its weight to the compute dtype for that call and
+row but 2.5-3x at 16 rows and 3-27x at 128. A bf16 int8 layer on a CPU with AVX-512
+BF16 therefore runs the native kernel (engine/quant/int8_kernel.py: AMX tiles over
+int8 codes widened to bf16, ~0.3-0.45x the bf16 matmul at 8-32 rows) for 2 to 32 rows;
+one row stays on the aten kernel, which measured faster there. An int8 layer given more than
+`INT8_KERNEL_ROWS` rows (and not taken by the native kernel) converts its weight to the compute dtype for that call and
 runs the ordinary matmul, scaling the output per channel (exact: x @ (q s)^T =
 (x @ q^T) s). An int4 layer given more than `INT4_KERNEL_ROWS` rows on CPU unpacks its
 packed codes into a dense weight of the compute dtype (the native kernel
@@ -34,6 +37,7 @@ from torch import nn
 
 from engine import native_kernels
 from engine.native_kernels import DTYPE_CODES
+from engine.quant import int8_kernel
 from engine.quant.formats import INT4_GROUP, ON_THE_FLY, QuantizationError
 from engine.quant.pack import Int4Parts, Int8Parts, quantize_int4, quantize_int8
 
@@ -52,10 +56,17 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = parts.q.shape
         self.register_buffer("q", parts.q.to(device).contiguous())
         self.register_buffer("scales", parts.scales.to(device=device, dtype=dtype))
+        # The native kernel's copy of the codes, laid out once here (not a buffer: CPU only).
+        # It doubles the layer's code bytes (q stays for one row and for more than 32).
+        self.native: int8_kernel.PackedInt8 | None = None
+        if int8_kernel.packs_for(dtype, device):
+            self.native = int8_kernel.pack(self.q, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_ROWS:
+        if self.native is not None and int8_kernel.use_native(x2):
+            y = int8_kernel.matmul(x2, self.native)
+        elif x2.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_ROWS:
             y = torch._weight_int8pack_mm(x2.contiguous(), self.q, self.scales)
         else:
             y = F.linear(x2, self.q.to(x2.dtype)) * self.scales

@@ -35,7 +35,7 @@ def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
-@pytest.mark.parametrize("rows", [5, 64])  # the aten kernel, and the converted weight past INT8_KERNEL_ROWS
+@pytest.mark.parametrize("rows", [1, 5, 64])  # aten kernel; native kernel for bf16 (else aten); converted
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(96, 64), (40, 688), (256, 384)])  # ragged N and K too
 def test_int8_layer_is_the_matmul_of_its_dequantized_weight(

@@ -1,0 +1,86 @@
+"""The native small-M int8 weight GEMM (engine/_int8_gemm.c) for bf16 activations on CPU.
+
+`pack` lays an int8 weight [N, K] out once, at load, as [N/16, K/2, 16, 2] (N padded to
+16 and K to 2 with zero codes): one 32-byte load is 16 output channels x 2 consecutive
+k, the operand of an AVX-512 BF16 dot product. `matmul` runs it for up to `MAX_ROWS`
+rows. `use_native` is the one place that decides, per call, whether the kernel runs
+instead of torch's paths (engine/quant/linear.py): only where it measured faster
+(`python -m bench.int8_gemm`), only for bf16 on a CPU that has AVX-512 BF16, and never
+when the library is missing or `PDSERVE_NATIVE_KERNELS=0`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from engine import native_kernels
+
+MAX_ROWS = 32
+# Rows from which the kernel beats both the aten int8 kernel and the bf16 matmul
+# (bench/int8_gemm.py, 1 thread: 0.3-0.45x bf16 at 8-32 rows; at one row the aten
+# kernel's ~0.3x beat its ~0.4-0.8x).
+MIN_ROWS = 2
+
+
+class PackedInt8(NamedTuple):
+    """An int8 weight in the kernel's layout with its float32 per-channel scales."""
+
+    codes: torch.Tensor  # int8 [ceil(N/16), ceil(K/2), 16, 2]
+    scales: torch.Tensor  # float32 [N]
+    out_features: int
+    in_features: int
+
+
+def available() -> bool:
+    """The library has the kernel and this CPU can run it."""
+    lib = native_kernels.LIB
+    return lib is not None and hasattr(lib, "pd_int8_gemm_bf16") and bool(lib.pd_int8_gemm_supported())
+
+
+def amx_available() -> bool:
+    """`available()` and this process may use AMX tiles (else `matmul` runs AVX-512 BF16)."""
+    lib = native_kernels.LIB
+    return available() and lib is not None and bool(lib.pd_int8_gemm_amx_supported())
+
+
+_AVAILABLE = available()
+
+
+def packs_for(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether an int8 layer computing in `dtype` on `device` keeps a copy for the kernel."""
+    return _AVAILABLE and dtype == torch.bfloat16 and device.type == "cpu"
+
+
+def use_native(x: torch.Tensor) -> bool:
+    """Whether an int8 layer given the rows of `x` [M, K] runs the native kernel: bf16 on
+    CPU, MIN_ROWS <= M <= MAX_ROWS (per-layer timings in bench/int8_gemm.py)."""
+    return (_AVAILABLE and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and MIN_ROWS <= x.shape[0] <= MAX_ROWS)
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor) -> PackedInt8:
+    """int8 codes [N, K] and per-channel scales [N] in the kernel's layout."""
+    n, k = q.shape
+    padded = F.pad(q, (0, k % 2, 0, -n % 16))
+    codes = padded.reshape(padded.shape[0] // 16, 16, padded.shape[1] // 2, 2).permute(0, 2, 1, 3)
+    return PackedInt8(codes.contiguous(), scales.float().contiguous(), n, k)
+
+
+def matmul(x: torch.Tensor, w: PackedInt8, amx: bool = True) -> torch.Tensor:
+    """x [M, K] bf16 (M <= MAX_ROWS) @ (codes * scales)^T -> [M, N] bf16, through AMX tiles
+    where the CPU has them and `amx`, else the AVX-512 BF16 loop."""
+    lib = native_kernels.LIB
+    assert lib is not None
+    x = x.contiguous()
+    m, k = x.shape
+    if k != w.in_features or x.dtype != torch.bfloat16:
+        raise ValueError(f"int8 kernel takes bf16 [M, {w.in_features}], got {x.dtype} {tuple(x.shape)}")
+    y = torch.empty(m, w.out_features, dtype=torch.bfloat16)
+    rc = lib.pd_int8_gemm_bf16(x.data_ptr(), m, k, w.codes.data_ptr(), w.scales.data_ptr(),
+                               w.out_features, y.data_ptr(), torch.get_num_threads(), int(amx))
+    if rc != 0:
+        raise ValueError(f"int8 kernel cannot run {m} x {k} @ {w.out_features} (code {rc})")
+    return y
