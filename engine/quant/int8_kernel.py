@@ -3,10 +3,11 @@
 `pack` lays an int8 weight [N, K] out once, at load, as [N/16, K/2, 16, 2] (N padded to
 16 and K to 2 with zero codes): one 32-byte load is 16 output channels x 2 consecutive
 k, the operand of an AVX-512 BF16 dot product. `matmul` runs it for up to `MAX_ROWS`
-rows. `use_native` is the one place that decides, per call, whether the kernel runs
-instead of torch's paths (engine/quant/linear.py): only where it measured faster
-(`python -m bench.int8_gemm`), only for bf16 on a CPU that has AVX-512 BF16, and never
-when the library is missing or `PDSERVE_NATIVE_KERNELS=0`.
+rows, `matmul_rows` for any number in blocks of `MAX_ROWS`. `packs_for` is the one place
+that decides whether a layer keeps its codes in this layout and runs the kernel for every
+call (engine/quant/linear.py): only for bf16 on a CPU that has AVX-512 BF16, and never
+when the library is missing or `PDSERVE_NATIVE_KERNELS=0` (`python -m bench.int8_gemm`
+times it against torch's paths).
 """
 
 from __future__ import annotations
@@ -18,11 +19,7 @@ import torch.nn.functional as F
 
 from engine import native_kernels
 
-MAX_ROWS = 32
-# Rows from which the kernel beats both the aten int8 kernel and the bf16 matmul
-# (bench/int8_gemm.py, 1 thread: 0.3-0.45x bf16 at 8-32 rows; at one row the aten
-# kernel's ~0.3x beat its ~0.4-0.8x).
-MIN_ROWS = 2
+MAX_ROWS = 32  # rows per kernel call (AMX: two 16-row tiles)
 
 
 class PackedInt8(NamedTuple):
@@ -54,13 +51,6 @@ def packs_for(dtype: torch.dtype, device: torch.device) -> bool:
     return _AVAILABLE and dtype == torch.bfloat16 and device.type == "cpu"
 
 
-def use_native(x: torch.Tensor) -> bool:
-    """Whether an int8 layer given the rows of `x` [M, K] runs the native kernel: bf16 on
-    CPU, MIN_ROWS <= M <= MAX_ROWS (per-layer timings in bench/int8_gemm.py)."""
-    return (_AVAILABLE and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and MIN_ROWS <= x.shape[0] <= MAX_ROWS)
-
-
 def pack(q: torch.Tensor, scales: torch.Tensor) -> PackedInt8:
     """int8 codes [N, K] and per-channel scales [N] in the kernel's layout."""
     n, k = q.shape
@@ -84,3 +74,10 @@ def matmul(x: torch.Tensor, w: PackedInt8, amx: bool = True) -> torch.Tensor:
     if rc != 0:
         raise ValueError(f"int8 kernel cannot run {m} x {k} @ {w.out_features} (code {rc})")
     return y
+
+
+def matmul_rows(x: torch.Tensor, w: PackedInt8) -> torch.Tensor:
+    """`matmul` for any number of rows, `MAX_ROWS` at a time."""
+    if x.shape[0] <= MAX_ROWS:
+        return matmul(x, w)
+    return torch.cat([matmul(x[i:i + MAX_ROWS], w) for i in range(0, x.shape[0], MAX_ROWS)])

@@ -13,10 +13,11 @@ rows (outputs sliced off) and zero columns (activations zero-padded to match).
 The aten CPU kernels are small-M kernels (AVX-512, no AMX): measured on this host
 (1 thread, 768-4096 x 768-2048 layers) they take ~0.3x the bf16 matmul's time at one
 row but 2.5-3x at 16 rows and 3-27x at 128. A bf16 int8 layer on a CPU with AVX-512
-BF16 therefore runs the native kernel (engine/quant/int8_kernel.py: AMX tiles over
-int8 codes widened to bf16, ~0.3-0.45x the bf16 matmul at 8-32 rows) for 2 to 32 rows;
-one row stays on the aten kernel, which measured faster there. An int8 layer given more than
-`INT8_KERNEL_ROWS` rows (and not taken by the native kernel) converts its weight to the compute dtype for that call and
+BF16 therefore holds its codes only in the native kernel's layout and runs it for every
+call (engine/quant/int8_kernel.py: AMX tiles over int8 codes widened to bf16, ~0.3-0.45x
+the bf16 matmul at 8-32 rows, 1.0-1.3x the aten kernel at one row, ~1.2x bf16 at 512
+rows in blocks of 32). Otherwise (float32, no AVX-512 BF16) an int8 layer given more
+than `INT8_KERNEL_ROWS` rows converts its weight to the compute dtype for that call and
 runs the ordinary matmul, scaling the output per channel (exact: x @ (q s)^T =
 (x @ q^T) s). An int4 layer given more than `INT4_KERNEL_ROWS` rows on CPU unpacks its
 packed codes into a dense weight of the compute dtype (the native kernel
@@ -48,28 +49,32 @@ INT4_KERNEL_ROWS = 32
 
 
 class Int8Linear(nn.Module):
-    q: torch.Tensor  # int8 [N, K]
+    q: torch.Tensor | None  # int8 [N, K]; None where the native kernel holds the codes
     scales: torch.Tensor  # [N], the compute dtype
 
     def __init__(self, parts: Int8Parts, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.out_features, self.in_features = parts.q.shape
-        self.register_buffer("q", parts.q.to(device).contiguous())
         self.register_buffer("scales", parts.scales.to(device=device, dtype=dtype))
-        # The native kernel's copy of the codes, laid out once here (not a buffer: CPU only).
-        # It doubles the layer's code bytes (q stays for one row and for more than 32).
+        # A bf16 layer on a CPU the native kernel runs on keeps its codes only in the
+        # kernel's layout (once: int8 stays 1 byte a weight), and every call runs it.
         self.native: int8_kernel.PackedInt8 | None = None
         if int8_kernel.packs_for(dtype, device):
-            self.native = int8_kernel.pack(self.q, self.scales)
+            self.native = int8_kernel.pack(parts.q, self.scales)
+            self.register_buffer("q", None)
+        else:
+            self.register_buffer("q", parts.q.to(device).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.native is not None and int8_kernel.use_native(x2):
-            y = int8_kernel.matmul(x2, self.native)
-        elif x2.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_ROWS:
-            y = torch._weight_int8pack_mm(x2.contiguous(), self.q, self.scales)
+        if self.native is not None:
+            y = int8_kernel.matmul_rows(x2.to(torch.bfloat16), self.native).to(x2.dtype)
         else:
-            y = F.linear(x2, self.q.to(x2.dtype)) * self.scales
+            assert self.q is not None
+            if x2.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_ROWS:
+                y = torch._weight_int8pack_mm(x2.contiguous(), self.q, self.scales)
+            else:
+                y = F.linear(x2, self.q.to(x2.dtype)) * self.scales
         return y.reshape(*x.shape[:-1], self.out_features)
 
 

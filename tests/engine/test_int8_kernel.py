@@ -71,17 +71,18 @@ def test_matmul_rejects_what_it_cannot_run() -> None:
         int8_kernel.matmul(torch.randn(33, 64).bfloat16(), packed)
 
 
-def test_int8_layer_takes_the_kernel_for_2_to_32_bf16_rows_only() -> None:
-    x = torch.zeros(1, 64, dtype=torch.bfloat16)
-    chosen = {m: int8_kernel.use_native(x.expand(m, 64)) for m in (1, 2, 16, 32, 33)}
-    assert chosen == {1: False, 2: True, 16: True, 32: True, 33: False}
-    assert not int8_kernel.use_native(torch.zeros(16, 64))  # float32 keeps torch's path
+def test_a_bf16_int8_layer_holds_its_codes_once_and_runs_the_kernel_for_any_rows() -> None:
     w = torch.randn(96, 64, generator=torch.Generator().manual_seed(1)) * 0.05
-    assert quantize_weight(w, "int8", torch.float32).native is None  # no copy it cannot use
+    fp32 = quantize_weight(w, "int8", torch.float32)
+    assert isinstance(fp32, Int8Linear) and fp32.native is None and fp32.q is not None  # torch's paths
     layer = quantize_weight(w, "int8", torch.bfloat16)
     assert isinstance(layer, Int8Linear) and layer.native is not None
-    x16 = torch.randn(2, 8, 64).to(torch.bfloat16)
-    assert torch.equal(layer(x16), int8_kernel.matmul(x16.reshape(16, 64), layer.native).reshape(2, 8, 96))
+    assert layer.q is None  # one copy of the codes: 1 byte a weight, as int8 promises
+    assert layer.native.codes.dtype == torch.int8 and layer.native.codes.numel() == 96 * 64
+    for rows in (1, 16, 70):  # one row, one kernel call, several 32-row calls
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        blocks = [int8_kernel.matmul(x[i:i + 32], layer.native) for i in range(0, rows, 32)]
+        assert torch.equal(layer(x), torch.cat(blocks))
 
 
 def test_bf16_int8_engine_decodes_through_the_kernel_deterministically(
