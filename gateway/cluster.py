@@ -371,16 +371,14 @@ class ClusterBackend:
     def _assign(a: Attempt, w: WorkerInfo, tokens: int, blocks: int = 0) -> None:
         a.workers.add(w.worker_id)
         w.inflight.add(a.wid)
-        w.add_pending(a.wid, tokens)
-        w.pending_blocks += blocks
-        w.pending_seqs += 1 if blocks or w.role == "colocated" else 0
+        w.add_pending(a.wid, tokens, blocks, 1 if blocks or w.role == "colocated" else 0)
 
     def _unassign(self, a: Attempt, worker_id: str) -> None:
         a.workers.discard(worker_id)
         w = self.registry.get(worker_id)
         if w is not None:
             w.inflight.discard(a.wid)
-            w.settle(a.wid)
+            w.release(a.wid)
 
     def _prompt_done(self, a: Attempt, cached_tokens: int) -> None:
         """The prompt is computed: its cache report checks the KV index; no longer queued load."""

@@ -35,19 +35,35 @@ class WorkerInfo:
     pending_seqs: int = 0
     # Each request's part of `pending_tokens`: settled once its prompt is computed.
     pending_prompts: dict[str, int] = field(default_factory=dict)
+    # Each request's part of `pending_blocks` and `pending_seqs`: released once it leaves.
+    pending_holds: dict[str, tuple[int, int]] = field(default_factory=dict)
     draining: bool = False  # deregistered but still finishing its in-flight requests
     # Last time its step counter moved or it held no runnable work (stall detection).
     progress_at: float = 0.0
     stalled: bool = False  # no progress while holding work: not routed, requests recovered
 
-    def add_pending(self, request_id: str, tokens: int) -> None:
+    def add_pending(self, request_id: str, tokens: int, blocks: int = 0, seqs: int = 0) -> None:
         self.pending_tokens += tokens
         self.pending_prompts[request_id] = self.pending_prompts.get(request_id, 0) + tokens
+        if blocks or seqs:
+            held_blocks, held_seqs = self.pending_holds.get(request_id, (0, 0))
+            self.pending_holds[request_id] = (held_blocks + blocks, held_seqs + seqs)
+            self.pending_blocks += blocks
+            self.pending_seqs += seqs
 
     def settle(self, request_id: str) -> None:
         """`request_id`'s prompt is computed (or abandoned): no longer queued load here,
         even before the next heartbeat says so (a turn-by-turn client comes back at once)."""
         self.pending_tokens = max(0, self.pending_tokens - self.pending_prompts.pop(request_id, 0))
+
+    def release(self, request_id: str) -> None:
+        """`request_id` left this worker: nothing of it counts here any more, even before
+        the next heartbeat says so (else a turn-by-turn client's next turn would see its
+        prefix holder as still running the last one)."""
+        self.settle(request_id)
+        blocks, seqs = self.pending_holds.pop(request_id, (0, 0))
+        self.pending_blocks = max(0, self.pending_blocks - blocks)
+        self.pending_seqs = max(0, self.pending_seqs - seqs)
 
     @property
     def worker_id(self) -> str:
@@ -142,6 +158,7 @@ class WorkerRegistry:
         info.load = hb
         info.pending_tokens = info.pending_blocks = info.pending_seqs = 0
         info.pending_prompts.clear()
+        info.pending_holds.clear()
         return True
 
     def touch(self, worker_id: str, now: float) -> None:

@@ -66,12 +66,23 @@ def test_a_repeated_prefix_lands_on_the_worker_holding_it(
     ids = reference.completion_ids(TEXT)
     assert len(ids) > 4 * BLOCK
     expected = reference.text(reference.generate(ids, max_tokens=MAX_TOKENS, temperature=0.0)[0])
+    full_blocks = (len(ids) - 1) // BLOCK
+    pools = ["colocated" if r == "worker" else r for r in roles]
     with cluster(log_dir, router, roles) as c:
         cached = []
+
+        def indexed() -> bool:  # every pool has a worker the gateway knows holds the prompt
+            workers = c.worker_list()
+            return all(max(w["kv_index_blocks"] for w in workers if w["role"] == pool) >= full_blocks
+                       for pool in pools)
+
         for _ in hits:
             out = complete(c, reference.model_name, TEXT)
             assert out["choices"][0]["text"] == expected
             cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+            # The workers' KV events reach the gateway on their next tick: the next request is
+            # routed on what the gateway has heard, so wait for it (a user's next turn does too).
+            c._wait(indexed, "the gateway to index the prompt's blocks")
         assert [n > 0 for n in cached] == hits, cached
         # A hit covers every full block of the prompt but the one holding its last token.
         assert all(n == (len(ids) - 1) // BLOCK * BLOCK for n in cached if n), cached

@@ -157,6 +157,31 @@ def test_a_computed_prompt_stops_counting_as_queued_load() -> None:
     assert w.queued_tokens == 3
 
 
+def test_a_finished_request_stops_weighing_on_its_decode_worker_before_the_heartbeat() -> None:
+    """A turn-by-turn client's next turn must find its prefix holder free again, not still
+    running the last turn: a reservation's blocks and sequence count only while it is there."""
+    a, b = _decode("a"), _decode("b")
+    router = _router(a=KEYS[:6])
+    for turn in ("t1#1", "t2#1"):
+        a.add_pending(turn, 41, blocks=11, seqs=1)  # the last turns, finished since the heartbeat
+    assert (a.running, a.free_blocks) == (2, 256 - 22)
+    assert router.pick_decode([a, b], _payload()) is b  # 11 - 6 + 4 * 2 > 11
+    a.release("t1#1")
+    a.release("t1#1")  # releasing twice takes nothing more
+    a.release("t2#1")
+    assert (a.running, a.free_blocks, a.queued_tokens) == (0, 256, 0)
+    assert router.pick_decode([a, b], _payload()) is a
+    reg = WorkerRegistry(3.0)  # a heartbeat replaces every pending hold
+    reg.register(a.reg, 0.0)
+    w = reg.get("a")
+    assert w is not None
+    w.add_pending("t3#1", 41, blocks=11, seqs=1)
+    reg.heartbeat(Heartbeat("a", 1, 245, 256, 1, 0), 1.0)
+    assert w.pending_holds == {}
+    w.release("t3#1")  # already in the heartbeat's count: nothing more to take
+    assert (w.running, w.free_blocks) == (1, 245)
+
+
 def _decode(wid: str, free: int = 256, running: int = 0) -> WorkerInfo:
     w = _worker(wid, "decode", running=running)
     assert w.load is not None
