@@ -125,3 +125,19 @@ def test_quantized_experts_shrink_and_plan_counts_the_bytes_held(
         assert _expert_bytes(quant) <= ratio * _expert_bytes(full), scheme
         plan = compute_plan(d, 1 << 30, 128, dtype="float32", quantization=scheme)
         assert plan.weight_bytes == _held_bytes(quant), scheme
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_cuda_sparse_layers_match_their_cpu_twins(tiny_model_dir: Callable[..., Path], scheme: str) -> None:
+    d = tiny_model_dir("mixtral")
+    cpu = _load(d, torch.float32, scheme)
+    _, gpu = load_model_with(d, torch.float32, "cuda", None, quantization=scheme)
+    assert isinstance(gpu, MoEForCausalLM)
+    x = torch.randn(40, cpu.cfg.hidden_size)
+    for i in cpu.moe.sparse_layers:
+        assert isinstance(_moe(gpu, i).experts[0].down_weight, LAYER_CLASS[scheme])
+        want = _moe(cpu, i)(x)
+        got = _moe(gpu, i)(x.cuda()).cpu()
+        # CUDA int4 runs in bf16 (the kernel's only dtype): within a bf16 rounding.
+        assert (got - want).abs().max().item() <= 3e-2 * want.abs().max().item(), i
