@@ -14,12 +14,13 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from bench import quant
 
-MIXTRAL_150M = {
+MIXTRAL_150M: dict[str, Any] = {
     "hidden_size": 768, "num_hidden_layers": 6, "num_attention_heads": 12, "num_key_value_heads": 4,
     "intermediate_size": 1024, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
     "max_position_embeddings": 2048, "sliding_window": None,
