@@ -5,7 +5,9 @@ token for token, at several prompt lengths; every KV block comes back."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,24 +27,31 @@ MAX_TOKENS = 24
 def served(
     tiny_model_dir: Callable[..., Path], model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Path, Cluster, Cluster]]:
-    """(model, a 1P+1D cluster, a colocated one), started side by side."""
+    """(model, a 1P+1D cluster, a colocated one), started side by side and stopped together."""
     tmp = tmp_path_factory.mktemp("moe-quant")
     d = _servable(tiny_model_dir("qwen3_moe"), model_dir, tmp / "qwen3_moe")
-    pd, co = Cluster(tmp / "pd"), Cluster(tmp / "co")
-    (tmp / "pd").mkdir()
-    (tmp / "co").mkdir()
+    roles = {"pd": ("prefill", "decode"), "co": ("worker",)}
+    for name in roles:
+        (tmp / name).mkdir()
+    clusters = {name: Cluster(tmp / name) for name in roles}
+
+    def start(name: str) -> None:
+        clusters[name].start_gateway("--model", str(d))
+        for role in roles[name]:
+            clusters[name].add_worker(role, "--model", str(d), "--quantization", SCHEME)
+
     try:
-        for c in (pd, co):
-            c.start_gateway("--model", str(d))
-        pd.add_worker("prefill", "--model", str(d), "--quantization", SCHEME)
-        pd.add_worker("decode", "--model", str(d), "--quantization", SCHEME)
-        co.add_worker("worker", "--model", str(d), "--quantization", SCHEME)
-        pd.wait_roles(prefill=1, decode=1)
-        co.wait_roles(colocated=1)
-        yield d, pd, co
+        with ThreadPoolExecutor(len(roles)) as pool:
+            list(pool.map(start, roles))
+        clusters["pd"].wait_roles(prefill=1, decode=1)
+        clusters["co"].wait_roles(colocated=1)
+        yield d, clusters["pd"], clusters["co"]
     finally:
-        pd.stop()
-        co.stop()
+        for c in clusters.values():  # every process shuts down at once, then each is reaped
+            for proc in [*c.workers, *([c.gateway] if c.gateway else [])]:
+                proc.signal(signal.SIGTERM)
+        for c in clusters.values():
+            c.stop()
 
 
 def _greedy(c: Cluster, model: str, prompt: list[int]) -> tuple[str, list[str]]:
