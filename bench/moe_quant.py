@@ -4,8 +4,8 @@
 
 `bench.quant`'s measurement (c=1 decode ITL, c=16 output tok/s, prefill tok/s, schemes
 interleaved, ratios against bf16 in the same run) over a random-weight Mixtral of a
-~150M shape (6 layers, hidden 768, 8 experts of 1,024, top-2: the experts are ~75% of
-the weights) unless `--model` names a checkpoint. Each expert's matmul sees only the
+~170M shape (6 layers, hidden 768, 8 experts of 1,024, top-2: the experts are two
+thirds of the weights) unless `--model` names a checkpoint. Each expert's matmul sees only the
 tokens routed to it (at c=16, ~4 rows), the small-M regime of the int8/int4 kernels.
 """
 
@@ -20,7 +20,7 @@ import torch
 
 from bench import quant
 
-MIXTRAL_150M: dict[str, Any] = {
+MIXTRAL_170M: dict[str, Any] = {
     "hidden_size": 768, "num_hidden_layers": 6, "num_attention_heads": 12, "num_key_value_heads": 4,
     "intermediate_size": 1024, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
     "max_position_embeddings": 2048, "sliding_window": None,
@@ -32,7 +32,7 @@ def build_moe(out_dir: Path) -> Path:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    MixtralForCausalLM(MixtralConfig(**MIXTRAL_150M)).save_pretrained(out_dir, safe_serialization=True)
+    MixtralForCausalLM(MixtralConfig(**MIXTRAL_170M)).save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> str:
     if "--model" in args:
         return quant.main(args)
     with tempfile.TemporaryDirectory() as tmp:
-        return quant.main([*args, "--model", str(build_moe(Path(tmp) / "moe-150m"))])
+        return quant.main([*args, "--model", str(build_moe(Path(tmp) / "moe-170m"))])
 
 
 if __name__ == "__main__":
