@@ -8,9 +8,10 @@ when present, the safetensors headers (for an exact parameter count). The figure
   the parameters one token runs through (its top-k experts) are reported beside them;
 - weight bytes = parameters x bytes per element of the serving dtype (`auto`, the
   default, resolves as the workers do: `engine.dtype`); under weight quantization
-  (`--quantization int8|int4`, or an AWQ/GPTQ checkpoint's own) the decoder linears
-  count their quantized bytes with scales and zeros (`engine.quant.formats`), the
-  embeddings, LM head and norms stay in the serving dtype, as the engine keeps them;
+  (`--quantization int8|int4`, or an AWQ/GPTQ checkpoint's own) the decoder linears,
+  every expert's included, count their quantized bytes with scales and zeros
+  (`engine.quant.formats`), the embeddings, LM head, norms and MoE routers stay in the
+  serving dtype, as the engine keeps them;
 - KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes of the
   KV-cache dtype (the serving dtype, or `--kv-cache-dtype fp8|int8`: 1 byte; their
   per-block scales are not counted) -- never the query head count;
@@ -130,9 +131,13 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     """(out, in) of every decoder linear weight: what weight quantization applies to."""
     h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     attn, mlp = [(q, h), (kv, h), (kv, h), (h, q)], [(inter, h), (inter, h), (h, inter)]
-    # A MoE layer's experts are served unquantized (engine/models/moe.py): not listed.
-    sparse = set(cfg.moe.sparse_layers) if cfg.moe else set()
-    return [s for i in range(cfg.num_layers) for s in attn + ([] if i in sparse else mlp)]
+    # A MoE layer's MLP is its experts' (each quantized like a dense MLP); its router is not listed.
+    sparse: set[int] = set()
+    experts: list[tuple[int, int]] = []
+    if cfg.moe is not None:
+        sparse, e_inter = set(cfg.moe.sparse_layers), cfg.moe.expert_intermediate_size
+        experts = [(e_inter, h), (e_inter, h), (h, e_inter)] * cfg.moe.num_experts
+    return [s for i in range(cfg.num_layers) for s in attn + (experts if i in sparse else mlp)]
 
 
 def weight_bytes(cfg: ModelConfig, params: int, scheme: str, compute_bytes: int) -> int:

@@ -9,7 +9,11 @@ the weighted sum of those experts' SwiGLU MLPs. Neither family has shared expert
 
 Each expert's gate and up projections are fused into one matmul, like the dense
 MLP; an expert runs once per step over exactly the tokens routed to it, in
-expert order (the order HF sums them in).
+expert order (the order HF sums them in). Weight quantization (`--quantization
+int8|int4`, AWQ/GPTQ checkpoints) replaces every expert's two linears like the
+dense ones (`linear_weights`), so each expert's small-M matmul runs the quantized
+kernel; the router stays in the compute dtype (tiny, and a rounding must not flip
+a token's experts).
 """
 
 from __future__ import annotations
@@ -21,6 +25,24 @@ from torch import nn
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM, WeightSpec, _param
 from engine.moe_config import MoEConfig
+from engine.quant.linear import linear
+
+# An expert's linears by parameter name (under `layers.{i}.mlp.experts.{e}.`).
+EXPERT_LINEARS = ("gate_up_weight", "down_weight")
+
+
+class Expert(nn.Module):
+    """One expert's SwiGLU MLP; each weight a float parameter or a quantized layer."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.inter = inter
+        self.gate_up_weight = _param(2 * inter, hidden, dtype=dtype, device=device)
+        self.down_weight = _param(hidden, inter, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(x, self.gate_up_weight, None).split([self.inter, self.inter], dim=-1)
+        return linear(F.silu(gate) * up, self.down_weight, None)
 
 
 class SparseMoE(nn.Module):
@@ -32,12 +54,8 @@ class SparseMoE(nn.Module):
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (supported: silu)")
         hd, inter = cfg.hidden_size, moe.expert_intermediate_size
         self.moe = moe
-        self.inter = inter
         self.router_weight = _param(moe.num_experts, hd, dtype=dtype, device=device)
-        self.gate_up = nn.ParameterList(_param(2 * inter, hd, dtype=dtype, device=device)
-                                        for _ in range(moe.num_experts))
-        self.down = nn.ParameterList(_param(hd, inter, dtype=dtype, device=device)
-                                     for _ in range(moe.num_experts))
+        self.experts = nn.ModuleList(Expert(hd, inter, dtype, device) for _ in range(moe.num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) for tokens x [T, hidden]."""
@@ -53,8 +71,7 @@ class SparseMoE(nn.Module):
         # Only experts some token picked run; `unique` is sorted, so the sum is in expert order.
         for e in torch.unique(experts).tolist():
             token, slot = torch.where(experts == e)
-            gate, up = F.linear(x[token], self.gate_up[e]).split([self.inter, self.inter], dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[e]) * weights[token, slot, None]
+            y = self.experts[e](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(x.dtype))
         return out
 
@@ -78,10 +95,12 @@ class MoEForCausalLM(LlamaForCausalLM):
             self.layers[i].mlp = SparseMoE(cfg, self.moe, dtype, device)
 
     def linear_weights(self) -> list[str]:
-        """The decoder linears weight quantization applies to: experts are not among them
-        (they are served in the compute dtype)."""
+        """The decoder linears weight quantization applies to: attention, the dense layers'
+        MLPs and every expert's two linears (the routers are not among them)."""
         sparse = tuple(f"layers.{i}.mlp." for i in self.moe.sparse_layers)
-        return [n for n in super().linear_weights() if not n.startswith(sparse)]
+        dense = [n for n in super().linear_weights() if not n.startswith(sparse)]
+        return dense + [f"layers.{i}.mlp.experts.{e}.{n}" for i in self.moe.sparse_layers
+                        for e in range(self.moe.num_experts) for n in EXPERT_LINEARS]
 
     def weight_specs(self) -> list[WeightSpec]:
         sparse = tuple(f"layers.{i}.mlp." for i in self.moe.sparse_layers)
@@ -104,7 +123,7 @@ def expert_specs(cfg: ModelConfig, moe: MoEConfig, layer: int) -> list[WeightSpe
     specs = [WeightSpec(lp + "router_weight", ((block + "gate.weight", (moe.num_experts, hd)),))]
     for e in range(moe.num_experts):
         x = f"{block}experts.{e}."
-        specs.append(WeightSpec(f"{lp}gate_up.{e}", ((x + gate + ".weight", (inter, hd)),
-                                                      (x + up + ".weight", (inter, hd)))))
-        specs.append(WeightSpec(f"{lp}down.{e}", ((x + down + ".weight", (hd, inter)),)))
+        specs.append(WeightSpec(f"{lp}experts.{e}.gate_up_weight", ((x + gate + ".weight", (inter, hd)),
+                                                                    (x + up + ".weight", (inter, hd)))))
+        specs.append(WeightSpec(f"{lp}experts.{e}.down_weight", ((x + down + ".weight", (hd, inter)),)))
     return specs

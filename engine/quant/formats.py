@@ -9,7 +9,8 @@ Schemes (the string the KV compatibility hash, metrics and `/v1/models` report):
 - `awq` / `gptq`: a pre-quantized 4-bit checkpoint (`quantization_config` in
   config.json), loaded into the int4 path as stored.
 
-Embeddings, the LM head and norms stay in the compute dtype under every scheme.
+Embeddings, the LM head, norms and MoE routers stay in the compute dtype under every
+scheme; MoE experts are quantized like the dense linears.
 """
 
 from __future__ import annotations

@@ -20,3 +20,10 @@ def test_quick_run_prints_one_row_per_scheme(tiny_model_dir: Callable[..., Path]
     for line in table[1:]:
         numbers = [float(x) for x in line.replace("|", " ").split()[1:]]
         assert len(numbers) == 6 and all(x > 0 for x in numbers)
+
+
+def test_moe_bench_runs_every_scheme_on_a_moe_model(tiny_model_dir: Callable[..., Path]) -> None:
+    from bench.moe_quant import main as moe_main
+
+    table = moe_main(["--quick", "--model", str(tiny_model_dir("mixtral"))]).splitlines()
+    assert [line.split("|")[0].strip() for line in table[1:]] == ["bf16", "int8", "int4"]

@@ -123,3 +123,38 @@ def test_a_mislabelled_checkpoint_names_the_tensor(tiny_model_dir: Callable[...,
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"qzeros.*expected \[1, "):
         load_model_with(tmp_path / "awq", torch.float32, "cpu", None)
+
+
+# (family, an expert's gate/up and down tensors of its first routed layer)
+MOE_EXPERTS = {
+    "mixtral": ("model.layers.0.block_sparse_moe.experts.3.w1.weight",
+                "model.layers.0.block_sparse_moe.experts.3.w2.weight"),
+    "qwen3_moe": ("model.layers.0.mlp.experts.5.gate_proj.weight", "model.layers.0.mlp.experts.5.down_proj.weight"),
+}
+
+
+@pytest.mark.parametrize("case", ["awq-g32", "gptq-v2-act-order"])
+@pytest.mark.parametrize("family", sorted(MOE_EXPERTS))
+def test_moe_experts_load_from_awq_and_gptq_checkpoints(
+    tiny_model_dir: Callable[..., Path], tmp_path: Path, family: str, case: str
+) -> None:
+    """Every expert's `qweight`/`qzeros`/`scales` (+ `g_idx`) under its float name loads
+    into the int4 path; the router stays float; served greedy output equals the float
+    model holding the dequantized weights."""
+    src = tiny_model_dir(family)
+    deq = _write(src, tmp_path / "q", case)
+    originals = load_file(str(src / "model.safetensors"))
+    for name in MOE_EXPERTS[family]:
+        w = originals[name]
+        parts = _parts(tmp_path / "q", name.removesuffix("weight"), *w.shape)
+        assert torch.equal(parts.dequantize(), deq[name]), name
+        assert (parts.dequantize() - w).abs().max().item() <= parts.scales.max().item() / 2 + 1e-3, name
+    _, model = load_model_with(tmp_path / "q", torch.float32, "cpu", None)
+    moe = model.layers[0].mlp
+    assert isinstance(moe.router_weight, torch.nn.Parameter)
+    for expert in moe.experts:
+        assert isinstance(expert.gate_up_weight, ConcatLinear if CASES[case][2] else Int4Linear)
+        assert isinstance(expert.down_weight, Int4Linear)
+    ref = write_fake_quant(src, tmp_path / "ref", deq)
+    prompt = list(range(5, 37))
+    assert _greedy(tmp_path / "q", prompt) == _greedy(ref, prompt)

@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Decoder linears by checkpoint name; MoE experts' too (Qwen3-MoE's share the dense names,
+# Mixtral's are w1/w3/w2). Routers (`...gate.weight`) stay float, as AutoAWQ/GPTQModel keep them.
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map for 4 bits
 
 
@@ -86,7 +88,7 @@ def write_quantized(src: Path, dst: Path, method: str, group: int, *, desc_act: 
     deq: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(seed)
     for name, w in tensors.items():
-        if not any(name.endswith(f"{lin}.weight") for lin in LINEARS):
+        if not any(name.endswith(f".{lin}.weight") for lin in LINEARS):
             out[name] = w
             continue
         prefix = name.removesuffix("weight")
@@ -130,3 +132,24 @@ def write_fake_quant(src: Path, dst: Path, weights: dict[str, torch.Tensor]) -> 
     tensors.update({k: v.to(tensors[k].dtype).contiguous() for k, v in weights.items()})
     save_file(tensors, str(dst / "model.safetensors"))
     return dst
+
+
+def write_dequantized(src: Path, dst: Path, scheme: str) -> Path:
+    """`src` as a float checkpoint whose decoder linears (experts included) hold the
+    weights on-the-fly `scheme` (int8 | int4) quantization serves in float32: what a
+    float32 worker started with `--quantization scheme` on `src` must compute."""
+    from engine.quant.formats import INT4_GROUP
+    from engine.quant.pack import quantize_int4, quantize_int8
+
+    deq = {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not any(name.endswith(f".{lin}.weight") for lin in LINEARS):
+            continue
+        if scheme == "int8":  # per row: quantizing a fused parameter's parts alone is the same
+            parts = quantize_int8(w)
+            deq[name] = parts.q.float() * parts.scales[:, None]
+        else:  # groups run along K within a row: likewise
+            k = w.shape[1]
+            padded = torch.nn.functional.pad(w.float(), (0, -k % INT4_GROUP))
+            deq[name] = quantize_int4(padded, INT4_GROUP).dequantize()[:, :k]
+    return write_fake_quant(src, dst, deq)
