@@ -19,7 +19,7 @@ from tests.e2e.cluster import Cluster, CountedStreams, http
 from tests.e2e.conftest import Reference
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land", "1, 2, 3, 4,"]
-LONG = 160
+LONG = 96  # tokens a kill-test stream runs: enough that the kill lands mid-stream
 
 
 def follower_pids(worker_pid: int) -> list[int]:
