@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,13 @@ from engine.kv_pool import TORCH_DTYPES
 from engine.model_config import ModelConfig, ModelConfigError
 from engine.models import MODEL_REGISTRY, LlamaForCausalLM
 from engine.models.llama import WeightSpec
-from engine.parallel.plan import TPShard, local_config
-from engine.parallel.weights import shard_source, stage_specs
+from engine.parallel.plan import ParallelLayoutError, TPShard, check_tp_quant, local_config
+from engine.parallel.quant_shard import quantized_linear, slice_int4
+from engine.parallel.weights import shard_source, shard_span, stage_specs
 from engine.quant.checkpoint import load_linear
 from engine.quant.formats import ON_THE_FLY, QuantizationError, served_quantization
-from engine.quant.linear import quantize_weight, set_weight
+from engine.quant.linear import set_weight
+from engine.quant.pack import Int4Parts
 from engine.weights_fingerprint import FingerprintError, WeightsFingerprint, fingerprint_files
 
 SINGLE_FILE = "model.safetensors"
@@ -176,8 +179,11 @@ def load_model_with(
         scheme = served_quantization(quantization, cfg.prequant)
     except QuantizationError as e:
         raise CheckpointError(str(e)) from e
-    if shard is not None and scheme != "none":
-        raise CheckpointError(f"tensor/pipeline parallel with {scheme} weights is not supported yet")
+    if shard is not None:
+        try:
+            check_tp_quant(cfg, shard.size, scheme)
+        except ParallelLayoutError as e:
+            raise CheckpointError(str(e)) from e
     files = weight_files(d)
     dev = torch.device(device)
     model_cls = MODEL_REGISTRY[cfg.architecture]
@@ -196,21 +202,28 @@ def load_model_with(
         tensors = _Tensors(files, stack)
         for spec in specs:
             if spec.param in prequant and cfg.prequant is not None:
+                part_of = None if shard is None else partial(_int4_part, spec.param, shard, cfg.head_dim)
                 try:
-                    layer = load_linear(tensors.get, tensors.has, spec.sources, cfg.prequant, dtype, dev)
+                    layer = load_linear(tensors.get, tensors.has, spec.sources, cfg.prequant, dtype, dev, part_of)
                 except QuantizationError as e:
                     raise CheckpointError(str(e)) from e
                 set_weight(model, spec.param, layer)
                 continue
             parts = [tensors.get(name, shape) for name, shape in spec.sources]
+            if scheme in ON_THE_FLY and spec.param in linears:  # quantized whole, then sliced
+                set_weight(model, spec.param,
+                           quantized_linear(spec.param, parts, scheme, dtype, dev, shard, cfg.head_dim))
+                continue
             if shard is not None:
                 parts = [shard_source(spec.param, i, t, shard, cfg.head_dim) for i, t in enumerate(parts)]
             value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            if scheme in ON_THE_FLY and spec.param in linears:  # from the checkpoint's precision
-                set_weight(model, spec.param, quantize_weight(value.to(dev), scheme, dtype))
-            else:
-                params[spec.param].copy_(value.to(dtype))
+            params[spec.param].copy_(value.to(dtype))
     return cfg, model.eval()
+
+
+def _int4_part(param: str, shard: TPShard, head_dim: int, index: int, parts: Int4Parts) -> Int4Parts:
+    """The rank's slice of source `index` of a pre-quantized linear."""
+    return slice_int4(parts, shard_span(param, index, shard, head_dim), param)
 
 
 def _full_specs(model_cls: type[LlamaForCausalLM], cfg: ModelConfig, dtype: torch.dtype) -> list[WeightSpec]:

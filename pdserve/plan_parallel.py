@@ -4,16 +4,19 @@ the weights plus the working KV (`--concurrency` full-length requests, default 1
 Per device, for TP t and PP p (t x p devices; TP inside a node, PP across nodes):
 
 - weights = all weights / (t x p) (split evenly; the engine's replicated embedding
-  and LM head add vocab x hidden x bytes per extra rank, `replicated_bytes`);
+  and LM head add vocab x hidden x bytes per extra rank, `replicated_bytes`); under
+  weight quantization "all weights" are the quantized bytes `pdserve.plan` counts
+  (codes, scales and zeros split with their channels);
 - KV bytes per token = 2 x (layers / p, rounded up) x KV heads per rank x head_dim x
-  bytes, where a rank holds KV heads / t of them, or one when t exceeds the KV heads
+  KV bytes, where a rank holds KV heads / t of them, or one when t exceeds the KV heads
   (replicated);
 - KV budget = device memory - overhead - weights; max concurrency = budget // KV of
   one full-length request on that device.
 
 Layouts are tried by device count, then fewer pipeline stages (a collective inside a
 node is cheaper than a stage boundary); a TP size must split the heads as the engine
-does (`engine.parallel.plan.check_tp`).
+does (`engine.parallel.plan.check_tp`) and, under int4/AWQ/GPTQ, give each rank whole
+quantization groups (`check_tp_quant`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.model_config import ModelConfig
-from engine.parallel.plan import ParallelLayoutError, check_tp
+from engine.parallel.plan import ParallelLayoutError, check_tp, check_tp_quant
 from pdserve.plan import CapacityPlan, format_bytes
 
 
@@ -52,7 +55,7 @@ def layout_plan(plan: CapacityPlan, cfg: ModelConfig, tp: int, pp: int, concurre
     weights = -(-plan.weight_bytes // n)
     heads = max(1, cfg.num_kv_heads // tp)
     layers = -(-cfg.num_layers // pp)
-    per_token = 2 * layers * heads * cfg.head_dim * plan.bytes_per_element
+    per_token = 2 * layers * heads * cfg.head_dim * plan.kv_bytes_per_element
     request_tokens = plan.kv_bytes_per_request // plan.kv_bytes_per_token
     budget = max(0, plan.device_memory - plan.overhead_bytes - weights)
     embed = cfg.vocab_size * cfg.hidden_size * plan.bytes_per_element * (1 if cfg.tie_word_embeddings else 2)
@@ -69,6 +72,7 @@ def recommend(plan: CapacityPlan, cfg: ModelConfig, max_devices: int, devices_pe
     for tp in range(1, min(max_devices, devices_per_node) + 1):
         try:
             check_tp(cfg, tp)
+            check_tp_quant(cfg, tp, plan.quantization)
         except ParallelLayoutError:
             continue
         layouts += [(tp * pp, pp, tp) for pp in range(1, min(cfg.num_layers, max_devices // tp) + 1)]

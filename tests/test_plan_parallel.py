@@ -73,3 +73,25 @@ def test_cli_prints_the_layout(llama_70b: Path, capsys: pytest.CaptureFixture[st
     assert main([*argv, "--json"]) == 0
     layout = json.loads(capsys.readouterr().out)["parallel"]
     assert layout["devices"] == 8 and layout["kv_heads_per_device"] == 1
+
+
+def test_quantized_weights_need_fewer_devices(llama_70b: Path) -> None:
+    cfg = read_model_config(llama_70b)
+    fp16, int4 = _plan(llama_70b), compute_plan(llama_70b, A100, 4096, dtype="float16", device="cuda",
+                                                quantization="int4")
+    # 70 full 4K requests: fp16 weights leave two devices room for ~2, int4's for ~79.
+    f, q = recommend(fp16, cfg, max_devices=8, concurrency=70), recommend(int4, cfg, max_devices=8, concurrency=70)
+    assert f is not None and (f.tensor_parallel, f.pipeline_parallel) == (4, 1)
+    assert q is not None and (q.tensor_parallel, q.pipeline_parallel) == (2, 1)
+    assert q.weight_bytes_per_device == -(-int4.weight_bytes // 2) < 0.3 * fp16.weight_bytes
+    assert layout_plan(int4, cfg, 2, 1, 70).weight_bytes_per_device < 20e9
+
+
+def test_int4_layouts_whose_groups_straddle_ranks_are_skipped(tmp_path: Path) -> None:
+    # 28,800 = 225 groups of 128: two ranks of down_proj would each hold 112.5 groups.
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_70B, "intermediate_size": 28800}))
+    cfg = read_model_config(tmp_path)
+    int4 = compute_plan(tmp_path, A100, 4096, dtype="float16", device="cuda", quantization="int4")
+    assert layout_plan(int4, cfg, 2, 1, 40).max_concurrency >= 40  # TP 2 would hold them
+    got = recommend(int4, cfg, max_devices=8, concurrency=40)
+    assert got is not None and (got.tensor_parallel, got.pipeline_parallel) == (1, 2)

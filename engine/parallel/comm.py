@@ -3,7 +3,9 @@
 Rank 0 hosts the rendezvous store on an ephemeral loopback port (a TP group lives on
 one host); every rank builds a gloo group over it. So one process may hold several
 groups (tests do), and nothing is ever pickled: the step inputs travel as int64
-tensors (`engine.parallel.steps`).
+tensors (`engine.parallel.steps`). A group on CUDA (`device` cuda:N, one GPU a rank,
+`engine.parallel.devices`) adds an NCCL group over the same store for the activations'
+all-reduce and sends; the step broadcast and barriers stay on gloo.
 """
 
 from __future__ import annotations
@@ -14,26 +16,31 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.parallel.devices import GLOO, backend_for
+
 HOST = "127.0.0.1"
 
 
 class TPGroup:
     """All-reduce for the model's blocks and a broadcast of rank 0's step inputs."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float, device: str = "cpu") -> None:
         gloo: Any = dist.ProcessGroupGloo  # its stubs lack the collectives and _Options
         opts = gloo._Options()
         opts._devices = [gloo.create_device(hostname=HOST)]
         opts._timeout = datetime.timedelta(seconds=timeout_s)
         self.rank = rank
         self.size = size
+        self.device = device
         self._pg = gloo(store, rank, size, opts)
+        # The activations' collectives: gloo on the CPU, NCCL between the ranks' GPUs.
+        self._data = self._pg if backend_for(device) == GLOO else _nccl(store, rank, size, timeout_s)
         self._bcast = dist.BroadcastOptions()
         self._bcast.rootRank = 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place; returns `x`."""
-        self._pg.allreduce([x]).wait()
+        """Sum `x` (on this rank's device) over the ranks, in place; returns `x`."""
+        self._data.allreduce([x]).wait()
         return x
 
     def broadcast_longs(self, values: torch.Tensor | None) -> torch.Tensor:
@@ -47,20 +54,31 @@ class TPGroup:
     def isend(self, x: torch.Tensor, dst: int, tag: int = 0) -> Any:
         """Point to point (pipeline stages), not waited for: returns the work to `wait()`
         on before `x` is reused; matched by `recv` on `dst` with the same tag, in order."""
-        return self._pg.send([x], dst, tag)
+        return self._data.send([x], dst, tag)
 
     def recv(self, x: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        self._pg.recv([x], src, tag).wait()
+        self._data.recv([x], src, tag).wait()
         return x
 
     def barrier(self) -> None:
         self._pg.barrier().wait()
 
 
-def sub_group(store: dist.Store, name: str, rank: int, size: int, timeout_s: float) -> TPGroup:
+def _nccl(store: dist.Store, rank: int, size: int, timeout_s: float) -> Any:
+    """An NCCL group over `store` (its own key prefix); the caller's current CUDA device
+    (`torch.cuda.set_device`, done by the rank's runner) is this rank's."""
+    nccl: Any = dist.ProcessGroupNCCL  # absent from CPU builds' stubs
+    opts = nccl.Options()
+    opts.is_high_priority_stream = False
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    return nccl(dist.PrefixStore("nccl/", store), rank, size, opts)
+
+
+def sub_group(store: dist.Store, name: str, rank: int, size: int, timeout_s: float,
+              device: str = "cpu") -> TPGroup:
     """A group of some of the ranks (one pipeline stage's tensor-parallel ranks), over the
     same rendezvous store under its own key prefix; `rank` is the rank within it."""
-    return TPGroup(dist.PrefixStore(f"{name}/", store), rank, size, timeout_s)
+    return TPGroup(dist.PrefixStore(f"{name}/", store), rank, size, timeout_s, device)
 
 
 def reduce_group(store: dist.Store, world: TPGroup, tp: int, pp: int, timeout_s: float) -> TPGroup | None:
@@ -72,7 +90,7 @@ def reduce_group(store: dist.Store, world: TPGroup, tp: int, pp: int, timeout_s:
     if pp == 1:
         return world
     stage, t = divmod(world.rank, tp)
-    return sub_group(store, f"stage{stage}", t, tp, timeout_s)
+    return sub_group(store, f"stage{stage}", t, tp, timeout_s, world.device)
 
 
 def leader_store(size: int, timeout_s: float) -> dist.TCPStore:

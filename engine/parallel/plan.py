@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.model_config import ModelConfig
+from engine.quant.formats import INT4_GROUP, QuantizationError
 
 
 class ParallelLayoutError(ValueError):
@@ -63,6 +64,26 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
     if cfg.intermediate_size % size:
         raise ParallelLayoutError(
             f"tensor_parallel_size {size} does not divide intermediate_size {cfg.intermediate_size}")
+
+
+def check_tp_quant(cfg: ModelConfig, size: int, scheme: str) -> None:
+    """Raise ParallelLayoutError unless weights quantized under `scheme` split across
+    `size` ranks. int8 always does (a per-output-channel scale follows its channel, or
+    is the whole row's on every rank); an int4 group (128 channels, or an AWQ/GPTQ
+    checkpoint's group) must never straddle two ranks of a row-parallel layer, so each
+    rank's share of o_proj's and down_proj's input channels must be whole groups."""
+    if size == 1 or scheme not in ("int4", "awq", "gptq"):
+        return
+    for name, k in (("o_proj", cfg.q_size), ("down_proj", cfg.intermediate_size)):
+        try:
+            group = INT4_GROUP if cfg.prequant is None else cfg.prequant.kernel_group(k)
+        except QuantizationError as e:
+            raise ParallelLayoutError(str(e)) from e
+        if (k // size) % group:
+            raise ParallelLayoutError(
+                f"{scheme} weights under tensor_parallel_size {size}: {name}'s {k} input channels give "
+                f"{k // size} per rank, not a multiple of the {group}-channel quantization group "
+                "(a group may not straddle two ranks)")
 
 
 def tp_shard(cfg: ModelConfig, size: int, rank: int) -> TPShard:

@@ -9,6 +9,7 @@ the same way (`RankWatch`): a dead rank takes the whole group down.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -17,6 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any
 
 from common.kv_layout import KVLayout
@@ -56,6 +58,7 @@ def start_followers(args: list[RankArgs]) -> list[Any]:
 def follower_main(args: RankArgs) -> None:
     """A follower rank's process: load, join the group, run steps until STOP."""
     _exit_with_parent()
+    _name_process(args.rank)
     # The group lives as long as rank 0: a signal to the worker's process group (SIGTERM
     # to drain, Ctrl-C under `pdserve up`) is rank 0's to act on; it then says STOP.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -92,6 +95,13 @@ def follower_main(args: RankArgs) -> None:
                 stage_step(runner, group, chunks, links)
             else:
                 runner.execute(chunks)
+
+
+def _name_process(rank: int) -> None:
+    """`pdserve-rank<r>` as the process name (`ps`, /proc/<pid>/comm), so an operator or
+    a test can tell the ranks apart; Linux only, best effort."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/comm").write_text(f"pdserve-rank{rank}")
 
 
 def _exit_with_parent() -> None:

@@ -30,11 +30,13 @@ from engine.dtype import resolved_config
 from engine.loader import load_config
 from engine.model_runner import ModelRunner
 from engine.parallel.comm import TPGroup, leader_store, reduce_group
+from engine.parallel.devices import GLOO, group_devices
 from engine.parallel.pipeline import PipeEvent, leader_step, stage_links
-from engine.parallel.plan import rank_shard
+from engine.parallel.plan import check_tp_quant, rank_shard
 from engine.parallel.ranks import RankArgs, RankWatch, exit_process, start_followers
 from engine.parallel.shared_pool import SharedSegment, create_segment
 from engine.parallel.steps import encode_step, encode_stop
+from engine.quant.formats import served_quantization
 from engine.runner_types import SeqChunk
 
 # Rendezvous and collective timeout: loading a follower's slice must finish within it.
@@ -68,8 +70,14 @@ class TPRunner(ModelRunner):
         size = config.tensor_parallel_size * config.pipeline_parallel_size
         full = load_config(config.model_dir)
         shard = rank_shard(full, config.tensor_parallel_size, config.pipeline_parallel_size, 0)  # checks first
-        if not config.device.startswith("cpu"):
-            raise ValueError("tensor and pipeline parallel run on CPU (gloo) only so far")
+        check_tp_quant(full, config.tensor_parallel_size, served_quantization(config.quantization, full.prequant))
+        devices = group_devices(config.device, size, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        if devices.backend != GLOO:
+            # The devices and NCCL are chosen (`engine.parallel.devices`, `comm`); the ranks'
+            # own KV pools, their block copies and the KV handoff from them are not.
+            raise ValueError(f"tensor and pipeline parallel on {config.device} ({devices.backend} over "
+                             f"{', '.join(devices.devices)}) is not served yet: the KV pool is shared "
+                             "CPU memory; run the group on cpu")
         layout = layout or ModelRunner.layout_for(config)
         if layout.quantized and config.tensor_parallel_size > 1:
             raise ValueError("tensor parallel with a quantized KV cache (--kv-cache-dtype) is not supported yet")

@@ -40,11 +40,15 @@ def read_parts(get: GetTensor, has: Callable[[str], bool], prefix: str, n: int, 
 
 
 def load_linear(get: GetTensor, has: Callable[[str], bool], sources: Sequence[tuple[str, tuple[int, ...]]],
-                pq: PrequantConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The int4 layer for one fused parameter built from float `sources` (name, [N, K])."""
+                pq: PrequantConfig, dtype: torch.dtype, device: torch.device,
+                part_of: Callable[[int, Int4Parts], Int4Parts] | None = None) -> nn.Module:
+    """The int4 layer for one fused parameter built from float `sources` (name, [N, K]);
+    `part_of(index, parts)`: the part of source `index` this process holds (tensor
+    parallel), default all of it."""
     parts = []
-    for name, shape in sources:
+    for index, (name, shape) in enumerate(sources):
         if not name.endswith(".weight") or len(shape) != 2:
             raise QuantizationError(f"{name} is not a linear weight")
-        parts.append(read_parts(get, has, name.removesuffix("weight"), shape[0], shape[1], pq))
+        read = read_parts(get, has, name.removesuffix("weight"), shape[0], shape[1], pq)
+        parts.append(read if part_of is None else part_of(index, read))
     return int4_linear(parts, dtype, device)

@@ -120,21 +120,24 @@ def sse(url: str, body: dict[str, Any], timeout: float = 60.0) -> list[Any]:
 
 
 class CountedStreams:
-    """Greedy streams through /v1/completions that count the chunks each has received,
-    so a test can kill a worker once every stream is under way (`run` in a thread each)."""
+    """Streams through /v1/completions that count the chunks each has received, so a
+    test can kill a worker once every stream is under way (`run` in a thread each).
+    Greedy, unless `params[i]` (e.g. temperature and seed) says otherwise for stream i."""
 
-    def __init__(self, url: str, model: str, prompts: list[str], max_tokens: int) -> None:
+    def __init__(self, url: str, model: str, prompts: list[str], max_tokens: int,
+                 params: list[dict[str, Any]] | None = None) -> None:
         self._url = url
         self._model = model
         self.prompts = prompts
         self._max_tokens = max_tokens
+        self.params = params or [{} for _ in prompts]
         self.progress = [0] * len(prompts)
         self._lock = threading.Lock()
 
     def run(self, i: int) -> str:
         """Stream prompt i to the end; its text (no error event may arrive)."""
         body = {"model": self._model, "prompt": self.prompts[i], "max_tokens": self._max_tokens,
-                "temperature": 0, "stream": True, "ignore_eos": True}
+                "temperature": 0, "stream": True, "ignore_eos": True, **self.params[i]}
         req = urllib.request.Request(f"{self._url}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         text = []
