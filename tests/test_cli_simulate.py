@@ -27,6 +27,7 @@ def test_profile_writes_measured_points_and_a_fit(profile_path: Path) -> None:
     assert [n for n, _ in data["prefill"]["points"]] == [16, 64, 256]
     assert [(b, c) for b, c, _ in data["decode"]["points"]] == [(1, 16), (1, 128), (4, 16), (4, 128)]
     assert all(s > 0 for _, s in data["prefill"]["points"]) and data["kv_capacity_tokens"] > 0
+    assert data["kv_copy_s_per_token"] > 0 and len(data["load_average"]) == 2
     p = Profile.load(profile_path)
     assert p.prefill.prompt_s(256) > p.prefill.prompt_s(16) > 0 and p.decode.step_s(4, 512) > 0
 
@@ -41,6 +42,11 @@ def test_plan_simulate_prints_every_split_and_recommends_one(profile_path: Path,
     assert out["recommended"] in ("1:2", "2:1") and all(s["requests"] == 20 for s in out["splits"])
     assert main(argv) == 0
     assert "<- recommended" in capsys.readouterr().out
+    # the gateway's time per request delays every arrival alike: each TTFT grows by it
+    assert main([*argv, "--json", "--gateway-ms", "200", "--local-prefill-threshold", "0"]) == 0
+    later = json.loads(capsys.readouterr().out)
+    assert [s["ttft_s"]["p50"] - t["ttft_s"]["p50"] for s, t in zip(later["splits"], out["splits"], strict=True)] \
+        == pytest.approx([0.2, 0.2])
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -2,16 +2,18 @@
 step times, each on a case whose answer is computed by hand: the gateway's time per
 request, prefix-cache hits on prefill workers and the kv-aware prefill choice they steer,
 the suffix-only handoff's copy cost, and local prefill on the decode worker mixed into
-its decode steps; and the profile's KV-copy cost and load average."""
+its decode steps; the profile's KV-copy cost and load average; and a split's knee."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from common.slo import Slo
+from pdserve.sim_knee import knee
 from pdserve.sim_profile import DecodeFit, PrefillFit, Profile, ProfileError
 from pdserve.simulate import Cluster, SimResult, simulate
 from pdserve.workload import SimRequest, Workload, WorkloadError
@@ -110,3 +112,18 @@ def test_workload_prefix_parses_and_is_refused_when_not_below_the_prompt() -> No
     assert [r[:3] for r in w.requests()] == [r[:3] for r in plain]  # the same draws
     with pytest.raises(WorkloadError, match="below the shortest prompt"):
         Workload.parse("rate=2,n=3,prompt=100-200,output=4,prefix=100")
+
+
+def test_knee_is_the_least_of_prefill_decode_and_gateway_capacity() -> None:
+    profile = Profile(PrefillFit(0.0, 0.001, 0.0), DecodeFit(0.010, 0.002, 0.0), block_size=16, max_num_seqs=64)
+    reqs = [SimRequest(0.0, 100, 5), SimRequest(0.0, 300, 5)]  # 0.2 s of prompt on average
+    k = knee(profile, Cluster(2, 1), reqs, Slo(1.0, 0.05))
+    # prefill 2 / 0.2; decode: (50 - 10) / 2 ms = 20 sequences, each 4 steps of 50 ms
+    assert (k.prefill, k.decode, k.gateway) == pytest.approx((10.0, 20 / (4 * 0.05), math.inf))
+    assert k.rate == pytest.approx(10.0) and k.bound == "prefill"
+    # a warm prefix cache: 64 + 64 of the 400 prompt tokens are cached
+    warm = knee(profile, Cluster(2, 1), [r._replace(prefix_tokens=64) for r in reqs], Slo(1.0, 0.05))
+    assert warm.prefill == pytest.approx(2 * 2 / (0.036 + 0.236))
+    assert knee(profile, Cluster(2, 1, gateway_s=0.2), reqs, Slo(1.0, 0.05)).bound == "gateway"
+    assert knee(profile, Cluster(2, 1), reqs, Slo(1.0, 0.011)).decode == pytest.approx(0.5 / (4 * 0.011))
+    assert knee(profile, Cluster(2, 1), reqs, Slo(1.0, 0.005)).decode == 0.0  # ITL below one step
