@@ -98,8 +98,9 @@ def test_profile_keeps_copy_cost_and_load_average(tmp_path: Path) -> None:
     profile.save(path)
     assert json.loads(path.read_text())["load_average"] == [1.5, 2.25]
     assert Profile.load(path) == profile
-    for edit, message in [({"load_average": [1.0]}, "missing or malformed"),
-                          ({"kv_copy_s_per_token": -1.0}, "coefficients must be >= 0")]:
+    edits: list[tuple[dict[str, object], str]] = [({"load_average": [1.0]}, "missing or malformed"),
+                                                  ({"kv_copy_s_per_token": -1.0}, "coefficients must be >= 0")]
+    for edit, message in edits:
         path.write_text(json.dumps({**profile.to_dict(), **edit}))
         with pytest.raises(ProfileError, match=message):
             Profile.load(path)
