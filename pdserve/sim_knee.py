@@ -1,7 +1,7 @@
 """The arrival rate at which a P:D split stops keeping up with a workload (its knee),
 from a hardware profile, so that a check can load each split near but not past it.
 
-    knee = min(prefill knee, decode knee, gateway knee)
+    knee = min(prefill knee, decode knee, gateway knee, cores knee)
 
 - Prefill: P workers each computing one request's uncached prompt in `S` seconds on
   average (`PrefillFit.step_s` over the prompt less the shared prefix blocks a warm
@@ -11,6 +11,9 @@ from a hardware profile, so that a check can load each split near but not past i
   is B* = (itl - c0) / (per_seq + per_ctx_token x C), at most `max_num_seqs`. By
   Little's law B* = rate / D x (output - 1) x itl, so D x B* / ((output - 1) x itl).
 - Gateway: one process spending `gateway_s` per request: 1 / gateway_s.
+- Cores (`cores` set): every request costs its prefill `S` and its decode steps'
+  marginal work, (output - 1) x (per_seq + per_ctx_token x C), of the shared cores:
+  cores / that.
 
 Queueing makes TTFT climb before the prefill knee (at 0.8 of it an M/D/1 queue already
 waits twice the service time), so "near the knee" is a fraction of it, stated by the
@@ -34,11 +37,13 @@ class Knee(NamedTuple):
     prefill: float
     decode: float
     gateway: float
+    cores: float = math.inf
 
     @property
     def bound(self) -> str:
         """Which pool the knee comes from."""
-        return min((self.prefill, "prefill"), (self.decode, "decode"), (self.gateway, "gateway"))[1]
+        return min((self.prefill, "prefill"), (self.decode, "decode"), (self.gateway, "gateway"),
+                   (self.cores, "cores"))[1]
 
 
 def knee(profile: Profile, cluster: Cluster, requests: Sequence[SimRequest], slo: Slo) -> Knee:
@@ -49,7 +54,8 @@ def knee(profile: Profile, cluster: Cluster, requests: Sequence[SimRequest], slo
     def uncached_s(r: SimRequest) -> float:
         hit = min(r.prefix_tokens // bs, (r.prompt_tokens - 1) // bs) * bs if cluster.prefix_caching else 0
         return profile.prefill.step_s([(hit, r.prompt_tokens - hit)])
-    prefill = cluster.prefill_workers * n / sum(uncached_s(r) for r in requests)
+    prefill_s = sum(uncached_s(r) for r in requests)
+    prefill = cluster.prefill_workers * n / prefill_s
 
     d = profile.decode
     steps = sum(r.output_tokens - 1 for r in requests) / n
@@ -62,4 +68,9 @@ def knee(profile: Profile, cluster: Cluster, requests: Sequence[SimRequest], slo
         most = min(float(profile.max_num_seqs), room / per_seq if per_seq > 0 else math.inf)
         decode = cluster.decode_workers * most / (steps * slo.itl_s) if steps > 0 else math.inf
     gateway = 1 / cluster.gateway_s if cluster.gateway_s > 0 else math.inf
-    return Knee(min(prefill, decode, gateway), prefill, decode, gateway)
+    cores = math.inf
+    if cluster.cores is not None:
+        decode_s = sum((r.output_tokens - 1) * (d.per_seq + d.per_ctx_token * (r.prompt_tokens + r.output_tokens / 2))
+                       for r in requests)
+        cores = cluster.cores * n / (prefill_s + decode_s)
+    return Knee(min(prefill, decode, gateway, cores), prefill, decode, gateway, cores)

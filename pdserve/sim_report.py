@@ -24,6 +24,7 @@ class Cluster:
     gateway_s: float = 0.0  # per request: HTTP, tokenizing, routing and the replies' way back
     local_prefill_threshold: int = 0  # uncached tokens a decode worker prefills itself; 0: off
     prefix_caching: bool = True  # the workers' prefix caches (`--no-prefix-caching`: False)
+    cores: int | None = None  # cores the workers' steps share; None: one each
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 1 or self.decode_workers < 1:
@@ -32,6 +33,8 @@ class Cluster:
             raise ValueError("handoff_s and gateway_s must be >= 0")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0")
+        if self.cores is not None and self.cores < 1:
+            raise ValueError("cores must be >= 1")
 
 
 class Percentiles(NamedTuple):

@@ -34,6 +34,10 @@ Pure Python, no I/O, deterministic. It models what the real system does
    decodes); a prompt whose last chunk is in the step has its first token at its end.
    A sequence that reaches its output length finishes and frees its blocks, and step
    1's admission runs again.
+7. Cores (`cores`, None: every worker has its own): the steps running at once share
+   them (processor sharing: each runs at min(1, cores / running steps) of full speed,
+   their ends re-planned whenever a step starts or ends), as unpinned workers share a
+   host's cores under the kernel's scheduler. The gateway and clients use none.
 
 Reported per P:D split (pdserve/sim_report.py): TTFT and inter-token latency
 percentiles (nearest rank; ITL over every token gap), and goodput = requests meeting
@@ -116,6 +120,13 @@ class _Decode(_Worker):
     running: list[_Req] = field(default_factory=list)
 
 
+@dataclass
+class _Step:
+    left_s: float  # work left, in seconds of a core of its own
+    done: Callable[[], None]
+    version: int = 0  # its end event is the one scheduled with this version
+
+
 class _Sim:
     def __init__(self, profile: Profile, cluster: Cluster) -> None:
         self.p = profile
@@ -129,9 +140,46 @@ class _Sim:
         self.now = 0.0
         self._seq = itertools.count()
         self.done: list[_Req] = []
+        self.steps: list[_Step] = []  # steps running now (with `cores`)
+        self.settled = 0.0
 
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self.events, (t, next(self._seq), fn))
+
+    # 7: steps share the cores
+    def run_step(self, work_s: float, done: Callable[[], None]) -> None:
+        """A step of `work_s` seconds on a core of its own; `done` at its end."""
+        if self.c.cores is None:
+            self.at(self.now + work_s, done)
+            return
+        self.settle()
+        self.steps.append(_Step(work_s, done))
+        self.reschedule()
+
+    def rate(self) -> float:
+        cores = self.c.cores or 1
+        return min(1.0, cores / len(self.steps)) if self.steps else 1.0
+
+    def settle(self) -> None:
+        """Charge the time since the last change to every running step."""
+        done = (self.now - self.settled) * self.rate()
+        for step in self.steps:
+            step.left_s -= done
+        self.settled = self.now
+
+    def reschedule(self) -> None:
+        rate = self.rate()
+        for step in self.steps:
+            step.version += 1
+            self.at(self.now + max(0.0, step.left_s) / rate, partial(self.step_ended, step, step.version))
+
+    def step_ended(self, step: _Step, version: int) -> None:
+        if version != step.version:
+            return  # rescheduled since
+        self.settle()
+        self.steps.remove(step)
+        self.reschedule()
+        step.done()
 
     def run(self, requests: Sequence[SimRequest]) -> list[_Req]:
         for req in requests:
@@ -203,7 +251,7 @@ class _Sim:
             return
         worker.busy = True
         dt = self.p.prefill.step_s([(r.computed, m) for r, m in chunks])
-        self.at(self.now + dt, lambda: self.prefill_done(w, chunks))
+        self.run_step(dt, lambda: self.prefill_done(w, chunks))
 
     def take_chunks(self, worker: _Worker, queue: Sequence[_Req], budget: int) -> list[tuple[_Req, int]]:
         """FCFS chunks of `queue`'s prompts within `budget` tokens (a prefix-cache lookup first)."""
@@ -265,7 +313,7 @@ class _Sim:
             dt = self.p.decode.step_s(len(decoding), context)
         if chunks:
             dt += self.p.prefill.step_s([(r.computed, m) for r, m in chunks]) - (self.p.prefill.c0 if decoding else 0)
-        self.at(self.now + dt, lambda: self.decode_done(i, decoding, chunks))
+        self.run_step(dt, lambda: self.decode_done(i, decoding, chunks))
 
     def decode_done(self, i: int, decoding: list[_Req], chunks: list[tuple[_Req, int]]) -> None:
         d = self.decodes[i]

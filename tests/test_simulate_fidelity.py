@@ -126,5 +126,21 @@ def test_knee_is_the_least_of_prefill_decode_and_gateway_capacity() -> None:
     warm = knee(profile, Cluster(2, 1), [r._replace(prefix_tokens=64) for r in reqs], Slo(1.0, 0.05))
     assert warm.prefill == pytest.approx(2 * 2 / (0.036 + 0.236))
     assert knee(profile, Cluster(2, 1, gateway_s=0.2), reqs, Slo(1.0, 0.05)).bound == "gateway"
+    # one core for both pools: each request's 0.2 s of prompt + 4 x 2 ms of decode work
+    shared = knee(profile, Cluster(2, 1, cores=1), reqs, Slo(1.0, 0.05))
+    assert shared.cores == pytest.approx(1 / 0.208) and shared.bound == "cores"
     assert knee(profile, Cluster(2, 1), reqs, Slo(1.0, 0.011)).decode == pytest.approx(0.5 / (4 * 0.011))
     assert knee(profile, Cluster(2, 1), reqs, Slo(1.0, 0.005)).decode == 0.0  # ITL below one step
+
+
+def test_steps_share_the_cores_when_there_are_fewer_than_workers() -> None:
+    both = [SimRequest(0.0, 100, 2), SimRequest(0.0, 100, 2)]
+    assert _ttfts(LINEAR, Cluster(2, 1, cores=2), both) == [0.1, 0.1]  # a core each
+    assert _ttfts(LINEAR, Cluster(2, 1, cores=1), both) == [0.2, 0.2]  # half a core each
+    # the first runs alone to 0.05 (50 of its 100 ms), then both at half speed: the first
+    # ends at 0.15 (TTFT 0.15), the second has 50 ms left. Its decode step (10 ms) then
+    # shares with it to 0.17 (the second: 40 left), which ends alone at 0.21: TTFT 0.16
+    late = [SimRequest(0.0, 100, 2), SimRequest(0.05, 100, 2)]
+    assert _ttfts(LINEAR, Cluster(2, 1, cores=1), late) == [0.15, 0.16]
+    (r,) = _run(LINEAR, Cluster(1, 1, cores=1), [SimRequest(0.0, 100, 3)]).requests
+    assert r.finish == pytest.approx(0.12)  # nothing else runs: full speed
