@@ -47,6 +47,10 @@ def test_plan_simulate_prints_every_split_and_recommends_one(profile_path: Path,
     later = json.loads(capsys.readouterr().out)
     assert [s["ttft_s"]["p50"] - t["ttft_s"]["p50"] for s, t in zip(later["splits"], out["splits"], strict=True)] \
         == pytest.approx([0.2, 0.2])
+    # three workers on one core: every split is slower than with a core each
+    assert main([*argv, "--json", "--cores", "1"]) == 0
+    shared = json.loads(capsys.readouterr().out)
+    assert all(s["ttft_s"]["p90"] > t["ttft_s"]["p90"] for s, t in zip(shared["splits"], out["splits"], strict=True))
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -31,6 +31,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="the gateway's own time per request (HTTP, tokenizing, routing), counted in TTFT")
     g.add_argument("--local-prefill-threshold", type=non_negative_int, default=0, metavar="TOKENS",
                    help="as the gateway's: requests with at most this many uncached tokens prefill on decode")
+    g.add_argument("--cores", type=positive_int, default=None,
+                   help="cores the workers share (default: one per worker)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="the workers run without prefix caching (a workload's prefix= is then recomputed)")
 
@@ -54,7 +56,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         workload, slo = Workload.parse(args.workload), parse_workload_slo(args.slo)
         profile = Profile.load(args.simulate)
         template = Cluster(1, 1, gateway_s=args.gateway_ms / 1000,
-                           local_prefill_threshold=args.local_prefill_threshold, prefix_caching=args.prefix_caching)
+                           local_prefill_threshold=args.local_prefill_threshold, prefix_caching=args.prefix_caching,
+                           cores=args.cores)
         results = simulate_splits(profile, args.workers, workload.requests(), slo,
                                   args.handoff_ms / 1000, args.kv_tokens, template)
     except (ProfileError, WorkloadError, SimulationError) as e:
