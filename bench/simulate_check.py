@@ -8,9 +8,11 @@ profile and replay meet the same machine:
 
 1. profiles this machine (`pdserve profile`, one thread, as the workers run; medians of
    `--reps` timings; the 1-minute load average before and after is printed and kept);
-2. measures the gateway's own time per request on the running server: the median
-   TTFT of `--calibration` sequential 32-token, one-token requests less the profile's
-   32-token prefill;
+2. measures the gateway's time per request on the running server: `--calibration`
+   one-token requests of 32 tokens sent at once; the last first token, less the
+   profile's 32-token prefill, over their number (the simulated gateway serves requests
+   one at a time); the machine's other load (the profile's load average less the
+   profiler itself) goes to the simulator as background load on `--cores`;
 3. sets the workload's rate to `--load` x the split's knee (pdserve/sim_knee.py: the
    least of the prefill pool's, the decode pool's at the ITL SLO, and the gateway's
    capacity, from this profile), so every split is loaded near but not past its knee;
@@ -36,7 +38,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import threading
 import time
@@ -71,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--load", type=float, default=0.8, help="rate = LOAD x the split's knee; 0: the specs' rates")
     ap.add_argument("--slo", default="ttft=1.5,itl=0.15", help="seconds: ttft=S,itl=S")
     ap.add_argument("--reps", type=int, default=3, help="timings per profile point (the median is kept)")
-    ap.add_argument("--calibration", type=int, default=5, help="requests timing the gateway per replay")
+    ap.add_argument("--calibration", type=int, default=8, help="requests timing the gateway per replay")
     ap.add_argument("--handoff-ms", type=float, default=2.0, help="fixed part of the simulated handoff")
     ap.add_argument("--local-prefill-threshold", type=int, default=0, help="passed to the gateway and simulator")
     ap.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
@@ -137,12 +138,26 @@ def replay(url: str, requests: list[SimRequest], vocab: int, seed: int) -> list[
 
 
 def gateway_s(url: str, vocab: int, profile: Profile, count: int, seed: int) -> float:
-    """The gateway's own time per request: median TTFT of `count` one-token requests of
-    CALIBRATION_TOKENS random tokens, sent one at a time, less their prefill."""
+    """The gateway's time per request: `count` one-token requests of CALIBRATION_TOKENS
+    random tokens sent at once; the gateway serves them one after another, so the last
+    first token comes `count` gateway times and one prefill after the start."""
     model, rng = _model(url), random.Random(seed)
-    ttfts = [_complete(url, model, [rng.randrange(3, vocab) for _ in range(CALIBRATION_TOKENS)], 1)[0]
-             for _ in range(count)]
-    return max(0.0, statistics.median(ttfts) - profile.prefill.prompt_s(CALIBRATION_TOKENS))
+    prompts = [[rng.randrange(3, vocab) for _ in range(CALIBRATION_TOKENS)] for _ in range(count)]
+    firsts: list[float] = []  # seconds from the burst's start to each first token
+    start = time.monotonic()
+
+    def one(prompt: list[int]) -> None:
+        sent = time.monotonic() - start
+        firsts.append(sent + _complete(url, model, prompt, 1)[0])
+
+    threads = [threading.Thread(target=one, args=(q,)) for q in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if len(firsts) != count:
+        raise RuntimeError("a calibration request failed")
+    return max(0.0, (max(firsts) - profile.prefill.prompt_s(CALIBRATION_TOKENS)) / count)
 
 
 def _err(pred: float, meas: float) -> float:
@@ -157,14 +172,16 @@ def _row(name: str, split: str, k: Knee, rate: float, pred: SimResult, meas: Sim
     verdict = "PASS" if abs(err) <= 0.2 else "MISS"
     if pred.met == meas.met == n:
         verdict += " (every request met the SLOs in both: goodput = arrivals / makespan; see TTFT/ITL)"
-    print(f"{name:>14} {split:>4}  rate {rate:5.2f} = load x knee {k.rate:5.2f} ({k.bound})  "
+    c = pred.cluster
+    print(f"{name:>14} {split:>4}  gateway {c.gateway_s * 1e3:.0f} ms/request, background load "
+          f"{c.background_load:.1f}: rate {rate:5.2f} = load x knee {k.rate:5.2f} ({k.bound})\n{'':>20}"
           f"goodput pred {pred.goodput:6.3f} meas {meas.goodput:6.3f} ({err:+6.1%})  met {pred.met}/{meas.met} of {n}"
           f"  TTFT p50 {pred.ttft.p50 * 1e3:5.0f}/{meas.ttft.p50 * 1e3:<5.0f} ms ({ttft_err:+6.1%})"
           f"  ITL p50 {pred.itl.p50 * 1e3:4.0f}/{meas.itl.p50 * 1e3:<4.0f} ms ({itl_err:+6.1%})  {verdict}", flush=True)
     return {"workload": name, "split": split, "rate": rate, "knee": k._asdict(), "knee_bound": k.bound,
             "goodput_pred": pred.goodput, "goodput_meas": meas.goodput, "error": err,
             "ttft_p50_error": ttft_err, "itl_p50_error": itl_err, "met_pred": pred.met, "met_meas": meas.met,
-            "requests": n, "verdict": verdict, "gateway_s": pred.cluster.gateway_s,
+            "requests": n, "verdict": verdict, "gateway_s": c.gateway_s, "background_load": c.background_load,
             "load_average": profile.load_average,
             "ttft_pred": pred.ttft._asdict(), "ttft_meas": meas.ttft._asdict(),
             "itl_pred": pred.itl._asdict(), "itl_meas": meas.itl._asdict()}
@@ -204,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                 profile = profiled()
                 cluster = Cluster(p, d, args.handoff_ms / 1000, gateway_s=gateway_s(
                     server.base_url, vocab, profile, args.calibration, w.seed),
-                    local_prefill_threshold=args.local_prefill_threshold, cores=args.cores)
+                    local_prefill_threshold=args.local_prefill_threshold, cores=args.cores,
+                    background_load=max(0.0, min(profile.load_average or (1.0,)) - 1))
                 k = knee(profile, cluster, w.requests(), slo)
                 rate = args.load * k.rate if args.load > 0 else w.rate
                 requests = replace(w, rate=rate).requests()

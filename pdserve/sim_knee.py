@@ -11,9 +11,9 @@ from a hardware profile, so that a check can load each split near but not past i
   is B* = (itl - c0) / (per_seq + per_ctx_token x C), at most `max_num_seqs`. By
   Little's law B* = rate / D x (output - 1) x itl, so D x B* / ((output - 1) x itl).
 - Gateway: one process spending `gateway_s` per request: 1 / gateway_s.
-- Cores (`cores` set): every request costs its prefill `S` and its decode steps'
-  marginal work, (output - 1) x (per_seq + per_ctx_token x C), of the shared cores:
-  cores / that.
+- Cores (`cores` set): every request costs its gateway time, its prefill `S` and its
+  decode steps' marginal work, (output - 1) x (per_seq + per_ctx_token x C); the
+  P + D + 1 processes together do k x `Cluster.speed(k)` of it per second (k = P + D + 1).
 
 Queueing makes TTFT climb before the prefill knee (at 0.8 of it an M/D/1 queue already
 waits twice the service time), so "near the knee" is a fraction of it, stated by the
@@ -72,5 +72,6 @@ def knee(profile: Profile, cluster: Cluster, requests: Sequence[SimRequest], slo
     if cluster.cores is not None:
         decode_s = sum((r.output_tokens - 1) * (d.per_seq + d.per_ctx_token * (r.prompt_tokens + r.output_tokens / 2))
                        for r in requests)
-        cores = cluster.cores * n / (prefill_s + decode_s)
+        k = cluster.prefill_workers + cluster.decode_workers + 1
+        cores = k * cluster.speed(k) * n / (prefill_s + decode_s + n * cluster.gateway_s)
     return Knee(min(prefill, decode, gateway, cores), prefill, decode, gateway, cores)

@@ -4,8 +4,9 @@ profile (pdserve/sim_profile.py) and requests from a workload (pdserve/workload.
 Pure Python, no I/O, deterministic. It models what the real system does
 (gateway/cluster.py, gateway/kv_router.py, engine/scheduler.py):
 
-1. Arrival: `gateway_s` after its arrival (the gateway's own time per request) the
-   gateway reserves KV for prompt + output tokens (whole blocks) on the decode worker
+1. Arrival: the gateway (one process) serves arrivals one at a time, FIFO, `gateway_s`
+   each (HTTP, routing, its messages; a step of its own on the cores, 7); then it
+   reserves KV for prompt + output tokens (whole blocks) on the decode worker
    with the most free blocks that has room (ties: the lower index). If none has room
    it waits; waiting requests are admitted strictly in arrival order whenever a
    finishing request frees blocks.
@@ -35,9 +36,11 @@ Pure Python, no I/O, deterministic. It models what the real system does
    A sequence that reaches its output length finishes and frees its blocks, and step
    1's admission runs again.
 7. Cores (`cores`, None: every worker has its own): the steps running at once share
-   them (processor sharing: each runs at min(1, cores / running steps) of full speed,
-   their ends re-planned whenever a step starts or ends), as unpinned workers share a
-   host's cores under the kernel's scheduler. The gateway and clients use none.
+   them with `background_load` other runnable processes (processor sharing: each runs
+   at `Cluster.speed(running steps)` of the profile's speed, their ends re-planned
+   whenever a step starts or ends), as unpinned workers share a host's cores under
+   the kernel's scheduler. The clients' CPU and the gateway's per-token work are not
+   modelled.
 
 Reported per P:D split (pdserve/sim_report.py): TTFT and inter-token latency
 percentiles (nearest rank; ITL over every token gap), and goodput = requests meeting
@@ -136,6 +139,7 @@ class _Sim:
         self.decodes = [_Decode(free_blocks=kv_blocks) for _ in range(cluster.decode_workers)]
         self.capacity = kv_blocks
         self.admission: deque[_Req] = deque()
+        self.gateway: deque[_Req] = deque()  # at the gateway, the first being served
         self.events: list[tuple[float, int, Callable[[], None]]] = []
         self.now = 0.0
         self._seq = itertools.count()
@@ -157,8 +161,7 @@ class _Sim:
         self.reschedule()
 
     def rate(self) -> float:
-        cores = self.c.cores or 1
-        return min(1.0, cores / len(self.steps)) if self.steps else 1.0
+        return self.c.speed(len(self.steps))
 
     def settle(self) -> None:
         """Charge the time since the last change to every running step."""
@@ -187,7 +190,7 @@ class _Sim:
             if r.blocks > self.capacity:
                 raise SimulationError(f"a request of {req.prompt_tokens}+{req.output_tokens} tokens needs "
                                       f"{r.blocks} KV blocks; a decode worker holds {self.capacity}")
-            self.at(req.arrival + self.c.gateway_s, partial(self.arrive, r))
+            self.at(req.arrival, partial(self.at_gateway, r))
         while self.events:
             self.now, _, fn = heapq.heappop(self.events)
             fn()
@@ -213,6 +216,23 @@ class _Sim:
             worker.held_prefix_blocks = max(worker.held_prefix_blocks, full)
 
     # 1-2: admission and routing
+    def at_gateway(self, r: _Req) -> None:
+        self.gateway.append(r)
+        if len(self.gateway) == 1:
+            self.gateway_step()
+
+    def gateway_step(self) -> None:
+        if not self.gateway:
+            return
+        if self.c.gateway_s <= 0:
+            self.gateway_done()
+            return
+        self.run_step(self.c.gateway_s, self.gateway_done)
+
+    def gateway_done(self) -> None:
+        self.arrive(self.gateway.popleft())
+        self.gateway_step()
+
     def arrive(self, r: _Req) -> None:
         self.admission.append(r)
         self.admit()

@@ -144,3 +144,24 @@ def test_steps_share_the_cores_when_there_are_fewer_than_workers() -> None:
     assert _ttfts(LINEAR, Cluster(2, 1, cores=1), late) == [0.15, 0.16]
     (r,) = _run(LINEAR, Cluster(1, 1, cores=1), [SimRequest(0.0, 100, 3)]).requests
     assert r.finish == pytest.approx(0.12)  # nothing else runs: full speed
+
+
+def test_the_gateway_serves_one_request_at_a_time() -> None:
+    # three at once, 50 ms of gateway each: they reach the (idle) prefill workers 50 ms apart
+    three = [SimRequest(0.0, 10, 2)] * 3
+    assert _ttfts(LINEAR, Cluster(3, 1, gateway_s=0.05), three) == [0.06, 0.11, 0.16]
+    # on one core the gateway's work shares it with the workers' steps: from 0.05 the second
+    # request's gateway time runs at half speed beside the first's prefill (to 0.07) and
+    # then its decode step (to 0.09), 20 of its 50 ms done; alone to 0.12, prefill to 0.13
+    shared = _ttfts(LINEAR, Cluster(3, 1, gateway_s=0.05, cores=1), three[:2])
+    assert shared == [0.07, 0.13]
+
+
+def test_background_load_counts_against_our_own_steps_only_beyond_the_profiles() -> None:
+    # the profile ran beside 11 others on 2 cores (2/12 of a core); two of our steps at
+    # once get 2/13 each: 12/13 of the profile's speed
+    busy = Cluster(2, 1, cores=2, background_load=11)
+    assert (busy.speed(1), busy.speed(2)) == (1.0, pytest.approx(12 / 13))
+    both = [SimRequest(0.0, 100, 2), SimRequest(0.0, 100, 2)]
+    assert _ttfts(LINEAR, busy, both) == [round(0.1 * 13 / 12, 9)] * 2
+    assert Cluster(2, 1, cores=2, background_load=0.5).speed(3) == pytest.approx(2 / 3.5)

@@ -38,9 +38,10 @@ def test_replay_shares_the_workloads_prefix_and_calibration_times_the_gateway(
     prompts = [b["prompt"] for b in fake_server.requests]
     assert prompts[0][:16] == prompts[1][:16] == prompts[2][:16]
     assert len({tuple(p[16:20]) for p in prompts}) == 3  # the rest is each request's own
-    # 1 ms per prompt token: the 32-token calibration prefill takes 32 of the server's 50 ms
+    # 1 ms per prompt token: of the burst's last first token (>= the server's 50 ms), 32 ms
+    # are the prefill, the rest is three gateway times
     linear = Profile(PrefillFit(0.0, 0.001, 0.0), DecodeFit(0.01, 0.0, 0.0))
     del fake_server.requests[:]
-    assert 0.018 <= gateway_s(fake_server.url, 1000, linear, 3, seed=1) < 0.018 + 0.5
+    assert (0.05 - 0.032) / 3 <= gateway_s(fake_server.url, 1000, linear, 3, seed=1) < 0.5
     assert [len(b["prompt"]) for b in fake_server.requests] == [32] * 3
     assert all(b["max_tokens"] == 1 for b in fake_server.requests)
