@@ -11,8 +11,7 @@ profile and replay meet the same machine:
 2. measures the gateway's time per request on the running server: `--calibration`
    one-token requests of 32 tokens sent at once; the last first token, less the
    profile's 32-token prefill, over their number (the simulated gateway serves requests
-   one at a time); the machine's other load (the profile's load average less the
-   profiler itself) goes to the simulator as background load on `--cores`;
+   one at a time); the median of 3 such bursts;
 3. sets the workload's rate to `--load` x the split's knee (pdserve/sim_knee.py: the
    least of the prefill pool's, the decode pool's at the ITL SLO, and the gateway's
    capacity, from this profile), so every split is loaded near but not past its knee;
@@ -38,6 +37,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import threading
 import time
@@ -137,7 +137,12 @@ def replay(url: str, requests: list[SimRequest], vocab: int, seed: int) -> list[
     return [r for r in results if r is not None]
 
 
-def gateway_s(url: str, vocab: int, profile: Profile, count: int, seed: int) -> float:
+def gateway_s(url: str, vocab: int, profile: Profile, count: int, seed: int, bursts: int = 3) -> float:
+    """The median of `bursts` timings of `burst_gateway_s`."""
+    return statistics.median(burst_gateway_s(url, vocab, profile, count, seed + i) for i in range(bursts))
+
+
+def burst_gateway_s(url: str, vocab: int, profile: Profile, count: int, seed: int) -> float:
     """The gateway's time per request: `count` one-token requests of CALIBRATION_TOKENS
     random tokens sent at once; the gateway serves them one after another, so the last
     first token comes `count` gateway times and one prefill after the start."""
@@ -173,15 +178,15 @@ def _row(name: str, split: str, k: Knee, rate: float, pred: SimResult, meas: Sim
     if pred.met == meas.met == n:
         verdict += " (every request met the SLOs in both: goodput = arrivals / makespan; see TTFT/ITL)"
     c = pred.cluster
-    print(f"{name:>14} {split:>4}  gateway {c.gateway_s * 1e3:.0f} ms/request, background load "
-          f"{c.background_load:.1f}: rate {rate:5.2f} = load x knee {k.rate:5.2f} ({k.bound})\n{'':>20}"
+    print(f"{name:>14} {split:>4}  gateway {c.gateway_s * 1e3:.0f} ms/request, load average "
+          f"{profile.load_average}, {c.cores} cores: rate {rate:5.2f} = load x knee {k.rate:5.2f} ({k.bound})\n{'':>20}"
           f"goodput pred {pred.goodput:6.3f} meas {meas.goodput:6.3f} ({err:+6.1%})  met {pred.met}/{meas.met} of {n}"
           f"  TTFT p50 {pred.ttft.p50 * 1e3:5.0f}/{meas.ttft.p50 * 1e3:<5.0f} ms ({ttft_err:+6.1%})"
           f"  ITL p50 {pred.itl.p50 * 1e3:4.0f}/{meas.itl.p50 * 1e3:<4.0f} ms ({itl_err:+6.1%})  {verdict}", flush=True)
     return {"workload": name, "split": split, "rate": rate, "knee": k._asdict(), "knee_bound": k.bound,
             "goodput_pred": pred.goodput, "goodput_meas": meas.goodput, "error": err,
             "ttft_p50_error": ttft_err, "itl_p50_error": itl_err, "met_pred": pred.met, "met_meas": meas.met,
-            "requests": n, "verdict": verdict, "gateway_s": c.gateway_s, "background_load": c.background_load,
+            "requests": n, "verdict": verdict, "gateway_s": c.gateway_s,
             "load_average": profile.load_average,
             "ttft_pred": pred.ttft._asdict(), "ttft_meas": meas.ttft._asdict(),
             "itl_pred": pred.itl._asdict(), "itl_meas": meas.itl._asdict()}
@@ -221,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 profile = profiled()
                 cluster = Cluster(p, d, args.handoff_ms / 1000, gateway_s=gateway_s(
                     server.base_url, vocab, profile, args.calibration, w.seed),
-                    local_prefill_threshold=args.local_prefill_threshold, cores=args.cores,
-                    background_load=max(0.0, min(profile.load_average or (1.0,)) - 1))
+                    local_prefill_threshold=args.local_prefill_threshold, cores=args.cores)
                 k = knee(profile, cluster, w.requests(), slo)
                 rate = args.load * k.rate if args.load > 0 else w.rate
                 requests = replace(w, rate=rate).requests()

@@ -25,7 +25,6 @@ class Cluster:
     local_prefill_threshold: int = 0  # uncached tokens a decode worker prefills itself; 0: off
     prefix_caching: bool = True  # the workers' prefix caches (`--no-prefix-caching`: False)
     cores: int | None = None  # cores the workers' steps share; None: one each
-    background_load: float = 0.0  # other runnable processes on those cores (with `cores`)
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 1 or self.decode_workers < 1:
@@ -36,16 +35,13 @@ class Cluster:
             raise ValueError("local_prefill_threshold must be >= 0")
         if self.cores is not None and self.cores < 1:
             raise ValueError("cores must be >= 1")
-        if self.background_load < 0:
-            raise ValueError("background_load must be >= 0")
 
     def speed(self, running: int) -> float:
-        """Each of `running` steps' speed, relative to a profile taken beside
-        `background_load` other runnable processes on `cores` (processor sharing)."""
+        """Each of `running` steps' speed on `cores` shared by processor sharing,
+        relative to the profile's (a step on a core of its own)."""
         if self.cores is None or running <= 0:
             return 1.0
-        bg = self.background_load
-        return min(1.0, max(float(self.cores), bg + 1) / (bg + running))
+        return min(1.0, self.cores / running)
 
 
 class Percentiles(NamedTuple):

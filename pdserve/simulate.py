@@ -36,11 +36,12 @@ Pure Python, no I/O, deterministic. It models what the real system does
    A sequence that reaches its output length finishes and frees its blocks, and step
    1's admission runs again.
 7. Cores (`cores`, None: every worker has its own): the steps running at once share
-   them with `background_load` other runnable processes (processor sharing: each runs
-   at `Cluster.speed(running steps)` of the profile's speed, their ends re-planned
-   whenever a step starts or ends), as unpinned workers share a host's cores under
-   the kernel's scheduler. The clients' CPU and the gateway's per-token work are not
-   modelled.
+   them (processor sharing: each runs at `Cluster.speed(running steps)` = min(1,
+   cores / running) of the profile's speed, their ends re-planned whenever a step
+   starts or ends), as unpinned workers share a host's cores under the kernel's
+   scheduler. Not modelled: other load on the machine (the profile's step times carry
+   whatever it was then), the clients' CPU, the gateway's per-token work, and a 1P+1D
+   decode worker borrowing the idle prefill worker's cores (worker/core_sharing.py).
 
 Reported per P:D split (pdserve/sim_report.py): TTFT and inter-token latency
 percentiles (nearest rank; ITL over every token gap), and goodput = requests meeting

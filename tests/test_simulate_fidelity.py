@@ -156,12 +156,3 @@ def test_the_gateway_serves_one_request_at_a_time() -> None:
     shared = _ttfts(LINEAR, Cluster(3, 1, gateway_s=0.05, cores=1), three[:2])
     assert shared == [0.07, 0.13]
 
-
-def test_background_load_counts_against_our_own_steps_only_beyond_the_profiles() -> None:
-    # the profile ran beside 11 others on 2 cores (2/12 of a core); two of our steps at
-    # once get 2/13 each: 12/13 of the profile's speed
-    busy = Cluster(2, 1, cores=2, background_load=11)
-    assert (busy.speed(1), busy.speed(2)) == (1.0, pytest.approx(12 / 13))
-    both = [SimRequest(0.0, 100, 2), SimRequest(0.0, 100, 2)]
-    assert _ttfts(LINEAR, busy, both) == [round(0.1 * 13 / 12, 9)] * 2
-    assert Cluster(2, 1, cores=2, background_load=0.5).speed(3) == pytest.approx(2 / 3.5)
