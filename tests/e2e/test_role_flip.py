@@ -175,7 +175,7 @@ def flip_across(asker: Cluster, other: Cluster, ref: Reference, target: str, rol
         futures: list[cf.Future[str]] = []
         while not by_id(other, target)["inflight_requests"]:
             assert len(prompts) < 48, f"{target} never held a stream of the other gateway"
-            for g in (other, asker):
+            for g in (other, other, other, asker):  # overlapping on `other`: they spread over its pool
                 prompts.append(f"{tag} {len(prompts)}: " + "tell me more " * (len(prompts) % 4))
                 futures.append(pool.submit(stream_text, g, ref, prompts[-1]))
             with contextlib.suppress(AssertionError):
