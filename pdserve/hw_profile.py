@@ -8,12 +8,18 @@ engine in-process and fit the coefficients `pdserve plan --simulate` reads
 - Decode: for each batch size B and context length C, B requests with C-token
   prompts are prefilled, then `decode_steps` decode steps are timed; the median
   step of `reps` runs.
+- KV copy: the median of `reps` copies of 1,024 tokens' KV bytes (this model's
+  layout) from one buffer to another, as the same-host handoff copies between pools.
+- The machine's 1-minute load average before and after, kept with the profile: a
+  profile taken under another load than the serving it predicts is off by the
+  difference.
 
 Prompts are random token ids (the time of a step does not depend on which tokens).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
@@ -63,6 +69,7 @@ def measure(config: ProfileConfig, progress: Callable[[str], None] = lambda _: N
         scheduler=SchedulerConfig(max_num_seqs=max(config.max_num_seqs, *config.batch_sizes),
                                   max_num_batched_tokens=budget, max_model_len=longest + 1),
     ))
+    load_before = os.getloadavg()[0]
     engine = LLMEngine(engine_config)
     total_blocks = engine.stats().num_total_blocks
     _Timer(engine, config).prefill(32)  # warm-up: first-call allocations and kernel selection
@@ -78,9 +85,32 @@ def measure(config: ProfileConfig, progress: Callable[[str], None] = lambda _: N
             s = statistics.median(timer.decode(b, c) for _ in range(config.reps))
             decode.append((b, c, s))
             progress(f"decode batch {b:3d} x {c:5d} context: {s * 1000:8.2f} ms/step")
+    copy_s = statistics.median(_copy_s(engine.runner.layout.kv_bytes_per_token * COPY_TOKENS, config.device)
+                               for _ in range(config.reps)) / COPY_TOKENS
+    progress(f"KV copy: {copy_s * 1e6:.3f} us/token")
     return Profile(fit_prefill(prefill), fit_decode(decode), config.block_size, config.chunk_tokens,
                    config.max_num_seqs, total_blocks * config.block_size, config.model_dir,
-                   engine_config.dtype, config.device, config.threads)
+                   engine_config.dtype, config.device, config.threads, copy_s,
+                   (load_before, os.getloadavg()[0]))
+
+
+COPY_TOKENS = 1024
+
+
+def _copy_s(nbytes: int, device: str) -> float:
+    """Seconds to copy `nbytes` from one buffer to another on `device`."""
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of the pages
+    if src.is_cuda:
+        torch.cuda.synchronize(src.device)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    if src.is_cuda:
+        torch.cuda.synchronize(src.device)
+    return time.perf_counter() - t0
 
 
 class _Timer:

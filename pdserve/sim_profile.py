@@ -9,6 +9,8 @@ JSON schema (`"schema": "pdserve-profile/1"`), all times in seconds:
       "chunk_tokens": int,          # the engine's token budget per step (chunked prefill)
       "max_num_seqs": int,          # most sequences one decode step runs
       "kv_capacity_tokens": int,    # KV pool of one worker with the default cache size
+      "kv_copy_s_per_token": s,     # copying one token's KV (all layers) between pools
+      "load_average": [before, after] | null,  # the machine's 1-minute load while profiling
       "prefill": {"c0": s, "c1": s/token, "c2": s/token^2,
                   "points": [[prompt_tokens, seconds], ...]},
       "decode": {"c0": s, "per_seq": s/sequence, "per_ctx_token": s/token,
@@ -77,6 +79,8 @@ class Profile:
     dtype: str = ""
     device: str = "cpu"
     threads: int | None = None
+    kv_copy_s_per_token: float = 0.0
+    load_average: tuple[float, float] | None = None  # 1-minute load average before, after
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": SCHEMA, **asdict(self)}
@@ -96,10 +100,12 @@ class Profile:
                                tuple((int(a), int(b), float(c)) for a, b, c in df.get("points", ())))
             profile = cls(prefill, decode, int(d["block_size"]), int(d["chunk_tokens"]), int(d["max_num_seqs"]),
                           int(d["kv_capacity_tokens"]), str(d.get("model", "")), str(d.get("dtype", "")),
-                          str(d.get("device", "cpu")), None if d.get("threads") is None else int(d["threads"]))
+                          str(d.get("device", "cpu")), None if d.get("threads") is None else int(d["threads"]),
+                          float(d.get("kv_copy_s_per_token", 0.0)), _load(d.get("load_average")))
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"profile field missing or malformed: {e}") from None
-        coefs = (prefill.c0, prefill.c1, prefill.c2, decode.c0, decode.per_seq, decode.per_ctx_token)
+        coefs = (prefill.c0, prefill.c1, prefill.c2, decode.c0, decode.per_seq, decode.per_ctx_token,
+                 profile.kv_copy_s_per_token)
         if min(coefs) < 0 or prefill.prompt_s(1) <= 0 or decode.step_s(1, 1) <= 0:
             raise ProfileError("profile coefficients must be >= 0 and give positive step times")
         if min(profile.block_size, profile.chunk_tokens, profile.max_num_seqs, profile.kv_capacity_tokens) < 1:
@@ -115,6 +121,13 @@ class Profile:
         if not isinstance(data, dict):
             raise ProfileError(f"{path}: a profile is a JSON object")
         return cls.from_dict(data)
+
+
+def _load(value: Any) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    before, after = value  # a malformed pair raises TypeError / ValueError: refused by the caller
+    return float(before), float(after)
 
 
 def fit_nonnegative(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:

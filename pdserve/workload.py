@@ -9,6 +9,8 @@ A workload is written as comma-separated `key=value` pairs:
 - `prompt`, `output`: token counts, each `N` (fixed) or `A-B` (uniform, inclusive);
 - `arrivals`: `poisson` (exponential gaps of mean 1/rate, the default) or `uniform`
   (exactly 1/rate apart); the first request arrives at 0;
+- `prefix`: the first N prompt tokens are the same for every request (a shared system
+  prompt; default 0), N below the shortest prompt: prefix caches serve them;
 - `seed`: the draws are a pure function of the workload (`random.Random(seed)`), so
   the simulator and a measuring client replay the same requests.
 
@@ -65,6 +67,7 @@ class SimRequest(NamedTuple):
     arrival: float  # seconds from the workload's start
     prompt_tokens: int
     output_tokens: int
+    prefix_tokens: int = 0  # leading prompt tokens every request of the workload shares
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class Workload:
     output: Lengths
     arrivals: str = "poisson"
     seed: int = 0
+    prefix: int = 0
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
@@ -83,26 +87,31 @@ class Workload:
             raise WorkloadError(f"n must be >= 1, not {self.num_requests}")
         if self.arrivals not in ARRIVALS:
             raise WorkloadError(f"arrivals must be one of {', '.join(ARRIVALS)}, not {self.arrivals!r}")
+        if not 0 <= self.prefix < self.prompt.low:
+            raise WorkloadError(f"prefix must be >= 0 and below the shortest prompt ({self.prompt.low}), "
+                                f"not {self.prefix}")
 
     @classmethod
     def parse(cls, text: str) -> Workload:
-        fields = _pairs(text, {"rate", "n", "prompt", "output", "arrivals", "seed"})
+        fields = _pairs(text, {"rate", "n", "prompt", "output", "arrivals", "seed", "prefix"})
         missing = {"rate", "n", "prompt", "output"} - fields.keys()
         if missing:
             raise WorkloadError(f"workload needs {', '.join(sorted(missing))} (e.g. rate=4,n=200,prompt=256,output=64)")
         try:
             rate, n, seed = float(fields["rate"]), int(fields["n"]), int(fields.get("seed", "0"))
+            prefix = int(fields.get("prefix", "0"))
         except ValueError as e:
             raise WorkloadError(f"workload: {e}") from None
         return cls(rate, n, Lengths.parse(fields["prompt"]), Lengths.parse(fields["output"]),
-                   fields.get("arrivals", "poisson"), seed)
+                   fields.get("arrivals", "poisson"), seed, prefix)
 
     def spec(self) -> str:
         """The `key=value` text this workload parses from."""
         def length(x: Lengths) -> str:
             return str(x.low) if x.low == x.high else f"{x.low}-{x.high}"
         return (f"rate={self.rate:g},n={self.num_requests},prompt={length(self.prompt)},"
-                f"output={length(self.output)},arrivals={self.arrivals},seed={self.seed}")
+                f"output={length(self.output)},arrivals={self.arrivals},seed={self.seed}"
+                + (f",prefix={self.prefix}" if self.prefix else ""))
 
     def requests(self) -> list[SimRequest]:
         rng = random.Random(self.seed)
@@ -110,7 +119,7 @@ class Workload:
         for i in range(self.num_requests):
             if i:
                 t += rng.expovariate(self.rate) if self.arrivals == "poisson" else 1.0 / self.rate
-            out.append(SimRequest(t, self.prompt.draw(rng), self.output.draw(rng)))
+            out.append(SimRequest(t, self.prompt.draw(rng), self.output.draw(rng), self.prefix))
         return out
 
 

@@ -27,6 +27,7 @@ def test_profile_writes_measured_points_and_a_fit(profile_path: Path) -> None:
     assert [n for n, _ in data["prefill"]["points"]] == [16, 64, 256]
     assert [(b, c) for b, c, _ in data["decode"]["points"]] == [(1, 16), (1, 128), (4, 16), (4, 128)]
     assert all(s > 0 for _, s in data["prefill"]["points"]) and data["kv_capacity_tokens"] > 0
+    assert data["kv_copy_s_per_token"] > 0 and len(data["load_average"]) == 2
     p = Profile.load(profile_path)
     assert p.prefill.prompt_s(256) > p.prefill.prompt_s(16) > 0 and p.decode.step_s(4, 512) > 0
 
@@ -41,6 +42,19 @@ def test_plan_simulate_prints_every_split_and_recommends_one(profile_path: Path,
     assert out["recommended"] in ("1:2", "2:1") and all(s["requests"] == 20 for s in out["splits"])
     assert main(argv) == 0
     assert "<- recommended" in capsys.readouterr().out
+    # arrivals 0.5 s apart never queue at a gateway busy 0.2 s per request: each TTFT grows by it
+    uniform = ["plan", "--simulate", str(profile_path), "--workload",
+               "rate=2,n=10,prompt=64-256,output=8,arrivals=uniform", "--slo", "ttft=2,itl=0.5", "--json"]
+    assert main(uniform) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert main([*uniform, "--gateway-ms", "200", "--local-prefill-threshold", "0"]) == 0
+    later = json.loads(capsys.readouterr().out)
+    assert [s["ttft_s"]["p50"] - t["ttft_s"]["p50"] for s, t in zip(later["splits"], base["splits"], strict=True)] \
+        == pytest.approx([0.2])
+    # three workers on one core: every split is slower than with a core each
+    assert main([*argv, "--json", "--cores", "1"]) == 0
+    shared = json.loads(capsys.readouterr().out)
+    assert all(s["ttft_s"]["p90"] > t["ttft_s"]["p90"] for s, t in zip(shared["splits"], out["splits"], strict=True))
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pdserve.cli.args import UsageError, non_negative_float, positive_int
+from pdserve.cli.args import UsageError, non_negative_float, non_negative_int, positive_int
 
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
@@ -27,11 +27,25 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="first token on prefill -> KV on the decode worker")
     g.add_argument("--kv-tokens", type=positive_int, default=None,
                    help="KV pool of one decode worker in tokens (default: the profile's)")
+    g.add_argument("--gateway-ms", type=non_negative_float, default=0.0,
+                   help="the gateway's own time per request (HTTP, tokenizing, routing), counted in TTFT")
+    g.add_argument("--local-prefill-threshold", type=non_negative_int, default=0, metavar="TOKENS",
+                   help="as the gateway's: requests with at most this many uncached tokens prefill on decode")
+    g.add_argument("--cores", type=positive_int, default=None,
+                   help="cores the workers share (default: one per worker)")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="the workers run without prefix caching (a workload's prefix= is then recomputed)")
 
 
 def run_simulate(args: argparse.Namespace) -> int:
     from pdserve.sim_profile import Profile, ProfileError
-    from pdserve.simulate import SimulationError, format_results, recommend, simulate_splits
+    from pdserve.simulate import (
+        Cluster,
+        SimulationError,
+        format_results,
+        recommend,
+        simulate_splits,
+    )
     from pdserve.workload import Workload, WorkloadError, parse_workload_slo
 
     if args.workload is None:
@@ -41,8 +55,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     try:
         workload, slo = Workload.parse(args.workload), parse_workload_slo(args.slo)
         profile = Profile.load(args.simulate)
+        template = Cluster(1, 1, gateway_s=args.gateway_ms / 1000,
+                           local_prefill_threshold=args.local_prefill_threshold, prefix_caching=args.prefix_caching,
+                           cores=args.cores)
         results = simulate_splits(profile, args.workers, workload.requests(), slo,
-                                  args.handoff_ms / 1000, args.kv_tokens)
+                                  args.handoff_ms / 1000, args.kv_tokens, template)
     except (ProfileError, WorkloadError, SimulationError) as e:
         print(f"pdserve plan: {e}", file=sys.stderr)
         return 2

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.simulate_check import replay
+from bench.simulate_check import gateway_s, replay
 from common.slo import Slo
+from pdserve.sim_profile import DecodeFit, PrefillFit, Profile
 from pdserve.simulate import Cluster, summarize
 from pdserve.workload import Workload
 from tests.bench.fake_openai import FakeOpenAIServer
@@ -27,3 +28,20 @@ def test_replay_sends_the_workload_and_measures_its_timing(fake_server: FakeOpen
     assert all(r.ttft_s + 5 * r.itl_s == pytest.approx(r.finish - r.arrival) for r in results)
     res = summarize(Cluster(1, 1), results, Slo(ttft_s=0.04, itl_s=1.0))  # TTFT SLO below the server's
     assert res.met == 0 and summarize(Cluster(1, 1), results, Slo(1.0, 1.0)).met == 4
+
+
+def test_replay_shares_the_workloads_prefix_and_calibration_times_the_gateway(
+        fake_server: FakeOpenAIServer) -> None:
+    fake_server.behaviour.ttft_s, fake_server.behaviour.itl_s = 0.05, 0.01
+    requests = Workload.parse("rate=10,n=3,prompt=20-40,output=2,prefix=16,arrivals=uniform,seed=7").requests()
+    replay(fake_server.url, requests, vocab=1000, seed=7)
+    prompts = [b["prompt"] for b in fake_server.requests]
+    assert prompts[0][:16] == prompts[1][:16] == prompts[2][:16]
+    assert len({tuple(p[16:20]) for p in prompts}) == 3  # the rest is each request's own
+    # 1 ms per prompt token: of the burst's last first token (>= the server's 50 ms), 32 ms
+    # are the prefill, the rest is three gateway times
+    linear = Profile(PrefillFit(0.0, 0.001, 0.0), DecodeFit(0.01, 0.0, 0.0))
+    del fake_server.requests[:]
+    assert (0.05 - 0.032) / 3 <= gateway_s(fake_server.url, 1000, linear, 3, seed=1) < 0.5
+    assert [len(b["prompt"]) for b in fake_server.requests] == [32] * 9  # the median of 3 bursts
+    assert all(b["max_tokens"] == 1 for b in fake_server.requests)

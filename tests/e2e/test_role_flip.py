@@ -1,14 +1,19 @@
 """Live role flips through real processes (gateway/admin_roles.py, worker/role_switch.py).
 
-One cluster for the module: a gateway with an admin token and round-robin routing, one
-prefill and two decode workers. Streams run while a decode worker turns into a prefill
-worker and back; every stream completes with the single-process engine's tokens, the
-flipped worker then serves its new role, and no KV block is left behind.
+One cluster for the module: two gateways (each with the admin token and round-robin
+routing) over one prefill and two decode workers, every worker registered with both.
+Streams run while a decode worker turns into a prefill worker and back; every stream
+completes with the single-process engine's tokens, the flipped worker then serves its
+new role, and no KV block is left behind. A flip asked of one gateway is learnt by the
+other from the worker's own messages (its `Deregister(final=False)` and its new
+registration): streams on both gateways during the flip all complete, and the other
+gateway then routes the worker's new role to it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import signal
 import urllib.error
 import urllib.request
@@ -25,19 +30,29 @@ MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("role_flip"))
+def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Cluster]]:
+    """(the first gateway, which owns the workers; a second gateway over the same workers)."""
+    c, other = Cluster(tmp_path_factory.mktemp("role_flip")), Cluster(tmp_path_factory.mktemp("role_flip_b"))
     try:
-        c.start_gateway("--router", "round-robin", env={"PDSERVE_ADMIN_TOKEN": TOKEN})
-        c.add_worker("prefill")
-        c.add_worker("decode")
-        c.add_worker("decode")
-        c.wait_roles(prefill=1, decode=2)
-        yield c
+        for g in (c, other):
+            g.start_gateway("--router", "round-robin", env={"PDSERVE_ADMIN_TOKEN": TOKEN})
+        for role in ("prefill", "decode", "decode"):
+            c.add_worker(role, "--gateway", other.control)
+        other.workers = c.workers  # for its logs on a timeout; c stops them
+        for g in (c, other):
+            g.wait_roles(prefill=1, decode=2)
+        yield c, other
     finally:
         for w in c.workers:  # drain all at once; stop() then waits for each
             w.signal(signal.SIGTERM)
         c.stop()
+        other.workers = []
+        other.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(gateways: tuple[Cluster, Cluster]) -> Cluster:
+    return gateways[0]
 
 
 def admin(c: Cluster, worker_id: str, body: Any, token: str | None = TOKEN) -> tuple[int, Any]:
@@ -137,3 +152,61 @@ def test_decode_worker_flips_to_prefill_and_back_under_load(cluster: Cluster, re
     assert 'llm_role_flips_total{from_role="decode",to_role="prefill"} 1.0' in text
     assert 'llm_role_flips_total{from_role="prefill",to_role="decode"} 1.0' in text
     c.wait_idle()
+
+
+def gateway_flips(g: Cluster, from_role: str, to_role: str) -> float:
+    """Completed flips gateway `g` has counted (it counts a re-registration in a new role)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = http("GET", f"{g.url}/metrics")
+    assert status == 200
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "llm_role_flips_total" and s.labels == {"from_role": from_role, "to_role": to_role})
+
+
+def flip_across(asker: Cluster, other: Cluster, ref: Reference, target: str, role: str, tag: str) -> None:
+    """Streams on both gateways, more while `other` holds none on `target`; once it does,
+    flip `target` through `asker`. Every stream on either gateway completes with the
+    engine's tokens, and `other` learns the new role (listed, counted, not draining)."""
+    old_role = by_id(other, target)["role"]
+    counted = gateway_flips(other, old_role, role)
+    prompts: list[str] = []
+    with cf.ThreadPoolExecutor(16) as pool:
+        futures: list[cf.Future[str]] = []
+        while not by_id(other, target)["inflight_requests"]:
+            assert len(prompts) < 48, f"{target} never held a stream of the other gateway"
+            for g in (other, other, other, asker):  # overlapping on `other`: they spread over its pool
+                prompts.append(f"{tag} {len(prompts)}: " + "tell me more " * (len(prompts) % 4))
+                futures.append(pool.submit(stream_text, g, ref, prompts[-1]))
+            with contextlib.suppress(AssertionError):
+                other._wait(lambda: by_id(other, target)["inflight_requests"] > 0, "a stream on the target", 1)
+        status, body = admin(asker, target, {"role": role})
+        assert status == 202, body
+        got = [f.result(timeout=120) for f in futures]
+    assert got == [want_text(ref, p) for p in prompts]
+    other._wait(lambda: by_id(other, target)["role"] == role and not by_id(other, target)["draining"],
+                f"the other gateway listing {target} as {role}", 90)
+    assert gateway_flips(other, old_role, role) == counted + 1
+
+
+def test_a_flip_through_one_gateway_is_learnt_and_routed_by_the_other(
+        gateways: tuple[Cluster, Cluster], reference: Reference) -> None:
+    a, b = gateways
+    target = sorted(w["id"] for w in a.worker_list() if w["role"] == "decode")[0]
+    prompts = [f"second gateway {i}" for i in range(2)]
+
+    flip_across(a, b, reference, target, "prefill", "across down")
+    before = metric_value(worker_metrics(by_id(b, target)), "llm_prefill_requests_total")
+    with cf.ThreadPoolExecutor(2) as pool:  # round-robin over b's two prefill workers
+        got = list(pool.map(lambda p: stream_text(b, reference, p), prompts))
+    assert got == [want_text(reference, p) for p in prompts]
+    assert metric_value(worker_metrics(by_id(b, target)), "llm_prefill_requests_total") == before + 1
+
+    flip_across(b, a, reference, target, "decode", "across up")  # and back, asked of the other gateway
+    served = metric_value(worker_metrics(by_id(a, target)), "llm_worker_requests_total")
+    with cf.ThreadPoolExecutor(2) as pool:  # the emptied pool has the most free KV: a reserves there
+        got = list(pool.map(lambda p: stream_text(a, reference, p), prompts))
+    assert got == [want_text(reference, p) for p in prompts]
+    assert metric_value(worker_metrics(by_id(a, target)), "llm_worker_requests_total") > served
+    for g in (a, b):
+        g.wait_idle()
