@@ -22,14 +22,15 @@ Draft blocks of sequences that no longer draft are freed at the next step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import CacheConfig, EngineConfig
+from engine.config import EngineConfig
 from engine.runner_types import SeqChunk
 from engine.spec.decoder import DraftInput
+from engine.spec.draft_kv import draft_engine_config
 
 
 @dataclass
@@ -44,17 +45,43 @@ class DraftModelProposer:
                  max_model_len: int) -> None:
         from engine.model_runner import ModelRunner
 
-        cfg = EngineConfig(model_dir=draft_dir, dtype=target.dtype, device=target.device,
-                           cache=CacheConfig(block_size=target.cache.block_size, num_blocks=num_blocks,
-                                             enable_prefix_caching=False),
-                           scheduler=replace(target.scheduler, max_model_len=None))
-        self.runner = ModelRunner(cfg)
+        self.runner = ModelRunner(draft_engine_config(target, draft_dir, num_blocks))
         if self.runner.model_config.vocab_size != vocab_size:
             raise ValueError(f"draft model {draft_dir} has a vocabulary of {self.runner.model_config.vocab_size}, "
                              f"the target {vocab_size}: a draft must share the target's tokenizer")
         self.max_model_len = min(max_model_len, self.runner.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, enable_prefix_caching=False)
         self._states: dict[int, _DraftState] = {}
+        # Tokens the draft computed for sequences whose draft KV it did not hold (local
+        # draft prefill); with draft_kv=prefill only recovered or forked sequences add here.
+        self.prefill_tokens = 0
+
+    # --- draft KV made elsewhere (draft_kv=prefill) ---------------------------
+
+    def reserve(self, seq_id: int, num_tokens: int) -> list[int] | None:
+        """Blocks for `num_tokens` tokens of draft KV to arrive in; None: no room (the
+        sequence then prefills its draft here). Held until `adopt` or `drop`."""
+        if self.blocks.allocate_slots(seq_id, num_tokens, 0) is None:
+            return None
+        return self.blocks.block_table(seq_id)
+
+    def adopt(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """The reserved blocks hold the draft KV of `token_ids`: count them computed."""
+        self._states[seq_id] = _DraftState(list(token_ids))
+
+    def drop(self, seq_id: int) -> None:
+        """Free `seq_id`'s draft blocks, reserved or adopted."""
+        self._states.pop(seq_id, None)
+        self.blocks.free(seq_id)
+
+    @torch.inference_mode()
+    def prefill(self, seq_id: int, token_ids: Sequence[int]) -> list[int] | None:
+        """Prefill worker: compute the draft KV of `token_ids` into fresh blocks and return
+        them (None: no room); the caller ships them, then `drop`s them."""
+        blocks = self.reserve(seq_id, len(token_ids))
+        if blocks is not None:
+            self.runner.execute([SeqChunk(list(token_ids), 0, blocks, need_logits=True)])
+        return blocks
 
     def retain(self, live: set[int]) -> None:
         """Free the draft KV of every sequence not in `live`."""
@@ -100,5 +127,7 @@ class DraftModelProposer:
         state = self._states[seq_id]
         start = len(state.computed)
         new = list(tokens[start:])
+        if start == 0:
+            self.prefill_tokens += len(new)
         state.computed.extend(new)
         return SeqChunk(new, start, self.blocks.block_table(seq_id), need_logits=True)
