@@ -241,6 +241,8 @@ class DecodeNode(EngineNode):
 
     def load(self) -> NodeLoad:
         queued = sum(seq.num_uncomputed_tokens for seq in list(self.engine.scheduler.waiting))  # local prefills
+        if self.drafts is not None:
+            self.drafts.publish()
         return self.stats.update(self.engine.stats(), queued)
 
     def busy(self) -> bool:

@@ -38,7 +38,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.scheduler import SchedulerOutput
 from kv_transfer.api import KVSender, TransferState
-from worker.draft_kv import DraftShipper
+from worker.draft_kv import DraftShipper, Shipped
 from worker.metrics import WorkerMetrics
 from worker.node_api import NodeLoad, Sender
 from worker.node_base import EngineNode
@@ -59,7 +59,7 @@ class _Job:
     prefilled_at: float = 0.0
     scheduled_at: float = 0.0  # start of the first engine step that computed part of it
     transfer_started_at: float = 0.0
-    draft_shipped: bool = False
+    draft_sent: bool = False  # draft_kv=prefill: shipped, or refused for good
 
 
 def peer_address(msg: p.TransferTarget, direct: bool = True) -> str:
@@ -197,16 +197,24 @@ class PrefillNode(EngineNode):
         """draft_kv=prefill: right after the target prefill, run the draft over the same
         tokens and push its KV (the target's transfer is already on its way)."""
         target = job.target
-        if self.drafts is None or target is None or target.draft is None or job.draft_shipped:
+        if self.drafts is None or target is None or target.draft is None or job.draft_sent:
             return
-        job.draft_shipped = True
         payload = job.msg.payload
-        why = self.drafts.ship(target.transfer_id, job.msg.request_id,
-                               [*payload.prompt_token_ids, *payload.output_token_ids], target.draft,
-                               TRANSFER_LEASE_S, layer_ready(self.runner.device))
-        if why:
-            log.warning("draft KV of %s not shipped: %s", job.msg.request_id, why,
-                        extra=request_fields(job.msg.request_id))
+        shipped = self.drafts.ship(target.transfer_id, job.msg.request_id,
+                                   [*payload.prompt_token_ids, *payload.output_token_ids], target.draft,
+                                   TRANSFER_LEASE_S, layer_ready(self.runner.device))
+        job.draft_sent = shipped is not Shipped.NO_ROOM  # no room: again next step
+        if shipped is Shipped.REFUSED:
+            log.warning("draft KV of %s not shipped: %d destination blocks", job.msg.request_id,
+                        len(target.draft.block_ids), extra=request_fields(job.msg.request_id))
+
+    def _draft_pending(self, job: _Job) -> bool:
+        """The job's draft KV has yet to ship or is on its way (its source blocks are read)."""
+        if self.drafts is None or job.target is None or job.target.draft is None:
+            return False
+        if not job.draft_sent:
+            self._ship_draft(job)
+        return not job.draft_sent or not self.drafts.settled(job.target.transfer_id)
 
     def _end_draft(self, job: _Job) -> None:
         if self.drafts is not None and job.target is not None:
@@ -280,8 +288,8 @@ class PrefillNode(EngineNode):
             assert job.target is not None
             tid = job.target.transfer_id
             state = self.sender.poll(tid)
-            if state == TransferState.COMPLETE and self.drafts is not None and not self.drafts.settled(tid):
-                continue  # the draft's KV is still on its way: its blocks are read yet
+            if state == TransferState.COMPLETE and self._draft_pending(job):
+                continue
             if state == TransferState.COMPLETE:
                 self.transfers.completed(job.transfer_started_at, peer_address(job.target, self.direct),
                                          len(job.target.dst_block_ids))
@@ -305,6 +313,8 @@ class PrefillNode(EngineNode):
 
     def load(self) -> NodeLoad:
         queued = sum(j.msg.payload.num_tokens for j in list(self._jobs.values()) if not j.prefilled)
+        if self.drafts is not None:
+            self.drafts.publish()
         return self.stats.update(self.engine.stats(), queued)
 
     def busy(self) -> bool:

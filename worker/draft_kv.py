@@ -23,6 +23,7 @@ Life of a request's draft KV:
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -92,11 +93,22 @@ class _DraftTransfers:
     def cancelling(self) -> bool:
         return bool(self._cancelling)
 
+    def publish(self) -> None:
+        """The draft pool's blocks in use, for `llm_spec_draft_kv_used_blocks`."""
+        bm = self.proposer.blocks
+        self.metrics.draft_kv_used_blocks.set(bm.num_allocatable - bm.num_free_blocks)
+
     def _completed(self, draft: _Draft, address: str) -> None:
         self.metrics.add_transfer_bytes(transport_kind(address), draft.num_blocks * self.block_bytes)
 
     def close(self) -> None:
         self.peer.close()
+
+
+class Shipped(enum.Enum):
+    SENT = "sent"
+    NO_ROOM = "no room"  # the draft pool is full: try again once blocks come back
+    REFUSED = "refused"  # the destination does not fit the prompt: never ships
 
 
 class DraftShipper(_DraftTransfers):
@@ -109,22 +121,22 @@ class DraftShipper(_DraftTransfers):
         self._addresses: dict[str, str] = {}
 
     def ship(self, transfer_id: str, request_id: str, token_ids: Sequence[int], target: DraftBlocks,
-             lease_s: float, ready: object = None) -> str:
-        """Prefill the draft over `token_ids` and push its KV into `target`; "" when it
-        ships, else why not (the decode worker's draft transfer then fails at its lease)."""
+             lease_s: float, ready: object = None) -> Shipped:
+        """Prefill the draft over `token_ids` and push its KV into `target`. REFUSED: the
+        decode worker's draft transfer fails at its lease and it prefills the draft itself."""
         need = -(-len(token_ids) // self.proposer.blocks.block_size)
-        if len(target.block_ids) != need:
-            return f"{len(target.block_ids)} draft blocks for a {need}-block prompt"
+        if len(target.block_ids) != need or len(token_ids) > self.proposer.max_model_len:
+            return Shipped.REFUSED
         key = next(self._keys)
         src = self.proposer.prefill(key, token_ids)
         if src is None:
-            return "no room in the draft pool"
+            return Shipped.NO_ROOM
         tid = draft_transfer_id(transfer_id)
         self._live[tid] = _Draft(key, request_id, len(src))
         self._addresses[tid] = target.kv_address
         self.sender.begin(tid, request_id, target.kv_address, src, list(target.block_ids), lease_s)
         self.sender.send_all(tid, ready)
-        return ""
+        return Shipped.SENT
 
     def end(self, transfer_id: str) -> _Draft | None:
         tid = draft_transfer_id(transfer_id)

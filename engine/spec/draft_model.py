@@ -61,7 +61,7 @@ class DraftModelProposer:
     def reserve(self, seq_id: int, num_tokens: int) -> list[int] | None:
         """Blocks for `num_tokens` tokens of draft KV to arrive in; None: no room (the
         sequence then prefills its draft here). Held until `adopt` or `drop`."""
-        if self.blocks.allocate_slots(seq_id, num_tokens, 0) is None:
+        if num_tokens > self.max_model_len or self.blocks.allocate_slots(seq_id, num_tokens, 0) is None:
             return None
         return self.blocks.block_table(seq_id)
 
