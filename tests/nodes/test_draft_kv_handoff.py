@@ -101,7 +101,10 @@ class DraftPair:
         return first
 
     def run(self, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
-        first = self.start(rid, prompt, params)
+        return self.decode_all(rid, self.start(rid, prompt, params))
+
+    def decode_all(self, rid: str, first: p.FirstToken) -> list[int]:
+        """Hand the first token to decode; step both nodes until the request ends."""
         self.decode.handle(p.StartDecode(rid, f"x-{rid}", first.token_ids, first.logprobs))
         out = list(first.token_ids)
         deadline = time.monotonic() + 30
@@ -165,7 +168,7 @@ def test_shipped_draft_kv_is_adopted_and_the_decode_worker_prefills_no_draft(mod
         shipped.close()
 
 
-def test_abort_mid_handoff_and_a_failed_draft_transfer_leak_no_block(model_dir: Path) -> None:
+def test_abort_a_failed_draft_transfer_and_a_full_draft_pool_leak_no_block(model_dir: Path) -> None:
     pair = DraftPair(model_dir, ship=True)
     assert pair.shipper is not None and pair.receipts is not None
     try:
@@ -177,21 +180,26 @@ def test_abort_mid_handoff_and_a_failed_draft_transfer_leak_no_block(model_dir: 
         pair.assert_idle()
         # A draft transfer that fails (the receiver gave up on it before the push) leaves
         # the request to decode with a locally prefilled draft: same tokens, blocks back.
-        first = pair.start("b", prompt, GREEDY, lambda: pair.receipts.receiver.cancel("x-b.draft"))
-        pair.decode.handle(p.StartDecode("b", "x-b", first.token_ids, first.logprobs))
-        pair.to_gateway.clear()
-        got = list(first.token_ids)
-        deadline = time.monotonic() + 30
-        while len(got) < GREEDY.max_tokens:
-            assert time.monotonic() < deadline
+        receipts = pair.receipts
+        first = pair.start("b", prompt, GREEDY, lambda: receipts.receiver.cancel("x-b.draft"))
+        want = reference(model_dir, prompt, GREEDY)
+        assert pair.decode_all("b", first) == want
+        assert proposer(pair.de).prefill_tokens == len(prompt) + 1
+        pair.assert_idle()
+        # The prefill worker's draft pool is full: the push waits (the target's transfer
+        # done, the request not admitted) and goes once blocks come back.
+        pool = proposer(pair.pe).blocks
+        assert pool.allocate_slots(10**6, pool.num_free_blocks * BS, 0) is not None
+        first = pair.start("c", prompt, GREEDY)
+        pair.decode.handle(p.StartDecode("c", "x-c", first.token_ids, first.logprobs))
+        for _ in range(3):
             pair.prefill.step()
             pair.decode.step()
-            got += [t for m in pair.to_gateway if isinstance(m, p.TokenBatch) for d in m.deltas
-                    for t in d.token_ids]
-            pair.to_gateway[:] = [m for m in pair.to_gateway if not isinstance(m, p.TokenBatch)]
-        assert got == reference(model_dir, prompt, GREEDY)
-        assert proposer(pair.de).prefill_tokens == len(prompt) + 1
-        pair.settle()
+        assert pair.shipper.state("x-c") is None and pair.sender.poll("x-c").terminal
+        assert not any(isinstance(m, p.TokenBatch) for m in pair.to_gateway)
+        pool.free(10**6)
+        assert pair.decode_all("c", first) == want
+        assert proposer(pair.de).prefill_tokens == len(prompt) + 1  # no second local draft prefill
         pair.assert_idle()
     finally:
         pair.close()
