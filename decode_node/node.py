@@ -11,10 +11,10 @@ A request's life here:
 2. `StartDecode` brings the first token(s) sampled by the prefill worker.
 3. When the transfer is COMPLETE (every block verified) and the first tokens
    are known, the engine admits the sequence (`start_remote`, RUNNING).
-4. Each engine step's new tokens go to the gateway as one `TokenBatch`.
    With draft_kv=prefill the draft pool's blocks are reserved too, their transfer
    must be terminal as well, and on COMPLETE they are the sequence's draft KV
    (worker/draft_kv.py): its first speculative step prefills no draft.
+4. Each engine step's new tokens go to the gateway as one `TokenBatch`.
 5. Finish, `Abort` or a failed transfer frees the blocks; a failed transfer is
    reported as a retryable `RequestFailed`, so the gateway re-prefills.
 
