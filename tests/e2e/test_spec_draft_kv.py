@@ -87,5 +87,6 @@ def test_a_decode_worker_with_another_draft_is_refused(cluster: Cluster, model_d
         return all(f"refused worker {w}: compat_hash" in text for w in ("other", "local"))
 
     cluster._wait(refused, "both decode workers refused", timeout=90)
+    assert "the draft model must match" in log.read_text(errors="replace")  # says why
     assert sorted(w["id"] for w in cluster.worker_list()) == ["d", "p"]
     assert all(p.alive() for p in procs)
