@@ -13,9 +13,9 @@ model with its trained draft, K=3, drafting at every batch size here).
 
 Per round (placements alternate which goes first) and as medians over rounds: decode
 streams' ITL p50/p99, long prompts' TTFT p50, KV bytes the prefill worker shipped per
-long prompt, the prefill worker's CPU seconds per long prompt (its busy time: the
-worker process's user + system time over the run), tokens the decode worker's draft
-prefilled, and the mean acceptance length; then prefill/decode ratios.
+prompt token it computed (target and draft KV), its CPU seconds per prompt (its busy
+time: the worker process's user + system time over the run), tokens the decode
+worker's draft prefilled, and the mean acceptance length; then prefill/decode ratios.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ COLUMNS = (
     Column("ITL p50 ms", ("decode", "itl", "p50")),
     Column("ITL p99 ms", ("decode", "itl", "p99")),
     Column("TTFT p50 ms", ("long_prompt", "ttft", "p50")),
-    Column("KB/prompt", ("worker", "kv_bytes_per_prompt"), scale=1 / 1024),
+    Column("KV B/token", ("worker", "kv_bytes_per_token"), scale=1, fmt=".0f"),
     Column("prefill CPU s", ("worker", "prefill_cpu_s_per_prompt"), scale=1, fmt=".3f"),
     Column("draft pf tok", ("worker", "draft_prefill_tokens"), scale=1, fmt=".0f"),
     Column("accept len", ("worker", "mean_acceptance_length"), scale=1, fmt=".2f"),
@@ -99,6 +99,7 @@ def worker_counters(base_url: str) -> dict[str, float]:
     return {"kv_bytes": _metric(pre, "llm_kv_transfer_bytes_total"),
             "prefill_cpu_s": _cpu_s(int(workers["prefill"]["pid"])),
             "prompts": _metric(pre, "llm_prefill_requests_total"),
+            "prompt_tokens": _metric(pre, "llm_prefill_tokens_total"),
             "draft_prefill_tokens": _metric(dec, "llm_spec_draft_prefill_tokens_total"),
             "drafts": _metric(dec, "llm_spec_decode_num_drafts_total"),
             "accepted": _metric(dec, "llm_spec_decode_num_accepted_tokens_total")}
@@ -113,7 +114,8 @@ def run_placement(args: argparse.Namespace, placement: str, tokenizer: str | Non
         after = worker_counters(server.base_url)
     d = {k: after[k] - before[k] for k in after}
     prompts = max(d["prompts"], 1.0)
-    worker = {"kv_bytes_per_prompt": d["kv_bytes"] / prompts, "prefill_cpu_s_per_prompt": d["prefill_cpu_s"] / prompts,
+    worker = {"kv_bytes_per_token": d["kv_bytes"] / max(d["prompt_tokens"], 1.0),
+              "prefill_cpu_s_per_prompt": d["prefill_cpu_s"] / prompts,
               "draft_prefill_tokens": d["draft_prefill_tokens"],
               "mean_acceptance_length": 1 + d["accepted"] / d["drafts"] if d["drafts"] else 1.0}
     return {"all": run.summary, **run.per_tag, "worker": worker}
