@@ -1,14 +1,30 @@
 """Draft-model proposing: a small model with the target's tokenizer guesses K tokens.
 
-Where the draft's KV lives: on the worker that decodes, in a pool of its own. The
-draft prefills a sequence's prompt (and any output so far) locally the first time
-it drafts for it, in the same forward that drafts its first token. So nothing of
-the draft crosses the KV handoff: the prefill worker neither loads the draft nor
-ships its KV, the compatibility hash stays the target's, a prefill worker and a
-decode worker can never disagree on a draft config, and a decode worker that takes
-over a recovered stream rebuilds the draft state from prompt + output the same way.
-The price is one draft prefill per sequence on the decode worker (the draft is
-small: a fraction of the target's prefill, paid once).
+Where the draft's KV lives: on the worker that decodes, in a pool of its own. Where
+the draft's KV for the prompt is made (`draft_kv` in `--speculative-config`):
+- "decode" (the default): the decode worker prefills the draft over a sequence's
+  prompt (and any output so far) the first time it drafts for it, in the same
+  forward that drafts its first token. Nothing of the draft crosses the handoff, the
+  compatibility hash stays the target's, and a recovered stream rebuilds its draft
+  state the same way. The price: one draft prefill inside a decode step per arriving
+  sequence, which stalls the other streams of that step.
+- "prefill": the prefill worker loads the draft too, prefills it right after the
+  target (`prefill`), and ships its KV as a second transfer (worker/draft_kv.py);
+  the decode worker reserves draft blocks next to the target's (`reserve`) and
+  `adopt`s them, so its first speculative step prefills no draft. The layout hash
+  covers the draft (engine/spec/draft_kv.py). A draft transfer that fails, a full
+  draft pool or a forked choice (n > 1) falls back to the local prefill.
+Why "decode" stays the default (bench/README.md, "Draft KV placement": 1P+1D, two runs
+of 3 alternating rounds on the shared 2-core CPU machine at load ~13): what shipping
+costs is certain -- +24% KV bytes per prompt token (the built-in draft holds 1/4 of
+the target's KV per token and ships whole prompts), +21-35% prefill-worker CPU per
+prompt, the draft prefill on the prefill worker's path ahead of the next prompt --
+while what it saves, the draft prefill inside a decode step, did not show above the
+noise: the other streams' ITL p99 was 1.26x and 0.86x of decode-local in the two runs
+(TTFT p50 1.28x and 0.68x), at the same acceptance. The draft is cheap (on the ~125M
+shape 7.3 ms against the target's 69 ms at 512 tokens, 0.52 MB of KV). Where decode
+runs on its own accelerator with ITL of a few ms, that stall may matter more:
+measure there with bench/draft_kv_placement.py before switching.
 
 Per step, for the sequences that draft (greedy drafts; acceptance is the target's
 own draw, `engine.spec.decoder`, so output is exact whatever the draft proposes):
