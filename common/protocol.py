@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from common.codec import WireError, from_wire, to_wire
+from common.draft_kv import DraftBlocks
 from common.logprobs import Logprob
 from common.sampling_params import SamplingParams
 
@@ -169,6 +170,7 @@ class ReserveResult(Message):
     block_ids: list[int]  # the blocks the KV is written into
     refused: str = ""  # non-empty: why nothing was reserved
     cached_blocks: int = 0  # leading prompt blocks decode already holds: not shipped
+    draft: DraftBlocks | None = None  # draft_kv=prefill: where the draft's KV goes
 
     @property
     def ok(self) -> bool:
@@ -199,6 +201,7 @@ class TransferTarget(Message):
     target_kv_shm: str
     dst_block_ids: list[int]
     skip_blocks: int = 0  # the prompt's first blocks decode holds already: ship from this one on
+    draft: DraftBlocks | None = None  # ReserveResult.draft, passed on
 
 
 @dataclass(frozen=True)

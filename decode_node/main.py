@@ -17,6 +17,7 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
     from decode_node.node import DecodeNode
     from engine.model_runner import ModelRunner
     from kv_transfer import make_receiver
+    from worker.draft_kv import build_receipts
     from worker.engine_glue import build_engine
 
     layout = ModelRunner.layout_for(engine_cfg)
@@ -31,7 +32,8 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
                                  curve=curve, parallel=ParallelLayout.of(
                                      engine_cfg.tensor_parallel_size, engine_cfg.pipeline_parallel_size,
                                      runner.layout))
-        return DecodeNode(parts.worker_id, engine, runner, receiver, parts.send, parts.metrics, kv_shm)
+        drafts = build_receipts(engine, parts.metrics, parts.kv_faults, curve, opts.kv_host)
+        return DecodeNode(parts.worker_id, engine, runner, receiver, parts.send, parts.metrics, kv_shm, drafts)
 
     on_cuda = engine_cfg.device.startswith("cuda")
     transport = receiver_transport(opts.kv_transport, on_cuda)

@@ -11,6 +11,9 @@ A request's life here:
 2. `StartDecode` brings the first token(s) sampled by the prefill worker.
 3. When the transfer is COMPLETE (every block verified) and the first tokens
    are known, the engine admits the sequence (`start_remote`, RUNNING).
+   With draft_kv=prefill the draft pool's blocks are reserved too, their transfer
+   must be terminal as well, and on COMPLETE they are the sequence's draft KV
+   (worker/draft_kv.py): its first speculative step prefills no draft.
 4. Each engine step's new tokens go to the gateway as one `TokenBatch`.
 5. Finish, `Abort` or a failed transfer frees the blocks; a failed transfer is
    reported as a retryable `RequestFailed`, so the gateway re-prefills.
@@ -33,6 +36,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.scheduler import Reservation
 from kv_transfer.api import KVReceiver, TransferState
+from worker.draft_kv import DraftReceipts
 from worker.engine_glue import wire_deltas
 from worker.metrics import WorkerMetrics
 from worker.node_api import NodeLoad, NodeRegistration, Sender
@@ -75,8 +79,10 @@ class DecodeNode(EngineNode):
     role = "decode"
 
     def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, receiver: KVReceiver,
-                 send: Sender, metrics: WorkerMetrics, kv_shm: str = "") -> None:
+                 send: Sender, metrics: WorkerMetrics, kv_shm: str = "",
+                 drafts: DraftReceipts | None = None) -> None:
         super().__init__(worker_id, engine, runner, send, metrics)
+        self.drafts = drafts  # draft_kv=prefill: draft KV arrives with the target's
         self.receiver = receiver
         self.kv_shm = kv_shm
         self._incoming: dict[str, _Incoming] = {}
@@ -123,10 +129,14 @@ class DecodeNode(EngineNode):
             return
         blocks = reservation.block_ids
         self.receiver.expect(msg.transfer_id, rid, list(blocks), TRANSFER_LEASE_S)
+        draft = None if self.drafts is None else self.drafts.reserve(
+            msg.transfer_id, rid, self.engine.seq_id(rid),
+            [*msg.payload.prompt_token_ids, *msg.payload.output_token_ids], TRANSFER_LEASE_S)
         self._incoming[rid] = _Incoming(msg.transfer_id, time.monotonic(), len(blocks))
         self.metrics.blocks_reused.inc(reservation.cached_blocks)
         self.accepted(rid, f"{len(blocks)} blocks reserved, {reservation.cached_blocks} held", prefill=False)
-        self.send(p.ReserveResult(rid, msg.transfer_id, list(blocks), cached_blocks=reservation.cached_blocks))
+        self.send(p.ReserveResult(rid, msg.transfer_id, list(blocks), cached_blocks=reservation.cached_blocks,
+                                  draft=draft))
 
     def _run_local(self, msg: p.RunRequest) -> None:
         """Prefill the request here as well (no KV transfer): it runs from its first step."""
@@ -150,6 +160,7 @@ class DecodeNode(EngineNode):
         if inc is not None:
             self.metrics.aborts.inc()
             self.transfers.cancel(inc.transfer_id, rid)
+            self._end_draft(inc.transfer_id)
         elif rid in self._running:
             self.metrics.aborts.inc()
             self.engine.abort(rid)
@@ -160,6 +171,8 @@ class DecodeNode(EngineNode):
 
     def step(self) -> bool:
         self.transfers.reap()
+        if self.drafts is not None:
+            self.drafts.reap()
         admitted = self._admit_arrived()
         if not self._running:
             return admitted
@@ -194,12 +207,14 @@ class DecodeNode(EngineNode):
                 inc.complete_at = time.monotonic()
             if state in FAILED_STATES:
                 self._transfer_failed(rid, inc, state)
-            elif state == TransferState.COMPLETE and inc.first_tokens is not None:
+            elif state == TransferState.COMPLETE and inc.first_tokens is not None and self._draft_settled(inc):
                 del self._incoming[rid]
                 self.receiver.forget(inc.transfer_id)
                 # The receiver's own kind: a same-host sender uses it, a remote one tcp frames.
                 self.transfers.completed(inc.reserved_at, self.receiver.address, inc.num_blocks)
                 out = self.engine.start_remote(rid, inc.first_tokens, first_logprobs(inc.first_logprobs))
+                if self.drafts is not None:
+                    self.drafts.admit(inc.transfer_id, running=not out.finished)
                 if not out.finished:
                     self._running.add(rid)
                     # Non-overlapping with the prefill stages: the transfer counts from the
@@ -210,20 +225,33 @@ class DecodeNode(EngineNode):
                 admitted = True
         return admitted
 
+    def _draft_settled(self, inc: _Incoming) -> bool:
+        return self.drafts is None or self.drafts.settled(inc.transfer_id)
+
+    def _end_draft(self, transfer_id: str) -> None:
+        if self.drafts is not None:
+            self.drafts.end(transfer_id)
+
     def _transfer_failed(self, rid: str, inc: _Incoming, state: TransferState) -> None:
         del self._incoming[rid]
+        self._end_draft(inc.transfer_id)
         self.receiver.forget(inc.transfer_id)
         self.engine.abort(rid)
         self.send(self.transfers.failed(rid, inc.transfer_id, state))
 
     def load(self) -> NodeLoad:
         queued = sum(seq.num_uncomputed_tokens for seq in list(self.engine.scheduler.waiting))  # local prefills
+        if self.drafts is not None:
+            self.drafts.publish()
         return self.stats.update(self.engine.stats(), queued)
 
     def busy(self) -> bool:
-        return bool(self._incoming or self._running) or self.transfers.cancelling()
+        return bool(self._incoming or self._running) or self.transfers.cancelling() or (
+            self.drafts is not None and self.drafts.cancelling())
 
     def close(self) -> None:
         for rid in list(self._incoming) + list(self._running):
             self._abort(rid)
         self.receiver.close()
+        if self.drafts is not None:
+            self.drafts.close()

@@ -179,6 +179,10 @@ class LLMEngine:
             self.step()
         return [generation_result(reqs[rid]) for rid in ids]
 
+    def seq_id(self, request_id: str) -> int:
+        """The id of the request's first sequence (what keys its draft-model KV)."""
+        return self._requests[request_id].seqs[0].seq_id
+
     # -------------------------------------------------------------- prefill node
     def held_blocks(self, request_id: str) -> list[int]:
         """Blocks holding a FINISHED_PREFILLED request's prompt KV ([] if none held)."""

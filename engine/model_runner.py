@@ -37,6 +37,7 @@ from engine.parallel.plan import TPShard
 from engine.parallel.shared_pool import head_slice
 from engine.quant.formats import served_quantization
 from engine.runner_types import SeqChunk
+from engine.spec.draft_kv import with_draft
 from engine.step_staging import PinnedStager, stage_metadata
 
 
@@ -101,8 +102,9 @@ class ModelRunner:
         # the weights are fingerprinted once even where no cache file can be written.
         weights = layout.weights if layout is not None else weights_fingerprint(config.model_dir).digest
         self.quantization = served_quantization(config.quantization, self.model_config.prequant)
-        self.layout: KVLayout = kv_layout(self.model_config, self.block_size, config.dtype, weights,
-                                          config.kv_cache_dtype, self.quantization)
+        self.layout: KVLayout = with_draft(kv_layout(
+            self.model_config, self.block_size, config.dtype, weights, config.kv_cache_dtype,
+            self.quantization), config)
         if layout is not None and layout != self.layout:
             raise ValueError(f"layout {layout} does not belong to this config ({self.layout})")
         if kv_buffer is not None:
@@ -157,9 +159,10 @@ class ModelRunner:
         the dtype resolved as the runner resolves it."""
         config = resolved_config(config)
         model_config = load_config(config.model_dir)
-        return kv_layout(model_config, config.cache.block_size, config.dtype,
-                         weights_fingerprint(config.model_dir).digest, config.kv_cache_dtype,
-                         served_quantization(config.quantization, model_config.prequant))
+        return with_draft(kv_layout(model_config, config.cache.block_size, config.dtype,
+                                    weights_fingerprint(config.model_dir).digest, config.kv_cache_dtype,
+                                    served_quantization(config.quantization, model_config.prequant)),
+                          config)
 
     @staticmethod
     def num_blocks_for_bytes(layout: KVLayout, budget_bytes: int) -> int:

@@ -259,7 +259,7 @@ class ClusterBackend:
                 self._start_prefill(a)
             self._send(a.prefill_id, p.TransferTarget(
                 a.wid, a.transfer_id, w.worker_id, w.reg.host_id, w.reg.kv_address,
-                w.reg.kv_shm, list(result.block_ids), result.cached_blocks,
+                w.reg.kv_shm, list(result.block_ids), result.cached_blocks, result.draft,
             ))
             if a.first is not None:
                 self._start_decode(a, a.first)

@@ -138,7 +138,8 @@ class WorkerRegistry:
         if others and any(w.reg.compat_hash != reg.compat_hash for w in others):
             return RegisterOutcome(False, (
                 f"compat_hash {reg.compat_hash} differs from the registered workers' (model config, "
-                "weights, dtype, quantization, KV-cache dtype, block size and head layout must match)"))
+                "weights, dtype, quantization, KV-cache dtype, block size, head layout and, with "
+                "draft_kv=prefill, the draft model must match)"))
         old = self._workers.get(reg.worker_id)
         info = WorkerInfo(reg=reg, registered_at=now, last_seen=now, progress_at=now)
         if old is not None:

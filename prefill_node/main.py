@@ -14,10 +14,13 @@ from worker.node_api import Node
 
 def prefill_engine_config(engine_cfg: EngineConfig) -> EngineConfig:
     """A prefill worker's engine config: no decode graphs (it never runs a decode step, so
-    capturing them would only cost start-up time and graph-pool memory)."""
+    capturing them would only cost start-up time and graph-pool memory), and speculation
+    only to run the draft whose KV it ships (draft_kv=prefill)."""
     if engine_cfg.cuda_graphs:
         logging.getLogger(__name__).info("--cuda-graphs ignored: a prefill worker runs no decode steps")
-    return dataclasses.replace(engine_cfg, cuda_graphs=False)
+    spec = engine_cfg.speculative
+    return dataclasses.replace(engine_cfg, cuda_graphs=False,
+                               speculative=spec if spec is not None and spec.ships_draft_kv else None)
 
 
 def build_prefill(engine_cfg: EngineConfig, opts: WorkerOptions,
@@ -25,12 +28,14 @@ def build_prefill(engine_cfg: EngineConfig, opts: WorkerOptions,
     from common.parallel_layout import ParallelLayout
     from kv_transfer import make_sender
     from prefill_node.node import PrefillNode
+    from worker.draft_kv import build_shipper
     from worker.engine_glue import build_engine
 
     engine, runner = build_engine(prefill_engine_config(engine_cfg))
     sender = make_sender(runner.layout, pool_array(runner), faults=parts.kv_faults,
                          curve=kv_keys(opts), parallel=ParallelLayout.of(
                              engine_cfg.tensor_parallel_size, engine_cfg.pipeline_parallel_size, runner.layout))
+    drafts = build_shipper(engine, parts.metrics, parts.kv_faults, kv_keys(opts))
     node = PrefillNode(parts.worker_id, engine, runner, sender, parts.send, parts.metrics,
-                       direct=opts.kv_transport != "tcp")
+                       direct=opts.kv_transport != "tcp", drafts=drafts)
     return node, [runner.close]

@@ -14,8 +14,10 @@ A request's life here:
    the target is known before the step that completes the prompt, the push is
    layer-wise: layer i of all the request's blocks ships while layer i+1
    computes (chunked prompts included: earlier chunks' layers are final).
-4. Only when the transfer is COMPLETE (decode verified every block) are the
-   blocks released. A failed transfer releases them too and reports a
+   With draft_kv=prefill the draft model then prefills the same tokens and its KV
+   ships too, as a second transfer (worker/draft_kv.py).
+4. Only when the transfer is COMPLETE (decode verified every block), and a draft
+   transfer terminal, are the blocks released. A failed transfer releases them too and reports a
    retryable `RequestFailed`. `Abort` drops the request at any stage.
 """
 
@@ -36,6 +38,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.scheduler import SchedulerOutput
 from kv_transfer.api import KVSender, TransferState
+from worker.draft_kv import DraftShipper, Shipped
 from worker.metrics import WorkerMetrics
 from worker.node_api import NodeLoad, Sender
 from worker.node_base import EngineNode
@@ -56,6 +59,7 @@ class _Job:
     prefilled_at: float = 0.0
     scheduled_at: float = 0.0  # start of the first engine step that computed part of it
     transfer_started_at: float = 0.0
+    draft_sent: bool = False  # draft_kv=prefill: shipped, or refused for good
 
 
 def peer_address(msg: p.TransferTarget, direct: bool = True) -> str:
@@ -85,8 +89,9 @@ class PrefillNode(EngineNode):
 
     def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, sender: KVSender,
                  send: Sender, metrics: WorkerMetrics, layerwise: bool = True,
-                 direct: bool = True) -> None:
+                 direct: bool = True, drafts: DraftShipper | None = None) -> None:
         super().__init__(worker_id, engine, runner, send, metrics)
+        self.drafts = drafts  # draft_kv=prefill: the draft's KV ships with the target's
         self.direct = direct  # --kv-transport allows shm / CUDA IPC with same-host peers
         # Push each layer's KV while the next layer computes (when the target is known in time).
         self.layerwise = layerwise
@@ -109,6 +114,7 @@ class PrefillNode(EngineNode):
                 job.target = msg
                 if job.prefilled:
                     self._start_transfer(job)
+                    self._ship_draft(job)
         elif isinstance(msg, p.Abort):
             for rid in msg.request_ids:
                 self._abort(rid)
@@ -139,6 +145,7 @@ class PrefillNode(EngineNode):
         self.metrics.aborts.inc()
         if job.transfer_started_at and job.target is not None:
             self.transfers.cancel(job.target.transfer_id, rid)
+            self._end_draft(job)
         else:
             self.engine.abort(rid)  # frees queued, prefilling or held blocks alike
 
@@ -146,6 +153,8 @@ class PrefillNode(EngineNode):
 
     def step(self) -> bool:
         self.transfers.reap()
+        if self.drafts is not None:
+            self.drafts.reap()
         worked = self._poll_transfers()
         if self.engine.has_unfinished():
             started = time.monotonic()
@@ -179,8 +188,37 @@ class PrefillNode(EngineNode):
         ))
         if not out.prefilled or all(c.finish_reason is not None for c in choices):
             self._finish_without_decode(job)
-        elif job.target is not None and not job.transfer_started_at:
-            self._start_transfer(job)
+        elif job.target is not None:
+            if not job.transfer_started_at:
+                self._start_transfer(job)
+            self._ship_draft(job)
+
+    def _ship_draft(self, job: _Job) -> None:
+        """draft_kv=prefill: right after the target prefill, run the draft over the same
+        tokens and push its KV (the target's transfer is already on its way)."""
+        target = job.target
+        if self.drafts is None or target is None or target.draft is None or job.draft_sent:
+            return
+        payload = job.msg.payload
+        shipped = self.drafts.ship(target.transfer_id, job.msg.request_id,
+                                   [*payload.prompt_token_ids, *payload.output_token_ids], target.draft,
+                                   TRANSFER_LEASE_S, layer_ready(self.runner.device))
+        job.draft_sent = shipped is not Shipped.NO_ROOM  # no room: again next step
+        if shipped is Shipped.REFUSED:
+            log.warning("draft KV of %s not shipped: %d destination blocks", job.msg.request_id,
+                        len(target.draft.block_ids), extra=request_fields(job.msg.request_id))
+
+    def _draft_pending(self, job: _Job) -> bool:
+        """The job's draft KV has yet to ship or is on its way (its source blocks are read)."""
+        if self.drafts is None or job.target is None or job.target.draft is None:
+            return False
+        if not job.draft_sent:
+            self._ship_draft(job)
+        return not job.draft_sent or not self.drafts.settled(job.target.transfer_id)
+
+    def _end_draft(self, job: _Job) -> None:
+        if self.drafts is not None and job.target is not None:
+            self.drafts.end(job.target.transfer_id)
 
     @staticmethod
     def _timings(job: _Job) -> dict[str, float]:
@@ -250,6 +288,8 @@ class PrefillNode(EngineNode):
             assert job.target is not None
             tid = job.target.transfer_id
             state = self.sender.poll(tid)
+            if state == TransferState.COMPLETE and self._draft_pending(job):
+                continue
             if state == TransferState.COMPLETE:
                 self.transfers.completed(job.transfer_started_at, peer_address(job.target, self.direct),
                                          len(job.target.dst_block_ids))
@@ -267,17 +307,23 @@ class PrefillNode(EngineNode):
         log.debug("prefill request %s finished", job.msg.request_id, extra=request_fields(job.msg.request_id))
         if job.transfer_started_at and job.target is not None:
             self.sender.forget(job.target.transfer_id)
+        self._end_draft(job)
         if job.prefilled:
             self.engine.release(job.msg.request_id)
 
     def load(self) -> NodeLoad:
         queued = sum(j.msg.payload.num_tokens for j in list(self._jobs.values()) if not j.prefilled)
+        if self.drafts is not None:
+            self.drafts.publish()
         return self.stats.update(self.engine.stats(), queued)
 
     def busy(self) -> bool:
-        return bool(self._jobs) or self.transfers.cancelling()
+        return bool(self._jobs) or self.transfers.cancelling() or (
+            self.drafts is not None and self.drafts.cancelling())
 
     def close(self) -> None:
         for rid in list(self._jobs):
             self._abort(rid)
         self.sender.close()
+        if self.drafts is not None:
+            self.drafts.close()

@@ -77,6 +77,7 @@ class StatsMirror:
         m.spec_drafts.inc(now.num_drafts - was.num_drafts)
         m.spec_draft_tokens.inc(now.num_draft_tokens - was.num_draft_tokens)
         m.spec_accepted_tokens.inc(now.num_accepted_tokens - was.num_accepted_tokens)
+        m.spec_draft_prefill_tokens.inc(now.draft_prefill_tokens - was.draft_prefill_tokens)
         for j, count in enumerate(now.accepted_per_position):
             before = was.accepted_per_position[j] if j < len(was.accepted_per_position) else 0
             if count > before:

@@ -67,6 +67,9 @@ class WorkerMetrics:
         self.spec_drafts = counter("llm_spec_decode_num_drafts", "Sequence steps verified with draft tokens")
         self.spec_draft_tokens = counter("llm_spec_decode_num_draft_tokens", "Draft tokens proposed")
         self.spec_accepted_tokens = counter("llm_spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.spec_draft_prefill_tokens = counter(
+            "llm_spec_draft_prefill_tokens", "Prompt tokens the draft model prefilled on this worker")
+        self.draft_kv_used_blocks = gauge("llm_spec_draft_kv_used_blocks", "Draft-model KV blocks in use")
         self._spec_per_pos = Counter("llm_spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted at each draft position", [*names, "position"],
                                      registry=r)

@@ -3,6 +3,11 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     {"method": "draft_model", "model": "/path/to/draft", "num_speculative_tokens": 4}
 
+`draft_kv` (draft_model only) says where the draft's KV for the prompt is made when
+prefill and decode are split: "decode" (default) prefills the draft on the decode
+worker; "prefill" has the prefill worker run the draft too and ship its KV with the
+target's (engine/spec/draft_model.py says which measures better and why).
+
 `disable_by_batch_size` (vLLM's name) switches speculation off for a step whose
 running batch holds more sequences than this. Unknown keys are errors.
 """
@@ -14,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
+DRAFT_KV_PLACEMENTS = ("decode", "prefill")
 # Per-step switch-off when no value is given: above this many running sequences a
 # decode step is batched well enough that verifying drafts costs more than it saves
 # (measured with the trained model and its draft: a small gain at 4 running sequences,
@@ -33,6 +39,12 @@ class SpeculativeConfig:
     # draft_model: a checkpoint directory with the target's tokenizer.
     model: str | None = None
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    draft_kv: str = "decode"  # where the draft's prompt KV is made: decode | prefill
+
+    @property
+    def ships_draft_kv(self) -> bool:
+        """The prefill worker runs the draft and ships its KV (draft_kv=prefill)."""
+        return self.method == "draft_model" and self.draft_kv == "prefill"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -41,9 +53,11 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be in [1, 32]")
         if self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be at least 1")
+        if self.draft_kv not in DRAFT_KV_PLACEMENTS:
+            raise ValueError(f"draft_kv must be one of {', '.join(DRAFT_KV_PLACEMENTS)}, got {self.draft_kv!r}")
         if self.method == "ngram":
-            if self.model is not None:
-                raise ValueError("method ngram takes no model")
+            if self.model is not None or self.draft_kv != "decode":
+                raise ValueError("method ngram takes no model and no draft_kv")
             lo, hi = self.lookup_range
             if not 1 <= lo <= hi:
                 raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
@@ -83,7 +97,7 @@ class SpeculativeConfig:
             if key not in raw:
                 raise ValueError(f"missing key {key!r}")
         for key, value in raw.items():
-            want = str if key in ("method", "model") else int
+            want = str if key in ("method", "model", "draft_kv") else int
             if value is None and key not in ("method", "num_speculative_tokens"):
                 continue
             if not isinstance(value, want) or isinstance(value, bool):

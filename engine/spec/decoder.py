@@ -83,6 +83,7 @@ class SpecStats(NamedTuple):
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_per_position: tuple[int, ...]  # [j]: drafts accepted at position j
+    draft_prefill_tokens: int = 0  # tokens a draft model prefilled here (no shipped draft KV)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -170,7 +171,8 @@ class SpecDecoder:
             self._per_pos[j] += 1
 
     def stats(self) -> SpecStats:
-        return SpecStats(self._drafts, self._draft_tokens, self._accepted, tuple(self._per_pos))
+        return SpecStats(self._drafts, self._draft_tokens, self._accepted, tuple(self._per_pos),
+                         int(getattr(self.proposer, "prefill_tokens", 0)))
 
 
 def draft_proposer(config: EngineConfig, runner: ModelRunner) -> BatchProposer | None:

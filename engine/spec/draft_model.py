@@ -1,14 +1,30 @@
 """Draft-model proposing: a small model with the target's tokenizer guesses K tokens.
 
-Where the draft's KV lives: on the worker that decodes, in a pool of its own. The
-draft prefills a sequence's prompt (and any output so far) locally the first time
-it drafts for it, in the same forward that drafts its first token. So nothing of
-the draft crosses the KV handoff: the prefill worker neither loads the draft nor
-ships its KV, the compatibility hash stays the target's, a prefill worker and a
-decode worker can never disagree on a draft config, and a decode worker that takes
-over a recovered stream rebuilds the draft state from prompt + output the same way.
-The price is one draft prefill per sequence on the decode worker (the draft is
-small: a fraction of the target's prefill, paid once).
+Where the draft's KV lives: on the worker that decodes, in a pool of its own. Where
+the draft's KV for the prompt is made (`draft_kv` in `--speculative-config`):
+- "decode" (the default): the decode worker prefills the draft over a sequence's
+  prompt (and any output so far) the first time it drafts for it, in the same
+  forward that drafts its first token. Nothing of the draft crosses the handoff, the
+  compatibility hash stays the target's, and a recovered stream rebuilds its draft
+  state the same way. The price: one draft prefill inside a decode step per arriving
+  sequence, which stalls the other streams of that step.
+- "prefill": the prefill worker loads the draft too, prefills it right after the
+  target (`prefill`), and ships its KV as a second transfer (worker/draft_kv.py);
+  the decode worker reserves draft blocks next to the target's (`reserve`) and
+  `adopt`s them, so its first speculative step prefills no draft. The layout hash
+  covers the draft (engine/spec/draft_kv.py). A draft transfer that fails, a full
+  draft pool or a forked choice (n > 1) falls back to the local prefill.
+Why "decode" stays the default (bench/README.md, "Draft KV placement": 1P+1D, two runs
+of 3 alternating rounds on the shared 2-core CPU machine at load ~13): what shipping
+costs is certain -- +24% KV bytes per prompt token (the built-in draft holds 1/4 of
+the target's KV per token and ships whole prompts), +21-35% prefill-worker CPU per
+prompt, the draft prefill on the prefill worker's path ahead of the next prompt --
+while what it saves, the draft prefill inside a decode step, did not show above the
+noise: the other streams' ITL p99 was 1.26x and 0.86x of decode-local in the two runs
+(TTFT p50 1.28x and 0.68x), at the same acceptance. The draft is cheap (on the ~125M
+shape 7.3 ms against the target's 69 ms at 512 tokens, 0.52 MB of KV). Where decode
+runs on its own accelerator with ITL of a few ms, that stall may matter more:
+measure there with bench/draft_kv_placement.py before switching.
 
 Per step, for the sequences that draft (greedy drafts; acceptance is the target's
 own draw, `engine.spec.decoder`, so output is exact whatever the draft proposes):
@@ -22,14 +38,15 @@ Draft blocks of sequences that no longer draft are freed at the next step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import CacheConfig, EngineConfig
+from engine.config import EngineConfig
 from engine.runner_types import SeqChunk
 from engine.spec.decoder import DraftInput
+from engine.spec.draft_kv import draft_engine_config
 
 
 @dataclass
@@ -44,17 +61,43 @@ class DraftModelProposer:
                  max_model_len: int) -> None:
         from engine.model_runner import ModelRunner
 
-        cfg = EngineConfig(model_dir=draft_dir, dtype=target.dtype, device=target.device,
-                           cache=CacheConfig(block_size=target.cache.block_size, num_blocks=num_blocks,
-                                             enable_prefix_caching=False),
-                           scheduler=replace(target.scheduler, max_model_len=None))
-        self.runner = ModelRunner(cfg)
+        self.runner = ModelRunner(draft_engine_config(target, draft_dir, num_blocks))
         if self.runner.model_config.vocab_size != vocab_size:
             raise ValueError(f"draft model {draft_dir} has a vocabulary of {self.runner.model_config.vocab_size}, "
                              f"the target {vocab_size}: a draft must share the target's tokenizer")
         self.max_model_len = min(max_model_len, self.runner.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, enable_prefix_caching=False)
         self._states: dict[int, _DraftState] = {}
+        # Tokens the draft computed for sequences whose draft KV it did not hold (local
+        # draft prefill); with draft_kv=prefill only recovered or forked sequences add here.
+        self.prefill_tokens = 0
+
+    # --- draft KV made elsewhere (draft_kv=prefill) ---------------------------
+
+    def reserve(self, seq_id: int, num_tokens: int) -> list[int] | None:
+        """Blocks for `num_tokens` tokens of draft KV to arrive in; None: no room (the
+        sequence then prefills its draft here). Held until `adopt` or `drop`."""
+        if num_tokens > self.max_model_len or self.blocks.allocate_slots(seq_id, num_tokens, 0) is None:
+            return None
+        return self.blocks.block_table(seq_id)
+
+    def adopt(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """The reserved blocks hold the draft KV of `token_ids`: count them computed."""
+        self._states[seq_id] = _DraftState(list(token_ids))
+
+    def drop(self, seq_id: int) -> None:
+        """Free `seq_id`'s draft blocks, reserved or adopted."""
+        self._states.pop(seq_id, None)
+        self.blocks.free(seq_id)
+
+    @torch.inference_mode()
+    def prefill(self, seq_id: int, token_ids: Sequence[int]) -> list[int] | None:
+        """Prefill worker: compute the draft KV of `token_ids` into fresh blocks and return
+        them (None: no room); the caller ships them, then `drop`s them."""
+        blocks = self.reserve(seq_id, len(token_ids))
+        if blocks is not None:
+            self.runner.execute([SeqChunk(list(token_ids), 0, blocks, need_logits=True)])
+        return blocks
 
     def retain(self, live: set[int]) -> None:
         """Free the draft KV of every sequence not in `live`."""
@@ -100,5 +143,7 @@ class DraftModelProposer:
         state = self._states[seq_id]
         start = len(state.computed)
         new = list(tokens[start:])
+        if start == 0:
+            self.prefill_tokens += len(new)
         state.computed.extend(new)
         return SeqChunk(new, start, self.blocks.block_table(seq_id), need_logits=True)

@@ -242,7 +242,9 @@ def add_speculative_arg(ap: argparse.ArgumentParser) -> None:
                     '"num_speculative_tokens": K, "prompt_lookup_min": a, "prompt_lookup_max": b} or '
                     '{"method": "draft_model", "model": DIR, "num_speculative_tokens": K}; optional '
                     '"disable_by_batch_size" (default 8): no drafts in a step with more running '
-                    'sequences. Output is identical with it on or off')
+                    'sequences; draft_model: optional "draft_kv": "decode" (default: the decode worker '
+                    'prefills the draft) or "prefill" (the prefill worker runs the draft too and ships '
+                    'its KV; give the same config to both). Output is identical with it on or off')
 
 
 def check_speculative(spec: SpeculativeConfig | None) -> None:

@@ -174,8 +174,9 @@ def _worker_cmds(args: argparse.Namespace, control: str,
             cmd += ["--no-prefix-caching"]
         if args.grammar_compile_timeout:
             cmd += ["--grammar-compile-timeout", str(args.grammar_compile_timeout)]
-        if args.speculative_config is not None and role != "prefill":
-            cmd += ["--speculative-config", args.speculative_config.to_json()]
+        spec = args.speculative_config
+        if spec is not None and (role != "prefill" or spec.ships_draft_kv):
+            cmd += ["--speculative-config", spec.to_json()]
         cmds.append(cmd)
     return cmds
 

@@ -140,8 +140,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         if command == "worker":
             ap.add_argument("--colocated", action="store_true", required=True,
                             help="prefill and decode in one process")
-        if command != "prefill":
-            add_speculative_arg(ap)
+        add_speculative_arg(ap)  # a prefill worker uses only a draft_kv=prefill draft
         ap.set_defaults(func=run, role=role)
 
 

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common import protocol as p
+from common.draft_kv import DraftBlocks
 from common.logprobs import Logprob, TopLogprob
 from common.sampling_params import SamplingParams
 
@@ -36,6 +37,9 @@ SAMPLES: list[p.Message] = [
     p.RequestFailed("r#1", "kv transfer failed", True, "x1"),
     p.ReserveResult("r#1", "x1", [7], cached_blocks=3),
     p.TransferTarget("r#1", "x1", "d-1", "h", "tcp://127.0.0.1:1", "", [7], 3),
+    p.ReserveResult("r#1", "x1", [7], draft=DraftBlocks("tcp://127.0.0.1:2", [3, 4])),
+    p.TransferTarget("r#1", "x1", "d-1", "h", "tcp://127.0.0.1:1", "", [7], 3,
+                     DraftBlocks("tcp://127.0.0.1:2", [3, 4])),
     p.KvEvents("p-1", 7, [(1 << 63) - 1, 0, 12345], [99]),
     p.KvEvents("p-1", 6, [5, 6], snapshot=True),
     p.KvSnapshotRequest("p-1"),
@@ -56,6 +60,11 @@ def test_leaves_decode_to_their_types() -> None:
     first = p.decode(p.encode(p.FirstToken("r", "x", [9], [None], [LP])))
     assert isinstance(first, p.FirstToken) and first.logprobs[0] == LP
     assert isinstance(first.logprobs[0], Logprob) and isinstance(first.logprobs[0].top[1], TopLogprob)
+    target = p.decode(p.encode(p.TransferTarget("r", "x", "d", "h", "a", "", [7], 0, DraftBlocks("b", [3]))))
+    assert isinstance(target, p.TransferTarget) and isinstance(target.draft, DraftBlocks)
+    with pytest.raises(p.ProtocolError):  # a draft's block ids are ints, like the target's
+        p.decode(msgpack.packb([p.MAGIC, p.VERSION, "reserve_result", {
+            "request_id": "r", "transfer_id": "x", "block_ids": [1], "draft": {"kv_address": "b", "block_ids": ["1"]}}]))
 
 
 def _body(msg: p.Message, **changes: object) -> dict:

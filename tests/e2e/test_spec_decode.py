@@ -1,7 +1,8 @@
 """Speculative decoding through real processes: colocated, 1P+1D with n-gram drafts
-and with a draft model on the decode worker, and a decode worker killed with SIGKILL
-mid-stream. Every stream equals the single-process engine without speculation, the
-workers report their drafts, and every KV block comes back."""
+(with a draft model whose KV the prefill worker ships: test_spec_draft_kv.py), and a
+decode worker with a draft model killed with SIGKILL mid-stream. Every stream equals
+the single-process engine without speculation, the workers report their drafts, and
+every KV block comes back."""
 
 from __future__ import annotations
 
@@ -30,19 +31,14 @@ PROMPTS = ["one two three four one two three four one two", "The cat sat on the 
 MAX_TOKENS = 24
 
 
-def _draft_config(model_dir: Path) -> str:
-    # The target as its own draft: every greedy draft is accepted, so drafting is visible.
-    return json.dumps({"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3})
-
-
-TOPOLOGIES = ("colocated-ngram", "1p1d-ngram", "1p1d-draft-model")
+TOPOLOGIES = ("colocated-ngram", "1p1d-ngram")
 
 
 @pytest.fixture(scope="module", params=TOPOLOGIES)
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
             model_dir: Path) -> Iterator[Cluster]:
     name = request.param
-    spec = _draft_config(model_dir) if "draft" in name else NGRAM
+    spec = NGRAM
     c = Cluster(tmp_path_factory.mktemp(name))
     try:
         c.start_gateway()

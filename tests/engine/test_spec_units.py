@@ -29,6 +29,10 @@ def test_config_reads_vllm_shape_with_its_defaults() -> None:
                                     '"disable_by_batch_size": 2}')
     assert (d.model, d.disable_by_batch_size) == ("/m", 2)
     assert SpeculativeConfig.from_json(c.to_json()) == c
+    assert (d.draft_kv, d.ships_draft_kv) == ("decode", False)
+    shipped = SpeculativeConfig.from_json('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 4, '
+                                          '"draft_kv": "prefill"}')
+    assert shipped.ships_draft_kv and SpeculativeConfig.from_json(shipped.to_json()) == shipped
 
 
 @pytest.mark.parametrize("text, words", [
@@ -43,6 +47,9 @@ def test_config_reads_vllm_shape_with_its_defaults() -> None:
      "prompt_lookup_min <= prompt_lookup_max"),
     ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs a model directory"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', "disable_by_batch_size"),
+    ('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 2, "draft_kv": "gateway"}',
+     "draft_kv must be one of decode, prefill"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "draft_kv": "prefill"}', "no draft_kv"),
 ])
 def test_config_refuses_bad_input_in_one_line(text: str, words: str) -> None:
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("[", r"\[")):

@@ -126,3 +126,14 @@ def test_kv_receiver_binds_a_fixed_port() -> None:
     port = free_port()
     with ZmqReceiver(TINY, random_pool(TINY, 4, seed=0), transport="tcp", port=port) as receiver:
         assert receiver.address == f"tcp://127.0.0.1:{port}"
+
+
+def test_up_gives_the_prefill_worker_the_draft_only_when_it_ships_its_kv() -> None:
+    def spec_of(draft_kv: str) -> list[str | None]:
+        text = json.dumps({"method": "draft_model", "model": "/d", "num_speculative_tokens": 3, "draft_kv": draft_kv})
+        cmds = _worker_cmds(build_parser().parse_args(["up", "--speculative-config", text]), "tcp://x:1")
+        return [c[c.index("--speculative-config") + 1] if "--speculative-config" in c else None for c in cmds]
+
+    pre, dec = spec_of("prefill")
+    assert pre == dec and pre is not None and json.loads(pre)["draft_kv"] == "prefill"
+    assert spec_of("decode")[0] is None  # the decode worker prefills the draft: prefill needs none
