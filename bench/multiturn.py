@@ -8,8 +8,9 @@ a ~1,000-token system prompt every conversation shares, a ~300-token document of
 own, then per turn a ~70-token user message and the answer (`--output-len` 32 tokens,
 greedy, ignore_eos), growing to ~1,950 tokens at the sixth turn; `legacy`, the earlier
 shape with no shared prefix and ~180-token user messages. Turn i sends everything so
-far (the answers as the server gave them). A warm-up request (the system prompt) runs
-before each measured workload, as in a deployment where it is always hot.
+far (the answers as the server gave them). Before each measured workload the system
+prompt is sent once per prefill worker, at once (both routers then warm every worker),
+as in a deployment where it is always hot.
 
 Pools: `--prefill-num-blocks` / `--decode-num-blocks` (0: sized from the workload by
 `size_pools`, the arithmetic printed at the start): each prefill worker holds its
@@ -174,11 +175,17 @@ def converse(url: str, model: str, shape: ChatShape) -> dict[str, Any]:
             "history_hits": sum(h for h, _ in hits), "later_turns": sum(n for _, n in hits)}
 
 
-def run_workload(url: str, shape: ChatShape) -> dict[str, Any]:
-    """Warm the system prompt, then every conversation; with the server's counters."""
+def run_workload(url: str, shape: ChatShape, warmups: int) -> dict[str, Any]:
+    """Warm the system prompt (`warmups` requests at once: one per prefill worker, under
+    either router), then every conversation; with the server's counters."""
     model = _model(url)
     if shape.system_prompt():
-        _stream(url, model, shape.system_prompt() + "User:", 1)
+        warm = [threading.Thread(target=_stream, args=(url, model, shape.system_prompt() + "User:", 1))
+                for _ in range(warmups)]
+        for th in warm:
+            th.start()
+        for th in warm:
+            th.join()
     before, decided = _kv_bytes(url), _decisions(url)
     started = time.monotonic()
     out = converse(url, model, shape)
@@ -242,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             up = harness.up_args(args.up_args, args.model) + ["--router", router]
             up += ["--num-blocks", str(decode_blocks), "--prefill-num-blocks", str(prefill_blocks)]
             with pdserve_up(f"{router}-{run}", up) as server:
-                r = results[router] = run_workload(server.base_url, shape)
+                r = results[router] = run_workload(server.base_url, shape, prefill_workers(args.up_args))
             r["kv_bytes_all_blocks"] = r["prompt_tokens"] * kv_per_token
             print(f"run {run + 1} {router:>12}: TTFT p50 {r['ttft_p50_ms']:8.1f} ms  p95 {r['ttft_p95_ms']:8.1f} ms"
                   f"  cached {r['cached_tokens']:7d} of {r['prompt_tokens']} tok  history cached "
