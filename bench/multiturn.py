@@ -63,7 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--routers", default="kv-aware,round-robin")
-    ap.add_argument("--up-args", default="--prefill 2 --decode 1")
+    ap.add_argument("--up-args", default="--prefill 2 --decode 1 --dtype float32",
+                    help="float32: greedy output is the same token for token whatever the batch or "
+                    "cache hit (bf16 may part at a near-tie), so the routers' answers compare exactly")
     ap.add_argument("--prefill-num-blocks", type=int, default=0, help="KV blocks per prefill worker (0: sized)")
     ap.add_argument("--decode-num-blocks", type=int, default=0, help="KV blocks of the decode worker (0: sized)")
     ap.add_argument("--seed", type=int, default=0)
@@ -195,11 +197,14 @@ def run_workload(url: str, shape: ChatShape, warmups: int) -> dict[str, Any]:
     return out
 
 
-def _kv_bytes_per_token(model: str | None) -> int:
-    """The workers' KV bytes per token (their dtype on this host), by `pdserve plan`'s arithmetic."""
+def _kv_bytes_per_token(model: str | None, up_args: str) -> int:
+    """The workers' KV bytes per token (the `--dtype` of `up_args`, else theirs on this
+    host), by `pdserve plan`'s arithmetic."""
     from pdserve.plan import compute_plan
 
-    return compute_plan(harness.model_dir(model), 2**40, 16).kv_bytes_per_token
+    words = harness.up_args(up_args, None)
+    dtype = words[words.index("--dtype") + 1] if "--dtype" in words else "auto"
+    return compute_plan(harness.model_dir(model), 2**40, 16, dtype=dtype).kv_bytes_per_token
 
 
 def prefill_workers(up_args: str) -> int:
@@ -241,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     prefill_blocks = args.prefill_num_blocks or pools.prefill_blocks
     decode_blocks = args.decode_num_blocks or pools.decode_blocks
     print(pools.describe(prefill_workers(args.up_args)), flush=True)
-    kv_per_token = _kv_bytes_per_token(args.model)
+    kv_per_token = _kv_bytes_per_token(args.model, args.up_args)
     runs: list[dict[str, dict[str, Any]]] = []
     for run in range(args.runs):
         results: dict[str, dict[str, Any]] = {}
