@@ -1,31 +1,37 @@
 """Multi-turn chat: TTFT and KV bytes shipped with KV-aware vs round-robin routing.
 
-    .venv/bin/python -m bench.multiturn --conversations 16 --turns 6 --runs 3
+    .venv/bin/python -m bench.multiturn --runs 3
 
-Each of `--conversations` conversations (run concurrently, one client each) grows
-over `--turns` turns: turn i sends everything so far (earlier user messages and the
-answers the server gave) plus a new `--turn-words`-word user message (100 words: about
-180 tokens of the built-in tokenizer; with the answers re-tokenized the sixth turn sends
-about 1,500 tokens, inside the built-in model's 2,048),
-streams `--output-len` tokens (ignore_eos) and appends the answer. Conversations share
-no prefix. The built-in model is the trained one (its answers are words, so the
-re-tokenized history continues the token chain the worker cached). Each prefill worker
-gets `--prefill-num-blocks` KV blocks (default 1,024 of 16 tokens): fewer than the
-working set it meets under round-robin (every conversation, ~1,500 blocks at the last
-turn) but room for its half under kv-aware routing, so cache-blind routing evicts; the
-decode worker keeps its default pool, which holds every conversation. Every configuration (`--up-args` plus `--router R` for each router in
-`--routers`) is started fresh per run; runs alternate the routers, so a ratio is taken
-within one run, and the median of the per-run ratios is reported. Targets of issue 18:
-TTFT p50 with kv-aware routing at least 3x lower than round-robin; KV bytes shipped
-(suffix-only handoff) at least 80% below every prompt block shipped (prompt tokens x
-the model's KV bytes per token).
+`--conversations` conversations (16, run concurrently, one client each) of `--turns`
+turns (6) in the shape `--shape` names (bench/multiturn_workload.py): `chat` (default),
+a ~1,000-token system prompt every conversation shares, a ~300-token document of its
+own, then per turn a ~70-token user message and the answer (`--output-len` 32 tokens,
+greedy, ignore_eos), growing to ~1,950 tokens at the sixth turn; `legacy`, the earlier
+shape with no shared prefix and ~180-token user messages. Turn i sends everything so
+far (the answers as the server gave them). Before each measured workload the system
+prompt is sent once per prefill worker, at once (both routers then warm every worker),
+as in a deployment where it is always hot.
+
+Pools: `--prefill-num-blocks` / `--decode-num-blocks` (0: sized from the workload by
+`size_pools`, the arithmetic printed at the start): each prefill worker holds its
+kv-aware share (the system prompt + half the conversations) but not what round-robin
+spreads onto it (every conversation), and the decode worker holds every conversation
+to its end, so suffix-only handoff always finds the history. Every configuration
+(`--up-args` + `--router R` for each of `--routers`) starts fresh per run; runs
+alternate the routers, ratios are taken within a run, the median over runs reported.
+
+Prints per run and router: TTFT p50/p95, cached tokens, the turns that found their
+previous turn cached (client side) and the gateway's routing decisions by reason, KV
+bytes the decode worker received; then a VERDICT line per target of issue 18 (TTFT p50
+round-robin / kv-aware >= 3; KV bytes >= 80% below shipping every prompt block; the
+answers identical between the routers, token for token, greedy).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
 import threading
 import time
@@ -37,22 +43,38 @@ import numpy as np
 
 from bench import harness
 from bench.loadgen.launch import pdserve_up
-from bench.loadgen.prompts import WORDS
+from bench.multiturn_workload import (
+    SHAPES,
+    ChatShape,
+    Pools,
+    differing,
+    history_hits,
+    size_pools,
+    verdict,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = harness.parser(__doc__)
+    ap.add_argument("--shape", choices=SHAPES, default="chat")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--turn-words", type=int, default=100, help="words in each new user message")
+    ap.add_argument("--turn-words", type=int, default=0, help="words per user message (0: the shape's)")
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--routers", default="kv-aware,round-robin")
-    ap.add_argument("--up-args", default="--prefill 2 --decode 1")
-    ap.add_argument("--prefill-num-blocks", type=int, default=1024,
-                    help="KV blocks per prefill worker (0: the default pool; decode keeps its default)")
+    ap.add_argument("--up-args", default="--prefill 2 --decode 1 --dtype float32",
+                    help="float32: greedy output is the same token for token whatever the batch or "
+                    "cache hit (bf16 may part at a near-tie), so the routers' answers compare exactly")
+    ap.add_argument("--prefill-num-blocks", type=int, default=0, help="KV blocks per prefill worker (0: sized)")
+    ap.add_argument("--decode-num-blocks", type=int, default=0, help="KV blocks of the decode worker (0: sized)")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
+
+
+def shape_of(args: argparse.Namespace) -> ChatShape:
+    return ChatShape.of(args.shape, args.conversations, args.turns, args.output_len, args.seed,
+                        args.turn_words or None)
 
 
 def _stream(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, str, int, int]:
@@ -88,99 +110,162 @@ def _model(url: str) -> str:
         return str(json.load(r)["data"][0]["id"])
 
 
-def _kv_bytes(url: str) -> float:
-    """KV bytes every decode worker received (its llm_kv_transfer_bytes counter)."""
+def _samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample called `name` on a Prometheus endpoint."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return [(dict(s.labels), s.value) for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == name]
+
+
+def _kv_bytes(url: str) -> float:
+    """KV bytes every decode worker received (its llm_kv_transfer_bytes counter)."""
     with urllib.request.urlopen(f"{url}/v1/workers", timeout=10) as r:
         workers = json.load(r)["data"]
-    total = 0.0
-    for w in workers:
-        if w["role"] != "decode":
-            continue
-        with urllib.request.urlopen(f"http://127.0.0.1:{w['metrics_port']}/metrics", timeout=10) as r:
-            for fam in text_string_to_metric_families(r.read().decode()):
-                total += sum(s.value for s in fam.samples if s.name == "llm_kv_transfer_bytes_total")
-    return total
+    return sum(v for w in workers if w["role"] == "decode"
+               for _, v in _samples(f"http://127.0.0.1:{w['metrics_port']}/metrics", "llm_kv_transfer_bytes_total"))
 
 
-def _kv_bytes_per_token(model: str | None) -> int:
-    """The workers' KV bytes per token (their dtype on this host), by `pdserve plan`'s arithmetic."""
-    from pdserve.plan import compute_plan
-
-    return compute_plan(harness.model_dir(model), 2**40, 16).kv_bytes_per_token
+def _decisions(url: str) -> dict[str, int]:
+    """The gateway's routing decisions by reason (llm_routing_decisions)."""
+    return {labels["reason"]: int(v) for labels, v in _samples(f"{url}/metrics", "llm_routing_decisions")}
 
 
-def run_workload(url: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Every conversation to its end, concurrently; TTFT percentiles, hits, KV bytes."""
-    model, before = _model(url), _kv_bytes(url)
+def converse(url: str, model: str, shape: ChatShape) -> dict[str, Any]:
+    """Every conversation to its end, concurrently: per-turn TTFT, cached and prompt
+    tokens, and each answer's text keyed "conversation/turn"."""
     ttfts: list[float] = []
-    cached: list[int] = []
-    prompts: list[int] = []
+    texts: dict[str, str] = {}
+    per_conv: dict[int, tuple[list[int], list[int]]] = {}
     errors: list[BaseException] = []
     lock = threading.Lock()
 
-    def converse(c: int) -> None:
-        rng = np.random.default_rng(args.seed * 1000 + c)
-        history = f"Conversation {c}."
+    def one(c: int) -> None:
+        history = shape.system_prompt() + shape.opening(c)
+        prompts: list[int] = []
+        cached: list[int] = []
         try:
-            for _ in range(args.turns):
-                user = " ".join(rng.choice(WORDS, args.turn_words))
-                history += f"\nUser: {user}\nAssistant:"
-                ttft, answer, hit, n = _stream(url, model, history, args.output_len)
+            for t, user in enumerate(shape.user_messages(c)):
+                history += shape.turn_text(user)
+                ttft, answer, hit, n = _stream(url, model, history, shape.output_len)
                 history += answer
+                prompts.append(n)
+                cached.append(hit)
                 with lock:
                     ttfts.append(ttft)
-                    cached.append(hit)
-                    prompts.append(n)
+                    texts[f"{c}/{t}"] = answer
         except BaseException as e:  # reported by the caller
             errors.append(e)
+        with lock:
+            per_conv[c] = (prompts, cached)
 
-    threads = [threading.Thread(target=converse, args=(c,)) for c in range(args.conversations)]
-    started = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    threads = [threading.Thread(target=one, args=(c,)) for c in range(shape.conversations)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
     if errors:
         raise errors[0]
+    hits = [history_hits(p, c) for p, c in per_conv.values()]
     ms = np.array(ttfts) * 1000
     return {"ttft_p50_ms": float(np.percentile(ms, 50)), "ttft_p95_ms": float(np.percentile(ms, 95)),
-            "requests": len(ttfts), "cached_tokens": int(sum(cached)), "prompt_tokens": int(sum(prompts)),
-            "kv_bytes": _kv_bytes(url) - before, "wall_s": time.monotonic() - started}
+            "requests": len(ttfts), "texts": texts,
+            "cached_tokens": sum(sum(c) for _, c in per_conv.values()),
+            "prompt_tokens": sum(sum(p) for p, _ in per_conv.values()),
+            "history_hits": sum(h for h, _ in hits), "later_turns": sum(n for _, n in hits)}
+
+
+def run_workload(url: str, shape: ChatShape, warmups: int) -> dict[str, Any]:
+    """Warm the system prompt (`warmups` requests at once: one per prefill worker, under
+    either router), then every conversation; with the server's counters."""
+    model = _model(url)
+    if shape.system_prompt():
+        warm = [threading.Thread(target=_stream, args=(url, model, shape.system_prompt() + "User:", 1))
+                for _ in range(warmups)]
+        for th in warm:
+            th.start()
+        for th in warm:
+            th.join()
+    before, decided = _kv_bytes(url), _decisions(url)
+    started = time.monotonic()
+    out = converse(url, model, shape)
+    out["wall_s"] = time.monotonic() - started
+    out["kv_bytes"] = _kv_bytes(url) - before
+    out["decisions"] = {k: v - decided.get(k, 0) for k, v in _decisions(url).items() if v - decided.get(k, 0)}
+    return out
+
+
+def _kv_bytes_per_token(model: str | None, up_args: str) -> int:
+    """The workers' KV bytes per token (the `--dtype` of `up_args`, else theirs on this
+    host), by `pdserve plan`'s arithmetic."""
+    from pdserve.plan import compute_plan
+
+    words = harness.up_args(up_args, None)
+    dtype = words[words.index("--dtype") + 1] if "--dtype" in words else "auto"
+    return compute_plan(harness.model_dir(model), 2**40, 16, dtype=dtype).kv_bytes_per_token
+
+
+def prefill_workers(up_args: str) -> int:
+    """The `--prefill N` of `pdserve up` arguments (its default: 1)."""
+    words = harness.up_args(up_args, None)
+    return int(words[words.index("--prefill") + 1]) if "--prefill" in words else 1
+
+
+def pools_for(args: argparse.Namespace, shape: ChatShape) -> Pools:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(harness.model_dir(args.model), "tokenizer.json"))
+    return size_pools(shape, lambda s: len(tok.encode(s, add_special_tokens=False).ids), prefill_workers(args.up_args))
+
+
+def report(runs: list[dict[str, dict[str, Any]]], routers: list[str]) -> list[str]:
+    """The VERDICT lines of issue 18's multi-turn target."""
+    lines = []
+    if len(routers) >= 2:
+        fast, base = routers[0], routers[1]
+        ratios = [r[base]["ttft_p50_ms"] / r[fast]["ttft_p50_ms"] for r in runs]
+        lines.append(verdict(f"TTFT p50 {base} / {fast}", ratios, ">= 3", lambda m: m >= 3))
+        diffs = [len(differing(r[fast]["texts"], r[base]["texts"])) for r in runs]
+        total = sum(r[fast]["requests"] for r in runs)
+        lines.append(f"VERDICT answers identical ({fast} vs {base}): {total - sum(diffs)}/{total} turns "
+                     f"(differing per run: {diffs}): {'PASS' if not any(diffs) else 'MISS'}")
+    for router in routers:
+        cuts = [1 - r[router]["kv_bytes"] / r[router]["kv_bytes_all_blocks"] for r in runs]
+        lines.append(verdict(f"KV bytes shipped below every prompt block, {router}", cuts, ">= 80%",
+                             lambda m: m >= 0.8, "{:.0%}"))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    shape = shape_of(args)
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    pools = pools_for(args, shape)
+    prefill_blocks = args.prefill_num_blocks or pools.prefill_blocks
+    decode_blocks = args.decode_num_blocks or pools.decode_blocks
+    print(pools.describe(prefill_workers(args.up_args)), flush=True)
+    kv_per_token = _kv_bytes_per_token(args.model, args.up_args)
     runs: list[dict[str, dict[str, Any]]] = []
-    kv_per_token = _kv_bytes_per_token(args.model)
     for run in range(args.runs):
         results: dict[str, dict[str, Any]] = {}
         for router in routers:
             up = harness.up_args(args.up_args, args.model) + ["--router", router]
-            up += ["--prefill-num-blocks", str(args.prefill_num_blocks)] if args.prefill_num_blocks else []
+            up += ["--num-blocks", str(decode_blocks), "--prefill-num-blocks", str(prefill_blocks)]
             with pdserve_up(f"{router}-{run}", up) as server:
-                results[router] = run_workload(server.base_url, args)
-            r = results[router]
+                r = results[router] = run_workload(server.base_url, shape, prefill_workers(args.up_args))
             r["kv_bytes_all_blocks"] = r["prompt_tokens"] * kv_per_token
             print(f"run {run + 1} {router:>12}: TTFT p50 {r['ttft_p50_ms']:8.1f} ms  p95 {r['ttft_p95_ms']:8.1f} ms"
-                  f"  cached {r['cached_tokens']:7d} tok  KV {r['kv_bytes'] / 2**20:8.1f} MiB of "
-                  f"{r['kv_bytes_all_blocks'] / 2**20:.1f}  wall {r['wall_s']:.1f} s",
+                  f"  cached {r['cached_tokens']:7d} of {r['prompt_tokens']} tok  history cached "
+                  f"{r['history_hits']}/{r['later_turns']} turns  KV {r['kv_bytes'] / 2**20:7.1f} MiB of "
+                  f"{r['kv_bytes_all_blocks'] / 2**20:.1f}  wall {r['wall_s']:.1f} s  decisions {r['decisions']}",
                   flush=True)
         runs.append(results)
-    if len(routers) >= 2:
-        base, other = routers[1], routers[0]
-        ratios = [r[base]["ttft_p50_ms"] / r[other]["ttft_p50_ms"] for r in runs]
-        median = statistics.median(ratios)
-        print(f"TTFT p50 {base}/{other} per run: {', '.join(f'{x:.2f}' for x in ratios)}; median {median:.2f}"
-              f" (target >= 3: {'PASS' if median >= 3 else 'MISS'})")
-    for router in routers:
-        cuts = [1 - r[router]["kv_bytes"] / r[router]["kv_bytes_all_blocks"] for r in runs]
-        median = statistics.median(cuts)
-        print(f"KV bytes shipped below every block, {router}: {', '.join(f'{x:.0%}' for x in cuts)}; median "
-              f"{median:.0%} (target >= 80%: {'PASS' if median >= 0.8 else 'MISS'})")
-    harness.write_json(args.output_json, {"args": vars(args), "runs": runs})
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    for line in report(runs, routers):
+        print(line)
+    harness.write_json(args.output_json, {"args": vars(args), "pools": vars(pools), "runs": runs})
     return 0
 
 

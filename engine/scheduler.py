@@ -10,7 +10,10 @@ Life of a request (one `Sequence` per choice):
 2. A step first gives each RUNNING sequence its uncomputed tokens (one decode
    token, or the next chunk of a prefill), then admits WAITING sequences FCFS
    into the leftover token budget, a prefill split into chunks when it does not
-   fit (chunked prefill). Admission looks up the prefix cache first.
+   fit (chunked prefill). Admission looks up the prefix cache first. With chunks
+   capped (`long_prefill_token_threshold`), a waiting prompt that fits in one chunk
+   gets a step without the longer prompts' chunks, within a bounded wait
+   (engine/prefill_order.py).
 3. Blocks are allocated as tokens are scheduled. When none are left the
    latest-admitted RUNNING sequence is preempted by recompute: its blocks are
    freed, its progress reset, and it goes back to the front of WAITING.
@@ -32,6 +35,7 @@ from typing import NamedTuple
 
 from engine.block_manager import NO_HIT, BlockCopy, BlockManager
 from engine.config import SchedulerConfig
+from engine.prefill_order import ShortFirst
 from engine.runner_types import SeqChunk
 from engine.sequence import Sequence, SequenceStatus
 
@@ -129,6 +133,7 @@ class Scheduler:
         cap = config.long_prefill_token_threshold
         self._prefill_cap = (cap if cap > 0 and config.enable_chunked_prefill
                              else config.max_num_batched_tokens)
+        self.short_first = ShortFirst(cap if cap > 0 and config.enable_chunked_prefill else 0)
 
     # ------------------------------------------------------------ queue entry
     def add(self, seq: Sequence) -> None:
@@ -187,10 +192,12 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         copies: list[BlockCopy] = []
-        budget = self._schedule_running(budget, scheduled, preempted, copies)
+        held = self.short_first.held_back(self.running, self.waiting,
+                                          room=len(self.running) < self.config.max_num_seqs)
+        budget = self._schedule_running(budget, scheduled, preempted, copies, held)
         # After a preemption there is no room to admit anything new this step.
         if not preempted:
-            self._schedule_waiting(budget, scheduled, copies)
+            self._schedule_waiting(budget, scheduled, copies, held)
         chunks = [self._chunk(s.seq, s.num_new_tokens) for s in scheduled]
         for chunk, s in zip(chunks, scheduled, strict=True):
             prompt_end = s.seq.num_prompt_tokens
@@ -213,6 +220,7 @@ class Scheduler:
             self.waiting_for_kv.pop(seq.seq_id, None)
         if status is not SequenceStatus.FINISHED_PREFILLED:
             self.block_manager.free(seq.seq_id)
+        self.short_first.forget(seq.seq_id)
         seq.status = status
 
     def release(self, seq: Sequence) -> None:
@@ -230,10 +238,14 @@ class Scheduler:
         scheduled: list[ScheduledSeq],
         preempted: list[Sequence],
         copies: list[BlockCopy],
+        held: set[int],
     ) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.seq_id in held:  # a long prefill's chunk waits a step for a short prompt
+                i += 1
+                continue
             num_new = self._fit_drafts(seq, min(seq.num_uncomputed_tokens + len(seq.spec_token_ids),
                                                 budget, self._prefill_cap))
             if num_new <= 0:
@@ -261,11 +273,12 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(
-        self, budget: int, scheduled: list[ScheduledSeq], copies: list[BlockCopy]
+        self, budget: int, scheduled: list[ScheduledSeq], copies: list[BlockCopy], held: set[int]
     ) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        for seq in [s for s in self.waiting if s.seq_id not in held]:
+            if budget <= 0:
+                break
             width = seq.num_choices_when_running
             if self.running and len(self.running) + width > self.config.max_num_seqs:
                 break
@@ -286,7 +299,7 @@ class Scheduler:
                 if seq.num_cached_tokens == 0:
                     seq.num_cached_tokens = min(prefix.num_tokens, seq.num_prompt_tokens)
             seq.num_computed_tokens = computed
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))

@@ -214,7 +214,7 @@ class ClusterBackend:
     def _run_on(self, a: Attempt, pick: Pick, blocks: int = 0) -> None:
         """The whole request on one worker: colocated, or a decode worker prefilling locally."""
         a.route = pick.route
-        self._assign(a, pick.worker, a.payload.num_tokens, blocks=blocks)
+        self._assign(a, pick.worker, pick.route.uncached_tokens, blocks=blocks)
         self._send(pick.worker.worker_id, p.RunRequest(a.wid, a.payload))
 
     def _prefill_locally(self, a: Attempt) -> bool:
@@ -235,7 +235,7 @@ class ClusterBackend:
         if pick is None:
             raise BackendError(BackendErrorKind.NO_WORKERS, "no prefill worker registered", retry_after=1.0)
         prefill, a.route = pick.worker, pick.route
-        self._assign(a, prefill, a.payload.num_tokens)
+        self._assign(a, prefill, pick.route.uncached_tokens)
         a.prefill_id = prefill.worker_id
         self._send(prefill.worker_id, p.PrefillRequest(a.wid, a.payload))
 

@@ -29,10 +29,18 @@ prompt's tokens itself (its own prefix cache counted), it runs the whole request
 (`RunRequest`): no prefill worker, no KV transfer.
 
 Each decision is counted by reason: `prefix_hit` (kv-aware, the chosen worker holds
-part of the prompt), `load` (kv-aware, it holds none), `least_loaded`, `round_robin`,
+the longest prefix of the prompt any worker holds), `shorter_prefix` (kv-aware, it holds
+part of the prompt but another worker holds more: the load outweighed the longer hit),
+`load` (kv-aware, it holds none), `least_loaded`, `round_robin`,
 `local_prefill`, and for reservations on decode workers `decode_prefix_hit` (kv-aware
 chose one that holds part of the prompt; other decode choices count nothing). The tokens each worker's cache actually served (`cached_tokens`
 reported back) are counted per worker and correct the index.
+
+Queued load is work, not prompt length: a request routed to a worker weighs there (until
+the next heartbeat) as the prompt tokens its cache will not serve (`Route.uncached_tokens`),
+and a prefill worker's heartbeat counts its queued prompts' uncached tokens the same way.
+Counting whole prompts made a conversation's prefix holder look busy with the cached parts
+of its queued turns, so the next turn went to a worker that had to recompute it.
 """
 
 from __future__ import annotations
@@ -81,6 +89,12 @@ class Route:
     reason: str
     prompt_tokens: int = 0  # a worker reports at most this many cached (resumed output is not prompt)
     observed: bool = False  # the worker's cached_tokens came back
+    num_tokens: int = 0  # everything the worker computes or finds cached: prompt and resumed output
+
+    @property
+    def uncached_tokens(self) -> int:
+        """The tokens the worker is predicted to compute: its queued load until it has."""
+        return max(0, self.num_tokens - self.predicted_blocks * self.block_size)
 
 
 class Pick(NamedTuple):
@@ -119,10 +133,16 @@ class KvRouter:
         else:
             w = min(pool, key=lambda w: (self.cost(w, payload.num_tokens, hits[w.worker_id] * block_size),
                                          len(w.inflight), w.worker_id))
-            reason = "prefix_hit" if hits[w.worker_id] else "load"
+            reason = self._kv_reason(hits[w.worker_id], max(hits.values()))
         self.decisions[reason] += 1
         return Pick(w, Route(w.worker_id, keys, hits[w.worker_id], block_size, reason,
-                             len(payload.prompt_token_ids)))
+                             len(payload.prompt_token_ids), num_tokens=payload.num_tokens))
+
+    @staticmethod
+    def _kv_reason(chosen_blocks: int, best_blocks: int) -> str:
+        if not chosen_blocks:
+            return "load"
+        return "prefix_hit" if chosen_blocks >= best_blocks else "shorter_prefix"
 
     @staticmethod
     def cost(w: WorkerInfo, num_tokens: int, cached_tokens: int) -> int:
@@ -164,7 +184,7 @@ class KvRouter:
             return None
         self.decisions["local_prefill"] += 1
         return Route(decode.worker_id, keys, hit, decode.reg.block_size, "local_prefill",
-                     len(payload.prompt_token_ids))
+                     len(payload.prompt_token_ids), num_tokens=payload.num_tokens)
 
     def observe(self, route: Route | None, cached_tokens: int) -> None:
         """The worker's own count of cached prompt tokens (first report of an attempt):

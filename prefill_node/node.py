@@ -60,6 +60,7 @@ class _Job:
     scheduled_at: float = 0.0  # start of the first engine step that computed part of it
     transfer_started_at: float = 0.0
     draft_sent: bool = False  # draft_kv=prefill: shipped, or refused for good
+    cached_tokens: int = 0  # what the prefix cache held of it on arrival: not queued work
 
 
 def peer_address(msg: p.TransferTarget, direct: bool = True) -> str:
@@ -134,7 +135,9 @@ class PrefillNode(EngineNode):
 
         if self.admit(msg, enter) is None:
             return
-        self._jobs[msg.request_id] = _Job(msg, time.monotonic())
+        cached = self.engine.block_manager.match_prefix([*msg.payload.prompt_token_ids,
+                                                         *msg.payload.output_token_ids]).num_tokens
+        self._jobs[msg.request_id] = _Job(msg, time.monotonic(), cached_tokens=cached)
         self.accepted(msg.request_id, f"{msg.payload.num_tokens} prompt tokens", prefill=True)
 
     def _abort(self, rid: str) -> None:
@@ -312,7 +315,8 @@ class PrefillNode(EngineNode):
             self.engine.release(job.msg.request_id)
 
     def load(self) -> NodeLoad:
-        queued = sum(j.msg.payload.num_tokens for j in list(self._jobs.values()) if not j.prefilled)
+        # Work, not prompt length: the gateway weighs it against a prefix hit (gateway/kv_router.py).
+        queued = sum(j.msg.payload.num_tokens - j.cached_tokens for j in list(self._jobs.values()) if not j.prefilled)
         if self.drafts is not None:
             self.drafts.publish()
         return self.stats.update(self.engine.stats(), queued)

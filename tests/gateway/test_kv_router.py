@@ -212,3 +212,28 @@ def test_decode_choice_weighs_running_sequences_and_room() -> None:
     for kind in ("round-robin", "least-loaded"):  # cache-blind: most free KV
         blind = _router(kind, b=KEYS)
         assert blind.pick_decode([_decode("a", free=200), _decode("b", free=100)], _payload()).worker_id == "a"
+
+
+def test_a_prefix_holders_queued_turns_weigh_as_their_uncached_tokens() -> None:
+    """A multi-turn conversation: the worker holding its history has other conversations'
+    turns queued, each mostly served by its cache. Their weight is the work left (the
+    prompt less what the index predicts cached), so the next turn still goes to the
+    holder instead of a worker that would recompute the whole history."""
+    a, b = _worker("a"), _worker("b")
+    router = _router(a=KEYS)  # a holds 40 of the 41 tokens; b holds nothing
+    for turn in ("c1#1", "c2#1"):  # two other turns routed to a since its heartbeat
+        pick = router.pick([a, b], _payload())
+        assert pick is not None and pick.worker is a and pick.route.uncached_tokens == 1
+        a.add_pending(turn, pick.route.uncached_tokens)
+    assert a.queued_tokens == 2
+    pick = router.pick([a, b], _payload())
+    assert pick is not None and pick.worker is a and pick.route.reason == "prefix_hit"
+    assert router.decisions == {"prefix_hit": 3}
+
+
+def test_a_worker_holding_less_than_another_is_counted_apart() -> None:
+    busy, other = _worker("busy", queued=60), _worker("other")
+    router = _router(busy=KEYS, other=KEYS[:2])  # the load outweighs busy's longer hit
+    pick = router.pick([busy, other], _payload())
+    assert pick is not None and pick.worker is other and pick.route.reason == "shorter_prefix"
+    assert pick.route.uncached_tokens == 41 - 8

@@ -94,3 +94,20 @@ def run_recording(pair: Pair, rid: str, kept: int, held: list[int]) -> list[int]
     assert len(reserved.block_ids) == -(-len(PROMPT) // BS) - kept
     assert not set(reserved.block_ids) & set(held)
     return out
+
+
+def test_a_queued_prompt_weighs_as_the_tokens_its_cache_does_not_hold(model_dir: Path) -> None:
+    """The prefill worker's queued load (its heartbeat, which the KV-aware router weighs
+    against a prefix hit) counts the prompt tokens it will compute, not the cached ones."""
+    pair = Pair(model_dir, budget=2048, block_size=BS)
+    try:
+        pair.run("warm", PROMPT, target_first=True)  # the prefill worker caches 5 blocks
+        again = [*PROMPT, *FILLER]  # 29 tokens: 20 cached, 9 to compute
+        pair.prefill.handle(p.PrefillRequest("turn2", p.RequestPayload(again, PARAMS)))
+        pair.prefill.handle(p.PrefillRequest("fresh", p.RequestPayload(FILLER, PARAMS)))
+        assert pair.prefill.load().queued_prefill_tokens == (len(again) - 5 * BS) + len(FILLER)
+        pair.prefill.handle(p.Abort(["turn2", "fresh"], "test"))
+        assert pair.prefill.load().queued_prefill_tokens == 0
+        assert_idle(pair.pe)
+    finally:
+        pair.close()
