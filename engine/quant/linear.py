@@ -68,7 +68,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if self.native is not None:
-            y = int8_kernel.matmul_rows(x2.to(torch.bfloat16), self.native).to(x2.dtype)
+            y = int8_kernel.matmul(x2.to(torch.bfloat16), self.native).to(x2.dtype)
         else:
             assert self.q is not None
             if x2.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_ROWS:
