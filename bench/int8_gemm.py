@@ -8,8 +8,10 @@ down), row count and thread count: F.linear with the bf16 weight, the aten int8 
 engine/_int8_gemv.c): `gemv` (float32 FMA, up to 4 rows), `dpbf16` (AVX-512 BF16 dot
 products), `amx`, and `auto` (the path the library picks, with the Python call around it,
 as a layer runs it). Prints the median time of each and its ratio to bf16, all measured
-in the same run (the host may be shared: compare ratios, not absolute times), then per
-row count the sum over one decode step's layers (x12) of bf16 and of `auto`.
+in the same run (the host may be shared: compare ratios, not absolute times). A single
+layer called again and again is served from the CPU caches; a decode step streams 12
+layers of distinct weights (~75 MB int8, ~150 MB bf16) from memory, so `--step` also
+times whole passes over 12 distinct copies of the four layers, bf16 against each path.
 """
 
 from __future__ import annotations
@@ -60,11 +62,36 @@ def _row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
     return {name: _median_us(fn, reps) for name, fn in paths.items()}
 
 
+def _step(m: int, reps: int) -> str:
+    """Median time of one pass over LAYERS x SHAPES distinct layers, bf16 and each path."""
+    g = torch.Generator().manual_seed(m)
+    layers = []
+    for _ in range(LAYERS):
+        for n, k in SHAPES:
+            parts = quantize_int8(torch.randn(n, k, generator=g) * 0.05)
+            w16 = (parts.q.float() * parts.scales.float()[:, None]).to(torch.bfloat16)
+            layers.append((w16, int8_kernel.pack(parts.q, parts.scales), torch.randn(m, k, generator=g).bfloat16()))
+    passes: dict[str, Callable[[], object]] = {"bf16": lambda: [F.linear(x, w) for w, _, x in layers]}
+    if int8_kernel.available():
+        for name, code in int8_kernel.PATHS.items():
+            if (code != int8_kernel.GEMV or m <= 4) and (code != int8_kernel.AMX or int8_kernel.amx_available()):
+                passes[name] = lambda code=code: [int8_kernel.matmul(x, p, code) for _, p, x in layers]  # type: ignore[misc]
+        passes["auto"] = lambda: [int8_kernel.matmul(x, p) for _, p, x in layers]
+    times: dict[str, list[float]] = {name: [] for name in passes}
+    for _ in range(reps):  # interleaved: background load hits every path alike
+        for name, fn in passes.items():
+            times[name].append(_median_us(fn, 1))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return (f"{torch.get_num_threads():>7} {'step x12':>10} {m:>4} {med['bf16']:8.0f}                "
+            + " ".join(f"{med[p] / med['bf16']:9.2f}" if p in med else f"{'-':>9}" for p in PATHS))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 16, 32, 128])
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--step", action="store_true", help="also time passes over 12 layers of distinct weights")
     args = ap.parse_args()
     if not int8_kernel.available():
         print("native int8 kernel unavailable (no library or no AVX-512 BF16): torch paths only")
@@ -73,15 +100,13 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for m in args.rows:
-            step = {"bf16": 0.0, "auto": 0.0}
             for n, k in SHAPES:
                 r = _row(n, k, m, args.reps)
                 ratios = " ".join(f"{r[p] / r['bf16']:9.2f}" if p in r else f"{'-':>9}" for p in PATHS)
                 print(f"{threads:>7} {f'{n}x{k}':>10} {m:>4} {r['bf16']:8.1f}                {ratios}")
-                for p in step:
-                    step[p] += LAYERS * r.get(p, float("nan"))
-            print(f"{threads:>7} {'step x12':>10} {m:>4} {step['bf16']:8.0f}  auto {step['auto']:8.0f} us = "
-                  f"{step['auto'] / step['bf16']:.2f}x bf16")
+        if args.step:
+            for m in args.rows:
+                print(_step(m, max(3, args.reps // 20)))
 
 
 if __name__ == "__main__":
