@@ -79,6 +79,17 @@ def test_gemv_handles_extreme_codes_and_rows_of_different_size() -> None:
             assert torch.allclose(y[row].float(), ref[row], rtol=2.0**-8, atol=1e-3 * ref[row].abs().max().item())
 
 
+@pytest.mark.parametrize("path", list(int8_kernel.PATHS.values()), ids=list(int8_kernel.PATHS))
+def test_threads_split_the_tiles_without_changing_a_bit(path: int) -> None:
+    if path == int8_kernel.AMX and not int8_kernel.amx_available():
+        pytest.skip("no AMX on this CPU")
+    packed = int8_kernel.pack(*_parts(100, 130))
+    x = torch.randn(4 if path == int8_kernel.GEMV else 40, 130, generator=torch.Generator().manual_seed(5))
+    one = int8_kernel.matmul(x.bfloat16(), packed, path)
+    torch.set_num_threads(2)  # the one_torch_thread fixture restores the setting
+    assert torch.equal(int8_kernel.matmul(x.bfloat16(), packed, path), one)
+
+
 def test_one_function_picks_the_path_by_rows() -> None:
     above = int8_kernel.AMX if int8_kernel.amx_available() else int8_kernel.DPBF16
     assert [int8_kernel.path_for(m) for m in (1, 2, 3, 4)] == [int8_kernel.GEMV] * 4
