@@ -20,7 +20,8 @@ setup(
         # the libgomp torch already loaded, so it shares torch's thread pool.
         Extension(
             "engine._cpu_kernels",
-            sources=["engine/_cpu_kernels.c", "engine/_int8_gemm.c"],
+            sources=["engine/_cpu_kernels.c", "engine/_int8_gemm.c", "engine/_int8_gemv.c"],
+            depends=["engine/_int8_gemm.h"],
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             libraries=["m"],

@@ -1,13 +1,17 @@
 """Per-layer timing of the int8 weight matmul paths against the bf16 matmul, one run.
 
-    python -m bench.int8_gemm [--threads 1 2] [--rows 1 8 16 32] [--reps 200]
+    python -m bench.int8_gemm [--threads 1 2] [--rows 1 2 4 16 32 128] [--reps 200]
 
-For each weight shape [N, K] (the ~125M benchmark model's projections), row count and
-thread count: F.linear with the bf16 weight, the aten int8 kernel
-(`torch._weight_int8pack_mm`), the int8 -> bf16 conversion + matmul that Int8Linear
-ran past 8 rows, and the native kernel (engine/_int8_gemm.c). Prints the median time
-of each and its ratio to bf16, all measured in the same run (the host may be shared:
-compare ratios, not absolute times).
+For each weight shape [N, K] (the ~125M benchmark model's projections: qkv, o, gate_up,
+down), row count and thread count: F.linear with the bf16 weight, the aten int8 kernel
+(`torch._weight_int8pack_mm`, up to 16 rows), and each native path (engine/_int8_gemm.c,
+engine/_int8_gemv.c): `gemv` (float32 FMA, up to 4 rows), `dpbf16` (AVX-512 BF16 dot
+products), `amx`, and `auto` (the path the library picks, with the Python call around it,
+as a layer runs it). Prints the median time of each and its ratio to bf16, all measured
+in the same run (the host may be shared: compare ratios, not absolute times). A single
+layer called again and again is served from the CPU caches; a decode step streams 12
+layers of distinct weights (~75 MB int8, ~150 MB bf16) from memory, so `--step` also
+times whole passes over 12 distinct copies of the four layers, bf16 against each path.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import torch.nn.functional as F
 from engine.quant import int8_kernel
 from engine.quant.pack import quantize_int8
 
-SHAPES = ((2048, 768), (768, 2048), (3072, 768))
+SHAPES = ((1280, 768), (768, 768), (4096, 768), (768, 2048))  # 125M: qkv, o, gate_up, down
+LAYERS = 12
+PATHS = ("aten_int8", "gemv", "dpbf16", "amx", "auto")
 
 
 def _median_us(fn: Callable[[], object], reps: int) -> float:
@@ -45,32 +51,62 @@ def _row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
     w16 = (q.float() * s16.float()[:, None]).to(torch.bfloat16)
     packed = int8_kernel.pack(q, s16)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    paths: dict[str, Callable[[], object]] = {
-        "bf16": lambda: F.linear(x, w16),
-        "aten_int8": lambda: torch._weight_int8pack_mm(x, q, s16),
-        "convert": lambda: F.linear(x, q.to(torch.bfloat16)) * s16,
-    }
+    paths: dict[str, Callable[[], object]] = {"bf16": lambda: F.linear(x, w16)}
+    if m <= 16:
+        paths["aten_int8"] = lambda: torch._weight_int8pack_mm(x, q, s16)
     if int8_kernel.available():
-        paths["native"] = lambda: int8_kernel.matmul(x, packed)
+        for name, code in int8_kernel.PATHS.items():
+            if (code != int8_kernel.GEMV or m <= 4) and (code != int8_kernel.AMX or int8_kernel.amx_available()):
+                paths[name] = lambda code=code: int8_kernel.matmul(x, packed, code)  # type: ignore[misc]
+        paths["auto"] = lambda: int8_kernel.matmul(x, packed)
     return {name: _median_us(fn, reps) for name, fn in paths.items()}
+
+
+def _step(m: int, reps: int) -> str:
+    """Median time of one pass over LAYERS x SHAPES distinct layers, bf16 and each path."""
+    g = torch.Generator().manual_seed(m)
+    layers = []
+    for _ in range(LAYERS):
+        for n, k in SHAPES:
+            parts = quantize_int8(torch.randn(n, k, generator=g) * 0.05)
+            w16 = (parts.q.float() * parts.scales.float()[:, None]).to(torch.bfloat16)
+            layers.append((w16, int8_kernel.pack(parts.q, parts.scales), torch.randn(m, k, generator=g).bfloat16()))
+    passes: dict[str, Callable[[], object]] = {"bf16": lambda: [F.linear(x, w) for w, _, x in layers]}
+    if int8_kernel.available():
+        for name, code in int8_kernel.PATHS.items():
+            if (code != int8_kernel.GEMV or m <= 4) and (code != int8_kernel.AMX or int8_kernel.amx_available()):
+                passes[name] = lambda code=code: [int8_kernel.matmul(x, p, code) for _, p, x in layers]  # type: ignore[misc]
+        passes["auto"] = lambda: [int8_kernel.matmul(x, p) for _, p, x in layers]
+    times: dict[str, list[float]] = {name: [] for name in passes}
+    for _ in range(reps):  # interleaved: background load hits every path alike
+        for name, fn in passes.items():
+            times[name].append(_median_us(fn, 1))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return (f"{torch.get_num_threads():>7} {'step x12':>10} {m:>4} {med['bf16']:8.0f}                "
+            + " ".join(f"{med[p] / med['bf16']:9.2f}" if p in med else f"{'-':>9}" for p in PATHS))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 16, 32, 128])
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--step", action="store_true", help="also time passes over 12 layers of distinct weights")
     args = ap.parse_args()
     if not int8_kernel.available():
         print("native int8 kernel unavailable (no library or no AVX-512 BF16): torch paths only")
-    print(f"{'threads':>7} {'N x K':>11} {'M':>3} {'bf16 us':>8}  ratio to bf16: aten_int8 convert native")
+    print(f"{'threads':>7} {'N x K':>10} {'M':>4} {'bf16 us':>8}  ratio to bf16: "
+          + " ".join(f"{p:>9}" for p in PATHS))
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for n, k in SHAPES:
-            for m in args.rows:
+        for m in args.rows:
+            for n, k in SHAPES:
                 r = _row(n, k, m, args.reps)
-                ratios = "  ".join(f"{r[p] / r['bf16']:9.2f}" for p in ("aten_int8", "convert", "native") if p in r)
-                print(f"{threads:>7} {f'{n}x{k}':>11} {m:>3} {r['bf16']:8.1f}  {ratios}")
+                ratios = " ".join(f"{r[p] / r['bf16']:9.2f}" if p in r else f"{'-':>9}" for p in PATHS)
+                print(f"{threads:>7} {f'{n}x{k}':>10} {m:>4} {r['bf16']:8.1f}                {ratios}")
+        if args.step:
+            for m in args.rows:
+                print(_step(m, max(3, args.reps // 20)))
 
 
 if __name__ == "__main__":

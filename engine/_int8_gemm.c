@@ -1,7 +1,7 @@
-/* Weight-only int8 GEMM for a few rows of bf16 activations (engine/quant/int8_kernel.py
- * loads it through engine/native_kernels.py; built into engine._cpu_kernels).
+/* Weight-only int8 GEMM for bf16 activations (engine/quant/int8_kernel.py loads it through
+ * engine/native_kernels.py; built into engine._cpu_kernels with _int8_gemv.c).
  *
- *   y[m, n] = bf16( scale[n] * sum_k x[m, k] * q[n, k] )     m < M <= 32
+ *   y[m, n] = bf16( scale[n] * sum_k x[m, k] * q[n, k] )     any M
  *
  * Layouts (C-contiguous):
  *   x       [M, K] bf16
@@ -12,38 +12,41 @@
  *   scales  [N] float32                 per output channel
  *   y       [M, N] bf16, rounded to nearest even once, from the float32 sum
  *
- * Each 16-channel tile streams its int8 weights once per block of <= 16 rows: 32 codes
- * widen to bf16 (exact: |q| <= 128 fits bf16's 8-bit significand) and each row of the
- * block accumulates into its own float32 register with one dot-product instruction whose
- * x operand is that row's (x[k], x[k+1]) pair broadcast. Tiles are spread over OpenMP
- * threads (torch's pool, see _cpu_kernels.c). No Python API: ctypes calls it without
- * the GIL. Needs AVX-512 BF16, checked at run time (`pd_int8_gemm_supported`); without
- * it the caller keeps torch's path.
+ * Three paths over that layout, one chosen per call by `choose_path`:
+ * - GEMV (_int8_gemv.c), up to PD_GEMV_ROWS rows: codes widened to float32, FMA.
+ * - DPBF16 (`gemm_avx`): each 16-channel tile streams its int8 weights once per block of
+ *   <= 16 rows: 32 codes widen to bf16 (exact: |q| <= 128 fits bf16's 8-bit significand)
+ *   and each row of the block accumulates into its own float32 register with one
+ *   dot-product instruction whose x operand is that row's (x[k], x[k+1]) pair broadcast.
+ * - AMX (`gemm_amx`), where the CPU and kernel allow it: tile multiplies.
+ * Tiles are spread over OpenMP threads (torch's pool, see _cpu_kernels.c). No Python API:
+ * ctypes calls it without the GIL. Needs AVX-512 BF16, checked at run time
+ * (`pd_int8_gemm_supported`); without it the caller keeps torch's path.
  */
-#include <immintrin.h>
-#include <stdint.h>
+#include "_int8_gemm.h"
+
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define PD_OK 0
-#define PD_ERR_LEN 3
-#define PD_ERR_CPU 4
 #define ROW_BLOCK 16
-#define MAX_ROWS 32
+#define AMX_ROWS 32 /* rows per pass over a tile's widened codes: two 16-row A/C tile pairs */
+#define PATH_AUTO 0
+#define PATH_GEMV 1
+#define PATH_DPBF16 2
+#define PATH_AMX 3
 
 int pd_int8_gemm_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
 }
 
-#define TARGET __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
-
 /* The 32 codes at `w` (16 channels x 2 k) as 32 bf16 in the same order. */
 TARGET static inline __m512bh widen(const int8_t *w) {
-    __m256i b = _mm256_loadu_si256((const __m256i *)w);
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    /* two 16-byte loads that sign-extend straight from memory (no lane extract) */
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 16))));
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
@@ -57,23 +60,15 @@ static inline int32_t pair(const uint16_t *row, int64_t k, int64_t K) {
     return (int32_t)row[k];
 }
 
-TARGET static inline void store_row(uint16_t *dst, __m512 acc, __m512 scale, int64_t valid) {
-    __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc, scale));
-    if (valid >= 16)
-        _mm256_storeu_si256((__m256i *)dst, v);
-    else
-        _mm256_mask_storeu_epi16(dst, (__mmask16)((1u << valid) - 1u), v);
-}
-
 /* Rows [0, MB) of x (already offset to the block) against one tile. MB is a constant at
- * every call site, so `acc` lives in registers. Blocks of <= 8 rows keep two sets of
- * accumulators (even and odd k pairs) so consecutive dot products do not wait on each
+ * every call site, so `acc` lives in registers. Small blocks keep several sets of
+ * accumulators (consecutive k pairs) so consecutive dot products do not wait on each
  * other. */
 TARGET __attribute__((always_inline)) static inline void tile_rows(
     const uint16_t *x, int64_t K, const int8_t *tile, __m512 scale, uint16_t *y, int64_t N,
     int64_t valid, const int MB) {
-    const int SETS = MB <= 8 ? 2 : 1;
-    __m512 acc[2][ROW_BLOCK];
+    const int SETS = MB <= 2 ? 4 : MB <= 8 ? 2 : 1;
+    __m512 acc[4][ROW_BLOCK];
     for (int s = 0; s < SETS; s++)
         for (int m = 0; m < MB; m++)
             acc[s][m] = _mm512_setzero_ps();
@@ -95,7 +90,9 @@ TARGET __attribute__((always_inline)) static inline void tile_rows(
         }
     }
     for (int m = 0; m < MB; m++) {
-        __m512 a = SETS == 2 ? _mm512_add_ps(acc[0][m], acc[1][m]) : acc[0][m];
+        __m512 a = acc[0][m];
+        for (int s = 1; s < SETS; s++)
+            a = _mm512_add_ps(a, acc[s][m]);
         store_row(y + m * N, a, scale, valid);
     }
 }
@@ -113,12 +110,10 @@ TARGET static void tile_block(const uint16_t *x, int64_t K, const int8_t *tile, 
 TARGET static void gemm_avx(const uint16_t *x, int64_t M, int64_t K, const int8_t *packed,
                             const float *scales, int64_t N, uint16_t *y, int threads) {
     int64_t tiles = (N + 15) / 16, tile_bytes = (K + 1) / 2 * 32;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t n0 = t * 16, valid = N - n0 < 16 ? N - n0 : 16;
-        float s[16] = {0};
-        memcpy(s, scales + n0, (size_t)valid * sizeof(float));
-        __m512 scale = _mm512_loadu_ps(s);
+        __m512 scale = load_scales(scales + n0, valid);
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             int64_t mb = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
             tile_block(x + m0 * K, K, packed + t * tile_bytes, scale, y + m0 * N + n0, N,
@@ -127,10 +122,14 @@ TARGET static void gemm_avx(const uint16_t *x, int64_t M, int64_t K, const int8_
     }
 }
 
-/* AMX: one tile multiply does 16 rows x 16 channels x 32 k. Per 32 k of a 16-channel
- * tile the 16 x 32 codes widen (as above) into a 1 KiB bf16 buffer that is exactly the B
- * tile's pair layout; A is the x rows' next 32 k, loaded in place (a zero-padded copy for
- * a K tail), C the float32 sums. Rows past 16 use a second A/C tile pair over the same B.
+/* AMX: one tile multiply does 16 rows x 16 channels x 32 k. A 16-channel tile's codes are
+ * widened (as above) once per call into a per-thread buffer of B tiles, 1 KiB of bf16
+ * pairs per 32 k (exactly the B tile's layout); then every block of <= 32 rows runs over
+ * it: A is the rows' next 32 k, loaded in place (a zero-padded copy for a K tail), C the
+ * float32 sums. Widening all of K first keeps the buffer's stores well ahead of the tile
+ * loads that read them, and a prefill of many rows widens each code once per call, not
+ * once per 32 rows. Past 32 rows, blocks are 32 rows and the ragged last one runs from a
+ * zero-padded copy (one tile configuration per call).
  * Tile registers: 0, 1 = C for rows 0-15, 16-31; 2, 3 = A; 4 = B. */
 #define AMX_TARGET __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl,amx-tile,amx-bf16")))
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -170,87 +169,135 @@ AMX_TARGET static void amx_configure(int64_t rows0, int64_t rows1) {
     _tile_loadconfig(&cfg);
 }
 
-/* Pairs [p0, p0 + n) of a tile's codes as B (zero past n); x's k range [2 p0, +32) as A. */
-AMX_TARGET static void amx_chunk(const uint16_t *x, int64_t M, int64_t K, const int8_t *tile,
-                                 int64_t p0, uint16_t (*b)[32]) {
-    int64_t pairs = (K + 1) / 2, n = pairs - p0 < 16 ? pairs - p0 : 16, k0 = 2 * p0;
-    for (int64_t i = 0; i < n; i++)
-        _mm512_storeu_si512(b[i], (__m512i)widen(tile + (p0 + i) * 32));
-    for (int64_t i = n; i < 16; i++)
-        memset(b[i], 0, 64);
+/* One tile's `pairs` code pairs as bf16 B tiles b[chunks * 16][32], zero past `pairs`. */
+AMX_TARGET static void amx_widen(const int8_t *tile, int64_t pairs, int64_t chunks, uint16_t (*b)[32]) {
+    for (int64_t i = 0; i < pairs; i++)
+        _mm512_store_si512(b[i], (__m512i)widen(tile + i * 32));
+    for (int64_t i = pairs; i < chunks * 16; i++)
+        _mm512_store_si512(b[i], _mm512_setzero_si512());
     MEMORY_BARRIER();
-    _tile_loadd(4, b, 64);
-    if (k0 + 32 <= K) {
-        _tile_loadd(2, x + k0, K * 2);
-        if (M > 16)
-            _tile_loadd(3, x + 16 * K + k0, K * 2);
-    } else { /* K tail: the rows' last k, zero-padded to 32 */
-        uint16_t a[MAX_ROWS][32];
-        memset(a, 0, sizeof a);
-        for (int64_t m = 0; m < M; m++)
-            memcpy(a[m], x + m * K + k0, (size_t)(K - k0) * 2);
-        MEMORY_BARRIER();
-        _tile_loadd(2, a[0], 64);
-        if (M > 16)
-            _tile_loadd(3, a[16], 64);
+}
+
+/* `rows` rows of x (stride K; the configured rows: <= 16 uses tiles 0/2 only) against a
+ * widened tile; the first `out_rows` of them are stored. */
+AMX_TARGET static void amx_block(const uint16_t *x, int64_t rows, int64_t K, const uint16_t (*b)[32],
+                                 int64_t chunks, __m512 scale, uint16_t *y, int64_t N, int64_t valid,
+                                 int64_t out_rows) {
+    float c[AMX_ROWS][16] __attribute__((aligned(64)));
+    _tile_zero(0);
+    if (rows > 16)
+        _tile_zero(1);
+    for (int64_t ch = 0; ch < chunks; ch++) {
+        int64_t k0 = 32 * ch;
+        _tile_loadd(4, b[16 * ch], 64);
+        if (k0 + 32 <= K) {
+            _tile_loadd(2, x + k0, K * 2);
+            if (rows > 16)
+                _tile_loadd(3, x + 16 * K + k0, K * 2);
+        } else { /* K tail: the rows' last k, zero-padded to 32 */
+            uint16_t a[AMX_ROWS][32] __attribute__((aligned(64)));
+            memset(a, 0, sizeof a);
+            for (int64_t m = 0; m < rows; m++)
+                memcpy(a[m], x + m * K + k0, (size_t)(K - k0) * 2);
+            MEMORY_BARRIER();
+            _tile_loadd(2, a[0], 64);
+            if (rows > 16)
+                _tile_loadd(3, a[16], 64);
+        }
+        _tile_dpbf16ps(0, 2, 4);
+        if (rows > 16)
+            _tile_dpbf16ps(1, 3, 4);
     }
-    _tile_dpbf16ps(0, 2, 4);
-    if (M > 16)
-        _tile_dpbf16ps(1, 3, 4);
+    _tile_stored(0, c[0], 64);
+    if (rows > 16)
+        _tile_stored(1, c[16], 64);
+    MEMORY_BARRIER();
+    for (int64_t m = 0; m < out_rows; m++)
+        store_row(y + m * N, _mm512_load_ps(c[m]), scale, valid);
 }
 
-AMX_TARGET static void amx_store(const float (*c)[16], int64_t rows, __m512 scale, uint16_t *y,
-                                 int64_t N, int64_t valid) {
-    for (int64_t m = 0; m < rows; m++)
-        store_row(y + m * N, _mm512_loadu_ps(c[m]), scale, valid);
-}
-
-AMX_TARGET static void gemm_amx(const uint16_t *x, int64_t M, int64_t K, const int8_t *packed,
-                                const float *scales, int64_t N, uint16_t *y, int threads) {
+AMX_TARGET static int gemm_amx(const uint16_t *x, int64_t M, int64_t K, const int8_t *packed,
+                               const float *scales, int64_t N, uint16_t *y, int threads) {
     int64_t tiles = (N + 15) / 16, pairs = (K + 1) / 2, tile_bytes = pairs * 32;
-    int64_t rows0 = M < 16 ? M : 16, rows1 = M - rows0;
-#pragma omp parallel num_threads(threads)
+    int64_t chunks = (pairs + 15) / 16;
+    int64_t rows = M < AMX_ROWS ? M : AMX_ROWS, blocks = M <= AMX_ROWS ? 1 : M / AMX_ROWS;
+    int64_t tail = M <= AMX_ROWS ? 0 : M % AMX_ROWS;
+    uint16_t *xpad = NULL; /* the ragged last block past 32 rows, zero-padded to 32 rows */
+    if (tail) {
+        xpad = aligned_alloc(64, ((size_t)(AMX_ROWS * K) * 2 + 63) / 64 * 64);
+        if (xpad == NULL)
+            return PD_ERR_MEM;
+        memset(xpad, 0, (size_t)(AMX_ROWS * K) * 2);
+        memcpy(xpad, x + (M - tail) * K, (size_t)(tail * K) * 2);
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        amx_configure(rows0, rows1);
-        uint16_t b[16][32] __attribute__((aligned(64)));
-        float c[MAX_ROWS][16] __attribute__((aligned(64)));
+        uint16_t (*b)[32] = aligned_alloc(64, (size_t)chunks * 16 * 64);
+        if (b == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            amx_configure(rows < 16 ? rows : 16, rows < 16 ? 0 : rows - 16);
+        }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
+            if (b == NULL)
+                continue;
             int64_t n0 = t * 16, valid = N - n0 < 16 ? N - n0 : 16;
-            float s[16] = {0};
-            memcpy(s, scales + n0, (size_t)valid * sizeof(float));
-            _tile_zero(0);
-            if (rows1)
-                _tile_zero(1);
-            for (int64_t p0 = 0; p0 < pairs; p0 += 16)
-                amx_chunk(x, M, K, packed + t * tile_bytes, p0, b);
-            _tile_stored(0, c[0], 64);
-            if (rows1)
-                _tile_stored(1, c[16], 64);
-            MEMORY_BARRIER();
-            amx_store((const float (*)[16])c, M, _mm512_loadu_ps(s), y + n0, N, valid);
+            __m512 scale = load_scales(scales + n0, valid);
+            amx_widen(packed + t * tile_bytes, pairs, chunks, b);
+            for (int64_t blk = 0; blk < blocks; blk++)
+                amx_block(x + blk * AMX_ROWS * K, rows, K, (const uint16_t (*)[32])b, chunks, scale,
+                          y + blk * AMX_ROWS * N + n0, N, valid, rows);
+            if (tail)
+                amx_block(xpad, AMX_ROWS, K, (const uint16_t (*)[32])b, chunks, scale,
+                          y + (M - tail) * N + n0, N, valid, tail);
         }
-        _tile_release();
+        if (b != NULL) {
+            _tile_release();
+            free(b);
+        }
     }
+    free(xpad);
+    return failed ? PD_ERR_MEM : PD_OK;
 }
-
 
 int pd_int8_gemm_amx_supported(void) { return amx_ready(); }
 
-/* `use_amx` 0 keeps the AVX-512 BF16 loop even where AMX is there (tests run both). */
+/* The path for M rows (the one place that chooses; `python -m bench.int8_gemm` times each):
+ * the float32 GEMV up to PD_GEMV_ROWS rows, where it streams the codes with the fewest
+ * instructions; above, AMX where the CPU allows it (widening amortised over the rows),
+ * else the AVX-512 BF16 dot products. */
+static int choose_path(int64_t M) {
+    if (M <= PD_GEMV_ROWS)
+        return PATH_GEMV;
+    return amx_ready() ? PATH_AMX : PATH_DPBF16;
+}
+
+int pd_int8_gemm_path(int64_t M) { return M < 1 ? PATH_AUTO : choose_path(M); }
+
+/* `path`: PATH_AUTO (`choose_path`), or one forced (tests and the benchmark run each). */
 int pd_int8_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *packed,
-                      const float *scales, int64_t N, uint16_t *y, int num_threads, int use_amx) {
-    if (M < 1 || M > MAX_ROWS || K < 1 || N < 1)
+                      const float *scales, int64_t N, uint16_t *y, int num_threads, int path) {
+    static int supported = -1;
+    if (supported < 0)
+        supported = pd_int8_gemm_supported();
+    if (M < 1 || K < 1 || N < 1 || path < PATH_AUTO || path > PATH_AMX)
         return PD_ERR_LEN;
-    if (!pd_int8_gemm_supported())
+    if (!supported || (path == PATH_AMX && !amx_ready()))
         return PD_ERR_CPU;
     int64_t tiles = (N + 15) / 16;
     int threads = num_threads < 1 ? 1 : num_threads;
     if (threads > tiles)
         threads = (int)tiles;
-    if (use_amx && amx_ready())
-        gemm_amx(x, M, K, packed, scales, N, y, threads);
-    else
+    switch (path == PATH_AUTO ? choose_path(M) : path) {
+    case PATH_GEMV:
+        return pd_int8_gemv_fp32(x, M, K, packed, scales, N, y, threads);
+    case PATH_AMX:
+        return gemm_amx(x, M, K, packed, scales, N, y, threads);
+    default:
         gemm_avx(x, M, K, packed, scales, N, y, threads);
-    return PD_OK;
+        return PD_OK;
+    }
 }

@@ -52,6 +52,9 @@ def _load() -> ctypes.CDLL | None:
         lib.pd_int8_gemm_supported.restype = ctypes.c_int
         lib.pd_int8_gemm_amx_supported.argtypes = []
         lib.pd_int8_gemm_amx_supported.restype = ctypes.c_int
+    if hasattr(lib, "pd_int8_gemm_path"):
+        lib.pd_int8_gemm_path.argtypes = [I64]
+        lib.pd_int8_gemm_path.restype = ctypes.c_int
     return lib
 
 

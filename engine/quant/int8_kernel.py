@@ -1,13 +1,17 @@
-"""The native small-M int8 weight GEMM (engine/_int8_gemm.c) for bf16 activations on CPU.
+"""The native int8 weight GEMM (engine/_int8_gemm.c, engine/_int8_gemv.c) for bf16
+activations on CPU.
 
 `pack` lays an int8 weight [N, K] out once, at load, as [N/16, K/2, 16, 2] (N padded to
 16 and K to 2 with zero codes): one 32-byte load is 16 output channels x 2 consecutive
-k, the operand of an AVX-512 BF16 dot product. `matmul` runs it for up to `MAX_ROWS`
-rows, `matmul_rows` for any number in blocks of `MAX_ROWS`. `packs_for` is the one place
-that decides whether a layer keeps its codes in this layout and runs the kernel for every
-call (engine/quant/linear.py): only for bf16 on a CPU that has AVX-512 BF16, and never
-when the library is missing or `PDSERVE_NATIVE_KERNELS=0` (`python -m bench.int8_gemm`
-times it against torch's paths).
+k. `matmul` runs it for any number of rows in one call; the library picks the path per
+call (`path_for`, one C function): up to 4 rows a float32 GEMV that streams the codes
+with the fewest instructions per byte (decode), above that AMX tiles over codes widened
+to bf16 once per call (batched decode, prefill), or AVX-512 BF16 dot products where AMX
+is not there. `packs_for` is the one place that decides whether a layer keeps its codes
+in this layout and runs the kernel for every call (engine/quant/linear.py): only for
+bf16 on a CPU that has AVX-512 BF16, and never when the library is missing, predates
+this interface, or `PDSERVE_NATIVE_KERNELS=0` (`python -m bench.int8_gemm` times every
+path against torch's).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch.nn.functional as F
 
 from engine import native_kernels
 
-MAX_ROWS = 32  # rows per kernel call (AMX: two 16-row tiles)
+AUTO, GEMV, DPBF16, AMX = 0, 1, 2, 3  # `matmul` paths (the C PATH_* codes)
+PATHS = {"gemv": GEMV, "dpbf16": DPBF16, "amx": AMX}
 
 
 class PackedInt8(NamedTuple):
@@ -34,7 +39,7 @@ class PackedInt8(NamedTuple):
 def available() -> bool:
     """The library has the kernel and this CPU can run it."""
     lib = native_kernels.LIB
-    return lib is not None and hasattr(lib, "pd_int8_gemm_bf16") and bool(lib.pd_int8_gemm_supported())
+    return lib is not None and hasattr(lib, "pd_int8_gemm_path") and bool(lib.pd_int8_gemm_supported())
 
 
 def amx_available() -> bool:
@@ -59,25 +64,27 @@ def pack(q: torch.Tensor, scales: torch.Tensor) -> PackedInt8:
     return PackedInt8(codes.contiguous(), scales.float().contiguous(), n, k)
 
 
-def matmul(x: torch.Tensor, w: PackedInt8, amx: bool = True) -> torch.Tensor:
-    """x [M, K] bf16 (M <= MAX_ROWS) @ (codes * scales)^T -> [M, N] bf16, through AMX tiles
-    where the CPU has them and `amx`, else the AVX-512 BF16 loop."""
+def path_for(rows: int) -> int:
+    """The path the library runs for `rows` rows (`AUTO` where it is unavailable)."""
+    lib = native_kernels.LIB
+    return int(lib.pd_int8_gemm_path(rows)) if lib is not None and _AVAILABLE else AUTO
+
+
+def matmul(x: torch.Tensor, w: PackedInt8, path: int = AUTO) -> torch.Tensor:
+    """x [M, K] bf16 @ (codes * scales)^T -> [M, N] bf16, on `path` (default: the
+    library's choice for M rows)."""
     lib = native_kernels.LIB
     assert lib is not None
-    x = x.contiguous()
-    m, k = x.shape
-    if k != w.in_features or x.dtype != torch.bfloat16:
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"int8 kernel takes bf16 [M, {w.in_features}], got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    m = x.shape[0]
     y = torch.empty(m, w.out_features, dtype=torch.bfloat16)
-    rc = lib.pd_int8_gemm_bf16(x.data_ptr(), m, k, w.codes.data_ptr(), w.scales.data_ptr(),
-                               w.out_features, y.data_ptr(), torch.get_num_threads(), int(amx))
+    if m == 0:
+        return y
+    rc = lib.pd_int8_gemm_bf16(x.data_ptr(), m, w.in_features, w.codes.data_ptr(), w.scales.data_ptr(),
+                               w.out_features, y.data_ptr(), torch.get_num_threads(), path)
     if rc != 0:
-        raise ValueError(f"int8 kernel cannot run {m} x {k} @ {w.out_features} (code {rc})")
+        raise ValueError(f"int8 kernel cannot run {m} x {w.in_features} @ {w.out_features} on path {path} "
+                         f"(code {rc})")
     return y
-
-
-def matmul_rows(x: torch.Tensor, w: PackedInt8) -> torch.Tensor:
-    """`matmul` for any number of rows, `MAX_ROWS` at a time."""
-    if x.shape[0] <= MAX_ROWS:
-        return matmul(x, w)
-    return torch.cat([matmul(x[i:i + MAX_ROWS], w) for i in range(0, x.shape[0], MAX_ROWS)])

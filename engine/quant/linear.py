@@ -14,9 +14,9 @@ The aten CPU kernels are small-M kernels (AVX-512, no AMX): measured on this hos
 (1 thread, 768-4096 x 768-2048 layers) they take ~0.3x the bf16 matmul's time at one
 row but 2.5-3x at 16 rows and 3-27x at 128. A bf16 int8 layer on a CPU with AVX-512
 BF16 therefore holds its codes only in the native kernel's layout and runs it for every
-call (engine/quant/int8_kernel.py: AMX tiles over int8 codes widened to bf16, ~0.3-0.45x
-the bf16 matmul at 8-32 rows, 1.0-1.3x the aten kernel at one row, ~1.2x bf16 at 512
-rows in blocks of 32). Otherwise (float32, no AVX-512 BF16) an int8 layer given more
+call, all rows at once (engine/quant/int8_kernel.py: a float32 GEMV up to 4 rows, AMX
+tiles over int8 codes widened to bf16 above; `python -m bench.int8_gemm` times each
+against the bf16 matmul). Otherwise (float32, no AVX-512 BF16) an int8 layer given more
 than `INT8_KERNEL_ROWS` rows converts its weight to the compute dtype for that call and
 runs the ordinary matmul, scaling the output per channel (exact: x @ (q s)^T =
 (x @ q^T) s). An int4 layer given more than `INT4_KERNEL_ROWS` rows on CPU unpacks its
@@ -66,9 +66,11 @@ class Int8Linear(nn.Module):
             self.register_buffer("q", parts.q.to(device).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
+            return int8_kernel.matmul(x, self.native)  # decode's call: no reshapes or casts (us each)
         x2 = x.reshape(-1, self.in_features)
         if self.native is not None:
-            y = int8_kernel.matmul_rows(x2.to(torch.bfloat16), self.native).to(x2.dtype)
+            y = int8_kernel.matmul(x2.to(torch.bfloat16), self.native).to(x2.dtype)
         else:
             assert self.q is not None
             if x2.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_ROWS:

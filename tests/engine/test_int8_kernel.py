@@ -1,6 +1,6 @@
-"""The native small-M int8 GEMM (engine/_int8_gemm.c): its packed layout, its numerics
-against x @ (q s)^T in float32 on both its AMX and AVX-512 BF16 paths, and the one
-function that routes an int8 layer's call to it."""
+"""The native int8 GEMM (engine/_int8_gemm.c, engine/_int8_gemv.c): its packed layout, its
+numerics against x @ (q s)^T in float32 on each of its paths (float32 GEMV, AVX-512 BF16,
+AMX), the one function that picks a path per call, and the layer that runs it."""
 
 from __future__ import annotations
 
@@ -43,22 +43,57 @@ def test_pack_puts_16_channels_by_2_k_in_each_32_bytes() -> None:
     assert packed.scales.dtype == torch.float32 and torch.equal(packed.scales, scales.float())
 
 
-@pytest.mark.parametrize("amx", [True, False], ids=["amx", "avx512bf16"])
+def _rows_for(path: int) -> tuple[int, ...]:
+    return (1, 2, 3, 4) if path == int8_kernel.GEMV else (1, 2, 3, 4, 8, 16, 17, 32, 33, 70)
+
+
+@pytest.mark.parametrize("path", list(int8_kernel.PATHS.values()), ids=list(int8_kernel.PATHS))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_matmul_is_x_times_dequantized_weight_within_bf16(shape: tuple[int, int], amx: bool) -> None:
-    if amx and not int8_kernel.amx_available():
+def test_matmul_is_x_times_dequantized_weight_within_bf16(shape: tuple[int, int], path: int) -> None:
+    if path == int8_kernel.AMX and not int8_kernel.amx_available():
         pytest.skip("no AMX on this CPU")
     q, scales = _parts(*shape)
     packed = int8_kernel.pack(q, scales)
     w = q.float() * scales.float()[:, None]
-    for m in (1, 3, 8, 16, 17, 32):
+    for m in _rows_for(path):
         x = torch.randn(m, shape[1], generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
-        y = int8_kernel.matmul(x, packed, amx=amx)
+        y = int8_kernel.matmul(x, packed, path)
         ref = x.float() @ w.t()
         assert y.dtype == torch.bfloat16 and y.shape == (m, shape[0])
         # one bf16 rounding of each output, plus float32 summation-order noise
         err = (y.float() - ref).abs()
         assert (err <= ref.abs() * 2.0**-8 + 1e-3 * ref.abs().max()).all(), (m, err.max().item())
+
+
+def test_gemv_handles_extreme_codes_and_rows_of_different_size() -> None:
+    # -128 and 127 codes (every sign and the widest magnitude), one row 1000x the others
+    q = torch.tensor([[-128, 127] * 20, [127, -128] * 20] * 9, dtype=torch.int8)  # [18, 40]
+    scales = torch.linspace(0.5, 2.0, 18).to(torch.bfloat16)
+    packed = int8_kernel.pack(q, scales)
+    x = torch.randn(4, 40, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    x[1] *= 1000.0
+    ref = x.float() @ (q.float() * scales.float()[:, None]).t()
+    for m in (1, 2, 3, 4):
+        y = int8_kernel.matmul(x[:m], packed, int8_kernel.GEMV)
+        for row in range(m):
+            assert torch.allclose(y[row].float(), ref[row], rtol=2.0**-8, atol=1e-3 * ref[row].abs().max().item())
+
+
+@pytest.mark.parametrize("path", list(int8_kernel.PATHS.values()), ids=list(int8_kernel.PATHS))
+def test_threads_split_the_tiles_without_changing_a_bit(path: int) -> None:
+    if path == int8_kernel.AMX and not int8_kernel.amx_available():
+        pytest.skip("no AMX on this CPU")
+    packed = int8_kernel.pack(*_parts(100, 130))
+    x = torch.randn(4 if path == int8_kernel.GEMV else 40, 130, generator=torch.Generator().manual_seed(5))
+    one = int8_kernel.matmul(x.bfloat16(), packed, path)
+    torch.set_num_threads(2)  # the one_torch_thread fixture restores the setting
+    assert torch.equal(int8_kernel.matmul(x.bfloat16(), packed, path), one)
+
+
+def test_one_function_picks_the_path_by_rows() -> None:
+    above = int8_kernel.AMX if int8_kernel.amx_available() else int8_kernel.DPBF16
+    assert [int8_kernel.path_for(m) for m in (1, 2, 3, 4)] == [int8_kernel.GEMV] * 4
+    assert [int8_kernel.path_for(m) for m in (5, 16, 32, 33, 512)] == [above] * 5
 
 
 def test_matmul_rejects_what_it_cannot_run() -> None:
@@ -67,8 +102,11 @@ def test_matmul_rejects_what_it_cannot_run() -> None:
         int8_kernel.matmul(torch.randn(2, 64), packed)  # float32
     with pytest.raises(ValueError, match="bf16"):
         int8_kernel.matmul(torch.randn(2, 63).bfloat16(), packed)
-    with pytest.raises(ValueError, match="cannot run 33"):
-        int8_kernel.matmul(torch.randn(33, 64).bfloat16(), packed)
+    with pytest.raises(ValueError, match="cannot run 5 x 64"):
+        int8_kernel.matmul(torch.randn(5, 64).bfloat16(), packed, int8_kernel.GEMV)  # GEMV: <= 4 rows
+    with pytest.raises(ValueError, match="on path 9"):
+        int8_kernel.matmul(torch.randn(2, 64).bfloat16(), packed, 9)
+    assert int8_kernel.matmul(torch.randn(0, 64).bfloat16(), packed).shape == (0, 32)
 
 
 def test_a_bf16_int8_layer_holds_its_codes_once_and_runs_the_kernel_for_any_rows() -> None:
@@ -79,9 +117,12 @@ def test_a_bf16_int8_layer_holds_its_codes_once_and_runs_the_kernel_for_any_rows
     assert isinstance(layer, Int8Linear) and layer.native is not None
     assert layer.q is None  # one copy of the codes: 1 byte a weight, as int8 promises
     assert layer.native.codes.dtype == torch.int8 and layer.native.codes.numel() == 96 * 64
-    for rows in (1, 16, 70):  # one row, one kernel call, several 32-row calls
+    for rows in (1, 16, 70):  # one row (GEMV), one block of rows, several blocks and a ragged one
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-        blocks = [int8_kernel.matmul(x[i:i + 32], layer.native) for i in range(0, rows, 32)]
+        assert torch.equal(layer(x), int8_kernel.matmul(x, layer.native))
+    if int8_kernel.amx_available():  # past 32 rows: each row as if it ran alone in its 32-row block
+        x = torch.randn(70, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+        blocks = [int8_kernel.matmul(x[i:i + 32], layer.native, int8_kernel.AMX) for i in range(0, 70, 32)]
         assert torch.equal(layer(x), torch.cat(blocks))
 
 
@@ -91,9 +132,9 @@ def test_bf16_int8_engine_decodes_through_the_kernel_deterministically(
     calls: list[int] = []
     real = int8_kernel.matmul
 
-    def counted(x: torch.Tensor, w: int8_kernel.PackedInt8, amx: bool = True) -> torch.Tensor:
+    def counted(x: torch.Tensor, w: int8_kernel.PackedInt8, path: int = int8_kernel.AUTO) -> torch.Tensor:
         calls.append(x.shape[0])
-        return real(x, w, amx)
+        return real(x, w, path)
 
     monkeypatch.setattr(int8_kernel, "matmul", counted)
     d = str(tiny_model_dir("llama"))

@@ -1,0 +1,35 @@
+/* Shared by the int8 weight kernels (engine/_int8_gemm.c, engine/_int8_gemv.c): the packed
+ * layout's helpers. See _int8_gemm.c for the layout. */
+#ifndef PD_INT8_GEMM_H
+#define PD_INT8_GEMM_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#define TARGET __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
+
+#define PD_OK 0
+#define PD_ERR_LEN 3
+#define PD_ERR_CPU 4
+#define PD_ERR_MEM 5
+
+/* Rounds y = bf16(acc * scale) to nearest even and stores its first `valid` channels. */
+TARGET static inline void store_row(uint16_t *dst, __m512 acc, __m512 scale, int64_t valid) {
+    __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc, scale));
+    if (valid >= 16)
+        _mm256_storeu_si256((__m256i *)dst, v);
+    else
+        _mm256_mask_storeu_epi16(dst, (__mmask16)((1u << valid) - 1u), v);
+}
+
+/* The float32 scales of channels [n0, n0 + 16), zero past `valid`. */
+TARGET static inline __m512 load_scales(const float *scales, int64_t valid) {
+    return _mm512_maskz_loadu_ps((__mmask16)(valid >= 16 ? 0xFFFFu : (1u << valid) - 1u), scales);
+}
+
+/* y[M, N] = x[M, K] @ (packed * scales)^T for M <= PD_GEMV_ROWS (engine/_int8_gemv.c). */
+#define PD_GEMV_ROWS 4
+int pd_int8_gemv_fp32(const uint16_t *x, int64_t M, int64_t K, const int8_t *packed,
+                      const float *scales, int64_t N, uint16_t *y, int threads);
+
+#endif
