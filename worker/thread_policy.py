@@ -4,7 +4,8 @@ governor (worker/thread_governor.py) picks, timed and reported to it.
 `GovernedNode` wraps the role's node itself, inside any core-sharing wrapper, so a
 step's time is the engine's alone (not a lender's wait for its cores). A step's
 size is the growth of `NodeLoad.tokens`, read in `load()`, which the main loop
-calls after every tick. The governor itself lives as long as the process (its
+calls after every tick; a step that computed no token (a decode node only polling
+its KV transfers) is not observed. The governor itself lives as long as the process (its
 thread pool does), across role flips; each node reports to its role's metrics.
 
 With core borrowing (worker/core_sharing.py) the borrower's grant is the ceiling:
@@ -49,8 +50,9 @@ class GovernedNode:
 
     def load(self) -> NodeLoad:
         load = self.node.load()
-        if self._pending is not None and self._tokens is not None:
-            switch = self.governor.observe(load.tokens - self._tokens, self._pending)
+        tokens = load.tokens - (self._tokens if self._tokens is not None else load.tokens)
+        if self._pending is not None and tokens > 0:  # a step that only moved KV computed nothing
+            switch = self.governor.observe(tokens, self._pending)
             if switch is not None:
                 self.metrics.count_thread_switch(switch.reason)
         self._pending, self._tokens = None, load.tokens

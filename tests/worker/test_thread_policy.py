@@ -79,6 +79,11 @@ def test_steps_without_a_load_read_between_are_still_observed_once() -> None:
     gnode.load()
     assert gov.level(2, 16) == pytest.approx(0.02)
     assert gov.level(2, 1) is None  # the idle tick was not recorded as a 0-token step
+    node.work, node.per_step = True, 0  # steps that compute nothing (KV polling)
+    for _ in range(10):
+        gnode.step()
+        gnode.load()
+    assert gov.level(2, 1) is None and len(gov._times[(2, 16)]) == 4
 
 
 def test_a_borrowers_grant_is_applied_with_the_governors_count() -> None:
