@@ -20,8 +20,8 @@ The policy (`--thread-policy adaptive`), per step, from the outcome only:
    away at once (unless a probe ended less than `first_interval_s` ago), with
    home's level taken as that slow step.
 4. Drift: when each of home's last `recent` steps of a bucket runs above
-   `margin` (1.15x) away's fresh median there (of away's times since the last
-   switch and within `fresh_s`), switch to away.
+   `margin` (1.15x) away's slowest fresh time there (of away's times since the
+   last switch and within `fresh_s`, at least `min_samples`), switch to away.
 5. Probe: every `interval` seconds (1 s, doubling to 32 s while probes confirm
    home; back to 1 s after a switch) away runs for `probe_steps` steps. A probe
    step above `cut` (2x) home's level ends the probe at once (so a probe under
@@ -30,7 +30,8 @@ The policy (`--thread-policy adaptive`), per step, from the outcome only:
 
 Hysteresis: every one of `probe_steps` away steps must beat home's median by
 `margin` (or home must collapse 3x and away then beat that slow step), drift needs
-`recent` home steps in a row above away's level by `margin`, and a switch restarts
+`recent` home steps in a row slower than every fresh away step by `margin`, and a
+switch restarts
 the probe clock. So under a steady load the count in use never changes while it
 is the faster one, whatever the noise below the collapse factor, nor when the two
 tie within +-6% (1/1.15 apart at worst): tests/worker/test_thread_governor.py
@@ -105,14 +106,12 @@ class ThreadGovernor:
 
     def __init__(self, ceiling: int, config: GovernorConfig | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 apply: Callable[[int], None] | None = None,
-                 on_switch: Callable[[Switch], None] | None = None) -> None:
+                 apply: Callable[[int], None] | None = None) -> None:
         if ceiling < 1:
             raise ValueError(f"a worker needs at least one thread, got {ceiling}")
         self.cfg = config or GovernorConfig()
         self.clock = clock
         self._apply = apply or _set_torch_threads
-        self.on_switch = on_switch
         self.ceiling = ceiling
         self.low = False  # home is 1 thread (else the ceiling)
         self.applied = ceiling  # what the process runs with now
@@ -179,7 +178,7 @@ class ThreadGovernor:
             return None
         # Away's times from before the last switch say nothing of it now (they are
         # what the switch judged): only later ones, and fresh ones, count.
-        other = self.level(away, b, since=max(self._switched_at, now - self.cfg.fresh_s))
+        other = self._slowest(away, b, since=max(self._switched_at, now - self.cfg.fresh_s))
         recent = self._recent(home, b)
         if other is not None and recent is not None and recent > self.cfg.margin * other:
             return self._switch(now)
@@ -223,10 +222,7 @@ class ThreadGovernor:
         self.interval = self.cfg.first_interval_s
         self._next_probe = now + self.interval
         self._switched_at = self._probe_gap_end = now
-        switch = Switch(self.home, reason)
-        if self.on_switch is not None:
-            self.on_switch(switch)
-        return switch
+        return Switch(self.home, reason)
 
     def _level_before_last(self, threads: int, bucket: int) -> float | None:
         """The median without the step just recorded (which a collapse is judged by)."""
@@ -234,6 +230,11 @@ class ThreadGovernor:
         if not times or len(times) <= self.cfg.min_samples:
             return None
         return statistics.median(t for _, t in list(times)[:-1])
+
+    def _slowest(self, threads: int, bucket: int, since: float) -> float | None:
+        """The slowest of `threads`' times since `since` (None: fewer than min_samples)."""
+        times = [t for at, t in self._times.get((threads, bucket), ()) if at >= since]
+        return max(times) if len(times) >= self.cfg.min_samples else None
 
     def _recent(self, threads: int, bucket: int) -> float | None:
         """The fastest of the last `recent` steps: drift needs every one of them slow."""

@@ -113,11 +113,19 @@ def test_steady_loads_never_switch_over_thousands_of_steps() -> None:
         assert run.threads.count(1) <= 3 * 8  # probes only: 1, 2, 4, ... 32 s apart
 
 
-def test_a_tie_within_six_percent_never_flip_flops() -> None:
+def test_a_tie_never_flip_flops() -> None:
     for seed in range(3):
         run = Run()
         run.steps(5000, noisy({2: 0.020, 1: 0.020}, 0.06, seed))
         assert run.switches == []
+    # +-20% around a tie: a tried step may beat the median by 15%, but all 3 of a try
+    # seldom do (one switch and back over 5 x 100 s; a median-of-3 rule made 6)
+    flips = 0
+    for seed in range(5):
+        run = Run()
+        run.steps(5000, noisy({2: 0.020, 1: 0.020}, 0.20, seed))
+        flips += len(run.switches)
+    assert flips <= 2
     # after a real switch, a tie keeps the new count too
     run = Run()
     run.steps(100, table(QUIET))
