@@ -31,10 +31,10 @@ The policy (`--thread-policy adaptive`), per step, from the outcome only:
 Hysteresis: every one of `probe_steps` away steps must beat home's median by
 `margin` (or home must collapse 3x and away then beat that slow step), drift needs
 `recent` home steps in a row slower than every fresh away step by `margin`, and a
-switch restarts
-the probe clock. So under a steady load the count in use never changes while it
-is the faster one, whatever the noise below the collapse factor, nor when the two
-tie within +-6% (1/1.15 apart at worst): tests/worker/test_thread_governor.py
+switch restarts the probe clock. So under a steady load the count in use never
+changes while it is the faster one, whatever the noise below the collapse factor,
+nor when the two tie within +-6% (1/1.15 apart at worst); with +-20% noise around
+a tie it switches (and back) about once in 500 s. tests/worker/test_thread_governor.py
 drives thousands of such steps.
 
 Reasons a switch is counted under: `contention` (down to 1 thread after a collapse
