@@ -171,12 +171,14 @@ class SharedCoresNode:
             self.side.share.close()
 
 
-def share_cores(node: Node, path: str, own: Sequence[int], borrow: Sequence[int]) -> Node:
-    """`node` lending its cores (prefill) or borrowing the prefill worker's (decode)."""
+def share_cores(node: Node, path: str, own: Sequence[int], borrow: Sequence[int],
+                apply: Callable[[CoreGrant], None] = apply_grant) -> Node:
+    """`node` lending its cores (prefill) or borrowing the prefill worker's (decode, which
+    applies each grant with `apply`)."""
     share = CoreShareFile(path)
     side: CoreLender | CoreBorrower
     if node.role == "decode":
-        side = CoreBorrower(share, own, borrow)
+        side = CoreBorrower(share, own, borrow, apply)
     else:
         side = CoreLender(share)
     log.info("%s worker %s cores over %s", node.role,

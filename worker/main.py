@@ -13,12 +13,15 @@ from engine.config import EngineConfig
 from kv_transfer.auth import CurveKeys, KVCurve, load_keys
 from kv_transfer.faults import FaultConfig
 from worker.core_sharing import share_cores
+from worker.cpu_cores import apply_grant
 from worker.faults import injected_faults
 from worker.gateways import GatewayLinks
 from worker.metrics import WorkerMetrics
 from worker.node_api import Node
 from worker.role_switch import RoleSwitcher
 from worker.runtime import RuntimeConfig, WorkerRuntime
+from worker.thread_governor import ThreadGovernor
+from worker.thread_policy import GovernedNode, governed_grant
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,7 @@ class WorkerOptions:
     core_share: str | None = None  # prefill lends / decode borrows cores (worker/core_sharing.py)
     cpu_cores: tuple[int, ...] = ()  # the cores this worker is pinned to
     borrow_cores: tuple[int, ...] = ()  # decode: the prefill worker's cores
+    thread_policy: str = "fixed"  # adaptive: the thread governor picks 1 or N threads per step
 
 
 class NodeParts:
@@ -69,15 +73,28 @@ def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder
     faults = injected_faults(opts.fault_injection)
 
     def parts_for(role: str) -> NodeParts:
-        return NodeParts(worker_id, channel, WorkerMetrics(role, worker_id), faults.kv)
+        metrics = WorkerMetrics(role, worker_id)
+        metrics.torch_threads.set(engine_cfg.num_threads or 0)  # a governed node keeps it current
+        return NodeParts(worker_id, channel, metrics, faults.kv)
 
-    switcher = RoleSwitcher(engine_cfg, opts, {**(flip_builders or {}), opts.role: build}, parts_for)
+    governor = ThreadGovernor(engine_cfg.num_threads or 1) if opts.thread_policy == "adaptive" else None
+    if governor is not None:
+        log.info("thread policy adaptive: 1 or %d torch threads per step, whichever runs faster",
+                 governor.ceiling)
+
+    def governed(node: Node, metrics: WorkerMetrics) -> Node:
+        assert governor is not None
+        return GovernedNode(node, governor, metrics)
+
+    switcher = RoleSwitcher(engine_cfg, opts, {**(flip_builders or {}), opts.role: build}, parts_for,
+                            governed if governor is not None else None)
     node = switcher.build(opts.role)
     assert switcher.metrics is not None
     runtime = WorkerRuntime(rt_cfg, channel, switcher.metrics, faults.worker,
                             switcher if flip_builders else None)
     if opts.core_share:
-        node = share_cores(node, opts.core_share, opts.cpu_cores, opts.borrow_cores)
+        node = share_cores(node, opts.core_share, opts.cpu_cores, opts.borrow_cores,
+                           governed_grant(governor) if governor is not None else apply_grant)
     try:
         return runtime.run(node)
     finally:

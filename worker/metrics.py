@@ -75,6 +75,10 @@ class WorkerMetrics:
                                      registry=r)
         self._last_preemptions = 0
         self._role = role
+        self.torch_threads = gauge("llm_torch_threads", "torch intra-op threads the engine steps run with")
+        self._thread_switches = Counter(
+            "llm_thread_switches", "Thread-count changes the governor made (--thread-policy adaptive), "
+            "by reason: contention, probe_won, recovered", [*names, "reason"], registry=r)
         self.role_flips = counter("llm_role_flips", "Live role flips this worker made (its role label is the new role)")
 
     def set_info(self, quantization: str, kv_cache_dtype: str, dtype: str) -> None:
@@ -85,6 +89,9 @@ class WorkerMetrics:
 
     def add_transfer_bytes(self, transport: str, num_bytes: int) -> None:
         self._transfer_bytes.labels(**self._labels, transport=transport or "unknown").inc(num_bytes)
+
+    def count_thread_switch(self, reason: str) -> None:
+        self._thread_switches.labels(**self._labels, reason=reason).inc()
 
     def add_accepted_at(self, position: int, count: int) -> None:
         self._spec_per_pos.labels(**self._labels, position=str(position)).inc(count)

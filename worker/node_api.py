@@ -27,6 +27,7 @@ class NodeLoad(NamedTuple):
     running_seqs: int
     waiting_seqs: int
     steps: int = 0  # engine steps so far: the gateway's progress check (Heartbeat.steps)
+    tokens: int = 0  # tokens computed so far (prompt + generated): a step's size is the difference
 
 
 class Node(Protocol):

@@ -62,8 +62,10 @@ class RoleSwitcher:
 
     def __init__(self, engine_cfg: EngineConfig, opts: WorkerOptions,
                  builders: Mapping[str, NodeBuilder],
-                 parts_for: Callable[[str], NodeParts]) -> None:
+                 parts_for: Callable[[str], NodeParts],
+                 wrap: Callable[[Node, WorkerMetrics], Node] | None = None) -> None:
         self.engine_cfg = engine_cfg
+        self.wrap = wrap  # applied to every node built (the thread policy's GovernedNode)
         self.opts = opts
         self.builders = dict(builders)
         self.parts_for = parts_for
@@ -88,6 +90,8 @@ class RoleSwitcher:
         parts = self.parts_for(role)
         node, cleanup = self.builders[role](self.engine_cfg, replace(self.opts, role=role), parts)
         self.metrics = parts.metrics
+        if self.wrap is not None:
+            node = self.wrap(node, parts.metrics)
         self._cleanup = list(cleanup)
         self.role = role
         return node

@@ -66,6 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--cpu-affinity", default="auto", choices=("auto", "on", "off"),
                     help="pin each worker's threads to cores of its own (auto: when the workers' "
                     "threads fit this host's cores, on CPU)")
+    ap.add_argument("--thread-policy", default="auto", choices=("auto", "adaptive", "fixed"),
+                    help="workers' torch thread count per step: adaptive follows CPU contention (1 "
+                    "thread or all), fixed keeps --threads; auto: each worker's default (adaptive "
+                    "on CPU with more than one thread or borrowed cores)")
     ap.add_argument("--no-core-borrowing", action="store_true",
                     help="with one pinned prefill and one decode worker, do not let the decode "
                     "worker use the prefill worker's cores while prefill is idle")
@@ -152,6 +156,7 @@ def _worker_cmds(args: argparse.Namespace, control: str,
         cmd += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         cmd += ["--pipeline-parallel-size", str(pp)] if pp > 1 else []
         cmd += ["--spin-wait"] if spin else []
+        cmd += ["--thread-policy", args.thread_policy] if args.thread_policy != "auto" else []
         if args.model:
             cmd += ["--model", args.model]
         if args.kv_cache_memory:

@@ -78,6 +78,12 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
                     "default): ~20%% faster steps when this worker's threads have their cores to "
                     "themselves, a collapse when other busy processes share them. Without it "
                     "the worker sets OMP_WAIT_POLICY=PASSIVE unless the environment sets it")
+    ap.add_argument("--thread-policy", default=None, choices=("adaptive", "fixed"),
+                    help="adaptive: each step runs with 1 torch thread or all of them, whichever "
+                    "recent steps show faster (one busy neighbour process makes spinning threads "
+                    "10x slower; docs/architecture.md, Threads and cores); fixed: always --threads. "
+                    "Default: adaptive on CPU with more than one thread (or borrowed cores), "
+                    "fixed on CUDA and with tensor or pipeline parallelism")
     ap.add_argument("--kv-cache-memory", type=byte_size, default=None, help="KV pool bytes, e.g. 256MiB")
     add_gpu_args(ap, "0.9")
     ap.add_argument("--num-blocks", type=positive_int, default=None, help="explicit KV block count")
@@ -160,6 +166,22 @@ def check_args(args: argparse.Namespace) -> None:
         check_listen("--kv-port", args.kv_host, args.kv_port)
     check_core_args(args)
     check_gpu_args(args)
+    args.thread_policy = thread_policy(args)
+
+
+def thread_policy(args: argparse.Namespace) -> str:
+    """--thread-policy as given, or its default; adaptive only where one process's torch
+    threads are the worker's whole compute (CPU, no parallel ranks)."""
+    parallel = args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1
+    if args.thread_policy == "adaptive" and (args.device != "cpu" or parallel):
+        why = f"is for a CPU worker, not {args.device}" if args.device != "cpu" else \
+            "does not apply to tensor or pipeline parallel ranks (their threads must match)"
+        raise UsageError("--thread-policy", f"adaptive {why}")
+    if args.thread_policy:
+        return str(args.thread_policy)
+    threads = args.threads or (len(args.cpu_cores) if args.cpu_cores else default_threads(args.local_workers))
+    widens = bool(args.borrow_cores)
+    return "adaptive" if args.device == "cpu" and not parallel and (threads > 1 or widens) else "fixed"
 
 
 def check_gpu_args(args: argparse.Namespace) -> None:
@@ -270,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
         core_share=args.core_share,
         cpu_cores=tuple(args.cpu_cores or ()),
         borrow_cores=tuple(args.borrow_cores or ()),
+        thread_policy=args.thread_policy,
     )
     # Prefill and decode workers can switch between the two live (gateway admin call).
     flips = {r: node_builder(r) for r in ("prefill", "decode")} if args.role != "colocated" else None

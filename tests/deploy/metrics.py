@@ -47,6 +47,8 @@ _WORKER = frozenset(
         "llm_prefill_queued_tokens",
         "llm_num_running_seqs",
         "llm_role_flips_total",
+        "llm_torch_threads",  # --thread-policy adaptive keeps it current
+        "llm_thread_switches_total",  # label: reason
     }
 )
 

@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from tests.e2e.cluster import Cluster, http
+from tests.e2e.cluster import Cluster, http, worker_metrics
 from tests.e2e.conftest import Reference
 from worker.core_sharing import create_share_file
 from worker.cpu_cores import format_cpu_list, parse_cpu_list
@@ -25,6 +25,11 @@ def threads_allowed(pid: int) -> list[set[int]]:
         line = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list:"))
         out.append(set(parse_cpu_list(line.split(":", 1)[1].strip())))
     return out
+
+
+def torch_threads(text: str) -> float:
+    line = next(x for x in text.splitlines() if x.startswith("llm_torch_threads{"))
+    return float(line.rsplit(" ", 1)[1])
 
 
 def wait_allowed(pid: int, want: set[int], timeout: float = 60.0) -> None:
@@ -63,5 +68,11 @@ def test_pinned_workers_and_a_decode_worker_borrowing_idle_prefill_cores(
         wait_allowed(prefill.popen.pid, lend)  # threads the prefill made since inherit its core
         wait_allowed(decode.popen.pid, own | lend)  # prefill idle again: borrowed again
         assert prefill.alive() and decode.alive()
+        # the decode worker widens, so its thread policy defaults to adaptive: it exports
+        # the threads its steps ran with (1, or the 2 of the grant) and its switch counter
+        metrics = {w["role"]: worker_metrics(w) for w in c.worker_list()}
+        assert torch_threads(metrics["decode"]) in (1.0, 2.0)
+        assert "# TYPE llm_thread_switches_total counter" in metrics["decode"]
+        assert torch_threads(metrics["prefill"]) == 1.0  # fixed: its --threads
     finally:
         c.stop()

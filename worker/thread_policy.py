@@ -1,0 +1,87 @@
+"""`--thread-policy adaptive`: a node whose engine steps run with the thread count the
+governor (worker/thread_governor.py) picks, timed and reported to it.
+
+`GovernedNode` wraps the role's node itself, inside any core-sharing wrapper, so a
+step's time is the engine's alone (not a lender's wait for its cores). A step's
+size is the growth of `NodeLoad.tokens`, read in `load()`, which the main loop
+calls after every tick; a step that computed no token (a decode node only polling
+its KV transfers) is not observed. The governor itself lives as long as the process (its
+thread pool does), across role flips; each node reports to its role's metrics.
+
+With core borrowing (worker/core_sharing.py) the borrower's grant is the ceiling:
+`governed_grant` applies a grant with the count the governor wants under it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from common import protocol as p
+from engine.cache_events import CacheEvents
+from worker.cpu_cores import CoreGrant, apply_grant
+from worker.metrics import WorkerMetrics
+from worker.node_api import Node, NodeLoad, NodeRegistration
+from worker.thread_governor import ThreadGovernor
+
+
+class GovernedNode:
+    """`node`, each step at the governor's thread count; its time and size observed."""
+
+    def __init__(self, node: Node, governor: ThreadGovernor, metrics: WorkerMetrics,
+                 timer: Callable[[], float] = time.perf_counter) -> None:
+        self.node, self.governor, self.metrics, self.timer = node, governor, metrics, timer
+        self.role = node.role
+        self._tokens: int | None = None  # NodeLoad.tokens before the unobserved step
+        self._pending: float | None = None  # seconds of a step not yet observed
+        metrics.torch_threads.set(governor.applied)
+
+    def step(self) -> bool:
+        if self._pending is not None:  # nobody read the load since the last step
+            self.load()
+        if self._tokens is None:
+            self._tokens = self.node.load().tokens
+        self.metrics.torch_threads.set(self.governor.before_step())
+        start = self.timer()
+        worked = self.node.step()
+        if worked:
+            self._pending = self.timer() - start
+        return worked
+
+    def load(self) -> NodeLoad:
+        load = self.node.load()
+        tokens = load.tokens - (self._tokens if self._tokens is not None else load.tokens)
+        if self._pending is not None and tokens > 0:  # a step that only moved KV computed nothing
+            switch = self.governor.observe(tokens, self._pending)
+            if switch is not None:
+                self.metrics.count_thread_switch(switch.reason)
+        self._pending, self._tokens = None, load.tokens
+        return load
+
+    def registration(self) -> NodeRegistration:
+        return self.node.registration()
+
+    def handle(self, msg: p.Message) -> None:
+        self.node.handle(msg)
+
+    def busy(self) -> bool:
+        return self.node.busy()
+
+    def cache_events(self) -> CacheEvents:
+        return self.node.cache_events()
+
+    def cached_keys(self) -> list[int]:
+        return self.node.cached_keys()
+
+    def close(self) -> None:
+        self.node.close()
+
+
+def governed_grant(governor: ThreadGovernor,
+                   apply: Callable[[CoreGrant], None] = apply_grant) -> Callable[[CoreGrant], None]:
+    """A borrower's `apply`: the grant's cores, with the governor's count under its threads."""
+
+    def apply_governed(grant: CoreGrant) -> None:
+        apply(CoreGrant(grant.cores, governor.set_ceiling(grant.threads)))
+
+    return apply_governed
