@@ -11,9 +11,9 @@ A request's life here:
 2. `StartDecode` brings the first token(s) sampled by the prefill worker.
 3. When the transfer is COMPLETE (every block verified) and the first tokens
    are known, the engine admits the sequence (`start_remote`, RUNNING).
-   With draft_kv=prefill the draft pool's blocks are reserved too, their transfer
-   must be terminal as well, and on COMPLETE they are the sequence's draft KV
-   (worker/draft_kv.py): its first speculative step prefills no draft.
+   With draft_kv=prefill the draft pool's blocks are reserved too; admission never
+   waits for their transfer: COMPLETE by then, they are the sequence's draft KV
+   (worker/draft_kv.py), else the draft is prefilled here and the transfer dropped.
 4. Each engine step's new tokens go to the gateway as one `TokenBatch`.
 5. Finish, `Abort` or a failed transfer frees the blocks; a failed transfer is
    reported as a retryable `RequestFailed`, so the gateway re-prefills.
@@ -207,7 +207,7 @@ class DecodeNode(EngineNode):
                 inc.complete_at = time.monotonic()
             if state in FAILED_STATES:
                 self._transfer_failed(rid, inc, state)
-            elif state == TransferState.COMPLETE and inc.first_tokens is not None and self._draft_settled(inc):
+            elif state == TransferState.COMPLETE and inc.first_tokens is not None:
                 del self._incoming[rid]
                 self.receiver.forget(inc.transfer_id)
                 # The receiver's own kind: a same-host sender uses it, a remote one tcp frames.
@@ -224,9 +224,6 @@ class DecodeNode(EngineNode):
                     log.debug("decode request %s finished", rid, extra=request_fields(rid))
                 admitted = True
         return admitted
-
-    def _draft_settled(self, inc: _Incoming) -> bool:
-        return self.drafts is None or self.drafts.settled(inc.transfer_id)
 
     def _end_draft(self, transfer_id: str) -> None:
         if self.drafts is not None:

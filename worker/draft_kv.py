@@ -13,10 +13,12 @@ Life of a request's draft KV:
    draft blocks, and the decode worker prefills the draft itself as without this option.
 2. Prefill (`DraftShipper.ship`), once the target prefill is done and the target is
    known: the draft prefills the same tokens into its pool and the blocks are pushed.
-3. Decode admits the request once the target transfer is COMPLETE and the draft's is
-   terminal (`settled`): COMPLETE adopts the blocks as the sequence's computed draft KV
-   (its first speculative step prefills no draft); a failed draft transfer only frees
-   them (the draft is then prefilled locally; output is exact either way).
+3. Decode admits the request on the target's KV alone, never waiting for the draft's:
+   a draft transfer COMPLETE by then is adopted as the sequence's computed draft KV (its
+   first speculative step prefills no draft); one that failed or is still under way is
+   given up (`admit`): its blocks move off the sequence's id, so the draft is prefilled
+   locally at once (output is exact either way), and come back once the cancelled
+   transfer is terminal. So a stalled draft transfer never holds a stream.
 4. Both sides free the draft blocks when the request ends: at once when the draft
    transfer is terminal, else after cancelling it, once terminal (`reap`).
 """
@@ -154,6 +156,7 @@ class DraftReceipts(_DraftTransfers):
     def __init__(self, proposer: DraftModelProposer, receiver: KVReceiver, metrics: WorkerMetrics) -> None:
         super().__init__(proposer, receiver, metrics)
         self.receiver = receiver
+        self._keys = itertools.count(-1, -1)  # blocks given up, apart from any engine sequence id
 
     def reserve(self, transfer_id: str, request_id: str, seq_id: int, token_ids: Sequence[int],
                 lease_s: float) -> DraftBlocks | None:
@@ -167,14 +170,16 @@ class DraftReceipts(_DraftTransfers):
         return DraftBlocks(self.receiver.address, list(blocks))
 
     def admit(self, transfer_id: str, running: bool) -> bool:
-        """The request was admitted (`running`: it decodes): adopt its draft KV if it
-        arrived complete, else free the blocks. True: adopted."""
+        """The request was admitted on its target KV (`running`: it decodes): adopt its
+        draft KV if it is complete already, else give it up (see the module docstring,
+        step 3). True: adopted."""
         tid = draft_transfer_id(transfer_id)
         draft = self._live.get(tid)
         if draft is None:
             return False
         complete = self.peer.poll(tid) == TransferState.COMPLETE
         if not (complete and running):
+            self._detach(draft)
             self.end(transfer_id)
             return False
         del self._live[tid]
@@ -182,6 +187,16 @@ class DraftReceipts(_DraftTransfers):
         self.proposer.adopt(draft.key, draft.token_ids)
         self._completed(draft, self.receiver.address)
         return True
+
+    def _detach(self, draft: _Draft) -> None:
+        """Move `draft`'s blocks to an owner id of their own: a late writer may still land
+        in them until the cancel is through, while the sequence's id drafts from blocks
+        the local draft prefill takes afresh."""
+        key = next(self._keys)
+        blocks = self.proposer.blocks
+        blocks.fork(draft.key, key)
+        blocks.free(draft.key)
+        draft.key = key
 
 
 def draft_proposer(engine: LLMEngine) -> DraftModelProposer | None:

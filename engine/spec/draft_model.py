@@ -12,8 +12,9 @@ the draft's KV for the prompt is made (`draft_kv` in `--speculative-config`):
   target (`prefill`), and ships its KV as a second transfer (worker/draft_kv.py);
   the decode worker reserves draft blocks next to the target's (`reserve`) and
   `adopt`s them, so its first speculative step prefills no draft. The layout hash
-  covers the draft (engine/spec/draft_kv.py). A draft transfer that fails, a full
-  draft pool or a forked choice (n > 1) falls back to the local prefill.
+  covers the draft (engine/spec/draft_kv.py). A draft transfer that fails or is not
+  complete when the target's KV is (decode never waits for it), a full draft pool or a
+  forked choice (n > 1) falls back to the local prefill.
 Why "decode" stays the default (bench/README.md, "Draft KV placement": 1P+1D, two runs
 of 3 alternating rounds on the shared 2-core CPU machine at load ~13): what shipping
 costs is certain -- +24% KV bytes per prompt token (the built-in draft holds 1/4 of

@@ -23,6 +23,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.spec.config import SpeculativeConfig
 from engine.spec.draft_model import DraftModelProposer
+from kv_transfer.api import TransferState
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
 from kv_transfer.tensor_adapter import pool_array
 from prefill_node.node import PrefillNode
@@ -186,20 +187,44 @@ def test_abort_a_failed_draft_transfer_and_a_full_draft_pool_leak_no_block(model
         assert pair.decode_all("b", first) == want
         assert proposer(pair.de).prefill_tokens == len(prompt) + 1
         pair.assert_idle()
-        # The prefill worker's draft pool is full: the push waits (the target's transfer
-        # done, the request not admitted) and goes once blocks come back.
+    finally:
+        pair.close()
+
+
+def test_a_draft_transfer_that_never_arrives_does_not_hold_the_stream(model_dir: Path) -> None:
+    pair = DraftPair(model_dir, ship=True)
+    assert pair.shipper is not None and pair.receipts is not None
+    try:
+        prompt = prompts(30, seed=8)[0]
+        want = reference(model_dir, prompt, GREEDY)
+        # The prefill worker's draft pool is full: its draft KV is never made, so its
+        # transfer stays RESERVED on the decode worker (its lease is 30 s away).
         pool = proposer(pair.pe).blocks
         assert pool.allocate_slots(10**6, pool.num_free_blocks * BS, 0) is not None
         first = pair.start("c", prompt, GREEDY)
-        pair.decode.handle(p.StartDecode("c", "x-c", first.token_ids, first.logprobs))
-        for _ in range(3):
+        deadline = time.monotonic() + 30
+        while pair.receiver.poll("x-c") != TransferState.COMPLETE:  # the target's KV is in
+            assert time.monotonic() < deadline
             pair.prefill.step()
-            pair.decode.step()
-        assert pair.shipper.state("x-c") is None and pair.sender.poll("x-c").terminal
-        assert not any(isinstance(m, p.TokenBatch) for m in pair.to_gateway)
-        pool.free(10**6)
+        assert pair.receipts.state("x-c") == TransferState.RESERVED
+        # The target's KV and first token are in: the very next decode step admits the
+        # stream and decodes it, prefilling its draft locally, and the draft transfer is dropped.
+        pair.decode.handle(p.StartDecode("c", "x-c", first.token_ids, first.logprobs))
+        pair.decode.step()
+        assert any(isinstance(m, p.TokenBatch) for m in pair.to_gateway)
+        assert proposer(pair.de).prefill_tokens == len(prompt) + 1
+        assert pair.receipts.state("x-c") is None and pair.receipts.cancelling()
         assert pair.decode_all("c", first) == want
-        assert proposer(pair.de).prefill_tokens == len(prompt) + 1  # no second local draft prefill
+        # One local draft prefill: the blocks given up, freed once their transfer was
+        # terminal, were never the sequence's own (its draft KV lived on).
+        assert proposer(pair.de).prefill_tokens == len(prompt) + 1
+        pool.free(10**6)
+        pair.settle()
+        assert pair.shipper.state("x-c") is None  # never shipped, not even once there is room
+        # Greedy drafts of the target by itself over the local draft KV: every one holds
+        # (the draft blocks given up never mixed with the sequence's own).
+        stats = pair.de.stats().spec
+        assert stats is not None and stats.num_accepted_tokens == stats.num_draft_tokens > 0
         pair.assert_idle()
     finally:
         pair.close()
