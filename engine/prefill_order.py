@@ -20,6 +20,7 @@ Plain Python over `Sequence` progress counters, no torch: the scheduler asks
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 from engine.sequence import Sequence
@@ -81,3 +82,11 @@ class ShortFirst:
 
     def forget(self, seq_id: int) -> None:
         self._held.pop(seq_id, None)
+
+    def tracks(self, waiting: Iterable[Sequence]) -> bool:
+        """Integrity check (tests): the short count and long set match `waiting` exactly."""
+        if self.long_prefill_tokens <= 0:
+            return not self._num_short_waiting and not self._long_waiting
+        seqs = list(waiting)
+        longs = {s.seq_id for s in seqs if not self.is_short(s)}
+        return longs == set(self._long_waiting) and self._num_short_waiting == len(seqs) - len(longs)
