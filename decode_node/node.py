@@ -12,8 +12,9 @@ A request's life here:
 3. When the transfer is COMPLETE (every block verified) and the first tokens
    are known, the engine admits the sequence (`start_remote`, RUNNING).
    With draft_kv=prefill the draft pool's blocks are reserved too; admission never
-   waits for their transfer: COMPLETE by then, they are the sequence's draft KV
-   (worker/draft_kv.py), else the draft is prefilled here and the transfer dropped.
+   waits for their transfer: COMPLETE by then or within a few decode steps, they are
+   the sequence's draft KV (worker/draft_kv.py), else the draft is prefilled here and
+   the transfer dropped.
 4. Each engine step's new tokens go to the gateway as one `TokenBatch`.
 5. Finish, `Abort` or a failed transfer frees the blocks; a failed transfer is
    reported as a retryable `RequestFailed`, so the gateway re-prefills.
@@ -166,6 +167,8 @@ class DecodeNode(EngineNode):
             self.engine.abort(rid)
             self._running.discard(rid)
             self._timing.pop(rid, None)
+            if self.drafts is not None:
+                self.drafts.ended(rid)
 
     # --- step ----------------------------------------------------------------
 
@@ -173,6 +176,7 @@ class DecodeNode(EngineNode):
         self.transfers.reap()
         if self.drafts is not None:
             self.drafts.reap()
+            self.drafts.poll()
         admitted = self._admit_arrived()
         if not self._running:
             return admitted
@@ -187,6 +191,8 @@ class DecodeNode(EngineNode):
             if out.finished and out.request_id in self._running:
                 self._running.discard(out.request_id)
                 finished[out.request_id] = self._finished(out.request_id)
+                if self.drafts is not None:
+                    self.drafts.ended(out.request_id)
         deltas = [replace(d, timings=finished[d.request_id]) if d.request_id in finished else d
                   for d in wire_deltas(outputs)]
         if deltas:

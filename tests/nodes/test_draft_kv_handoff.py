@@ -11,6 +11,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.spec.config import SpeculativeConfig
+from engine.spec.decoder import SpecStats
 from engine.spec.draft_model import DraftModelProposer
 from kv_transfer.api import TransferState
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
@@ -27,7 +29,7 @@ from kv_transfer.tensor_adapter import pool_array
 from tests.engine.test_engine import assert_idle
 from tests.engine.test_spec_decode import GREEDY, SEEDED, make_engine, prompts
 from tests.nodes.harness import NodePair
-from worker.draft_kv import DraftReceipts, DraftShipper
+from worker.draft_kv import DRAFT_WAIT_STEPS, DraftReceipts, DraftShipper
 from worker.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -47,6 +49,13 @@ def spec(draft: Path, draft_kv: str, k: int = 3) -> SpeculativeConfig:
 def proposer(engine: LLMEngine) -> DraftModelProposer:
     assert engine.spec is not None and isinstance(engine.spec.proposer, DraftModelProposer)
     return engine.spec.proposer
+
+
+def _wait(done: Callable[[], bool], step: Callable[[], object] = lambda: None) -> None:
+    deadline = time.monotonic() + 30
+    while not done():
+        assert time.monotonic() < deadline
+        step()
 
 
 class DraftPair(NodePair):
@@ -70,6 +79,15 @@ class DraftPair(NodePair):
         super().__init__(pe, de, fake_sender(layout, pool_array(pe.runner.pool.kv), fabric),
                          FakeReceiver(layout, pool_array(de.runner.pool.kv), fabric),
                          shipper=shipper, receipts=receipts)
+
+    def run(self, rid: str, prompt: list[int], params: SamplingParams, **start: Any) -> list[int]:
+        """With draft_kv=prefill, the draft's KV lands before decode gets the first token:
+        adopted at admission, every step drafts as decode-local would."""
+        first = self.start(rid, prompt, params, **start)
+        receipts = self.receipts
+        if receipts is not None:
+            _wait(lambda: receipts.state(f"x-{rid}") == TransferState.COMPLETE)
+        return self.decode_all(rid, first)
 
     def assert_idle(self) -> None:
         for engine in (self.pe, self.de):
@@ -135,12 +153,28 @@ def test_an_abort_and_a_failed_draft_transfer_leak_no_block(model_dir: Path, shi
     pair.assert_idle()
 
 
+def _admitted(pair: DraftPair, rid: str, prompt: list[int]) -> p.FirstToken:
+    """Start `rid`, let its target KV land, hand decode the first token, run one decode step."""
+    first = pair.start(rid, prompt, GREEDY)
+    _wait(lambda: pair.receiver.poll(f"x-{rid}") == TransferState.COMPLETE, pair.prefill.step)
+    pair.decode.handle(p.StartDecode(rid, f"x-{rid}", first.token_ids, first.logprobs))
+    pair.decode.step()
+    return first
+
+
+def _all_drafts_held(pair: DraftPair, before: SpecStats) -> bool:
+    """Greedy drafts of the target by itself: every one holds over the right draft KV."""
+    now = pair.de.stats().spec
+    assert now is not None
+    drafted = now.num_draft_tokens - before.num_draft_tokens
+    return drafted > 0 and now.num_accepted_tokens - before.num_accepted_tokens == drafted
+
+
 def test_a_draft_transfer_that_never_arrives_does_not_hold_the_stream(model_dir: Path,
                                                                       shipping: DraftPair) -> None:
     pair, receipts, local = shipping, shipping.receipts, proposer(shipping.de)
-    assert pair.shipper is not None and receipts is not None
+    assert receipts is not None and pair.shipper is not None
     prompt = prompts(30, seed=9)[0]
-    want = reference(model_dir, prompt, GREEDY)
     before, spec_before = local.prefill_tokens, pair.de.stats().spec
     assert spec_before is not None
     # The prefill worker's draft pool is full: its draft KV is never made, so its
@@ -148,32 +182,45 @@ def test_a_draft_transfer_that_never_arrives_does_not_hold_the_stream(model_dir:
     pool = proposer(pair.pe).blocks
     assert pool.allocate_slots(10**6, pool.num_free_blocks * BS, 0) is not None
     try:
-        first = pair.start("c", prompt, GREEDY)
-        deadline = time.monotonic() + 30
-        while pair.receiver.poll("x-c") != TransferState.COMPLETE:  # the target's KV is in
-            assert time.monotonic() < deadline
-            pair.prefill.step()
-        assert receipts.state("x-c") == TransferState.RESERVED
-        # The target's KV and first token are in: the very next decode step admits the
-        # stream and decodes it, prefilling its draft locally, and the draft transfer is dropped.
-        pair.decode.handle(p.StartDecode("c", "x-c", first.token_ids, first.logprobs))
-        pair.decode.step()
+        first = _admitted(pair, "c", prompt)
+        # The decode step right after the target's KV and first token admitted the stream
+        # and decoded it, without drafts: the draft's KV is awaited, not waited for.
         assert any(isinstance(m, p.TokenBatch) for m in pair.to_gateway)
-        assert local.prefill_tokens - before == len(prompt) + 1
-        assert receipts.state("x-c") is None and receipts.cancelling()
-        assert pair.decode_all("c", first) == want
-        # One local draft prefill: the blocks given up, freed once their transfer was
-        # terminal, were never the sequence's own (its draft KV lived on).
-        assert local.prefill_tokens - before == len(prompt) + 1
+        assert receipts.state("x-c") == TransferState.RESERVED and receipts.awaiting()
+        assert local.prefill_tokens == before
+        assert pair.decode_all("c", first) == reference(model_dir, prompt, GREEDY)
+        # Given up after DRAFT_WAIT_STEPS steps: one local draft prefill over the prompt
+        # and the tokens decoded by then. (Blocks given up that stayed the sequence's own
+        # would be freed under it when their transfer ended: a second prefill.)
+        assert local.prefill_tokens - before == len(prompt) + 1 + DRAFT_WAIT_STEPS
     finally:
         pool.free(10**6)
     pair.settle()
     assert pair.shipper.state("x-c") is None  # never shipped, not even once there is room
-    # Greedy drafts of the target by itself over the local draft KV: every one holds.
-    stats = pair.de.stats().spec
-    assert stats is not None and stats.num_draft_tokens > spec_before.num_draft_tokens
-    assert (stats.num_accepted_tokens - spec_before.num_accepted_tokens
-            == stats.num_draft_tokens - spec_before.num_draft_tokens)
+    assert _all_drafts_held(pair, spec_before)
+    pair.assert_idle()
+
+
+def test_a_draft_transfer_landing_after_admission_is_adopted(model_dir: Path, shipping: DraftPair) -> None:
+    pair, receipts, local = shipping, shipping.receipts, proposer(shipping.de)
+    assert receipts is not None and pair.shipper is not None
+    prompt = prompts(30, seed=10)[0]
+    before, spec_before = local.prefill_tokens, pair.de.stats().spec
+    assert spec_before is not None
+    sender = pair.shipper.sender
+    held: list[tuple[str, Any]] = []
+    sender.send_all = lambda tid, ready=None: held.append((tid, ready))  # type: ignore[method-assign]
+    try:
+        first = _admitted(pair, "e", prompt)  # the draft's KV is computed, its push held
+    finally:
+        del sender.send_all  # the class's own again
+    assert any(isinstance(m, p.TokenBatch) for m in pair.to_gateway) and receipts.awaiting()
+    sender.send_all(*held[0])
+    _wait(lambda: receipts.state("x-e") == TransferState.COMPLETE)
+    assert pair.decode_all("e", first) == reference(model_dir, prompt, GREEDY)
+    # Adopted: never prefilled here, the tokens decoded meanwhile caught up, drafts hold.
+    assert local.prefill_tokens == before
+    assert _all_drafts_held(pair, spec_before)
     pair.assert_idle()
 
 
