@@ -224,6 +224,24 @@ def test_a_draft_transfer_landing_after_admission_is_adopted(model_dir: Path, sh
     pair.assert_idle()
 
 
+def test_a_stream_aborted_while_its_draft_kv_is_awaited_leaks_no_block(shipping: DraftPair) -> None:
+    pair, receipts = shipping, shipping.receipts
+    assert receipts is not None
+    pool = proposer(pair.pe).blocks
+    assert pool.allocate_slots(10**6, pool.num_free_blocks * BS, 0) is not None  # never ships
+    try:
+        _admitted(pair, "f", prompts(30, seed=11)[0])
+        assert receipts.awaiting()
+        for node in (pair.prefill, pair.decode):
+            node.handle(p.Abort(["f"]))
+        assert not receipts.awaiting()
+        pair.settle()
+    finally:
+        pool.free(10**6)
+    pair.to_gateway.clear()
+    pair.assert_idle()
+
+
 def test_the_layout_hash_covers_the_draft_only_when_its_kv_ships(model_dir: Path,
                                                                   tiny_model_dir: Callable[..., Path]) -> None:
     other = tiny_model_dir("llama", seed=1, num_hidden_layers=1)
