@@ -11,9 +11,10 @@ A request's life here:
 2. `StartDecode` brings the first token(s) sampled by the prefill worker.
 3. When the transfer is COMPLETE (every block verified) and the first tokens
    are known, the engine admits the sequence (`start_remote`, RUNNING).
-   With draft_kv=prefill the draft pool's blocks are reserved too, their transfer
-   must be terminal as well, and on COMPLETE they are the sequence's draft KV
-   (worker/draft_kv.py): its first speculative step prefills no draft.
+   With draft_kv=prefill the draft pool's blocks are reserved too; admission never
+   waits for their transfer: COMPLETE by then or within a few decode steps, they are
+   the sequence's draft KV (worker/draft_kv.py), else the draft is prefilled here and
+   the transfer dropped.
 4. Each engine step's new tokens go to the gateway as one `TokenBatch`.
 5. Finish, `Abort` or a failed transfer frees the blocks; a failed transfer is
    reported as a retryable `RequestFailed`, so the gateway re-prefills.
@@ -166,6 +167,8 @@ class DecodeNode(EngineNode):
             self.engine.abort(rid)
             self._running.discard(rid)
             self._timing.pop(rid, None)
+            if self.drafts is not None:
+                self.drafts.ended(rid)
 
     # --- step ----------------------------------------------------------------
 
@@ -173,6 +176,7 @@ class DecodeNode(EngineNode):
         self.transfers.reap()
         if self.drafts is not None:
             self.drafts.reap()
+            self.drafts.poll()
         admitted = self._admit_arrived()
         if not self._running:
             return admitted
@@ -187,6 +191,8 @@ class DecodeNode(EngineNode):
             if out.finished and out.request_id in self._running:
                 self._running.discard(out.request_id)
                 finished[out.request_id] = self._finished(out.request_id)
+                if self.drafts is not None:
+                    self.drafts.ended(out.request_id)
         deltas = [replace(d, timings=finished[d.request_id]) if d.request_id in finished else d
                   for d in wire_deltas(outputs)]
         if deltas:
@@ -207,7 +213,7 @@ class DecodeNode(EngineNode):
                 inc.complete_at = time.monotonic()
             if state in FAILED_STATES:
                 self._transfer_failed(rid, inc, state)
-            elif state == TransferState.COMPLETE and inc.first_tokens is not None and self._draft_settled(inc):
+            elif state == TransferState.COMPLETE and inc.first_tokens is not None:
                 del self._incoming[rid]
                 self.receiver.forget(inc.transfer_id)
                 # The receiver's own kind: a same-host sender uses it, a remote one tcp frames.
@@ -224,9 +230,6 @@ class DecodeNode(EngineNode):
                     log.debug("decode request %s finished", rid, extra=request_fields(rid))
                 admitted = True
         return admitted
-
-    def _draft_settled(self, inc: _Incoming) -> bool:
-        return self.drafts is None or self.drafts.settled(inc.transfer_id)
 
     def _end_draft(self, transfer_id: str) -> None:
         if self.drafts is not None:

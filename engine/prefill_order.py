@@ -29,23 +29,47 @@ MAX_HELD_STEPS = 4
 
 
 class ShortFirst:
+    """The scheduler reports every WAITING entry and exit (`queued`, `dequeued`), so a
+    step learns whether a short prompt waits, and which long ones do, without walking
+    the queue: with nothing held back a step costs O(running), whatever WAITING holds."""
+
     def __init__(self, long_prefill_tokens: int, max_held_steps: int = MAX_HELD_STEPS) -> None:
         self.long_prefill_tokens = long_prefill_tokens  # 0: off
         self.max_held_steps = max_held_steps
         self._held: dict[int, int] = {}  # seq id -> steps held back in a row
+        # A WAITING sequence's progress does not move until it leaves the queue, so its
+        # class is fixed on entry.
+        self._num_short_waiting = 0
+        self._long_waiting: dict[int, Sequence] = {}
 
     def is_short(self, seq: Sequence) -> bool:
         return seq.num_uncomputed_tokens <= self.long_prefill_tokens
 
-    def held_back(self, running: Seq[Sequence], waiting: Iterable[Sequence], room: bool) -> set[int]:
+    def queued(self, seq: Sequence) -> None:
+        """`seq` entered WAITING."""
+        if self.long_prefill_tokens <= 0:
+            return
+        if self.is_short(seq):
+            self._num_short_waiting += 1
+        else:
+            self._long_waiting[seq.seq_id] = seq
+
+    def dequeued(self, seq: Sequence) -> None:
+        """`seq` left WAITING (admitted or ended)."""
+        if self.long_prefill_tokens <= 0:
+            return
+        if self._long_waiting.pop(seq.seq_id, None) is None:
+            self._num_short_waiting -= 1
+
+    def held_back(self, running: Seq[Sequence], room: bool) -> set[int]:
         """Ids of the long prefills this step leaves out (see the module docstring);
         `room`: one more sequence can be admitted now (else no short one could run)."""
-        waiting = list(waiting)
-        if self.long_prefill_tokens <= 0 or not room or not any(self.is_short(s) for s in waiting):
-            self._held.clear()
+        if self.long_prefill_tokens <= 0 or not room or not self._num_short_waiting:
+            if self._held:
+                self._held.clear()
             return set()
         held: set[int] = set()
-        for seq in [*running, *waiting]:
+        for seq in [*running, *self._long_waiting.values()]:
             if self.is_short(seq):
                 continue
             n = self._held.get(seq.seq_id, 0)
@@ -58,3 +82,11 @@ class ShortFirst:
 
     def forget(self, seq_id: int) -> None:
         self._held.pop(seq_id, None)
+
+    def tracks(self, waiting: Iterable[Sequence]) -> bool:
+        """Integrity check (tests): the short count and long set match `waiting` exactly."""
+        if self.long_prefill_tokens <= 0:
+            return not self._num_short_waiting and not self._long_waiting
+        seqs = list(waiting)
+        longs = {s.seq_id for s in seqs if not self.is_short(s)}
+        return longs == set(self._long_waiting) and self._num_short_waiting == len(seqs) - len(longs)

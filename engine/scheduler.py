@@ -138,7 +138,7 @@ class Scheduler:
     # ------------------------------------------------------------ queue entry
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq)
 
     def add_waiting_for_kv(self, seq: Sequence) -> None:
         """Blocks are already allocated to `seq.seq_id`; hold it until `admit`."""
@@ -154,7 +154,7 @@ class Scheduler:
                 self.running.append(seq)
             else:
                 seq.status = SequenceStatus.WAITING
-                self.waiting.append(seq)
+                self._enqueue(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares `parent`'s blocks (copy-on-write) and runs beside it."""
@@ -192,7 +192,7 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         copies: list[BlockCopy] = []
-        held = self.short_first.held_back(self.running, self.waiting,
+        held = self.short_first.held_back(self.running,
                                           room=len(self.running) < self.config.max_num_seqs)
         budget = self._schedule_running(budget, scheduled, preempted, copies, held)
         # After a preemption there is no room to admit anything new this step.
@@ -216,6 +216,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self.short_first.dequeued(seq)
         else:
             self.waiting_for_kv.pop(seq.seq_id, None)
         if status is not SequenceStatus.FINISHED_PREFILLED:
@@ -232,6 +233,10 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
 
     # -------------------------------------------------------------- internals
+    def _enqueue(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self.short_first.queued(seq)
+
     def _schedule_running(
         self,
         budget: int,
@@ -275,10 +280,16 @@ class Scheduler:
     def _schedule_waiting(
         self, budget: int, scheduled: list[ScheduledSeq], copies: list[BlockCopy], held: set[int]
     ) -> None:
+        """Admit WAITING sequences FCFS from the head. A held-back one is set aside and
+        put back at the front in its place, so the queue's order never changes and a
+        step costs O(admitted + held), not O(len(waiting))."""
         bm = self.block_manager
-        for seq in [s for s in self.waiting if s.seq_id not in held]:
-            if budget <= 0:
-                break
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if seq.seq_id in held:
+                skipped.append(self.waiting.popleft())
+                continue
             width = seq.num_choices_when_running
             if self.running and len(self.running) + width > self.config.max_num_seqs:
                 break
@@ -299,11 +310,12 @@ class Scheduler:
                 if seq.num_cached_tokens == 0:
                     seq.num_cached_tokens = min(prefix.num_tokens, seq.num_prompt_tokens)
             seq.num_computed_tokens = computed
-            self.waiting.remove(seq)
+            self.short_first.dequeued(self.waiting.popleft())
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
     @staticmethod
     def _fit_drafts(seq: Sequence, num_new: int) -> int:
@@ -317,6 +329,7 @@ class Scheduler:
         self.block_manager.free(seq.seq_id)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
+        self.short_first.queued(seq)
         self.num_preemptions += 1
 
     def _chunk(self, seq: Sequence, num_new: int) -> SeqChunk:

@@ -4,8 +4,10 @@ decode worker's `expect`), held for a while, within bounds no peer can exhaust.
 Every peer (connection) holds at most `per_peer` claims; the whole table at most
 `capacity`. When the table is full, a claim from a peer holding fewer than the
 largest holder evicts that holder's oldest claim, so a flood -- even from many
-connections -- never locks other senders out. Not thread-safe: `ReceiverCore`
-calls it under its lock.
+connections -- never locks other senders out. A transfer the worker forgot before any
+claim for it came (cancelled, or its lease over) is remembered, the newest
+`MAX_CANCELLED` of them: a late claim for it is refused at once, so its sender fails
+now, not at its own lease. Not thread-safe: `ReceiverCore` calls it under its lock.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from kv_transfer import wire
 PENDING_CLAIM_TTL_S = 30.0
 MAX_PENDING_CLAIMS = 4096
 MAX_PENDING_CLAIMS_PER_PEER = 256
+MAX_CANCELLED = 4096
 
 
 class Held(NamedTuple):
@@ -38,6 +41,21 @@ class PendingClaims:
         self.ttl_s = ttl_s
         self._held: dict[str, Held] = {}  # insertion order: oldest first
         self._per_peer: dict[bytes, int] = {}
+        self._cancelled: dict[str, None] = {}  # insertion order: oldest first
+
+    def cancelled(self, tid: str) -> None:
+        """`tid` was cancelled unclaimed and forgotten: refuse a claim for it from now on."""
+        self._cancelled.pop(tid, None)
+        self._cancelled[tid] = None
+        if len(self._cancelled) > MAX_CANCELLED:
+            del self._cancelled[next(iter(self._cancelled))]
+
+    def was_cancelled(self, tid: str) -> bool:
+        return tid in self._cancelled
+
+    def expected(self, tid: str) -> None:
+        """`tid` is expected (again): a claim for it is no longer refused."""
+        self._cancelled.pop(tid, None)
 
     def __len__(self) -> int:
         return len(self._held)

@@ -117,6 +117,7 @@ class ReceiverCore:
             self._res[transfer_id] = ReservationRecord(
                 transfer_id, request_id, ids, {b: i for i, b in enumerate(ids)},
                 self._clock() + lease_s, np.zeros((self.layout.num_layers, len(ids)), bool))
+            self._pending.expected(transfer_id)
             pending = self._pending.pop(transfer_id)
             if pending is not None:
                 self._on_claim(pending.peer, pending.claim)
@@ -149,6 +150,8 @@ class ReceiverCore:
                 raise ValueError(f"transfer {transfer_id!r} is {res.state.name}; cancel it first")
             del self._res[transfer_id]
             self._reserved_blocks.difference_update(res.dst_ids)
+            if res.peer is None:  # never claimed: a claim now comes too late
+                self._pending.cancelled(transfer_id)
 
     def stats(self) -> ReceiverStats:
         with self._lock:
@@ -293,6 +296,9 @@ class ReceiverCore:
     def _hold_claim(self, peer: bytes, msg: wire.Claim) -> None:
         """Keep a claim until its reservation arrives (pending_claims.py bounds the table);
         one that no reservation of this pool could match is refused at once."""
+        if self._pending.was_cancelled(msg.transfer_id):
+            self._reject(peer, msg.transfer_id, "transfer was cancelled")
+            return
         ids = msg.dst_block_ids
         fits = 0 < len(ids) <= self.num_blocks and all(0 < b < self.num_blocks for b in ids)
         held, evicted = self._pending.hold(peer, msg, self._clock()) if fits else (False, None)

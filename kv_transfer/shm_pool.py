@@ -9,8 +9,9 @@ Names carry the creator's pid and a random suffix, so instances never collide.
 Only the creator unlinks the segment; an attacher only unmaps it (attaching via
 /dev/shm directly keeps Python's resource tracker from unlinking a segment it
 does not own when the attaching process exits). A creator killed with -9
-cannot unlink; the next pool created on the host sweeps such segments
-(`sweep_stale_segments`: our own name pattern, dead creator pid only).
+cannot unlink; the next pool or liveness lock created on the host sweeps such
+segments and lock files (`sweep_stale_segments`: our own name pattern, dead
+creator pid only).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import mmap
 import os
 import re
 import secrets
+import weakref
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -86,13 +88,20 @@ class LivenessLock:
     A shared-memory receiver that opens it can tell for certain when the sender
     is gone: the kernel drops the lock only when every descriptor of the holder
     is closed, i.e. after `close` (when the sender has stopped writing) or on
-    death. A live writer can never look dead."""
+    death. A live writer can never look dead.
+
+    The file is removed by `close`; at interpreter exit only its name is (the
+    descriptor, and so the lock, lives until the process is gone: a daemon I/O
+    thread may still be writing), and a process killed outright leaves it to the
+    sweep the next lock or pool created in the same directory runs."""
 
     def __init__(self, shm_dir: str = _DEV_SHM) -> None:
+        sweep_stale_segments(shm_dir)
         self.name = f"{_LIVE_PREFIX}_{os.getpid()}_{secrets.token_hex(_SUFFIX_HEX)}"
         self._path = os.path.join(shm_dir, self.name)
         self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self._unlink = weakref.finalize(self, _unlink_own, self._path, os.getpid())
 
     @classmethod
     def create(cls) -> LivenessLock | None:
@@ -104,10 +113,16 @@ class LivenessLock:
 
     def close(self) -> None:
         if self._fd >= 0:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path)
+            self._unlink()
             os.close(self._fd)
             self._fd = -1
+
+
+def _unlink_own(path: str, creator: int) -> None:
+    """Remove a liveness lock's name, in its creator only (never in a forked child)."""
+    if os.getpid() == creator:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def watch_liveness(name: str, shm_dir: str = _DEV_SHM) -> int | None:

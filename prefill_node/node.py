@@ -17,7 +17,8 @@ A request's life here:
    With draft_kv=prefill the draft model then prefills the same tokens and its KV
    ships too, as a second transfer (worker/draft_kv.py).
 4. Only when the transfer is COMPLETE (decode verified every block), and a draft
-   transfer terminal, are the blocks released. A failed transfer releases them too and reports a
+   transfer under way terminal, are the blocks released (a draft not shipped by then
+   never ships: decode does not wait for it). A failed transfer releases them too and reports a
    retryable `RequestFailed`. `Abort` drops the request at any stage.
 """
 
@@ -212,12 +213,17 @@ class PrefillNode(EngineNode):
                         len(target.draft.block_ids), extra=request_fields(job.msg.request_id))
 
     def _draft_pending(self, job: _Job) -> bool:
-        """The job's draft KV has yet to ship or is on its way (its source blocks are read)."""
+        """The target's transfer is COMPLETE: is the job's draft KV on its way (its source
+        blocks still read)? One not shipped yet (no room) never ships: the decode worker
+        admits on the target's KV alone and prefills the draft itself."""
         if self.drafts is None or job.target is None or job.target.draft is None:
             return False
         if not job.draft_sent:
-            self._ship_draft(job)
-        return not job.draft_sent or not self.drafts.settled(job.target.transfer_id)
+            job.draft_sent = True
+            log.debug("draft KV of %s not shipped: the target's KV is in first", job.msg.request_id,
+                      extra=request_fields(job.msg.request_id))
+            return False
+        return not self.drafts.settled(job.target.transfer_id)
 
     def _end_draft(self, job: _Job) -> None:
         if self.drafts is not None and job.target is not None:

@@ -13,10 +13,15 @@ Life of a request's draft KV:
    draft blocks, and the decode worker prefills the draft itself as without this option.
 2. Prefill (`DraftShipper.ship`), once the target prefill is done and the target is
    known: the draft prefills the same tokens into its pool and the blocks are pushed.
-3. Decode admits the request once the target transfer is COMPLETE and the draft's is
-   terminal (`settled`): COMPLETE adopts the blocks as the sequence's computed draft KV
-   (its first speculative step prefills no draft); a failed draft transfer only frees
-   them (the draft is then prefilled locally; output is exact either way).
+3. Decode admits the request on the target's KV alone, never waiting for the draft's
+   (`admit`): a draft transfer COMPLETE by then is adopted as the sequence's computed
+   draft KV (its first speculative step prefills no draft). One still under way lets
+   the sequence decode without drafts, and is adopted if it lands within
+   `DRAFT_WAIT_STEPS` decode steps (`poll`); the tokens decoded meanwhile are caught up
+   at the first draft. One that failed, or does not land in time, is given up: its
+   blocks move off the sequence's id and come back once the cancelled transfer is
+   terminal, and the draft is prefilled locally (output is exact either way). So a
+   stalled draft transfer never holds a stream, and costs it a few steps' drafts.
 4. Both sides free the draft blocks when the request ends: at once when the draft
    transfer is terminal, else after cancelling it, once terminal (`reap`).
 """
@@ -38,6 +43,8 @@ from kv_transfer.faults import FaultConfig
 from worker.metrics import WorkerMetrics
 
 KVPeer = KVSender | KVReceiver
+# Decode steps a decoding sequence waits (without drafts) for its draft KV to land.
+DRAFT_WAIT_STEPS = 8
 
 
 @dataclass
@@ -71,7 +78,9 @@ class _DraftTransfers:
     def end(self, transfer_id: str) -> _Draft | None:
         """The request is done with its draft KV: free the blocks now if the transfer is
         terminal, else cancel it and free them once it is (`reap`)."""
-        tid = draft_transfer_id(transfer_id)
+        return self._end(draft_transfer_id(transfer_id))
+
+    def _end(self, tid: str) -> _Draft | None:
         draft = self._live.pop(tid, None)
         if draft is None:
             return None
@@ -154,6 +163,8 @@ class DraftReceipts(_DraftTransfers):
     def __init__(self, proposer: DraftModelProposer, receiver: KVReceiver, metrics: WorkerMetrics) -> None:
         super().__init__(proposer, receiver, metrics)
         self.receiver = receiver
+        self._keys = itertools.count(-1, -1)  # blocks given up, apart from any engine sequence id
+        self._awaited: dict[str, int] = {}  # draft transfer id -> decode steps left to land
 
     def reserve(self, transfer_id: str, request_id: str, seq_id: int, token_ids: Sequence[int],
                 lease_s: float) -> DraftBlocks | None:
@@ -166,22 +177,59 @@ class DraftReceipts(_DraftTransfers):
         self._live[tid] = _Draft(seq_id, request_id, len(blocks), list(token_ids))
         return DraftBlocks(self.receiver.address, list(blocks))
 
-    def admit(self, transfer_id: str, running: bool) -> bool:
-        """The request was admitted (`running`: it decodes): adopt its draft KV if it
-        arrived complete, else free the blocks. True: adopted."""
+    def admit(self, transfer_id: str, running: bool) -> None:
+        """The request was admitted on its target KV (`running`: it decodes): adopt its
+        draft KV if complete, await it if under way, else give it up (module docstring,
+        step 3)."""
         tid = draft_transfer_id(transfer_id)
         draft = self._live.get(tid)
         if draft is None:
-            return False
-        complete = self.peer.poll(tid) == TransferState.COMPLETE
-        if not (complete and running):
-            self.end(transfer_id)
-            return False
+            return
+        state = self.peer.poll(tid)
+        if running and state == TransferState.COMPLETE:
+            self._adopt(tid, draft)
+        elif running and not state.terminal:
+            self.proposer.await_kv(draft.key)
+            self._awaited[tid] = DRAFT_WAIT_STEPS
+        else:
+            self._give_up(tid, draft)
+
+    def poll(self) -> None:
+        """Once per decode step: adopt the awaited draft KV that landed, give up what
+        failed or ran out of steps."""
+        for tid, left in list(self._awaited.items()):
+            state = self.peer.poll(tid)
+            if state == TransferState.COMPLETE:
+                self._adopt(tid, self._live[tid])
+            elif state.terminal or left <= 1:
+                self._give_up(tid, self._live[tid])
+            else:
+                self._awaited[tid] = left - 1
+
+    def ended(self, request_id: str) -> None:
+        """A decoding request ended: give up the draft KV it still awaited."""
+        for tid in [t for t in self._awaited if self._live[t].request_id == request_id]:
+            self._give_up(tid, self._live[tid])
+
+    def awaiting(self) -> bool:
+        return bool(self._awaited)
+
+    def _adopt(self, tid: str, draft: _Draft) -> None:
+        self._awaited.pop(tid, None)
         del self._live[tid]
         self.peer.forget(tid)
         self.proposer.adopt(draft.key, draft.token_ids)
         self._completed(draft, self.receiver.address)
-        return True
+
+    def _give_up(self, tid: str, draft: _Draft) -> None:
+        """Move the blocks to an owner id of their own (a late writer may still land in
+        them until the cancel is through; the sequence's id then drafts from blocks its
+        local draft prefill takes afresh), and end the transfer."""
+        self._awaited.pop(tid, None)
+        key = next(self._keys)
+        self.proposer.give_up(draft.key, key)
+        draft.key = key
+        self._end(tid)
 
 
 def draft_proposer(engine: LLMEngine) -> DraftModelProposer | None:

@@ -12,8 +12,10 @@ the draft's KV for the prompt is made (`draft_kv` in `--speculative-config`):
   target (`prefill`), and ships its KV as a second transfer (worker/draft_kv.py);
   the decode worker reserves draft blocks next to the target's (`reserve`) and
   `adopt`s them, so its first speculative step prefills no draft. The layout hash
-  covers the draft (engine/spec/draft_kv.py). A draft transfer that fails, a full
-  draft pool or a forked choice (n > 1) falls back to the local prefill.
+  covers the draft (engine/spec/draft_kv.py). Decode never waits for the draft's KV:
+  a sequence whose draft KV is still arriving decodes without drafts (`await_kv`) for
+  a few steps. A draft transfer that fails or does not land by then (`give_up`), a
+  full draft pool or a forked choice (n > 1) falls back to the local prefill.
 Why "decode" stays the default (bench/README.md, "Draft KV placement": 1P+1D, two runs
 of 3 alternating rounds on the shared 2-core CPU machine at load ~13): what shipping
 costs is certain -- +24% KV bytes per prompt token (the built-in draft holds 1/4 of
@@ -68,6 +70,8 @@ class DraftModelProposer:
         self.max_model_len = min(max_model_len, self.runner.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, enable_prefix_caching=False)
         self._states: dict[int, _DraftState] = {}
+        # Decoding, their draft KV still arriving into reserved blocks: no drafts yet.
+        self._awaiting: set[int] = set()
         # Tokens the draft computed for sequences whose draft KV it did not hold (local
         # draft prefill); with draft_kv=prefill only recovered or forked sequences add here.
         self.prefill_tokens = 0
@@ -81,12 +85,27 @@ class DraftModelProposer:
             return None
         return self.blocks.block_table(seq_id)
 
+    def await_kv(self, seq_id: int) -> None:
+        """`seq_id` decodes while its draft KV is still arriving into its reserved blocks:
+        it drafts nothing (and its blocks are left alone) until `adopt` or `give_up`."""
+        self._awaiting.add(seq_id)
+
     def adopt(self, seq_id: int, token_ids: Sequence[int]) -> None:
-        """The reserved blocks hold the draft KV of `token_ids`: count them computed."""
+        """The reserved blocks hold the draft KV of `token_ids`: count them computed (the
+        tokens decoded since are caught up at its next draft)."""
+        self._awaiting.discard(seq_id)
         self._states[seq_id] = _DraftState(list(token_ids))
+
+    def give_up(self, seq_id: int, key: int) -> None:
+        """`seq_id`'s reserved blocks move to owner `key` (to be dropped once no transfer
+        writes into them); the sequence prefills its draft here from its next draft on."""
+        self._awaiting.discard(seq_id)
+        self.blocks.fork(seq_id, key)
+        self.blocks.free(seq_id)
 
     def drop(self, seq_id: int) -> None:
         """Free `seq_id`'s draft blocks, reserved or adopted."""
+        self._awaiting.discard(seq_id)
         self._states.pop(seq_id, None)
         self.blocks.free(seq_id)
 
@@ -122,7 +141,10 @@ class DraftModelProposer:
 
     def _catch_up_plan(self, x: DraftInput) -> bool:
         """Cut the draft KV of `x` back to the prefix it shares with `x.token_ids` and
-        reserve slots for the catch-up and every draft; False: no room, no drafts."""
+        reserve slots for the catch-up and every draft; False: no room (or its shipped
+        draft KV is still arriving), no drafts."""
+        if x.seq_id in self._awaiting:
+            return False
         state = self._states.setdefault(x.seq_id, _DraftState())
         tokens = x.token_ids
         keep = 0

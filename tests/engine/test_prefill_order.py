@@ -9,6 +9,7 @@ from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.prefill_order import MAX_HELD_STEPS
 from engine.scheduler import Scheduler
+from engine.sequence import SequenceStatus
 from tests.engine.test_scheduler import run_step, seq
 
 BS = 4
@@ -22,8 +23,12 @@ def make(cap: int = CAP, max_seqs: int = 8) -> Scheduler:
 
 def steps(s: Scheduler, n: int) -> list[list[tuple[str, int]]]:
     """(request id, tokens) of each of the next `n` steps."""
-    return [[(q.request_id, c.num_tokens) for q, c in zip(out.seqs, out.chunks, strict=True)]
-            for out in (run_step(s) for _ in range(n))]
+    done = []
+    for _ in range(n):
+        out = run_step(s)
+        assert s.short_first.tracks(s.waiting)
+        done.append([(q.request_id, c.num_tokens) for q, c in zip(out.seqs, out.chunks, strict=True)])
+    return done
 
 
 def test_a_short_prompt_gets_a_step_of_its_own_and_the_long_one_continues_after() -> None:
@@ -67,3 +72,21 @@ def test_nothing_is_held_back_without_a_chunk_cap_or_without_room() -> None:
     run_step(full)
     full.add(seq(list(range(100, 103)), "short"))
     assert steps(full, 1) == [[("long", 8)]]
+
+
+def test_preemption_and_ending_waiting_prompts_keep_the_waiting_classes_exact() -> None:
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=CAP)
+    s = Scheduler(cfg, BlockManager(6, BS), max_model_len=64)  # 5 blocks: 20 tokens
+    s.add(seq(list(range(8)), "a"))
+    s.add(seq(list(range(100, 108)), "b"))
+    steps(s, 1)  # both prefilled: 4 blocks
+    out = run_step(s)  # a's first decode token takes the last block; b's finds none
+    assert [q.request_id for q in out.preempted] == ["b"] and s.num_preemptions == 1
+    # b went back with 8 + 1 tokens to recompute: a long prompt now, and so tracked.
+    assert s.short_first.tracks(s.waiting) and not s.short_first.is_short(s.waiting[0])
+    for prompt, rid in ((list(range(200, 230)), "long"), (list(range(300, 303)), "short")):
+        s.add(seq(prompt, rid))
+    for q in list(s.waiting):  # ended while waiting (an abort): they leave the classes too
+        s.finish(q, SequenceStatus.FINISHED_ABORTED)
+        assert s.short_first.tracks(s.waiting)
+    assert not s.waiting

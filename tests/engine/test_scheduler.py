@@ -6,6 +6,10 @@ gets a fake next token (the position number), as a deterministic fake runner wou
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator
+from typing import SupportsIndex
+
 from common.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
@@ -186,3 +190,52 @@ def test_finish_frees_unless_prefilled_and_release_frees_later() -> None:
     assert s.num_unfinished == 0
     s.release(a)
     assert bm.num_free_blocks == 8 and bm.usage == 0.0
+
+
+class _CountingDeque(deque[Sequence]):
+    """WAITING that counts every element the scheduler touches (iteration, indexing, a
+    linear `remove`), so a test can see a step's work without timing it."""
+
+    touched = 0
+
+    def __iter__(self) -> Iterator[Sequence]:
+        for item in super().__iter__():
+            self.touched += 1
+            yield item
+
+    def __getitem__(self, i: SupportsIndex) -> Sequence:  # type: ignore[override]
+        self.touched += 1
+        return super().__getitem__(i)
+
+    def remove(self, value: Sequence) -> None:
+        self.touched += len(self)
+        super().remove(value)
+
+
+def _touched_per_step(num_waiting: int, cap: int) -> tuple[list[int], list[str]]:
+    """Queue `num_waiting` 4-token prompts; each step admits two (8-token budget), which
+    then end. Returns the elements touched per step and the admitted request ids."""
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8, long_prefill_token_threshold=cap)
+    s = Scheduler(cfg, BlockManager(64, BS), max_model_len=64)
+    s.waiting = queue = _CountingDeque()
+    for i in range(num_waiting):
+        s.add(seq([i % 50, 1, 2, 3], f"r{i}"))
+    touched, admitted = [], []
+    for _ in range(5):
+        queue.touched = 0
+        out = s.schedule()
+        touched.append(queue.touched)
+        admitted += [q.request_id for q in out.seqs]
+        for q in out.seqs:
+            s.finish(q, SequenceStatus.FINISHED_STOPPED)
+    return touched, admitted
+
+
+def test_a_step_admits_from_the_head_without_walking_a_long_queue() -> None:
+    # FCFS from the head, and the same per-step work with 10 or 4,000 waiting: admitting
+    # pops the head instead of copying the queue and removing from it.
+    for cap in (0, 4):  # chunking off, and a cap every one of these prompts fits in
+        small, small_order = _touched_per_step(10, cap)
+        large, large_order = _touched_per_step(4000, cap)
+        assert small_order == large_order == [f"r{i}" for i in range(10)]
+        assert large == small and max(large) <= 4, (cap, small, large)

@@ -209,6 +209,25 @@ def test_claim_before_expect_waits_for_the_reservation(transport: str) -> None:
         pair.close()
 
 
+def test_a_claim_after_the_reservation_was_cancelled_and_forgotten_is_refused_at_once(transport: str) -> None:
+    # The decode worker gave up on a transfer before its sender claimed it (a draft KV
+    # transfer left behind by admission): the late claim fails the sender now, not at
+    # its 20 s lease.
+    pair = make_pair(transport)
+    try:
+        pair.receiver.expect("t", "req", [5, 6], lease_s=20)
+        pair.receiver.cancel("t")
+        assert pair.receiver.poll("t") is TransferState.ABORTED
+        pair.receiver.forget("t")
+        pair.sender.begin("t", "req", pair.receiver.address, [1, 2], [5, 6], lease_s=20)
+        pair.sender.send_all("t")
+        assert wait_terminal(pair.sender.poll, "t") is TransferState.FAILED  # held: RESERVED
+        assert "cancelled" in pair.sender.reason("t")
+        assert not pair.dst.any()
+    finally:
+        pair.close()
+
+
 def test_claim_for_other_blocks_is_refused(transport: str) -> None:
     pair = make_pair(transport)
     try:

@@ -1,4 +1,5 @@
-"""Shared-memory hygiene: segments of dead workers are swept, nothing else is touched."""
+"""Shared-memory hygiene: segments and liveness lock files of dead workers are swept,
+nothing else is touched; a sender's lock file goes with it (close, or process exit)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from kv_transfer import make_sender
+from kv_transfer.blocks import numpy_dtype
+from kv_transfer.sender import Sender
 from kv_transfer.shm_pool import create_shm_pool, sweep_stale_segments
 from tests.kv_transfer.harness import TINY
 
@@ -80,3 +85,51 @@ def test_a_liveness_lock_reads_alive_until_its_holder_closes_it() -> None:
         lock.close()
         if fd is not None:
             os.close(fd)
+
+
+_SENDER_THEN_EXIT = """
+import numpy as np
+from kv_transfer import make_sender
+from kv_transfer.blocks import numpy_dtype
+from tests.kv_transfer.harness import TINY
+sender = make_sender(TINY, np.zeros(TINY.pool_shape(4), numpy_dtype(TINY)))
+print(sender._liveness.name, flush=True)
+"""  # exits without closing its sender
+
+
+def _lock_name(sender: Sender) -> str:
+    lock = sender._liveness  # what its Hello names to a same-host receiver
+    assert lock is not None
+    return lock.name
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_a_senders_liveness_lock_file_goes_on_close_and_at_exit() -> None:
+    sender = make_sender(TINY, np.zeros(TINY.pool_shape(4), numpy_dtype(TINY)))
+    path = Path("/dev/shm") / _lock_name(sender)
+    assert path.exists()
+    sender.close()
+    assert not path.exists()
+    # A process that ends without closing its sender removes the file on its way out.
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", _SENDER_THEN_EXIT], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=60, check=True)
+    name = done.stdout.strip()
+    assert name.startswith("pdkvlive_") and not (Path("/dev/shm") / name).exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_the_next_sender_sweeps_lock_files_of_killed_processes() -> None:
+    stale = Path("/dev/shm") / f"pdkvlive_{_dead_pid()}_{secrets.token_hex(6)}"
+    live = Path("/dev/shm") / f"pdkvlive_{os.getpid()}_{secrets.token_hex(6)}"
+    stale.write_bytes(b"")  # left by a sender killed with -9
+    live.write_bytes(b"")
+    sender = make_sender(TINY, np.zeros(TINY.pool_shape(4), numpy_dtype(TINY)))
+    try:
+        assert not stale.exists()
+        assert live.exists()  # a live pid's is never touched
+    finally:
+        sender.close()
+        for path in (stale, live):
+            path.unlink(missing_ok=True)

@@ -9,26 +9,27 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from common import protocol as p
 from common.sampling_params import SamplingParams
-from common.transport import host_id
-from decode_node.node import DecodeNode
 from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.spec.config import SpeculativeConfig
+from engine.spec.decoder import SpecStats
 from engine.spec.draft_model import DraftModelProposer
+from kv_transfer.api import TransferState
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
 from kv_transfer.tensor_adapter import pool_array
-from prefill_node.node import PrefillNode
 from tests.engine.test_engine import assert_idle
 from tests.engine.test_spec_decode import GREEDY, SEEDED, make_engine, prompts
-from worker.draft_kv import DraftReceipts, DraftShipper
+from tests.nodes.harness import NodePair
+from worker.draft_kv import DRAFT_WAIT_STEPS, DraftReceipts, DraftShipper
 from worker.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -50,82 +51,43 @@ def proposer(engine: LLMEngine) -> DraftModelProposer:
     return engine.spec.proposer
 
 
-class DraftPair:
+def _wait(done: Callable[[], bool], step: Callable[[], object] = lambda: None) -> None:
+    deadline = time.monotonic() + 30
+    while not done():
+        assert time.monotonic() < deadline
+        step()
+
+
+class DraftPair(NodePair):
     """Prefill and decode nodes, both with the target as its own draft (every greedy draft
     is then accepted exactly when the draft KV is right); `ship`: draft_kv=prefill."""
 
     def __init__(self, model_dir: Path, ship: bool) -> None:
         cfg = spec(model_dir, "prefill" if ship else "decode")
-        self.fabric = FakeFabric()
-        self.pe = make_engine(model_dir, cfg if ship else None, block_size=BS)
-        self.de = make_engine(model_dir, cfg, block_size=BS)
-        layout = self.pe.runner.layout
-        self.sender = fake_sender(layout, pool_array(self.pe.runner.pool.kv), self.fabric)
-        self.receiver = FakeReceiver(layout, pool_array(self.de.runner.pool.kv), self.fabric)
-        self.shipper = self.receipts = None
+        fabric = FakeFabric()
+        pe = make_engine(model_dir, cfg if ship else None, block_size=BS)
+        de = make_engine(model_dir, cfg, block_size=BS)
+        layout = pe.runner.layout
+        shipper = receipts = None
         if ship:
-            pd, dd = proposer(self.pe), proposer(self.de)
+            pd, dd = proposer(pe), proposer(de)
             dl = pd.runner.layout
-            self.shipper = DraftShipper(pd, fake_sender(dl, pool_array(pd.runner.pool.kv), self.fabric),
-                                        WorkerMetrics("prefill", "p"))
-            self.receipts = DraftReceipts(dd, FakeReceiver(dl, pool_array(dd.runner.pool.kv), self.fabric),
-                                          WorkerMetrics("decode", "d"))
-        self.to_gateway: list[p.Message] = []
-        self.prefill = PrefillNode("p", self.pe, self.pe.runner, self.sender, self.to_gateway.append,
-                                   WorkerMetrics("prefill", "p"), drafts=self.shipper)
-        self.decode = DecodeNode("d", self.de, self.de.runner, self.receiver, self.to_gateway.append,
-                                 WorkerMetrics("decode", "d"), drafts=self.receipts)
+            shipper = DraftShipper(pd, fake_sender(dl, pool_array(pd.runner.pool.kv), fabric),
+                                   WorkerMetrics("prefill", "p"))
+            receipts = DraftReceipts(dd, FakeReceiver(dl, pool_array(dd.runner.pool.kv), fabric),
+                                     WorkerMetrics("decode", "d"))
+        super().__init__(pe, de, fake_sender(layout, pool_array(pe.runner.pool.kv), fabric),
+                         FakeReceiver(layout, pool_array(de.runner.pool.kv), fabric),
+                         shipper=shipper, receipts=receipts)
 
-    def take(self, kind: type[p.Message]) -> p.Message:
-        found = [m for m in self.to_gateway if isinstance(m, kind)]
-        assert len(found) == 1, self.to_gateway
-        self.to_gateway.remove(found[0])
-        return found[0]
-
-    def start(self, rid: str, prompt: list[int], params: SamplingParams,
-              reserved_hook: Callable[[], None] = lambda: None) -> p.FirstToken:
-        """Reserve, prefill and push: returns the first token, the handoff under way."""
-        tid = f"x-{rid}"
-        self.decode.handle(p.DecodeReserve(rid, tid, p.RequestPayload(prompt, params)))
-        reserved = self.take(p.ReserveResult)
-        assert isinstance(reserved, p.ReserveResult) and reserved.ok
-        assert (reserved.draft is not None) == (self.receipts is not None)
-        reserved_hook()
-        self.prefill.handle(p.PrefillRequest(rid, p.RequestPayload(prompt, params)))
-        self.prefill.handle(p.TransferTarget(rid, tid, "d", host_id(), self.receiver.address, "",
-                                             reserved.block_ids, reserved.cached_blocks, reserved.draft))
-        while not any(isinstance(m, p.FirstToken) for m in self.to_gateway):
-            self.prefill.step()
-        first = self.take(p.FirstToken)
-        assert isinstance(first, p.FirstToken)
-        return first
-
-    def run(self, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
-        return self.decode_all(rid, self.start(rid, prompt, params))
-
-    def decode_all(self, rid: str, first: p.FirstToken) -> list[int]:
-        """Hand the first token to decode; step both nodes until the request ends."""
-        self.decode.handle(p.StartDecode(rid, f"x-{rid}", first.token_ids, first.logprobs))
-        out = list(first.token_ids)
-        deadline = time.monotonic() + 30
-        while True:
-            assert time.monotonic() < deadline
-            self.prefill.step()
-            self.decode.step()
-            deltas = [d for m in self.to_gateway if isinstance(m, p.TokenBatch) for d in m.deltas]
-            self.to_gateway[:] = [m for m in self.to_gateway if not isinstance(m, p.TokenBatch)]
-            out += [t for d in deltas for t in d.token_ids]
-            if any(d.finish_reason for d in deltas):
-                break
-        self.settle()
-        return out
-
-    def settle(self) -> None:
-        deadline = time.monotonic() + 30
-        while self.prefill.busy() or self.decode.busy():
-            assert time.monotonic() < deadline
-            self.prefill.step()
-            self.decode.step()
+    def run(self, rid: str, prompt: list[int], params: SamplingParams, **start: Any) -> list[int]:
+        """With draft_kv=prefill, the draft's KV lands before decode gets the first token:
+        adopted at admission, every step drafts as decode-local would."""
+        first = self.start(rid, prompt, params, **start)
+        receipts = self.receipts
+        if receipts is not None:
+            _wait(lambda: receipts.state(f"x-{rid}") == TransferState.COMPLETE)
+        return self.decode_all(rid, first)
 
     def assert_idle(self) -> None:
         for engine in (self.pe, self.de):
@@ -133,11 +95,6 @@ class DraftPair:
             bm = proposer(engine).blocks if engine.spec is not None else None
             if bm is not None:
                 assert bm.num_free_blocks == bm.num_allocatable and bm.check_integrity(), bm.integrity_errors()
-
-    def close(self) -> None:
-        for peer in (self.sender, self.receiver, self.shipper, self.receipts):
-            if peer is not None:
-                peer.close()
 
 
 def reference(model_dir: Path, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -168,41 +125,121 @@ def test_shipped_draft_kv_is_adopted_and_the_decode_worker_prefills_no_draft(mod
         shipped.close()
 
 
-def test_abort_a_failed_draft_transfer_and_a_full_draft_pool_leak_no_block(model_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def shipping(model_dir: Path) -> Iterator[DraftPair]:
+    """One draft_kv=prefill pair for the tests below, each of which leaves it idle."""
     pair = DraftPair(model_dir, ship=True)
-    assert pair.shipper is not None and pair.receipts is not None
     try:
-        prompt = prompts(30, seed=8)[0]
-        pair.start("a", prompt, GREEDY)  # both transfers begun, the decode side not started
-        for node in (pair.prefill, pair.decode):
-            node.handle(p.Abort(["a"]))
-        pair.settle()
-        pair.assert_idle()
-        # A draft transfer that fails (the receiver gave up on it before the push) leaves
-        # the request to decode with a locally prefilled draft: same tokens, blocks back.
-        receipts = pair.receipts
-        first = pair.start("b", prompt, GREEDY, lambda: receipts.receiver.cancel("x-b.draft"))
-        want = reference(model_dir, prompt, GREEDY)
-        assert pair.decode_all("b", first) == want
-        assert proposer(pair.de).prefill_tokens == len(prompt) + 1
-        pair.assert_idle()
-        # The prefill worker's draft pool is full: the push waits (the target's transfer
-        # done, the request not admitted) and goes once blocks come back.
-        pool = proposer(pair.pe).blocks
-        assert pool.allocate_slots(10**6, pool.num_free_blocks * BS, 0) is not None
-        first = pair.start("c", prompt, GREEDY)
-        pair.decode.handle(p.StartDecode("c", "x-c", first.token_ids, first.logprobs))
-        for _ in range(3):
-            pair.prefill.step()
-            pair.decode.step()
-        assert pair.shipper.state("x-c") is None and pair.sender.poll("x-c").terminal
-        assert not any(isinstance(m, p.TokenBatch) for m in pair.to_gateway)
-        pool.free(10**6)
-        assert pair.decode_all("c", first) == want
-        assert proposer(pair.de).prefill_tokens == len(prompt) + 1  # no second local draft prefill
-        pair.assert_idle()
+        yield pair
     finally:
         pair.close()
+
+
+def test_an_abort_and_a_failed_draft_transfer_leak_no_block(model_dir: Path, shipping: DraftPair) -> None:
+    pair, receipts = shipping, shipping.receipts
+    assert receipts is not None
+    prompt = prompts(30, seed=8)[0]
+    pair.start("a", prompt, GREEDY)  # both transfers begun, the decode side not started
+    for node in (pair.prefill, pair.decode):
+        node.handle(p.Abort(["a"]))
+    pair.settle()
+    pair.assert_idle()
+    # A draft transfer that fails (the receiver gave up on it before the push) leaves
+    # the request to decode with a locally prefilled draft: same tokens, blocks back.
+    before = proposer(pair.de).prefill_tokens
+    first = pair.start("b", prompt, GREEDY, reserved=lambda: receipts.receiver.cancel("x-b.draft"))
+    assert pair.decode_all("b", first) == reference(model_dir, prompt, GREEDY)
+    assert proposer(pair.de).prefill_tokens - before == len(prompt) + 1
+    pair.assert_idle()
+
+
+def _admitted(pair: DraftPair, rid: str, prompt: list[int]) -> p.FirstToken:
+    """Start `rid`, let its target KV land, hand decode the first token, run one decode step."""
+    first = pair.start(rid, prompt, GREEDY)
+    _wait(lambda: pair.receiver.poll(f"x-{rid}") == TransferState.COMPLETE, pair.prefill.step)
+    pair.decode.handle(p.StartDecode(rid, f"x-{rid}", first.token_ids, first.logprobs))
+    pair.decode.step()
+    return first
+
+
+def _all_drafts_held(pair: DraftPair, before: SpecStats) -> bool:
+    """Greedy drafts of the target by itself: every one holds over the right draft KV."""
+    now = pair.de.stats().spec
+    assert now is not None
+    drafted = now.num_draft_tokens - before.num_draft_tokens
+    return drafted > 0 and now.num_accepted_tokens - before.num_accepted_tokens == drafted
+
+
+def test_a_draft_transfer_that_never_arrives_does_not_hold_the_stream(model_dir: Path,
+                                                                      shipping: DraftPair) -> None:
+    pair, receipts, local = shipping, shipping.receipts, proposer(shipping.de)
+    assert receipts is not None and pair.shipper is not None
+    prompt = prompts(30, seed=9)[0]
+    before, spec_before = local.prefill_tokens, pair.de.stats().spec
+    assert spec_before is not None
+    # The prefill worker's draft pool is full: its draft KV is never made, so its
+    # transfer stays RESERVED on the decode worker (its lease is 30 s away).
+    pool = proposer(pair.pe).blocks
+    assert pool.allocate_slots(10**6, pool.num_free_blocks * BS, 0) is not None
+    try:
+        first = _admitted(pair, "c", prompt)
+        # The decode step right after the target's KV and first token admitted the stream
+        # and decoded it, without drafts: the draft's KV is awaited, not waited for.
+        assert any(isinstance(m, p.TokenBatch) for m in pair.to_gateway)
+        assert receipts.state("x-c") == TransferState.RESERVED and receipts.awaiting()
+        assert local.prefill_tokens == before
+        assert pair.decode_all("c", first) == reference(model_dir, prompt, GREEDY)
+        # Given up after DRAFT_WAIT_STEPS steps: one local draft prefill over the prompt
+        # and the tokens decoded by then. (Blocks given up that stayed the sequence's own
+        # would be freed under it when their transfer ended: a second prefill.)
+        assert local.prefill_tokens - before == len(prompt) + 1 + DRAFT_WAIT_STEPS
+    finally:
+        pool.free(10**6)
+    pair.settle()
+    assert pair.shipper.state("x-c") is None  # never shipped, not even once there is room
+    assert _all_drafts_held(pair, spec_before)
+    pair.assert_idle()
+
+
+def test_a_draft_transfer_landing_after_admission_is_adopted(model_dir: Path, shipping: DraftPair) -> None:
+    pair, receipts, local = shipping, shipping.receipts, proposer(shipping.de)
+    assert receipts is not None and pair.shipper is not None
+    prompt = prompts(30, seed=10)[0]
+    before, spec_before = local.prefill_tokens, pair.de.stats().spec
+    assert spec_before is not None
+    sender = pair.shipper.sender
+    held: list[tuple[str, Any]] = []
+    sender.send_all = lambda tid, ready=None: held.append((tid, ready))  # type: ignore[method-assign]
+    try:
+        first = _admitted(pair, "e", prompt)  # the draft's KV is computed, its push held
+    finally:
+        del sender.send_all  # the class's own again
+    assert any(isinstance(m, p.TokenBatch) for m in pair.to_gateway) and receipts.awaiting()
+    sender.send_all(*held[0])
+    _wait(lambda: receipts.state("x-e") == TransferState.COMPLETE)
+    assert pair.decode_all("e", first) == reference(model_dir, prompt, GREEDY)
+    # Adopted: never prefilled here, the tokens decoded meanwhile caught up, drafts hold.
+    assert local.prefill_tokens == before
+    assert _all_drafts_held(pair, spec_before)
+    pair.assert_idle()
+
+
+def test_a_stream_aborted_while_its_draft_kv_is_awaited_leaks_no_block(shipping: DraftPair) -> None:
+    pair, receipts = shipping, shipping.receipts
+    assert receipts is not None
+    pool = proposer(pair.pe).blocks
+    assert pool.allocate_slots(10**6, pool.num_free_blocks * BS, 0) is not None  # never ships
+    try:
+        _admitted(pair, "f", prompts(30, seed=11)[0])
+        assert receipts.awaiting()
+        for node in (pair.prefill, pair.decode):
+            node.handle(p.Abort(["f"]))
+        assert not receipts.awaiting()
+        pair.settle()
+    finally:
+        pool.free(10**6)
+    pair.to_gateway.clear()
+    pair.assert_idle()
 
 
 def test_the_layout_hash_covers_the_draft_only_when_its_kv_ships(model_dir: Path,

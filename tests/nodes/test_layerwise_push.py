@@ -11,10 +11,7 @@ from typing import Any
 
 import pytest
 
-from common import protocol as p
 from common.sampling_params import SamplingParams
-from common.transport import host_id
-from decode_node.node import DecodeNode
 from kv_transfer.api import TransferState
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
 from kv_transfer.links import ZmqLinkFactory
@@ -22,9 +19,8 @@ from kv_transfer.receiver import ZmqReceiver
 from kv_transfer.sender import Sender
 from kv_transfer.staging import HiddenHostPool
 from kv_transfer.tensor_adapter import pool_array
-from prefill_node.node import PrefillNode
 from tests.engine.test_engine import assert_idle, make_engine, prompts
-from worker.metrics import WorkerMetrics
+from tests.nodes.harness import NodePair
 
 PARAMS = SamplingParams(
     max_tokens=12, temperature=0.8, seed=5, presence_penalty=0.5, ignore_eos=True
@@ -34,29 +30,28 @@ PARAMS = SamplingParams(
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-class Pair:
-    """A prefill node and a decode node joined by the fake transport; the test is the gateway."""
+class Pair(NodePair):
+    """A prefill node and a decode node joined by the fake transport (or real tcp sockets
+    through staging); `calls` records the prefill node's pushes."""
 
     def __init__(self, model_dir: Path, budget: int, block_size: int = 16, staged: bool = False) -> None:
         """`staged`: real tcp sockets, both pools wrapped as device pools (staging.py)."""
-        self.fabric = FakeFabric()
-        self.pe = make_engine(model_dir, budget=budget, block_size=block_size)
-        self.de = make_engine(model_dir, block_size=block_size)
-        layout = self.pe.runner.layout
-        src, dst = pool_array(self.pe.runner.pool.kv), pool_array(self.de.runner.pool.kv)
-        self.sender: Sender
-        self.receiver: FakeReceiver | ZmqReceiver
+        pe = make_engine(model_dir, budget=budget, block_size=block_size)
+        de = make_engine(model_dir, block_size=block_size)
+        layout = pe.runner.layout
+        src, dst = pool_array(pe.runner.pool.kv), pool_array(de.runner.pool.kv)
+        sender: Sender
+        receiver: FakeReceiver | ZmqReceiver
         if staged:
-            self.sender = Sender(layout, HiddenHostPool(src), links=ZmqLinkFactory())
-            self.receiver = ZmqReceiver(layout, HiddenHostPool(dst), transport="tcp")
+            sender = Sender(layout, HiddenHostPool(src), links=ZmqLinkFactory())
+            receiver = ZmqReceiver(layout, HiddenHostPool(dst), transport="tcp")
         else:
-            self.sender = fake_sender(layout, src, self.fabric)
-            self.receiver = FakeReceiver(layout, dst, self.fabric)
-        self.to_gateway: list[p.Message] = []
-        self.prefill = PrefillNode("p", self.pe, self.pe.runner, self.sender, self.to_gateway.append,
-                                   WorkerMetrics("prefill", "p"))
-        self.decode = DecodeNode("d", self.de, self.de.runner, self.receiver, self.to_gateway.append,
-                                 WorkerMetrics("decode", "d"))
+            fabric = FakeFabric()
+            sender = fake_sender(layout, src, fabric)
+            receiver = FakeReceiver(layout, dst, fabric)
+        super().__init__(pe, de, sender, receiver)
+        self.sender: Sender = sender
+        self.receiver: FakeReceiver | ZmqReceiver = receiver
         # (method, transfer id, layer, called inside the model step)
         self.calls: list[tuple[str, str, int, bool]] = []
         self._in_step = False
@@ -88,49 +83,8 @@ class Pair:
         self.sender.send_layer = spy_layer  # type: ignore[method-assign]
         self.sender.send_all = spy_all  # type: ignore[method-assign]
 
-    def take(self, kind: type[Any]) -> Any:
-        found = [m for m in self.to_gateway if isinstance(m, kind)]
-        assert len(found) == 1, self.to_gateway
-        self.to_gateway.remove(found[0])
-        return found[0]
-
-    def run(self, rid: str, prompt: list[int], target_first: bool,
-            after_prefill: Callable[[], None] = lambda: None) -> list[int]:
-        tid = f"x-{rid}"
-        self.decode.handle(p.DecodeReserve(rid, tid, p.RequestPayload(prompt, PARAMS)))
-        reserved = self.take(p.ReserveResult)
-        target = p.TransferTarget(rid, tid, "d", host_id(), self.receiver.address, "", reserved.block_ids,
-                                  reserved.cached_blocks)
-        self.prefill.handle(p.PrefillRequest(rid, p.RequestPayload(prompt, PARAMS)))
-        if target_first:
-            self.prefill.handle(target)
-        while not any(isinstance(m, p.FirstToken) for m in self.to_gateway):
-            self.prefill.step()
-        after_prefill()
-        if not target_first:
-            self.prefill.handle(target)
-        first = self.take(p.FirstToken)
-        self.decode.handle(p.StartDecode(rid, tid, first.token_ids, first.logprobs))
-        out = list(first.token_ids)
-        deadline = time.monotonic() + 30
-        while True:
-            assert time.monotonic() < deadline
-            self.prefill.step()
-            self.decode.step()
-            batches = [m for m in self.to_gateway if isinstance(m, p.TokenBatch)]
-            self.to_gateway[:] = [m for m in self.to_gateway if not isinstance(m, p.TokenBatch)]
-            deltas = [d for b in batches for d in b.deltas]
-            out += [t for d in deltas for t in d.token_ids]
-            if any(d.finish_reason for d in deltas):
-                break
-        while self.prefill.busy():
-            assert time.monotonic() < deadline
-            self.prefill.step()
-        return out
-
-    def close(self) -> None:
-        self.sender.close()
-        self.receiver.close()
+    def run(self, rid: str, prompt: list[int], params: SamplingParams = PARAMS, **start: Any) -> list[int]:
+        return super().run(rid, prompt, params, **start)
 
 
 @pytest.fixture()
@@ -159,7 +113,7 @@ def test_layers_ship_from_inside_the_step_and_arrive_before_it_ends(model_dir: P
             states.append(s)
             lag.append(time.monotonic() - start)
 
-        got = pair.run("r1", prompt, target_first=True, after_prefill=transfer_done_by_first_token)
+        got = pair.run("r1", prompt, target_first=True, prefilled=transfer_done_by_first_token)
         assert states == [TransferState.COMPLETE]
         assert lag[0] < 1.0, lag  # measured: complete at the first poll (~10 us)
         assert pair.calls == [("send_layer", "x-r1", i, True) for i in range(layers)]
