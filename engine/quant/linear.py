@@ -38,14 +38,15 @@ from torch import nn
 
 from engine import native_kernels
 from engine.native_kernels import DTYPE_CODES
-from engine.quant import int8_kernel
+from engine.quant import int4_kernel, int8_kernel
 from engine.quant.formats import INT4_GROUP, ON_THE_FLY, QuantizationError
 from engine.quant.pack import Int4Parts, Int8Parts, quantize_int4, quantize_int8
 
 _N_ALIGN = 16
 _N_ALIGN_CPU = 64
 INT8_KERNEL_ROWS = 8
-INT4_KERNEL_ROWS = 32
+INT4_KERNEL_ROWS = 4  # aten's small-M kernel up to here; the native AMX kernel above (bf16)
+INT4_DEQUANT_ROWS = 32  # without it (float32, no AMX): aten up to here, then unpack + matmul
 
 
 class Int8Linear(nn.Module):
@@ -110,18 +111,20 @@ class Int4Linear(nn.Module):
             x2 = x2.index_select(1, self.perm)
         if self.pad_k:
             x2 = F.pad(x2, (0, self.pad_k))
-        if not self.on_cuda and x2.shape[0] > INT4_KERNEL_ROWS and _dequantizes(x2.dtype, self.scales_and_zeros.dtype):
-            y = F.linear(x2, self.dense_weight(x2.dtype))
-        elif self.on_cuda:
+        rows = x2.shape[0]
+        if self.on_cuda:
             y = torch._weight_int4pack_mm(x2.to(torch.bfloat16).contiguous(), self.packed, self.group,
                                           self.scales_and_zeros).to(x.dtype)
+        elif rows > INT4_KERNEL_ROWS and int4_kernel.runs(x2, self.scales_and_zeros, self.group):
+            y = int4_kernel.matmul(x2, self.packed, self.scales_and_zeros, self.group)
+        elif rows > INT4_DEQUANT_ROWS and _dequantizes(x2.dtype, self.scales_and_zeros.dtype):
+            y = F.linear(x2, self.dense_weight(x2.dtype))
         else:
             y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group,
                                                   self.scales_and_zeros)
         if y.shape[-1] != self.out_features:
             y = y[:, : self.out_features]
         return y.reshape(*x.shape[:-1], self.out_features)
-
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The CPU-packed codes as a dense [N_padded, K_padded] weight of `dtype`
