@@ -19,13 +19,17 @@ tiles over int8 codes widened to bf16 above; `python -m bench.int8_gemm` times e
 against the bf16 matmul). Otherwise (float32, no AVX-512 BF16) an int8 layer given more
 than `INT8_KERNEL_ROWS` rows converts its weight to the compute dtype for that call and
 runs the ordinary matmul, scaling the output per channel (exact: x @ (q s)^T =
-(x @ q^T) s). An int4 layer given more than `INT4_KERNEL_ROWS` rows on CPU unpacks its
-packed codes into a dense weight of the compute dtype (the native kernel
-`pd_int4_dequant`, engine/_cpu_kernels.c, ~1 ms for a 2048 x 768 layer) and runs the
-ordinary matmul: prefill then costs about what the bf16 model's does, where the aten
-kernel took ~8x (`python -m bench.quant` measures both). Without the native library it
-stays on the aten kernel. CPU int4 weights are padded to N % 64 == 0, the block the
-packed layout is uniform over.
+(x @ q^T) s). An int4 layer on CPU given more than `INT4_KERNEL_ROWS` (4) bf16 rows runs
+the native int4 GEMM (engine/quant/int4_kernel.py, engine/_int4_gemm.c) over the same packed
+codes the aten kernel reads: per 64 output channels it widens the codes to bf16 once per call
+into AMX B tiles that stay in cache and multiplies every row against them, so no dense weight
+is written or read (prefill about as fast as bf16's, batched decode faster;
+`python -m bench.int4_gemm` per layer, `python -m bench.quant` end to end). Without it
+(float32 activations, no AMX, no native library) a layer given more than `INT4_DEQUANT_ROWS`
+(32) rows unpacks its codes into a dense weight of the compute dtype (`pd_int4_dequant`,
+engine/_cpu_kernels.c) and runs the ordinary matmul; without the library it stays on the aten
+kernel. CPU int4 weights are padded to N % 64 == 0, the block the packed layout is uniform
+over.
 """
 
 from __future__ import annotations
