@@ -45,11 +45,11 @@ def _row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
     paths: dict[str, Callable[[], object]] = {
         "bf16": lambda: F.linear(x, dense),
         "aten": lambda: torch._weight_int4pack_mm_for_cpu(x, packed, group, sz),
-        "dequant": lambda: F.linear(x, layer.dense_weight(torch.bfloat16)),
-        "auto": lambda: layer(x),
     }
     if int4_kernel.available():
         paths["native"] = lambda: int4_kernel.matmul(x, packed, sz, group)
+    paths["auto"] = lambda: layer(x)
+    paths["dequant"] = lambda: F.linear(x, layer.dense_weight(torch.bfloat16))  # writes a dense weight: last
     times: dict[str, list[float]] = {name: [] for name in paths}
     for fn in paths.values():  # warm-up: first-call allocations, caches
         fn()
