@@ -135,3 +135,10 @@ def test_matmul_rejects_what_it_cannot_run() -> None:
         int4_kernel.matmul(torch.randn(4, 128).bfloat16(), packed, sz[:, :32].contiguous(), 128)  # N 32
     assert not int4_kernel.runs(torch.randn(4, 128), sz, 128)
     assert int4_kernel.matmul(torch.randn(0, 128).bfloat16(), packed, sz, 128).shape == (0, 64)
+
+
+def test_the_per_layer_bench_times_every_path() -> None:
+    from bench.int4_gemm import PATHS, _row
+
+    times = _row(128, 256, 8, reps=2)
+    assert set(times) == {"bf16", *PATHS} and all(t > 0 for t in times.values())
