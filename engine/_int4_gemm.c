@@ -22,10 +22,12 @@
  * 32 channels of float32 sums, rounded once to bf16. The next unit's codes are widened into
  * a second buffer a few pairs at a time between this unit's tile multiplies, so the vector
  * units widen while the tile unit multiplies. Row blocks past the last full one run from a
- * zero-padded copy (one tile configuration per call). Each OpenMP thread (torch's pool, see
- * _cpu_kernels.c) takes a contiguous range of units. Needs AMX-BF16 and AVX-512 VBMI,
- * checked at run time (`pd_int4_gemm_supported`); without them the caller keeps its
- * dequantize + matmul path.
+ * zero-padded copy (one tile configuration per call). Past 1 MiB of x the rows run in panels
+ * of that size, so a panel's rows stay in L2 while every unit passes over them (each panel
+ * widens the codes again: cheaper than streaming x from memory once per unit). Each OpenMP
+ * thread (torch's pool, see _cpu_kernels.c) takes a contiguous range of units. Needs AMX-BF16
+ * and AVX-512 VBMI, checked at run time (`pd_int4_gemm_supported`); without them the caller
+ * keeps its dequantize + matmul path.
  * Tile registers: 0-3 = C (rows 0-15 / 16-31 x channels 0-15 / 16-31), 4, 5 = A, 6, 7 = B.
  */
 #include <immintrin.h>
@@ -45,7 +47,7 @@
 #define HALF 32  /* channels per pass of a row block (2 C tiles wide) */
 #define ROWS 32  /* rows per pass over a unit's widened codes */
 #define CHUNK 32 /* k per tile multiply */
-#ifndef PANEL_BYTES
+#ifndef PANEL_BYTES /* x bytes per row panel (pd_int4_gemm_bf16); -D to try another */
 #define PANEL_BYTES (1 << 20)
 #endif
 
