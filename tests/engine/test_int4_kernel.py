@@ -70,6 +70,17 @@ def test_every_row_count_is_x_times_the_dequantized_weight(shape: tuple[int, int
                            full[:m]), f"{m} rows"
 
 
+def test_rows_past_a_panel_of_x_run_in_panels_with_the_same_sums() -> None:
+    layer = _layer(64, 2048, seed=9)  # 1 MiB of x is 256 rows of K = 2048: panels of 256
+    w = _reference_weight(layer)
+    x = torch.randn(300, 2048, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    full = int4_kernel.matmul(x, layer.packed, layer.scales_and_zeros, layer.group)
+    _assert_close(full, x, w)
+    for m in (255, 256, 257, 288, 289):
+        assert torch.equal(int4_kernel.matmul(x[:m], layer.packed, layer.scales_and_zeros, layer.group),
+                           full[:m]), f"{m} rows"
+
+
 def test_threads_split_the_channels_without_changing_a_bit() -> None:
     layer = _layer(448, 256, seed=3)  # 7 blocks of 64 channels: an uneven split
     x = torch.randn(70, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
