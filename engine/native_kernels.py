@@ -55,6 +55,11 @@ def _load() -> ctypes.CDLL | None:
     if hasattr(lib, "pd_int8_gemm_path"):
         lib.pd_int8_gemm_path.argtypes = [I64]
         lib.pd_int8_gemm_path.restype = ctypes.c_int
+    if hasattr(lib, "pd_int4_gemm_bf16"):
+        lib.pd_int4_gemm_bf16.argtypes = [P, I64, I64, P, P, ctypes.c_int, I64, I64, P, ctypes.c_int]
+        lib.pd_int4_gemm_bf16.restype = ctypes.c_int
+        lib.pd_int4_gemm_supported.argtypes = []
+        lib.pd_int4_gemm_supported.restype = ctypes.c_int
     return lib
 
 

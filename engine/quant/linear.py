@@ -19,13 +19,17 @@ tiles over int8 codes widened to bf16 above; `python -m bench.int8_gemm` times e
 against the bf16 matmul). Otherwise (float32, no AVX-512 BF16) an int8 layer given more
 than `INT8_KERNEL_ROWS` rows converts its weight to the compute dtype for that call and
 runs the ordinary matmul, scaling the output per channel (exact: x @ (q s)^T =
-(x @ q^T) s). An int4 layer given more than `INT4_KERNEL_ROWS` rows on CPU unpacks its
-packed codes into a dense weight of the compute dtype (the native kernel
-`pd_int4_dequant`, engine/_cpu_kernels.c, ~1 ms for a 2048 x 768 layer) and runs the
-ordinary matmul: prefill then costs about what the bf16 model's does, where the aten
-kernel took ~8x (`python -m bench.quant` measures both). Without the native library it
-stays on the aten kernel. CPU int4 weights are padded to N % 64 == 0, the block the
-packed layout is uniform over.
+(x @ q^T) s). An int4 layer on CPU given more than `INT4_KERNEL_ROWS` (4) bf16 rows runs
+the native int4 GEMM (engine/quant/int4_kernel.py, engine/_int4_gemm.c) over the same packed
+codes the aten kernel reads: per 64 output channels it widens the codes to bf16 once per call
+into AMX B tiles that stay in cache and multiplies every row against them, so no dense weight
+is written or read (prefill about as fast as bf16's, batched decode faster;
+`python -m bench.int4_gemm` per layer, `python -m bench.quant` end to end). Without it
+(float32 activations, no AMX, no native library) a layer given more than `INT4_DEQUANT_ROWS`
+(32) rows unpacks its codes into a dense weight of the compute dtype (`pd_int4_dequant`,
+engine/_cpu_kernels.c) and runs the ordinary matmul; without the library it stays on the aten
+kernel. CPU int4 weights are padded to N % 64 == 0, the block the packed layout is uniform
+over.
 """
 
 from __future__ import annotations
@@ -38,14 +42,15 @@ from torch import nn
 
 from engine import native_kernels
 from engine.native_kernels import DTYPE_CODES
-from engine.quant import int8_kernel
+from engine.quant import int4_kernel, int8_kernel
 from engine.quant.formats import INT4_GROUP, ON_THE_FLY, QuantizationError
 from engine.quant.pack import Int4Parts, Int8Parts, quantize_int4, quantize_int8
 
 _N_ALIGN = 16
 _N_ALIGN_CPU = 64
 INT8_KERNEL_ROWS = 8
-INT4_KERNEL_ROWS = 32
+INT4_KERNEL_ROWS = 4  # aten's small-M kernel up to here; the native AMX kernel above (bf16)
+INT4_DEQUANT_ROWS = 32  # without it (float32, no AMX): aten up to here, then unpack + matmul
 
 
 class Int8Linear(nn.Module):
@@ -110,18 +115,20 @@ class Int4Linear(nn.Module):
             x2 = x2.index_select(1, self.perm)
         if self.pad_k:
             x2 = F.pad(x2, (0, self.pad_k))
-        if not self.on_cuda and x2.shape[0] > INT4_KERNEL_ROWS and _dequantizes(x2.dtype, self.scales_and_zeros.dtype):
-            y = F.linear(x2, self.dense_weight(x2.dtype))
-        elif self.on_cuda:
+        rows = x2.shape[0]
+        if self.on_cuda:
             y = torch._weight_int4pack_mm(x2.to(torch.bfloat16).contiguous(), self.packed, self.group,
                                           self.scales_and_zeros).to(x.dtype)
+        elif rows > INT4_KERNEL_ROWS and int4_kernel.runs(x2, self.scales_and_zeros, self.group):
+            y = int4_kernel.matmul(x2, self.packed, self.scales_and_zeros, self.group)
+        elif rows > INT4_DEQUANT_ROWS and _dequantizes(x2.dtype, self.scales_and_zeros.dtype):
+            y = F.linear(x2, self.dense_weight(x2.dtype))
         else:
             y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group,
                                                   self.scales_and_zeros)
         if y.shape[-1] != self.out_features:
             y = y[:, : self.out_features]
         return y.reshape(*x.shape[:-1], self.out_features)
-
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The CPU-packed codes as a dense [N_padded, K_padded] weight of `dtype`

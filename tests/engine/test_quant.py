@@ -16,13 +16,14 @@ from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import CheckpointError, load_model_with
 from engine.model_runner import ModelRunner
+from engine.quant import int4_kernel
 from engine.quant.formats import (
     PrequantConfig,
     QuantizationError,
     linear_weight_bytes,
     served_quantization,
 )
-from engine.quant.linear import INT4_KERNEL_ROWS, Int4Linear, Int8Linear, quantize_weight
+from engine.quant.linear import INT4_DEQUANT_ROWS, Int4Linear, Int8Linear, quantize_weight
 from engine.quant.pack import quantize_int4, quantize_int8
 from tests.helpers.tiny_models import FAMILIES
 
@@ -57,7 +58,7 @@ def test_int8_layer_is_the_matmul_of_its_dequantized_weight(
     assert (y.float() - ref).abs().max().item() <= tol
 
 
-@pytest.mark.parametrize("rows", [3, 40])  # the aten kernel, and the unpacked weight past INT4_KERNEL_ROWS
+@pytest.mark.parametrize("rows", [3, 40])  # aten; above: the native kernel (bf16) or the unpacked weight
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(96, 64), (40, 688), (256, 384)])
 def test_int4_layer_is_the_matmul_of_its_dequantized_weight(
@@ -82,10 +83,13 @@ def test_int4_layer_is_the_matmul_of_its_dequantized_weight(
 
 @pytest.mark.skipif(native_kernels.LIB is None, reason="the native CPU kernels were not built")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_native_unpacking_gives_the_dequantized_int4_weight(dtype: torch.dtype) -> None:
+def test_the_native_unpacking_gives_the_dequantized_int4_weight(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     w = _weight(200, 256, seed=2).to(dtype)  # N padded to 256: 4 blocks of the packed layout
     layer = quantize_weight(w, "int4")
-    assert isinstance(layer, Int4Linear) and INT4_KERNEL_ROWS < 64
+    assert isinstance(layer, Int4Linear) and INT4_DEQUANT_ROWS < 64
+    monkeypatch.setattr(int4_kernel, "_AVAILABLE", False)  # the path without the AMX kernel
     dense = layer.dense_weight(dtype)
     assert dense.shape == (256, 256) and dense.dtype == dtype
     want = quantize_int4(w.float(), 128).dequantize().to(dtype)

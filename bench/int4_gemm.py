@@ -1,0 +1,82 @@
+"""Per-layer timing of the int4 weight matmul paths against the bf16 matmul, one run.
+
+    python -m bench.int4_gemm [--threads 1] [--rows 4 8 16 32 128 512] [--reps 50]
+
+For each weight shape [N, K] (the ~125M benchmark model's projections: qkv, o, gate_up,
+down), row count and thread count: F.linear with the dense bf16 weight; `aten`, torch's
+small-M int4 kernel (`torch._weight_int4pack_mm_for_cpu`, the decode path); `dequant`, the
+old prefill path (unpack the whole weight with `pd_int4_dequant`, then F.linear); and
+`native`, the AMX kernel (engine/_int4_gemm.c). Prints the median time of bf16 and each
+path's ratio to it, all measured in the same run, interleaved per repetition (the host may
+be shared: compare ratios, not absolute times). `auto` is what `Int4Linear` runs for that
+row count (`INT4_KERNEL_ROWS` is the crossover between aten and native).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from bench.int8_gemm import SHAPES
+from engine.quant import int4_kernel
+from engine.quant.linear import Int4Linear, quantize_weight
+
+PATHS = ("aten", "dequant", "native", "auto")
+
+
+def _once_us(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def _row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
+    g = torch.Generator().manual_seed(n * 31 + k)
+    layer = quantize_weight((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16), "int4")
+    assert isinstance(layer, Int4Linear)
+    dense = layer.dense_weight(torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    packed, sz, group = layer.packed, layer.scales_and_zeros, layer.group
+    paths: dict[str, Callable[[], object]] = {
+        "bf16": lambda: F.linear(x, dense),
+        "aten": lambda: torch._weight_int4pack_mm_for_cpu(x, packed, group, sz),
+    }
+    if int4_kernel.available():
+        paths["native"] = lambda: int4_kernel.matmul(x, packed, sz, group)
+    paths["auto"] = lambda: layer(x)
+    paths["dequant"] = lambda: F.linear(x, layer.dense_weight(torch.bfloat16))  # writes a dense weight: last
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for fn in paths.values():  # warm-up: first-call allocations, caches
+        fn()
+    for _ in range(reps):  # interleaved: background load hits every path alike
+        for name, fn in paths.items():
+            times[name].append(_once_us(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1])
+    ap.add_argument("--rows", type=int, nargs="+", default=[4, 8, 16, 32, 128, 512])
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args()
+    if not int4_kernel.available():
+        print("native int4 kernel unavailable (no library, AMX-BF16 or AVX-512 VBMI): torch paths only")
+    print(f"{'threads':>7} {'N x K':>10} {'M':>4} {'bf16 us':>8}  ratio to bf16: "
+          + " ".join(f"{p:>8}" for p in PATHS))
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for m in args.rows:
+            for n, k in SHAPES:
+                r = _row(n, k, m, args.reps)
+                ratios = " ".join(f"{r[p] / r['bf16']:8.2f}" if p in r else f"{'-':>8}" for p in PATHS)
+                print(f"{threads:>7} {f'{n}x{k}':>10} {m:>4} {r['bf16']:8.1f}                {ratios}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
