@@ -1,10 +1,11 @@
 """The native bf16 GEMV (engine/_bf16_gemv.c) for decode's small-row linears on CPU.
 
-`linear` is `F.linear` with one detour: a bf16 CPU call with 1 to `ROWS` rows (a decode
-step's batch) runs the native kernel, which streams the weight in its own row-major
-[N, K] layout (no second copy) with AVX-512 BF16 dot products, float32 sums and one
-rounding to bf16; oneDNN's matmul reads the same weights at well under the memory speed
-one core reaches (`python -m bench.bf16_gemv` times both per shape and row count). Every
+`linear` is `F.linear` with one detour: a bf16 CPU call with 1 to `route_rows()` rows (a
+decode step's batch: up to 16 where the CPU has AMX, else 2) runs the native kernel,
+which streams the weight in its own row-major [N, K] layout (no second copy) as AMX A
+tiles (or AVX-512 BF16 dot products), float32 sums and one rounding to bf16; oneDNN's
+matmul reads the same weights at well under the memory speed one core reaches
+(`python -m bench.bf16_gemv` times both per shape and row count). Every
 other call (float32, more rows, CUDA, autograd, an input whose last dimension is strided,
 a CPU without AVX-512 BF16, the library missing or `PDSERVE_NATIVE_KERNELS=0`) is plain
 `F.linear`. `PDSERVE_BF16_GEMV=0` turns the detour off alone; `set_enabled` does the
@@ -30,6 +31,9 @@ _AVAILABLE = available()
 ROWS = int(native_kernels.LIB.pd_bf16_gemv_rows()) if _AVAILABLE else 0  # type: ignore[union-attr]
 """The most rows the kernel takes in one call (0 where it is unavailable)."""
 
+AVX_ROUTE_ROWS = 2
+"""Without AMX, the dot-product path beats F.linear only at a row or two (bench/bf16_gemv.py)."""
+
 _on = _AVAILABLE and envs.bf16_gemv()
 
 
@@ -52,6 +56,14 @@ def amx_rows() -> int:
     """The fewest rows the library runs on AMX tiles (0: this CPU or process has no AMX)."""
     lib = native_kernels.LIB
     return int(lib.pd_bf16_gemv_amx_rows()) if lib is not None and _AVAILABLE else 0
+
+
+def route_rows() -> int:
+    """The most rows `linear` hands the kernel: all it takes on AMX, else AVX_ROUTE_ROWS."""
+    return ROWS if amx_rows() else min(ROWS, AVX_ROUTE_ROWS)
+
+
+_ROUTE_ROWS = route_rows()
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, path: int = AUTO) -> torch.Tensor:
@@ -89,7 +101,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (_on and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
             and native_kernels.LIB is not None):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if (1 <= x2.shape[0] <= ROWS and x2.stride(-1) == 1 and x2.stride(0) >= x2.shape[1]
+        if (1 <= x2.shape[0] <= _ROUTE_ROWS and x2.stride(-1) == 1 and x2.stride(0) >= x2.shape[1]
                 and weight.is_contiguous()
                 and x2.shape[1] == weight.shape[1] and not (x.requires_grad or weight.requires_grad)
                 and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))):

@@ -128,12 +128,14 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Counting]:
 
 
 def test_linear_hook_runs_the_kernel_for_bf16_decode_rows_only(counting: _Counting) -> None:
-    x, w, b = _tensors(256, 128, bf16_gemv.ROWS + 1)
-    y = linear(x[:3], w, b)
-    assert counting.calls == 1 and torch.equal(y, bf16_gemv.gemv(x[:3], w, b))
-    y3 = linear(x[:4].reshape(2, 2, 128), w, None)  # leading dims are flattened, then restored
-    assert counting.calls == 3 and y3.shape == (2, 2, 256)
-    assert torch.equal(y3.reshape(4, 256), bf16_gemv.gemv(x[:4], w))
+    r = bf16_gemv.route_rows()  # 16 with AMX, else 2
+    assert r == (bf16_gemv.ROWS if bf16_gemv.amx_rows() else 2)
+    x, w, b = _tensors(256, 128, r + 1)
+    y = linear(x[:r], w, b)
+    assert counting.calls == 1 and torch.equal(y, bf16_gemv.gemv(x[:r], w, b))
+    y3 = linear(x[:2].reshape(1, 2, 128), w, None)  # leading dims are flattened, then restored
+    assert counting.calls == 3 and y3.shape == (1, 2, 256)
+    assert torch.equal(y3.reshape(2, 256), bf16_gemv.gemv(x[:2], w))
     calls = counting.calls
     # prefill-sized calls, float32 and autograd keep F.linear, bit for bit
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))
