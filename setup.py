@@ -22,8 +22,8 @@ setup(
         Extension(
             "engine._cpu_kernels",
             sources=["engine/_cpu_kernels.c", "engine/_int8_gemm.c", "engine/_int8_gemv.c",
-                     "engine/_int4_gemm.c", "engine/_bf16_gemv.c"],
-            depends=["engine/_int8_gemm.h"],
+                     "engine/_int4_gemm.c", "engine/_bf16_gemv.c", "engine/_attn_bf16.c"],
+            depends=["engine/_int8_gemm.h", "engine/_attn_bf16.h"],
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             libraries=["m"],

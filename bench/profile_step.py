@@ -10,11 +10,12 @@ every run rewrites the same KV slots and reads the same contexts. Prefill: one
 `--prefill-len`-token prompt in one step. Three variants take turns within each
 repetition, so background load on the shared machine hits all alike: the old
 bf16 path (gather + SDPA decode attention, torch RMSNorm and rotary), in-place
-attention only, the new path with `F.linear` (in-place attention, fused add +
-RMSNorm, in-place rotary), and the new path with the native bf16 GEMV for the
-decode linears and LM head (engine/bf16_gemv.py; `PDSERVE_BF16_GEMV=0` is the
-same switch for a server). The table shows medians over `--reps` and ratios to
-the old; `--variants` picks a subset (e.g. `--variants 3 4`, the GEMV's A/B).
+attention only, the fused path with `F.linear` (in-place attention with its
+generic loop, fused add + RMSNorm, in-place rotary), that plus the native bf16
+GEMV for the decode linears and LM head (engine/bf16_gemv.py; `PDSERVE_BF16_GEMV=0`
+is the same switch for a server), and the new path: that plus the AVX-512 BF16
+attention loop (engine/_attn_bf16.c). The table shows medians over `--reps` and
+ratios to the first variant run; `--variants` picks a subset (e.g. `--variants 3 4 5`).
 
 --profile adds torch.profiler's top-10 ops by self CPU time for one decode run
 and one prefill, old and new, and the share of the wall time no op accounts
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--variants", type=int, nargs="+", default=[1, 2, 3, 4],
+    ap.add_argument("--variants", type=int, nargs="+", default=[1, 2, 3, 4, 5],
                     help="which of the variants to run, numbered from 1 (default all)")
     args = ap.parse_args(argv)
     variants = [VARIANTS[i - 1] for i in args.variants]
@@ -155,8 +156,9 @@ def main(argv: list[str] | None = None) -> None:
                             lambda: prefill_run(runner, args.prefill_len, pre_table))
 
 
-OLD, FUSED, NEW = "old (gather, torch ops)", "fused (in-place, F.linear)", "new (fused + bf16 GEMV)"
-VARIANTS = (OLD, "in-place attention only", FUSED, NEW)
+OLD, FUSED = "old (gather, torch ops)", "fused (in-place, F.linear)"
+GEMV, NEW = "fused + bf16 GEMV", "new (GEMV + bf16 attn loop)"
+VARIANTS = (OLD, "in-place attention only", FUSED, GEMV, NEW)
 
 
 class Recorded:
@@ -183,13 +185,16 @@ def variant(runner: ModelRunner, name: str, recorded: bool = False) -> Iterator[
     new_lib = cast(ctypes.CDLL, Recorded(lib)) if recorded else lib
     runner.backend = (TorchPagedAttention() if name == OLD
                       else InPlacePagedAttention(NativeAttention(new_lib)))
-    native_kernels.LIB = new_lib if name in (FUSED, NEW) else None  # the fused norm and rope paths
-    gemv_was = bf16_gemv.set_enabled(name == NEW)
+    native_kernels.LIB = new_lib if name in (FUSED, GEMV, NEW) else None  # the fused norm and rope paths
+    gemv_was = bf16_gemv.set_enabled(name in (GEMV, NEW))
+    attn_was = lib.pd_attn_bf16_set(int(name == NEW)) if hasattr(lib, "pd_attn_bf16_set") else None
     try:
         yield
     finally:
         native_kernels.LIB = lib
         bf16_gemv.set_enabled(gemv_was)
+        if attn_was is not None:
+            lib.pd_attn_bf16_set(attn_was)
 
 if __name__ == "__main__":
     main()
