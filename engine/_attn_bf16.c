@@ -26,6 +26,7 @@
 
 #define PD_OK 0
 #define PD_ERR_BLOCK 2
+#define PREFETCH_KEYS 8 /* how far ahead p.V prefetches V rows */
 
 static int enabled = 1;
 
@@ -110,6 +111,16 @@ TARGET INLINE int attend_d(const uint16_t *q, const uint16_t *k, const uint16_t 
             if (++off == bs)
                 off = 0, bi++;
         }
+        if (t0 + 16 < L) { /* the next 16 keys' rows: a block jump the hardware cannot guess */
+            int64_t nbi = (t0 + 16) / bs, noff = (t0 + 16) % bs, nn = L - t0 - 16 < 16 ? L - t0 - 16 : 16;
+            for (int i = 0; i < nn; i++) {
+                const char *p = (const char *)(k + (table[nbi] * bs + noff) * row_stride + h * D);
+                for (int line = 0; line < D * 2; line += 64)
+                    _mm_prefetch(p + line, _MM_HINT_T0);
+                if (++noff == bs)
+                    noff = 0, nbi++;
+            }
+        }
         for (int64_t g = 0; g < G; g++) {
             __m512 qv[4], part[16];
             for (int j = 0; j < DV; j++)
@@ -154,11 +165,18 @@ TARGET INLINE int attend_d(const uint16_t *q, const uint16_t *k, const uint16_t 
         __m512 acc[16];
         for (int i = 0; i < 16; i++)
             acc[i] = zero;
-        int64_t bi = 0, off = 0;
+        int64_t bi = 0, off = 0, pbi = PREFETCH_KEYS / bs, poff = PREFETCH_KEYS % bs;
         for (int64_t t = 0; t < L; t++) {
             const uint16_t *vr = v + (table[bi] * bs + off) * row_stride + h * D;
             if (++off == bs)
                 off = 0, bi++;
+            if (t + PREFETCH_KEYS < L) { /* the V row PREFETCH_KEYS keys ahead */
+                const char *p = (const char *)(v + (table[pbi] * bs + poff) * row_stride + h * D);
+                for (int line = 0; line < D * 2; line += 64)
+                    _mm_prefetch(p + line, _MM_HINT_T0);
+                if (++poff == bs)
+                    poff = 0, pbi++;
+            }
             __m512 row[8];
             for (int j = 0; j < D / 16; j++)
                 row[j] = widen16(vr + 16 * j);
