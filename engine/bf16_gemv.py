@@ -8,8 +8,9 @@ matmul reads the same weights at well under the memory speed one core reaches
 (`python -m bench.bf16_gemv` times both per shape and row count). Every
 other call (float32, more rows, CUDA, autograd, an input whose last dimension is strided,
 a CPU without AVX-512 BF16, the library missing or `PDSERVE_NATIVE_KERNELS=0`) is plain
-`F.linear`. `PDSERVE_BF16_GEMV=0` turns the detour off alone; `set_enabled` does the
-same in one process (A/B benches and tests).
+`F.linear`. `PDSERVE_BF16_GEMV=0` (read once, at import: this is every decode linear's
+path) turns the detour off alone; `set_enabled` does the same in one process (A/B
+benches and tests).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common import envs
 from engine import bf16_gemv, native_kernels
 from engine.quant.linear import linear
 
@@ -143,7 +144,7 @@ def test_linear_hook_runs_the_kernel_for_bf16_decode_rows_only(counting: _Counti
     wg = w.clone().requires_grad_(True)
     assert torch.equal(linear(x[:2], wg, None).detach(), F.linear(x[:2], w))
     assert counting.calls == calls
-    bf16_gemv.set_enabled(False)  # PDSERVE_BF16_GEMV=0
+    bf16_gemv.set_enabled(False)  # what PDSERVE_BF16_GEMV=0 sets at import
     assert torch.equal(linear(x[:2], w, b), F.linear(x[:2], w, b)) and counting.calls == calls
 
 
@@ -154,3 +155,10 @@ def test_amx_calls_leave_torch_matmuls_untouched() -> None:
     for m in (1, 5, bf16_gemv.ROWS):
         bf16_gemv.gemv(x[:m], w)
         assert torch.equal(F.linear(x, w), before)
+
+
+def test_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDSERVE_BF16_GEMV", raising=False)
+    assert envs.bf16_gemv()  # default on
+    monkeypatch.setenv("PDSERVE_BF16_GEMV", "0")
+    assert not envs.bf16_gemv()
