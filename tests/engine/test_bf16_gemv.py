@@ -162,3 +162,12 @@ def test_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert envs.bf16_gemv()  # default on
     monkeypatch.setenv("PDSERVE_BF16_GEMV", "0")
     assert not envs.bf16_gemv()
+
+
+def test_bench_times_every_path() -> None:
+    """A fast run of bench/bf16_gemv.py's own timing code (the bench runs it per 125M shape)."""
+    from bench.bf16_gemv import shape_row
+
+    t = shape_row(64, 96, 2, reps=1)
+    assert set(t) == {"F.linear", "avx", "hook"} | ({"amx"} if bf16_gemv.amx_rows() else set())
+    assert all(v > 0 for v in t.values())
