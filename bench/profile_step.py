@@ -10,8 +10,12 @@ every run rewrites the same KV slots and reads the same contexts. Prefill: one
 `--prefill-len`-token prompt in one step. Three variants take turns within each
 repetition, so background load on the shared machine hits all alike: the old
 bf16 path (gather + SDPA decode attention, torch RMSNorm and rotary), in-place
-attention only, and the new path (in-place attention, fused add + RMSNorm,
-in-place rotary). The table shows medians over `--reps` and ratios to the old.
+attention only, the fused path with `F.linear` (in-place attention with its
+generic loop, fused add + RMSNorm, in-place rotary), that plus the native bf16
+GEMV for the decode linears and LM head (engine/bf16_gemv.py; `PDSERVE_BF16_GEMV=0`
+is the same switch for a server), and the new path: that plus the AVX-512 BF16
+attention loop (engine/_attn_bf16.c). The table shows medians over `--reps` and
+ratios to the first variant run; `--variants` picks a subset (e.g. `--variants 3 4 5`).
 
 --profile adds torch.profiler's top-10 ops by self CPU time for one decode run
 and one prefill, old and new, and the share of the wall time no op accounts
@@ -34,7 +38,7 @@ import torch
 
 from bench.engine import build_125m
 from common.sampling_params import SamplingParams
-from engine import native_kernels
+from engine import bf16_gemv, native_kernels
 from engine.attention import TorchPagedAttention
 from engine.config import CacheConfig, EngineConfig
 from engine.model_runner import ModelRunner
@@ -115,7 +119,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--variants", type=int, nargs="+", default=[1, 2, 3, 4, 5],
+                    help="which of the variants to run, numbered from 1 (default all)")
     args = ap.parse_args(argv)
+    variants = [VARIANTS[i - 1] for i in args.variants]
+    base_name = variants[0]
     if NATIVE is None:
         raise SystemExit("engine/_cpu_kernels is not built (pip install -e . builds it)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,28 +136,29 @@ def main(argv: list[str] | None = None) -> None:
         pre_table = dec.spare
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
               f"decode batch {args.batch} at ctx {args.ctx}, prefill {args.prefill_len} tokens")
-        decode: dict[str, list[float]] = {name: [] for name in VARIANTS}
-        prefill: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        decode: dict[str, list[float]] = {name: [] for name in variants}
+        prefill: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.reps + 1):  # the first round warms up and is dropped
-            for name in VARIANTS:
+            for name in variants:
                 with variant(runner, name):
                     decode[name].append(dec.run())
                     prefill[name].append(prefill_run(runner, args.prefill_len, pre_table))
         for label, times in (("decode step", decode), ("prefill step", prefill)):
-            base = statistics.median(times[OLD][1:])
+            base = statistics.median(times[base_name][1:])
             for name, ts in times.items():
                 med = statistics.median(ts[1:])
-                print(f"{label} {name:<24} {med * 1e3:8.2f} ms  ratio to old {med / base:.3f}")
+                print(f"{label} {name:<30} {med * 1e3:8.2f} ms  ratio to {base_name.split()[0]} {med / base:.3f}")
         if args.profile:
-            for name in (OLD, NEW):
+            for name in (base_name, variants[-1]):
                 with variant(runner, name, recorded=True):
                     profile(f"decode x{args.steps} steps, {name}", dec.run)
                     profile(f"prefill, {name}",
                             lambda: prefill_run(runner, args.prefill_len, pre_table))
 
 
-OLD, NEW = "old (gather, torch ops)", "new (in-place, fused)"
-VARIANTS = (OLD, "in-place attention only", NEW)
+OLD, FUSED = "old (gather, torch ops)", "fused (in-place, F.linear)"
+GEMV, NEW = "fused + bf16 GEMV", "new (GEMV + bf16 attn loop)"
+VARIANTS = (OLD, "in-place attention only", FUSED, GEMV, NEW)
 
 
 class Recorded:
@@ -176,11 +185,16 @@ def variant(runner: ModelRunner, name: str, recorded: bool = False) -> Iterator[
     new_lib = cast(ctypes.CDLL, Recorded(lib)) if recorded else lib
     runner.backend = (TorchPagedAttention() if name == OLD
                       else InPlacePagedAttention(NativeAttention(new_lib)))
-    native_kernels.LIB = new_lib if name == NEW else None  # the fused norm and rope paths
+    native_kernels.LIB = new_lib if name in (FUSED, GEMV, NEW) else None  # the fused norm and rope paths
+    gemv_was = bf16_gemv.set_enabled(name in (GEMV, NEW))
+    attn_was = lib.pd_attn_bf16_set(int(name == NEW)) if hasattr(lib, "pd_attn_bf16_set") else None
     try:
         yield
     finally:
         native_kernels.LIB = lib
+        bf16_gemv.set_enabled(gemv_was)
+        if attn_was is not None:
+            lib.pd_attn_bf16_set(attn_was)
 
 if __name__ == "__main__":
     main()

@@ -74,6 +74,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "0: bf16 runs the torch paths (gather + SDPA decode attention, unfused RMSNorm) even "
             "where the native CPU kernels (engine/_cpu_kernels.c) are built.",
         ),
+        EnvVar(
+            "PDSERVE_BF16_GEMV",
+            "1",
+            "0: bf16 CPU linears with few rows (decode) run F.linear instead of the native bf16 GEMV "
+            "(engine/_bf16_gemv.c); for A/B timing.",
+        ),
         EnvVar("HF_TOKEN", "", "Hugging Face token for `--model org/name` downloads of gated or private repos."),
         EnvVar("HF_HUB_OFFLINE", "", "1: resolve `--model org/name` from the local Hugging Face cache only."),
         EnvVar("HF_HUB_CACHE", "", "The Hugging Face hub cache (default: <HF_HOME>/hub)."),
@@ -149,6 +155,11 @@ def admin_token() -> str | None:
 def native_kernels() -> bool:
     """`PDSERVE_NATIVE_KERNELS`: False when set to 0 (default on)."""
     return get("PDSERVE_NATIVE_KERNELS") != "0"
+
+
+def bf16_gemv() -> bool:
+    """`PDSERVE_BF16_GEMV`: False when set to 0 (default on)."""
+    return get("PDSERVE_BF16_GEMV") != "0"
 
 
 def hf_token() -> str | None:

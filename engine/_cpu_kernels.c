@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_attn_bf16.h"
+
 #define PD_OK 0
 #define PD_ERR_NOMEM 1
 #define PD_ERR_BLOCK 2
@@ -78,6 +80,12 @@ static int attend(int dtype, const void *q, int64_t q_stride, const void *k, con
                   float *work) {
     float *qf = work, *row = qf + G * D, *acc = row + D, *sc = acc + G * D;
     int64_t q0 = (b * KVH * G + h * G) * D;
+    if (dtype == 1) { /* engine/_attn_bf16.c where the head size and CPU allow */
+        int rc = pd_attend_bf16((const uint16_t *)q + b * q_stride + h * G * D, k, v, table, L,
+                                num_blocks, h, G, KVH, D, bs, scale, (uint16_t *)out + q0, sc);
+        if (rc != PD_ATTN_UNHANDLED)
+            return rc;
+    }
     for (int64_t g = 0; g < G; g++) {
         load_row(q, dtype, b * q_stride + (h * G + g) * D, D, qf + g * D);
         for (int64_t j = 0; j < D; j++)

@@ -52,6 +52,18 @@ def _load() -> ctypes.CDLL | None:
         lib.pd_int8_gemm_supported.restype = ctypes.c_int
         lib.pd_int8_gemm_amx_supported.argtypes = []
         lib.pd_int8_gemm_amx_supported.restype = ctypes.c_int
+    if hasattr(lib, "pd_bf16_gemv"):
+        lib.pd_bf16_gemv.argtypes = [P, I64, I64, I64, P, I64, P, P, ctypes.c_int, ctypes.c_int]
+        lib.pd_bf16_gemv.restype = ctypes.c_int
+        lib.pd_bf16_gemv_supported.argtypes = []
+        lib.pd_bf16_gemv_supported.restype = ctypes.c_int
+        lib.pd_bf16_gemv_rows.argtypes = []
+        lib.pd_bf16_gemv_rows.restype = ctypes.c_int
+        lib.pd_bf16_gemv_amx_rows.argtypes = []
+        lib.pd_bf16_gemv_amx_rows.restype = ctypes.c_int
+    if hasattr(lib, "pd_attn_bf16_set"):
+        lib.pd_attn_bf16_set.argtypes = [ctypes.c_int]
+        lib.pd_attn_bf16_set.restype = ctypes.c_int
     if hasattr(lib, "pd_int8_gemm_path"):
         lib.pd_int8_gemm_path.argtypes = [I64]
         lib.pd_int8_gemm_path.restype = ctypes.c_int

@@ -217,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight)
+        return linear(hidden, weight, None)  # decode rows in bf16: the native GEMV too
 
     def linear_weights(self) -> list[str]:
         """Parameter names of the decoder linears; embeddings and the LM head are not among them."""

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import native_kernels
+from engine import bf16_gemv, native_kernels
 from engine.native_kernels import DTYPE_CODES
 from engine.quant import int4_kernel, int8_kernel
 from engine.quant.formats import INT4_GROUP, ON_THE_FLY, QuantizationError
@@ -174,9 +174,10 @@ class ConcatLinear(nn.Module):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear` for a float weight; the quantized layer's own matmul otherwise."""
+    """`F.linear` for a float weight (bf16 decode rows on CPU: the native GEMV,
+    engine/bf16_gemv.py); the quantized layer's own matmul otherwise."""
     if isinstance(weight, torch.Tensor):
-        return F.linear(x, weight, bias)
+        return bf16_gemv.linear(x, weight, bias)
     y = weight(x)
     return y if bias is None else y + bias
 

@@ -1,0 +1,209 @@
+/* The bf16 inner loop of the in-place paged decode attention (`attend` in _cpu_kernels.c
+ * calls it for one (sequence, KV head) when it applies): head size 64 or 128, a CPU with
+ * AVX-512 BF16. The G query heads sharing the KV head read each K and V row once between
+ * them, from the pool in place, as the generic loop does; what changes is the arithmetic:
+ *
+ * - q . k: `_mm512_dpbf16_ps` over the bf16 q and k rows as stored (products exact in
+ *   float32, float32 sums), the scale applied to the sum. Sixteen keys' partial vectors
+ *   are summed across lanes together (one transposing tree, ~3 instructions a score)
+ *   instead of one horizontal sum per score.
+ * - softmax: max, exp and sum 16 scores at a time; exp is a degree-6 polynomial after
+ *   range reduction (relative error ~2e-7, as expf's float32 result is within rounding).
+ * - p . V: up to 16 float32 accumulators (4 heads x 64, or 2 x 128) stay in registers
+ *   over the whole context; each V row is widened from bf16 once per head group.
+ *
+ * The output is rounded to bf16 once, to nearest even. Returns PD_OK, PD_ERR_BLOCK for a
+ * block id outside the pool, or PD_ATTN_UNHANDLED (the caller runs its generic loop).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "_attn_bf16.h"
+
+#define TARGET __attribute__((target("avx512f,avx512dq,avx512bf16,avx512bw,avx512vl")))
+#define INLINE __attribute__((always_inline)) static inline
+
+#define PD_OK 0
+#define PD_ERR_BLOCK 2
+#define PREFETCH_KEYS 8 /* how far ahead p.V prefetches V rows */
+
+static int enabled = 1;
+
+int pd_attn_bf16_set(int on) {
+    int was = enabled;
+    enabled = on != 0;
+    return was;
+}
+
+static int bf16_ok(void) {
+    static int ok = -1;
+    if (ok < 0) {
+        __builtin_cpu_init();
+        ok = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq");
+    }
+    return ok;
+}
+
+TARGET INLINE __m512 dot(__m512 acc, __m512 a, __m512 b) { /* see _bf16_gemv.c: GCC 12 */
+    __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+
+/* r[i] = the sum of v[i]'s 16 lanes, for 16 vectors. */
+TARGET INLINE __m512 sum16(__m512 *v) {
+    __m512 s[8], u[4], w[2];
+    for (int j = 0; j < 8; j++) /* per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 */
+        s[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                             _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++) { /* per 128-bit lane: vectors 4j..4j+3's lane partials */
+        __m512d a = _mm512_castps_pd(s[2 * j]), b = _mm512_castps_pd(s[2 * j + 1]);
+        u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int j = 0; j < 2; j++)
+        w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* e^x for x <= 0 (Cephes expf's reduction and polynomial; 2^n applied by scalef). */
+TARGET INLINE __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* 16 bf16 at p as float32 (exact). */
+TARGET INLINE __m512 widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+TARGET INLINE int attend_d(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                           const int64_t *table, int64_t L, int64_t num_blocks, int64_t h, int64_t G,
+                           int64_t KVH, int64_t bs, float scale, uint16_t *out, float *sc,
+                           const int D) {
+    const int DV = D / 32, GB = 16 / (D / 16); /* k vectors per row; heads per p.V pass */
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; t += bs) { /* every block id, before any is read */
+        int64_t blk = table[t / bs];
+        if (blk < 0 || blk >= num_blocks)
+            return PD_ERR_BLOCK;
+    }
+    const int64_t row_stride = KVH * D; /* elements between a block's consecutive keys */
+    for (int64_t t0 = 0; t0 < L; t0 += 16) { /* 16 keys at a time, every head over them */
+        const uint16_t *kr[16];
+        int64_t bi = t0 / bs, off = t0 % bs, n = L - t0 < 16 ? L - t0 : 16;
+        for (int i = 0; i < 16; i++) {
+            kr[i] = i < n ? k + (table[bi] * bs + off) * row_stride + h * D : NULL;
+            if (++off == bs)
+                off = 0, bi++;
+        }
+        if (t0 + 16 < L) { /* the next 16 keys' rows: a block jump the hardware cannot guess */
+            int64_t nbi = (t0 + 16) / bs, noff = (t0 + 16) % bs, nn = L - t0 - 16 < 16 ? L - t0 - 16 : 16;
+            for (int i = 0; i < nn; i++) {
+                const char *p = (const char *)(k + (table[nbi] * bs + noff) * row_stride + h * D);
+                for (int line = 0; line < D * 2; line += 64)
+                    _mm_prefetch(p + line, _MM_HINT_T0);
+                if (++noff == bs)
+                    noff = 0, nbi++;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            __m512 qv[4], part[16];
+            for (int j = 0; j < DV; j++)
+                qv[j] = _mm512_loadu_ps(q + g * D + 32 * j);
+            for (int i = 0; i < 16; i++) {
+                if (i >= n) {
+                    part[i] = zero;
+                    continue;
+                }
+                __m512 a = dot(zero, qv[0], _mm512_loadu_ps(kr[i]));
+                for (int j = 1; j < DV; j++)
+                    a = dot(a, qv[j], _mm512_loadu_ps(kr[i] + 32 * j));
+                part[i] = a;
+            }
+            __m512 r = _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(sc + g * L + t0, (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1u), r);
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *s = sc + g * L;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t t0 = 0; t0 < L; t0 += 16) {
+            __mmask16 m = (__mmask16)(L - t0 >= 16 ? 0xFFFF : (1u << (L - t0)) - 1u);
+            mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, s + t0));
+        }
+        __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), sum = zero;
+        for (int64_t t0 = 0; t0 < L; t0 += 16) {
+            __mmask16 m = (__mmask16)(L - t0 >= 16 ? 0xFFFF : (1u << (L - t0)) - 1u);
+            __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t0), mv));
+            e = _mm512_maskz_mov_ps(m, e);
+            sum = _mm512_add_ps(sum, e);
+            _mm512_mask_storeu_ps(s + t0, m, e);
+        }
+        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+        for (int64_t t0 = 0; t0 < L; t0 += 16) {
+            __mmask16 m = (__mmask16)(L - t0 >= 16 ? 0xFFFF : (1u << (L - t0)) - 1u);
+            _mm512_mask_storeu_ps(s + t0, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t0), inv));
+        }
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += GB) {
+        int64_t gn = G - g0 < GB ? G - g0 : GB;
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++)
+            acc[i] = zero;
+        int64_t bi = 0, off = 0, pbi = PREFETCH_KEYS / bs, poff = PREFETCH_KEYS % bs;
+        for (int64_t t = 0; t < L; t++) {
+            const uint16_t *vr = v + (table[bi] * bs + off) * row_stride + h * D;
+            if (++off == bs)
+                off = 0, bi++;
+            if (t + PREFETCH_KEYS < L) { /* the V row PREFETCH_KEYS keys ahead */
+                const char *p = (const char *)(v + (table[pbi] * bs + poff) * row_stride + h * D);
+                for (int line = 0; line < D * 2; line += 64)
+                    _mm_prefetch(p + line, _MM_HINT_T0);
+                if (++poff == bs)
+                    poff = 0, pbi++;
+            }
+            __m512 row[8];
+            for (int j = 0; j < D / 16; j++)
+                row[j] = widen16(vr + 16 * j);
+            for (int g = 0; g < GB; g++) {
+                if (g >= gn)
+                    break;
+                __m512 p = _mm512_set1_ps(sc[(g0 + g) * L + t]);
+                for (int j = 0; j < D / 16; j++)
+                    acc[g * (D / 16) + j] = _mm512_fmadd_ps(p, row[j], acc[g * (D / 16) + j]);
+            }
+        }
+        for (int64_t g = 0; g < gn; g++)
+            for (int j = 0; j < D / 16; j++)
+                _mm256_storeu_si256((__m256i *)(out + (g0 + g) * D + 16 * j),
+                                    (__m256i)_mm512_cvtneps_pbh(acc[g * (D / 16) + j]));
+    }
+    return PD_OK;
+}
+
+TARGET int pd_attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *table,
+                          int64_t L, int64_t num_blocks, int64_t h, int64_t G, int64_t KVH, int64_t D,
+                          int64_t bs, float scale, uint16_t *out, float *sc) {
+    if (!enabled || !bf16_ok() || L < 1)
+        return PD_ATTN_UNHANDLED;
+    if (D == 64)
+        return attend_d(q, k, v, table, L, num_blocks, h, G, KVH, bs, scale, out, sc, 64);
+    if (D == 128)
+        return attend_d(q, k, v, table, L, num_blocks, h, G, KVH, bs, scale, out, sc, 128);
+    return PD_ATTN_UNHANDLED;
+}

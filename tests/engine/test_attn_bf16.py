@@ -1,0 +1,105 @@
+"""The AVX-512 BF16 loop of the paged decode attention (engine/_attn_bf16.c) against a
+float64 softmax and against the generic loop it replaces (`pd_attn_bf16_set(0)`), for
+the head sizes it takes (64, 128), query groups over and under one register pass, and
+a head size it leaves to the generic loop."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine import native_attention, native_kernels
+from engine.native_attention import NativeAttention
+
+BS, NBLOCKS = 16, 400
+CPU_OK = native_kernels.LIB is not None and hasattr(native_kernels.LIB, "pd_attn_bf16_set")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def native() -> NativeAttention:
+    assert native_attention.NATIVE is not None, "engine/_cpu_kernels.c was not built (pip install -e .)"
+    assert CPU_OK, "the library predates engine/_attn_bf16.c"
+    return native_attention.NATIVE
+
+
+@pytest.fixture
+def generic_loop() -> Iterator[None]:
+    lib = native_kernels.LIB
+    assert lib is not None
+    was = lib.pd_attn_bf16_set(0)
+    yield
+    lib.pd_attn_bf16_set(was)
+
+
+def _case(ctx: list[int], kvh: int, heads: int, d: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(NBLOCKS, BS, kvh, d, generator=g).bfloat16()
+    v = torch.randn(NBLOCKS, BS, kvh, d, generator=g).bfloat16()
+    k[0] = v[0] = 1e4  # the null block: must never be read
+    perm = (torch.randperm(NBLOCKS - 1, generator=g) + 1).tolist()
+    width = max(math.ceil(n / BS) for n in ctx)
+    tables = torch.zeros(len(ctx), width, dtype=torch.int64)
+    taken = 0
+    for i, n in enumerate(ctx):
+        nb = math.ceil(n / BS)
+        tables[i, :nb] = torch.tensor(perm[taken : taken + nb])
+        taken += nb
+    q = (torch.randn(len(ctx), heads, d, generator=g) * 2).bfloat16()  # peaky softmax too
+    return q, k, v, tables, torch.tensor(ctx)
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
+               lens: torch.Tensor) -> torch.Tensor:
+    rows = []
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        slots = torch.arange(n)
+        blocks = tables[b][slots // BS]
+        keys, vals = k[blocks, slots % BS].double(), v[blocks, slots % BS].double()  # [n, kvh, d]
+        kvh, d = keys.shape[1], keys.shape[2]
+        qh = q[b].double().view(kvh, -1, d)
+        scores = torch.einsum("kgd,tkd->kgt", qh, keys) / math.sqrt(d)
+        rows.append(torch.einsum("kgt,tkd->kgd", scores.softmax(-1), vals).reshape(-1))
+    return torch.stack(rows)
+
+
+SHAPES = [(4, 12, 64), (2, 4, 128), (1, 6, 64), (2, 2, 128), (2, 6, 96)]  # (KVH, H, D); G = 3, 2, 6, 1, 3
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"kvh{s[0]}-h{s[1]}-d{s[2]}")
+def test_decode_matches_float64_and_the_generic_loop(native: NativeAttention, shape: tuple[int, int, int],
+                                                     request: pytest.FixtureRequest) -> None:
+    kvh, heads, d = shape
+    q, k, v, tables, lens = _case([1, 15, 16, 17, 300, 1029], kvh, heads, d)
+    fast = native.decode(q, k, v, tables, lens, 1)
+    assert torch.equal(native.decode(q, k, v, tables, lens, 2), fast)  # threads: same result
+    want = _reference(q, k, v, tables, lens)
+    # bf16 output: one rounding (2^-8 relative) of values of magnitude <~ 3
+    torch.testing.assert_close(fast.double(), want, rtol=1e-2, atol=1e-2)
+    request.getfixturevalue("generic_loop")
+    generic = native.decode(q, k, v, tables, lens, 1)
+    # the two loops differ only in float32 summation order and exp: within one bf16 step
+    diff = (fast.double() - generic.double()).abs()
+    assert bool((diff <= 2.0**-7 * generic.double().abs() + 1e-3).all()), diff.max()
+
+
+def test_fast_loop_refuses_bad_block_ids_before_reading(native: NativeAttention) -> None:
+    q, k, v, tables, lens = _case([40], 4, 12, 64)
+    for bad in (NBLOCKS, -1, 10**12):
+        t = tables.clone()
+        t[0, 2] = bad  # the last block of the 40 keys
+        with pytest.raises(ValueError, match="block id outside the pool"):
+            native.decode(q, k, v, t, lens, 1)
+
+
+def test_long_context_softmax_is_stable(native: NativeAttention) -> None:
+    """Scores far apart (large q) must not overflow exp: the max is subtracted first."""
+    q, k, v, tables, lens = _case([2000], 4, 12, 64, seed=5)
+    q = (q.float() * 40).bfloat16()
+    out = native.decode(q, k, v, tables, lens, 1)
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out.double(), _reference(q, k, v, tables, lens), rtol=1e-2, atol=1e-2)
