@@ -6,8 +6,11 @@
 turns (6) in the shape `--shape` names (bench/multiturn_workload.py): `chat` (default),
 a ~1,000-token system prompt every conversation shares, a ~300-token document of its
 own, then per turn a ~70-token user message and the answer (`--output-len` 32 tokens,
-greedy, ignore_eos), growing to ~1,950 tokens at the sixth turn; `legacy`, the earlier
-shape with no shared prefix and ~180-token user messages. Turn i sends everything so
+greedy, ignore_eos), growing to ~1,950 tokens at the sixth turn; `private`, no shared
+prompt: each conversation's own ~1,300-token opening, then ~85-token user messages, to
+~1,950 tokens at the sixth turn (the issue's shape; measured with `--model shape:125m`,
+bench/models.py); `legacy`, the earlier shape with no shared prefix and ~180-token user
+messages. Turn i sends everything so
 far (the answers as the server gave them). Before each measured workload the system
 prompt is sent once per prefill worker, at once (both routers then warm every worker),
 as in a deployment where it is always hot.
@@ -174,7 +177,8 @@ def converse(url: str, model: str, shape: ChatShape) -> dict[str, Any]:
             "requests": len(ttfts), "texts": texts,
             "cached_tokens": sum(sum(c) for _, c in per_conv.values()),
             "prompt_tokens": sum(sum(p) for p, _ in per_conv.values()),
-            "history_hits": sum(h for h, _ in hits), "later_turns": sum(n for _, n in hits)}
+            "history_hits": sum(h for h, _ in hits), "later_turns": sum(n for _, n in hits),
+            "max_prompt_tokens": max(max(p) for p, _ in per_conv.values())}
 
 
 def run_workload(url: str, shape: ChatShape, warmups: int) -> dict[str, Any]:
@@ -258,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             r["kv_bytes_all_blocks"] = r["prompt_tokens"] * kv_per_token
             print(f"run {run + 1} {router:>12}: TTFT p50 {r['ttft_p50_ms']:8.1f} ms  p95 {r['ttft_p95_ms']:8.1f} ms"
                   f"  cached {r['cached_tokens']:7d} of {r['prompt_tokens']} tok  history cached "
-                  f"{r['history_hits']}/{r['later_turns']} turns  KV {r['kv_bytes'] / 2**20:7.1f} MiB of "
+                  f"{r['history_hits']}/{r['later_turns']} turns  longest prompt {r['max_prompt_tokens']}  KV {r['kv_bytes'] / 2**20:7.1f} MiB of "
                   f"{r['kv_bytes_all_blocks'] / 2**20:.1f}  wall {r['wall_s']:.1f} s  decisions {r['decisions']}",
                   flush=True)
         runs.append(results)

@@ -6,8 +6,12 @@ every conversation opens with one shared system prompt (`system_words`, ~1,000 t
 the instructions / tool list / document a deployment sends with every chat), then a
 document of its own (`opening_words`, ~300 tokens), then `turns` turns of a new user
 message (`turn_words`, ~70 tokens) and the model's answer (`output_len` tokens), so
-the last turn sends ~1,950 tokens. Shape `legacy`: no shared prefix, a one-line
-opening and ~180-token user messages (the workload before the chat shape).
+the last turn sends ~1,950 tokens. Shape `private` (the issue's words with nothing
+shared between conversations): each conversation's own opening document
+(~1,300 tokens with the bench/models.py tokenizer) and ~85-token user messages, ~1,950
+tokens by turn 6; no prefix is hot on every worker, so a turn sent to the worker that
+does not hold its conversation recomputes all of it. Shape `legacy`: no shared prefix,
+a one-line opening and ~180-token user messages (the workload before the chat shape).
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ import numpy as np
 
 from bench.loadgen.prompts import WORDS
 
-SHAPES = ("chat", "legacy")
+SHAPES = ("chat", "private", "legacy")
 # Per shape: (system words, opening words, words per user message).
-SHAPE_WORDS = {"chat": (600, 180, 40), "legacy": (0, 0, 100)}
+SHAPE_WORDS = {"chat": (600, 180, 40), "private": (0, 660, 42), "legacy": (0, 0, 100)}
 
 
 @dataclass(frozen=True)

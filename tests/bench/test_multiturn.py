@@ -42,6 +42,19 @@ def test_pools_hold_the_kv_aware_share_but_not_round_robins() -> None:
     assert legacy.system_prompt() == "" and size_pools(legacy, words, 2).shared_blocks == 0
 
 
+def test_the_private_shape_shares_nothing_and_round_robins_share_does_not_fit() -> None:
+    shape = ChatShape.of("private", 16, 6, 32, 0)
+    assert shape.system_prompt() == ""
+    openings = {shape.opening(c)[:200] for c in range(16)}
+    assert len(openings) == 16  # no two conversations open alike: nothing is hot everywhere
+    final = [words(shape.final_text(c)) for c in range(16)]  # less the five answers
+    assert all(900 <= f <= 1100 for f in final)  # ~1,800 tokens at ~1.9 tokens a word
+    pools = size_pools(shape, words, prefill_workers=2)
+    assert pools.shared_blocks == 0
+    assert pools.kv_aware_need < pools.prefill_blocks < pools.round_robin_need
+    assert pools.decode_blocks >= pools.decode_need > pools.round_robin_need
+
+
 def test_history_hits_and_verdicts() -> None:
     # Turn 2 found turn 1's 40 prompt tokens (2 full blocks + 8) cached; turn 3 did not.
     assert history_hits([40, 90, 140], [0, 32, 16]) == (1, 2)
