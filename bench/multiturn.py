@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--turn-words", type=int, default=0, help="words per user message (0: the shape's)")
+    ap.add_argument("--think-s", type=float, default=None,
+                    help="mean seconds a user thinks before each turn (default: the shape's; private 2, others 0)")
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--routers", default="kv-aware,round-robin")
@@ -77,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def shape_of(args: argparse.Namespace) -> ChatShape:
     return ChatShape.of(args.shape, args.conversations, args.turns, args.output_len, args.seed,
-                        args.turn_words or None)
+                        args.turn_words or None, args.think_s)
 
 
 def _stream(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, str, int, int]:
@@ -150,7 +152,8 @@ def converse(url: str, model: str, shape: ChatShape) -> dict[str, Any]:
         prompts: list[int] = []
         cached: list[int] = []
         try:
-            for t, user in enumerate(shape.user_messages(c)):
+            for t, (user, think) in enumerate(zip(shape.user_messages(c), shape.think_times(c), strict=True)):
+                time.sleep(think)  # the user reading and typing: the workload's arrival pattern
                 history += shape.turn_text(user)
                 ttft, answer, hit, n = _stream(url, model, history, shape.output_len)
                 history += answer

@@ -4,6 +4,8 @@ make routing matter, and the verdict lines."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from bench import multiturn
 from bench.multiturn_workload import ChatShape, differing, history_hits, size_pools
 from tests.bench.fake_openai import FakeOpenAIServer
@@ -51,6 +53,12 @@ def test_the_private_shape_shares_nothing_and_round_robins_share_does_not_fit() 
     assert all(900 <= f <= 1100 for f in final)  # ~1,800 tokens at ~1.9 tokens a word
     pools = size_pools(shape, words, prefill_workers=2)
     assert pools.shared_blocks == 0
+    # Users think before each turn (seeded per conversation): no lock step, no fixed arrival order.
+    thinks = [shape.think_times(c) for c in range(16)]
+    assert thinks[3] == shape.think_times(3) and len({t[0] for t in thinks}) == 16
+    assert 1.0 < float(np.mean(thinks)) < 3.0 and min(min(t) for t in thinks) >= 0
+    assert ChatShape.of("chat", 16, 6, 32, 0).think_times(0) == [0.0] * 6
+    assert ChatShape.of("private", 16, 6, 32, 0, think_s=0).think_times(0) == [0.0] * 6
     assert pools.kv_aware_need < pools.prefill_blocks < pools.round_robin_need
     assert pools.decode_blocks >= pools.decode_need > pools.round_robin_need
 
