@@ -255,24 +255,31 @@ def main(argv: list[str] | None = None) -> int:
     print(pools.describe(prefill_workers(args.up_args)), flush=True)
     kv_per_token = _kv_bytes_per_token(args.model, args.up_args)
     runs: list[dict[str, dict[str, Any]]] = []
+    failed: list[str] = []
     for run in range(args.runs):
         results: dict[str, dict[str, Any]] = {}
         for router in routers:
             up = harness.up_args(args.up_args, args.model) + ["--router", router]
             up += ["--num-blocks", str(decode_blocks), "--prefill-num-blocks", str(prefill_blocks)]
-            with pdserve_up(f"{router}-{run}", up) as server:
-                r = results[router] = run_workload(server.base_url, shape, prefill_workers(args.up_args))
+            try:
+                with pdserve_up(f"{router}-{run}", up) as server:
+                    r = results[router] = run_workload(server.base_url, shape, prefill_workers(args.up_args))
+            except RuntimeError as e:  # a request the server failed: this run compares nothing
+                failed.append(f"run {run + 1} {router}: {e}")
+                print(f"run {run + 1} {router:>12}: FAILED ({e}); the run is left out", flush=True)
+                break
             r["kv_bytes_all_blocks"] = r["prompt_tokens"] * kv_per_token
             print(f"run {run + 1} {router:>12}: TTFT p50 {r['ttft_p50_ms']:8.1f} ms  p95 {r['ttft_p95_ms']:8.1f} ms"
                   f"  cached {r['cached_tokens']:7d} of {r['prompt_tokens']} tok  history cached "
-                  f"{r['history_hits']}/{r['later_turns']} turns  longest prompt {r['max_prompt_tokens']}  KV {r['kv_bytes'] / 2**20:7.1f} MiB of "
-                  f"{r['kv_bytes_all_blocks'] / 2**20:.1f}  wall {r['wall_s']:.1f} s  decisions {r['decisions']}",
-                  flush=True)
-        runs.append(results)
-    print(f"load average {os.getloadavg()[0]:.1f}")
+                  f"{r['history_hits']}/{r['later_turns']} turns  longest prompt {r['max_prompt_tokens']}  KV "
+                  f"{r['kv_bytes'] / 2**20:7.1f} MiB of {r['kv_bytes_all_blocks'] / 2**20:.1f}  wall "
+                  f"{r['wall_s']:.1f} s  decisions {r['decisions']}  load {os.getloadavg()[0]:.1f}", flush=True)
+        else:
+            runs.append(results)
+    print(f"load average {os.getloadavg()[0]:.1f}; runs compared {len(runs)} of {args.runs}")
     for line in report(runs, routers):
         print(line)
-    harness.write_json(args.output_json, {"args": vars(args), "pools": vars(pools), "runs": runs})
+    harness.write_json(args.output_json, {"args": vars(args), "pools": vars(pools), "runs": runs, "failed": failed})
     return 0
 
 
