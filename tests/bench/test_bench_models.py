@@ -37,6 +37,19 @@ def test_a_named_shape_is_written_once_and_every_bench_path_resolves_it(tiny_sha
     assert [p.name for p in tiny_shapes.iterdir()] == [first.name]  # no temp dir left behind
 
 
+def test_tokens_that_decode_to_no_text_never_win_a_greedy_pick(tiny_shapes: Path) -> None:
+    from safetensors.numpy import load_file
+    from tokenizers import Tokenizer
+
+    model = Path(harness.model_dir("shape:tiny"))
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    head = load_file(str(model / "model.safetensors"))["lm_head.weight"]
+    zero = {i for i in range(head.shape[0]) if not head[i].any()}
+    silent = {i for i in range(head.shape[0]) if not tok.decode([i]).strip() or "\ufffd" in tok.decode([i])}
+    assert zero == silent and 0 < len(silent) < head.shape[0] // 2  # byte pieces exist, words win
+    assert all(tok.decode([i]).strip() for i in range(head.shape[0]) if i not in zero)
+
+
 def test_a_directory_passes_through_and_an_unknown_shape_is_refused(tiny_shapes: Path) -> None:
     assert harness.model_dir("/some/model") == "/some/model" and models.resolve(None) is None
     with pytest.raises(ValueError, match="125m"):
