@@ -14,6 +14,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from bench import models
 from bench.loadgen.compare import split_args
 from bench.loadgen.config import OutputConfig
 from bench.loadgen.launch import default_tokenizer
@@ -21,7 +22,8 @@ from bench.loadgen.launch import default_tokenizer
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
-MODEL_HELP = "model dir (default: built-in); also passed to `pdserve up`"
+MODEL_HELP = ("model dir, or shape:NAME for a random-weight Llama of a bench/models.py shape (default: "
+              "built-in); also passed to `pdserve up`")
 
 
 def parser(doc: str | None, *, model_help: str | None = MODEL_HELP, tokenizer: bool = False,
@@ -41,9 +43,10 @@ def parser(doc: str | None, *, model_help: str | None = MODEL_HELP, tokenizer: b
 
 
 def model_dir(model: str | None) -> str:
-    """`model`, or the built-in model's directory (written on first use)."""
+    """`model` (a `shape:NAME` resolved by bench/models.py), or the built-in model's
+    directory (written on first use)."""
     if model is not None:
-        return model
+        return str(models.resolve(model))
     from pdserve.default_model import default_model_dir
 
     return str(default_model_dir())
@@ -51,12 +54,13 @@ def model_dir(model: str | None) -> str:
 
 def tokenizer_dir(args: argparse.Namespace) -> str | None:
     """`--tokenizer`, else the model's own, else the built-in model's (None: approximate sizes)."""
-    return getattr(args, "tokenizer", None) or args.model or default_tokenizer()
+    return getattr(args, "tokenizer", None) or models.resolve(args.model) or default_tokenizer()
 
 
 def up_args(flags: str, model: str | None) -> list[str]:
-    """`pdserve up` arguments: the script's flag string, plus `--model` when one was given."""
-    return split_args(flags) + (["--model", model] if model else [])
+    """`pdserve up` arguments: the script's flag string, plus `--model` when one was given
+    (a `shape:NAME` resolved to its directory)."""
+    return split_args(flags) + (["--model", str(models.resolve(model))] if model else [])
 
 
 def output_config() -> OutputConfig:

@@ -6,8 +6,11 @@
 turns (6) in the shape `--shape` names (bench/multiturn_workload.py): `chat` (default),
 a ~1,000-token system prompt every conversation shares, a ~300-token document of its
 own, then per turn a ~70-token user message and the answer (`--output-len` 32 tokens,
-greedy, ignore_eos), growing to ~1,950 tokens at the sixth turn; `legacy`, the earlier
-shape with no shared prefix and ~180-token user messages. Turn i sends everything so
+greedy, ignore_eos), growing to ~1,950 tokens at the sixth turn; `private`, no shared
+prompt: each conversation's own ~1,300-token opening, then ~85-token user messages, to
+~1,950 tokens at the sixth turn (the issue's shape; measured with `--model shape:125m`,
+bench/models.py); `legacy`, the earlier shape with no shared prefix and ~180-token user
+messages. Turn i sends everything so
 far (the answers as the server gave them). Before each measured workload the system
 prompt is sent once per prefill worker, at once (both routers then warm every worker),
 as in a deployment where it is always hot.
@@ -60,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--turn-words", type=int, default=0, help="words per user message (0: the shape's)")
+    ap.add_argument("--think-s", type=float, default=None,
+                    help="mean seconds a user thinks before each turn (default: the shape's; private 2, others 0)")
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--routers", default="kv-aware,round-robin")
@@ -74,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def shape_of(args: argparse.Namespace) -> ChatShape:
     return ChatShape.of(args.shape, args.conversations, args.turns, args.output_len, args.seed,
-                        args.turn_words or None)
+                        args.turn_words or None, args.think_s)
 
 
 def _stream(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, str, int, int]:
@@ -147,7 +152,8 @@ def converse(url: str, model: str, shape: ChatShape) -> dict[str, Any]:
         prompts: list[int] = []
         cached: list[int] = []
         try:
-            for t, user in enumerate(shape.user_messages(c)):
+            for t, (user, think) in enumerate(zip(shape.user_messages(c), shape.think_times(c), strict=True)):
+                time.sleep(think)  # the user reading and typing: the workload's arrival pattern
                 history += shape.turn_text(user)
                 ttft, answer, hit, n = _stream(url, model, history, shape.output_len)
                 history += answer
@@ -174,7 +180,8 @@ def converse(url: str, model: str, shape: ChatShape) -> dict[str, Any]:
             "requests": len(ttfts), "texts": texts,
             "cached_tokens": sum(sum(c) for _, c in per_conv.values()),
             "prompt_tokens": sum(sum(p) for p, _ in per_conv.values()),
-            "history_hits": sum(h for h, _ in hits), "later_turns": sum(n for _, n in hits)}
+            "history_hits": sum(h for h, _ in hits), "later_turns": sum(n for _, n in hits),
+            "max_prompt_tokens": max(max(p) for p, _ in per_conv.values())}
 
 
 def run_workload(url: str, shape: ChatShape, warmups: int) -> dict[str, Any]:
@@ -248,24 +255,31 @@ def main(argv: list[str] | None = None) -> int:
     print(pools.describe(prefill_workers(args.up_args)), flush=True)
     kv_per_token = _kv_bytes_per_token(args.model, args.up_args)
     runs: list[dict[str, dict[str, Any]]] = []
+    failed: list[str] = []
     for run in range(args.runs):
         results: dict[str, dict[str, Any]] = {}
         for router in routers:
             up = harness.up_args(args.up_args, args.model) + ["--router", router]
             up += ["--num-blocks", str(decode_blocks), "--prefill-num-blocks", str(prefill_blocks)]
-            with pdserve_up(f"{router}-{run}", up) as server:
-                r = results[router] = run_workload(server.base_url, shape, prefill_workers(args.up_args))
+            try:
+                with pdserve_up(f"{router}-{run}", up) as server:
+                    r = results[router] = run_workload(server.base_url, shape, prefill_workers(args.up_args))
+            except RuntimeError as e:  # a request the server failed: this run compares nothing
+                failed.append(f"run {run + 1} {router}: {e}")
+                print(f"run {run + 1} {router:>12}: FAILED ({e}); the run is left out", flush=True)
+                break
             r["kv_bytes_all_blocks"] = r["prompt_tokens"] * kv_per_token
             print(f"run {run + 1} {router:>12}: TTFT p50 {r['ttft_p50_ms']:8.1f} ms  p95 {r['ttft_p95_ms']:8.1f} ms"
                   f"  cached {r['cached_tokens']:7d} of {r['prompt_tokens']} tok  history cached "
-                  f"{r['history_hits']}/{r['later_turns']} turns  KV {r['kv_bytes'] / 2**20:7.1f} MiB of "
-                  f"{r['kv_bytes_all_blocks'] / 2**20:.1f}  wall {r['wall_s']:.1f} s  decisions {r['decisions']}",
-                  flush=True)
-        runs.append(results)
-    print(f"load average {os.getloadavg()[0]:.1f}")
+                  f"{r['history_hits']}/{r['later_turns']} turns  longest prompt {r['max_prompt_tokens']}  KV "
+                  f"{r['kv_bytes'] / 2**20:7.1f} MiB of {r['kv_bytes_all_blocks'] / 2**20:.1f}  wall "
+                  f"{r['wall_s']:.1f} s  decisions {r['decisions']}  load {os.getloadavg()[0]:.1f}", flush=True)
+        else:
+            runs.append(results)
+    print(f"load average {os.getloadavg()[0]:.1f}; runs compared {len(runs)} of {args.runs}")
     for line in report(runs, routers):
         print(line)
-    harness.write_json(args.output_json, {"args": vars(args), "pools": vars(pools), "runs": runs})
+    harness.write_json(args.output_json, {"args": vars(args), "pools": vars(pools), "runs": runs, "failed": failed})
     return 0
 
 

@@ -6,8 +6,13 @@ every conversation opens with one shared system prompt (`system_words`, ~1,000 t
 the instructions / tool list / document a deployment sends with every chat), then a
 document of its own (`opening_words`, ~300 tokens), then `turns` turns of a new user
 message (`turn_words`, ~70 tokens) and the model's answer (`output_len` tokens), so
-the last turn sends ~1,950 tokens. Shape `legacy`: no shared prefix, a one-line
-opening and ~180-token user messages (the workload before the chat shape).
+the last turn sends ~1,950 tokens. Shape `private` (the issue's words with nothing
+shared between conversations): each conversation's own opening document
+(~1,300 tokens with the bench/models.py tokenizer) and ~85-token user messages, ~1,950
+tokens by turn 6; no prefix is hot on every worker, so a turn sent to the worker that
+does not hold its conversation recomputes all of it; users think ~2 s (exponential)
+before each turn, so turns arrive in no fixed order. Shape `legacy`: no shared prefix,
+a one-line opening and ~180-token user messages (the workload before the chat shape).
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ import numpy as np
 
 from bench.loadgen.prompts import WORDS
 
-SHAPES = ("chat", "legacy")
+SHAPES = ("chat", "private", "legacy")
 # Per shape: (system words, opening words, words per user message).
-SHAPE_WORDS = {"chat": (600, 180, 40), "legacy": (0, 0, 100)}
+SHAPE_WORDS = {"chat": (600, 180, 40), "private": (0, 660, 42), "legacy": (0, 0, 100)}
+# Per shape: mean seconds a user thinks before each turn (exponential; 0: none).
+SHAPE_THINK_S = {"chat": 0.0, "private": 2.0, "legacy": 0.0}
 
 
 @dataclass(frozen=True)
@@ -34,15 +41,28 @@ class ChatShape:
     opening_words: int = 180
     turn_words: int = 40
     seed: int = 0
+    think_s: float = 0.0
 
     @staticmethod
     def of(kind: str, conversations: int, turns: int, output_len: int, seed: int,
-           turn_words: int | None = None) -> ChatShape:
-        """The named shape, `turn_words` overriding its user-message length."""
+           turn_words: int | None = None, think_s: float | None = None) -> ChatShape:
+        """The named shape, `turn_words` and `think_s` overriding its own."""
         if kind not in SHAPES:
             raise ValueError(f"shape must be one of {', '.join(SHAPES)}, not {kind!r}")
         system, opening, words = SHAPE_WORDS[kind]
-        return ChatShape(conversations, turns, output_len, system, opening, turn_words or words, seed)
+        think = SHAPE_THINK_S[kind] if think_s is None else think_s
+        return ChatShape(conversations, turns, output_len, system, opening, turn_words or words, seed, think)
+
+    def think_times(self, c: int) -> list[float]:
+        """Seconds conversation `c`'s user waits before each turn (the first included, so
+        conversations start apart): with think time the turns of different
+        conversations arrive in no fixed order, as users' do. Without it every
+        conversation sends its turn as soon as the last answer ends, in lock step, and
+        round-robin over an even pool sends each conversation back to the same worker."""
+        if self.think_s <= 0:
+            return [0.0] * self.turns
+        rng = np.random.default_rng(self.seed * 1000 + c + 2 * 10**6)
+        return [float(x) for x in rng.exponential(self.think_s, self.turns)]
 
     def system_prompt(self) -> str:
         """Shared by every conversation ("" in the legacy shape)."""

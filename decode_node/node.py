@@ -42,7 +42,7 @@ from worker.engine_glue import wire_deltas
 from worker.metrics import WorkerMetrics
 from worker.node_api import NodeLoad, NodeRegistration, Sender
 from worker.node_base import EngineNode, node_registration
-from worker.transfers import FAILED_STATES, TRANSFER_LEASE_S, Transfers
+from worker.transfers import FAILED_STATES, RESERVATION_LEASE_S, TRANSFER_LEASE_S, Transfers
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class DecodeNode(EngineNode):
             self.send(p.ReserveResult(rid, msg.transfer_id, [], refused=reservation.check.reason))
             return
         blocks = reservation.block_ids
-        self.receiver.expect(msg.transfer_id, rid, list(blocks), TRANSFER_LEASE_S)
+        self.receiver.expect(msg.transfer_id, rid, list(blocks), TRANSFER_LEASE_S, RESERVATION_LEASE_S)
         draft = None if self.drafts is None else self.drafts.reserve(
             msg.transfer_id, rid, self.engine.seq_id(rid),
             [*msg.payload.prompt_token_ids, *msg.payload.output_token_ids], TRANSFER_LEASE_S)

@@ -5,7 +5,7 @@ Life of a request (one *attempt*; recovery starts a new attempt):
 1. Pick workers (gateway/kv_router.py). Disaggregated: the decode worker the
    router picks (kv-aware: fewest blocks to ship, with room; it runs the whole
    request if at most `local_prefill_threshold` prompt tokens are missing from its
-   cache), the prefill worker the router picks.
+   cache, or up to 4x that behind a long prefill), the prefill worker it picks.
    With only a colocated pool: the colocated worker the router picks.
 2. Disaggregated: send `DecodeReserve` and `PrefillRequest` at once, so the
    reservation overlaps the prefill compute. When `ReserveResult` says the
@@ -218,12 +218,14 @@ class ClusterBackend:
         self._send(pick.worker.worker_id, p.RunRequest(a.wid, a.payload))
 
     def _prefill_locally(self, a: Attempt) -> bool:
-        """Run on the decode worker if it has room and the uncached part is within the threshold."""
+        """Run on the decode worker if it has room and the uncached part is within the
+        threshold, or would wait behind a long prefill (gateway/kv_router.py)."""
         decode = self.router.pick_decode(self.registry.pool("decode"), a.payload, count=False)
         if decode is None:
             return False
         blocks = blocks_needed(a.payload.num_tokens, decode.reg.block_size)
-        route = self.router.local_prefill(decode, a.payload) if decode.free_blocks >= blocks else None
+        prefill = self.registry.pool("prefill")
+        route = self.router.local_prefill(decode, a.payload, prefill) if decode.free_blocks >= blocks else None
         if route is None:
             return False
         self._run_on(a, Pick(decode, route), blocks)

@@ -26,13 +26,18 @@ router, the decode worker with the most free KV (gateway/router.py: `pick_decode
 Local prefill (`local_prefill_threshold` > 0, any router): when the decode worker
 chosen for a disaggregated request would have to compute at most that many of the
 prompt's tokens itself (its own prefix cache counted), it runs the whole request
-(`RunRequest`): no prefill worker, no KV transfer.
+(`RunRequest`): no prefill worker, no KV transfer. A prompt of up to
+BUSY_LOCAL_FACTOR x the threshold uncached tokens also runs there when it would wait
+behind a long prefill: every prefill worker has at least BUSY_LOCAL_FACTOR x as many
+tokens queued as the prompt would compute (reason `local_prefill_busy`). The wait
+would then dwarf the prompt's own compute, and the cap bounds the stall it adds to
+the decode worker's streams.
 
 Each decision is counted by reason: `prefix_hit` (kv-aware, the chosen worker holds
 the longest prefix of the prompt any worker holds), `shorter_prefix` (kv-aware, it holds
 part of the prompt but another worker holds more: the load outweighed the longer hit),
 `load` (kv-aware, it holds none), `least_loaded`, `round_robin`,
-`local_prefill`, and for reservations on decode workers `decode_prefix_hit` (kv-aware
+`local_prefill`, `local_prefill_busy`, and for reservations on decode workers `decode_prefix_hit` (kv-aware
 chose one that holds part of the prompt; other decode choices count nothing). The tokens each worker's cache actually served (`cached_tokens`
 reported back) are counted per worker and correct the index.
 
@@ -64,6 +69,9 @@ RUNNING_SEQ_TOKENS = 16
 # What one running sequence weighs against a block shipped to a decode worker: each
 # slows every decode step there, a shipped block costs one copy once.
 DECODE_RUNNING_SEQ_BLOCKS = 4
+# A prompt of up to this many times the local-prefill threshold runs on the decode worker
+# when every prefill worker has this many times its uncached tokens queued.
+BUSY_LOCAL_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -172,18 +180,27 @@ class KvRouter:
         """Blocks to ship + running load (the module docstring's formula)."""
         return prompt_blocks - held_blocks + DECODE_RUNNING_SEQ_BLOCKS * w.running
 
-    def local_prefill(self, decode: WorkerInfo, payload: RequestPayload) -> Route | None:
+    def local_prefill(self, decode: WorkerInfo, payload: RequestPayload,
+                      prefill_pool: Sequence[WorkerInfo] = ()) -> Route | None:
         """A route onto decode worker `decode` when its uncached part of the prompt is
-        within the threshold; None: prefill elsewhere and ship the KV."""
+        within the threshold, or would wait behind a long prefill on every worker of
+        `prefill_pool` (the module docstring's rule); None: prefill elsewhere and ship
+        the KV."""
         threshold = self.config.local_prefill_threshold
-        if threshold <= 0 or payload.num_tokens > threshold + self._max_cacheable(decode, payload):
-            return None  # cannot be within the threshold even with every block cached
+        cap = threshold * (BUSY_LOCAL_FACTOR if prefill_pool else 1)
+        if threshold <= 0 or payload.num_tokens > cap + self._max_cacheable(decode, payload):
+            return None  # cannot be within the cap even with every block cached
         keys = prompt_keys(payload, decode.reg.block_size)
         hit = self._hit_blocks(keys, [decode], payload.num_tokens)[decode.worker_id]
-        if payload.num_tokens - hit * decode.reg.block_size > threshold:
+        uncached = payload.num_tokens - hit * decode.reg.block_size
+        if uncached <= threshold:
+            reason = "local_prefill"
+        elif uncached <= cap and min(w.queued_tokens for w in prefill_pool) >= BUSY_LOCAL_FACTOR * uncached:
+            reason = "local_prefill_busy"
+        else:
             return None
-        self.decisions["local_prefill"] += 1
-        return Route(decode.worker_id, keys, hit, decode.reg.block_size, "local_prefill",
+        self.decisions[reason] += 1
+        return Route(decode.worker_id, keys, hit, decode.reg.block_size, reason,
                      len(payload.prompt_token_ids), num_tokens=payload.num_tokens)
 
     def observe(self, route: Route | None, cached_tokens: int) -> None:

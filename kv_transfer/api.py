@@ -58,8 +58,9 @@ class KVReceiver(Protocol):
         ...
 
     def expect(self, transfer_id: str, request_id: str, dst_block_ids: Sequence[int],
-               lease_s: float) -> None:
-        """Reserve `dst_block_ids` for a transfer; FAILED if not COMPLETE within `lease_s`."""
+               lease_s: float, claim_lease_s: float | None = None) -> None:
+        """Reserve `dst_block_ids` for a transfer; FAILED if not COMPLETE within `lease_s`
+        (with `claim_lease_s`: of the writer's claim, which must come within that)."""
         ...
 
     def poll(self, transfer_id: str) -> TransferState: ...

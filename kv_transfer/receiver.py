@@ -127,8 +127,8 @@ class ZmqReceiver:
         return self._address
 
     def expect(self, transfer_id: str, request_id: str, dst_block_ids: Sequence[int],
-               lease_s: float) -> None:
-        self.core.expect(transfer_id, request_id, dst_block_ids, lease_s)
+               lease_s: float, claim_lease_s: float | None = None) -> None:
+        self.core.expect(transfer_id, request_id, dst_block_ids, lease_s, claim_lease_s)
 
     def poll(self, transfer_id: str) -> TransferState:
         return self.core.poll(transfer_id)

@@ -103,10 +103,14 @@ class ReceiverCore:
 
     # ---------------------------------------------------------------- worker API
     def expect(self, transfer_id: str, request_id: str, dst_block_ids: Sequence[int],
-               lease_s: float) -> None:
+               lease_s: float, claim_lease_s: float | None = None) -> None:
+        """Reserve `dst_block_ids`. FAILED unless COMPLETE within `lease_s`; with
+        `claim_lease_s`, the reservation first waits up to that long for its writer's
+        claim (no byte can land before one), and the claim gives the transfer `lease_s`
+        from then: a prompt queued behind others on its prefill worker keeps its blocks."""
         ids = check_block_ids(dst_block_ids, self.num_blocks, "dst_block_ids")
-        if not lease_s > 0:
-            raise ValueError("lease_s must be positive")
+        if not lease_s > 0 or (claim_lease_s is not None and not claim_lease_s > 0):
+            raise ValueError("lease_s and claim_lease_s must be positive")
         with self._lock:
             if transfer_id in self._res:
                 raise ValueError(f"transfer {transfer_id!r} already expected")
@@ -116,7 +120,9 @@ class ReceiverCore:
             self._reserved_blocks.update(ids)
             self._res[transfer_id] = ReservationRecord(
                 transfer_id, request_id, ids, {b: i for i, b in enumerate(ids)},
-                self._clock() + lease_s, np.zeros((self.layout.num_layers, len(ids)), bool))
+                self._clock() + (lease_s if claim_lease_s is None else claim_lease_s),
+                np.zeros((self.layout.num_layers, len(ids)), bool),
+                claim_lease=claim_lease_s is not None, lease_s=lease_s)
             self._pending.expected(transfer_id)
             pending = self._pending.pop(transfer_id)
             if pending is not None:
@@ -264,6 +270,8 @@ class ReceiverCore:
             self._reject(peer, tid, "claimed blocks differ from the reserved blocks")
         else:
             res.peer = peer
+            if res.claim_lease:  # before any byte lands and before the Grant states the deadline
+                res.deadline = self._clock() + res.lease_s
             res.state = TransferState.TRANSFERRING
             res.shm_granted = self.shm is not None
             self._outbox.append((peer, wire.Grant(tid, res.deadline)))

@@ -26,6 +26,8 @@ class ReservationRecord:
     cancel_sent: bool = False
     cancel_sent_at: float = 0.0
     final: TransferState | None = field(default=None)  # outcome waiting for the writer to stop
+    claim_lease: bool = False  # `deadline` waits for the writer's claim; the claim restarts it
+    lease_s: float = 0.0  # the transfer's own lease, from the claim (with `claim_lease`)
 
     def finish(self, state: TransferState, reason: str) -> None:
         """Move to `state`, or to a holding state while a shared-memory writer may be active."""

@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 
 # A transfer not COMPLETE within this long fails on both sides and its blocks come back.
 TRANSFER_LEASE_S = 30.0
+# How long a decode reservation waits for its prefill worker to start pushing: the prompt
+# may queue there behind others for longer than a transfer takes (and the gateway aborts
+# the reservation at once when that worker or the client goes away). Once the writer
+# claims the blocks, the push has TRANSFER_LEASE_S.
+RESERVATION_LEASE_S = 600.0
 FAILED_STATES = frozenset({TransferState.FAILED, TransferState.ABORTED})
 
 KVPeer = KVSender | KVReceiver

@@ -4,6 +4,8 @@ make routing matter, and the verdict lines."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from bench import multiturn
 from bench.multiturn_workload import ChatShape, differing, history_hits, size_pools
 from tests.bench.fake_openai import FakeOpenAIServer
@@ -40,6 +42,25 @@ def test_pools_hold_the_kv_aware_share_but_not_round_robins() -> None:
     assert pools.decode_blocks >= pools.decode_need > pools.round_robin_need  # every conversation, to its end
     legacy = ChatShape.of("legacy", 16, 6, 32, 0)
     assert legacy.system_prompt() == "" and size_pools(legacy, words, 2).shared_blocks == 0
+
+
+def test_the_private_shape_shares_nothing_and_round_robins_share_does_not_fit() -> None:
+    shape = ChatShape.of("private", 16, 6, 32, 0)
+    assert shape.system_prompt() == ""
+    openings = {shape.opening(c)[:200] for c in range(16)}
+    assert len(openings) == 16  # no two conversations open alike: nothing is hot everywhere
+    final = [words(shape.final_text(c)) for c in range(16)]  # less the five answers
+    assert all(900 <= f <= 1100 for f in final)  # ~1,800 tokens at ~1.9 tokens a word
+    pools = size_pools(shape, words, prefill_workers=2)
+    assert pools.shared_blocks == 0
+    # Users think before each turn (seeded per conversation): no lock step, no fixed arrival order.
+    thinks = [shape.think_times(c) for c in range(16)]
+    assert thinks[3] == shape.think_times(3) and len({t[0] for t in thinks}) == 16
+    assert 1.0 < float(np.mean(thinks)) < 3.0 and min(min(t) for t in thinks) >= 0
+    assert ChatShape.of("chat", 16, 6, 32, 0).think_times(0) == [0.0] * 6
+    assert ChatShape.of("private", 16, 6, 32, 0, think_s=0).think_times(0) == [0.0] * 6
+    assert pools.kv_aware_need < pools.prefill_blocks < pools.round_robin_need
+    assert pools.decode_blocks >= pools.decode_need > pools.round_robin_need
 
 
 def test_history_hits_and_verdicts() -> None:

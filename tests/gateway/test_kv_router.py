@@ -99,6 +99,22 @@ def test_local_prefill_counts_the_decode_workers_own_cache() -> None:
     assert router.decisions == {"local_prefill": 3}
 
 
+def test_a_prompt_that_would_wait_behind_a_long_prefill_runs_on_the_decode_worker() -> None:
+    decode = _worker("d", "decode")
+    router = _router(threshold=8)  # nothing cached: a 30-token prompt is within 4 x 8, not within 8
+    short = _payload(PROMPT[:30])
+    idle, busy = _worker("p", queued=0), _worker("q", queued=120)  # 120 >= 4 x 30
+    assert router.local_prefill(decode, short) is None  # no prefill pool given: the threshold alone
+    assert router.local_prefill(decode, short, [idle, busy]) is None  # one prefill worker is free
+    route = router.local_prefill(decode, short, [busy])
+    assert route is not None and (route.worker_id, route.reason) == ("d", "local_prefill_busy")
+    assert router.local_prefill(decode, short, [_worker("q", queued=119)]) is None  # waits < 4x its compute
+    assert router.local_prefill(decode, _payload(PROMPT[:33]), [_worker("q", queued=10**6)]) is None  # > 4 x 8
+    route = router.local_prefill(decode, _payload(PROMPT[:8]), [busy])
+    assert route is not None and route.reason == "local_prefill"  # within the threshold itself
+    assert router.decisions == {"local_prefill_busy": 1, "local_prefill": 1}
+
+
 def test_resumed_output_is_hashed_with_the_prompt() -> None:
     tokens = PROMPT[:20] + PROMPT[20:]
     router = _router(a=prefix_block_keys(tokens, BS))

@@ -172,3 +172,25 @@ def test_cancel_of_a_forgotten_shm_transfer_releases_promptly() -> None:
         assert time.monotonic() - start < 2.0
     finally:
         pair.close()
+
+
+def test_a_reservation_waits_for_its_writers_claim_then_the_transfer_has_its_own_lease() -> None:
+    # The prompt queued behind others on its prefill worker for longer than a transfer's
+    # lease: its reservation must still be there when the writer comes.
+    clock = Clock()
+    core = _core(clock, shared=False)
+    src = random_pool(TINY, 4, seed=1)
+    core.expect("t", "r", [2, 3], lease_s=5, claim_lease_s=600)
+    clock.now += 100
+    assert core.poll("t") is TransferState.RESERVED
+    _grant(core)  # the claim restarts the deadline: the Grant states now + 5
+    assert core._res["t"].deadline == clock.now + 5
+    _inline_chunk(core, 0, src)
+    clock.now += 5
+    assert core.poll("t") is TransferState.FAILED  # the push itself still has its 5 s
+    core.forget("t")
+    core.expect("u", "r", [2, 3], lease_s=5, claim_lease_s=600)
+    clock.now += 600
+    assert core.poll("u") is TransferState.FAILED  # no writer ever came: the blocks come back
+    with pytest.raises(ValueError, match="claim_lease_s"):
+        core.expect("v", "r", [4], lease_s=5, claim_lease_s=0)
