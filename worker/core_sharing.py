@@ -30,10 +30,8 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-from common import protocol as p
-from engine.cache_events import CacheEvents
 from worker.cpu_cores import CoreGrant, apply_grant, borrow_grant
-from worker.node_api import Node, NodeLoad, NodeRegistration
+from worker.node_api import Node, NodeWrapper
 
 log = logging.getLogger(__name__)
 
@@ -133,36 +131,18 @@ class CoreBorrower:
             self.grant = grant
 
 
-class SharedCoresNode:
+class SharedCoresNode(NodeWrapper):
     """A node whose steps go through a lender's or borrower's hand-over."""
 
     def __init__(self, node: Node, side: CoreLender | CoreBorrower) -> None:
-        self.node, self.side = node, side
-        self.role = node.role
-
-    def registration(self) -> NodeRegistration:
-        return self.node.registration()
-
-    def handle(self, msg: p.Message) -> None:
-        self.node.handle(msg)
+        super().__init__(node)
+        self.side = side
 
     def step(self) -> bool:
         self.side.before_step(self.node)
         worked = self.node.step()
         self.side.after_step(self.node)
         return worked
-
-    def load(self) -> NodeLoad:
-        return self.node.load()
-
-    def busy(self) -> bool:
-        return self.node.busy()
-
-    def cache_events(self) -> CacheEvents:
-        return self.node.cache_events()
-
-    def cached_keys(self) -> list[int]:
-        return self.node.cached_keys()
 
     def close(self) -> None:
         try:

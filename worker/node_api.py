@@ -60,4 +60,37 @@ class Node(Protocol):
     def close(self) -> None: ...
 
 
+class NodeWrapper:
+    """A node that passes every call to the node it wraps; a wrapper (core sharing,
+    the thread governor) overrides only what it adds."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.role = node.role
+
+    def registration(self) -> NodeRegistration:
+        return self.node.registration()
+
+    def handle(self, msg: p.Message) -> None:
+        self.node.handle(msg)
+
+    def step(self) -> bool:
+        return self.node.step()
+
+    def load(self) -> NodeLoad:
+        return self.node.load()
+
+    def busy(self) -> bool:
+        return self.node.busy()
+
+    def cache_events(self) -> CacheEvents:
+        return self.node.cache_events()
+
+    def cached_keys(self) -> list[int]:
+        return self.node.cached_keys()
+
+    def close(self) -> None:
+        self.node.close()
+
+
 Sender = Callable[[p.Message], None]

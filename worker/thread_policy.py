@@ -17,21 +17,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from common import protocol as p
-from engine.cache_events import CacheEvents
 from worker.cpu_cores import CoreGrant, apply_grant
 from worker.metrics import WorkerMetrics
-from worker.node_api import Node, NodeLoad, NodeRegistration
+from worker.node_api import Node, NodeLoad, NodeWrapper
 from worker.thread_governor import ThreadGovernor
 
 
-class GovernedNode:
+class GovernedNode(NodeWrapper):
     """`node`, each step at the governor's thread count; its time and size observed."""
 
     def __init__(self, node: Node, governor: ThreadGovernor, metrics: WorkerMetrics,
                  timer: Callable[[], float] = time.perf_counter) -> None:
-        self.node, self.governor, self.metrics, self.timer = node, governor, metrics, timer
-        self.role = node.role
+        super().__init__(node)
+        self.governor, self.metrics, self.timer = governor, metrics, timer
         self._tokens: int | None = None  # NodeLoad.tokens before the unobserved step
         self._pending: float | None = None  # seconds of a step not yet observed
         metrics.torch_threads.set(governor.applied)
@@ -57,24 +55,6 @@ class GovernedNode:
                 self.metrics.count_thread_switch(switch.reason)
         self._pending, self._tokens = None, load.tokens
         return load
-
-    def registration(self) -> NodeRegistration:
-        return self.node.registration()
-
-    def handle(self, msg: p.Message) -> None:
-        self.node.handle(msg)
-
-    def busy(self) -> bool:
-        return self.node.busy()
-
-    def cache_events(self) -> CacheEvents:
-        return self.node.cache_events()
-
-    def cached_keys(self) -> list[int]:
-        return self.node.cached_keys()
-
-    def close(self) -> None:
-        self.node.close()
 
 
 def governed_grant(governor: ThreadGovernor,
