@@ -71,8 +71,13 @@ def route_rows() -> int:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, path: int = AUTO) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias) on the kernel: bf16 CPU tensors, 1 <= M <= ROWS,
     x's columns contiguous (any row stride), weight C-contiguous. ValueError otherwise."""
-    lib = native_kernels.LIB
-    if lib is None or not _AVAILABLE:
+    check(x, weight, bias)
+    return _run(x, weight, bias, path)
+
+
+def check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """ValueError unless the kernel can take these operands (`gemv`'s docstring)."""
+    if native_kernels.LIB is None or not _AVAILABLE:
         raise ValueError("the native bf16 GEMV is not available (library missing or no AVX-512 BF16)")
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
@@ -90,7 +95,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"{x.stride()} and {weight.stride()}")
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bf16 GEMV bias must be a contiguous [{n}], got {tuple(bias.shape)}")
-    return _run(x, weight, bias, path)
 
 
 def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, path: int = AUTO) -> torch.Tensor:
