@@ -98,8 +98,8 @@ def pin_at_start(own: Sequence[int], borrowable: Sequence[int] = ()) -> None:
     team larger than that count spins ~100 iterations at a barrier instead of its
     default spin count before it sleeps: a decode worker that loaded torch pinned to its
     one core and later ran 2 threads on a borrowed core waited passively, a futex
-    wake-up per parallel region (+8 ms a token at c=1 against colocated's spinning
-    team). So a borrower loads the OpenMP runtime with every core it may run on in its
+    wake-up per parallel region (quiet, colocated c=1 runs ~6 ms a token slower with
+    passive waiting than spinning: bench/README.md, the thread governor's table). So a borrower loads the OpenMP runtime with every core it may run on in its
     mask, then narrows to its own; the threads made later inherit the narrow mask."""
     everything = tuple(own) + tuple(c for c in borrowable if c not in own)
     pin_process(everything)
