@@ -7,9 +7,8 @@ Policy (`pdserve up --cpu-affinity`, see docs/architecture.md):
    then decode workers). When the threads do not fit, nothing is pinned: the
    kernel's scheduler then shares the cores, which beats forcing two busy
    workers onto one core.
-2. A worker pins itself at start (`pin_at_start`), before torch starts its
-   thread pool, so every thread it ever makes inherits the mask (a borrower loads
-   OpenMP with the borrowable cores in its mask first: see there).
+2. A worker pins itself at start (`pin_process`), before torch starts its
+   thread pool, so every thread it ever makes inherits the mask.
 3. With one prefill and one decode worker, the decode worker may also run on
    the prefill worker's cores while the prefill worker has no work
    (`borrow_grant`; the hand-over protocol is in worker/core_sharing.py).
@@ -89,24 +88,6 @@ def pin_process(cores: Sequence[int]) -> None:
     for tid in _thread_ids():
         with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
             os.sched_setaffinity(tid, cores)
-
-
-def pin_at_start(own: Sequence[int], borrowable: Sequence[int] = ()) -> None:
-    """Pin this process to `own` before torch loads, with OpenMP sized for `borrowable` too.
-
-    libgomp counts the cores in the process's mask once, when it loads, and a thread
-    team larger than that count spins ~100 iterations at a barrier instead of its
-    default spin count before it sleeps: a decode worker that loaded torch pinned to its
-    one core and later ran 2 threads on a borrowed core waited passively, a futex
-    wake-up per parallel region (quiet, colocated c=1 runs ~6 ms a token slower with
-    passive waiting than spinning: bench/README.md, the thread governor's table). So a borrower loads the OpenMP runtime with every core it may run on in its
-    mask, then narrows to its own; the threads made later inherit the narrow mask."""
-    everything = tuple(own) + tuple(c for c in borrowable if c not in own)
-    pin_process(everything)
-    if len(everything) > len(tuple(own)):
-        import torch  # noqa: F401  (loads libgomp, which counts the cores now)
-
-        pin_process(own)
 
 
 def apply_grant(grant: CoreGrant) -> None:

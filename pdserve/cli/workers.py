@@ -36,7 +36,7 @@ from pdserve.cli.args import (
     positive_float,
     positive_int,
 )
-from worker.cpu_cores import format_cpu_list, parse_cpu_list, pin_at_start
+from worker.cpu_cores import format_cpu_list, parse_cpu_list, pin_process
 
 if TYPE_CHECKING:
     from kv_transfer.auth import KVCurve
@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     check_args(args)
     if args.cpu_cores:  # before torch starts its threads: they inherit the mask
-        pin_at_start(args.cpu_cores, args.borrow_cores or ())
+        pin_process(args.cpu_cores)
     kv_curve = kv_curve_option(args)
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.dtype import model_dtype
