@@ -29,7 +29,7 @@ import ctypes
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
@@ -48,26 +48,26 @@ from engine.sampler import Sampler, SampleRow
 
 
 class DecodeBench:
-    """`batch` sequences prefilled to `ctx` tokens, and room for `steps` more each."""
+    """Sequences prefilled to `contexts` tokens (one per sequence), and room for `steps` more each."""
 
-    def __init__(self, runner: ModelRunner, batch: int, ctx: int, steps: int,
+    def __init__(self, runner: ModelRunner, contexts: Sequence[int], steps: int,
                  spare_tokens: int) -> None:
         bs = runner.block_size
-        per_seq = (ctx + steps + bs - 1) // bs
-        spare = (spare_tokens + bs - 1) // bs
         g = torch.Generator().manual_seed(0)
         free = (torch.randperm(runner.num_blocks - 1, generator=g) + 1).tolist()
-        if len(free) < batch * per_seq + spare:
-            raise SystemExit(f"the pool has {len(free)} blocks, {batch * per_seq + spare} needed")
-        self.tables = [free[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
-        self.spare = free[batch * per_seq : batch * per_seq + spare]  # for the prefill bench
-        self.runner, self.ctx, self.steps = runner, ctx, steps
-        prompts = torch.randint(3, runner.model_config.vocab_size, (batch, ctx), generator=g)
-        runner.execute(
-            [SeqChunk(p, 0, t, False) for p, t in zip(prompts.tolist(), self.tables, strict=True)]
-        )
+        sizes = [(ctx + steps + bs - 1) // bs for ctx in contexts]
+        spare = (spare_tokens + bs - 1) // bs
+        if len(free) < sum(sizes) + spare:
+            raise SystemExit(f"the pool has {len(free)} blocks, {sum(sizes) + spare} needed")
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.tables = [free[start : start + n] for start, n in zip(starts, sizes, strict=True)]
+        self.spare = free[sum(sizes) : sum(sizes) + spare]  # for the prefill bench
+        self.runner, self.contexts, self.steps = runner, list(contexts), steps
+        prompts = [torch.randint(3, runner.model_config.vocab_size, (ctx,), generator=g).tolist()
+                   for ctx in contexts]
+        runner.execute([SeqChunk(p, 0, t, False) for p, t in zip(prompts, self.tables, strict=True)])
         greedy = SamplingParams(max_tokens=steps + 1, temperature=0.0)
-        self.rows = [SampleRow(i, greedy, 0, 0, 0, (), ()) for i in range(batch)]
+        self.rows = [SampleRow(i, greedy, 0, 0, 0, (), ()) for i in range(len(contexts))]
         self.sampler = Sampler()
 
     def run(self) -> float:
@@ -75,8 +75,8 @@ class DecodeBench:
         tokens = [1] * len(self.tables)
         times = []
         for i in range(self.steps):
-            chunks = [SeqChunk([tok], self.ctx + i, t, True)
-                      for tok, t in zip(tokens, self.tables, strict=True)]
+            chunks = [SeqChunk([tok], ctx + i, t, True)
+                      for tok, ctx, t in zip(tokens, self.contexts, self.tables, strict=True)]
             t0 = time.perf_counter()
             logits = self.runner.execute(chunks)
             tokens = [r.token_id for r in self.sampler(logits, self.rows)]
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                            cache=CacheConfig(num_blocks=args.batch * ((args.ctx + args.steps) // 16 + 2)
                                              + args.prefill_len // 16 + 4))
         runner = ModelRunner(cfg)
-        dec = DecodeBench(runner, args.batch, args.ctx, args.steps, args.prefill_len)
+        dec = DecodeBench(runner, [args.ctx] * args.batch, args.steps, args.prefill_len)
         pre_table = dec.spare
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
               f"decode batch {args.batch} at ctx {args.ctx}, prefill {args.prefill_len} tokens")

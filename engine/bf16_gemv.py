@@ -59,19 +59,25 @@ def amx_rows() -> int:
     return int(lib.pd_bf16_gemv_amx_rows()) if lib is not None and _AVAILABLE else 0
 
 
+_ROUTE_ROWS = ROWS if amx_rows() else min(ROWS, AVX_ROUTE_ROWS)
+
+
 def route_rows() -> int:
-    """The most rows `linear` hands the kernel: all it takes on AMX, else AVX_ROUTE_ROWS."""
-    return ROWS if amx_rows() else min(ROWS, AVX_ROUTE_ROWS)
-
-
-_ROUTE_ROWS = route_rows()
+    """The most rows `linear` hands the kernel: all it takes on AMX, else AVX_ROUTE_ROWS
+    (fixed for the process: AMX is asked for once, at import)."""
+    return _ROUTE_ROWS
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, path: int = AUTO) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias) on the kernel: bf16 CPU tensors, 1 <= M <= ROWS,
     x's columns contiguous (any row stride), weight C-contiguous. ValueError otherwise."""
-    lib = native_kernels.LIB
-    if lib is None or not _AVAILABLE:
+    check(x, weight, bias)
+    return _run(x, weight, bias, path)
+
+
+def check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """ValueError unless the kernel can take these operands (`gemv`'s docstring)."""
+    if native_kernels.LIB is None or not _AVAILABLE:
         raise ValueError("the native bf16 GEMV is not available (library missing or no AVX-512 BF16)")
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
@@ -89,23 +95,32 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"{x.stride()} and {weight.stride()}")
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bf16 GEMV bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, path: int = AUTO) -> torch.Tensor:
+    """The kernel call with no checks: the caller has established everything `gemv` checks
+    (`linear` does on its own route test, once per decode linear)."""
+    m, k = x.shape
+    n = weight.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = lib.pd_bf16_gemv(x.data_ptr(), m, k, x.stride(0) if m > 1 else k, weight.data_ptr(), n,
-                          None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads(), path)
+    rc = native_kernels.LIB.pd_bf16_gemv(  # type: ignore[union-attr]
+        x.data_ptr(), m, k, x.stride(0) if m > 1 else k, weight.data_ptr(), n,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads(), path)
     if rc != 0:
         raise ValueError(f"bf16 GEMV cannot run {m} x {k} @ {n} on path {path} (code {rc})")
     return y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through the kernel where it applies (module docstring)."""
-    if (_on and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and native_kernels.LIB is not None):
+    """`F.linear(x, weight, bias)`, through the kernel where it applies (module docstring).
+    The route test below is every check `gemv` makes, so the kernel call is unchecked."""
+    if (_on and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cpu and weight.is_cpu
+            and weight.dim() == 2 and not (x.requires_grad or weight.requires_grad)):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if (1 <= x2.shape[0] <= _ROUTE_ROWS and x2.stride(-1) == 1 and x2.stride(0) >= x2.shape[1]
-                and weight.is_contiguous()
-                and x2.shape[1] == weight.shape[1] and not (x.requires_grad or weight.requires_grad)
-                and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))):
-            y = gemv(x2, weight, bias)
+                and x2.shape[1] == weight.shape[1] and weight.is_contiguous()
+                and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_cpu and bias.dim() == 1
+                                      and bias.shape[0] == weight.shape[0] and bias.is_contiguous()))):
+            y = _run(x2, weight, bias)
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +21,53 @@ from common import envs
 P = ctypes.c_void_p
 I64 = ctypes.c_int64
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+C_INT = ctypes.c_int
+
+
+class Symbol(NamedTuple):
+    """One C function's ctypes signature."""
+
+    name: str
+    argtypes: tuple[type, ...]
+    restype: type | None
+    required: bool = False
+
+
+SYMBOLS: tuple[Symbol, ...] = (
+    Symbol("pd_paged_decode", (C_INT, P, I64, P, P, P, I64, P, I64, I64, I64, I64, I64, I64,
+                               ctypes.c_float, P, C_INT), C_INT, required=True),
+    Symbol("pd_add_rms_norm_bf16", (P, P, P, I64, I64, ctypes.c_float, P, C_INT), None, required=True),
+    Symbol("pd_rope_bf16", (P, I64, I64, I64, I64, P, P, C_INT), None, required=True),
+    Symbol("pd_int4_dequant", (P, P, C_INT, I64, I64, I64, C_INT, P, C_INT), C_INT),
+    Symbol("pd_int8_gemm_bf16", (P, I64, I64, P, P, I64, P, C_INT, C_INT), C_INT),
+    Symbol("pd_int8_gemm_supported", (), C_INT),
+    Symbol("pd_int8_gemm_amx_supported", (), C_INT),
+    Symbol("pd_int8_gemm_path", (I64,), C_INT),
+    Symbol("pd_bf16_gemv", (P, I64, I64, I64, P, I64, P, P, C_INT, C_INT), C_INT),
+    Symbol("pd_bf16_gemv_supported", (), C_INT),
+    Symbol("pd_bf16_gemv_rows", (), C_INT),
+    Symbol("pd_bf16_gemv_amx_rows", (), C_INT),
+    Symbol("pd_attn_bf16_set", (C_INT,), C_INT),
+    Symbol("pd_int4_gemm_bf16", (P, I64, I64, P, P, C_INT, I64, I64, P, C_INT), C_INT),
+    Symbol("pd_int4_gemm_supported", (), C_INT),
+)
+"""Every entry point's signature. A library built before an optional one existed goes
+without it (callers test `hasattr(LIB, name)`); one that lacks a required one is stale
+and not loaded at all, so every caller takes its torch path."""
+
+
+def declare(lib: ctypes.CDLL, symbols: tuple[Symbol, ...] = SYMBOLS) -> bool:
+    """Set the signatures of the symbols `lib` has; False when a required one is missing."""
+    for sym in symbols:
+        if not hasattr(lib, sym.name):
+            if sym.required:
+                return False
+            continue
+        fn = getattr(lib, sym.name)
+        fn.argtypes, fn.restype = list(sym.argtypes), sym.restype
+    return True
 
 
 def _load() -> ctypes.CDLL | None:
@@ -32,47 +80,7 @@ def _load() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(spec.origin)  # CDLL, not PyDLL: calls release the GIL
     except OSError:
         return None
-    lib.pd_paged_decode.argtypes = [
-        ctypes.c_int, P, I64, P, P, P, I64, P, I64, I64, I64, I64, I64, I64, ctypes.c_float, P,
-        ctypes.c_int,
-    ]
-    lib.pd_paged_decode.restype = ctypes.c_int
-    lib.pd_add_rms_norm_bf16.argtypes = [P, P, P, I64, I64, ctypes.c_float, P, ctypes.c_int]
-    lib.pd_add_rms_norm_bf16.restype = None
-    lib.pd_rope_bf16.argtypes = [P, I64, I64, I64, I64, P, P, ctypes.c_int]
-    lib.pd_rope_bf16.restype = None
-    if hasattr(lib, "pd_int4_dequant"):  # a library built before it had one goes without
-        lib.pd_int4_dequant.argtypes = [P, P, ctypes.c_int, I64, I64, I64, ctypes.c_int, P,
-                                        ctypes.c_int]
-        lib.pd_int4_dequant.restype = ctypes.c_int
-    if hasattr(lib, "pd_int8_gemm_bf16"):
-        lib.pd_int8_gemm_bf16.argtypes = [P, I64, I64, P, P, I64, P, ctypes.c_int, ctypes.c_int]
-        lib.pd_int8_gemm_bf16.restype = ctypes.c_int
-        lib.pd_int8_gemm_supported.argtypes = []
-        lib.pd_int8_gemm_supported.restype = ctypes.c_int
-        lib.pd_int8_gemm_amx_supported.argtypes = []
-        lib.pd_int8_gemm_amx_supported.restype = ctypes.c_int
-    if hasattr(lib, "pd_bf16_gemv"):
-        lib.pd_bf16_gemv.argtypes = [P, I64, I64, I64, P, I64, P, P, ctypes.c_int, ctypes.c_int]
-        lib.pd_bf16_gemv.restype = ctypes.c_int
-        lib.pd_bf16_gemv_supported.argtypes = []
-        lib.pd_bf16_gemv_supported.restype = ctypes.c_int
-        lib.pd_bf16_gemv_rows.argtypes = []
-        lib.pd_bf16_gemv_rows.restype = ctypes.c_int
-        lib.pd_bf16_gemv_amx_rows.argtypes = []
-        lib.pd_bf16_gemv_amx_rows.restype = ctypes.c_int
-    if hasattr(lib, "pd_attn_bf16_set"):
-        lib.pd_attn_bf16_set.argtypes = [ctypes.c_int]
-        lib.pd_attn_bf16_set.restype = ctypes.c_int
-    if hasattr(lib, "pd_int8_gemm_path"):
-        lib.pd_int8_gemm_path.argtypes = [I64]
-        lib.pd_int8_gemm_path.restype = ctypes.c_int
-    if hasattr(lib, "pd_int4_gemm_bf16"):
-        lib.pd_int4_gemm_bf16.argtypes = [P, I64, I64, P, P, ctypes.c_int, I64, I64, P, ctypes.c_int]
-        lib.pd_int4_gemm_bf16.restype = ctypes.c_int
-        lib.pd_int4_gemm_supported.argtypes = []
-        lib.pd_int4_gemm_supported.restype = ctypes.c_int
-    return lib
+    return lib if declare(lib) else None
 
 
 LIB: ctypes.CDLL | None = _load()

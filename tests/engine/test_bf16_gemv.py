@@ -5,6 +5,7 @@ to it."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -102,13 +103,14 @@ def test_bad_input_is_a_clear_error(bad: str) -> None:
 
 
 class _Counting:
-    """The native library, counting calls of the GEMV."""
+    """The native library, counting calls of the GEMV (and looks-ups of every symbol)."""
 
     def __init__(self, lib: object) -> None:
-        self.lib, self.calls = lib, 0
+        self.lib, self.calls, self.looked_up = lib, 0, Counter[str]()
 
     def __getattr__(self, name: str) -> object:
         fn = getattr(self.lib, name)
+        self.looked_up[name] += 1
         if name != "pd_bf16_gemv":
             return fn
 
@@ -171,3 +173,33 @@ def test_bench_times_every_path() -> None:
     t = shape_row(64, 96, 2, reps=1)
     assert set(t) == {"F.linear", "avx", "hook"} | ({"amx"} if bf16_gemv.amx_rows() else set())
     assert all(v > 0 for v in t.values())
+
+
+def test_linear_calls_the_kernel_unchecked(counting: _Counting, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`linear`'s route test already covers what `gemv` checks, so a decode linear does not
+    pay for the checks twice: it runs with `gemv` itself out of the way."""
+    x, w, b = _tensors(64, 96, 2)
+    expected = bf16_gemv.gemv(x, w, b)
+    calls = counting.calls
+
+    def checked(*_: object) -> torch.Tensor:
+        raise AssertionError("linear went through the checked gemv")
+
+    monkeypatch.setattr(bf16_gemv, "gemv", checked)
+    assert torch.equal(linear(x, w, b), expected) and counting.calls == calls + 1
+
+
+def test_linear_leaves_what_the_kernel_cannot_take_to_f_linear(counting: _Counting) -> None:
+    """Inputs `gemv` would refuse never reach the unchecked call: F.linear runs (or raises) instead."""
+    x, w, b = _tensors(64, 96, 2)
+    with pytest.raises(RuntimeError):
+        linear(x, w, b[:10])  # a bias of the wrong length is F.linear's error, not a wild read
+    assert torch.equal(linear(x, w.t().contiguous().t(), b), F.linear(x, w, b))  # strided weight
+    assert counting.calls == 0
+
+
+def test_route_rows_is_fixed_at_import(counting: _Counting) -> None:
+    """`route_rows()` returns the route cached at import and does not ask the library again."""
+    r = bf16_gemv.route_rows()
+    assert counting.looked_up["pd_bf16_gemv_amx_rows"] == 0
+    assert r == (bf16_gemv.ROWS if bf16_gemv.amx_rows() else 2)
