@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from engine import native_kernels
 
-AUTO, GEMV, DPBF16, AMX = 0, 1, 2, 3  # `matmul` paths (the C PATH_* codes)
-PATHS = {"gemv": GEMV, "dpbf16": DPBF16, "amx": AMX}
+AUTO, GEMV, DPBF16, AMX, AMX_ROWS = 0, 1, 2, 3, 4  # `matmul` paths (the C PATH_* codes)
+PATHS = {"gemv": GEMV, "dpbf16": DPBF16, "amx": AMX, "amx_rows": AMX_ROWS}
 
 
 class PackedInt8(NamedTuple):
