@@ -22,6 +22,7 @@ setup(
         Extension(
             "engine._cpu_kernels",
             sources=["engine/_cpu_kernels.c", "engine/_int8_gemm.c", "engine/_int8_gemv.c",
+                     "engine/_int8_amx_rows.c",
                      "engine/_int4_gemm.c", "engine/_bf16_gemv.c", "engine/_attn_bf16.c"],
             depends=["engine/_int8_gemm.h", "engine/_attn_bf16.h"],
             extra_compile_args=["-O3", "-fopenmp"],

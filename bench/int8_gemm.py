@@ -1,17 +1,19 @@
 """Per-layer timing of the int8 weight matmul paths against the bf16 matmul, one run.
 
-    python -m bench.int8_gemm [--threads 1 2] [--rows 1 2 4 16 32 128] [--reps 200]
+    python -m bench.int8_gemm [--threads 1 2] [--rows 1 2 4 16 32 128] [--reps 200] [--step]
 
 For each weight shape [N, K] (the ~125M benchmark model's projections: qkv, o, gate_up,
 down), row count and thread count: F.linear with the bf16 weight, the aten int8 kernel
 (`torch._weight_int8pack_mm`, up to 16 rows), and each native path (engine/_int8_gemm.c,
-engine/_int8_gemv.c): `gemv` (float32 FMA, up to 4 rows), `dpbf16` (AVX-512 BF16 dot
-products), `amx`, and `auto` (the path the library picks, with the Python call around it,
+engine/_int8_gemv.c, engine/_int8_amx_rows.c): `gemv` (float32 FMA, up to 4 rows), `dpbf16`
+(AVX-512 BF16 dot products), `amx`, `amx_rows` (AMX chunk by chunk, up to 16 rows), and `auto` (the path the library picks, with the Python call around it,
 as a layer runs it). Prints the median time of each and its ratio to bf16, all measured
 in the same run (the host may be shared: compare ratios, not absolute times). A single
 layer called again and again is served from the CPU caches; a decode step streams 12
 layers of distinct weights (~75 MB int8, ~150 MB bf16) from memory, so `--step` also
-times whole passes over 12 distinct copies of the four layers, bf16 against each path.
+times whole passes over 12 distinct copies of the four layers, bf16 against each path, and
+prints a second line of each path against the bf16 GEMV (engine/bf16_gemv.py, what bf16
+decode runs for 1-16 rows): int8 reads half its bytes, so ~0.5 is the floor there.
 """
 
 from __future__ import annotations
@@ -24,12 +26,19 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from engine import bf16_gemv
 from engine.quant import int8_kernel
 from engine.quant.pack import quantize_int8
 
 SHAPES = ((1280, 768), (768, 768), (4096, 768), (768, 2048))  # 125M: qkv, o, gate_up, down
 LAYERS = 12
-PATHS = ("aten_int8", "gemv", "dpbf16", "amx", "auto")
+PATHS = ("aten_int8", "gemv", "dpbf16", "amx", "amx_rows", "auto")
+
+
+def _runs(code: int, m: int) -> bool:
+    amx = code in (int8_kernel.AMX, int8_kernel.AMX_ROWS)
+    return ((code != int8_kernel.GEMV or m <= 4) and (code != int8_kernel.AMX_ROWS or m <= 16)
+            and (not amx or int8_kernel.amx_available()))
 
 
 def _median_us(fn: Callable[[], object], reps: int) -> float:
@@ -56,7 +65,7 @@ def _row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
         paths["aten_int8"] = lambda: torch._weight_int8pack_mm(x, q, s16)
     if int8_kernel.available():
         for name, code in int8_kernel.PATHS.items():
-            if (code != int8_kernel.GEMV or m <= 4) and (code != int8_kernel.AMX or int8_kernel.amx_available()):
+            if _runs(code, m):
                 paths[name] = lambda code=code: int8_kernel.matmul(x, packed, code)  # type: ignore[misc]
         paths["auto"] = lambda: int8_kernel.matmul(x, packed)
     return {name: _median_us(fn, reps) for name, fn in paths.items()}
@@ -72,9 +81,11 @@ def _step(m: int, reps: int) -> str:
             w16 = (parts.q.float() * parts.scales.float()[:, None]).to(torch.bfloat16)
             layers.append((w16, int8_kernel.pack(parts.q, parts.scales), torch.randn(m, k, generator=g).bfloat16()))
     passes: dict[str, Callable[[], object]] = {"bf16": lambda: [F.linear(x, w) for w, _, x in layers]}
+    if bf16_gemv.available() and m <= 16:
+        passes["bf16_gemv"] = lambda: [bf16_gemv.linear(x, w) for w, _, x in layers]
     if int8_kernel.available():
         for name, code in int8_kernel.PATHS.items():
-            if (code != int8_kernel.GEMV or m <= 4) and (code != int8_kernel.AMX or int8_kernel.amx_available()):
+            if _runs(code, m):
                 passes[name] = lambda code=code: [int8_kernel.matmul(x, p, code) for _, p, x in layers]  # type: ignore[misc]
         passes["auto"] = lambda: [int8_kernel.matmul(x, p) for _, p, x in layers]
     times: dict[str, list[float]] = {name: [] for name in passes}
@@ -82,8 +93,12 @@ def _step(m: int, reps: int) -> str:
         for name, fn in passes.items():
             times[name].append(_median_us(fn, 1))
     med = {name: statistics.median(t) for name, t in times.items()}
-    return (f"{torch.get_num_threads():>7} {'step x12':>10} {m:>4} {med['bf16']:8.0f}                "
+    line = (f"{torch.get_num_threads():>7} {'step x12':>10} {m:>4} {med['bf16']:8.0f}                "
             + " ".join(f"{med[p] / med['bf16']:9.2f}" if p in med else f"{'-':>9}" for p in PATHS))
+    if "bf16_gemv" in med:
+        line += (f"\n{'':>7} {'vs GEMV':>10} {m:>4} {med['bf16_gemv']:8.0f}                "
+                 + " ".join(f"{med[p] / med['bf16_gemv']:9.2f}" if p in med else f"{'-':>9}" for p in PATHS))
+    return line
 
 
 def main() -> None:

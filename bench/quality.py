@@ -38,8 +38,12 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "bfloat16": {"dtype": "bfloat16"},
     "fp8 KV": {"dtype": "float32", "kv_cache_dtype": "fp8"},  # e4m3, per-block-per-head scales
     "int8 KV": {"dtype": "float32", "kv_cache_dtype": "int8"},
+    # Weight schemes as served: the LM head int8 (`--lm-head-quantization auto`), and with
+    # the head left in the compute dtype (`none`) to show what the int8 head costs.
     "int8 weights": {"dtype": "float32", "quantization": "int8"},  # per-output-channel scales
     "int4 weights": {"dtype": "float32", "quantization": "int4"},  # group 128, asymmetric
+    "int8 weights (float head)": {"dtype": "float32", "quantization": "int8", "lm_head_quantization": "none"},
+    "int4 weights (float head)": {"dtype": "float32", "quantization": "int4", "lm_head_quantization": "none"},
 }
 
 

@@ -64,6 +64,7 @@ class KVLayout:
     weights: str = ""  # weights fingerprint (engine.weights_fingerprint); "" only in tests
     compute_dtype: str | None = None  # dtype the weights run in; None: the KV dtype
     quantization: str = "none"  # weight quantization method; "none" is all the engine loads
+    lm_head: str = "none"  # the LM head's quantization (none | int8): it changes the sampled tokens
     # The draft model's own layout hash when its KV ships with this pool's (draft_kv=prefill):
     # then a prefill and a decode worker with different drafts cannot pair.
     draft: str = ""
@@ -125,6 +126,7 @@ class KVLayout:
             f"block={self.block_size}",
             f"heads={self.num_layers}x{self.num_kv_heads}x{self.head_dim}",
             "order=layer,kv,block,slot,head,dim",
+            *((f"lm_head={self.lm_head}",) if self.lm_head != "none" else ()),
             *((f"draft={self.draft}",) if self.draft else ()),
         ))
         return hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -72,6 +72,7 @@ class RegisterWorker(Message):
     pid: int
     quantization: str = "none"  # weight quantization served: none | int8 | int4 | awq | gptq
     kv_cache_dtype: str = ""  # the KV pool's element dtype
+    lm_head_quantization: str = "none"  # the LM head's weights: none | int8
 
 
 @dataclass(frozen=True)

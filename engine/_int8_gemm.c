@@ -36,18 +36,11 @@
 #define PATH_GEMV 1
 #define PATH_DPBF16 2
 #define PATH_AMX 3
+#define PATH_AMX_ROWS 4
 
 int pd_int8_gemm_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
-}
-
-/* The 32 codes at `w` (16 channels x 2 k) as 32 bf16 in the same order. */
-TARGET static inline __m512bh widen(const int8_t *w) {
-    /* two 16-byte loads that sign-extend straight from memory (no lane extract) */
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
-    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 16))));
-    return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
 /* x[m, k], x[m, k+1] as one 32-bit lane value; the odd tail pairs x[K-1] with 0. */
@@ -131,19 +124,8 @@ TARGET static void gemm_avx(const uint16_t *x, int64_t M, int64_t K, const int8_
  * once per 32 rows. Past 32 rows, blocks are 32 rows and the ragged last one runs from a
  * zero-padded copy (one tile configuration per call).
  * Tile registers: 0, 1 = C for rows 0-15, 16-31; 2, 3 = A; 4 = B. */
-#define AMX_TARGET __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl,amx-tile,amx-bf16")))
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-
-/* GCC's tile load/store intrinsics are asm with no memory operand: a barrier keeps the
- * buffers' writes before a tile load and their reads after a tile store. */
-#define MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
 
 static int amx_ready(void) {
     static int ready = -1; /* the permission is per process: asked once */
@@ -155,7 +137,7 @@ static int amx_ready(void) {
     return ready;
 }
 
-AMX_TARGET static void amx_configure(int64_t rows0, int64_t rows1) {
+AMX_TARGET void pd_int8_amx_configure(int64_t rows0, int64_t rows1) {
     struct tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -166,6 +148,7 @@ AMX_TARGET static void amx_configure(int64_t rows0, int64_t rows1) {
     }
     cfg.rows[4] = 16;
     cfg.colsb[4] = 64;
+    MEMORY_BARRIER(); /* the stores above must reach cfg: ldtilecfg reads it behind the compiler's back */
     _tile_loadconfig(&cfg);
 }
 
@@ -238,7 +221,7 @@ AMX_TARGET static int gemm_amx(const uint16_t *x, int64_t M, int64_t K, const in
 #pragma omp atomic write
             failed = 1;
         } else {
-            amx_configure(rows < 16 ? rows : 16, rows < 16 ? 0 : rows - 16);
+            pd_int8_amx_configure(rows < 16 ? rows : 16, rows < 16 ? 0 : rows - 16);
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
@@ -265,14 +248,18 @@ AMX_TARGET static int gemm_amx(const uint16_t *x, int64_t M, int64_t K, const in
 
 int pd_int8_gemm_amx_supported(void) { return amx_ready(); }
 
-/* The path for M rows (the one place that chooses; `python -m bench.int8_gemm` times each):
- * the float32 GEMV up to PD_GEMV_ROWS rows, where it streams the codes with the fewest
- * instructions; above, AMX where the CPU allows it (widening amortised over the rows),
- * else the AVX-512 BF16 dot products. */
+/* The path for M rows (the one place that chooses; `python -m bench.int8_gemm --step` times
+ * each over a decode step's distinct weights): the float32 GEMV up to PD_GEMV_ROWS rows, where
+ * it streams the codes with the fewest instructions; then, where the CPU allows AMX, up to 16
+ * rows the chunk-by-chunk AMX kernel (_int8_amx_rows.c: the code stream never pauses; 0.6x
+ * the bf16 GEMV's time at 8-16 rows against 0.9x for `gemm_amx`) and above that `gemm_amx`
+ * (widening amortised over 32-row blocks); without AMX the AVX-512 BF16 dot products. */
 static int choose_path(int64_t M) {
     if (M <= PD_GEMV_ROWS)
         return PATH_GEMV;
-    return amx_ready() ? PATH_AMX : PATH_DPBF16;
+    if (!amx_ready())
+        return PATH_DPBF16;
+    return M <= 16 ? PATH_AMX_ROWS : PATH_AMX;
 }
 
 int pd_int8_gemm_path(int64_t M) { return M < 1 ? PATH_AUTO : choose_path(M); }
@@ -283,9 +270,10 @@ int pd_int8_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *pac
     static int supported = -1;
     if (supported < 0)
         supported = pd_int8_gemm_supported();
-    if (M < 1 || K < 1 || N < 1 || path < PATH_AUTO || path > PATH_AMX)
+    if (M < 1 || K < 1 || N < 1 || path < PATH_AUTO || path > PATH_AMX_ROWS
+        || (path == PATH_AMX_ROWS && M > 16))
         return PD_ERR_LEN;
-    if (!supported || (path == PATH_AMX && !amx_ready()))
+    if (!supported || ((path == PATH_AMX || path == PATH_AMX_ROWS) && !amx_ready()))
         return PD_ERR_CPU;
     int64_t tiles = (N + 15) / 16;
     int threads = num_threads < 1 ? 1 : num_threads;
@@ -296,6 +284,8 @@ int pd_int8_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *pac
         return pd_int8_gemv_fp32(x, M, K, packed, scales, N, y, threads);
     case PATH_AMX:
         return gemm_amx(x, M, K, packed, scales, N, y, threads);
+    case PATH_AMX_ROWS:
+        return pd_int8_amx_rows(x, M, K, packed, scales, N, y, threads);
     default:
         gemm_avx(x, M, K, packed, scales, N, y, threads);
         return PD_OK;

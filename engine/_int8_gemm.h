@@ -27,6 +27,35 @@ TARGET static inline __m512 load_scales(const float *scales, int64_t valid) {
     return _mm512_maskz_loadu_ps((__mmask16)(valid >= 16 ? 0xFFFFu : (1u << valid) - 1u), scales);
 }
 
+/* The 32 codes at `w` (16 channels x 2 k) as 32 bf16 in the same order (exact: |q| <= 128
+ * fits bf16's 8-bit significand). */
+TARGET static inline __m512bh widen(const int8_t *w) {
+    /* two 16-byte loads that sign-extend straight from memory (no lane extract) */
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+#define AMX_TARGET __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl,amx-tile,amx-bf16")))
+
+/* GCC's tile load/store intrinsics are asm with no memory operand: a barrier keeps the
+ * buffers' writes before a tile load and their reads after a tile store. */
+#define MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Tiles 0, 1 (C) and 2, 3 (A): rows0 / rows1 rows of 64 bytes (0: unused); 4 (B): 16. */
+void pd_int8_amx_configure(int64_t rows0, int64_t rows1);
+
+/* y[M, N] for 1 <= M <= 16 on AMX, codes widened chunk by chunk as they stream in
+ * (engine/_int8_amx_rows.c; the caller has checked AMX is usable). */
+int pd_int8_amx_rows(const uint16_t *x, int64_t M, int64_t K, const int8_t *packed,
+                     const float *scales, int64_t N, uint16_t *y, int threads);
+
 /* y[M, N] = x[M, K] @ (packed * scales)^T for M <= PD_GEMV_ROWS (engine/_int8_gemv.c). */
 #define PD_GEMV_ROWS 4
 int pd_int8_gemv_fp32(const uint16_t *x, int64_t M, int64_t K, const int8_t *packed,

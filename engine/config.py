@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from common.kv_layout import normalize_kv_cache_dtype
 from engine.backend_choice import ATTENTION_BACKENDS
 from engine.dtype import DTYPE_CHOICES
-from engine.quant.formats import QUANTIZATION_CHOICES
+from engine.quant.formats import LM_HEAD_CHOICES, QUANTIZATION_CHOICES
 from engine.spec.config import SpeculativeConfig
 
 
@@ -80,6 +80,9 @@ class EngineConfig:
     # Weight-only quantization on the fly: none | int8 | int4 (engine/quant/formats.py).
     # A pre-quantized (AWQ/GPTQ) checkpoint is served as stored, with "none" here.
     quantization: str = "none"
+    # The LM head's weights: auto (int8 under on-the-fly int8/int4, else the compute dtype)
+    # | none | int8 (engine/quant/formats.py `served_lm_head`).
+    lm_head_quantization: str = "auto"
     # Speculative decoding (`--speculative-config`); None: off.
     speculative: SpeculativeConfig | None = None
     # Ranks of one tensor-parallel group (`engine.parallel`); rank 0 is this process.
@@ -109,3 +112,6 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"unsupported quantization {self.quantization!r}; "
                              f"choose one of {', '.join(QUANTIZATION_CHOICES)}")
+        if self.lm_head_quantization not in LM_HEAD_CHOICES:
+            raise ValueError(f"unsupported lm_head_quantization {self.lm_head_quantization!r}; "
+                             f"choose one of {', '.join(LM_HEAD_CHOICES)}")

@@ -24,9 +24,9 @@ from engine.parallel.plan import ParallelLayoutError, TPShard, check_tp_quant, l
 from engine.parallel.quant_shard import quantized_linear, slice_int4
 from engine.parallel.weights import shard_source, shard_span, stage_specs
 from engine.quant.checkpoint import load_linear
-from engine.quant.formats import ON_THE_FLY, QuantizationError, served_quantization
-from engine.quant.linear import set_weight
-from engine.quant.pack import Int4Parts
+from engine.quant.formats import ON_THE_FLY, QuantizationError, served_lm_head, served_quantization
+from engine.quant.linear import Int8Linear, set_weight
+from engine.quant.pack import Int4Parts, quantize_int8
 from engine.weights_fingerprint import FingerprintError, WeightsFingerprint, fingerprint_files
 
 SINGLE_FILE = "model.safetensors"
@@ -162,10 +162,12 @@ def load_model_with(
     max_positions: int | None,
     quantization: str = "none",
     shard: TPShard | None = None,
+    lm_head_quantization: str = "auto",
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """`load_model` with RoPE tables sized for `max_positions` (default: the model's maximum)
     and the decoder linears quantized on the fly (`quantization` int8 | int4) or read as
-    stored from an AWQ/GPTQ checkpoint (engine/quant).
+    stored from an AWQ/GPTQ checkpoint (engine/quant), and the LM head per
+    `lm_head_quantization` (auto | none | int8: `served_lm_head`).
 
     With `shard`, the model holds one tensor-parallel rank's slice (`engine.parallel`);
     the returned config is still the full model's."""
@@ -177,6 +179,7 @@ def load_model_with(
     cfg = load_config(d)
     try:
         scheme = served_quantization(quantization, cfg.prequant)
+        head = served_lm_head(lm_head_quantization, scheme)
     except QuantizationError as e:
         raise CheckpointError(str(e)) from e
     if shard is not None:
@@ -218,7 +221,18 @@ def load_model_with(
                 parts = [shard_source(spec.param, i, t, shard, cfg.head_dim) for i, t in enumerate(parts)]
             value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             params[spec.param].copy_(value.to(dtype))
+        if head == "int8":
+            quantize_lm_head(model, dtype, dev)
     return cfg, model.eval()
+
+
+def quantize_lm_head(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
+    """Give `model` an int8 per-output-channel LM head computing in `dtype`: an untied
+    head's float weight is dropped, a tied one keeps the embedding for the lookup."""
+    weight = model.embed_tokens if model.lm_head is None else model.lm_head
+    model.lm_head_q = Int8Linear(quantize_int8(weight.detach()), dtype, device)
+    if model.lm_head is not None:
+        model.lm_head = None
 
 
 def _int4_part(param: str, shard: TPShard, head_dim: int, index: int, parts: Int4Parts) -> Int4Parts:

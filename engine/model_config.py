@@ -265,10 +265,12 @@ def _cfg_eos(value: Any) -> tuple[int, ...]:
 
 
 def kv_layout(model_config: ModelConfig, block_size: int, dtype: str, weights: str,
-              kv_cache_dtype: str = "auto", quantization: str | None = None) -> KVLayout:
+              kv_cache_dtype: str = "auto", quantization: str | None = None,
+              lm_head: str = "none") -> KVLayout:
     """The KV pool layout for this model run in `dtype` with weights fingerprint `weights`
     (`engine.loader.weights_fingerprint`) and weight `quantization` (the served scheme,
-    `engine.quant.formats.served_quantization`; None: the checkpoint's); allocates nothing.
+    `engine.quant.formats.served_quantization`; None: the checkpoint's) and LM head
+    quantization `lm_head` (`served_lm_head`); allocates nothing.
     The KV cache is kept in the compute dtype unless `kv_cache_dtype` names a quantized one."""
     return KVLayout(
         model_id=model_config.model_id,
@@ -280,4 +282,5 @@ def kv_layout(model_config: ModelConfig, block_size: int, dtype: str, weights: s
         weights=weights,
         compute_dtype=dtype,
         quantization=model_config.quantization if quantization is None else quantization,
+        lm_head=lm_head,
     )

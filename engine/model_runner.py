@@ -35,7 +35,7 @@ from engine.memory_budget import cuda_kv_budget
 from engine.model_config import ModelConfig, kv_layout
 from engine.parallel.plan import TPShard
 from engine.parallel.shared_pool import head_slice
-from engine.quant.formats import served_quantization
+from engine.quant.formats import served_lm_head, served_quantization
 from engine.runner_types import SeqChunk
 from engine.spec.draft_kv import with_draft
 from engine.step_staging import PinnedStager, stage_metadata
@@ -96,15 +96,17 @@ class ModelRunner:
         self.model_config, self.model = load_model_with(
             config.model_dir, self.dtype, self.device, max_positions=max_len,
             quantization=config.quantization, shard=shard,
+            lm_head_quantization=config.lm_head_quantization,
         )
         self.max_model_len = max_len
         # A caller that sized the pool with `layout_for(config)` passes that layout, so
         # the weights are fingerprinted once even where no cache file can be written.
         weights = layout.weights if layout is not None else weights_fingerprint(config.model_dir).digest
         self.quantization = served_quantization(config.quantization, self.model_config.prequant)
+        self.lm_head_quantization = served_lm_head(config.lm_head_quantization, self.quantization)
         self.layout: KVLayout = with_draft(kv_layout(
             self.model_config, self.block_size, config.dtype, weights, config.kv_cache_dtype,
-            self.quantization), config)
+            self.quantization, self.lm_head_quantization), config)
         if layout is not None and layout != self.layout:
             raise ValueError(f"layout {layout} does not belong to this config ({self.layout})")
         if kv_buffer is not None:
@@ -159,9 +161,10 @@ class ModelRunner:
         the dtype resolved as the runner resolves it."""
         config = resolved_config(config)
         model_config = load_config(config.model_dir)
+        scheme = served_quantization(config.quantization, model_config.prequant)
         return with_draft(kv_layout(model_config, config.cache.block_size, config.dtype,
                                     weights_fingerprint(config.model_dir).digest, config.kv_cache_dtype,
-                                    served_quantization(config.quantization, model_config.prequant)),
+                                    scheme, served_lm_head(config.lm_head_quantization, scheme)),
                           config)
 
     @staticmethod

@@ -100,6 +100,7 @@ class WorkerInfo:
             "kv_shm": self.reg.kv_shm,
             "compat_hash": self.reg.compat_hash,
             "quantization": self.reg.quantization,
+            "lm_head_quantization": self.reg.lm_head_quantization,
             "kv_cache_dtype": self.reg.kv_cache_dtype,
             "total_blocks": self.reg.total_blocks,
             "block_size": self.reg.block_size,

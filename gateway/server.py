@@ -112,7 +112,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 def _model_card(request: web.Request, name: str) -> dict[str, Any]:
     """The OpenAI model object, plus what the registered workers run: the weight
-    quantization and KV-cache dtype (one value each, as registration refuses a worker
+    quantization, KV-cache dtype and LM head quantization (one value each, as registration refuses a worker
     whose compatibility hash differs; null before any worker has registered)."""
     state = request.app[STATE]
     config = state.config
@@ -124,7 +124,8 @@ def _model_card(request: web.Request, name: str) -> dict[str, Any]:
 
     return {"id": name, "object": "model", "created": request.app[_CREATED], "owned_by": "pdserve",
             "root": config.model_name, "max_model_len": config.max_model_len,
-            "quantization": served("quantization"), "kv_cache_dtype": served("kv_cache_dtype")}
+            "quantization": served("quantization"), "kv_cache_dtype": served("kv_cache_dtype"),
+            "lm_head_quantization": served("lm_head_quantization")}
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -10,8 +10,9 @@ when present, the safetensors headers (for an exact parameter count). The figure
   default, resolves as the workers do: `engine.dtype`); under weight quantization
   (`--quantization int8|int4`, or an AWQ/GPTQ checkpoint's own) the decoder linears,
   every expert's included, count their quantized bytes with scales and zeros
-  (`engine.quant.formats`), the embeddings, LM head, norms and MoE routers stay in the
-  serving dtype, as the engine keeps them;
+  (`engine.quant.formats`), the embeddings, norms and MoE routers stay in the serving
+  dtype, as the engine keeps them; the LM head counts as int8 where the workers' would be
+  (`--lm-head-quantization`, `served_lm_head`: a tied head's int8 copy adds to the embedding);
 - KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes of the
   KV-cache dtype (the serving dtype, or `--kv-cache-dtype fp8|int8`: 1 byte; their
   per-block scales are not counted) -- never the query head count;
@@ -41,6 +42,7 @@ from engine.quant.formats import (
     INT4_GROUP,
     QuantizationError,
     linear_weight_bytes,
+    served_lm_head,
     served_quantization,
 )
 
@@ -140,16 +142,21 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     return [s for i in range(cfg.num_layers) for s in attn + (experts if i in sparse else mlp)]
 
 
-def weight_bytes(cfg: ModelConfig, params: int, scheme: str, compute_bytes: int) -> int:
-    """Bytes of `params` parameters served under `scheme`: decoder linears quantized,
-    everything else (embeddings, LM head, norms, biases) in the compute dtype."""
+def weight_bytes(cfg: ModelConfig, params: int, scheme: str, compute_bytes: int, lm_head: str = "none") -> int:
+    """Bytes of `params` parameters served under `scheme`: decoder linears quantized, the
+    LM head as `lm_head` says (none | int8), everything else (embeddings, norms, biases) in
+    the compute dtype."""
     shapes = linear_shapes(cfg)
     group = INT4_GROUP
     if cfg.prequant is not None:
         group = cfg.prequant.group_size
     linear = sum(linear_weight_bytes(n, k, scheme, compute_bytes, group) for n, k in shapes)
     rest = params - sum(n * k for n, k in shapes)
-    return linear + rest * compute_bytes
+    head = 0
+    if lm_head == "int8":  # a tied head's int8 copy is extra; an untied head's float weight goes
+        head = linear_weight_bytes(cfg.vocab_size, cfg.hidden_size, "int8", compute_bytes)
+        rest -= 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    return linear + head + rest * compute_bytes
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:
@@ -219,6 +226,7 @@ class CapacityPlan:
     gpu_hourly_cost: float | None = None
     throughput: float | None = None  # output tokens/s the cost is stated at
     cost_per_million_tokens: float | None = None
+    lm_head_quantization: str = "none"  # none | int8 (`served_lm_head`)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -236,6 +244,7 @@ def compute_plan(
     overhead_fraction: float = DEFAULT_OVERHEAD_FRACTION,
     block_size: int = 16,
     quantization: str = "none",
+    lm_head_quantization: str = "auto",
     kv_cache_dtype: str = "auto",
     gpu_hourly_cost: float | None = None,
     throughput: float | None = None,
@@ -244,7 +253,8 @@ def compute_plan(
 
     `dtype` resolves against the checkpoint, `device` and `cpu_flags` (None: this
     host's) exactly as a worker started with the same flags resolves it; `quantization`
-    as a worker's `--quantization` (an AWQ/GPTQ checkpoint plans as stored)."""
+    as a worker's `--quantization` (an AWQ/GPTQ checkpoint plans as stored), and
+    `lm_head_quantization` as its `--lm-head-quantization`."""
     d = Path(model_dir)
     cfg = read_model_config(d)
     try:
@@ -256,6 +266,7 @@ def compute_plan(
         raise PlanError("device memory, max-model-len and block size must be positive")
     try:
         scheme = served_quantization(quantization, cfg.prequant)
+        head = served_lm_head(lm_head_quantization, scheme)
     except QuantizationError as e:
         raise PlanError(str(e)) from e
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -268,7 +279,7 @@ def compute_plan(
     experts = expert_counts(cfg)
     kv_dt = dt if kv_cache_dtype == "auto" else kv_cache_dtype
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _KV_BYTES[kv_dt]
-    w_bytes = weight_bytes(cfg, params, scheme, DTYPE_BYTES[dt])
+    w_bytes = weight_bytes(cfg, params, scheme, DTYPE_BYTES[dt], head)
     request_tokens = -(-max_model_len // block_size) * block_size  # whole blocks
     per_request = request_tokens * kv_per_token
     overhead = int(device_memory * overhead_fraction)
@@ -286,6 +297,7 @@ def compute_plan(
         device=device,
         bytes_per_element=DTYPE_BYTES[dt],
         quantization=scheme,
+        lm_head_quantization=head,
         kv_cache_dtype=kv_dt,
         kv_bytes_per_element=_KV_BYTES[kv_dt],
         param_count=params,
@@ -325,8 +337,9 @@ def format_plan(p: CapacityPlan) -> str:
         ("model", f"{p.model_dir} ({p.architecture})"),
         ("dtype", f"{p.dtype} ({p.bytes_per_element} bytes per element) on {p.device}"),
         ("parameters", f"{p.param_count:,} (from {p.param_source})"),
-        ("quantization", f"{p.quantization} (decoder linears; embeddings and LM head in {p.dtype})"
-         if p.quantization != "none" else "none"),
+        ("quantization", f"{p.quantization} (decoder linears; embeddings in {p.dtype}, LM head in "
+         f"{p.dtype if p.lm_head_quantization == 'none' else p.lm_head_quantization})"
+         if p.quantization != "none" or p.lm_head_quantization != "none" else "none"),
         *([("expert parameters", f"{p.expert_param_count:,} (all experts); {p.active_param_count:,}"
             " parameters active per token")] if p.expert_param_count else []),
         ("weight bytes", _b(p.weight_bytes)),

@@ -224,6 +224,14 @@ def test_up_forwards_quantization_to_every_worker() -> None:
     assert build_parser().parse_args(["prefill", "--gateway", GW]).quantization == "none"
 
 
+def test_up_forwards_the_lm_head_quantization_to_every_worker() -> None:
+    args = build_parser().parse_args(["up", "--quantization", "int8", "--lm-head-quantization", "none"])
+    cmds = _worker_cmds(args, "tcp://127.0.0.1:5555")
+    assert len(cmds) == 2 and all(build_parser().parse_args(c[3:]).lm_head_quantization == "none" for c in cmds)
+    assert build_parser().parse_args(["decode", "--gateway", GW]).lm_head_quantization == "auto"
+    assert build_parser().parse_args(["generate", "--lm-head-quantization", "int8", "hi"]).lm_head_quantization == "int8"
+
+
 def test_up_forwards_the_speculative_config_to_decode_and_colocated_workers_only() -> None:
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "disable_by_batch_size": 4}'
     for flags, roles in ((["--prefill", "1", "--decode", "2"], ["prefill", "decode", "decode"]),

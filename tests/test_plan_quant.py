@@ -48,9 +48,16 @@ def test_on_the_fly_schemes_shrink_only_the_linears(tmp_path: Path) -> None:
     d = _model(tmp_path, "bf16")
     plans = {q: compute_plan(d, A100, 4096, device="cuda", quantization=q) for q in ("none", "int8", "int4")}
     assert plans["none"].weight_bytes == 8_030_261_248 * 2
-    assert plans["int8"].weight_bytes == LINEAR_PARAMS + 2 * _rows() + OTHER_PARAMS * 2
+    # The LM head (128,256 x 4,096, untied) turns int8 with them by default: a byte a weight
+    # and a bf16 scale a row in place of its bf16 weight.
+    head, vocab = 128256 * 4096, 128256
+    rest = (OTHER_PARAMS - head) * 2 + head + 2 * vocab
+    assert plans["int8"].weight_bytes == LINEAR_PARAMS + 2 * _rows() + rest
     groups = LINEAR_PARAMS // 128
-    assert plans["int4"].weight_bytes == LINEAR_PARAMS // 2 + 2 * 2 * groups + OTHER_PARAMS * 2
+    assert plans["int4"].weight_bytes == LINEAR_PARAMS // 2 + 2 * 2 * groups + rest
+    assert (plans["int8"].lm_head_quantization, plans["none"].lm_head_quantization) == ("int8", "none")
+    float_head = compute_plan(d, A100, 4096, device="cuda", quantization="int8", lm_head_quantization="none")
+    assert float_head.weight_bytes == LINEAR_PARAMS + 2 * _rows() + OTHER_PARAMS * 2
     assert plans["none"].max_concurrency < plans["int8"].max_concurrency < plans["int4"].max_concurrency
     with pytest.raises(PlanError, match="already awq-quantized"):
         compute_plan(_model(tmp_path, "awq", quantization_config=AWQ), A100, 4096, device="cuda", quantization="int8")

@@ -61,7 +61,8 @@ class WorkerMetrics:
             registry=r,
         ).labels(**labels)
         self._info = Gauge("llm_worker_info", "What this worker serves: weight quantization, KV-cache "
-                           "and compute dtype (value 1)", [*names, "quantization", "kv_cache_dtype", "dtype"],
+                           "and compute dtype, LM head quantization (value 1)",
+                           [*names, "quantization", "kv_cache_dtype", "dtype", "lm_head_quantization"],
                            registry=r)
         # Speculative decoding, vLLM's spec_decode_* counters.
         self.spec_drafts = counter("llm_spec_decode_num_drafts", "Sequence steps verified with draft tokens")
@@ -81,11 +82,11 @@ class WorkerMetrics:
             "by reason: contention, probe_won, recovered", [*names, "reason"], registry=r)
         self.role_flips = counter("llm_role_flips", "Live role flips this worker made (its role label is the new role)")
 
-    def set_info(self, quantization: str, kv_cache_dtype: str, dtype: str) -> None:
+    def set_info(self, quantization: str, kv_cache_dtype: str, dtype: str, lm_head: str = "none") -> None:
         """Once, when the node's engine exists: `llm_worker_info{quantization=...} 1`."""
         self._info.clear()
         self._info.labels(**self._labels, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                          dtype=dtype).set(1)
+                          dtype=dtype, lm_head_quantization=lm_head).set(1)
 
     def add_transfer_bytes(self, transport: str, num_bytes: int) -> None:
         self._transfer_bytes.labels(**self._labels, transport=transport or "unknown").inc(num_bytes)

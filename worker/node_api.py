@@ -18,6 +18,7 @@ class NodeRegistration(NamedTuple):
     block_size: int
     quantization: str = "none"
     kv_cache_dtype: str = ""
+    lm_head_quantization: str = "none"
 
 
 class NodeLoad(NamedTuple):

@@ -42,7 +42,7 @@ def node_registration(engine: LLMEngine, layout: KVLayout, kv_address: str = "",
     """What a node tells the gateway: its pool, and where its KV receiver is (decode)."""
     total = engine.stats().num_total_blocks
     return NodeRegistration(kv_address, kv_shm, layout.compat_hash, total, layout.block_size,
-                            layout.quantization, layout.dtype)
+                            layout.quantization, layout.dtype, layout.lm_head)
 
 
 class EngineNode:
@@ -59,7 +59,8 @@ class EngineNode:
         self.metrics = metrics
         self.stats = StatsMirror(metrics)
         self._cache_log = engine.block_manager.record_events()  # the gateways' KV index feed
-        metrics.set_info(runner.layout.quantization, runner.layout.dtype, runner.layout.weight_dtype)
+        metrics.set_info(runner.layout.quantization, runner.layout.dtype, runner.layout.weight_dtype,
+                         runner.layout.lm_head)
 
     def cache_events(self) -> CacheEvents:
         return self._cache_log.drain()

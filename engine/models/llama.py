@@ -157,6 +157,8 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
+        # An int8 LM head (`engine.loader.quantize_lm_head`); None: the float head above.
+        self.lm_head_q: nn.Module | None = None
         # Tensor parallel (`engine.parallel`) sums the row-parallel o_proj and down_proj
         # partial outputs across ranks here: one all-reduce per attention and MLP block.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce
@@ -216,6 +218,8 @@ class LlamaForCausalLM(nn.Module):
         return x if final_norm else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_q is not None:
+            return self.lm_head_q(hidden)  # bf16 decode rows: the int8 kernel's GEMV
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         return linear(hidden, weight, None)  # decode rows in bf16: the native GEMV too
 

@@ -9,8 +9,12 @@ Schemes (the string the KV compatibility hash, metrics and `/v1/models` report):
 - `awq` / `gptq`: a pre-quantized 4-bit checkpoint (`quantization_config` in
   config.json), loaded into the int4 path as stored.
 
-Embeddings, the LM head, norms and MoE routers stay in the compute dtype under every
-scheme; MoE experts are quantized like the dense linears.
+Embeddings, norms and MoE routers stay in the compute dtype under every scheme; MoE
+experts are quantized like the dense linears. The LM head (`--lm-head-quantization`,
+`served_lm_head`): `auto` gives on-the-fly int8/int4 an int8 per-output-channel head
+(measured harmless with `bench/quality.py`, bench/README.md) and leaves every other
+scheme's head in the compute dtype; `none` keeps it there; `int8` quantizes it under any
+scheme. A tied head gets its own int8 copy; the embedding lookup stays in the compute dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 ON_THE_FLY = ("int8", "int4")
 QUANTIZATION_CHOICES = ("none", *ON_THE_FLY)
 PREQUANTIZED = ("awq", "gptq")
+LM_HEAD_CHOICES = ("auto", "none", "int8")
 INT4_GROUP = 128
 # Group sizes the int4 kernels take; a checkpoint's per-channel (-1) or larger
 # multiple-of-128 groups are served as 128-groups with repeated scales (exact).
@@ -93,6 +98,17 @@ def served_quantization(requested: str, prequant: PrequantConfig | None) -> str:
         raise QuantizationError(f"the checkpoint is already {prequant.method}-quantized; "
                                 f"--quantization {requested} applies to float checkpoints only")
     return prequant.method
+
+
+def served_lm_head(requested: str, scheme: str) -> str:
+    """The LM head's quantization (`none` | `int8`) for `--lm-head-quantization requested`
+    next to the served weight `scheme` (`served_quantization`)."""
+    if requested not in LM_HEAD_CHOICES:
+        raise QuantizationError(f"unknown LM head quantization {requested!r}; choose one of "
+                                f"{', '.join(LM_HEAD_CHOICES)}")
+    if requested == "auto":
+        return "int8" if scheme in ON_THE_FLY else "none"
+    return requested
 
 
 def linear_weight_bytes(out_features: int, in_features: int, scheme: str, compute_bytes: int,

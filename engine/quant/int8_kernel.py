@@ -5,8 +5,9 @@ activations on CPU.
 16 and K to 2 with zero codes): one 32-byte load is 16 output channels x 2 consecutive
 k. `matmul` runs it for any number of rows in one call; the library picks the path per
 call (`path_for`, one C function): up to 4 rows a float32 GEMV that streams the codes
-with the fewest instructions per byte (decode), above that AMX tiles over codes widened
-to bf16 once per call (batched decode, prefill), or AVX-512 BF16 dot products where AMX
+with the fewest instructions per byte (decode), 5-16 rows AMX with each 32-k chunk of
+codes widened as it streams in (`AMX_ROWS`, batched decode), above that AMX tiles over
+codes widened to bf16 once per call (prefill), or AVX-512 BF16 dot products where AMX
 is not there. `packs_for` is the one place that decides whether a layer keeps its codes
 in this layout and runs the kernel for every call (engine/quant/linear.py): only for
 bf16 on a CPU that has AVX-512 BF16, and never when the library is missing, predates
@@ -23,8 +24,8 @@ import torch.nn.functional as F
 
 from engine import native_kernels
 
-AUTO, GEMV, DPBF16, AMX = 0, 1, 2, 3  # `matmul` paths (the C PATH_* codes)
-PATHS = {"gemv": GEMV, "dpbf16": DPBF16, "amx": AMX}
+AUTO, GEMV, DPBF16, AMX, AMX_ROWS = 0, 1, 2, 3, 4  # `matmul` paths (the C PATH_* codes)
+PATHS = {"gemv": GEMV, "dpbf16": DPBF16, "amx": AMX, "amx_rows": AMX_ROWS}
 
 
 class PackedInt8(NamedTuple):

@@ -15,7 +15,7 @@ The aten CPU kernels are small-M kernels (AVX-512, no AMX): measured on this hos
 row but 2.5-3x at 16 rows and 3-27x at 128. A bf16 int8 layer on a CPU with AVX-512
 BF16 therefore holds its codes only in the native kernel's layout and runs it for every
 call, all rows at once (engine/quant/int8_kernel.py: a float32 GEMV up to 4 rows, AMX
-tiles over int8 codes widened to bf16 above; `python -m bench.int8_gemm` times each
+tiles over int8 codes widened to bf16 above, chunk by chunk as they stream in up to 16; `python -m bench.int8_gemm` times each
 against the bf16 matmul). Otherwise (float32, no AVX-512 BF16) an int8 layer given more
 than `INT8_KERNEL_ROWS` rows converts its weight to the compute dtype for that call and
 runs the ordinary matmul, scaling the output per channel (exact: x @ (q s)^T =

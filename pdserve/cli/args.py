@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 
 from common.kv_layout import KV_CACHE_DTYPE_HELP, normalize_kv_cache_dtype
 from engine.dtype import DTYPE_HELP, normalize_dtype
-from engine.quant.formats import QUANTIZATION_CHOICES
+from engine.quant.formats import LM_HEAD_CHOICES, QUANTIZATION_CHOICES
 from engine.spec.config import SpeculativeConfig
 from pdserve.plan import PlanError, parse_size
 
@@ -225,6 +225,13 @@ def add_quantization_arg(ap: argparse.ArgumentParser) -> None:
                     help="weight-only quantization of the decoder linears on load: int8 (per-channel "
                     "scales) or int4 (groups of 128, asymmetric); AWQ/GPTQ checkpoints are served "
                     "as stored with none")
+
+
+def add_lm_head_quantization_arg(ap: argparse.ArgumentParser) -> None:
+    """`--lm-head-quantization`, for every command that runs a model (engine/quant/formats.py)."""
+    ap.add_argument("--lm-head-quantization", choices=LM_HEAD_CHOICES, default="auto",
+                    help="the LM head's weights: auto (int8 per-channel with --quantization int8/int4, "
+                    "else the compute dtype), none (always the compute dtype) or int8")
 
 
 def speculative_config(text: str) -> SpeculativeConfig:

@@ -15,6 +15,7 @@ from common.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.cli.args import (
     add_dtype_arg,
     add_kv_cache_dtype_arg,
+    add_lm_head_quantization_arg,
     add_model_arg,
     add_quantization_arg,
     add_speculative_arg,
@@ -45,6 +46,7 @@ def register(subparsers: Any) -> None:
     add_dtype_arg(p)
     add_kv_cache_dtype_arg(p)
     add_quantization_arg(p)
+    add_lm_head_quantization_arg(p)
     p.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--num-threads", type=positive_int, default=None, help="torch intra-op threads")
     p.add_argument("--block-size", type=positive_int, default=16)
@@ -106,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir=str(model_dir),
         dtype=args.dtype,
         quantization=args.quantization,
+        lm_head_quantization=args.lm_head_quantization,
         device=args.device,
         num_threads=args.num_threads,
         kv_cache_dtype=args.kv_cache_dtype,

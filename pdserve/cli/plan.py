@@ -16,6 +16,7 @@ from typing import Any
 from pdserve.cli.args import (
     UsageError,
     add_dtype_arg,
+    add_lm_head_quantization_arg,
     add_model_arg,
     add_quantization_arg,
     device,
@@ -49,6 +50,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--concurrency", type=positive_int, default=None, help="check this many full requests")
     add_dtype_arg(p)
     add_quantization_arg(p)
+    add_lm_head_quantization_arg(p)
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="KV element type to plan for (auto: the serving dtype; fp8 and int8: 1 byte)")
     p.add_argument("--gpu-hourly-cost", type=positive_float, default=None, metavar="USD",
@@ -91,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
             overhead_fraction=args.overhead,
             block_size=args.block_size,
             quantization=args.quantization,
+            lm_head_quantization=args.lm_head_quantization,
             kv_cache_dtype=args.kv_cache_dtype,
             gpu_hourly_cost=args.gpu_hourly_cost,
             throughput=args.throughput,

@@ -20,6 +20,7 @@ from pdserve.cli.args import (
     add_dtype_arg,
     add_gpu_args,
     add_kv_cache_dtype_arg,
+    add_lm_head_quantization_arg,
     add_model_arg,
     add_quantization_arg,
     add_speculative_arg,
@@ -84,6 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_dtype_arg(ap, "workers' weight and KV dtype, each resolved on its own host; ")
     add_kv_cache_dtype_arg(ap)
     add_quantization_arg(ap)
+    add_lm_head_quantization_arg(ap)
     ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"))
     ap.add_argument("--kv-cache-memory", type=byte_size_text, default=None,
                     help="per-worker KV pool bytes, e.g. 256MiB")
@@ -149,7 +151,8 @@ def _worker_cmds(args: argparse.Namespace, control: str,
     cmds = []
     for role, n, pin in zip(roles, counts, cores, strict=True):
         cmd = [*_pdserve(), role, "--gateway", control, "--threads", str(n), "--device", args.device,
-               "--dtype", args.dtype, "--quantization", args.quantization, *pin]
+               "--dtype", args.dtype, "--quantization", args.quantization,
+               "--lm-head-quantization", args.lm_head_quantization, *pin]
         cmd += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else []
         cmd += ["--colocated"] if role == "worker" else ["--kv-transport", args.kv_transport]
         tp, pp = _parallel(args, role)

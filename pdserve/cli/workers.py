@@ -18,6 +18,7 @@ from pdserve.cli.args import (
     add_dtype_arg,
     add_gpu_args,
     add_kv_cache_dtype_arg,
+    add_lm_head_quantization_arg,
     add_model_arg,
     add_quantization_arg,
     add_speculative_arg,
@@ -73,6 +74,7 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     add_dtype_arg(ap)
     add_kv_cache_dtype_arg(ap)
     add_quantization_arg(ap)
+    add_lm_head_quantization_arg(ap)
     ap.add_argument("--spin-wait", action="store_true",
                     help="let OpenMP threads spin briefly between parallel regions (OpenMP's own "
                     "default): ~20%% faster steps when this worker's threads have their cores to "
@@ -242,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             grammar_compile_timeout_s=args.grammar_compile_timeout,
             quantization=args.quantization,
+            lm_head_quantization=args.lm_head_quantization,
             num_threads=args.threads or (len(args.cpu_cores) if args.cpu_cores
                                          else default_threads(args.local_workers)),
             kv_cache_dtype=args.kv_cache_dtype,

@@ -1,6 +1,7 @@
 """Greedy output under weight quantization: disaggregated (1 prefill + 1 decode) equals
-colocated equals the single-process engine, token for token, for int8 and int4; the
-workers' registration (/v1/workers, /v1/models) and metrics say which scheme they run."""
+colocated equals the single-process engine, token for token, for int8 (its LM head int8 by
+default) and int4 with `--lm-head-quantization none`; the workers' registration
+(/v1/workers, /v1/models) and metrics say which scheme and which head they run."""
 
 from __future__ import annotations
 
@@ -26,37 +27,43 @@ def _served(c: Cluster, model: str) -> list[list[str]]:
     return out
 
 
-def _says(c: Cluster, model: str, scheme: str) -> None:
+def _says(c: Cluster, model: str, scheme: str, head: str) -> None:
     status, models = http("GET", f"{c.url}/v1/models")
     assert status == 200 and models["data"][0]["quantization"] == scheme, models
-    assert models["data"][0]["kv_cache_dtype"] == DTYPE
+    assert models["data"][0]["kv_cache_dtype"] == DTYPE and models["data"][0]["lm_head_quantization"] == head
     for w in c.worker_list():
-        assert w["quantization"] == scheme
+        assert w["quantization"] == scheme and w["lm_head_quantization"] == head
         info = [ln for ln in worker_metrics(w).splitlines() if ln.startswith("llm_worker_info{")]
         assert len(info) == 1 and f'quantization="{scheme}"' in info[0] and info[0].endswith(" 1.0"), info
+        assert f'lm_head_quantization="{head}"' in info[0], info
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+# (scheme, --lm-head-quantization, the head it serves): the default, and the opt-out.
+CASES = [("int8", "auto", "int8"), ("int4", "none", "none")]
+
+
+@pytest.mark.parametrize(("scheme", "head_flag", "head"), CASES)
 def test_disaggregated_equals_colocated_equals_engine(
-    tmp_path: Path, model_dir: Path, reference: Reference, scheme: str
+    tmp_path: Path, model_dir: Path, reference: Reference, scheme: str, head_flag: str, head: str
 ) -> None:
     from common.sampling_params import SamplingParams
     from engine.config import CacheConfig, EngineConfig
     from engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype=DTYPE, num_threads=1, quantization=scheme,
-                                    cache=CacheConfig(num_blocks=64)))
+                                    lm_head_quantization=head_flag, cache=CacheConfig(num_blocks=64)))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     want = [[reference.tokenizer.decode([t], skip_special_tokens=False)
              for t in engine.generate([reference.completion_ids(p)], params)[0].token_ids] for p in PROMPTS]
     model = reference.model_name
     (tmp_path / "pd").mkdir()
     (tmp_path / "co").mkdir()
-    with running_cluster(tmp_path / "pd", {"prefill": 1, "decode": 1}, "--quantization", scheme) as c:
+    flags = ("--quantization", scheme, "--lm-head-quantization", head_flag)
+    with running_cluster(tmp_path / "pd", {"prefill": 1, "decode": 1}, *flags) as c:
         disaggregated = _served(c, model)
-        _says(c, model, scheme)
+        _says(c, model, scheme, head)
         c.wait_idle()
-    with running_cluster(tmp_path / "co", {"worker": 1}, "--quantization", scheme) as c:
+    with running_cluster(tmp_path / "co", {"worker": 1}, *flags) as c:
         colocated = _served(c, model)
         c.wait_idle()
     assert disaggregated == colocated == want

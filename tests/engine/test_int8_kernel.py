@@ -1,6 +1,7 @@
-"""The native int8 GEMM (engine/_int8_gemm.c, engine/_int8_gemv.c): its packed layout, its
-numerics against x @ (q s)^T in float32 on each of its paths (float32 GEMV, AVX-512 BF16,
-AMX), the one function that picks a path per call, and the layer that runs it."""
+"""The native int8 GEMM (engine/_int8_gemm.c, engine/_int8_gemv.c, engine/_int8_amx_rows.c):
+its packed layout, its numerics against x @ (q s)^T in float32 on each of its paths (float32
+GEMV, AVX-512 BF16, AMX, AMX for up to 16 rows) and in float64 on the chosen path for every
+row count 1-20, the one function that picks a path per call, and the layer that runs it."""
 
 from __future__ import annotations
 
@@ -44,14 +45,20 @@ def test_pack_puts_16_channels_by_2_k_in_each_32_bytes() -> None:
 
 
 def _rows_for(path: int) -> tuple[int, ...]:
+    if path == int8_kernel.AMX_ROWS:
+        return tuple(range(1, 17))
     return (1, 2, 3, 4) if path == int8_kernel.GEMV else (1, 2, 3, 4, 8, 16, 17, 32, 33, 70)
+
+
+def _skip_without(path: int) -> None:
+    if path in (int8_kernel.AMX, int8_kernel.AMX_ROWS) and not int8_kernel.amx_available():
+        pytest.skip("no AMX on this CPU")
 
 
 @pytest.mark.parametrize("path", list(int8_kernel.PATHS.values()), ids=list(int8_kernel.PATHS))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_matmul_is_x_times_dequantized_weight_within_bf16(shape: tuple[int, int], path: int) -> None:
-    if path == int8_kernel.AMX and not int8_kernel.amx_available():
-        pytest.skip("no AMX on this CPU")
+    _skip_without(path)
     q, scales = _parts(*shape)
     packed = int8_kernel.pack(q, scales)
     w = q.float() * scales.float()[:, None]
@@ -81,19 +88,38 @@ def test_gemv_handles_extreme_codes_and_rows_of_different_size() -> None:
 
 @pytest.mark.parametrize("path", list(int8_kernel.PATHS.values()), ids=list(int8_kernel.PATHS))
 def test_threads_split_the_tiles_without_changing_a_bit(path: int) -> None:
-    if path == int8_kernel.AMX and not int8_kernel.amx_available():
-        pytest.skip("no AMX on this CPU")
+    _skip_without(path)
     packed = int8_kernel.pack(*_parts(100, 130))
-    x = torch.randn(4 if path == int8_kernel.GEMV else 40, 130, generator=torch.Generator().manual_seed(5))
+    rows = {int8_kernel.GEMV: 4, int8_kernel.AMX_ROWS: 16}.get(path, 40)
+    x = torch.randn(rows, 130, generator=torch.Generator().manual_seed(5))
     one = int8_kernel.matmul(x.bfloat16(), packed, path)
     torch.set_num_threads(2)  # the one_torch_thread fixture restores the setting
     assert torch.equal(int8_kernel.matmul(x.bfloat16(), packed, path), one)
 
 
 def test_one_function_picks_the_path_by_rows() -> None:
-    above = int8_kernel.AMX if int8_kernel.amx_available() else int8_kernel.DPBF16
+    amx = int8_kernel.amx_available()
     assert [int8_kernel.path_for(m) for m in (1, 2, 3, 4)] == [int8_kernel.GEMV] * 4
-    assert [int8_kernel.path_for(m) for m in (5, 16, 32, 33, 512)] == [above] * 5
+    # 5-16 rows (batched decode): the chunk-by-chunk AMX kernel; more: AMX over whole tiles
+    rows16 = int8_kernel.AMX_ROWS if amx else int8_kernel.DPBF16
+    assert [int8_kernel.path_for(m) for m in (5, 8, 16)] == [rows16] * 3
+    above = int8_kernel.AMX if amx else int8_kernel.DPBF16
+    assert [int8_kernel.path_for(m) for m in (17, 32, 33, 512)] == [above] * 4
+
+
+@pytest.mark.parametrize("shape", [(768, 2048), (37, 53), (33, 77)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_chosen_path_matches_float64_for_every_row_count_to_20(shape: tuple[int, int]) -> None:
+    """Bound: one bf16 rounding of the output (2^-8 relative) plus float32 summation,
+    at most K * 2^-23 of sum_k |x q s| (the scale is float32 in the kernel)."""
+    q, scales = _parts(*shape)
+    packed = int8_kernel.pack(q, scales)
+    w = q.double() * scales.double()[:, None]
+    for m in range(1, 21):
+        x = torch.randn(m, shape[1], generator=torch.Generator().manual_seed(100 + m)).to(torch.bfloat16)
+        y = int8_kernel.matmul(x, packed).double()
+        ref = x.double() @ w.t()
+        bound = ref.abs() * 2.0**-8 + shape[1] * 2.0**-23 * (x.double().abs() @ w.abs().t())
+        assert ((y - ref).abs() <= bound).all(), (m, int8_kernel.path_for(m))
 
 
 def test_matmul_rejects_what_it_cannot_run() -> None:
@@ -104,6 +130,9 @@ def test_matmul_rejects_what_it_cannot_run() -> None:
         int8_kernel.matmul(torch.randn(2, 63).bfloat16(), packed)
     with pytest.raises(ValueError, match="cannot run 5 x 64"):
         int8_kernel.matmul(torch.randn(5, 64).bfloat16(), packed, int8_kernel.GEMV)  # GEMV: <= 4 rows
+    if int8_kernel.amx_available():
+        with pytest.raises(ValueError, match="cannot run 17 x 64"):  # AMX_ROWS: <= 16 rows
+            int8_kernel.matmul(torch.randn(17, 64).bfloat16(), packed, int8_kernel.AMX_ROWS)
     with pytest.raises(ValueError, match="on path 9"):
         int8_kernel.matmul(torch.randn(2, 64).bfloat16(), packed, 9)
     assert int8_kernel.matmul(torch.randn(0, 64).bfloat16(), packed).shape == (0, 32)

@@ -123,8 +123,7 @@ def test_every_family_loads_quantized_and_keeps_embeddings_float(
         layers = [m.get_submodule(n) for n in m.linear_weights()]
         assert all(isinstance(layer, cls) for layer in layers)
         assert isinstance(m.embed_tokens, torch.nn.Parameter) and torch.equal(m.embed_tokens, ref.embed_tokens)
-        if ref.lm_head is not None:
-            assert m.lm_head is not None and torch.equal(m.lm_head, ref.lm_head)
+        assert isinstance(m.lm_head_q, Int8Linear)  # the head's own int8 copy (auto); tests/engine/test_quant_lm_head.py
         x = torch.randn(4, m.cfg.hidden_size)
         attn, ref_attn = m.layers[0].self_attn, ref.layers[0].self_attn
         got = attn.qkv_weight(x)
