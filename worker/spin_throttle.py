@@ -100,6 +100,9 @@ def _open_pool(threads: int) -> None:
     import torch
 
     before = torch.get_num_threads()  # this thread's first read: torch's process-wide count
+    if before == threads:  # (set_num_threads also clears oneDNN's primitive cache)
+        torch.ones(_REGION_ELEMENTS).add_(1.0)
+        return
     torch.set_num_threads(threads)
     try:
         torch.ones(_REGION_ELEMENTS).add_(1.0)

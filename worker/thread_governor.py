@@ -1,21 +1,23 @@
-"""The torch thread count of a CPU worker, chosen each step from how fast steps run.
+"""The torch threads of a CPU worker (count, wait mode), chosen each step from how fast steps run.
 
 Why: a worker whose OpenMP threads spin-wait (`--spin-wait`, libgomp's default) is
 8-27% faster on cores of its own, and 10x slower when one other busy process shares
 them: a thread waiting at a barrier spins through its time slice while its twin is
 descheduled. OpenMP reads its wait policy once, but `torch.set_num_threads` works
-at any step, and with one thread there is no barrier to wait at.
+at any step (with one thread there is no barrier to wait at), and libgomp throttles
+its spinning while the process holds more OpenMP threads than CPUs
+(worker/spin_throttle.py).
 
 The policy (`--thread-policy adaptive`), per step, from the outcome only:
 
-1. Every step is observed as (threads, bucket, wall time); the bucket is the step's
+1. Every step is observed as (mode, bucket, wall time); the bucket is the step's
    computed token count rounded up to a power of two (batch size drives a decode
-   step's cost, chunk size a prefill's). Each (threads, bucket) keeps its last
+   step's cost, chunk size a prefill's). Each (mode, bucket) keeps its last
    `window` times; its median is its level, and a level is *fresh* while its newest
    time is younger than `fresh_s`.
-2. Two counts compete: the ceiling N (the worker's threads, or the core grant of a
-   decode worker borrowing the prefill worker's cores) and 1. The one in use is
-   *home*, the other *away*.
+2. Two modes compete: the ceiling N spinning (the worker's threads, or the core
+   grant of a decode worker borrowing the prefill worker's cores) and the low
+   state (below). The one in use is *home*, the other *away*.
 3. Collapse: `collapse_steps` (3) home steps in a row each above `collapse` (3x)
    their bucket's home median start a probe of away at once (unless a probe ended
    less than `first_interval_s` ago), with home's level taken as the least slow of

@@ -14,8 +14,9 @@ from pdserve.cli.workers import thread_policy
 from worker.cpu_cores import CoreGrant
 from worker.metrics import WorkerMetrics
 from worker.node_api import NodeLoad
+from worker.spin_throttle import available as spin_throttle_available
 from worker.thread_governor import Mode, ThreadGovernor
-from worker.thread_policy import GovernedNode, governed_grant
+from worker.thread_policy import GovernedNode, governed_grant, governor_for
 
 
 class FakeNode:
@@ -125,3 +126,14 @@ def test_up_passes_the_policy_through() -> None:
     assert policies() == [None]  # each worker's own default
     assert policies("--thread-policy", "fixed") == ["fixed"]
     assert policies("--thread-policy", "adaptive") == ["adaptive"]
+
+
+def test_a_worker_governor_throttles_waits_on_libgomp_unless_the_policy_is_passive(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    if not spin_throttle_available():
+        pytest.skip("torch's OpenMP here is not libgomp")
+    assert governor_for(2).low_mode == Mode(2, throttled=True)
+    assert governor_for(1).low_mode == Mode(1)  # one thread: nothing spins
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the team never spins: 1 thread is the other choice
+    assert governor_for(2).low_mode == Mode(1)
