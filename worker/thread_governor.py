@@ -215,9 +215,10 @@ class ThreadGovernor:
     def _home_step(self, b: int, seconds: float, now: float) -> Switch | None:
         home, away = self.home, self.away
         base = self._level_before_last(home, b)
-        if base is not None and seconds > self.cfg.collapse * base and now >= self._probe_gap_end:
-            self._slow.append(seconds / base)
-            if len(self._slow) >= self.cfg.collapse_steps:  # it persists: not a burst
+        if base is not None and seconds > self.cfg.collapse * base:
+            keep = self.cfg.collapse_steps - 1  # the streak's last steps: min() judges them
+            self._slow = [*(self._slow[-keep:] if keep > 0 else []), seconds / base]
+            if len(self._slow) >= self.cfg.collapse_steps and now >= self._probe_gap_end:  # not a burst
                 self._probe = _Probe(away, min(self._slow), recovery=self.low)
                 self._slow.clear()
             return None
