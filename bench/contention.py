@@ -6,7 +6,8 @@ workloads (500-token prompts, 64 tokens out):
 
     fixed+spin      --thread-policy fixed, libgomp spinning (up's default when threads fit)
     fixed+passive   --thread-policy fixed, OMP_WAIT_POLICY=PASSIVE in up's environment
-    adaptive+spin   --thread-policy adaptive (worker/thread_governor.py), spinning
+    adaptive+spin   --thread-policy adaptive (worker/thread_governor.py): spinning, or its
+                    low state (N threads, waits throttled: worker/spin_throttle.py)
 
 and prints output tok/s per cell, ratios to fixed+spin quiet, the governor's switches
 (scraped from the worker's /metrics before the server stops) and the load average.

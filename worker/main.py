@@ -20,8 +20,7 @@ from worker.metrics import WorkerMetrics
 from worker.node_api import Node
 from worker.role_switch import RoleSwitcher
 from worker.runtime import RuntimeConfig, WorkerRuntime
-from worker.thread_governor import ThreadGovernor
-from worker.thread_policy import GovernedNode, governed_grant
+from worker.thread_policy import GovernedNode, governed_grant, governor_for
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +76,7 @@ def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder
         metrics.torch_threads.set(engine_cfg.num_threads or 0)  # a governed node keeps it current
         return NodeParts(worker_id, channel, metrics, faults.kv)
 
-    governor = ThreadGovernor(engine_cfg.num_threads or 1) if opts.thread_policy == "adaptive" else None
-    if governor is not None:
-        log.info("thread policy adaptive: 1 or %d torch threads per step, whichever runs faster",
-                 governor.ceiling)
+    governor = governor_for(engine_cfg.num_threads or 1) if opts.thread_policy == "adaptive" else None
 
     def governed(node: Node, metrics: WorkerMetrics) -> Node:
         assert governor is not None

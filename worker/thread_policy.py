@@ -10,17 +10,26 @@ thread pool does), across role flips; each node reports to its role's metrics.
 
 With core borrowing (worker/core_sharing.py) the borrower's grant is the ceiling:
 `governed_grant` applies a grant with the count the governor wants under it.
+
+`governor_for` gives the governor a low state of N throttled threads
+(worker/spin_throttle.py) where torch runs on libgomp and the environment left the
+wait policy to libgomp; otherwise its low state is 1 thread.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable
 
 from worker.cpu_cores import CoreGrant, apply_grant
 from worker.metrics import WorkerMetrics
 from worker.node_api import Node, NodeLoad, NodeWrapper
+from worker.spin_throttle import SpinThrottle, available
 from worker.thread_governor import ThreadGovernor
+
+log = logging.getLogger(__name__)
 
 
 class GovernedNode(NodeWrapper):
@@ -65,3 +74,13 @@ def governed_grant(governor: ThreadGovernor,
         apply(CoreGrant(grant.cores, governor.set_ceiling(grant.threads)))
 
     return apply_governed
+
+
+def governor_for(threads: int) -> ThreadGovernor:
+    """The governor of a worker of `threads` threads, its low state throttled N where it can."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "").strip().lower()
+    spin = SpinThrottle() if threads > 1 and policy in ("", "active") and available() else None
+    governor = ThreadGovernor(threads, spin=spin)
+    log.info("thread policy adaptive: %d spinning torch threads or %s per step, whichever runs faster",
+             threads, f"{threads} throttled" if spin is not None else "1")
+    return governor

@@ -81,9 +81,10 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
                     "themselves, a collapse when other busy processes share them. Without it "
                     "the worker sets OMP_WAIT_POLICY=PASSIVE unless the environment sets it")
     ap.add_argument("--thread-policy", default=None, choices=("adaptive", "fixed"),
-                    help="adaptive: each step runs with 1 torch thread or all of them, whichever "
-                    "recent steps show faster (one busy neighbour process makes spinning threads "
-                    "10x slower; docs/architecture.md, Threads and cores); fixed: always --threads. "
+                    help="adaptive: each step runs with all torch threads spinning or with their "
+                    "OpenMP waits throttled (1 thread without libgomp), whichever recent steps show "
+                    "faster (one busy neighbour process makes spinning threads 10x slower; "
+                    "docs/architecture.md, Threads and cores); fixed: always --threads. "
                     "Default: adaptive on CPU with more than one thread (or borrowed cores), "
                     "fixed on CUDA and with tensor or pipeline parallelism")
     ap.add_argument("--kv-cache-memory", type=byte_size, default=None, help="KV pool bytes, e.g. 256MiB")

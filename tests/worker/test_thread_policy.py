@@ -14,8 +14,9 @@ from pdserve.cli.workers import thread_policy
 from worker.cpu_cores import CoreGrant
 from worker.metrics import WorkerMetrics
 from worker.node_api import NodeLoad
-from worker.thread_governor import ThreadGovernor
-from worker.thread_policy import GovernedNode, governed_grant
+from worker.spin_throttle import available as spin_throttle_available
+from worker.thread_governor import Mode, ThreadGovernor
+from worker.thread_policy import GovernedNode, governed_grant, governor_for
 
 
 class FakeNode:
@@ -63,7 +64,7 @@ def test_the_governed_node_times_steps_and_counts_the_switch() -> None:
     assert gov.level(2, 16) == pytest.approx(0.02)  # 16 tokens a step: bucket 16
     assert sample(metrics, "llm_torch_threads{") == 2.0
     node.cost = {2: 0.2, 1: 0.03}  # a busy neighbour
-    for _ in range(5):
+    for _ in range(6):  # 3 collapsed steps, then 3 of the probe
         gnode.step()
         gnode.load()
     assert node.threads[-1] == 1 and sample(metrics, "llm_torch_threads{") == 1.0
@@ -83,7 +84,7 @@ def test_steps_without_a_load_read_between_are_still_observed_once() -> None:
     for _ in range(10):
         gnode.step()
         gnode.load()
-    assert gov.level(2, 1) is None and len(gov._times[(2, 16)]) == 4
+    assert gov.level(2, 1) is None and len(gov._times[(Mode(2), 16)]) == 4
 
 
 def test_a_borrowers_grant_is_applied_with_the_governors_count() -> None:
@@ -125,3 +126,14 @@ def test_up_passes_the_policy_through() -> None:
     assert policies() == [None]  # each worker's own default
     assert policies("--thread-policy", "fixed") == ["fixed"]
     assert policies("--thread-policy", "adaptive") == ["adaptive"]
+
+
+def test_a_worker_governor_throttles_waits_on_libgomp_unless_the_policy_is_passive(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    if not spin_throttle_available():
+        pytest.skip("torch's OpenMP here is not libgomp")
+    assert governor_for(2).low_mode == Mode(2, throttled=True)
+    assert governor_for(1).low_mode == Mode(1)  # one thread: nothing spins
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the team never spins: 1 thread is the other choice
+    assert governor_for(2).low_mode == Mode(1)
