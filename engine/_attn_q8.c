@@ -35,7 +35,7 @@
 #define KIND_INT8 1
 #define PREFETCH_KEYS 8 /* how far ahead p.V prefetches V rows */
 
-#define TARGET __attribute__((target("avx512f")))
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define INLINE __attribute__((always_inline)) static inline
 
 /* Where one (sequence, KV head)'s keys live. */
@@ -144,19 +144,47 @@ static void attend_generic(int dtype, int kind, const void *q, const kv_src *s, 
     }
 }
 
-/* 16 codes at p as float32, exactly. e4m3: exponent-mantissa bits placed in a float32's
- * with the bias moved from 7 to 127; exponent 0 (subnormals, zero) as mantissa x 2^-9. */
+/* e4m3 codes with exponent 0 (zero and subnormals, M x 2^-9), by their mantissa M. */
+static const float SUB_F32[16] = {0.0f, 1.0f / 512, 2.0f / 512, 3.0f / 512, 4.0f / 512, 5.0f / 512,
+                                  6.0f / 512, 7.0f / 512};
+static const uint16_t SUB_BF16[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+
+/* 16 codes at p as float32, exactly. e4m3: sign, exponent and mantissa moved into a
+ * float32's, the exponent re-biased (7 -> 127); exponent 0 looked up by mantissa. */
 TARGET INLINE __m512 dec16(const uint8_t *p, int kind) {
-    __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); /* sign-extended */
     if (kind == KIND_INT8)
         return _mm512_cvtepi32_ps(x);
-    __m512i mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7F));
-    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
-    __m512 normal = _mm512_castsi512_ps(
-        _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
-    __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / 512.0f));
-    __m512 r = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(mag, _mm512_set1_epi32(8)), sub, normal);
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), sign));
+    __m512i bits = _mm512_add_epi32(_mm512_and_si512(_mm512_slli_epi32(x, 20), _mm512_set1_epi32((int)0x87F00000u)),
+                                    _mm512_set1_epi32(120 << 23));
+    __mmask16 sub = _mm512_testn_epi32_mask(x, _mm512_set1_epi32(0x78));
+    __m512 r = _mm512_mask_permutexvar_ps(_mm512_castsi512_ps(bits), sub, x, _mm512_loadu_ps(SUB_F32));
+    /* r | (x & sign): the lookup dropped the sign of the subnormal lanes */
+    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(r), x,
+                                                         _mm512_set1_epi32((int)0x80000000u), 0xF8));
+}
+
+/* 32 codes at p as bf16 pairs (exact: e4m3 and int8 fit bf16's 8 significant bits). */
+TARGET INLINE __m512 dec32_bf16(const uint8_t *p, int kind) {
+    if (kind == KIND_INT8) { /* |code| <= 127: a float32's top half is the exact bf16 */
+        __m512i lo = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))));
+        __m512i hi = _mm512_castps_si512(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)))));
+        __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                       31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+        return _mm512_castsi512_ps(_mm512_permutex2var_epi16(lo, odd, hi));
+    }
+    __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); /* sign-extended */
+    __m512i bits = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16((short)0x87F0)),
+                                    _mm512_set1_epi16(120 << 7));
+    __mmask32 sub = _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x78));
+    __m512i r = _mm512_mask_permutexvar_epi16(bits, sub, x, _mm512_loadu_si512(SUB_BF16));
+    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(r, x, _mm512_set1_epi16((short)0x8000), 0xF8));
+}
+
+TARGET INLINE __m512 dot(__m512 acc, __m512 a, __m512 b) { /* see _bf16_gemv.c: GCC 12 */
+    __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
 }
 
 /* 16 query floats of row `q` (float32 or bf16) at element j. */
@@ -182,7 +210,8 @@ TARGET INLINE void store16(void *out, int dtype, int64_t j, __m512 a) {
 /* The AVX-512 loop for head size D (32, 64 or 128). `work`: 16*D floats (16 decoded keys)
  * + G*L scores. */
 TARGET INLINE void attend_d(int dtype, int kind, const void *q, const kv_src *s, int64_t L,
-                            int64_t h, int64_t G, float scale, void *out, float *work, const int D) {
+                            int64_t h, int64_t G, float scale, void *out, float *work, const int D,
+                            const int bf) {
     const int DV = D / 16, GB = 16 / DV; /* vectors per row; heads per p.V pass */
     const size_t qsz = dtype == 1 ? 2 : 4;
     float *kf = work, *sc = kf + 16 * D;
@@ -197,8 +226,12 @@ TARGET INLINE void attend_d(int dtype, int kind, const void *q, const kv_src *s,
             }
             const uint8_t *kr = row_at(s, s->k, t0 + i, h, D);
             ksc[i] = scale_at(s, s->ks, t0 + i, h);
-            for (int j = 0; j < DV; j++)
-                _mm512_storeu_ps(kf + i * D + 16 * j, dec16(kr + 16 * j, kind));
+            if (bf) /* bf16 pairs: D / 32 vectors a row */
+                for (int j = 0; j < D / 32; j++)
+                    _mm512_storeu_ps(kf + i * D + 16 * j, dec32_bf16(kr + 32 * j, kind));
+            else
+                for (int j = 0; j < DV; j++)
+                    _mm512_storeu_ps(kf + i * D + 16 * j, dec16(kr + 16 * j, kind));
             if (t0 + 16 + i < L) /* the same key of the next 16: a block jump ahead */
                 for (int line = 0; line < D; line += 64)
                     _mm_prefetch((const char *)row_at(s, s->k, t0 + 16 + i, h, D) + line, _MM_HINT_T0);
@@ -207,13 +240,18 @@ TARGET INLINE void attend_d(int dtype, int kind, const void *q, const kv_src *s,
         for (int64_t g = 0; g < G; g++) {
             const char *qg = (const char *)q + g * D * qsz;
             __m512 qv[8], part[16];
-            for (int j = 0; j < DV; j++)
-                qv[j] = load_q16(qg, dtype, 16 * j);
+            for (int j = 0; j < (bf ? D / 32 : DV); j++)
+                qv[j] = bf ? _mm512_loadu_ps((const uint16_t *)qg + 32 * j) : load_q16(qg, dtype, 16 * j);
             for (int i = 0; i < 16; i++) {
                 __m512 a = zero;
-                if (i < n)
-                    for (int j = 0; j < DV; j++)
-                        a = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kf + i * D + 16 * j), a);
+                if (i < n) {
+                    if (bf)
+                        for (int j = 0; j < D / 32; j++)
+                            a = dot(a, qv[j], _mm512_loadu_ps(kf + i * D + 16 * j));
+                    else
+                        for (int j = 0; j < DV; j++)
+                            a = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kf + i * D + 16 * j), a);
+                }
                 part[i] = a;
             }
             _mm512_mask_storeu_ps(sc + g * L + t0, (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1u),
@@ -249,23 +287,35 @@ TARGET INLINE void attend_d(int dtype, int kind, const void *q, const kv_src *s,
     }
 }
 
+/* bf: bf16 q and a CPU with AVX-512 BF16, so q . k runs `vdpbf16ps` over k decoded to bf16
+ * (products exact in float32, as _attn_bf16.c); else float32 FMAs. */
 TARGET static void attend_simd(int dtype, int kind, const void *q, const kv_src *s, int64_t L,
-                               int64_t h, int64_t G, int64_t D, float scale, void *out, float *work) {
+                               int64_t h, int64_t G, int64_t D, float scale, void *out, float *work,
+                               int bf) {
+#define PD_Q8_D(d)                                                                                  \
+    (bf ? attend_d(dtype, kind, q, s, L, h, G, scale, out, work, d, 1)                            \
+        : attend_d(dtype, kind, q, s, L, h, G, scale, out, work, d, 0))
     if (D == 32)
-        attend_d(dtype, kind, q, s, L, h, G, scale, out, work, 32);
+        PD_Q8_D(32);
     else if (D == 64)
-        attend_d(dtype, kind, q, s, L, h, G, scale, out, work, 64);
+        PD_Q8_D(64);
     else
-        attend_d(dtype, kind, q, s, L, h, G, scale, out, work, 128);
+        PD_Q8_D(128);
+#undef PD_Q8_D
+}
+
+static int cpu_level(void) { /* 0: no AVX-512 loop; 1: AVX-512F/BW; 2: and AVX-512 BF16 */
+    static int level = -1;
+    if (level < 0) {
+        __builtin_cpu_init();
+        level = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+        level += level && __builtin_cpu_supports("avx512bf16");
+    }
+    return level;
 }
 
 static int simd_ok(int64_t D) {
-    static int ok = -1;
-    if (ok < 0) {
-        __builtin_cpu_init();
-        ok = __builtin_cpu_supports("avx512f");
-    }
-    return simd_enabled && ok && (D == 32 || D == 64 || D == 128);
+    return simd_enabled && cpu_level() > 0 && (D == 32 || D == 64 || D == 128);
 }
 
 /* Decode attention for B sequences over a quantized pool; returns PD_OK or the first error
@@ -292,7 +342,7 @@ int pd_paged_decode_q8(int dtype, int kind, const void *q, int64_t q_stride, con
     }
     if (items == 0)
         return PD_OK;
-    int simd = simd_ok(D), threads = num_threads < 1 ? 1 : num_threads;
+    int simd = simd_ok(D), bf = dtype == 1 && cpu_level() == 2, threads = num_threads < 1 ? 1 : num_threads;
     if (threads > items)
         threads = (int)items;
     size_t esz = dtype == 1 ? 2 : 4;
@@ -313,7 +363,7 @@ int pd_paged_decode_q8(int dtype, int kind, const void *q, int64_t q_stride, con
             const char *qb = (const char *)q + (b * q_stride + h * G * D) * esz;
             char *ob = (char *)out + (b * H + h * G) * D * esz;
             if (simd)
-                attend_simd(dtype, kind, qb, &s, ctx_lens[b], h, G, D, scale, ob, work);
+                attend_simd(dtype, kind, qb, &s, ctx_lens[b], h, G, D, scale, ob, work, bf);
             else
                 attend_generic(dtype, kind, qb, &s, ctx_lens[b], h, G, D, scale, ob, work);
         }
