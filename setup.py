@@ -17,9 +17,9 @@ setup(
         ),
         # bf16 CPU kernels (engine/native_kernels.py): in-place paged decode attention, fused
         # residual add + RMSNorm, int4 unpacking, the int8 weight GEMM, the many-row int4
-        # weight GEMM, the bf16 decode GEMV (engine/_bf16_gemv.c), decode attention over an fp8/int8 KV pool
-        # (engine/_attn_q8.c). OpenMP binds to
-        # the libgomp torch already loaded, so it shares torch's thread pool.
+        # weight GEMM, the bf16 decode GEMV (engine/_bf16_gemv.c), decode attention over an
+        # fp8/int8 KV pool (engine/_attn_q8.c). OpenMP binds to the libgomp torch already
+        # loaded, so it shares torch's thread pool.
         Extension(
             "engine._cpu_kernels",
             sources=["engine/_cpu_kernels.c", "engine/_int8_gemm.c", "engine/_int8_gemv.c",

@@ -1,16 +1,18 @@
 """Decode step time and KV bytes per block for each `--kv-cache-dtype`, same run.
 
     python -m bench.kv_cache_dtype [--model shape:125m] [--batch 8] [--context 1500] \\
-        [--steps 20] [--threads 1,2] [--attention-only]
+        [--steps 20] [--threads 1,2]
 
 The model (default: the built-in one; `shape:125m` is the ~125M benchmark shape) in
 bfloat16: `--batch` sequences of `--context` tokens are prefilled, then `--steps` decode
 steps are timed (median) with the KV cache in bf16, fp8 and int8, on each thread count
-of `--threads`; each row's ratio is to bf16 KV at the same thread count. On CPU with the
+of `--threads`, every configuration prefilled once and then timed round-robin (one step
+of each per round, so background load hits them alike); each row's ratio is to bf16 KV
+at the same thread count. On CPU with the
 native kernels built, fp8/int8 decode reads the codes and their scales in place
-(engine/_attn_q8.c); `quant-gather` rows time the quantized cache through the previous
+(engine/_attn_q8.c); the `TorchPagedAttention` rows time the quantized cache through the previous
 path (gather + dequantize + SDPA, `TorchPagedAttention`) in the same run.
-`--attention-only` also times one layer's decode attention alone (`attn ms`).
+`attn ms` times layer 0's decode attention alone (best of 3 per round).
 """
 
 from __future__ import annotations
@@ -42,19 +44,17 @@ class Row(NamedTuple):
     attn_ms: float  # one layer's decode attention alone (0: not timed)
 
 
-def _median_ms(fn: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+class Case(NamedTuple):
+    """One prefilled runner: `step()` decodes every sequence once, `attend()` runs layer
+    0's decode attention alone (its write included)."""
+
+    row: Row
+    step: Callable[[], object]
+    attend: Callable[[], object]
 
 
-def measure(model: str, kv: str, gather: bool, batch: int, context: int, steps: int,
-            threads: int, attention_only: bool) -> Row:
-    torch.set_num_threads(threads)
-    per_seq = context // BLOCK + steps // BLOCK + 2
+def build(model: str, kv: str, gather: bool, batch: int, context: int, steps: int) -> Case:
+    per_seq = context // BLOCK + (4 * steps + 2) // BLOCK + 2
     runner = ModelRunner(EngineConfig(
         model_dir=model, dtype="bfloat16", kv_cache_dtype=kv,
         cache=CacheConfig(block_size=BLOCK, num_blocks=batch * per_seq + 1)),
@@ -67,27 +67,51 @@ def measure(model: str, kv: str, gather: bool, batch: int, context: int, steps: 
         runner.execute([SeqChunk([7], pos[0], t, True) for t in tables])
         pos[0] += 1
 
-    step()  # warm-up
-    step_ms = _median_ms(step, steps)
-    attn_ms = _attention_ms(runner, tables, pos[0], steps) if attention_only else 0.0
     layout = runner.layout
-    return Row(kv, type(runner.backend).__name__, threads,
-               layout.block_bytes_per_layer * layout.num_layers, step_ms, attn_ms)
+    row = Row(kv, type(runner.backend).__name__, 0, layout.block_bytes_per_layer * layout.num_layers,
+              0.0, 0.0)
+    return Case(row, step, _attention(runner, tables, context))
 
 
-def _attention_ms(runner: ModelRunner, tables: list[list[int]], pos: int, reps: int) -> float:
-    """Layer 0's decode attention over the prefilled pool (its write included)."""
+def _attention(runner: ModelRunner, tables: list[list[int]], pos: int) -> Callable[[], object]:
     mc, backend = runner.model_config, runner.backend
     chunks = [SeqChunk([7], pos - 1, t, True) for t in tables]
     meta = build_metadata(chunks, order_chunks(chunks), BLOCK, runner.dtype, runner.device,
                           flat_decode=backend.flat_decode)
-    b, hd = len(tables), mc.head_dim
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(b, mc.num_heads, hd, generator=g).to(torch.bfloat16)
-    k = torch.randn(b, mc.num_kv_heads, hd, generator=g).to(torch.bfloat16)
+    q = torch.randn(len(tables), mc.num_heads, mc.head_dim, generator=g).to(torch.bfloat16)
+    k = torch.randn(len(tables), mc.num_kv_heads, mc.head_dim, generator=g).to(torch.bfloat16)
     kc, vc = runner.pool.layer_views(0)
-    with torch.inference_mode():
-        return _median_ms(lambda: backend.forward(q, k, k, kc, vc, meta), reps * 4)
+
+    def attend() -> None:
+        with torch.inference_mode():
+            backend.forward(q, k, k, kc, vc, meta)
+
+    return attend
+
+
+def measure(cases: list[Case], threads: int, steps: int) -> list[Row]:
+    """Median step and attention times, the cases interleaved round by round so that
+    background load falls on all of them alike."""
+    torch.set_num_threads(threads)
+    step_t: list[list[float]] = [[] for _ in cases]
+    attn_t: list[list[float]] = [[] for _ in cases]
+    for c in cases:  # warm-up
+        c.step()
+        c.attend()
+    for _ in range(steps):
+        for i, c in enumerate(cases):
+            step_t[i].append(_seconds(c.step))
+            attn_t[i].append(min(_seconds(c.attend) for _ in range(3)))
+    return [c.row._replace(threads=threads, step_ms=statistics.median(s) * 1e3,
+                           attn_ms=statistics.median(a) * 1e3)
+            for c, s, a in zip(cases, step_t, attn_t, strict=True)]
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -97,21 +121,19 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1500)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
-    ap.add_argument("--attention-only", action="store_true", help="also time one layer's attention")
     args = ap.parse_args()
     model = model_dir(args.model)
+    cases = [build(model, kv, gather, args.batch, args.context, args.steps) for kv, gather in PATHS]
     print(f"{'kv cache':<8} {'path':<22} {'thr':>3} {'bytes/block':>11} {'vs bf16':>7} "
           f"{'step ms':>8} {'vs bf16':>7} {'attn ms':>8} {'vs bf16':>7}")
     for threads in (int(t) for t in args.threads.split(",")):
-        base: Row | None = None
-        for kv, gather in PATHS:
-            r = measure(model, kv, gather, args.batch, args.context, args.steps, threads,
-                        args.attention_only)
-            base = base or r
-            attn = r.attn_ms / base.attn_ms if base.attn_ms else 0.0
+        rows = measure(cases, threads, args.steps)
+        base = rows[0]
+        for r in rows:
             print(f"{r.kv_cache_dtype:<8} {r.path:<22} {r.threads:>3} {r.block_bytes:>11} "
                   f"{r.block_bytes / base.block_bytes:>7.4f} {r.step_ms:>8.2f} "
-                  f"{r.step_ms / base.step_ms:>7.2f} {r.attn_ms:>8.3f} {attn:>7.2f}", flush=True)
+                  f"{r.step_ms / base.step_ms:>7.2f} {r.attn_ms:>8.3f} {r.attn_ms / base.attn_ms:>7.2f}",
+                  flush=True)
 
 
 if __name__ == "__main__":
