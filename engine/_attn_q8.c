@@ -65,13 +65,26 @@ int pd_attn_q8_simd_set(int on) {
     return was;
 }
 
-static inline const uint8_t *row_at(const kv_src *s, const uint8_t *base, int64_t t, int64_t h,
-                                    int64_t D) {
-    return base + s->table[t / s->bs] * s->block_stride + (t % s->bs) * s->slot_stride + h * D;
+/* A key's place in the block table, walked forward without dividing (one 64-bit
+ * division per key would cost more than the key's arithmetic). */
+typedef struct {
+    int64_t bi, off; /* table entry, slot in its block */
+} cursor;
+
+static inline cursor cursor_at(const kv_src *s, int64_t t) { return (cursor){t / s->bs, t % s->bs}; }
+
+static inline void advance(const kv_src *s, cursor *c) {
+    if (++c->off == s->bs)
+        c->off = 0, c->bi++;
 }
 
-static inline float scale_at(const kv_src *s, const float *base, int64_t t, int64_t h) {
-    return base[s->table[t / s->bs] * s->scale_stride + h];
+static inline const uint8_t *row_at(const kv_src *s, const uint8_t *base, cursor c, int64_t h,
+                                    int64_t D) {
+    return base + s->table[c.bi] * s->block_stride + c.off * s->slot_stride + h * D;
+}
+
+static inline float scale_at(const kv_src *s, const float *base, cursor c, int64_t h) {
+    return base[s->table[c.bi] * s->scale_stride + h];
 }
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -106,9 +119,10 @@ static void attend_generic(int dtype, int kind, const void *q, const kv_src *s, 
     float *qf = work, *row = qf + G * D, *acc = row + D, *sc = acc + G * D;
     for (int64_t i = 0; i < G * D; i++)
         qf[i] = (dtype == 1 ? bf16_to_f32(((const uint16_t *)q)[i]) : ((const float *)q)[i]) * scale;
-    for (int64_t t = 0; t < L; t++) {
-        decode_row(row_at(s, s->k, t, h, D), kind, D, row);
-        float ksc = scale_at(s, s->ks, t, h);
+    cursor c = {0, 0};
+    for (int64_t t = 0; t < L; t++, advance(s, &c)) {
+        decode_row(row_at(s, s->k, c, h, D), kind, D, row);
+        float ksc = scale_at(s, s->ks, c, h);
         for (int64_t g = 0; g < G; g++) {
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -127,9 +141,10 @@ static void attend_generic(int dtype, int kind, const void *q, const kv_src *s, 
             p[t] /= sum;
     }
     memset(acc, 0, (size_t)(G * D) * sizeof(float));
-    for (int64_t t = 0; t < L; t++) {
-        decode_row(row_at(s, s->v, t, h, D), kind, D, row);
-        float vsc = scale_at(s, s->vs, t, h);
+    c = (cursor){0, 0};
+    for (int64_t t = 0; t < L; t++, advance(s, &c)) {
+        decode_row(row_at(s, s->v, c, h, D), kind, D, row);
+        float vsc = scale_at(s, s->vs, c, h);
         for (int64_t g = 0; g < G; g++) {
             float p = sc[g * L + t] * vsc;
             for (int64_t j = 0; j < D; j++)
@@ -216,6 +231,7 @@ TARGET INLINE void attend_d(int dtype, int kind, const void *q, const kv_src *s,
     const size_t qsz = dtype == 1 ? 2 : 4;
     float *kf = work, *sc = kf + 16 * D;
     const __m512 zero = _mm512_setzero_ps();
+    cursor kc = {0, 0}, pc = cursor_at(s, 16); /* this key; the key 16 ahead (prefetch) */
     for (int64_t t0 = 0; t0 < L; t0 += 16) { /* 16 keys at a time, every head over them */
         int64_t n = L - t0 < 16 ? L - t0 : 16;
         float ksc[16];
@@ -224,17 +240,20 @@ TARGET INLINE void attend_d(int dtype, int kind, const void *q, const kv_src *s,
                 ksc[i] = 0.0f;
                 continue;
             }
-            const uint8_t *kr = row_at(s, s->k, t0 + i, h, D);
-            ksc[i] = scale_at(s, s->ks, t0 + i, h);
+            const uint8_t *kr = row_at(s, s->k, kc, h, D);
+            ksc[i] = scale_at(s, s->ks, kc, h);
+            advance(s, &kc);
             if (bf) /* bf16 pairs: D / 32 vectors a row */
                 for (int j = 0; j < D / 32; j++)
                     _mm512_storeu_ps(kf + i * D + 16 * j, dec32_bf16(kr + 32 * j, kind));
             else
                 for (int j = 0; j < DV; j++)
                     _mm512_storeu_ps(kf + i * D + 16 * j, dec16(kr + 16 * j, kind));
-            if (t0 + 16 + i < L) /* the same key of the next 16: a block jump ahead */
+            if (t0 + 16 + i < L) { /* the same key of the next 16: a block jump ahead */
                 for (int line = 0; line < D; line += 64)
-                    _mm_prefetch((const char *)row_at(s, s->k, t0 + 16 + i, h, D) + line, _MM_HINT_T0);
+                    _mm_prefetch((const char *)row_at(s, s->k, pc, h, D) + line, _MM_HINT_T0);
+                advance(s, &pc);
+            }
         }
         __m512 kscale = _mm512_mul_ps(_mm512_loadu_ps(ksc), _mm512_set1_ps(scale));
         for (int64_t g = 0; g < G; g++) {
@@ -264,12 +283,15 @@ TARGET INLINE void attend_d(int dtype, int kind, const void *q, const kv_src *s,
         __m512 acc[16];
         for (int i = 0; i < 16; i++)
             acc[i] = zero;
-        for (int64_t t = 0; t < L; t++) {
-            if (t + PREFETCH_KEYS < L)
+        cursor vc = {0, 0}, pv = cursor_at(s, PREFETCH_KEYS);
+        for (int64_t t = 0; t < L; t++, advance(s, &vc)) {
+            if (t + PREFETCH_KEYS < L) {
                 for (int line = 0; line < D; line += 64)
-                    _mm_prefetch((const char *)row_at(s, s->v, t + PREFETCH_KEYS, h, D) + line, _MM_HINT_T0);
-            const uint8_t *vr = row_at(s, s->v, t, h, D);
-            float vsc = scale_at(s, s->vs, t, h);
+                    _mm_prefetch((const char *)row_at(s, s->v, pv, h, D) + line, _MM_HINT_T0);
+                advance(s, &pv);
+            }
+            const uint8_t *vr = row_at(s, s->v, vc, h, D);
+            float vsc = scale_at(s, s->vs, vc, h);
             __m512 row[8];
             for (int j = 0; j < DV; j++)
                 row[j] = dec16(vr + 16 * j, kind);
