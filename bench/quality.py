@@ -1,6 +1,6 @@
 """Quality of engine configurations against the unquantized reference, teacher-forced.
 
-    python -m bench.quality [--model DIR] [--tokens 20480] [--rows 80] [--schemes bfloat16]
+    python -m bench.quality [--model DIR | --moe] [--tokens 20480] [--rows 80] [--schemes bfloat16]
 
 The held-out split of the story corpus (`pdserve.story_corpus`, never trained on) is
 tokenized and cut into `--rows` rows; the engine's own `ModelRunner` (what pdserve
@@ -10,6 +10,10 @@ KV cache shows up here). The reference (`REFERENCE`, float32) and every scheme r
 lockstep over the same tokens; per scheme the table gives top-1 agreement with the
 reference, the mean KL divergence KL(reference || scheme) over positions, and the
 perplexity of both on the actual next tokens.
+
+`--moe` scores a tiny Mixtral trained on the same corpus instead (`bench/moe_model.py`:
+trained on first use in a few minutes, then cached; never shipped), so every weight
+scheme is measured on a mixture-of-experts family too.
 
 A scheme is a row of `SCHEMES`: overrides of `EngineConfig` fields, a dotted name for
 a nested one. A new quantization adds one line, e.g.
@@ -146,6 +150,8 @@ def markdown(results: Sequence[SchemeQuality]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="model dir (default: the built-in)")
+    ap.add_argument("--moe", action="store_true",
+                    help="the tiny Mixtral of bench/moe_model.py (trained on first use, cached)")
     ap.add_argument("--tokens", type=int, default=20480, help="held-out tokens scored per scheme")
     ap.add_argument("--rows", type=int, default=80, help="rows decoded side by side")
     ap.add_argument("--schemes", default=",".join(SCHEMES),
@@ -158,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown scheme(s) {unknown}; choose from {', '.join(SCHEMES)}")
     if args.rows < 1 or args.tokens < args.rows:
         ap.error("--tokens must be at least --rows, and --rows at least 1")
+    if args.moe:
+        if args.model is not None:
+            ap.error("--moe names its own model; drop --model")
+        from bench.moe_model import trained_moe_dir
+
+        args.model = trained_moe_dir()
     if args.model is None:
         from pdserve.default_model import default_model_dir
 

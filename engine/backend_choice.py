@@ -69,9 +69,10 @@ def resolve(choice: str, device_type: str, quantized_kv: bool, have_triton: bool
 
 
 def make_backend(choice: str, dtype: torch.dtype, device: torch.device, plain_kv: bool = True,
-                 head_dim: int | None = None) -> AttentionBackend:
+                 head_dim: int | None = None, quantized_kv: bool = False) -> AttentionBackend:
     """The backend `choice` resolves to for a runner on `device` (`plain_kv`: an unquantized
-    pool whose views are whole and contiguous; `head_dim`: the model's head size)."""
+    pool whose views are whole and contiguous; `head_dim`: the model's head size;
+    `quantized_kv`: an fp8/int8 pool, which the CPU in-place kernel also reads)."""
     name = resolve(choice, device.type, not plain_kv, installed("triton"), installed("flashinfer"),
                    head_dim)
     if name == "flashinfer":
@@ -84,4 +85,4 @@ def make_backend(choice: str, dtype: torch.dtype, device: torch.device, plain_kv
         return TritonPagedAttention()
     from engine.native_attention import default_backend
 
-    return default_backend(dtype, device, plain_kv)
+    return default_backend(dtype, device, plain_kv, quantized_kv)

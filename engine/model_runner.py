@@ -128,7 +128,8 @@ class ModelRunner:
             isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
             and k.is_contiguous() and v.is_contiguous() for k, v in self._kv_layers))
         self.backend = backend or make_backend(config.attention_backend, self.dtype, self.device,
-                                               plain_kv=plain_kv, head_dim=self.layout.head_dim)
+                                               plain_kv=plain_kv, head_dim=self.layout.head_dim,
+                                               quantized_kv=self.layout.quantized)
         self._stager = PinnedStager(self.device) if self.device.type == "cuda" else None
         self._graphs = self._capture_graphs(sharded=shard is not None)
 

@@ -191,7 +191,7 @@ def _lr(cfg: TrainConfig, step: int) -> float:
 
 
 @torch.no_grad()
-def heldout_loss(model: TinyLlama, stream: torch.Tensor, seq_len: int) -> float:
+def heldout_loss(model: nn.Module, stream: torch.Tensor, seq_len: int) -> float:
     n = (len(stream) - 1) // seq_len
     total = 0.0
     for i in range(0, n, 16):
@@ -206,8 +206,14 @@ def train(spec: DefaultModelSpec, cfg: TrainConfig, train_ids: torch.Tensor,
           heldout_ids: torch.Tensor, vocab_size: int, log: bool = True) -> TrainResult:
     """Train one model from seed `cfg.seed`; deterministic for a given thread count."""
     torch.manual_seed(cfg.seed)
+    return fit(TinyLlama(spec, vocab_size), cfg, train_ids, heldout_ids, log)
+
+
+def fit(model: nn.Module, cfg: TrainConfig, train_ids: torch.Tensor, heldout_ids: torch.Tensor,
+        log: bool = True) -> TrainResult:
+    """Train `model` (token ids [batch, time] -> logits) in place on `cfg`'s schedule, its
+    batches drawn from seed `cfg.seed` (bench/moe_model.py trains its Mixtral here too)."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    model = TinyLlama(spec, vocab_size)
     decay = [p for p in model.parameters() if p.dim() == 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},

@@ -3,12 +3,15 @@ reference against itself exact, bfloat16 close but measurably different."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
-from bench import quality
-from engine.config import EngineConfig
+from bench import moe_model, quality
+from engine.config import CacheConfig, EngineConfig
+from engine.model_runner import ModelRunner
 from pdserve.default_model import write_builtin_model
 
 
@@ -53,3 +56,19 @@ def test_unknown_scheme_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         quality.main(["--schemes", "int3"])
     assert e.value.code == 2 and "unknown scheme" in capsys.readouterr().err
+
+
+def test_a_trained_mixtral_quantizes_and_runs(tmp_path: Path) -> None:
+    """bench/moe_model.py's Mixtral (two training steps) loads into the engine's MoE
+    family, its experts take the int8 and int4 weights, and the quality rows come out."""
+    schedule = dataclasses.replace(moe_model.SCHEDULE, steps=2, seq_len=32)
+    record = moe_model.train_moe(tmp_path, schedule, split="heldout")  # the small split: quick
+    assert record["steps"] == 2 and record["heldout_loss"] > 0
+    config = EngineConfig(model_dir=str(tmp_path), quantization="int4", num_threads=1,
+                          cache=CacheConfig(num_blocks=8))
+    expert = ModelRunner(config).model.layers[0].mlp.experts[0]
+    assert not isinstance(expert.gate_up_weight, torch.nn.Parameter)  # a quantized layer
+    rows = quality.measure(tmp_path, {n: quality.SCHEMES[n] for n in ("int8 weights", "int4 weights",
+                                                                        "fp8 KV")}, rows=2, length=8)
+    assert [r.tokens for r in rows] == [16, 16, 16]
+    assert all(r.mean_kl > 0 and r.top1_agreement > 0.5 for r in rows)
