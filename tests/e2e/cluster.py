@@ -50,6 +50,7 @@ class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
+    _terminated: bool = field(default=False, repr=False)
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -59,8 +60,19 @@ class Proc:
             os.killpg(self.popen.pid, sig)
 
     def stop(self, timeout: float = 15.0) -> int:
-        if self.alive():
+        self.terminate()
+        return self.wait_stopped(timeout)
+
+    def terminate(self) -> None:
+        """SIGTERM, once, if still running (a worker drains and exits by itself)."""
+        if self.alive() and not self._terminated:
             self.signal(signal.SIGTERM)
+            self._terminated = True
+
+    def wait_stopped(self, timeout: float = 15.0) -> int:
+        """The exit status after `terminate`: SIGKILL (the whole group) if it has not
+        exited within `timeout`, or at once if it was never terminated."""
+        if self._terminated:
             try:
                 return self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -231,8 +243,12 @@ class Cluster:
         raise AssertionError(f"timed out waiting for {what}\n{logs}")
 
     def stop(self) -> None:
+        """Every worker at once (each exit is mostly waiting: one after another, a
+        cluster's teardown would wait them out in turn), then the gateway."""
         for w in self.workers:
-            w.stop()
+            w.terminate()
+        for w in self.workers:
+            w.wait_stopped()
             remove_leaked_shm(w.popen.pid)
         if self.gateway is not None:
             self.gateway.stop()
