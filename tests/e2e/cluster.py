@@ -191,10 +191,15 @@ class Cluster:
     def control(self) -> str:
         return f"tcp://127.0.0.1:{self.control_port}"
 
-    def start_gateway(self, *extra: str, env: dict[str, str] | None = None) -> None:
+    def start_gateway(self, *extra: str, env: dict[str, str] | None = None, wait: bool = True) -> None:
+        """Start the gateway; with `wait`, until /health answers (else `wait_gateway`)."""
         self.gateway = start("gateway", ["gateway", "--port", str(self.port), "--control-port",
                                          str(self.control_port), "--heartbeat-timeout", "3.0", *extra],
                              self.log_dir, env)
+        if wait:
+            self.wait_gateway()
+
+    def wait_gateway(self) -> None:
         self._wait(lambda: http("GET", f"{self.url}/health", timeout=2)[0] == 200, "gateway /health")
 
     def add_worker(self, role: str, *extra: str, env: dict[str, str] | None = None) -> Proc:
@@ -265,10 +270,13 @@ def remove_leaked_shm(pid: int) -> None:
 def running_cluster(log_dir: Path, roles: dict[str, int], *worker_extra: str) -> Iterator[Cluster]:
     c = Cluster(log_dir)
     try:
-        c.start_gateway()
+        # The workers start while the gateway does (they connect when it listens): its
+        # start-up and theirs overlap instead of adding up.
+        c.start_gateway(wait=False)
         for role, n in roles.items():
             for _ in range(n):
                 c.add_worker(role, *worker_extra)
+        c.wait_gateway()
         wanted = {("colocated" if r == "worker" else r): n for r, n in roles.items()}
         c.wait_roles(**wanted)
         yield c

@@ -36,7 +36,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def test_late_decode_worker_joins_and_stopped_worker_leaves(log_dir: Path, reference: Reference) -> None:
     c = Cluster(log_dir)
     try:
-        c.start_gateway()
+        c.start_gateway(wait=False)
         c.add_worker("prefill")
         c.wait_roles(prefill=1)
         status, _ = http("POST", f"{c.url}/v1/completions",
@@ -131,7 +131,7 @@ def _fleet_usage(c: Cluster) -> dict[str, float]:
 def test_workers_rejoin_a_restarted_gateway(log_dir: Path, reference: Reference) -> None:
     c = Cluster(log_dir)
     try:
-        c.start_gateway()
+        c.start_gateway(wait=False)
         c.add_worker("worker")
         c.wait_roles(colocated=1)
         assert c.gateway is not None

@@ -28,7 +28,7 @@ def test_checkpoint_dtype_quantization_and_block_size_mismatches_are_refused_at_
     auto = ("--dtype", AUTO_DTYPE)
     c = Cluster(log_dir)
     try:
-        c.start_gateway()
+        c.start_gateway(wait=False)
         c.add_worker("prefill", "--model", str(model_dir), "--worker-id", "base", "--dtype", "auto")
         c.wait_roles(prefill=1)
         refused = {"tuned": ("--model", str(tuned), *auto),

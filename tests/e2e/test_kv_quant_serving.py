@@ -69,7 +69,7 @@ def test_disaggregated_equals_colocated_and_ships_half_the_bytes(
     assert bf16_bytes == _blocks(lengths) * _block_bytes(model_dir, "auto")
     c = Cluster(log_dir)
     try:
-        c.start_gateway()
+        c.start_gateway(wait=False)
         c.add_worker("worker", *DTYPE, "--kv-cache-dtype", kv)
         c.wait_roles(colocated=1)
         colocated = [_complete(c, p) for p in PROMPTS]
