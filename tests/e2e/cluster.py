@@ -50,6 +50,7 @@ class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
+    _terminated: bool = field(default=False, repr=False)
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -59,8 +60,19 @@ class Proc:
             os.killpg(self.popen.pid, sig)
 
     def stop(self, timeout: float = 15.0) -> int:
-        if self.alive():
+        self.terminate()
+        return self.wait_stopped(timeout)
+
+    def terminate(self) -> None:
+        """SIGTERM, once, if still running (a worker drains and exits by itself)."""
+        if self.alive() and not self._terminated:
             self.signal(signal.SIGTERM)
+            self._terminated = True
+
+    def wait_stopped(self, timeout: float = 15.0) -> int:
+        """The exit status after `terminate`: SIGKILL (the whole group) if it has not
+        exited within `timeout`, or at once if it was never terminated."""
+        if self._terminated:
             try:
                 return self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -179,10 +191,15 @@ class Cluster:
     def control(self) -> str:
         return f"tcp://127.0.0.1:{self.control_port}"
 
-    def start_gateway(self, *extra: str, env: dict[str, str] | None = None) -> None:
+    def start_gateway(self, *extra: str, env: dict[str, str] | None = None, wait: bool = True) -> None:
+        """Start the gateway; with `wait`, until /health answers (else `wait_gateway`)."""
         self.gateway = start("gateway", ["gateway", "--port", str(self.port), "--control-port",
                                          str(self.control_port), "--heartbeat-timeout", "3.0", *extra],
                              self.log_dir, env)
+        if wait:
+            self.wait_gateway()
+
+    def wait_gateway(self) -> None:
         self._wait(lambda: http("GET", f"{self.url}/health", timeout=2)[0] == 200, "gateway /health")
 
     def add_worker(self, role: str, *extra: str, env: dict[str, str] | None = None) -> Proc:
@@ -231,8 +248,12 @@ class Cluster:
         raise AssertionError(f"timed out waiting for {what}\n{logs}")
 
     def stop(self) -> None:
+        """Every worker at once (each exit is mostly waiting: one after another, a
+        cluster's teardown would wait them out in turn), then the gateway."""
         for w in self.workers:
-            w.stop()
+            w.terminate()
+        for w in self.workers:
+            w.wait_stopped()
             remove_leaked_shm(w.popen.pid)
         if self.gateway is not None:
             self.gateway.stop()
@@ -249,10 +270,13 @@ def remove_leaked_shm(pid: int) -> None:
 def running_cluster(log_dir: Path, roles: dict[str, int], *worker_extra: str) -> Iterator[Cluster]:
     c = Cluster(log_dir)
     try:
-        c.start_gateway()
+        # The workers start while the gateway does (they connect when it listens): its
+        # start-up and theirs overlap instead of adding up.
+        c.start_gateway(wait=False)
         for role, n in roles.items():
             for _ in range(n):
                 c.add_worker(role, *worker_extra)
+        c.wait_gateway()
         wanted = {("colocated" if r == "worker" else r): n for r, n in roles.items()}
         c.wait_roles(**wanted)
         yield c

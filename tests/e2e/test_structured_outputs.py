@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import openai
 import pytest
 
 from common.structured import json_schema
-from tests.e2e.cluster import Cluster, running_cluster
+from tests.e2e.cluster import Cluster, metric_value, running_cluster, worker_metrics
 from tests.e2e.conftest import Reference
 from tests.e2e.test_exact_recovery import KEY, KILL_AFTER, Stream
 
@@ -87,75 +88,86 @@ def _reassemble(chunks: list[Any]) -> dict[int, dict[str, str]]:
     return calls
 
 
-def test_openai_client_structured_outputs_and_forced_tool_calls(log_dir: Path, reference: Reference) -> None:
-    with running_cluster(log_dir, {"worker": 1}) as c:
-        cl, model = _client(c), reference.model_name
-        msgs: Any = [{"role": "user", "content": "Describe a thing."}]
-        kw: Any = {"model": model, "messages": msgs, "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 5}
-        r = cl.chat.completions.create(response_format=_json_format(SCHEMA), **kw)
-        assert r.choices[0].finish_reason == "stop"
-        text = r.choices[0].message.content or ""
-        _valid(text)
-        chunks = list(cl.chat.completions.create(response_format=_json_format(SCHEMA), stream=True, **kw))
-        streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-        assert streamed == text  # same seed, same tokens, streamed or not
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One colocated worker; the seeded test then adds a prefill and a decode worker."""
+    with running_cluster(tmp_path_factory.mktemp("structured"), {"worker": 1}) as c:
+        yield c
 
-        done = cl.completions.create(model=model, prompt="Answer:", max_tokens=40, temperature=1.0, seed=3,
-                                     extra_body={"structured_outputs": {"regex": "(yes|no) [0-9]{3}"}})
-        assert done.choices[0].finish_reason == "stop"
-        assert done.choices[0].text[:3] in ("yes", "no ") and done.choices[0].text[-3:].isdigit()
-        picked = cl.completions.create(model=model, prompt="Pick:", max_tokens=40, temperature=1.0, seed=4,
-                                       extra_body={"structured_outputs": {"choice": ["alpha", "beta", "gamma"]}})
-        assert picked.choices[0].text in ("alpha", "beta", "gamma")
 
-        named: Any = {"type": "function", "function": {"name": "get_weather"}}
-        r = cl.chat.completions.create(tools=TOOLS, tool_choice=named, **kw)
+def test_openai_client_structured_outputs_and_forced_tool_calls(colocated: Cluster, reference: Reference) -> None:
+    c = colocated
+    cl, model = _client(c), reference.model_name
+    msgs: Any = [{"role": "user", "content": "Describe a thing."}]
+    kw: Any = {"model": model, "messages": msgs, "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 5}
+    r = cl.chat.completions.create(response_format=_json_format(SCHEMA), **kw)
+    assert r.choices[0].finish_reason == "stop"
+    text = r.choices[0].message.content or ""
+    _valid(text)
+    chunks = list(cl.chat.completions.create(response_format=_json_format(SCHEMA), stream=True, **kw))
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == text  # same seed, same tokens, streamed or not
+
+    done = cl.completions.create(model=model, prompt="Answer:", max_tokens=40, temperature=1.0, seed=3,
+                                 extra_body={"structured_outputs": {"regex": "(yes|no) [0-9]{3}"}})
+    assert done.choices[0].finish_reason == "stop"
+    assert done.choices[0].text[:3] in ("yes", "no ") and done.choices[0].text[-3:].isdigit()
+    picked = cl.completions.create(model=model, prompt="Pick:", max_tokens=40, temperature=1.0, seed=4,
+                                   extra_body={"structured_outputs": {"choice": ["alpha", "beta", "gamma"]}})
+    assert picked.choices[0].text in ("alpha", "beta", "gamma")
+
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    r = cl.chat.completions.create(tools=TOOLS, tool_choice=named, **kw)
+    [call] = r.choices[0].message.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    _valid(call.function.arguments, WEATHER)
+    chunks = list(cl.chat.completions.create(tools=TOOLS, tool_choice=named, stream=True, **kw))
+    streamed_calls = _reassemble(chunks)
+    assert list(streamed_calls) == [0] and streamed_calls[0]["name"] == "get_weather"
+    assert streamed_calls[0]["arguments"] == call.function.arguments
+
+    for seed in (1, 2, 3):
+        r = cl.chat.completions.create(tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                       **{**kw, "seed": seed})
+        assert r.choices[0].finish_reason == "tool_calls"
         [call] = r.choices[0].message.tool_calls or []
-        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
-        _valid(call.function.arguments, WEATHER)
-        chunks = list(cl.chat.completions.create(tools=TOOLS, tool_choice=named, stream=True, **kw))
-        streamed_calls = _reassemble(chunks)
-        assert list(streamed_calls) == [0] and streamed_calls[0]["name"] == "get_weather"
-        assert streamed_calls[0]["arguments"] == call.function.arguments
+        _valid(call.function.arguments, PARAMS_OF[call.function.name])
+    chunks = list(cl.chat.completions.create(tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                             stream=True, **kw))
+    [streamed_call] = _reassemble(chunks).values()
+    _valid(streamed_call["arguments"], PARAMS_OF[streamed_call["name"]])
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
 
-        for seed in (1, 2, 3):
-            r = cl.chat.completions.create(tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-                                           **{**kw, "seed": seed})
-            assert r.choices[0].finish_reason == "tool_calls"
-            [call] = r.choices[0].message.tool_calls or []
-            _valid(call.function.arguments, PARAMS_OF[call.function.name])
-        chunks = list(cl.chat.completions.create(tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-                                                 stream=True, **kw))
-        [streamed_call] = _reassemble(chunks).values()
-        _valid(streamed_call["arguments"], PARAMS_OF[streamed_call["name"]])
-        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
-
-        with pytest.raises(openai.BadRequestError) as info:
-            cl.chat.completions.create(response_format=_json_format({"type": "object", "properties": {"a": {"type": 7}}}),
-                                       **kw)
-        assert info.value.body["param"] == "response_format.json_schema.schema"  # type: ignore[index]
-        with pytest.raises(openai.BadRequestError) as info:
-            cl.completions.create(model=model, prompt="x", extra_body={"structured_outputs": {"regex": "a(b"}})
-        assert info.value.body["param"] == "structured_outputs.regex"  # type: ignore[index]
-        c.wait_idle()
+    with pytest.raises(openai.BadRequestError) as info:
+        cl.chat.completions.create(response_format=_json_format({"type": "object", "properties": {"a": {"type": 7}}}),
+                                   **kw)
+    assert info.value.body["param"] == "response_format.json_schema.schema"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as info:
+        cl.completions.create(model=model, prompt="x", extra_body={"structured_outputs": {"regex": "a(b"}})
+    assert info.value.body["param"] == "structured_outputs.regex"  # type: ignore[index]
+    c.wait_idle()
 
 
 def test_seeded_schema_requests_are_valid_and_identical_colocated_and_disaggregated(
-    log_dir: Path, reference: Reference,
+    colocated: Cluster, reference: Reference,
 ) -> None:
     bodies = [_seeded_body(reference, i) for i in range(N_SEEDED)]
     expected = [_reference_text(reference, b) for b in bodies]
     for e in expected:
         _valid(e)
-    for roles in ({"worker": 1}, {"prefill": 1, "decode": 1}):
-        with running_cluster(log_dir, roles) as c:
-            cl = _client(c)
-            for body, want in zip(bodies, expected, strict=True):
-                r = cl.completions.create(**{k: v for k, v in body.items() if k != "structured_outputs"},
-                                          extra_body={"structured_outputs": body["structured_outputs"]})
-                assert r.choices[0].finish_reason == "stop", (roles, body["seed"])
-                assert r.choices[0].text == want, (roles, body["seed"])
-            c.wait_idle()
+    c, cl = colocated, _client(colocated)
+    for mode in ("colocated", "disaggregated"):
+        if mode == "disaggregated":  # with a prefill and a decode worker the gateway disaggregates
+            c.add_worker("prefill")
+            c.add_worker("decode")
+            prefill = next(w for w in c.wait_roles(colocated=1, prefill=1, decode=1) if w["role"] == "prefill")
+        for body, want in zip(bodies, expected, strict=True):
+            r = cl.completions.create(**{k: v for k, v in body.items() if k != "structured_outputs"},
+                                      extra_body={"structured_outputs": body["structured_outputs"]})
+            assert r.choices[0].finish_reason == "stop", (mode, body["seed"])
+            assert r.choices[0].text == want, (mode, body["seed"])
+        c.wait_idle()
+    assert metric_value(worker_metrics(prefill), "llm_prefill_requests_total") == N_SEEDED
 
 
 def test_kill_decode_mid_stream_schema_streams_resume_valid_and_exact(log_dir: Path, reference: Reference) -> None:

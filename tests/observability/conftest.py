@@ -31,7 +31,7 @@ def pd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     try:
         with pytest.MonkeyPatch.context() as mp:  # only the children see it
             mp.setenv("PDSERVE_LOG_LEVEL", "DEBUG")
-            c.start_gateway()
+            c.start_gateway(wait=False)
             c.add_worker("prefill")
             c.add_worker("decode")
         c.wait_roles(prefill=1, decode=1)
