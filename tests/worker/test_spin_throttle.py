@@ -40,7 +40,9 @@ PROBE = textwrap.dedent("""
     out.update(throttled=idle_cpu(), tasks_on=tasks(), threads_on=torch.get_num_threads(),
                helper=throttle.helper_threads(2))
     throttle.off()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 30  # off() has joined the helper; wait for its pool to leave
+    while tasks() != out["tasks_before"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     out.update(released=idle_cpu(), tasks_off=tasks(), threads_off=torch.get_num_threads())
     print(json.dumps(out))
 """)
