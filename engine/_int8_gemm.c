@@ -37,10 +37,12 @@
 #define PATH_DPBF16 2
 #define PATH_AMX 3
 #define PATH_AMX_ROWS 4
+#define PATH_VNNI 5
 
 int pd_int8_gemm_supported(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vnni");
 }
 
 /* x[m, k], x[m, k+1] as one 32-bit lane value; the odd tail pairs x[K-1] with 0. */
@@ -256,7 +258,7 @@ int pd_int8_gemm_amx_supported(void) { return amx_ready(); }
  * (widening amortised over 32-row blocks); without AMX the AVX-512 BF16 dot products. */
 static int choose_path(int64_t M) {
     if (M <= PD_GEMV_ROWS)
-        return PATH_GEMV;
+        return PATH_VNNI;
     if (!amx_ready())
         return PATH_DPBF16;
     return M <= 16 ? PATH_AMX_ROWS : PATH_AMX;
@@ -270,7 +272,7 @@ int pd_int8_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *pac
     static int supported = -1;
     if (supported < 0)
         supported = pd_int8_gemm_supported();
-    if (M < 1 || K < 1 || N < 1 || path < PATH_AUTO || path > PATH_AMX_ROWS
+    if (M < 1 || K < 1 || N < 1 || path < PATH_AUTO || path > PATH_VNNI
         || (path == PATH_AMX_ROWS && M > 16))
         return PD_ERR_LEN;
     if (!supported || ((path == PATH_AMX || path == PATH_AMX_ROWS) && !amx_ready()))
@@ -282,6 +284,8 @@ int pd_int8_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *pac
     switch (path == PATH_AUTO ? choose_path(M) : path) {
     case PATH_GEMV:
         return pd_int8_gemv_fp32(x, M, K, packed, scales, N, y, threads);
+    case PATH_VNNI:
+        return pd_int8_gemv_vnni(x, M, K, packed, scales, N, y, threads);
     case PATH_AMX:
         return gemm_amx(x, M, K, packed, scales, N, y, threads);
     case PATH_AMX_ROWS:

@@ -61,4 +61,8 @@ int pd_int8_amx_rows(const uint16_t *x, int64_t M, int64_t K, const int8_t *pack
 int pd_int8_gemv_fp32(const uint16_t *x, int64_t M, int64_t K, const int8_t *packed,
                       const float *scales, int64_t N, uint16_t *y, int threads);
 
+/* The same rows on integer dot products over 15-bit fixed-point x (engine/_int8_vnni.c). */
+int pd_int8_gemv_vnni(const uint16_t *x, int64_t M, int64_t K, const int8_t *packed,
+                      const float *scales, int64_t N, uint16_t *y, int threads);
+
 #endif

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from engine import native_kernels
 
-AUTO, GEMV, DPBF16, AMX, AMX_ROWS = 0, 1, 2, 3, 4  # `matmul` paths (the C PATH_* codes)
-PATHS = {"gemv": GEMV, "dpbf16": DPBF16, "amx": AMX, "amx_rows": AMX_ROWS}
+AUTO, GEMV, DPBF16, AMX, AMX_ROWS, VNNI = 0, 1, 2, 3, 4, 5  # `matmul` paths (the C PATH_* codes)
+PATHS = {"gemv": GEMV, "dpbf16": DPBF16, "amx": AMX, "amx_rows": AMX_ROWS, "vnni": VNNI}
 
 
 class PackedInt8(NamedTuple):

@@ -1,7 +1,9 @@
-"""The native int8 GEMM (engine/_int8_gemm.c, engine/_int8_gemv.c, engine/_int8_amx_rows.c):
-its packed layout, its numerics against x @ (q s)^T in float32 on each of its paths (float32
-GEMV, AVX-512 BF16, AMX, AMX for up to 16 rows) and in float64 on the chosen path for every
-row count 1-20, the one function that picks a path per call, and the layer that runs it."""
+"""The native int8 GEMM (engine/_int8_gemm.c, engine/_int8_gemv.c, engine/_int8_vnni.c,
+engine/_int8_amx_rows.c): its packed layout, its numerics against x @ (q s)^T in float32 on
+each of its paths (float32 GEMV, integer dot products over fixed-point rows, AVX-512 BF16,
+AMX, AMX for up to 16 rows) and in float64 on the chosen path for every row count 1-20, the
+fixed-point rows' own error bound, the one function that picks a path per call, and the
+layer that runs it."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ pytestmark = [
                        reason="native int8 kernel needs the built library and AVX-512 BF16"),
 ]
 SHAPES = [(2048, 768), (37, 53), (100, 130), (16, 2), (5, 1)]  # ragged N and K, K odd, K < 32
+ACT_GROUP, ACT_MAX = 64, 16383  # engine/_act_q16.h: the VNNI path's fixed-point rows
+GEMV_PATHS = (int8_kernel.GEMV, int8_kernel.VNNI)  # up to 4 rows
 
 
 def _parts(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +51,7 @@ def test_pack_puts_16_channels_by_2_k_in_each_32_bytes() -> None:
 def _rows_for(path: int) -> tuple[int, ...]:
     if path == int8_kernel.AMX_ROWS:
         return tuple(range(1, 17))
-    return (1, 2, 3, 4) if path == int8_kernel.GEMV else (1, 2, 3, 4, 8, 16, 17, 32, 33, 70)
+    return (1, 2, 3, 4) if path in GEMV_PATHS else (1, 2, 3, 4, 8, 16, 17, 32, 33, 70)
 
 
 def _skip_without(path: int) -> None:
@@ -72,7 +76,8 @@ def test_matmul_is_x_times_dequantized_weight_within_bf16(shape: tuple[int, int]
         assert (err <= ref.abs() * 2.0**-8 + 1e-3 * ref.abs().max()).all(), (m, err.max().item())
 
 
-def test_gemv_handles_extreme_codes_and_rows_of_different_size() -> None:
+@pytest.mark.parametrize("path", GEMV_PATHS, ids=("gemv", "vnni"))
+def test_gemv_handles_extreme_codes_and_rows_of_different_size(path: int) -> None:
     # -128 and 127 codes (every sign and the widest magnitude), one row 1000x the others
     q = torch.tensor([[-128, 127] * 20, [127, -128] * 20] * 9, dtype=torch.int8)  # [18, 40]
     scales = torch.linspace(0.5, 2.0, 18).to(torch.bfloat16)
@@ -81,7 +86,7 @@ def test_gemv_handles_extreme_codes_and_rows_of_different_size() -> None:
     x[1] *= 1000.0
     ref = x.float() @ (q.float() * scales.float()[:, None]).t()
     for m in (1, 2, 3, 4):
-        y = int8_kernel.matmul(x[:m], packed, int8_kernel.GEMV)
+        y = int8_kernel.matmul(x[:m], packed, path)
         for row in range(m):
             assert torch.allclose(y[row].float(), ref[row], rtol=2.0**-8, atol=1e-3 * ref[row].abs().max().item())
 
@@ -90,7 +95,7 @@ def test_gemv_handles_extreme_codes_and_rows_of_different_size() -> None:
 def test_threads_split_the_tiles_without_changing_a_bit(path: int) -> None:
     _skip_without(path)
     packed = int8_kernel.pack(*_parts(100, 130))
-    rows = {int8_kernel.GEMV: 4, int8_kernel.AMX_ROWS: 16}.get(path, 40)
+    rows = {int8_kernel.GEMV: 4, int8_kernel.VNNI: 4, int8_kernel.AMX_ROWS: 16}.get(path, 40)
     x = torch.randn(rows, 130, generator=torch.Generator().manual_seed(5))
     one = int8_kernel.matmul(x.bfloat16(), packed, path)
     torch.set_num_threads(2)  # the one_torch_thread fixture restores the setting
@@ -99,7 +104,7 @@ def test_threads_split_the_tiles_without_changing_a_bit(path: int) -> None:
 
 def test_one_function_picks_the_path_by_rows() -> None:
     amx = int8_kernel.amx_available()
-    assert [int8_kernel.path_for(m) for m in (1, 2, 3, 4)] == [int8_kernel.GEMV] * 4
+    assert [int8_kernel.path_for(m) for m in (1, 2, 3, 4)] == [int8_kernel.VNNI] * 4  # decode
     # 5-16 rows (batched decode): the chunk-by-chunk AMX kernel; more: AMX over whole tiles
     rows16 = int8_kernel.AMX_ROWS if amx else int8_kernel.DPBF16
     assert [int8_kernel.path_for(m) for m in (5, 8, 16)] == [rows16] * 3
@@ -110,7 +115,8 @@ def test_one_function_picks_the_path_by_rows() -> None:
 @pytest.mark.parametrize("shape", [(768, 2048), (37, 53), (33, 77)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_the_chosen_path_matches_float64_for_every_row_count_to_20(shape: tuple[int, int]) -> None:
     """Bound: one bf16 rounding of the output (2^-8 relative) plus float32 summation,
-    at most K * 2^-23 of sum_k |x q s| (the scale is float32 in the kernel)."""
+    at most K * 2^-23 of sum_k |x q s| (the scale is float32 in the kernel), plus, where the
+    path runs fixed-point rows, their rounding (`_fixed_point_error`)."""
     q, scales = _parts(*shape)
     packed = int8_kernel.pack(q, scales)
     w = q.double() * scales.double()[:, None]
@@ -119,7 +125,53 @@ def test_the_chosen_path_matches_float64_for_every_row_count_to_20(shape: tuple[
         y = int8_kernel.matmul(x, packed).double()
         ref = x.double() @ w.t()
         bound = ref.abs() * 2.0**-8 + shape[1] * 2.0**-23 * (x.double().abs() @ w.abs().t())
+        if int8_kernel.path_for(m) == int8_kernel.VNNI:
+            bound += _fixed_point_error(x, w)
         assert ((y - ref).abs() <= bound).all(), (m, int8_kernel.path_for(m))
+
+
+def _fixed_point_error(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The most that rounding x to 15-bit fixed point per group of 64 k moves x @ w^T: each
+    element by half a step, max |x in its group| / (2 * 16383), times |w| (float64)."""
+    m, k = x.shape
+    groups = -(-k // ACT_GROUP)
+    padded = torch.nn.functional.pad(x.double().abs(), (0, groups * ACT_GROUP - k))
+    step = padded.reshape(m, groups, ACT_GROUP).amax(dim=2) / ACT_MAX
+    half_steps = (step / 2).repeat_interleave(ACT_GROUP, dim=1)[:, :k]
+    return half_steps @ w.abs().t()
+
+
+def test_vnni_rows_are_fixed_point_per_group_of_64_k() -> None:
+    """The VNNI path's error stays inside its stated bound, and an outlier coarsens only
+    its own group: a row whose group 0 holds a 10^4x element keeps group 1's terms as fine
+    as a row without it, where one scale per row would have lost 13 of their 15 bits."""
+    n, k = 48, 128
+    q, scales = _parts(n, k)
+    packed = int8_kernel.pack(q, scales)
+    w = q.double() * scales.double()[:, None]
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    x[1] = x[0]
+    x[1, 3] = 1e4  # in group 0 only
+    y = int8_kernel.matmul(x, packed, int8_kernel.VNNI).double()
+    ref = x.double() @ w.t()
+    bound = ref.abs() * 2.0**-8 + k * 2.0**-23 * (x.double().abs() @ w.abs().t()) + _fixed_point_error(x, w)
+    assert ((y - ref).abs() <= bound).all()
+    # group 1 alone (group 0's codes zeroed): the outlier row must match the plain row there
+    q1 = q.clone()
+    q1[:, :ACT_GROUP] = 0
+    y1 = int8_kernel.matmul(x, int8_kernel.pack(q1, scales), int8_kernel.VNNI)
+    assert torch.equal(y1[0], y1[1])
+
+
+def test_vnni_rows_carry_nan_and_infinity_to_the_outputs() -> None:
+    packed = int8_kernel.pack(*_parts(32, 130))
+    x = torch.randn(3, 130, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    x[0, 70] = float("nan")
+    x[1, 5] = float("inf")
+    y = int8_kernel.matmul(x, packed, int8_kernel.VNNI)
+    # a group holding NaN or inf marks its whole row NaN (float would give NaN or +-inf)
+    assert y[0].isnan().all() and y[1].isnan().all()
+    assert y[2].isfinite().all()
 
 
 def test_matmul_rejects_what_it_cannot_run() -> None:
@@ -130,6 +182,8 @@ def test_matmul_rejects_what_it_cannot_run() -> None:
         int8_kernel.matmul(torch.randn(2, 63).bfloat16(), packed)
     with pytest.raises(ValueError, match="cannot run 5 x 64"):
         int8_kernel.matmul(torch.randn(5, 64).bfloat16(), packed, int8_kernel.GEMV)  # GEMV: <= 4 rows
+    with pytest.raises(ValueError, match="cannot run 5 x 64"):
+        int8_kernel.matmul(torch.randn(5, 64).bfloat16(), packed, int8_kernel.VNNI)
     if int8_kernel.amx_available():
         with pytest.raises(ValueError, match="cannot run 17 x 64"):  # AMX_ROWS: <= 16 rows
             int8_kernel.matmul(torch.randn(17, 64).bfloat16(), packed, int8_kernel.AMX_ROWS)
