@@ -4,12 +4,14 @@
 
 For each weight shape [N, K] (the ~125M benchmark model's projections: qkv, o, gate_up,
 down), row count and thread count: F.linear with the dense bf16 weight; `aten`, torch's
-small-M int4 kernel (`torch._weight_int4pack_mm_for_cpu`, the decode path); `dequant`, the
+small-M int4 kernel (`torch._weight_int4pack_mm_for_cpu`, the old decode path); `gemv`, the
+native decode GEMV (engine/_int4_gemv.c, up to 4 rows); `dequant`, the
 old prefill path (unpack the whole weight with `pd_int4_dequant`, then F.linear); and
 `native`, the AMX kernel (engine/_int4_gemm.c). Prints the median time of bf16 and each
 path's ratio to it, all measured in the same run, interleaved per repetition (the host may
 be shared: compare ratios, not absolute times). `auto` is what `Int4Linear` runs for that
-row count (`INT4_KERNEL_ROWS` is the crossover between aten and native).
+row count (`INT4_KERNEL_ROWS` is the crossover between the GEMV and native). A layer called
+again and again is served from the CPU caches: `python -m bench.quant` times decode end to end.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from bench.int8_gemm import SHAPES
 from engine.quant import int4_kernel
 from engine.quant.linear import Int4Linear, quantize_weight
 
-PATHS = ("aten", "dequant", "native", "auto")
+PATHS = ("aten", "gemv", "dequant", "native", "auto")
 
 
 def _once_us(fn: Callable[[], object]) -> float:
@@ -46,6 +48,8 @@ def _row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
         "bf16": lambda: F.linear(x, dense),
         "aten": lambda: torch._weight_int4pack_mm_for_cpu(x, packed, group, sz),
     }
+    if int4_kernel.gemv_available() and m <= int4_kernel.GEMV_ROWS:
+        paths["gemv"] = lambda: int4_kernel.gemv(x, packed, sz, group)
     if int4_kernel.available():
         paths["native"] = lambda: int4_kernel.matmul(x, packed, sz, group)
     paths["auto"] = lambda: layer(x)
@@ -62,7 +66,7 @@ def _row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
-    ap.add_argument("--rows", type=int, nargs="+", default=[4, 8, 16, 32, 128, 512])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 128, 512])
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
     if not int4_kernel.available():

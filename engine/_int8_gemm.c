@@ -12,8 +12,11 @@
  *   scales  [N] float32                 per output channel
  *   y       [M, N] bf16, rounded to nearest even once, from the float32 sum
  *
- * Three paths over that layout, one chosen per call by `choose_path`:
- * - GEMV (_int8_gemv.c), up to PD_GEMV_ROWS rows: codes widened to float32, FMA.
+ * Four paths over that layout, one chosen per call by `choose_path`:
+ * - VNNI (_int8_vnni.c), up to PD_GEMV_ROWS rows (decode): codes sign-extended to int16,
+ *   integer dot products against the rows in 15-bit fixed point per group of 64 k.
+ * - GEMV (_int8_gemv.c), up to PD_GEMV_ROWS rows: codes widened to float32, FMA (exact in
+ *   the rows; a forced path only).
  * - DPBF16 (`gemm_avx`): each 16-channel tile streams its int8 weights once per block of
  *   <= 16 rows: 32 codes widen to bf16 (exact: |q| <= 128 fits bf16's 8-bit significand)
  *   and each row of the block accumulates into its own float32 register with one
@@ -251,8 +254,9 @@ AMX_TARGET static int gemm_amx(const uint16_t *x, int64_t M, int64_t K, const in
 int pd_int8_gemm_amx_supported(void) { return amx_ready(); }
 
 /* The path for M rows (the one place that chooses; `python -m bench.int8_gemm --step` times
- * each over a decode step's distinct weights): the float32 GEMV up to PD_GEMV_ROWS rows, where
- * it streams the codes with the fewest instructions; then, where the CPU allows AMX, up to 16
+ * each over a decode step's distinct weights): the integer GEMV up to PD_GEMV_ROWS rows, where
+ * it streams the codes with the fewest instructions (0.4-0.55x the bf16 GEMV's time over
+ * a 12-layer step at one row, where the float32 GEMV reads 0.7-0.9x: compute-bound); then, where the CPU allows AMX, up to 16
  * rows the chunk-by-chunk AMX kernel (_int8_amx_rows.c: the code stream never pauses; 0.6x
  * the bf16 GEMV's time at 8-16 rows against 0.9x for `gemm_amx`) and above that `gemm_amx`
  * (widening amortised over 32-row blocks); without AMX the AVX-512 BF16 dot products. */
@@ -273,7 +277,7 @@ int pd_int8_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *pac
     if (supported < 0)
         supported = pd_int8_gemm_supported();
     if (M < 1 || K < 1 || N < 1 || path < PATH_AUTO || path > PATH_VNNI
-        || (path == PATH_AMX_ROWS && M > 16))
+        || (path == PATH_AMX_ROWS && M > 16) || (path == PATH_VNNI && M > PD_GEMV_ROWS))
         return PD_ERR_LEN;
     if (!supported || ((path == PATH_AMX || path == PATH_AMX_ROWS) && !amx_ready()))
         return PD_ERR_CPU;

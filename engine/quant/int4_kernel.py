@@ -1,5 +1,6 @@
-"""The native int4 weight GEMM (engine/_int4_gemm.c) for bf16 activations and many rows on
-CPU: prefill through an int4 layer without a dense copy of its weight.
+"""The native int4 weight kernels for bf16 activations on CPU: the GEMM (engine/_int4_gemm.c)
+for many rows, prefill through an int4 layer without a dense copy of its weight, and the GEMV
+(engine/_int4_gemv.c) for decode's 1-4 rows.
 
 It reads the codes in the layout the layer already holds for torch's small-M kernel
 (`torch._convert_weight_to_int4pack_for_cpu`, N padded to 64) with their group scales and
@@ -10,6 +11,13 @@ numerics of `F.linear` over the weight `pd_int4_dequant` unpacks, without writin
 that weight. `available` is the run-time check (the library has it, this CPU has AMX-BF16
 and AVX-512 VBMI, `PDSERVE_NATIVE_KERNELS` is not 0); the layer keeps its
 dequantize + matmul path where it is False (`python -m bench.int4_gemm` times both).
+
+The GEMV reads the same bytes with integer dot products: the rows become 15-bit fixed
+point per group of 64 k (engine/_act_q16.h; each element off by at most 2^-15 of its group's
+largest), the codes never widen, and each group's integer sums are scaled in float32 with
+the weights exact ((q - 8) * scale + offset, not rounded to bf16). `gemv_runs` is its check
+(AVX-512 VBMI, VNNI and BF16; group 32 or a multiple of 64); the layer keeps aten's
+`_weight_int4pack_mm_for_cpu` where it is False.
 """
 
 from __future__ import annotations
@@ -27,6 +35,44 @@ def available() -> bool:
 
 
 _AVAILABLE = available()
+
+
+def gemv_available() -> bool:
+    """The library has the GEMV and this CPU can run it."""
+    lib = native_kernels.LIB
+    return lib is not None and hasattr(lib, "pd_int4_gemv_bf16") and bool(lib.pd_int4_gemv_supported())
+
+
+_GEMV_AVAILABLE = gemv_available()
+GEMV_ROWS = int(native_kernels.LIB.pd_int4_gemv_rows()) if _GEMV_AVAILABLE and native_kernels.LIB else 0
+
+
+def gemv_runs(x: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> bool:
+    """Whether `gemv` takes this call: 1 to `GEMV_ROWS` 2-D bf16 rows on CPU, K a multiple
+    of 32 and of the group, the group 32 or a multiple of 64, N a multiple of 64."""
+    k, n = x.shape[-1], scales_and_zeros.shape[1]
+    return (_GEMV_AVAILABLE and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
+            and 1 <= x.shape[0] <= GEMV_ROWS and k % 32 == 0 and k % group == 0
+            and (group == 32 or group % 64 == 0) and n % 64 == 0 and scales_and_zeros.dtype in DTYPE_CODES)
+
+
+def gemv(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] bf16 (M <= `GEMV_ROWS`) @ dequant(packed, scales_and_zeros)^T -> [M, N] bf16,
+    over fixed-point rows (see the module's docstring)."""
+    lib = native_kernels.LIB
+    assert lib is not None
+    n, k = scales_and_zeros.shape[1], x.shape[-1]
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or scales_and_zeros.shape[0] * group != k:
+        raise ValueError(f"int4 GEMV takes bf16 [M, {scales_and_zeros.shape[0] * group}], "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    rc = lib.pd_int4_gemv_bf16(x.data_ptr(), x.shape[0], k, packed.data_ptr(), scales_and_zeros.data_ptr(),
+                               DTYPE_CODES[scales_and_zeros.dtype], n, group, y.data_ptr(),
+                               torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"int4 GEMV cannot run {x.shape[0]} x {k} @ {n} in groups of {group} (code {rc})")
+    return y
 
 
 def runs(x: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> bool:

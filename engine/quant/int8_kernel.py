@@ -1,11 +1,13 @@
-"""The native int8 weight GEMM (engine/_int8_gemm.c, engine/_int8_gemv.c) for bf16
+"""The native int8 weight GEMM (engine/_int8_gemm.c, engine/_int8_vnni.c) for bf16
 activations on CPU.
 
 `pack` lays an int8 weight [N, K] out once, at load, as [N/16, K/2, 16, 2] (N padded to
 16 and K to 2 with zero codes): one 32-byte load is 16 output channels x 2 consecutive
 k. `matmul` runs it for any number of rows in one call; the library picks the path per
-call (`path_for`, one C function): up to 4 rows a float32 GEMV that streams the codes
-with the fewest instructions per byte (decode), 5-16 rows AMX with each 32-k chunk of
+call (`path_for`, one C function): up to 4 rows (decode) integer dot products that stream
+the codes with the fewest instructions per byte (`VNNI`, engine/_int8_vnni.c: the rows in
+15-bit fixed point per group of 64 k, engine/_act_q16.h; `GEMV`, the exact float32 loop of
+engine/_int8_gemv.c, stays as a forced path), 5-16 rows AMX with each 32-k chunk of
 codes widened as it streams in (`AMX_ROWS`, batched decode), above that AMX tiles over
 codes widened to bf16 once per call (prefill), or AVX-512 BF16 dot products where AMX
 is not there. `packs_for` is the one place that decides whether a layer keeps its codes

@@ -14,12 +14,14 @@ The aten CPU kernels are small-M kernels (AVX-512, no AMX): measured on this hos
 (1 thread, 768-4096 x 768-2048 layers) they take ~0.3x the bf16 matmul's time at one
 row but 2.5-3x at 16 rows and 3-27x at 128. A bf16 int8 layer on a CPU with AVX-512
 BF16 therefore holds its codes only in the native kernel's layout and runs it for every
-call, all rows at once (engine/quant/int8_kernel.py: a float32 GEMV up to 4 rows, AMX
-tiles over int8 codes widened to bf16 above, chunk by chunk as they stream in up to 16; `python -m bench.int8_gemm` times each
-against the bf16 matmul). Otherwise (float32, no AVX-512 BF16) an int8 layer given more
+call, all rows at once (engine/quant/int8_kernel.py: integer dot products over rows in 15-bit
+fixed point up to 4 rows, AMX tiles over int8 codes widened to bf16 above, chunk by chunk as
+they stream in up to 16; `python -m bench.int8_gemm` times each against the bf16 matmul). Otherwise (float32, no AVX-512 BF16) an int8 layer given more
 than `INT8_KERNEL_ROWS` rows converts its weight to the compute dtype for that call and
 runs the ordinary matmul, scaling the output per channel (exact: x @ (q s)^T =
-(x @ q^T) s). An int4 layer on CPU given more than `INT4_KERNEL_ROWS` (4) bf16 rows runs
+(x @ q^T) s). An int4 layer on CPU given 1 to `INT4_KERNEL_ROWS` (4) bf16 rows (decode) runs
+the native int4 GEMV (engine/_int4_gemv.c: integer dot products over the packed codes and
+rows in 15-bit fixed point); given more, it runs
 the native int4 GEMM (engine/quant/int4_kernel.py, engine/_int4_gemm.c) over the same packed
 codes the aten kernel reads: per 64 output channels it widens the codes to bf16 once per call
 into AMX B tiles that stay in cache and multiplies every row against them, so no dense weight
@@ -49,7 +51,7 @@ from engine.quant.pack import Int4Parts, Int8Parts, quantize_int4, quantize_int8
 _N_ALIGN = 16
 _N_ALIGN_CPU = 64
 INT8_KERNEL_ROWS = 8
-INT4_KERNEL_ROWS = 4  # aten's small-M kernel up to here; the native AMX kernel above (bf16)
+INT4_KERNEL_ROWS = 4  # the native GEMV (else aten's small-M kernel) up to here; the AMX GEMM above
 INT4_DEQUANT_ROWS = 32  # without it (float32, no AMX): aten up to here, then unpack + matmul
 
 
@@ -119,6 +121,8 @@ class Int4Linear(nn.Module):
         if self.on_cuda:
             y = torch._weight_int4pack_mm(x2.to(torch.bfloat16).contiguous(), self.packed, self.group,
                                           self.scales_and_zeros).to(x.dtype)
+        elif rows <= INT4_KERNEL_ROWS and int4_kernel.gemv_runs(x2, self.scales_and_zeros, self.group):
+            y = int4_kernel.gemv(x2, self.packed, self.scales_and_zeros, self.group)
         elif rows > INT4_KERNEL_ROWS and int4_kernel.runs(x2, self.scales_and_zeros, self.group):
             y = int4_kernel.matmul(x2, self.packed, self.scales_and_zeros, self.group)
         elif rows > INT4_DEQUANT_ROWS and _dequantizes(x2.dtype, self.scales_and_zeros.dtype):

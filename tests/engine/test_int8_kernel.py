@@ -182,7 +182,7 @@ def test_matmul_rejects_what_it_cannot_run() -> None:
         int8_kernel.matmul(torch.randn(2, 63).bfloat16(), packed)
     with pytest.raises(ValueError, match="cannot run 5 x 64"):
         int8_kernel.matmul(torch.randn(5, 64).bfloat16(), packed, int8_kernel.GEMV)  # GEMV: <= 4 rows
-    with pytest.raises(ValueError, match="cannot run 5 x 64"):
+    with pytest.raises(ValueError, match="cannot run 5 x 64"):  # VNNI: <= 4 rows
         int8_kernel.matmul(torch.randn(5, 64).bfloat16(), packed, int8_kernel.VNNI)
     if int8_kernel.amx_available():
         with pytest.raises(ValueError, match="cannot run 17 x 64"):  # AMX_ROWS: <= 16 rows

@@ -1,7 +1,8 @@
 """Tensor parallel over quantized weights (engine/parallel/quant_shard.py).
 
 A weight is quantized whole and then sliced, so a TP group holds the single process's
-codes, scales and zeros: TP 2 greedy tokens equal TP 1's under the same scheme, and the
+codes, scales and zeros: TP 2 greedy tokens equal TP 1's under the same scheme (bf16: up to
+a step where the logits tie within their allowed difference, see `_compare`), and the
 per-step logits agree within QUANT_F32_ATOL (float32: only the all-reduce's summation
 order differs) or QUANT_BF16_ULPS bf16 ulp of the largest |logit| (bf16: each rank's
 partial is rounded to bf16 before the sum, twice a layer, and the differences carry). int4 groups never straddle two ranks (refused), nor may
@@ -173,12 +174,21 @@ class ThreadRanks:
 
 
 def _compare(single: ModelRunner, group: ModelRunner | ThreadRanks, dtype: str) -> None:
+    """Logits equal within `atol` at every step both runs share. float32: every token equal.
+    bf16: the runs may part only at a step where the single run's top two logits are within
+    twice that step's logit difference of each other (random weights tie exactly now and
+    then), a tie the allowed difference breaks; the steps after it are different sequences."""
     prompt = prompt_of(21, single.model_config.vocab_size)
     want, want_logits = greedy(single, prompt, chunk_size=8, new_tokens=NEW_TOKENS)
     got, logits = greedy(group, prompt, chunk_size=8, new_tokens=NEW_TOKENS)  # type: ignore[arg-type]
-    assert got == want
     atol = QUANT_F32_ATOL if dtype == "float32" else QUANT_BF16_ULPS * bf16_ulp(float(want_logits.abs().max()))
-    assert (logits.float() - want_logits.float()).abs().max().item() <= atol
+    first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), NEW_TOKENS)
+    diff = (logits[: first + 1].float() - want_logits[: first + 1].float()).abs()
+    assert diff.max().item() <= atol
+    if first < NEW_TOKENS:
+        assert dtype != "float32", f"tokens part at step {first}"
+        top2 = want_logits[first].float().topk(2).values
+        assert (top2[0] - top2[1]).item() <= 2 * diff[first].max().item(), f"no tie at step {first}"
 
 
 def test_tp2_int8_group_of_processes_equals_tp1(tiny_model_dir: Callable[..., Path]) -> None:
