@@ -23,7 +23,7 @@ setup(
         Extension(
             "engine._cpu_kernels",
             sources=["engine/_cpu_kernels.c", "engine/_int8_gemm.c", "engine/_int8_gemv.c",
-                     "engine/_int8_vnni.c", "engine/_int8_amx_rows.c",
+                     "engine/_int8_vnni.c", "engine/_int8_amx_rows.c", "engine/_int8_amx_q8.c",
                      "engine/_int4_gemm.c", "engine/_int4_gemv.c", "engine/_bf16_gemv.c", "engine/_attn_bf16.c",
                      "engine/_attn_q8.c"],
             depends=["engine/_int8_gemm.h", "engine/_act_q16.h", "engine/_attn_bf16.h", "engine/_attn_simd.h"],

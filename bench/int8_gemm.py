@@ -32,12 +32,12 @@ from engine.quant.pack import quantize_int8
 
 SHAPES = ((1280, 768), (768, 768), (4096, 768), (768, 2048))  # 125M: qkv, o, gate_up, down
 LAYERS = 12
-PATHS = ("aten_int8", "gemv", "vnni", "dpbf16", "amx", "amx_rows", "auto")
+PATHS = ("aten_int8", "gemv", "vnni", "dpbf16", "amx", "amx_rows", "amx_q8", "auto")
 
 
 def _runs(code: int, m: int) -> bool:
-    amx = code in (int8_kernel.AMX, int8_kernel.AMX_ROWS)
-    return ((code not in (int8_kernel.GEMV, int8_kernel.VNNI) or m <= 4) and (code != int8_kernel.AMX_ROWS or m <= 16)
+    amx = code in (int8_kernel.AMX, int8_kernel.AMX_ROWS, int8_kernel.AMX_Q8)
+    return ((code not in (int8_kernel.GEMV, int8_kernel.VNNI) or m <= 4) and (code not in (int8_kernel.AMX_ROWS, int8_kernel.AMX_Q8) or m <= 16)
             and (not amx or int8_kernel.amx_available()))
 
 

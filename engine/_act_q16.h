@@ -11,8 +11,8 @@
  * reaches are NaN as they would be in float arithmetic. `sum[m, g]` is the group's sum of q
  * (the int4 kernel's offset term needs it; NULL skips it).
  *
- * Layout: x [M, K] bf16 with row stride K; q [M, groups * PD_ACT_GROUP] int16, zero past K;
- * scale and sum [M, groups]; groups = pd_act_groups(K).
+ * Layout: x [M, K] bf16 with row stride K; q [M, groups * group] int16, zero past K;
+ * scale and sum [M, groups]; groups = ceil(K / group) (`pd_act_groups` for PD_ACT_GROUP).
  */
 #ifndef PD_ACT_Q16_H
 #define PD_ACT_Q16_H
@@ -35,37 +35,45 @@ PD_ACT_TARGET static inline __m512 pd_act_load16(const uint16_t *p, int64_t n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
-PD_ACT_TARGET static void pd_act_q16(const uint16_t *x, int64_t M, int64_t K, int16_t *q,
+/* Groups of `group` k (a multiple of 16; PD_ACT_GROUP unless a kernel says otherwise):
+ * scale and sum are [M, ceil(K / group)], q [M, that * group]. */
+PD_ACT_TARGET static void pd_act_q16(const uint16_t *x, int64_t M, int64_t K, int64_t group, int16_t *q,
                                      float *scale, int32_t *sum) {
-    const int64_t groups = pd_act_groups(K), stride = groups * PD_ACT_GROUP;
+    const int64_t groups = (K + group - 1) / group, stride = groups * group;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *row = x + m * K;
         for (int64_t g = 0; g < groups; g++) {
-            int64_t k0 = g * PD_ACT_GROUP;
-            __m512 v[4];
+            const int64_t k0 = g * group;
             __m512 amax = _mm512_setzero_ps();
             __mmask16 special = 0;
-            for (int j = 0; j < 4; j++) {
-                v[j] = pd_act_load16(row + k0 + 16 * j, K - k0 - 16 * j);
-                amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, v[j]));
-                special |= _mm512_fpclass_ps_mask(v[j], 0x99); /* NaN or +-inf */
+            for (int64_t k = k0; k < k0 + group; k += 16) {
+                __m512 v = pd_act_load16(row + k, K - k);
+                amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, v));
+                special |= _mm512_fpclass_ps_mask(v, 0x99); /* NaN or +-inf */
             }
             float top = _mm512_reduce_max_ps(amax);
-            float inv = top > 0.0f ? (float)PD_ACT_MAX / top : 0.0f;
-            float s = special ? NAN : top / (float)PD_ACT_MAX;
-            if (special)
-                inv = 0.0f;
+            float inv = top > 0.0f && !special ? (float)PD_ACT_MAX / top : 0.0f;
             __m512i total = _mm512_setzero_si512();
-            for (int j = 0; j < 4; j++) {
-                __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], _mm512_set1_ps(inv)));
+            for (int64_t k = k0; k < k0 + group; k += 16) {
+                __m512 v = pd_act_load16(row + k, K - k);
+                __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inv)));
                 total = _mm512_add_epi32(total, qi);
-                _mm256_storeu_si256((__m256i *)(q + m * stride + k0 + 16 * j), _mm512_cvtsepi32_epi16(qi));
+                _mm256_storeu_si256((__m256i *)(q + m * stride + k), _mm512_cvtsepi32_epi16(qi));
             }
-            scale[m * groups + g] = s;
+            scale[m * groups + g] = special ? NAN : top / (float)PD_ACT_MAX;
             if (sum != NULL)
                 sum[m * groups + g] = _mm512_reduce_add_epi32(total);
         }
+    }
+}
+
+/* xq = 128 xh + xl with xh in [-128, 127] and xl in [0, 127]: two signed bytes each, for the
+ * byte dot products (xh, xl [n] int8). */
+static inline void pd_act_split(const int16_t *xq, int64_t n, int8_t *xh, int8_t *xl) {
+    for (int64_t i = 0; i < n; i++) {
+        xh[i] = (int8_t)(xq[i] >> 7); /* arithmetic: floor(xq / 128) */
+        xl[i] = (int8_t)(xq[i] & 127);
     }
 }
 

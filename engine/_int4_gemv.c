@@ -177,12 +177,9 @@ GEMV4_TARGET int pd_int4_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, cons
         free(xsum);
         return PD_ERR_MEM;
     }
-    pd_act_q16(x, M, K, xq, xs, NULL);
+    pd_act_q16(x, M, K, PD_ACT_GROUP, xq, xs, NULL);
     int8_t *xl = xh + M * stride;
-    for (int64_t i = 0; i < M * stride; i++) {
-        xh[i] = (int8_t)(xq[i] >> 7); /* arithmetic: floor(xq / 128) */
-        xl[i] = (int8_t)(xq[i] & 127);
-    }
+    pd_act_split(xq, M * stride, xh, xl);
     for (int64_t m = 0; m < M; m++)
         for (int64_t c = 0; c < chunks; c++) {
             int32_t s = 0;

@@ -12,7 +12,7 @@
  *   scales  [N] float32                 per output channel
  *   y       [M, N] bf16, rounded to nearest even once, from the float32 sum
  *
- * Four paths over that layout, one chosen per call by `choose_path`:
+ * The paths over that layout, one chosen per call by `choose_path`:
  * - VNNI (_int8_vnni.c), up to PD_GEMV_ROWS rows (decode): codes sign-extended to int16,
  *   integer dot products against the rows in 15-bit fixed point per group of 64 k.
  * - GEMV (_int8_gemv.c), up to PD_GEMV_ROWS rows: codes widened to float32, FMA (exact in
@@ -21,7 +21,10 @@
  *   <= 16 rows: 32 codes widen to bf16 (exact: |q| <= 128 fits bf16's 8-bit significand)
  *   and each row of the block accumulates into its own float32 register with one
  *   dot-product instruction whose x operand is that row's (x[k], x[k+1]) pair broadcast.
- * - AMX (`gemm_amx`), where the CPU and kernel allow it: tile multiplies.
+ * - AMX (`gemm_amx`), where the CPU and kernel allow it: tile multiplies over codes widened
+ *   to bf16 once per call (prefill); AMX_ROWS (_int8_amx_rows.c) widens chunk by chunk, and
+ *   AMX_Q8 (_int8_amx_q8.c, batched decode) multiplies the codes as int8 against the rows
+ *   in fixed point, split into two bytes.
  * Tiles are spread over OpenMP threads (torch's pool, see _cpu_kernels.c). No Python API:
  * ctypes calls it without the GIL. Needs AVX-512 BF16, checked at run time
  * (`pd_int8_gemm_supported`); without it the caller keeps torch's path.
@@ -41,6 +44,7 @@
 #define PATH_AMX 3
 #define PATH_AMX_ROWS 4
 #define PATH_VNNI 5
+#define PATH_AMX_Q8 6
 
 int pd_int8_gemm_supported(void) {
     __builtin_cpu_init();
@@ -137,6 +141,7 @@ static int amx_ready(void) {
     if (ready < 0) {
         __builtin_cpu_init();
         ready = __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile")
+                && __builtin_cpu_supports("amx-int8") && __builtin_cpu_supports("avx512vbmi")
                 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     }
     return ready;
@@ -254,18 +259,19 @@ AMX_TARGET static int gemm_amx(const uint16_t *x, int64_t M, int64_t K, const in
 int pd_int8_gemm_amx_supported(void) { return amx_ready(); }
 
 /* The path for M rows (the one place that chooses; `python -m bench.int8_gemm --step` times
- * each over a decode step's distinct weights): the integer GEMV up to PD_GEMV_ROWS rows, where
- * it streams the codes with the fewest instructions (0.4-0.55x the bf16 GEMV's time over
- * a 12-layer step at one row, where the float32 GEMV reads 0.7-0.9x: compute-bound); then, where the CPU allows AMX, up to 16
- * rows the chunk-by-chunk AMX kernel (_int8_amx_rows.c: the code stream never pauses; 0.6x
- * the bf16 GEMV's time at 8-16 rows against 0.9x for `gemm_amx`) and above that `gemm_amx`
- * (widening amortised over 32-row blocks); without AMX the AVX-512 BF16 dot products. */
+ * each over a decode step's distinct weights, against the bf16 GEMV, one thread):
+ * - up to PD_GEMV_ROWS rows the VNNI GEMV (_int8_vnni.c), fewest instructions per code byte:
+ *   0.4-0.55x the bf16 GEMV's time at one row, where the float32 GEMV reads 0.7-0.9x;
+ * - 5-16 rows, where the CPU allows AMX, int8 tile multiplies (_int8_amx_q8.c): 0.5-0.6x at
+ *   8 rows and 0.55-0.65x at 16, where the widening `pd_int8_amx_rows` reads 0.65-0.75x;
+ * - above that `gemm_amx` (widening amortised over 32-row blocks);
+ * - without AMX the AVX-512 BF16 dot products. */
 static int choose_path(int64_t M) {
     if (M <= PD_GEMV_ROWS)
         return PATH_VNNI;
     if (!amx_ready())
         return PATH_DPBF16;
-    return M <= 16 ? PATH_AMX_ROWS : PATH_AMX;
+    return M <= 16 ? PATH_AMX_Q8 : PATH_AMX;
 }
 
 int pd_int8_gemm_path(int64_t M) { return M < 1 ? PATH_AUTO : choose_path(M); }
@@ -276,10 +282,10 @@ int pd_int8_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *pac
     static int supported = -1;
     if (supported < 0)
         supported = pd_int8_gemm_supported();
-    if (M < 1 || K < 1 || N < 1 || path < PATH_AUTO || path > PATH_VNNI
-        || (path == PATH_AMX_ROWS && M > 16) || (path == PATH_VNNI && M > PD_GEMV_ROWS))
+    if (M < 1 || K < 1 || N < 1 || path < PATH_AUTO || path > PATH_AMX_Q8
+        || ((path == PATH_AMX_ROWS || path == PATH_AMX_Q8) && M > 16) || (path == PATH_VNNI && M > PD_GEMV_ROWS))
         return PD_ERR_LEN;
-    if (!supported || ((path == PATH_AMX || path == PATH_AMX_ROWS) && !amx_ready()))
+    if (!supported || ((path == PATH_AMX || path == PATH_AMX_ROWS || path == PATH_AMX_Q8) && !amx_ready()))
         return PD_ERR_CPU;
     int64_t tiles = (N + 15) / 16;
     int threads = num_threads < 1 ? 1 : num_threads;
@@ -294,6 +300,8 @@ int pd_int8_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *pac
         return gemm_amx(x, M, K, packed, scales, N, y, threads);
     case PATH_AMX_ROWS:
         return pd_int8_amx_rows(x, M, K, packed, scales, N, y, threads);
+    case PATH_AMX_Q8:
+        return pd_int8_amx_q8(x, M, K, packed, scales, N, y, threads);
     default:
         gemm_avx(x, M, K, packed, scales, N, y, threads);
         return PD_OK;

@@ -56,6 +56,11 @@ void pd_int8_amx_configure(int64_t rows0, int64_t rows1);
 int pd_int8_amx_rows(const uint16_t *x, int64_t M, int64_t K, const int8_t *packed,
                      const float *scales, int64_t N, uint16_t *y, int threads);
 
+/* The same rows on AMX int8 tile multiplies over 15-bit fixed-point x, per group of 256 k
+ * (engine/_int8_amx_q8.c; the caller has checked AMX is usable). */
+int pd_int8_amx_q8(const uint16_t *x, int64_t M, int64_t K, const int8_t *packed,
+                   const float *scales, int64_t N, uint16_t *y, int threads);
+
 /* y[M, N] = x[M, K] @ (packed * scales)^T for M <= PD_GEMV_ROWS (engine/_int8_gemv.c). */
 #define PD_GEMV_ROWS 4
 int pd_int8_gemv_fp32(const uint16_t *x, int64_t M, int64_t K, const int8_t *packed,

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from engine import native_kernels
 
-AUTO, GEMV, DPBF16, AMX, AMX_ROWS, VNNI = 0, 1, 2, 3, 4, 5  # `matmul` paths (the C PATH_* codes)
-PATHS = {"gemv": GEMV, "dpbf16": DPBF16, "amx": AMX, "amx_rows": AMX_ROWS, "vnni": VNNI}
+AUTO, GEMV, DPBF16, AMX, AMX_ROWS, VNNI, AMX_Q8 = 0, 1, 2, 3, 4, 5, 6  # `matmul` paths (the C PATH_* codes)
+PATHS = {"gemv": GEMV, "dpbf16": DPBF16, "amx": AMX, "amx_rows": AMX_ROWS, "vnni": VNNI, "amx_q8": AMX_Q8}
 
 
 class PackedInt8(NamedTuple):

@@ -1,8 +1,9 @@
 """The native int8 GEMM (engine/_int8_gemm.c, engine/_int8_gemv.c, engine/_int8_vnni.c,
 engine/_int8_amx_rows.c): its packed layout, its numerics against x @ (q s)^T in float32 on
 each of its paths (float32 GEMV, integer dot products over fixed-point rows, AVX-512 BF16,
-AMX, AMX for up to 16 rows) and in float64 on the chosen path for every row count 1-20, the
-fixed-point rows' own error bound, the one function that picks a path per call, and the
+AMX, AMX for up to 16 rows widening the codes or multiplying them as int8 against fixed-point
+rows) and in float64 on the chosen path for every row count 1-20, the
+fixed-point rows' own error bound (per group of 64 k for VNNI, 256 for AMX_Q8), the one function that picks a path per call, and the
 layer that runs it."""
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ pytestmark = [
                        reason="native int8 kernel needs the built library and AVX-512 BF16"),
 ]
 SHAPES = [(2048, 768), (37, 53), (100, 130), (16, 2), (5, 1)]  # ragged N and K, K odd, K < 32
-ACT_GROUP, ACT_MAX = 64, 16383  # engine/_act_q16.h: the VNNI path's fixed-point rows
+ACT_MAX = 16383  # engine/_act_q16.h: the fixed-point rows of the VNNI and AMX_Q8 paths
+ACT_GROUP = {int8_kernel.VNNI: 64, int8_kernel.AMX_Q8: 256}  # k per row scale
 GEMV_PATHS = (int8_kernel.GEMV, int8_kernel.VNNI)  # up to 4 rows
 
 
@@ -49,13 +51,13 @@ def test_pack_puts_16_channels_by_2_k_in_each_32_bytes() -> None:
 
 
 def _rows_for(path: int) -> tuple[int, ...]:
-    if path == int8_kernel.AMX_ROWS:
+    if path in (int8_kernel.AMX_ROWS, int8_kernel.AMX_Q8):
         return tuple(range(1, 17))
     return (1, 2, 3, 4) if path in GEMV_PATHS else (1, 2, 3, 4, 8, 16, 17, 32, 33, 70)
 
 
 def _skip_without(path: int) -> None:
-    if path in (int8_kernel.AMX, int8_kernel.AMX_ROWS) and not int8_kernel.amx_available():
+    if path in (int8_kernel.AMX, int8_kernel.AMX_ROWS, int8_kernel.AMX_Q8) and not int8_kernel.amx_available():
         pytest.skip("no AMX on this CPU")
 
 
@@ -95,7 +97,7 @@ def test_gemv_handles_extreme_codes_and_rows_of_different_size(path: int) -> Non
 def test_threads_split_the_tiles_without_changing_a_bit(path: int) -> None:
     _skip_without(path)
     packed = int8_kernel.pack(*_parts(100, 130))
-    rows = {int8_kernel.GEMV: 4, int8_kernel.VNNI: 4, int8_kernel.AMX_ROWS: 16}.get(path, 40)
+    rows = {int8_kernel.GEMV: 4, int8_kernel.VNNI: 4, int8_kernel.AMX_ROWS: 16, int8_kernel.AMX_Q8: 16}.get(path, 40)
     x = torch.randn(rows, 130, generator=torch.Generator().manual_seed(5))
     one = int8_kernel.matmul(x.bfloat16(), packed, path)
     torch.set_num_threads(2)  # the one_torch_thread fixture restores the setting
@@ -105,8 +107,8 @@ def test_threads_split_the_tiles_without_changing_a_bit(path: int) -> None:
 def test_one_function_picks_the_path_by_rows() -> None:
     amx = int8_kernel.amx_available()
     assert [int8_kernel.path_for(m) for m in (1, 2, 3, 4)] == [int8_kernel.VNNI] * 4  # decode
-    # 5-16 rows (batched decode): the chunk-by-chunk AMX kernel; more: AMX over whole tiles
-    rows16 = int8_kernel.AMX_ROWS if amx else int8_kernel.DPBF16
+    # 5-16 rows (batched decode): AMX int8 tile multiplies; more: AMX over whole tiles
+    rows16 = int8_kernel.AMX_Q8 if amx else int8_kernel.DPBF16
     assert [int8_kernel.path_for(m) for m in (5, 8, 16)] == [rows16] * 3
     above = int8_kernel.AMX if amx else int8_kernel.DPBF16
     assert [int8_kernel.path_for(m) for m in (17, 32, 33, 512)] == [above] * 4
@@ -125,50 +127,56 @@ def test_the_chosen_path_matches_float64_for_every_row_count_to_20(shape: tuple[
         y = int8_kernel.matmul(x, packed).double()
         ref = x.double() @ w.t()
         bound = ref.abs() * 2.0**-8 + shape[1] * 2.0**-23 * (x.double().abs() @ w.abs().t())
-        if int8_kernel.path_for(m) == int8_kernel.VNNI:
-            bound += _fixed_point_error(x, w)
+        if int8_kernel.path_for(m) in ACT_GROUP:
+            bound += _fixed_point_error(x, w, ACT_GROUP[int8_kernel.path_for(m)])
         assert ((y - ref).abs() <= bound).all(), (m, int8_kernel.path_for(m))
 
 
-def _fixed_point_error(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The most that rounding x to 15-bit fixed point per group of 64 k moves x @ w^T: each
-    element by half a step, max |x in its group| / (2 * 16383), times |w| (float64)."""
+def _fixed_point_error(x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
+    """The most that rounding x to 15-bit fixed point per group of `group` k moves x @ w^T:
+    each element by half a step, max |x in its group| / (2 * 16383), times |w| (float64)."""
     m, k = x.shape
-    groups = -(-k // ACT_GROUP)
-    padded = torch.nn.functional.pad(x.double().abs(), (0, groups * ACT_GROUP - k))
-    step = padded.reshape(m, groups, ACT_GROUP).amax(dim=2) / ACT_MAX
-    half_steps = (step / 2).repeat_interleave(ACT_GROUP, dim=1)[:, :k]
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(x.double().abs(), (0, groups * group - k))
+    step = padded.reshape(m, groups, group).amax(dim=2) / ACT_MAX
+    half_steps = (step / 2).repeat_interleave(group, dim=1)[:, :k]
     return half_steps @ w.abs().t()
 
 
-def test_vnni_rows_are_fixed_point_per_group_of_64_k() -> None:
-    """The VNNI path's error stays inside its stated bound, and an outlier coarsens only
-    its own group: a row whose group 0 holds a 10^4x element keeps group 1's terms as fine
-    as a row without it, where one scale per row would have lost 13 of their 15 bits."""
-    n, k = 48, 128
+@pytest.mark.parametrize("path", list(ACT_GROUP), ids=["vnni", "amx_q8"])
+def test_fixed_point_rows_stay_in_their_bound_and_per_group(path: int) -> None:
+    """The VNNI and AMX_Q8 paths' error stays inside its stated bound, and an outlier coarsens
+    only its own group: a row whose group 0 holds a 10^4x element keeps group 1's terms as
+    fine as a row without it, where one scale per row would have lost 13 of their 15 bits."""
+    _skip_without(path)
+    group = ACT_GROUP[path]
+    n, k = 48, 2 * group
     q, scales = _parts(n, k)
     packed = int8_kernel.pack(q, scales)
     w = q.double() * scales.double()[:, None]
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     x[1] = x[0]
     x[1, 3] = 1e4  # in group 0 only
-    y = int8_kernel.matmul(x, packed, int8_kernel.VNNI).double()
+    y = int8_kernel.matmul(x, packed, path).double()
     ref = x.double() @ w.t()
-    bound = ref.abs() * 2.0**-8 + k * 2.0**-23 * (x.double().abs() @ w.abs().t()) + _fixed_point_error(x, w)
+    bound = (ref.abs() * 2.0**-8 + k * 2.0**-23 * (x.double().abs() @ w.abs().t())
+             + _fixed_point_error(x, w, group))
     assert ((y - ref).abs() <= bound).all()
     # group 1 alone (group 0's codes zeroed): the outlier row must match the plain row there
     q1 = q.clone()
-    q1[:, :ACT_GROUP] = 0
-    y1 = int8_kernel.matmul(x, int8_kernel.pack(q1, scales), int8_kernel.VNNI)
+    q1[:, :group] = 0
+    y1 = int8_kernel.matmul(x, int8_kernel.pack(q1, scales), path)
     assert torch.equal(y1[0], y1[1])
 
 
-def test_vnni_rows_carry_nan_and_infinity_to_the_outputs() -> None:
+@pytest.mark.parametrize("path", list(ACT_GROUP), ids=["vnni", "amx_q8"])
+def test_fixed_point_rows_carry_nan_and_infinity_to_the_outputs(path: int) -> None:
+    _skip_without(path)
     packed = int8_kernel.pack(*_parts(32, 130))
     x = torch.randn(3, 130, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     x[0, 70] = float("nan")
     x[1, 5] = float("inf")
-    y = int8_kernel.matmul(x, packed, int8_kernel.VNNI)
+    y = int8_kernel.matmul(x, packed, path)
     # a group holding NaN or inf marks its whole row NaN (float would give NaN or +-inf)
     assert y[0].isnan().all() and y[1].isnan().all()
     assert y[2].isfinite().all()
@@ -185,8 +193,9 @@ def test_matmul_rejects_what_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="cannot run 5 x 64"):  # VNNI: <= 4 rows
         int8_kernel.matmul(torch.randn(5, 64).bfloat16(), packed, int8_kernel.VNNI)
     if int8_kernel.amx_available():
-        with pytest.raises(ValueError, match="cannot run 17 x 64"):  # AMX_ROWS: <= 16 rows
-            int8_kernel.matmul(torch.randn(17, 64).bfloat16(), packed, int8_kernel.AMX_ROWS)
+        for path in (int8_kernel.AMX_ROWS, int8_kernel.AMX_Q8):  # <= 16 rows
+            with pytest.raises(ValueError, match="cannot run 17 x 64"):
+                int8_kernel.matmul(torch.randn(17, 64).bfloat16(), packed, path)
     with pytest.raises(ValueError, match="on path 9"):
         int8_kernel.matmul(torch.randn(2, 64).bfloat16(), packed, 9)
     assert int8_kernel.matmul(torch.randn(0, 64).bfloat16(), packed).shape == (0, 32)
