@@ -107,10 +107,8 @@ TARGET INLINE int attend_d(const uint16_t *q, const uint16_t *k, const uint16_t 
     }
     softmax_rows(sc, G, L);
     for (int64_t g0 = 0; g0 < G; g0 += GB) {
-        int64_t gn = G - g0 < GB ? G - g0 : GB;
         __m512 acc[16];
-        for (int i = 0; i < 16; i++)
-            acc[i] = zero;
+        int64_t gn = pv_pass_begin(acc, G, g0, GB);
         int64_t bi = 0, off = 0, pbi = PREFETCH_KEYS / bs, poff = PREFETCH_KEYS % bs;
         for (int64_t t = 0; t < L; t++) {
             const uint16_t *vr = v + (table[bi] * bs + off) * row_stride + h * D;
@@ -126,13 +124,7 @@ TARGET INLINE int attend_d(const uint16_t *q, const uint16_t *k, const uint16_t 
             __m512 row[8];
             for (int j = 0; j < D / 16; j++)
                 row[j] = widen16(vr + 16 * j);
-            for (int g = 0; g < GB; g++) {
-                if (g >= gn)
-                    break;
-                __m512 p = _mm512_set1_ps(sc[(g0 + g) * L + t]);
-                for (int j = 0; j < D / 16; j++)
-                    acc[g * (D / 16) + j] = _mm512_fmadd_ps(p, row[j], acc[g * (D / 16) + j]);
-            }
+            pv_accumulate(acc, row, sc, L, t, g0, gn, GB, D / 16, 1.0f);
         }
         for (int64_t g = 0; g < gn; g++)
             for (int j = 0; j < D / 16; j++)

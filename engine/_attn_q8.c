@@ -87,22 +87,6 @@ static inline float scale_at(const kv_src *s, const float *base, cursor c, int64
     return base[s->table[c.bi] * s->scale_stride + h];
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 static inline void decode_row(const uint8_t *c, int kind, int64_t D, float *dst) {
     if (kind == KIND_INT8)
         for (int64_t j = 0; j < D; j++)
@@ -279,10 +263,8 @@ TARGET INLINE void attend_d(int dtype, int kind, const void *q, const kv_src *s,
     }
     softmax_rows(sc, G, L);
     for (int64_t g0 = 0; g0 < G; g0 += GB) {
-        int64_t gn = G - g0 < GB ? G - g0 : GB;
         __m512 acc[16];
-        for (int i = 0; i < 16; i++)
-            acc[i] = zero;
+        int64_t gn = pv_pass_begin(acc, G, g0, GB);
         cursor vc = {0, 0}, pv = cursor_at(s, PREFETCH_KEYS);
         for (int64_t t = 0; t < L; t++, advance(s, &vc)) {
             if (t + PREFETCH_KEYS < L) {
@@ -295,13 +277,7 @@ TARGET INLINE void attend_d(int dtype, int kind, const void *q, const kv_src *s,
             __m512 row[8];
             for (int j = 0; j < DV; j++)
                 row[j] = dec16(vr + 16 * j, kind);
-            for (int g = 0; g < GB; g++) {
-                if (g >= gn)
-                    break;
-                __m512 p = _mm512_set1_ps(sc[(g0 + g) * L + t] * vsc);
-                for (int j = 0; j < DV; j++)
-                    acc[g * DV + j] = _mm512_fmadd_ps(p, row[j], acc[g * DV + j]);
-            }
+            pv_accumulate(acc, row, sc, L, t, g0, gn, GB, DV, vsc);
         }
         for (int64_t g = 0; g < gn; g++)
             for (int j = 0; j < DV; j++)

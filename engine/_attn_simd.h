@@ -1,13 +1,34 @@
-/* AVX-512 helpers shared by the in-place decode attention loops (engine/_attn_bf16.c,
- * engine/_attn_q8.c). AVX-512F only, so either loop's wider target may inline them. */
+/* Helpers shared by the in-place decode attention loops (engine/_attn_bf16.c,
+ * engine/_attn_q8.c) and engine/_cpu_kernels.c. The vector ones are AVX-512F only, so
+ * either loop's wider target may inline them; the scalar bf16 conversions carry no
+ * target, so every target_clones clone of a caller inlines them too. */
 #ifndef PD_ATTN_SIMD_H
 #define PD_ATTN_SIMD_H
 
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define PD_SIMD_INLINE __attribute__((always_inline, target("avx512f"))) static inline
+
+/* bf16 bits -> float32 (exact). */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* float32 -> bf16 bits, rounded to nearest even. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN stays a (quiet) NaN */
+        return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
 
 /* r[i] = the sum of v[i]'s 16 lanes, for 16 vectors. */
 PD_SIMD_INLINE __m512 sum16(__m512 *v) {
@@ -65,6 +86,30 @@ PD_SIMD_INLINE void softmax_rows(float *sc, int64_t G, int64_t L) {
             __mmask16 m = (__mmask16)(L - t0 >= 16 ? 0xFFFF : (1u << (L - t0)) - 1u);
             _mm512_mask_storeu_ps(s + t0, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t0), inv));
         }
+    }
+}
+
+/* p . V runs in passes over the query heads: GB heads a pass, each with DV = D / 16
+ * float32 accumulators, GB x DV = 16 of them held in registers over the whole context.
+ * Zeroes a pass's accumulators; returns how many heads the pass starting at head g0 of
+ * G covers (GB, or fewer in the last pass). */
+PD_SIMD_INLINE int64_t pv_pass_begin(__m512 *acc, int64_t G, int64_t g0, int GB) {
+    for (int i = 0; i < 16; i++)
+        acc[i] = _mm512_setzero_ps();
+    return G - g0 < GB ? G - g0 : GB;
+}
+
+/* Key t of the pass from head g0: acc[g][j] += (sc[(g0 + g) * L + t] x w) x row[j] for
+ * its gn heads, where sc holds every head's L probabilities, w is the V row's scale (1
+ * for a plain pool) and row the key's V row as DV vectors. */
+PD_SIMD_INLINE void pv_accumulate(__m512 *acc, const __m512 *row, const float *sc, int64_t L, int64_t t,
+                                  int64_t g0, int64_t gn, int GB, int DV, float w) {
+    for (int g = 0; g < GB; g++) {
+        if (g >= gn)
+            break;
+        __m512 pg = _mm512_set1_ps(sc[(g0 + g) * L + t] * w);
+        for (int j = 0; j < DV; j++)
+            acc[g * DV + j] = _mm512_fmadd_ps(pg, row[j], acc[g * DV + j]);
     }
 }
 

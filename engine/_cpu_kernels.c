@@ -34,27 +34,12 @@
 #include <string.h>
 
 #include "_attn_bf16.h"
+#include "_attn_simd.h"
 
 #define PD_OK 0
 #define PD_ERR_NOMEM 1
 #define PD_ERR_BLOCK 2
 #define PD_ERR_LEN 3
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN stays a (quiet) NaN */
-        return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* float32 -> the nearest bf16, as float32 (a bf16 op's rounding of its result). */
 static inline float rbf(float f) { return bf16_to_f32(f32_to_bf16(f)); }

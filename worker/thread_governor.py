@@ -45,14 +45,21 @@ Reasons a switch is counted under: `contention` (down to the low state after a
 collapse or drift), `probe_won` (a scheduled probe found the low state faster),
 `recovered` (back up to N spinning: a probe or drift found it faster again).
 
-What libgomp does with the idle pool thread after `torch.set_num_threads(1)`
-(measured: 2 s of 256x256 matmuls at 1 thread right after 300 at 2 threads, CPU
-time per thread from /proc/self/task/*/stat; torch 2.13 + libgomp): the pool
-thread used no measurable CPU (< 0.5% of the wall time) with the default wait
-policy and with OMP_WAIT_POLICY=PASSIVE alike. A 1-thread `at::parallel_for` runs
-inline without entering a parallel region, so the docked thread only spins out
-libgomp's spin count once after the last 2-thread region, then sleeps on a futex.
-So no remedy (GOMP_SPINCOUNT bound) is needed: at 1 thread nothing spins.
+The low state is N throttled threads wherever the process can throttle: with a
+`SpinControl` (libgomp, more than one thread, OMP_WAIT_POLICY unset or ACTIVE:
+worker/thread_policy.py `governor_for`) the team keeps its N threads, and a step in
+the low state runs with worker/spin_throttle.py's throttle on: each waiting thread
+spins ~100 times (libgomp's rule for more OpenMP threads than CPUs), then sleeps on a
+futex, so a neighbour gets the core and the step keeps its N-way split. A step of N
+spinning (home or a probe) runs with it off. Without a `SpinControl` (another OpenMP
+runtime, OMP_WAIT_POLICY=PASSIVE, or a ceiling of 1) the low state falls back to 1
+thread, which needs no spin remedy of its own: a 1-thread `at::parallel_for` runs
+inline without entering a parallel region, so the docked pool thread spins out
+libgomp's spin count once after the last N-thread region, then sleeps on a futex
+(measured: 2 s of 256x256 matmuls at 1 thread right after 300 at 2 threads, CPU time
+per thread from /proc/self/task/*/stat, torch 2.13 + libgomp: the pool thread used
+< 0.5% of the wall time with the default wait policy and with OMP_WAIT_POLICY=PASSIVE
+alike).
 
 Pure logic with an injected clock; `apply` (torch.set_num_threads) and the
 `SpinControl` are the hooks that touch the process.
@@ -137,7 +144,7 @@ class ThreadGovernor:
         self.clock = clock
         self._apply = apply or _set_torch_threads
         self.ceiling = ceiling
-        self.low = False  # home is 1 thread (else the ceiling)
+        self.low = False  # home is the low state (else the ceiling spinning)
         self.applied = ceiling  # what the process runs with now
         self.throttled = False  # whether its spin-waits are throttled now
         self._spin = spin

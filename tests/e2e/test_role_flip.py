@@ -1,13 +1,13 @@
 """Live role flips through real processes (gateway/admin_roles.py, worker/role_switch.py).
 
 One cluster for the module: two gateways (each with the admin token and round-robin
-routing) over one prefill and two decode workers, every worker registered with both.
-Streams run while a decode worker turns into a prefill worker and back; every stream
-completes with the single-process engine's tokens, the flipped worker then serves its
-new role, and no KV block is left behind. A flip asked of one gateway is learnt by the
-other from the worker's own messages (its `Deregister(final=False)` and its new
-registration): streams on both gateways during the flip all complete, and the other
-gateway then routes the worker's new role to it.
+routing) over one prefill and two decode workers, every worker registered with both;
+the decode worker that flips has the larger KV pool. Streams run while it turns into a
+prefill worker and back; every stream completes with the single-process engine's
+tokens, the flipped worker then serves its new role, and no KV block is left behind.
+A flip asked of one gateway is learnt by the other from the worker's own messages (its
+`Deregister(final=False)` and its new registration): streams on both gateways during
+the flip all complete, and the other gateway then routes the worker's new role to it.
 """
 
 from __future__ import annotations
@@ -22,11 +22,16 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.cluster import Cluster, http, metric_value, sse, worker_metrics
+from tests.e2e.cluster import WORKER_BLOCKS, Cluster, http, metric_value, sse, worker_metrics
 from tests.e2e.conftest import Reference
 
 TOKEN = "flip-test-admin-token-0123456789"
 MAX_TOKENS = 32
+# The flipping decode worker's pool (the others have WORKER_BLOCKS): back in the decode
+# role and idle, it has the most free KV, so a gateway's decode reservations go there.
+# With equal pools every idle decode worker reports all its blocks free (cached prefix
+# blocks count as free), and the choice would fall to the worker-id tie-break.
+TARGET_BLOCKS = "320"
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +41,8 @@ def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster
     try:
         for g in (c, other):
             g.start_gateway("--router", "round-robin", env={"PDSERVE_ADMIN_TOKEN": TOKEN})
-        for role in ("prefill", "decode", "decode"):
-            c.add_worker(role, "--gateway", other.control)
+        for role, blocks in (("prefill", WORKER_BLOCKS), ("decode", WORKER_BLOCKS), ("decode", TARGET_BLOCKS)):
+            c.add_worker(role, "--gateway", other.control, "--num-blocks", blocks)
         other.workers = c.workers  # for its logs on a timeout; c stops them
         for g in (c, other):
             g.wait_roles(prefill=1, decode=2)
@@ -90,6 +95,25 @@ def by_id(c: Cluster, worker_id: str) -> dict[str, Any]:
     return next(w for w in c.worker_list() if w["id"] == worker_id)
 
 
+def flipping_decode_worker(c: Cluster) -> str:
+    """The decode worker with the larger pool (TARGET_BLOCKS): the one the tests flip."""
+    decode = [w for w in c.worker_list() if w["role"] == "decode"]
+    assert sorted(w["total_blocks"] for w in decode) == [int(WORKER_BLOCKS) - 1, int(TARGET_BLOCKS) - 1], decode
+    return str(max(decode, key=lambda w: w["total_blocks"])["id"])
+
+
+def wait_most_free_decode(g: Cluster, target: str) -> None:
+    """Until gateway `g` lists `target` as a routable decode worker with more free KV
+    blocks than any other decode worker: then `g` reserves a new stream's blocks there
+    (gateway/router.py `pick_decode`), whatever heartbeat arrives meanwhile."""
+    def most_free() -> bool:
+        pool = [w for w in g.worker_list() if w["role"] == "decode" and not w["draining"] and not w["stalled"]]
+        mine = [w for w in pool if w["id"] == target]
+        return bool(mine) and all(w["free_blocks"] < mine[0]["free_blocks"] for w in pool if w["id"] != target)
+
+    g._wait(most_free, f"{target} listed as the decode worker with the most free KV", 30)
+
+
 def flip_under_load(c: Cluster, ref: Reference, target: str, role: str, tag: str) -> dict[str, Any]:
     """Start streams, wait until `target` holds some, flip it, and check every stream."""
     prompts = [f"{tag} stream {i}: " + "tell me more " * (i % 4) for i in range(6)]
@@ -126,7 +150,7 @@ def test_admin_call_needs_the_token_and_refuses_bad_flips(cluster: Cluster) -> N
 
 def test_decode_worker_flips_to_prefill_and_back_under_load(cluster: Cluster, reference: Reference) -> None:
     c = cluster
-    target = sorted(w["id"] for w in c.worker_list() if w["role"] == "decode")[0]
+    target = flipping_decode_worker(c)
     before = worker_metrics(by_id(c, target))
     assert metric_value(before, "llm_role_flips_total") == 0
 
@@ -142,10 +166,11 @@ def test_decode_worker_flips_to_prefill_and_back_under_load(cluster: Cluster, re
     back = flip_under_load(c, reference, target, "decode", "up")
     assert metric_value(worker_metrics(back), "llm_role_flips_total") == 2
     served = metric_value(worker_metrics(back), "llm_worker_requests_total")
-    with cf.ThreadPoolExecutor(2) as pool:
+    wait_most_free_decode(c, target)
+    with cf.ThreadPoolExecutor(2) as pool:  # the emptied, larger pool has the most free KV: both reserve there
         got = list(pool.map(lambda p: stream_text(c, reference, p), prompts))
     assert got == [want_text(reference, p) for p in prompts]
-    assert metric_value(worker_metrics(by_id(c, target)), "llm_worker_requests_total") > served
+    assert metric_value(worker_metrics(by_id(c, target)), "llm_worker_requests_total") == served + len(prompts)
 
     status, text = http("GET", f"{c.url}/metrics")
     assert status == 200
@@ -192,7 +217,7 @@ def flip_across(asker: Cluster, other: Cluster, ref: Reference, target: str, rol
 def test_a_flip_through_one_gateway_is_learnt_and_routed_by_the_other(
         gateways: tuple[Cluster, Cluster], reference: Reference) -> None:
     a, b = gateways
-    target = sorted(w["id"] for w in a.worker_list() if w["role"] == "decode")[0]
+    target = flipping_decode_worker(a)
     prompts = [f"second gateway {i}" for i in range(2)]
 
     flip_across(a, b, reference, target, "prefill", "across down")
@@ -204,9 +229,10 @@ def test_a_flip_through_one_gateway_is_learnt_and_routed_by_the_other(
 
     flip_across(b, a, reference, target, "decode", "across up")  # and back, asked of the other gateway
     served = metric_value(worker_metrics(by_id(a, target)), "llm_worker_requests_total")
-    with cf.ThreadPoolExecutor(2) as pool:  # the emptied pool has the most free KV: a reserves there
+    wait_most_free_decode(a, target)  # a's own view, not b's: heartbeats and registration reach each apart
+    with cf.ThreadPoolExecutor(2) as pool:  # the emptied, larger pool has the most free KV: a reserves both there
         got = list(pool.map(lambda p: stream_text(a, reference, p), prompts))
     assert got == [want_text(reference, p) for p in prompts]
-    assert metric_value(worker_metrics(by_id(a, target)), "llm_worker_requests_total") > served
+    assert metric_value(worker_metrics(by_id(a, target)), "llm_worker_requests_total") == served + len(prompts)
     for g in (a, b):
         g.wait_idle()
