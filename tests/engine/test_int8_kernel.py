@@ -1,10 +1,10 @@
 """The native int8 GEMM (engine/_int8_gemm.c, engine/_int8_gemv.c, engine/_int8_vnni.c,
-engine/_int8_amx_rows.c): its packed layout, its numerics against x @ (q s)^T in float32 on
-each of its paths (float32 GEMV, integer dot products over fixed-point rows, AVX-512 BF16,
-AMX, AMX for up to 16 rows widening the codes or multiplying them as int8 against fixed-point
-rows) and in float64 on the chosen path for every row count 1-20, the
-fixed-point rows' own error bound (per group of 64 k for VNNI, 256 for AMX_Q8), the one function that picks a path per call, and the
-layer that runs it."""
+engine/_int8_amx_rows.c, engine/_int8_amx_q8.c): its packed layout, its numerics against
+x @ (q s)^T in float32 on each of its paths (float32 GEMV, integer dot products over
+fixed-point rows, AVX-512 BF16, AMX, AMX for up to 16 rows widening the codes or multiplying
+them as int8 against fixed-point rows) and in float64 on the chosen path for every row count
+1-20, the fixed-point rows' own error bound (per group of 64 k for VNNI, 256 for AMX_Q8),
+the one function that picks a path per call, and the layer that runs it."""
 
 from __future__ import annotations
 
