@@ -48,6 +48,10 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "int4 weights": {"dtype": "float32", "quantization": "int4"},  # group 128, asymmetric
     "int8 weights (float head)": {"dtype": "float32", "quantization": "int8", "lm_head_quantization": "none"},
     "int4 weights (float head)": {"dtype": "float32", "quantization": "int4", "lm_head_quantization": "none"},
+    # As a CPU user serves them: bf16 compute, where the native int8/int4 kernels run (decode's
+    # 1-16 rows on rows in 15-bit fixed point: compare --rows 4 and 16 with the default 80).
+    "int8 weights (bf16)": {"dtype": "bfloat16", "quantization": "int8"},
+    "int4 weights (bf16)": {"dtype": "bfloat16", "quantization": "int4"},
 }
 
 
