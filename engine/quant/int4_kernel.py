@@ -59,20 +59,7 @@ def gemv_runs(x: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> bo
 def gemv(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
     """x [M, K] bf16 (M <= `GEMV_ROWS`) @ dequant(packed, scales_and_zeros)^T -> [M, N] bf16,
     over fixed-point rows (see the module's docstring)."""
-    lib = native_kernels.LIB
-    assert lib is not None
-    n, k = scales_and_zeros.shape[1], x.shape[-1]
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or scales_and_zeros.shape[0] * group != k:
-        raise ValueError(f"int4 GEMV takes bf16 [M, {scales_and_zeros.shape[0] * group}], "
-                         f"got {x.dtype} {tuple(x.shape)}")
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    rc = lib.pd_int4_gemv_bf16(x.data_ptr(), x.shape[0], k, packed.data_ptr(), scales_and_zeros.data_ptr(),
-                               DTYPE_CODES[scales_and_zeros.dtype], n, group, y.data_ptr(),
-                               torch.get_num_threads())
-    if rc != 0:
-        raise ValueError(f"int4 GEMV cannot run {x.shape[0]} x {k} @ {n} in groups of {group} (code {rc})")
-    return y
+    return _call("pd_int4_gemv_bf16", "int4 GEMV", x, packed, scales_and_zeros, group)
 
 
 def runs(x: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> bool:
@@ -87,19 +74,24 @@ def runs(x: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> bool:
 def matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
     """x [M, K] bf16 @ dequant(packed, scales_and_zeros)^T -> [M, N] bf16, N and K the
     padded sizes the packed codes hold (N = scales_and_zeros.shape[1])."""
+    return _call("pd_int4_gemm_bf16", "int4 kernel", x, packed, scales_and_zeros, group)
+
+
+def _call(symbol: str, what: str, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+          group: int) -> torch.Tensor:
+    """One of the library's int4 entry points (same arguments) on x; ValueError for what it refuses."""
     lib = native_kernels.LIB
     assert lib is not None
     n, k = scales_and_zeros.shape[1], x.shape[-1]
     if x.dtype != torch.bfloat16 or x.dim() != 2 or scales_and_zeros.shape[0] * group != k:
-        raise ValueError(f"int4 kernel takes bf16 [M, {scales_and_zeros.shape[0] * group}], "
+        raise ValueError(f"{what} takes bf16 [M, {scales_and_zeros.shape[0] * group}], "
                          f"got {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
     if x.shape[0] == 0:
         return y
-    rc = lib.pd_int4_gemm_bf16(x.data_ptr(), x.shape[0], k, packed.data_ptr(), scales_and_zeros.data_ptr(),
-                               DTYPE_CODES[scales_and_zeros.dtype], n, group, y.data_ptr(),
-                               torch.get_num_threads())
+    rc = getattr(lib, symbol)(x.data_ptr(), x.shape[0], k, packed.data_ptr(), scales_and_zeros.data_ptr(),
+                              DTYPE_CODES[scales_and_zeros.dtype], n, group, y.data_ptr(), torch.get_num_threads())
     if rc != 0:
-        raise ValueError(f"int4 kernel cannot run {x.shape[0]} x {k} @ {n} in groups of {group} (code {rc})")
+        raise ValueError(f"{what} cannot run {x.shape[0]} x {k} @ {n} in groups of {group} (code {rc})")
     return y

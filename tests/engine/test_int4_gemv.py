@@ -111,15 +111,18 @@ def test_the_layer_runs_the_gemv_up_to_4_rows_and_the_gemm_above(monkeypatch: py
             return fn(x, *args)
         return run
 
+    gemm = int4_kernel.matmul
     monkeypatch.setattr(int4_kernel, "gemv", spy("gemv", int4_kernel.gemv))
-    monkeypatch.setattr(int4_kernel, "matmul", spy("gemm", int4_kernel.matmul))
-    for rows in (1, 2, 3, 4, 5, 16):
+    monkeypatch.setattr(int4_kernel, "matmul", spy("gemm", gemm))
+    for rows in (1, 2, 3, 4, 5, 16, 40):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         y = layer(x)
         if rows <= 4:
             _assert_within_bound(y, x, _exact_weight(layer))
+        else:  # the layer adds nothing to the kernel's result
+            assert torch.equal(y, gemm(x, layer.packed, layer.scales_and_zeros, layer.group))
     assert INT4_KERNEL_ROWS == 4
-    assert calls == [("gemv", 1), ("gemv", 2), ("gemv", 3), ("gemv", 4), ("gemm", 5), ("gemm", 16)]
+    assert calls == [("gemv", 1), ("gemv", 2), ("gemv", 3), ("gemv", 4), ("gemm", 5), ("gemm", 16), ("gemm", 40)]
 
 
 def test_gemv_rejects_what_it_cannot_run() -> None:

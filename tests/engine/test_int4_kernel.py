@@ -102,25 +102,6 @@ def test_layer_prefill_is_the_old_dequantize_then_matmul_within_bf16(rows: int) 
     assert ((y.float() - old.float()).abs() <= 2 ** -7 * old.float().abs() + 1e-2).all()
 
 
-def test_the_layer_takes_the_gemv_up_to_4_rows_and_the_kernel_above(monkeypatch: pytest.MonkeyPatch) -> None:
-    layer = _layer(128, 256, seed=6)
-    sz, packed, group = layer.scales_and_zeros, layer.packed, layer.group
-    calls: list[int] = []
-    kernel = int4_kernel.matmul
-
-    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return kernel(x, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(int4_kernel, "matmul", spy)
-    assert INT4_KERNEL_ROWS == 4  # measured crossover (bench.int4_gemm): batched decode runs the kernel
-    for rows in (1, 4, 5, 16, 40):
-        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-        want = kernel(x, packed, sz, group) if rows > 4 else int4_kernel.gemv(x, packed, sz, group)
-        assert torch.equal(layer(x), want), f"{rows} rows"
-    assert calls == [5, 16, 40]
-
-
 def test_act_order_layer_runs_the_kernel_on_permuted_inputs() -> None:
     g = torch.Generator().manual_seed(7)
     w = torch.randn(96, 256, generator=g) * 0.05
