@@ -39,6 +39,7 @@ MAX_MESSAGE_BYTES = 32 << 20
 MAX_LIST_LEN = 1 << 20  # tokens in a prompt, blocks in a reservation
 MAX_MAP_LEN = 4096
 MAX_STR_LEN = 1 << 16
+MAX_RECEIVED = 1024  # request ids in one heartbeat (`Heartbeat.received`)
 
 ROLES = ("prefill", "decode", "colocated")
 FLIP_ROLES = ("prefill", "decode")  # the roles a live role flip moves between
@@ -92,7 +93,12 @@ class Heartbeat(Message):
 
     `steps` counts the worker's engine steps since it started: a worker that holds
     runnable work (running sequences or queued prefill tokens) and whose count stands
-    still is stalled, even though its heartbeat thread is alive."""
+    still is stalled, even though its heartbeat thread is alive.
+
+    `received`: the ids of the requests that reached the worker since heartbeat `seq - 1`
+    (its load counts them, or they are gone), so the gateway drops its own estimate of
+    them and keeps the one of requests still on the wire. None when the worker cannot
+    say (more than `MAX_RECEIVED` arrived; an older worker): the load stands for all."""
 
     TAG: ClassVar[str] = "heartbeat"
     worker_id: str
@@ -103,6 +109,8 @@ class Heartbeat(Message):
     waiting_seqs: int
     gauges: dict[str, float] = field(default_factory=dict)
     steps: int = 0
+    received: list[str] | None = None
+    seq: int = 0  # numbers the worker's heartbeats from 1: a gap means one was lost
 
 
 @dataclass(frozen=True)
@@ -360,6 +368,8 @@ def decode(data: bytes) -> Message:
         raise ProtocolError(f"{tag}: {type(e).__name__}") from None
     if isinstance(msg, RegisterWorker) and msg.role not in ROLES:
         raise ProtocolError(f"unknown role {msg.role[:20]!r}")
+    if isinstance(msg, Heartbeat) and msg.received is not None and len(msg.received) > MAX_RECEIVED:
+        raise ProtocolError(f"heartbeat lists {len(msg.received)} received requests (at most {MAX_RECEIVED})")
     if isinstance(msg, SwitchRole) and msg.role not in FLIP_ROLES:
         raise ProtocolError(f"cannot switch to role {msg.role[:20]!r}")
     return msg
