@@ -30,7 +30,8 @@ import msgpack
 from common.codec import WireError, from_wire, to_wire
 from common.draft_kv import DraftBlocks
 from common.logprobs import Logprob
-from common.sampling_params import SamplingParams
+from common.payload import RequestPayload as RequestPayload  # re-exported: the messages carry it
+from common.payload import Resume as Resume
 
 MAGIC = "pdsv"
 VERSION = 1
@@ -38,6 +39,7 @@ MAX_MESSAGE_BYTES = 32 << 20
 MAX_LIST_LEN = 1 << 20  # tokens in a prompt, blocks in a reservation
 MAX_MAP_LEN = 4096
 MAX_STR_LEN = 1 << 16
+MAX_RECEIVED = 1024  # request ids in one heartbeat (`Heartbeat.received`)
 
 ROLES = ("prefill", "decode", "colocated")
 FLIP_ROLES = ("prefill", "decode")  # the roles a live role flip moves between
@@ -91,7 +93,12 @@ class Heartbeat(Message):
 
     `steps` counts the worker's engine steps since it started: a worker that holds
     runnable work (running sequences or queued prefill tokens) and whose count stands
-    still is stalled, even though its heartbeat thread is alive."""
+    still is stalled, even though its heartbeat thread is alive.
+
+    `received`: the ids of the requests that reached the worker since heartbeat `seq - 1`
+    (its load counts them, or they are gone), so the gateway drops its own estimate of
+    them and keeps the one of requests still on the wire. None when the worker cannot
+    say (more than `MAX_RECEIVED` arrived; an older worker): the load stands for all."""
 
     TAG: ClassVar[str] = "heartbeat"
     worker_id: str
@@ -102,6 +109,8 @@ class Heartbeat(Message):
     waiting_seqs: int
     gauges: dict[str, float] = field(default_factory=dict)
     steps: int = 0
+    received: list[str] | None = None
+    seq: int = 0  # numbers the worker's heartbeats from 1: a gap means one was lost
 
 
 @dataclass(frozen=True)
@@ -114,41 +123,6 @@ class Deregister(Message):
     worker_id: str
     final: bool = True
     reason: str = ""
-
-
-@dataclass(frozen=True)
-class Resume:
-    """Where a recovered request continues: choice `choice_index` already produced
-    `output_token_ids` elsewhere. They are prefilled with the prompt but stay *output* to
-    the engine, so sampling seeds (seed, choice, index) and presence/frequency penalties
-    continue exactly."""
-
-    output_token_ids: list[int]
-    choice_index: int = 0
-
-
-@dataclass(frozen=True)
-class RequestPayload:
-    """A request as every worker receives it, in `DecodeReserve`, `PrefillRequest` and
-    `RunRequest`: the prompt, typed sampling params and, for a recovery, the resume point."""
-
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    resume: Resume | None = None
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return list(self.resume.output_token_ids) if self.resume else []
-
-    @property
-    def choice_index(self) -> int:
-        return self.resume.choice_index if self.resume else 0
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens to prefill: the prompt and any resumed output."""
-        resumed = len(self.resume.output_token_ids) if self.resume else 0  # no copy: load() reads it every tick
-        return len(self.prompt_token_ids) + resumed
 
 
 @dataclass(frozen=True)
@@ -394,6 +368,8 @@ def decode(data: bytes) -> Message:
         raise ProtocolError(f"{tag}: {type(e).__name__}") from None
     if isinstance(msg, RegisterWorker) and msg.role not in ROLES:
         raise ProtocolError(f"unknown role {msg.role[:20]!r}")
+    if isinstance(msg, Heartbeat) and msg.received is not None and len(msg.received) > MAX_RECEIVED:
+        raise ProtocolError(f"heartbeat lists {len(msg.received)} received requests (at most {MAX_RECEIVED})")
     if isinstance(msg, SwitchRole) and msg.role not in FLIP_ROLES:
         raise ProtocolError(f"cannot switch to role {msg.role[:20]!r}")
     return msg

@@ -5,6 +5,13 @@ its pool on registration and leaves it on deregistration or after being
 silent for longer than the heartbeat timeout; `expire()` returns the removed
 workers so the cluster can recover their in-flight requests.
 
+Between heartbeats the gateway counts what it routed to a worker as *pending* load,
+per request. A heartbeat drops only the requests it lists as received (its load
+counts them); one still on the wire or in the worker's inbox stays counted until a
+later heartbeat lists it or it leaves (`release`). A heartbeat that cannot vouch for
+its list (it overflowed, the heartbeat before it was lost, or the worker predates the
+list) replaces all pending load, as the only estimate left.
+
 A worker that heartbeats but makes no progress is *stalled*: its heartbeats show
 runnable work (running sequences or queued prefill tokens) while its step counter
 stands still for longer than the stall timeout. `find_stalled()` marks it: it stays
@@ -41,6 +48,7 @@ class WorkerInfo:
     # Last time its step counter moved or it held no runnable work (stall detection).
     progress_at: float = 0.0
     stalled: bool = False  # no progress while holding work: not routed, requests recovered
+    last_seq: int = 0  # `seq` of its last heartbeat (0: none yet)
 
     def add_pending(self, request_id: str, tokens: int, blocks: int = 0, seqs: int = 0) -> None:
         self.pending_tokens += tokens
@@ -64,6 +72,12 @@ class WorkerInfo:
         blocks, seqs = self.pending_holds.pop(request_id, (0, 0))
         self.pending_blocks = max(0, self.pending_blocks - blocks)
         self.pending_seqs = max(0, self.pending_seqs - seqs)
+
+    def clear_pending(self) -> None:
+        """A heartbeat that counts everything routed here: no estimate is left."""
+        self.pending_tokens = self.pending_blocks = self.pending_seqs = 0
+        self.pending_prompts.clear()
+        self.pending_holds.clear()
 
     @property
     def worker_id(self) -> str:
@@ -122,6 +136,14 @@ def _runnable(hb: Heartbeat) -> bool:
     return hb.running_seqs > 0 or hb.queued_prefill_tokens > 0
 
 
+def _vouched(hb: Heartbeat, last_seq: int) -> list[str] | None:
+    """The request ids `hb`'s load is known to count, or None when it cannot say which:
+    no list, or a heartbeat lost since `last_seq` (the ids it listed are unknown)."""
+    if hb.received is None or hb.seq < 1 or (last_seq and hb.seq != last_seq + 1):
+        return None
+    return hb.received
+
+
 @dataclass(frozen=True)
 class RegisterOutcome:
     accepted: bool
@@ -158,9 +180,13 @@ class WorkerRegistry:
             info.progress_at = now
             info.stalled = False
         info.load = hb
-        info.pending_tokens = info.pending_blocks = info.pending_seqs = 0
-        info.pending_prompts.clear()
-        info.pending_holds.clear()
+        received = _vouched(hb, info.last_seq)
+        info.last_seq = hb.seq
+        if received is None:
+            info.clear_pending()
+        else:
+            for request_id in received:  # another gateway's ids: nothing held, nothing to do
+                info.release(request_id)
         return True
 
     def touch(self, worker_id: str, now: float) -> None:

@@ -14,7 +14,8 @@ Heartbeats go from a thread on their own socket (identity `<worker id>/hb`), so
 a long engine step never makes a live worker look dead; that thread only sends
 the latest snapshot and never reads engine state. It stops heartbeating if the
 loop has not ticked for `stall_s` (a hung worker is dropped and its requests
-recovered).
+recovered). Each heartbeat lists the requests that arrived since the previous one
+(worker/arrivals.py), so the gateway knows which of its routed requests the load counts.
 
 With several gateways (`--gateway` repeated, or a `dns+tcp://` name resolving to
 every replica; see `worker.gateways`) the worker registers and heartbeats with
@@ -44,6 +45,7 @@ from typing import Any
 
 from common import protocol as p
 from common.transport import LOOPBACK, CurveClient, WorkerChannel, host_id, transport_kind
+from worker.arrivals import ArrivalCursor, ArrivalLog, Arrivals
 from worker.faults import FaultInjector, WorkerFaults
 from worker.gateways import GatewayLinks
 from worker.kv_events import CachePublisher
@@ -73,6 +75,7 @@ class LoadSnapshot:
 
     load: NodeLoad
     gauges: Mapping[str, float]
+    arrivals: Arrivals = Arrivals()  # the requests handed to the node before `load` was read
 
 
 class WorkerRuntime:
@@ -90,6 +93,7 @@ class WorkerRuntime:
         self._registered_at: dict[str, float] = {}  # gateway address -> last RegisterWorker
         self._snapshot: LoadSnapshot | None = None  # replaced (never mutated) by the main loop
         self.cache = CachePublisher(config.worker_id)
+        self._arrivals = ArrivalLog()
 
     def request_stop(self, *_: Any) -> None:
         self._stop_requested = True
@@ -183,6 +187,8 @@ class WorkerRuntime:
                 self.channel.send(failed)  # for the role this worker left: the gateway re-routes it
             else:
                 self.faults.on_message(msg)
+                if isinstance(msg, (p.DecodeReserve, p.PrefillRequest, p.RunRequest)):
+                    self._arrivals.record(msg.request_id)
                 node.handle(msg)
         worked = node.step()
         self.faults.after_step(worked)
@@ -217,11 +223,13 @@ class WorkerRuntime:
     def _heartbeat_loop(self) -> None:
         """One lossy socket per gateway; each gets the worker's total load."""
         channels: dict[str, WorkerChannel] = {}
+        cursor = ArrivalCursor()
         try:
             while not self._hb_stop.wait(self.config.heartbeat_s):
                 self._sync_heartbeat_channels(channels)
-                beat = self._heartbeat()
-                if beat is not None and time.monotonic() - self._last_tick < self.config.stall_s:
+                snap = self._snapshot
+                if snap is not None and channels and time.monotonic() - self._last_tick < self.config.stall_s:
+                    beat = self._heartbeat(snap, cursor)
                     for ch in channels.values():
                         ch.send(beat)
                 for ch in channels.values():
@@ -241,12 +249,11 @@ class WorkerRuntime:
         """Main loop only: read the node's load, set the gauges, hand the heartbeat thread a snapshot."""
         load = node.load()
         self.metrics.set_load(load)
-        self._snapshot = LoadSnapshot(load, self.metrics.gauges())
+        self._snapshot = LoadSnapshot(load, self.metrics.gauges(), self._arrivals.snapshot())
 
-    def _heartbeat(self) -> p.Heartbeat | None:
-        snap = self._snapshot
-        if snap is None:
-            return None
-        load = snap.load
+    def _heartbeat(self, snap: LoadSnapshot, cursor: ArrivalCursor) -> p.Heartbeat:
+        """Heartbeat thread only: `snap` as a message, with the arrivals not yet reported."""
+        load, report = snap.load, cursor.next_report(snap.arrivals)
         return p.Heartbeat(self.config.worker_id, load.queued_prefill_tokens, load.free_blocks, load.total_blocks,
-                           load.running_seqs, load.waiting_seqs, gauges=dict(snap.gauges), steps=load.steps)
+                           load.running_seqs, load.waiting_seqs, gauges=dict(snap.gauges), steps=load.steps,
+                           received=report.received, seq=report.seq)

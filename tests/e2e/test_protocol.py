@@ -43,6 +43,8 @@ SAMPLES: list[p.Message] = [
     p.KvEvents("p-1", 7, [(1 << 63) - 1, 0, 12345], [99]),
     p.KvEvents("p-1", 6, [5, 6], snapshot=True),
     p.KvSnapshotRequest("p-1"),
+    p.Heartbeat("d-1", 0, 400, 511, 0, 2, steps=5, received=["r#1", "r#2"], seq=7),
+    p.Heartbeat("d-1", 0, 400, 511, 0, 0, received=[], seq=1),
 ]
 
 
@@ -107,6 +109,10 @@ def _frame(tag: object, body: object, version: object = p.VERSION, magic: object
                                     logprobs=[{"token_id": 9, "logprob": "high"}])),
         _frame("tokens", {"worker_id": "w", "deltas": [{"index": 0, "token_ids": [1], "logprobs": [7]}]}),
         _frame("heartbeat", _body(SAMPLES[2], gauges={"kv": "full"})),
+        _frame("heartbeat", _body(SAMPLES[2], received="r#1")),
+        _frame("heartbeat", _body(SAMPLES[2], received=[7])),
+        _frame("heartbeat", _body(SAMPLES[2], received=["r"] * (p.MAX_RECEIVED + 1))),
+        _frame("heartbeat", _body(SAMPLES[2], seq="1")),
         _frame("abort", {"request_ids": ["a"], "reason": b"bytes are never accepted"}),
         msgpack.packb([p.MAGIC, p.VERSION, "abort", {"request_ids": ["a"] * (p.MAX_LIST_LEN + 1)}]),
     ],
@@ -114,6 +120,14 @@ def _frame(tag: object, body: object, version: object = p.VERSION, magic: object
 def test_malformed_frames_are_rejected(frame: bytes) -> None:
     with pytest.raises(p.ProtocolError):
         p.decode(frame)
+
+
+def test_an_older_workers_heartbeat_parses_without_a_received_list() -> None:
+    body = {k: v for k, v in p.encode_fields(SAMPLES[2]).items() if k not in ("received", "seq")}
+    hb = p.decode(_frame("heartbeat", body))
+    assert isinstance(hb, p.Heartbeat) and (hb.received, hb.seq, hb.steps) == (None, 0, 1234)
+    full = p.decode(_frame("heartbeat", _body(SAMPLES[2], received=["r"] * p.MAX_RECEIVED, seq=3)))
+    assert isinstance(full, p.Heartbeat) and len(full.received or []) == p.MAX_RECEIVED
 
 
 def test_oversized_frame_rejected_before_unpacking() -> None:

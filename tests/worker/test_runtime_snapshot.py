@@ -1,6 +1,7 @@
 """The worker runtime's main loop publishes load and gauges every tick: `/metrics` is
 current at the next scrape, with no heartbeat in between, and only the main loop ever
-reads the node's state (the heartbeat thread sends the latest snapshot)."""
+reads the node's state (the heartbeat thread sends the latest snapshot). A heartbeat
+lists each request that arrived once, in the first heartbeat whose load counts it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import threading
 import urllib.request
 from collections.abc import Callable
 
+import zmq
+
 from common import protocol as p
+from common.sampling_params import SamplingParams
 from common.transport import free_port
 from engine.cache_events import CacheEvents
 from tests.observability.obs import value
@@ -18,6 +22,7 @@ from worker.node_api import NodeLoad, NodeRegistration
 from worker.runtime import RuntimeConfig, WorkerRuntime
 
 TOTAL = 100
+BLOCKS_PER_REQUEST = 10
 
 
 class ScriptedNode:
@@ -35,7 +40,8 @@ class ScriptedNode:
         return NodeRegistration("", "", "compat", TOTAL, 16)
 
     def handle(self, msg: p.Message) -> None:
-        pass
+        if isinstance(msg, p.RunRequest):
+            self.used += BLOCKS_PER_REQUEST
 
     def step(self) -> bool:
         with self.stepped:
@@ -113,3 +119,49 @@ def test_gauges_are_current_at_the_next_scrape_without_a_heartbeat() -> None:
 
     run_in_main_thread(runtime, node, body)
     assert node.load_threads == {threading.main_thread().name}
+
+
+def test_heartbeats_report_each_arrival_once_with_a_load_that_counts_it() -> None:
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)  # the gateway's end
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    gateway = f"tcp://127.0.0.1:{port}"
+    config = RuntimeConfig((gateway,), "hb-test", metrics_port=free_port(), heartbeat_s=0.02)
+    runtime = WorkerRuntime(config, GatewayLinks((gateway,), "hb-test"), WorkerMetrics("decode", "hb-test"))
+    node = ScriptedNode()
+    ids = ["a#1", "b#1", "c#1"]
+
+    def next_message() -> p.Message:
+        assert router.poll(30_000), "no message from the worker"
+        return p.decode(router.recv_multipart()[1])
+
+    def next_heartbeat() -> p.Heartbeat:
+        while True:
+            msg = next_message()
+            if isinstance(msg, p.Heartbeat):
+                return msg
+
+    def body() -> None:
+        seen: set[type] = set()
+        while not {p.RegisterWorker, p.Heartbeat} <= seen:  # both of its sockets are connected
+            seen.add(type(next_message()))
+        for rid in ids:
+            router.send_multipart([b"hb-test", p.encode(p.RunRequest(rid, p.RequestPayload([1, 2], SamplingParams())))])
+        beats: list[p.Heartbeat] = []
+        while sum(len(b.received or []) for b in beats) < len(ids):
+            assert len(beats) < 500, "the arrivals were never reported"
+            beats.append(next_heartbeat())
+        beats += [next_heartbeat() for _ in range(3)]  # later heartbeats list nothing again
+        assert [b.seq for b in beats] == list(range(beats[0].seq, beats[0].seq + len(beats)))
+        listed: list[str] = []
+        for b in beats:
+            assert b.received is not None
+            listed += b.received
+            # The load of the heartbeat that lists a request already counts it.
+            assert TOTAL - b.free_blocks == BLOCKS_PER_REQUEST * len(listed)
+        assert listed == ids
+
+    try:
+        run_in_main_thread(runtime, node, body)
+    finally:
+        router.close(linger=0)
