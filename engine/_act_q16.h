@@ -8,11 +8,10 @@
  * 2^-15 of the group's largest element, finer than bf16's own rounding of that element
  * (2^-9). A group holds 64 k, so one outlier coarsens only its own group. An all-zero group
  * gets scale 0; a group holding a NaN or an infinity gets scale NaN, so the outputs it
- * reaches are NaN as they would be in float arithmetic. `sum[m, g]` is the group's sum of q
- * (the int4 kernel's offset term needs it; NULL skips it).
+ * reaches are NaN as they would be in float arithmetic.
  *
  * Layout: x [M, K] bf16 with row stride K; q [M, groups * group] int16, zero past K;
- * scale and sum [M, groups]; groups = ceil(K / group) (`pd_act_groups` for PD_ACT_GROUP).
+ * scale [M, groups]; groups = ceil(K / group) (`pd_act_groups` for PD_ACT_GROUP).
  */
 #ifndef PD_ACT_Q16_H
 #define PD_ACT_Q16_H
@@ -36,9 +35,9 @@ PD_ACT_TARGET static inline __m512 pd_act_load16(const uint16_t *p, int64_t n) {
 }
 
 /* Groups of `group` k (a multiple of 16; PD_ACT_GROUP unless a kernel says otherwise):
- * scale and sum are [M, ceil(K / group)], q [M, that * group]. */
+ * scale is [M, ceil(K / group)], q [M, that * group]. */
 PD_ACT_TARGET static void pd_act_q16(const uint16_t *x, int64_t M, int64_t K, int64_t group, int16_t *q,
-                                     float *scale, int32_t *sum) {
+                                     float *scale) {
     const int64_t groups = (K + group - 1) / group, stride = groups * group;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int64_t m = 0; m < M; m++) {
@@ -54,16 +53,12 @@ PD_ACT_TARGET static void pd_act_q16(const uint16_t *x, int64_t M, int64_t K, in
             }
             float top = _mm512_reduce_max_ps(amax);
             float inv = top > 0.0f && !special ? (float)PD_ACT_MAX / top : 0.0f;
-            __m512i total = _mm512_setzero_si512();
             for (int64_t k = k0; k < k0 + group; k += 16) {
                 __m512 v = pd_act_load16(row + k, K - k);
                 __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inv)));
-                total = _mm512_add_epi32(total, qi);
                 _mm256_storeu_si256((__m256i *)(q + m * stride + k), _mm512_cvtsepi32_epi16(qi));
             }
             scale[m * groups + g] = special ? NAN : top / (float)PD_ACT_MAX;
-            if (sum != NULL)
-                sum[m * groups + g] = _mm512_reduce_add_epi32(total);
         }
     }
 }

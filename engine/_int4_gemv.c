@@ -177,7 +177,7 @@ GEMV4_TARGET int pd_int4_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, cons
         free(xsum);
         return PD_ERR_MEM;
     }
-    pd_act_q16(x, M, K, PD_ACT_GROUP, xq, xs, NULL);
+    pd_act_q16(x, M, K, PD_ACT_GROUP, xq, xs);
     int8_t *xl = xh + M * stride;
     pd_act_split(xq, M * stride, xh, xl);
     for (int64_t m = 0; m < M; m++)

@@ -110,7 +110,7 @@ Q8_TARGET int pd_int8_amx_q8(const uint16_t *x, int64_t M, int64_t K, const int8
         free(xs);
         return PD_ERR_MEM;
     }
-    pd_act_q16(x, M, K, Q8_GROUP, xq, xs, NULL);
+    pd_act_q16(x, M, K, Q8_GROUP, xq, xs);
     pd_act_split(xq, M * stride, xh, xh + M * stride);
     const struct q8_rows rows = {xh, xh + M * stride, xs, stride, groups};
     const __m512i idx = quad_index();

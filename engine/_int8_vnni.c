@@ -102,7 +102,7 @@ VNNI_TARGET int pd_int8_gemv_vnni(const uint16_t *x, int64_t M, int64_t K, const
         free(xs);
         return PD_ERR_MEM;
     }
-    pd_act_q16(x, M, K, PD_ACT_GROUP, xq, xs, NULL);
+    pd_act_q16(x, M, K, PD_ACT_GROUP, xq, xs);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t n0 = t * 16, valid = N - n0 < 16 ? N - n0 : 16;
