@@ -95,10 +95,10 @@ def run(cfg: AttentionBench) -> AttentionResult:
     """Time both backends on one decode step (see the module docstring)."""
     if cfg.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
-    from engine.attention import TorchPagedAttention, build_metadata, order_chunks
-    from engine.cuda_device import bind_device
-    from engine.runner_types import SeqChunk
-    from engine.triton_attention import TritonPagedAttention
+    from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks
+    from pdserve.engine.runner.cuda_device import bind_device
+    from pdserve.engine.core.runner_types import SeqChunk
+    from pdserve.engine.attention.triton_paged import TritonPagedAttention
 
     bind_device(torch.device(cfg.device))  # Triton and the timing events use the current device
     q, k, v, k_cache, v_cache, tables = _inputs(cfg)

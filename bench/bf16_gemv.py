@@ -1,4 +1,4 @@
-"""Per-layer timing of the native bf16 GEMV (engine/_bf16_gemv.c) against F.linear, one run.
+"""Per-layer timing of the native bf16 GEMV (pdserve/engine/kernels/_bf16_gemv.c) against F.linear, one run.
 
     python -m bench.bf16_gemv [--threads 1] [--rows 1 2 4 8 16] [--reps 15]
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine import bf16_gemv
+from pdserve.engine.kernels import bf16_gemv
 
 SHAPES = {"qkv": (1280, 768), "o": (768, 768), "gate_up": (4096, 768), "down": (768, 2048),
           "lm_head": (32000, 768)}

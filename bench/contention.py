@@ -6,8 +6,8 @@ workloads (500-token prompts, 64 tokens out):
 
     fixed+spin      --thread-policy fixed, libgomp spinning (up's default when threads fit)
     fixed+passive   --thread-policy fixed, OMP_WAIT_POLICY=PASSIVE in up's environment
-    adaptive+spin   --thread-policy adaptive (worker/thread_governor.py): spinning, or its
-                    low state (N threads, waits throttled: worker/spin_throttle.py)
+    adaptive+spin   --thread-policy adaptive (pdserve/worker/thread_governor.py): spinning, or its
+                    low state (N threads, waits throttled: pdserve/worker/spin_throttle.py)
 
 and prints output tok/s per cell, ratios to fixed+spin quiet, the governor's switches
 (scraped from the worker's /metrics before the server stops) and the load average.
@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from bench import harness
-from bench.loadgen.launch import ServerHandle, free_port, pdserve_command, serve_command
-from bench.loadgen.runner import run_benchmark
+from pdserve.loadgen.launch import ServerHandle, free_port, pdserve_command, serve_command
+from pdserve.loadgen.runner import run_benchmark
 from bench.vs_vllm import workload_config
 
 POLICIES = {  # name -> (--thread-policy, extra environment of `pdserve up`)

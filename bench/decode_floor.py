@@ -14,7 +14,7 @@ tokens in the same batch. Two contexts matter:
 
 For each, on 1 and on 2 threads in the same run: bytes per step (from the model's own
 parameters and the pool layout), read bandwidth (a float32 `sum` over `--bw-mib`),
-the floor (bytes / bandwidth), our real bf16 decode step (engine/model_runner.py on the
+the floor (bytes / bandwidth), our real bf16 decode step (pdserve/engine/runner/model_runner.py on the
 issue's ~125M shape, model + greedy sampler, as bench/profile_step.py times it), its
 fraction of the roofline, and the same step with the decode linears going through the
 checked `bf16_gemv.gemv` (the hot path before `linear` skipped the second check). The
@@ -39,10 +39,10 @@ from torch import nn
 from bench.engine import build_125m
 from bench.profile_step import DecodeBench
 from bench.vs_vllm import workload_config
-from common.kv_layout import KVLayout
-from engine import bf16_gemv
-from engine.config import CacheConfig, EngineConfig
-from engine.model_runner import ModelRunner
+from pdserve.common.kv_layout import KVLayout
+from pdserve.engine.kernels import bf16_gemv
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.runner.model_runner import ModelRunner
 
 
 class StepBytes(NamedTuple):

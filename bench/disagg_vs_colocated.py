@@ -23,19 +23,11 @@ import sys
 from typing import Any
 
 from bench import harness
-from bench.loadgen.compare import Column, Target, column_ratio, format_comparison, split_args
-from bench.loadgen.config import (
-    BenchConfig,
-    EndpointConfig,
-    LoadConfig,
-    MixedConfig,
-    WorkloadConfig,
-    WorkloadKind,
-    parse_slo,
-)
-from bench.loadgen.launch import pdserve_up
-from bench.loadgen.report import format_report, to_json
-from bench.loadgen.runner import run_benchmark
+from pdserve.loadgen.compare import Column, Target, column_ratio, format_comparison, split_args
+from pdserve.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, MixedConfig, WorkloadConfig, WorkloadKind, parse_slo
+from pdserve.loadgen.launch import pdserve_up
+from pdserve.loadgen.report import format_report, to_json
+from pdserve.loadgen.runner import run_benchmark
 
 COLUMNS = (
     Column("ITL p50 ms", ("decode", "itl", "p50")),

@@ -30,9 +30,9 @@ from typing import Any
 
 from bench import harness
 from bench.disagg_vs_colocated import bench_config
-from bench.loadgen.compare import Column, format_comparison
-from bench.loadgen.launch import pdserve_up
-from bench.loadgen.runner import run_benchmark
+from pdserve.loadgen.compare import Column, format_comparison
+from pdserve.loadgen.launch import pdserve_up
+from pdserve.loadgen.runner import run_benchmark
 
 PLACEMENTS = ("decode", "prefill")
 COLUMNS = (
@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def spec_json(args: argparse.Namespace, placement: str) -> str:
     if args.draft is None:
-        from pdserve.default_model import draft_model_dir
+        from pdserve.builtin.default_model import draft_model_dir
 
         args.draft = str(draft_model_dir())
     return json.dumps({"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k,

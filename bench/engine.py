@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from common.sampling_params import SamplingParams
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.llm_engine import LLMEngine
 
 # ~125M parameters: the reference shape.
 LLAMA_125M: dict[str, Any] = {
@@ -63,7 +63,7 @@ def build_125m(out_dir: Path) -> Path:
 
 
 def build_default(out_dir: Path) -> Path:
-    from pdserve.default_model import write_default_model
+    from pdserve.builtin.default_model import write_default_model
 
     return write_default_model(out_dir)
 

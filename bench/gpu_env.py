@@ -9,7 +9,7 @@
    allocates a device buffer, fills it and exports its IPC handle; a spawned process opens
    the handle, checks the bytes, writes a pattern back and closes it; this process checks
    the pattern. Some VMs and sandboxes refuse IPC handles; the same-host CUDA fast path
-   (kv_transfer.cuda_ipc) cannot work there, whatever its code does.
+   (kv_transfer.pool.cuda_ipc) cannot work there, whatever its code does.
 
 Exit status 0 when the probe passed, 1 otherwise (the JSON says which step failed).
 """
@@ -51,11 +51,11 @@ def versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
             continue
         out[name] = str(getattr(mod, "__version__", "unknown"))
     try:  # the native host copy (built by gpu_check.sh's `native` phase) or numpy
-        from kv_transfer import hostcopy
+        from kv_transfer.pool import hostcopy
 
-        out["kv_transfer.hostcopy"] = hostcopy.describe()
+        out["kv_transfer.pool.hostcopy"] = hostcopy.describe()
     except Exception as e:
-        out["kv_transfer.hostcopy"] = f"unavailable: {e!r}"
+        out["kv_transfer.pool.hostcopy"] = f"unavailable: {e!r}"
     return out
 
 

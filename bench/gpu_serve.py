@@ -9,7 +9,7 @@ through the real stack, and decode as a fraction of the HBM-bandwidth limit.
 2. Starts a gateway and 1 prefill + 1 decode worker, each in its own process group, with
    the commands `pdserve up` runs (with `--dtype` and a KV size per worker). All three are
    stopped on exit.
-3. Through the gateway, with `bench.loadgen` (each step after a same-sized warm-up):
+3. Through the gateway, with `pdserve.loadgen` (each step after a same-sized warm-up):
    prefill: `--prefill-requests` prompts of `--prefill-len` tokens sent together, 1 output
    token each; tokens/s = sum of prompt tokens / wall time of the batch.
    decode at each B of `--batches`: B streams of `--output-len` tokens from
@@ -40,17 +40,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from bench import harness
-from bench.loadgen.config import (
-    BenchConfig,
-    EndpointConfig,
-    LoadConfig,
-    OutputConfig,
-    WorkloadConfig,
-)
-from bench.loadgen.runner import run_benchmark
+from pdserve.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, OutputConfig, WorkloadConfig
+from pdserve.loadgen.runner import run_benchmark
 from bench.stack import StackConfig, serving_stack
-from engine.model_config import ModelConfig, ModelConfigError
-from pdserve.default_model import DefaultModelSpec, WeightFormat, write_default_model
+from pdserve.engine.loading.model_config import ModelConfig, ModelConfigError
+from pdserve.builtin.default_model import DefaultModelSpec, WeightFormat, write_default_model
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -334,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     # The stack runs in process groups of its own, out of reach of a signal sent to this
     # one's group (`timeout`), so a SIGTERM here must stop it before exiting.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    from common import envs
+    from pdserve.common import envs
 
     model_dir = Path(args.model_dir or envs.home() / "models" / f"gpu-serve-{args.shape}-{args.dtype}")
     t0 = time.perf_counter()

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 from bench import harness
 
 if TYPE_CHECKING:
-    from common.sampling_params import SamplingParams
-    from engine.llm_engine import LLMEngine
+    from pdserve.common.sampling_params import SamplingParams
+    from pdserve.engine.llm_engine import LLMEngine
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 400, "maxLength": 400}},
           "required": ["text"]}
@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
-    from common.sampling_params import SamplingParams
-    from common.structured import json_schema
+    from pdserve.common.sampling_params import SamplingParams
+    from pdserve.common.structured import json_schema
 
     engine = harness.reference_engine(args.model, args.threads)
     base = {"max_tokens": args.output_len, "temperature": 1.0, "ignore_eos": True, "seed": 1}

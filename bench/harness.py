@@ -15,12 +15,12 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from bench import models
-from bench.loadgen.compare import split_args
-from bench.loadgen.config import OutputConfig
-from bench.loadgen.launch import default_tokenizer
+from pdserve.loadgen.compare import split_args
+from pdserve.loadgen.config import OutputConfig
+from pdserve.loadgen.launch import default_tokenizer
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.llm_engine import LLMEngine
 
 MODEL_HELP = ("model dir, or shape:NAME for a random-weight Llama of a bench/models.py shape (default: "
               "built-in); also passed to `pdserve up`")
@@ -47,7 +47,7 @@ def model_dir(model: str | None) -> str:
     directory (written on first use)."""
     if model is not None:
         return str(models.resolve(model))
-    from pdserve.default_model import default_model_dir
+    from pdserve.builtin.default_model import default_model_dir
 
     return str(default_model_dir())
 
@@ -70,8 +70,8 @@ def output_config() -> OutputConfig:
 
 def reference_engine(model: str | None, threads: int) -> LLMEngine:
     """The single-process engine a script compares the served stack with (imports torch)."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.core.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model_dir=model_dir(model), num_threads=threads))
 

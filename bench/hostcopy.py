@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from bench.kv_transfer import SHAPES, Memcpy
-from kv_transfer import hostcopy
-from kv_transfer.pool_ops import pool_ops
-from kv_transfer.shm_pool import create_shm_pool
+from kv_transfer.pool import hostcopy
+from kv_transfer.pool.ops import pool_ops
+from kv_transfer.pool.shm import create_shm_pool
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@
 For each weight shape [N, K] (the ~125M benchmark model's projections: qkv, o, gate_up,
 down), row count and thread count: F.linear with the dense bf16 weight; `aten`, torch's
 small-M int4 kernel (`torch._weight_int4pack_mm_for_cpu`, the old decode path); `gemv`, the
-native decode GEMV (engine/_int4_gemv.c, up to 4 rows); `dequant`, the
+native decode GEMV (pdserve/engine/kernels/_int4_gemv.c, up to 4 rows); `dequant`, the
 old prefill path (unpack the whole weight with `pd_int4_dequant`, then F.linear); and
-`native`, the AMX kernel (engine/_int4_gemm.c). Prints the median time of bf16 and each
+`native`, the AMX kernel (pdserve/engine/kernels/_int4_gemm.c). Prints the median time of bf16 and each
 path's ratio to it, all measured in the same run, interleaved per repetition (the host may
 be shared: compare ratios, not absolute times). `auto` is what `Int4Linear` runs for that
 row count (`INT4_KERNEL_ROWS` is the crossover between the GEMV and native). A layer called
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.int8_gemm import SHAPES
-from engine.quant import int4_kernel
-from engine.quant.linear import Int4Linear, quantize_weight
+from pdserve.engine.quant import int4_kernel
+from pdserve.engine.quant.linear import Int4Linear, quantize_weight
 
 PATHS = ("aten", "gemv", "dequant", "native", "auto")
 

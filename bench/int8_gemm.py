@@ -4,15 +4,15 @@
 
 For each weight shape [N, K] (the ~125M benchmark model's projections: qkv, o, gate_up,
 down), row count and thread count: F.linear with the bf16 weight, the aten int8 kernel
-(`torch._weight_int8pack_mm`, up to 16 rows), and each native path (engine/_int8_gemm.c,
-engine/_int8_gemv.c, engine/_int8_amx_rows.c): `gemv` (float32 FMA, up to 4 rows), `dpbf16`
+(`torch._weight_int8pack_mm`, up to 16 rows), and each native path (pdserve/engine/kernels/_int8_gemm.c,
+pdserve/engine/kernels/_int8_gemv.c, pdserve/engine/kernels/_int8_amx_rows.c): `gemv` (float32 FMA, up to 4 rows), `dpbf16`
 (AVX-512 BF16 dot products), `amx`, `amx_rows` (AMX chunk by chunk, up to 16 rows), and `auto` (the path the library picks, with the Python call around it,
 as a layer runs it). Prints the median time of each and its ratio to bf16, all measured
 in the same run (the host may be shared: compare ratios, not absolute times). A single
 layer called again and again is served from the CPU caches; a decode step streams 12
 layers of distinct weights (~75 MB int8, ~150 MB bf16) from memory, so `--step` also
 times whole passes over 12 distinct copies of the four layers, bf16 against each path, and
-prints a second line of each path against the bf16 GEMV (engine/bf16_gemv.py, what bf16
+prints a second line of each path against the bf16 GEMV (pdserve/engine/kernels/bf16_gemv.py, what bf16
 decode runs for 1-16 rows): int8 reads half its bytes, so ~0.5 is the floor there.
 """
 
@@ -26,9 +26,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine import bf16_gemv
-from engine.quant import int8_kernel
-from engine.quant.pack import quantize_int8
+from pdserve.engine.kernels import bf16_gemv
+from pdserve.engine.quant import int8_kernel
+from pdserve.engine.quant.pack import quantize_int8
 
 SHAPES = ((1280, 768), (768, 768), (4096, 768), (768, 2048))  # 125M: qkv, o, gate_up, down
 LAYERS = 12

@@ -10,7 +10,7 @@ of `--threads`, every configuration prefilled once and then timed round-robin (o
 of each per round, so background load hits them alike); each row's ratio is to bf16 KV
 at the same thread count. On CPU with the
 native kernels built, fp8/int8 decode reads the codes and their scales in place
-(engine/_attn_q8.c); the `TorchPagedAttention` rows time the quantized cache through the previous
+(pdserve/engine/kernels/_attn_q8.c); the `TorchPagedAttention` rows time the quantized cache through the previous
 path (gather + dequantize + SDPA, `TorchPagedAttention`) in the same run.
 `attn ms` times layer 0's decode attention alone (best of 3 per round).
 """
@@ -26,10 +26,10 @@ from typing import NamedTuple
 import torch
 
 from bench.harness import MODEL_HELP, model_dir
-from engine.attention import TorchPagedAttention, build_metadata, order_chunks
-from engine.config import CacheConfig, EngineConfig
-from engine.model_runner import ModelRunner
-from engine.runner_types import SeqChunk
+from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.core.runner_types import SeqChunk
 
 BLOCK = 16
 PATHS = (("auto", False), ("fp8", False), ("int8", False), ("fp8", True), ("int8", True))

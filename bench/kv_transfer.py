@@ -36,15 +36,15 @@ from typing import Any
 
 import numpy as np
 
-from common.kv_layout import KVLayout
-from kv_transfer import hostcopy
+from pdserve.common.kv_layout import KVLayout
+from kv_transfer.pool import hostcopy
 from kv_transfer.api import TransferState
 from kv_transfer.checksum import frame_checksum
-from kv_transfer.copy_threads import DEFAULT_COPY_THREADS
+from kv_transfer.pool.copy_threads import DEFAULT_COPY_THREADS
 from kv_transfer.links import ZmqLinkFactory
-from kv_transfer.receiver import ZmqReceiver
-from kv_transfer.sender import DEFAULT_CHUNK_BYTES, DEFAULT_SHM_CHUNK_BYTES, Sender
-from kv_transfer.shm_pool import create_shm_pool
+from kv_transfer.receiver.receiver import ZmqReceiver
+from kv_transfer.sender.sender import DEFAULT_CHUNK_BYTES, DEFAULT_SHM_CHUNK_BYTES, Sender
+from kv_transfer.pool.shm import create_shm_pool
 
 SHAPES = {
     "llama-125m": KVLayout(
@@ -92,7 +92,7 @@ def receiver_main(shape: str, transport: str, num_blocks: int, conn: Connection,
     shm = create_shm_pool(layout, num_blocks) if transport == "shm" else None
     pool: Any = shm if shm is not None else np.zeros(layout.pool_shape(num_blocks), np.float16)
     if transport in DEVICE_TRANSPORTS:
-        from kv_transfer.cuda_ipc import create_cuda_pool
+        from kv_transfer.pool.cuda_ipc import create_cuda_pool
 
         pool = create_cuda_pool(layout, num_blocks)
     wire = DEVICE_TRANSPORTS.get(transport, transport)

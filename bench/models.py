@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pdserve.random_model import DefaultModelSpec, fingerprint, write_random_model
+from pdserve.builtin.random_model import DefaultModelSpec, fingerprint, write_random_model
 
 PREFIX = "shape:"
 VERSION = 2  # in the directory name: 2 keeps byte pieces from winning greedy picks

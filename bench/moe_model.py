@@ -4,9 +4,9 @@
 
 The weight-quantization quality table wants every supported family on a model that has
 learned something; the shipped models are dense Llamas. This trains a Mixtral (the
-`engine/models/moe.py` family with float32 routers, Hugging Face layout) of
+`pdserve/engine/models/moe.py` family with float32 routers, Hugging Face layout) of
 `MOE_SHAPE` with the built-in tokenizer on the same training split, with the same
-loop, seeds and schedule as the built-in models (`pdserve.train_builtin.train`), in
+loop, seeds and schedule as the built-in models (`pdserve.builtin.train.train`), in
 about two minutes on 2 CPU cores. Never shipped: the directory is keyed by the
 shape's and the schedule's fingerprint under `$PDSERVE_BENCH_MODELS` (default: the
 temp dir) and reused, like `bench/models.py`'s random shapes.
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pdserve.train_builtin import TrainConfig, fit, token_stream
+from pdserve.builtin.train import TrainConfig, fit, token_stream
 
 VERSION = 1
 MOE_SHAPE: dict[str, Any] = {  # ~1.6M weights besides the embeddings: 4 experts, top 2
@@ -63,7 +63,7 @@ def train_moe(out_dir: Path, schedule: TrainConfig = SCHEDULE, threads: int = 1,
     from tokenizers import Tokenizer
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from pdserve.default_model import write_builtin_model
+    from pdserve.builtin.default_model import write_builtin_model
 
     write_builtin_model(out_dir / "tok")  # the trained built-in's tokenizer files
     for f in TOKENIZER_FILES:

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from bench import harness
-from bench.loadgen.launch import pdserve_up
+from pdserve.loadgen.launch import pdserve_up
 from bench.multiturn_workload import (
     SHAPES,
     ChatShape,
@@ -207,7 +207,7 @@ def run_workload(url: str, shape: ChatShape, warmups: int) -> dict[str, Any]:
 def _kv_bytes_per_token(model: str | None, up_args: str) -> int:
     """The workers' KV bytes per token (the `--dtype` of `up_args`, else theirs on this
     host), by `pdserve plan`'s arithmetic."""
-    from pdserve.plan import compute_plan
+    from pdserve.planner.capacity import compute_plan
 
     words = harness.up_args(up_args, None)
     dtype = words[words.index("--dtype") + 1] if "--dtype" in words else "auto"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.loadgen.prompts import WORDS
+from pdserve.loadgen.prompts import WORDS
 
 SHAPES = ("chat", "private", "legacy")
 # Per shape: (system words, opening words, words per user message).

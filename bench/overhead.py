@@ -20,9 +20,9 @@ import sys
 import time
 
 from bench import harness
-from bench.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, WorkloadConfig
-from bench.loadgen.launch import pdserve_up
-from bench.loadgen.runner import run_benchmark
+from pdserve.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, WorkloadConfig
+from pdserve.loadgen.launch import pdserve_up
+from pdserve.loadgen.runner import run_benchmark
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,7 @@ def measure_engine(
     """Decode rate of the single-process engine at `batch` (imports torch)."""
     import numpy as np
 
-    from common.sampling_params import SamplingParams
+    from pdserve.common.sampling_params import SamplingParams
 
     eng = harness.reference_engine(model_dir, threads)
     rng = np.random.default_rng(batch)

@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--dwell", type=float, default=8.0)
     ap.add_argument("--json", default=None, help="also write the result here")
     args = ap.parse_args()
-    from pdserve.default_model import default_model_dir
+    from pdserve.builtin.default_model import default_model_dir
 
     model = Path(default_model_dir()).name
     c = Cluster(Path(tempfile.mkdtemp(prefix="planner_ramp_")))

@@ -15,17 +15,11 @@ import argparse
 import sys
 
 from bench import harness
-from bench.loadgen.compare import Column, Target, column_ratio, format_comparison, split_args
-from bench.loadgen.config import (
-    BenchConfig,
-    EndpointConfig,
-    LoadConfig,
-    WorkloadConfig,
-    WorkloadKind,
-)
-from bench.loadgen.launch import pdserve_up
-from bench.loadgen.report import format_report, to_json
-from bench.loadgen.runner import run_benchmark
+from pdserve.loadgen.compare import Column, Target, column_ratio, format_comparison, split_args
+from pdserve.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, WorkloadConfig, WorkloadKind
+from pdserve.loadgen.launch import pdserve_up
+from pdserve.loadgen.report import format_report, to_json
+from pdserve.loadgen.runner import run_benchmark
 
 COLUMNS = (
     Column("TTFT mean ms", ("ttft", "mean")),

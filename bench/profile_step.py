@@ -12,9 +12,9 @@ repetition, so background load on the shared machine hits all alike: the old
 bf16 path (gather + SDPA decode attention, torch RMSNorm and rotary), in-place
 attention only, the fused path with `F.linear` (in-place attention with its
 generic loop, fused add + RMSNorm, in-place rotary), that plus the native bf16
-GEMV for the decode linears and LM head (engine/bf16_gemv.py; `PDSERVE_BF16_GEMV=0`
+GEMV for the decode linears and LM head (pdserve/engine/kernels/bf16_gemv.py; `PDSERVE_BF16_GEMV=0`
 is the same switch for a server), and the new path: that plus the AVX-512 BF16
-attention loop (engine/_attn_bf16.c). The table shows medians over `--reps` and
+attention loop (pdserve/engine/kernels/_attn_bf16.c). The table shows medians over `--reps` and
 ratios to the first variant run; `--variants` picks a subset (e.g. `--variants 3 4 5`).
 
 --profile adds torch.profiler's top-10 ops by self CPU time for one decode run
@@ -37,14 +37,14 @@ from typing import Any, cast
 import torch
 
 from bench.engine import build_125m
-from common.sampling_params import SamplingParams
-from engine import bf16_gemv, native_kernels
-from engine.attention import TorchPagedAttention
-from engine.config import CacheConfig, EngineConfig
-from engine.model_runner import ModelRunner
-from engine.native_attention import NATIVE, InPlacePagedAttention, NativeAttention
-from engine.runner_types import SeqChunk
-from engine.sampler import Sampler, SampleRow
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.kernels import bf16_gemv, native as native_kernels
+from pdserve.engine.attention.paged import TorchPagedAttention
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.attention.native import NATIVE, InPlacePagedAttention, NativeAttention
+from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.sampler import Sampler, SampleRow
 
 
 class DecodeBench:
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     variants = [VARIANTS[i - 1] for i in args.variants]
     base_name = variants[0]
     if NATIVE is None:
-        raise SystemExit("engine/_cpu_kernels is not built (pip install -e . builds it)")
+        raise SystemExit("pdserve/engine/_cpu_kernels is not built (pip install -e . builds it)")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_125m(Path(tmp) / "125m")
         cfg = EngineConfig(model_dir=str(model_dir), dtype=args.dtype, num_threads=args.threads,

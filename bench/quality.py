@@ -2,7 +2,7 @@
 
     python -m bench.quality [--model DIR | --moe] [--tokens 20480] [--rows 80] [--schemes bfloat16]
 
-The held-out split of the story corpus (`pdserve.story_corpus`, never trained on) is
+The held-out split of the story corpus (`pdserve.builtin.story_corpus`, never trained on) is
 tokenized and cut into `--rows` rows; the engine's own `ModelRunner` (what pdserve
 serves, not `transformers`) reads them one token per row per step, decode-style, so
 every prediction attends over the paged KV cache exactly as decoding does (a quantized
@@ -32,9 +32,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig
-from engine.model_runner import ModelRunner
-from engine.runner_types import SeqChunk
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.core.runner_types import SeqChunk
 
 REFERENCE: dict[str, Any] = {"dtype": "float32"}
 SCHEMES: dict[str, dict[str, Any]] = {
@@ -84,7 +84,7 @@ def heldout_rows(model_dir: Path, rows: int, length: int) -> list[list[int]]:
     """`rows` rows of `length` + 1 consecutive held-out token ids (inputs and targets)."""
     from tokenizers import Tokenizer
 
-    from pdserve.story_corpus import documents, render
+    from pdserve.builtin.story_corpus import documents, render
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     ids: list[int] = []
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = trained_moe_dir()
     if args.model is None:
-        from pdserve.default_model import default_model_dir
+        from pdserve.builtin.default_model import default_model_dir
 
         args.model = default_model_dir()
     base = EngineConfig(model_dir=str(args.model), num_threads=args.threads)

@@ -24,8 +24,8 @@ from typing import NamedTuple
 import torch
 
 from bench.engine import Throughput, _prompts, build_125m, engine_run
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
+from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.llm_engine import LLMEngine
 
 SCHEMES = ("none", "int8", "int4")
 BATCH = 16

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from common.sampling_params import SamplingParams
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.config import SchedulerConfig
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.core.sequence import Sequence, SequenceStatus
 
 
 def _seq(i: int) -> Sequence:

@@ -25,8 +25,8 @@ import urllib.request
 from dataclasses import dataclass
 
 from bench import harness
-from common.sampling_params import SamplingParams
-from common.transport import free_port
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.transport import free_port
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,15 @@ profile and replay meet the same machine:
    one-token requests of 32 tokens sent at once; the last first token, less the
    profile's 32-token prefill, over their number (the simulated gateway serves requests
    one at a time); the median of 3 such bursts;
-3. sets the workload's rate to `--load` x the split's knee (pdserve/sim_knee.py: the
+3. sets the workload's rate to `--load` x the split's knee (pdserve/planner/knee.py: the
    least of the prefill pool's, the decode pool's at the ITL SLO, and the gateway's
    capacity, from this profile), so every split is loaded near but not past its knee;
-4. predicts it (pdserve/simulate.py) and replays it: the same seeded arrivals and
-   lengths (pdserve/workload.py; prompts are random token ids of exactly the drawn
+4. predicts it (pdserve/planner/simulate.py) and replays it: the same seeded arrivals and
+   lengths (pdserve/planner/workload.py; prompts are random token ids of exactly the drawn
    length, after the workload's shared prefix; outputs exactly the drawn length with
    ignore_eos), one client thread per request, streaming. Measured TTFT = first
    streamed text; ITL = (last token - first) / (output - 1); goodput and percentiles
-   as the simulator computes them (`pdserve.simulate.summarize`).
+   as the simulator computes them (`pdserve.planner.simulate.summarize`).
 
 Each case prints goodput predicted/measured and its error, TTFT and ITL p50 errors,
 and a verdict; the last line is the target of issue 18 (predicted goodput within 20%
@@ -47,11 +47,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
-from bench.loadgen.launch import pdserve_up
-from pdserve.sim_knee import Knee, knee
-from pdserve.sim_profile import Profile
-from pdserve.simulate import Cluster, RequestResult, SimResult, simulate, summarize
-from pdserve.workload import SimRequest, Workload, parse_workload_slo
+from pdserve.loadgen.launch import pdserve_up
+from pdserve.planner.knee import Knee, knee
+from pdserve.planner.profile import Profile
+from pdserve.planner.simulate import Cluster, RequestResult, SimResult, simulate, summarize
+from pdserve.planner.workload import SimRequest, Workload, parse_workload_slo
 
 # Shapes; each split's rate is set from its knee (--load). `chat` shares a 192-token
 # system prompt (prefix caches), `prefill-heavy` has long prompts, `decode-heavy` long outputs.
@@ -203,8 +203,8 @@ def _workloads(text: str) -> list[tuple[str, Workload]]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = harness.model_dir(args.model)
-    from pdserve.hw_profile import ProfileConfig, measure
-    from pdserve.plan import read_model_config
+    from pdserve.planner.hw_profile import ProfileConfig, measure
+    from pdserve.planner.capacity import read_model_config
 
     def profiled() -> Profile:
         if args.profile is not None:

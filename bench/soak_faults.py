@@ -100,7 +100,7 @@ async def end_hang(cluster: Cluster, procs: dict[str, Proc], info: dict[str, Any
     hung = procs[info["hung"]]
     listed = _find(cluster, hung.popen.pid)
     # Still listed and stalled; or already dropped: a worker stops heartbeating once its
-    # loop has been silent for a minute (worker/runtime.py `stall_s`), and then expires.
+    # loop has been silent for a minute (pdserve/worker/runtime.py `stall_s`), and then expires.
     info["hung_at_end"] = "dropped (heartbeats stopped)" if listed is None else {
         k: v for k, v in listed.items()
         if k in ("stalled", "running_seqs", "inflight_requests", "free_blocks", "total_blocks")}

@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.loadgen.client import sse_events
+from pdserve.loadgen.client import sse_events
 from bench.soak_verdict import ErrorEvent
 
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards",

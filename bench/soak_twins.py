@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from bench.soak_traffic import Completed
 from bench.soak_verdict import TwinCheck
-from common.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from gateway.cluster import assigned_seed
 
 RECOVERING = re.compile(r"recovering ([A-Za-z0-9._:\-]+) \(attempt \d+\)")
@@ -64,14 +64,14 @@ def check_twins(recovered: Iterable[str], completed: Mapping[str, Completed], en
 
 
 class ReferenceTwins:
-    """`TwinEngine` over `engine.llm_engine.LLMEngine` and the gateway's tokenizer
+    """`TwinEngine` over `pdserve.engine.llm_engine.LLMEngine` and the gateway's tokenizer
     (imports torch; built only after the soak). Twins run in batches of `TWIN_BATCH`:
     a sequence's tokens do not depend on what it is batched with (the engine's
     invariant the soak itself exercises), and batches make the check fast."""
 
     def __init__(self, model_dir: str, dtype: str, threads: int) -> None:
-        from engine.config import CacheConfig, EngineConfig
-        from engine.llm_engine import LLMEngine
+        from pdserve.engine.core.config import CacheConfig, EngineConfig
+        from pdserve.engine.llm_engine import LLMEngine
         from gateway.tokenizer import Tokenizer
 
         cache = CacheConfig(num_blocks=TWIN_KV_BLOCKS)

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from bench import harness
-from common.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 REDO_NGRAM = '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
@@ -50,7 +50,7 @@ DRAFT_K = 3
 WORKLOADS = ("redo", "quote", "open", "repeat", "random")
 REDO_ANSWER_LEN = 192  # the earlier answer: generated until the model's end token, at most this
 REDO_PASSES = 2  # the earlier answer: to the bare opening, then to the redo prompt holding that one
-HELDOUT_SEED = 1_000_000  # pdserve.story_corpus: stories from here on were never trained on
+HELDOUT_SEED = 1_000_000  # pdserve.builtin.story_corpus: stories from here on were never trained on
 
 
 @dataclass(frozen=True)
@@ -83,13 +83,13 @@ def default_spec(workload: str) -> str:
         return NGRAM
     import json
 
-    from pdserve.default_model import draft_model_dir
+    from pdserve.builtin.default_model import draft_model_dir
 
     return json.dumps({"method": "draft_model", "model": str(draft_model_dir()), "num_speculative_tokens": DRAFT_K})
 
 
 def _story(seed: int) -> str:
-    from pdserve.story_corpus import story
+    from pdserve.builtin.story_corpus import story
 
     return story(random.Random(HELDOUT_SEED + seed))
 
@@ -155,8 +155,8 @@ def prompts(workload: str, n: int, length: int, salt: int, vocab: int, tokenizer
 
 
 def build(model: str, threads: int, dtype: str, spec: Any) -> Any:
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.core.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model_dir=model, dtype=dtype, num_threads=threads, speculative=spec))
 
@@ -233,7 +233,7 @@ def main() -> int:
     ap.add_argument("--disable-sweep", default="", help="disable_by_batch_size values, comma-separated")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
-    from engine.spec.config import SpeculativeConfig
+    from pdserve.engine.spec.config import SpeculativeConfig
 
     model = harness.model_dir(args.model)
     spec = SpeculativeConfig.from_json(args.speculative_config or default_spec(args.workload))

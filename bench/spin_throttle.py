@@ -5,7 +5,7 @@ shaped bf16 work (16 rows x 768 through 768x3072 matmuls, 24 a step) for `--seco
 
     spin       libgomp's default (spins ~300,000 times before sleeping)
     passive    OMP_WAIT_POLICY=PASSIVE
-    throttled  the default, with worker/spin_throttle.py on: a docked helper pool makes
+    throttled  the default, with pdserve/worker/spin_throttle.py on: a docked helper pool makes
                libgomp's documented "more threads than CPUs" rule throttle the spins
     one        1 thread
 
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
 import json, os, sys, time
 import torch
-from worker.spin_throttle import SpinThrottle
+from pdserve.worker.spin_throttle import SpinThrottle
 mode, seconds = sys.argv[1], float(sys.argv[2])
 torch.set_num_threads(1 if mode == "one" else 2)
 ws = [torch.randn(768, 3072, dtype=torch.bfloat16) for _ in range(2)]

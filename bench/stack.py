@@ -15,7 +15,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
-from bench.loadgen.launch import free_port, pdserve_command
+from pdserve.loadgen.launch import free_port, pdserve_command
 
 
 @dataclasses.dataclass(frozen=True)

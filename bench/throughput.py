@@ -27,9 +27,9 @@ import sys
 import time
 
 from bench import harness
-from bench.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, WorkloadConfig
-from bench.loadgen.launch import pdserve_up
-from bench.loadgen.runner import run_benchmark
+from pdserve.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, WorkloadConfig
+from pdserve.loadgen.launch import pdserve_up
+from pdserve.loadgen.runner import run_benchmark
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ def measure_engine(model_dir: str | None, args: argparse.Namespace, salt: int) -
     """Prefill and decode tokens/s of the engine on one wave of `concurrency` requests."""
     import numpy as np
 
-    from common.sampling_params import SamplingParams
+    from pdserve.common.sampling_params import SamplingParams
 
     eng = harness.reference_engine(model_dir, args.threads)
     rng = np.random.default_rng(salt)

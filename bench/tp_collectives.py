@@ -1,6 +1,6 @@
 """Per-layer collective cost of tensor parallel: the two all-reduces a decoder layer
 makes (attention block, MLP block) over [tokens, hidden] activations, and the step
-broadcast rank 0 makes once per step, timed on the group `engine.parallel` builds.
+broadcast rank 0 makes once per step, timed on the group `pdserve.engine.parallel` builds.
 
     python -m bench.tp_collectives --tp 2 --hidden 256 4096 8192 --tokens 1 16 512
 
@@ -26,7 +26,7 @@ WARMUP = 5
 
 
 def _group(rank: int, size: int, port: int, store: Any = None) -> Any:
-    from engine.parallel.comm import TPGroup, follower_store
+    from pdserve.engine.parallel.comm import TPGroup, follower_store
 
     return TPGroup(store if store is not None else follower_store(port, size, 60.0), rank, size, 60.0)
 
@@ -35,8 +35,8 @@ def _run(rank: int, size: int, port: int, shapes: list[tuple[int, int]], dtype: 
          store: Any = None) -> list[dict[str, Any]]:
     import torch
 
-    from engine.parallel.steps import encode_step
-    from engine.runner_types import SeqChunk
+    from pdserve.engine.parallel.steps import encode_step
+    from pdserve.engine.core.runner_types import SeqChunk
 
     torch.set_num_threads(1)
     group = _group(rank, size, port, store)
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--vocab", type=int, default=0, help="also time the LM head over this vocabulary")
     args = ap.parse_args(argv)
-    from engine.parallel.comm import leader_store
+    from pdserve.engine.parallel.comm import leader_store
 
     shapes = [(h, t) for h in args.hidden for t in args.tokens]
     store = leader_store(args.tp, 60.0)

@@ -20,7 +20,7 @@ Each repetition starts, one at a time, on 127.0.0.1:
 
 (`--configs` adds `1p1d-noborrow` and `1p1d-unpinned`: 1P+1D with --no-core-borrowing
 and with --cpu-affinity off, to measure the core policy) and runs `pdserve bench`'s
-load generator (bench/loadgen) against it:
+load generator (pdserve/loadgen) against it:
 
     c1     --input-len 500 --output-len 64 --concurrency 1      (ITL p50)
     c16    the same at --concurrency 16                          (output tok/s)
@@ -43,17 +43,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from bench import harness
-from bench.loadgen.compare import Column, Target, format_comparison
-from bench.loadgen.config import (
-    BenchConfig,
-    EndpointConfig,
-    LoadConfig,
-    MixedConfig,
-    WorkloadConfig,
-    WorkloadKind,
-)
-from bench.loadgen.launch import ServerHandle, free_port, pdserve_up, serve_command
-from bench.loadgen.runner import run_benchmark
+from pdserve.loadgen.compare import Column, Target, format_comparison
+from pdserve.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, MixedConfig, WorkloadConfig, WorkloadKind
+from pdserve.loadgen.launch import ServerHandle, free_port, pdserve_up, serve_command
+from pdserve.loadgen.runner import run_benchmark
 
 COLUMNS: dict[str, tuple[Column, ...]] = {
     "c1": (Column("ITL p50 ms", ("all", "itl", "p50")), Column("TTFT p50 ms", ("all", "ttft", "p50")),

@@ -6,19 +6,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine.config import EngineConfig
-from worker.main import NodeParts, WorkerOptions, kv_keys, pool_array
-from worker.node_api import Node
+from pdserve.engine.core.config import EngineConfig
+from pdserve.worker.main import NodeParts, WorkerOptions, kv_keys, pool_array
+from pdserve.worker.node_api import Node
 
 
 def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
                  parts: NodeParts) -> tuple[Node, list[Callable[[], Any]]]:
-    from common.parallel_layout import ParallelLayout
+    from pdserve.common.parallel_layout import ParallelLayout
     from decode_node.node import DecodeNode
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.runner.model_runner import ModelRunner
     from kv_transfer import make_receiver
-    from worker.draft_kv import build_receipts
-    from worker.engine_glue import build_engine
+    from pdserve.worker.draft_kv import build_receipts
+    from pdserve.worker.engine_glue import build_engine
 
     layout = ModelRunner.layout_for(engine_cfg)
     curve = kv_keys(opts)
@@ -45,13 +45,13 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
     )
     if on_cuda:
         # The pool lives in one cudaMalloc whose IPC handle same-host prefill workers map.
-        from kv_transfer.cuda_ipc import create_cuda_pool
-        from kv_transfer.tensor_adapter import tensor_from_array
+        from kv_transfer.pool.cuda_ipc import create_cuda_pool
+        from kv_transfer.pool.tensor_adapter import tensor_from_array
 
         cuda_pool = create_cuda_pool(layout, num_blocks, cuda_index(engine_cfg.device))
         on_gpu = node(tensor_from_array(cuda_pool.array, layout.dtype), cuda_pool, transport)
         return on_gpu, [on_gpu.runner.close]
-    from kv_transfer.shm_pool import create_shm_pool
+    from kv_transfer.pool.shm import create_shm_pool
 
     shm_pool = create_shm_pool(layout, num_blocks)  # sweeps segments of dead workers first
     try:
@@ -86,16 +86,16 @@ def default_kv_bytes(engine_cfg: EngineConfig) -> int:
     """The pool's bytes without --kv-cache-memory: on CUDA what --gpu-memory-utilization of
     the device leaves after the weights (counted from the checkpoint's headers, as the pool
     is made before they load) and activations; on CPU DEFAULT_CPU_KV_BYTES."""
-    from engine.config import DEFAULT_CPU_KV_BYTES
+    from pdserve.engine.core.config import DEFAULT_CPU_KV_BYTES
 
     if not engine_cfg.device.startswith("cuda"):
         return DEFAULT_CPU_KV_BYTES
     from pathlib import Path
 
-    from engine.dtype import resolved_config
-    from engine.kv_pool import TORCH_DTYPES
-    from engine.loader import load_config, weight_files
-    from engine.memory_budget import checkpoint_weight_bytes, cuda_kv_budget
+    from pdserve.engine.loading.dtype import resolved_config
+    from pdserve.engine.runner.kv_pool import TORCH_DTYPES
+    from pdserve.engine.loading.loader import load_config, weight_files
+    from pdserve.engine.runner.memory_budget import checkpoint_weight_bytes, cuda_kv_budget
 
     cfg = resolved_config(engine_cfg)
     files = sorted(set(weight_files(Path(cfg.model_dir)).values()))

@@ -6,14 +6,14 @@ A request's life here:
    receiver expects the transfer into exactly those blocks; their ids and the
    number held go back to the gateway (`ReserveResult`: suffix-only handoff).
    Admission keeps room for the running streams' growth
-   (`engine.scheduler.ReserveCheck`), so a request never evicts one; a refusal
+   (`pdserve.engine.core.scheduler.ReserveCheck`), so a request never evicts one; a refusal
    reserves nothing and says why, and the gateway retries it.
 2. `StartDecode` brings the first token(s) sampled by the prefill worker.
 3. When the transfer is COMPLETE (every block verified) and the first tokens
    are known, the engine admits the sequence (`start_remote`, RUNNING).
    With draft_kv=prefill the draft pool's blocks are reserved too; admission never
    waits for their transfer: COMPLETE by then or within a few decode steps, they are
-   the sequence's draft KV (worker/draft_kv.py), else the draft is prefilled here and
+   the sequence's draft KV (pdserve/worker/draft_kv.py), else the draft is prefilled here and
    the transfer dropped.
 4. Each engine step's new tokens go to the gateway as one `TokenBatch`.
 5. Finish, `Abort` or a failed transfer frees the blocks; a failed transfer is
@@ -30,19 +30,19 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-from common import protocol as p
-from common.logprobs import Logprob
-from common.logs import request_fields
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
-from engine.scheduler import Reservation
+from pdserve.common import protocol as p
+from pdserve.common.logprobs import Logprob
+from pdserve.common.logs import request_fields
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.core.scheduler import Reservation
 from kv_transfer.api import KVReceiver, TransferState
-from worker.draft_kv import DraftReceipts
-from worker.engine_glue import wire_deltas
-from worker.metrics import WorkerMetrics
-from worker.node_api import NodeLoad, NodeRegistration, Sender
-from worker.node_base import EngineNode, node_registration
-from worker.transfers import FAILED_STATES, RESERVATION_LEASE_S, TRANSFER_LEASE_S, Transfers
+from pdserve.worker.draft_kv import DraftReceipts
+from pdserve.worker.engine_glue import wire_deltas
+from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.node_api import NodeLoad, NodeRegistration, Sender
+from pdserve.worker.node_base import EngineNode, node_registration
+from pdserve.worker.transfers import FAILED_STATES, RESERVATION_LEASE_S, TRANSFER_LEASE_S, Transfers
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ worker to switch roles. The answer is 202 and the flip runs on its own:
    sends it `SwitchRole`, so every request it routed there arrives before it.
 2. The worker drains (its in-flight requests finish), rebuilds its node for the new
    role in the same process and registers again under the same id
-   (worker/role_switch.py); the registration clears the draining mark and the worker
+   (pdserve/worker/role_switch.py); the registration clears the draining mark and the worker
    takes traffic in its new role.
 
 A flip is refused (409) for a colocated worker, one already in the asked role, one
@@ -32,7 +32,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from common import protocol as p
+from pdserve.common import protocol as p
 from gateway.auth import check_authorization
 from gateway.control_plane import ControlPlane
 from gateway.errors import APIError

@@ -39,9 +39,9 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from common.logprobs import Logprob, TopLogprob
-from common.protocol import TokenDelta
-from common.sampling_params import SamplingParams
+from pdserve.common.logprobs import Logprob, TopLogprob
+from pdserve.common.protocol import TokenDelta
+from pdserve.common.sampling_params import SamplingParams
 
 __all__ = ["Logprob", "TokenDelta", "TopLogprob"]  # the HTTP layer's event types, shared with the wire
 

@@ -56,8 +56,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from common import protocol as p
-from common.transport import new_id
+from pdserve.common import protocol as p
+from pdserve.common.transport import new_id
 from gateway.backend import (
     BackendError,
     BackendErrorKind,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.generation_config import SamplingDefaults
+from pdserve.common.generation_config import SamplingDefaults
 from gateway.backend import PRIORITIES
 from gateway.planner import PlannerSettings
 

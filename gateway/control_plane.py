@@ -26,8 +26,8 @@ from typing import Any, Protocol
 import zmq
 import zmq.asyncio
 
-from common import protocol as p
-from common.transport import LOOPBACK, CurveServer, ZapLog, apply_curve_server
+from pdserve.common import protocol as p
+from pdserve.common.transport import LOOPBACK, CurveServer, ZapLog, apply_curve_server
 from gateway.backend import (
     FleetSample,
     ReadyState,

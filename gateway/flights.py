@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from common import protocol as p
+from pdserve.common import protocol as p
 from gateway.backend import GenerateRequest
 from gateway.kv_router import Route
 from gateway.registry import WorkerInfo

@@ -1,8 +1,8 @@
 """Which worker holds which prefix blocks: the gateway's view of every worker's prefix
 cache, for KV-aware routing (gateway/kv_router.py).
 
-Fed by the workers' `KvEvents` (worker/kv_events.py): a block key
-(common/block_hash.py) is held by a worker from its *stored* event to its *evicted*
+Fed by the workers' `KvEvents` (pdserve/worker/kv_events.py): a block key
+(pdserve/common/block_hash.py) is held by a worker from its *stored* event to its *evicted*
 one. Each worker's batches are numbered; the index applies batch `seq + 1` after
 `seq` and nothing else:
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from common.protocol import KvEvents
+from pdserve.common.protocol import KvEvents
 
 
 @dataclass

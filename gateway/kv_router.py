@@ -9,7 +9,7 @@ the worker) of least cost, where
 
 `uncached` is the prompt's length minus the tokens w's prefix cache would serve: the
 prompt's leading blocks the KV index (gateway/kv_index.py) says w holds, never the
-last token (common/block_hash.py: `cacheable_blocks`). Ties go to fewer requests in
+last token (pdserve/common/block_hash.py: `cacheable_blocks`). Ties go to fewer requests in
 flight, then the worker id. `least-loaded` is the cache-blind rule of
 gateway/router.py; `round-robin` takes the pool in turn.
 
@@ -56,8 +56,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from common.block_hash import cacheable_blocks, prefix_block_keys
-from common.protocol import RequestPayload
+from pdserve.common.block_hash import cacheable_blocks, prefix_block_keys
+from pdserve.common.protocol import RequestPayload
 from gateway.backend import FleetSample
 from gateway.kv_index import KvIndex
 from gateway.registry import WorkerInfo

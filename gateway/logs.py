@@ -8,6 +8,6 @@ gateway/openai_api.py) and pass through unchanged, with time and level added.
 
 from __future__ import annotations
 
-from common.logs import JsonFormatter, configure_logging
+from pdserve.common.logs import JsonFormatter, configure_logging
 
 __all__ = ["JsonFormatter", "configure_logging"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from common.slo import Slo
+from pdserve.common.slo import Slo
 
 
 class Action(enum.Enum):

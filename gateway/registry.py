@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.protocol import Heartbeat, RegisterWorker
-from common.transport import transport_kind
+from pdserve.common.protocol import Heartbeat, RegisterWorker
+from pdserve.common.transport import transport_kind
 
 
 @dataclass

@@ -2,7 +2,7 @@
 `tools` and `tool_choice` -> one `OutputShape`, or a 400 naming the parameter.
 
 A constraint is checked here with the grammar engine the workers compile with
-(`common.structured.check`), so an invalid schema, regex or grammar never reaches a
+(`pdserve.common.structured.check`), so an invalid schema, regex or grammar never reaches a
 worker. Tools: `tool_choice` `required` or a named function is enforced with a JSON
 schema built from the tools' parameters (vLLM's shapes): a named call generates the
 function's arguments object; `required` generates `[{"name": ..., "parameters": ...}]`.
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from common.structured import StructuredOutput, StructuredOutputError, check, json_schema
+from pdserve.common.structured import StructuredOutput, StructuredOutputError, check, json_schema
 from gateway.errors import invalid
 
 MAX_SPEC_BYTES = 32 << 10  # a constraint travels in one control message (strings <= 64 KiB)

@@ -2,7 +2,7 @@
 
 Torch-free (the gateway never imports torch): it uses the `tokenizers` library
 directly and reads the special-token facts from `tokenizer_config.json` and
-`generation_config.json` (through `common/generation_config.py`, its one reader), the way
+`generation_config.json` (through `pdserve/common/generation_config.py`, its one reader), the way
 Hugging Face `transformers` would.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from common.generation_config import GenerationConfigError, read_generation_config, token_ids
+from pdserve.common.generation_config import GenerationConfigError, read_generation_config, token_ids
 from gateway.chat_template import load_chat_template, render_chat_template
 
 

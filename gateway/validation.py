@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from common.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.common.sampling_params import SamplingParams, SamplingParamsError
 from gateway.backend import PRIORITIES
 from gateway.config import GatewayConfig, RequestLimits
 from gateway.errors import APIError, excerpt, invalid

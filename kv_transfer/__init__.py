@@ -11,8 +11,8 @@ Worker-facing surface (see api.py for the state machine and docs/architecture.md
     sender.send_layer(transfer_id, layer)              # or send_all(transfer_id)
     sender.poll(transfer_id) -> TransferState          # free source blocks on a terminal state
 
-torch stays in `kv_transfer.tensor_adapter` (not imported here); cupy only in
-`kv_transfer.cuda_ipc`, imported lazily.
+torch stays in `kv_transfer.pool.tensor_adapter` (not imported here); cupy only in
+`kv_transfer.pool.cuda_ipc`, imported lazily.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from typing import Any
 
 import numpy as np
 
-from common.kv_layout import KVLayout
+from pdserve.common.kv_layout import KVLayout
 from kv_transfer.api import TERMINAL_STATES, KVReceiver, KVSender, TransferState, UnknownTransfer
 from kv_transfer.auth import CurveKeys
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import ZmqLinkFactory
-from kv_transfer.receiver import ZmqReceiver
-from kv_transfer.sender import Sender
-from kv_transfer.shm_pool import ShmPool, attach_shm_pool, create_shm_pool
-from kv_transfer.staging import HiddenHostPool
+from kv_transfer.receiver.receiver import ZmqReceiver
+from kv_transfer.sender.sender import Sender
+from kv_transfer.pool.shm import ShmPool, attach_shm_pool, create_shm_pool
+from kv_transfer.pool.staging import HiddenHostPool
 
 __all__ = [
     "TERMINAL_STATES", "FakeFabric", "FakeReceiver", "FaultConfig", "HiddenHostPool", "KVReceiver",

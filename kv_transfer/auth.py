@@ -25,7 +25,7 @@ from typing import Any
 import zmq
 from zmq.utils import z85
 
-from common.transport import ZapLog
+from pdserve.common.transport import ZapLog
 
 log = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 
 Senders and receivers inject only the FaultConfig they are given (none by
 default); they never read the environment. `FaultConfig.from_env()` reads the
-spec from PDSERVE_KV_FAULTS (through `common.envs`), e.g.
+spec from PDSERVE_KV_FAULTS (through `pdserve.common.envs`), e.g.
 `PDSERVE_KV_FAULTS="corrupt_chunk=2,delay_s=0.05"`; a worker calls it only when
-started with `--enable-fault-injection` (see `worker.faults.injected_faults`).
+started with `--enable-fault-injection` (see `pdserve.worker.faults.injected_faults`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from common import envs
+from pdserve.common import envs
 
 ENV_VAR = "PDSERVE_KV_FAULTS"
 

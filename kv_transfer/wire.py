@@ -14,7 +14,7 @@ Conversation (sender = prefill side, receiver = decode side):
 
     sender                              receiver
     Hello(compat_hash, liveness, parallel) ->            (liveness: see shm_pool.LivenessLock;
-                                                          parallel: common.parallel_layout)
+                                                          parallel: pdserve.common.parallel_layout)
                                 <-      HelloAck(compat_hash, ok, shm pool, max frame)
     Claim(transfer, dst blocks) ->                       (once per transfer)
                                 <-      Grant(transfer, deadline) | Ack(ok=False)
@@ -62,7 +62,7 @@ class MsgType(enum.IntEnum):
 class Hello:
     compat_hash: str
     liveness: str = ""  # a same-host sender's LivenessLock name ("" if none)
-    # The sender's common.parallel_layout.ParallelLayout fields; () if it says none.
+    # The sender's pdserve.common.parallel_layout.ParallelLayout fields; () if it says none.
     parallel: tuple[int, ...] = ()
 
 

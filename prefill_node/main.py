@@ -7,9 +7,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from engine.config import EngineConfig
-from worker.main import NodeParts, WorkerOptions, kv_keys, pool_array
-from worker.node_api import Node
+from pdserve.engine.core.config import EngineConfig
+from pdserve.worker.main import NodeParts, WorkerOptions, kv_keys, pool_array
+from pdserve.worker.node_api import Node
 
 
 def prefill_engine_config(engine_cfg: EngineConfig) -> EngineConfig:
@@ -25,11 +25,11 @@ def prefill_engine_config(engine_cfg: EngineConfig) -> EngineConfig:
 
 def build_prefill(engine_cfg: EngineConfig, opts: WorkerOptions,
                   parts: NodeParts) -> tuple[Node, list[Callable[[], Any]]]:
-    from common.parallel_layout import ParallelLayout
+    from pdserve.common.parallel_layout import ParallelLayout
     from kv_transfer import make_sender
     from prefill_node.node import PrefillNode
-    from worker.draft_kv import build_shipper
-    from worker.engine_glue import build_engine
+    from pdserve.worker.draft_kv import build_shipper
+    from pdserve.worker.engine_glue import build_engine
 
     engine, runner = build_engine(prefill_engine_config(engine_cfg))
     sender = make_sender(runner.layout, pool_array(runner), faults=parts.kv_faults,

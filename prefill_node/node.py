@@ -15,7 +15,7 @@ A request's life here:
    layer-wise: layer i of all the request's blocks ships while layer i+1
    computes (chunked prompts included: earlier chunks' layers are final).
    With draft_kv=prefill the draft model then prefills the same tokens and its KV
-   ships too, as a second transfer (worker/draft_kv.py).
+   ships too, as a second transfer (pdserve/worker/draft_kv.py).
 4. Only when the transfer is COMPLETE (decode verified every block), and a draft
    transfer under way terminal, are the blocks released (a draft not shipped by then
    never ships: decode does not wait for it). A failed transfer releases them too and reports a
@@ -31,19 +31,19 @@ from dataclasses import dataclass
 
 import torch
 
-from common import protocol as p
-from common.logs import request_fields
-from common.transport import host_id
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput
-from engine.scheduler import SchedulerOutput
+from pdserve.common import protocol as p
+from pdserve.common.logs import request_fields
+from pdserve.common.transport import host_id
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.core.outputs import RequestOutput
+from pdserve.engine.core.scheduler import SchedulerOutput
 from kv_transfer.api import KVSender, TransferState
-from worker.draft_kv import DraftShipper, Shipped
-from worker.metrics import WorkerMetrics
-from worker.node_api import NodeLoad, Sender
-from worker.node_base import EngineNode
-from worker.transfers import FAILED_STATES, TRANSFER_LEASE_S, Transfers
+from pdserve.worker.draft_kv import DraftShipper, Shipped
+from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.node_api import NodeLoad, Sender
+from pdserve.worker.node_base import EngineNode
+from pdserve.worker.transfers import FAILED_STATES, TRANSFER_LEASE_S, Transfers
 
 log = logging.getLogger(__name__)
 

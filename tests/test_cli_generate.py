@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from common.sampling_params import SamplingParams
-from engine.config import CacheConfig, EngineConfig
-from engine.llm_engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 from gateway.tokenizer import Tokenizer
 from pdserve.cli import main
-from pdserve.default_model import write_builtin_model, write_default_model
+from pdserve.builtin.default_model import write_builtin_model, write_default_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The capital of France is", "Once upon a time, 你好 🚀"]
@@ -111,7 +111,7 @@ def test_generate_rejects_bad_params(model_dir: Path, capsys: pytest.CaptureFixt
 
 
 def test_make_model_cli(model_dir: Path, tmp_path: Path) -> None:
-    from pdserve.default_model import DRAFT
+    from pdserve.builtin.default_model import DRAFT
 
     def weights(d: Path) -> bytes:
         return (d / "model.safetensors").read_bytes()

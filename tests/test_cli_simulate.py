@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import main
-from pdserve.sim_profile import SCHEMA, Profile
+from pdserve.planner.profile import SCHEMA, Profile
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from pdserve.cli import main
-from pdserve.plan import PlanError, compute_plan, format_bytes, parse_size
+from pdserve.planner.capacity import PlanError, compute_plan, format_bytes, parse_size
 
 GiB = 2**30
 LLAMA2_7B = {
@@ -191,8 +191,8 @@ def test_plan_counts_the_parameters_the_engine_and_transformers_build(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.model_config import ModelConfig
-    from engine.models import MODEL_REGISTRY
+    from pdserve.engine.loading.model_config import ModelConfig
+    from pdserve.engine.models import MODEL_REGISTRY
 
     d = tmp_path / model_type
     d.mkdir()

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import main
-from pdserve.plan import CapacityPlan, compute_plan, read_model_config
-from pdserve.plan_parallel import layout_plan, recommend
+from pdserve.planner.capacity import CapacityPlan, compute_plan, read_model_config
+from pdserve.planner.parallel import layout_plan, recommend
 
 LLAMA_70B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,

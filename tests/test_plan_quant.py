@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import main
-from pdserve.plan import PlanError, compute_plan, parse_size
+from pdserve.planner.capacity import PlanError, compute_plan, parse_size
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,

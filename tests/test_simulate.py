@@ -1,5 +1,5 @@
-"""The P:D simulator (pdserve/simulate.py) on cases whose answer is known by hand, the
-profile fit and file (pdserve/sim_profile.py) and workload specs (pdserve/workload.py)."""
+"""The P:D simulator (pdserve/planner/simulate.py) on cases whose answer is known by hand, the
+profile fit and file (pdserve/planner/profile.py) and workload specs (pdserve/planner/workload.py)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from common.slo import Slo
-from pdserve.sim_profile import (
-    DecodeFit,
-    PrefillFit,
-    Profile,
-    ProfileError,
-    fit_decode,
-    fit_prefill,
-)
-from pdserve.simulate import Cluster, SimulationError, recommend, simulate, simulate_splits
-from pdserve.workload import Lengths, SimRequest, Workload, WorkloadError, parse_workload_slo
+from pdserve.common.slo import Slo
+from pdserve.planner.profile import DecodeFit, PrefillFit, Profile, ProfileError, fit_decode, fit_prefill
+from pdserve.planner.simulate import Cluster, SimulationError, recommend, simulate, simulate_splits
+from pdserve.planner.workload import Lengths, SimRequest, Workload, WorkloadError, parse_workload_slo
 
 # 1 ms per prompt token, 10 ms per decode step whatever the batch.
 LINEAR = Profile(PrefillFit(0.0, 0.001, 0.0), DecodeFit(0.010, 0.0, 0.0), block_size=16, chunk_tokens=100,

@@ -1,4 +1,4 @@
-"""What the simulator (pdserve/simulate.py) models of the real system beyond queues and
+"""What the simulator (pdserve/planner/simulate.py) models of the real system beyond queues and
 step times, each on a case whose answer is computed by hand: the gateway's time per
 request, prefix-cache hits on prefill workers and the kv-aware prefill choice they steer,
 the suffix-only handoff's copy cost, and local prefill on the decode worker mixed into
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from common.slo import Slo
-from pdserve.sim_knee import knee
-from pdserve.sim_profile import DecodeFit, PrefillFit, Profile, ProfileError
-from pdserve.simulate import Cluster, SimResult, simulate
-from pdserve.workload import SimRequest, Workload, WorkloadError
+from pdserve.common.slo import Slo
+from pdserve.planner.knee import knee
+from pdserve.planner.profile import DecodeFit, PrefillFit, Profile, ProfileError
+from pdserve.planner.simulate import Cluster, SimResult, simulate
+from pdserve.planner.workload import SimRequest, Workload, WorkloadError
 
 # 1 ms per prompt token, 10 ms per decode step whatever the batch, blocks of 16.
 LINEAR = Profile(PrefillFit(0.0, 0.001, 0.0), DecodeFit(0.010, 0.0, 0.0), block_size=16, chunk_tokens=1000,

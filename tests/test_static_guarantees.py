@@ -39,7 +39,7 @@ def test_no_unpickling_anywhere() -> None:
 
 def test_gateway_never_imports_torch() -> None:
     code = (
-        "import sys, gateway.server, gateway.tokenizer, gateway.detokenizer, common.protocol;"
+        "import sys, gateway.server, gateway.tokenizer, gateway.detokenizer, pdserve.common.protocol;"
         "import gateway.cluster;"
         "print('torch' in sys.modules)"
     )

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import urlparse
 
-from common.kv_layout import KV_CACHE_DTYPE_HELP, normalize_kv_cache_dtype
-from engine.dtype import DTYPE_HELP, normalize_dtype
-from engine.quant.formats import LM_HEAD_CHOICES, QUANTIZATION_CHOICES
-from engine.spec.config import SpeculativeConfig
-from pdserve.plan import PlanError, parse_size
+from pdserve.common.kv_layout import KV_CACHE_DTYPE_HELP, normalize_kv_cache_dtype
+from pdserve.engine.loading.dtype import DTYPE_HELP, normalize_dtype
+from pdserve.engine.quant.formats import LM_HEAD_CHOICES, QUANTIZATION_CHOICES
+from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.planner.capacity import PlanError, parse_size
 
 
 class Parser(argparse.ArgumentParser):
@@ -149,7 +149,7 @@ def add_gpu_args(ap: argparse.ArgumentParser, per_worker_default: str) -> None:
 
 
 def byte_size(text: str) -> int:
-    """Bytes > 0: `256MiB`, `1GiB`, `2GB`, `1048576` (one parser: `pdserve.plan.parse_size`)."""
+    """Bytes > 0: `256MiB`, `1GiB`, `2GB`, `1048576` (one parser: `pdserve.planner.capacity.parse_size`)."""
     try:
         value = parse_size(text)
     except PlanError as e:
@@ -201,7 +201,7 @@ def dtype(text: str) -> str:
 
 
 def add_dtype_arg(ap: argparse.ArgumentParser, help_prefix: str = "") -> None:
-    """`--dtype`, default auto (engine/dtype.py), for every command that runs or plans a model."""
+    """`--dtype`, default auto (pdserve/engine/loading/dtype.py), for every command that runs or plans a model."""
     ap.add_argument("--dtype", type=dtype, default="auto", help=help_prefix + DTYPE_HELP)
 
 
@@ -220,7 +220,7 @@ def add_kv_cache_dtype_arg(ap: argparse.ArgumentParser) -> None:
 
 
 def add_quantization_arg(ap: argparse.ArgumentParser) -> None:
-    """`--quantization`, weight-only, for every command that runs a model (engine/quant)."""
+    """`--quantization`, weight-only, for every command that runs a model (pdserve/engine/quant)."""
     ap.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
                     help="weight-only quantization of the decoder linears on load: int8 (per-channel "
                     "scales) or int4 (groups of 128, asymmetric); AWQ/GPTQ checkpoints are served "
@@ -228,14 +228,14 @@ def add_quantization_arg(ap: argparse.ArgumentParser) -> None:
 
 
 def add_lm_head_quantization_arg(ap: argparse.ArgumentParser) -> None:
-    """`--lm-head-quantization`, for every command that runs a model (engine/quant/formats.py)."""
+    """`--lm-head-quantization`, for every command that runs a model (pdserve/engine/quant/formats.py)."""
     ap.add_argument("--lm-head-quantization", choices=LM_HEAD_CHOICES, default="auto",
                     help="the LM head's weights: auto (int8 per-channel with --quantization int8/int4, "
                     "else the compute dtype), none (always the compute dtype) or int8")
 
 
 def speculative_config(text: str) -> SpeculativeConfig:
-    """vLLM's `--speculative-config` JSON (engine/spec/config.py)."""
+    """vLLM's `--speculative-config` JSON (pdserve/engine/spec/config.py)."""
     try:
         return SpeculativeConfig.from_json(text)
     except (ValueError, TypeError) as e:
@@ -283,11 +283,11 @@ def add_model_arg(ap: argparse.ArgumentParser, note: str = "") -> None:
 
 
 def resolve_model_arg(args: argparse.Namespace) -> None:
-    """Replace a repo id in `args.model` by its local snapshot directory (see pdserve/hub.py);
+    """Replace a repo id in `args.model` by its local snapshot directory (see pdserve/cli/hub.py);
     `args.repo_id` keeps the id (None for a directory), the name the gateway serves it as."""
     if getattr(args, "model", None) is None or not hasattr(args, "revision"):
         return
-    from pdserve.hub import HubError, HubSource, is_repo_id, resolve_model
+    from pdserve.cli.hub import HubError, HubSource, is_repo_id, resolve_model
 
     args.repo_id = str(args.model) if is_repo_id(str(args.model)) else None
     try:
@@ -299,17 +299,17 @@ def resolve_model_arg(args: argparse.Namespace) -> None:
 def model_dir(path: str | Path | None) -> Path:
     """The model directory a command will use: `path`, or the built-in model."""
     if path is None:
-        from pdserve.default_model import default_model_dir
+        from pdserve.builtin.default_model import default_model_dir
 
         return Path(default_model_dir())
     return Path(path)
 
 
 def check_model(path: str | Path | None, *, tokenizer: bool = True, flag: str = "--model") -> Any:
-    """The model's `engine.model_config.ModelConfig` (torch-free), after checking that
+    """The model's `pdserve.engine.loading.model_config.ModelConfig` (torch-free), after checking that
     the directory exists, its config.json parses and names a supported model, and
     (with `tokenizer`) its tokenizer loads. Raises UsageError naming `flag`."""
-    from engine.model_config import ModelConfig, ModelConfigError
+    from pdserve.engine.loading.model_config import ModelConfig, ModelConfigError
 
     d = model_dir(path)
     if not d.is_dir():
@@ -360,7 +360,7 @@ def check_listen(flag: str, host_name: str, port_number: int) -> None:
 def check_parallel(flag: str, tp: int, pp: int, device_name: str, config: Any) -> None:
     """A tensor-parallel size must split the model's heads and MLP, a pipeline size its
     layers, on CPU (gloo) for now; `flag` names the refusal."""
-    from engine.parallel.plan import ParallelLayoutError, check_pp, check_tp
+    from pdserve.engine.parallel.plan import ParallelLayoutError, check_pp, check_tp
 
     if tp * pp > 1 and not device_name.startswith("cpu"):
         raise UsageError(flag, "tensor and pipeline parallel run on --device cpu only so far")

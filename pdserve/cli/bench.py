@@ -1,7 +1,7 @@
 """`pdserve bench`: load-test any OpenAI-compatible endpoint from the client side.
 
-Arguments become a frozen `bench.loadgen.config.BenchConfig`; everything else
-lives in `bench/loadgen`.
+Arguments become a frozen `pdserve.loadgen.config.BenchConfig`; everything else
+lives in `pdserve/loadgen`.
 """
 
 from __future__ import annotations
@@ -11,18 +11,7 @@ import json
 import sys
 from typing import Any
 
-from bench.loadgen.config import (
-    BenchConfig,
-    Endpoint,
-    EndpointConfig,
-    LenDistribution,
-    LoadConfig,
-    MixedConfig,
-    OutputConfig,
-    WorkloadConfig,
-    WorkloadKind,
-    parse_slo,
-)
+from pdserve.loadgen.config import BenchConfig, Endpoint, EndpointConfig, LenDistribution, LoadConfig, MixedConfig, OutputConfig, WorkloadConfig, WorkloadKind, parse_slo
 from pdserve.cli.args import (
     http_url,
     non_negative_float,
@@ -182,9 +171,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.loadgen.client import EndpointError
-    from bench.loadgen.report import format_report, write_json
-    from bench.loadgen.runner import run_benchmark
+    from pdserve.loadgen.client import EndpointError
+    from pdserve.loadgen.report import format_report, write_json
+    from pdserve.loadgen.runner import run_benchmark
 
     try:
         cfg = config_from_args(args)
@@ -197,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         write_json(result, cfg.output.json_path)
         print(f"wrote {cfg.output.json_path}")
     if cfg.output.png_path:
-        from bench.loadgen.plots import write_png
+        from pdserve.loadgen.plots import write_png
 
         write_png(result, cfg.output.png_path)
         print(f"wrote {cfg.output.png_path}")

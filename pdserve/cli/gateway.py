@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from common import envs
-from common.logs import configure_logging
+from pdserve.common import envs
+from pdserve.common.logs import configure_logging
 from pdserve.cli.args import (
     UsageError,
     add_model_arg,
@@ -96,7 +96,7 @@ def check_args(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(envs.log_level())
-    from common.transport import CurveServer, free_port
+    from pdserve.common.transport import CurveServer, free_port
     from gateway.cluster import ClusterBackend, ClusterConfig
     from gateway.config import GatewayConfig
     from gateway.server import run_gateway

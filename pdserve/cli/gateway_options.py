@@ -14,8 +14,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from common import envs
-from common.generation_config import GenerationConfigError, SamplingDefaults, read_generation_config
+from pdserve.common import envs
+from pdserve.common.generation_config import GenerationConfigError, SamplingDefaults, read_generation_config
 from pdserve.cli.args import (
     UsageError,
     non_negative_float,
@@ -181,7 +181,7 @@ def gateway_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def planner_settings(args: argparse.Namespace) -> Any:
     """--planner and its knobs -> `PlannerSettings` (None when off); bad --slo: UsageError."""
-    from common.slo import parse_slo
+    from pdserve.common.slo import parse_slo
     from gateway.planner import PlannerConfig, PlannerSettings
 
     try:

@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any
 
-from common.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.common.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.cli.args import (
     add_dtype_arg,
     add_kv_cache_dtype_arg,
@@ -80,7 +80,7 @@ def _encode(tokenizer: Any, args: argparse.Namespace, prompt: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from gateway.chat_template import ChatTemplateError
     from gateway.tokenizer import Tokenizer
-    from pdserve.default_model import default_model_dir
+    from pdserve.builtin.default_model import default_model_dir
 
     try:
         params = _sampling_params(args)
@@ -97,12 +97,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve generate: {e}", file=sys.stderr)
         return 2
 
-    from engine.config import CacheConfig, EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.core.config import CacheConfig, EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     # Exactly the blocks this batch can use (plus the null block), not a default budget.
     bs = args.block_size
-    # Drafts never reach past prompt + max_tokens (engine/spec/decoder.py caps them).
+    # Drafts never reach past prompt + max_tokens (pdserve/engine/spec/decoder.py caps them).
     blocks = sum(-(-(len(p) + params.max_tokens) // bs) * params.n for p in prompts) + 1
     config = EngineConfig(
         model_dir=str(model_dir),

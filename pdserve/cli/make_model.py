@@ -1,6 +1,6 @@
 """`pdserve make-model DIR`: write a built-in Llama checkpoint to DIR (the trained
 `pdserve-tiny-llama`, its `--draft`, or the `--random`-weight one); `pdserve
-train-model`: retrain the built-in models (`pdserve.train_builtin`)."""
+train-model`: retrain the built-in models (`pdserve.builtin.train`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
     t = subparsers.add_parser(
         "train-model",
-        help="retrain the built-in models into pdserve/builtin_weights (a few CPU minutes)",
+        help="retrain the built-in models into pdserve/builtin/weights (a few CPU minutes)",
         description="Retrain the tokenizer, pdserve-tiny-llama and its draft on the story corpus.",
     )
     t.add_argument("--out", type=Path, default=None, help="output directory (default: the package's)")
@@ -40,8 +40,8 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # torch-free, but not needed to parse
-    from pdserve.default_model import DRAFT, TRAINED, BuiltinWeightsError, write_builtin_model
-    from pdserve.random_model import write_random_model
+    from pdserve.builtin.default_model import DRAFT, TRAINED, BuiltinWeightsError, write_builtin_model
+    from pdserve.builtin.random_model import write_random_model
 
     out: Path = args.dir
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
@@ -67,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from pdserve.default_model import BUILTIN_WEIGHTS_DIR
-    from pdserve.train_builtin import SPECS, train_all
+    from pdserve.builtin.default_model import BUILTIN_WEIGHTS_DIR
+    from pdserve.builtin.train import SPECS, train_all
 
     train_all(args.out or BUILTIN_WEIGHTS_DIR, args.threads, args.steps, args.only or tuple(SPECS))
     return 0

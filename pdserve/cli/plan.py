@@ -1,6 +1,6 @@
 """`pdserve plan`: will this model, at this context length, fit on this device?
 
-Prints the capacity arithmetic of `pdserve.plan` (weights, KV per token and per
+Prints the capacity arithmetic of `pdserve.planner.capacity` (weights, KV per token and per
 request, token budget, max concurrency, and with a GPU price the cost per 1M output
 tokens) from the model's own config.json. With `--simulate PROFILE`: the predicted
 TTFT, ITL and goodput of each P:D split for a workload (pdserve/cli/plan_simulate.py).
@@ -26,7 +26,7 @@ from pdserve.cli.args import (
     positive_int,
 )
 from pdserve.cli.plan_simulate import add_simulate_args, run_simulate
-from pdserve.plan import KV_CACHE_DTYPES, PlanError, compute_plan, format_plan, parse_size
+from pdserve.planner.capacity import KV_CACHE_DTYPES, PlanError, compute_plan, format_plan, parse_size
 
 
 def _size(text: str) -> int:
@@ -104,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
     if args.devices is None:
         print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
         return 0
-    from pdserve.plan import read_model_config
-    from pdserve.plan_parallel import format_parallel, recommend
+    from pdserve.planner.capacity import read_model_config
+    from pdserve.planner.parallel import format_parallel, recommend
 
     wanted = args.concurrency or 1
     layout = recommend(plan, read_model_config(model), args.devices, args.devices_per_node, wanted)

@@ -1,6 +1,6 @@
 """`pdserve plan --simulate PROFILE --workload SPEC --slo ttft=S,itl=S --workers N`:
-replay a workload (pdserve/workload.py) through every P:D split of N workers in the
-discrete-event simulator (pdserve/simulate.py), with the step times of a
+replay a workload (pdserve/planner/workload.py) through every P:D split of N workers in the
+discrete-event simulator (pdserve/planner/simulate.py), with the step times of a
 `pdserve profile` file, and print TTFT/ITL p50/p90/p99 and goodput per split and the
 recommended split."""
 
@@ -38,15 +38,9 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from pdserve.sim_profile import Profile, ProfileError
-    from pdserve.simulate import (
-        Cluster,
-        SimulationError,
-        format_results,
-        recommend,
-        simulate_splits,
-    )
-    from pdserve.workload import Workload, WorkloadError, parse_workload_slo
+    from pdserve.planner.profile import Profile, ProfileError
+    from pdserve.planner.simulate import Cluster, SimulationError, format_results, recommend, simulate_splits
+    from pdserve.planner.workload import Workload, WorkloadError, parse_workload_slo
 
     if args.workload is None:
         raise UsageError("--workload", "is required with --simulate")

@@ -1,6 +1,6 @@
 """`pdserve profile`: time this hardware's prefill (against prompt length) and decode
 steps (against batch size and context) with the engine in-process, and write the
-JSON profile `pdserve plan --simulate` reads (schema: pdserve/sim_profile.py)."""
+JSON profile `pdserve plan --simulate` reads (schema: pdserve/planner/profile.py)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.hw_profile import ProfileConfig, measure
+    from pdserve.planner.hw_profile import ProfileConfig, measure
 
     model = model_dir(args.model)
     if not model.is_dir():

@@ -46,7 +46,7 @@ from pdserve.cli.gateway_options import (
     check_tool_flags,
     sampling_defaults,
 )
-from worker.cpu_cores import format_cpu_list, plan_cores
+from pdserve.worker.cpu_cores import format_cpu_list, plan_cores
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -200,7 +200,7 @@ def gpu_flags(args: argparse.Namespace, num_workers: int) -> list[str]:
             raise UsageError("--attention-backend", f"{args.attention_backend} needs a CUDA --device, "
                              f"not {args.device}")
         return backend
-    from engine.memory_budget import default_gpu_memory_utilization
+    from pdserve.engine.runner.memory_budget import default_gpu_memory_utilization
 
     share = args.gpu_memory_utilization or default_gpu_memory_utilization(num_workers)
     flags = ["--gpu-memory-utilization", f"{share:.6g}"]
@@ -293,8 +293,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.transport import free_port
-    from pdserve import supervise
+    from pdserve.common.transport import free_port
+    from pdserve.cli import supervise
 
     check_args(args)
     control_port = free_port()
@@ -341,7 +341,7 @@ def new_share_file() -> str:
     """The core-sharing file of this `up` (its pid and a random suffix in the name)."""
     import tempfile
 
-    from worker.core_sharing import create_share_file
+    from pdserve.worker.core_sharing import create_share_file
 
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     fd, path = tempfile.mkstemp(prefix=f"pdserve-cores-{os.getpid()}-", dir=shm)

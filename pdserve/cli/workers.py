@@ -11,8 +11,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from common import envs
-from common.logs import configure_logging
+from pdserve.common import envs
+from pdserve.common.logs import configure_logging
 from pdserve.cli.args import (
     UsageError,
     add_dtype_arg,
@@ -37,7 +37,7 @@ from pdserve.cli.args import (
     positive_float,
     positive_int,
 )
-from worker.cpu_cores import format_cpu_list, parse_cpu_list, pin_process
+from pdserve.worker.cpu_cores import format_cpu_list, parse_cpu_list, pin_process
 
 if TYPE_CHECKING:
     from kv_transfer.auth import KVCurve
@@ -46,7 +46,7 @@ ROLE_COMMANDS = {"prefill": "prefill", "decode": "decode", "worker": "colocated"
 
 
 def gateway_address(text: str) -> str:
-    from worker.gateways import parse_gateway
+    from pdserve.worker.gateways import parse_gateway
 
     try:
         return parse_gateway(text)
@@ -188,7 +188,7 @@ def thread_policy(args: argparse.Namespace) -> str:
 
 
 def check_gpu_args(args: argparse.Namespace) -> None:
-    from engine.backend_choice import installed, refusal
+    from pdserve.engine.attention.backend_choice import installed, refusal
 
     choice = args.attention_backend
     why = refusal(choice, "cuda" if args.device.startswith("cuda") else args.device,
@@ -233,9 +233,9 @@ def run(args: argparse.Namespace) -> int:
     if args.cpu_cores:  # before torch starts its threads: they inherit the mask
         pin_process(args.cpu_cores)
     kv_curve = kv_curve_option(args)
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.dtype import model_dtype
-    from engine.memory_budget import DEFAULT_GPU_MEMORY_UTILIZATION
+    from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine.loading.dtype import model_dtype
+    from pdserve.engine.runner.memory_budget import DEFAULT_GPU_MEMORY_UTILIZATION
 
     model = model_dir(args.model)
     try:
@@ -275,8 +275,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger(__name__).info("serving in %s (--dtype %s, KV cache %s, device %s, --quantization %s)",
                                      engine_cfg.dtype, args.dtype, args.kv_cache_dtype, args.device,
                                      args.quantization)
-    from common.transport import CurveClient
-    from worker.main import WorkerOptions, run_worker
+    from pdserve.common.transport import CurveClient
+    from pdserve.worker.main import WorkerOptions, run_worker
 
     curve = CurveClient(args.curve_key, args.curve_server_key) if args.curve_key else None
 
@@ -335,6 +335,6 @@ def node_builder(role: str) -> Any:
         from decode_node.main import build_decode
 
         return build_decode
-    from worker.main import build_colocated
+    from pdserve.worker.main import build_colocated
 
     return build_colocated

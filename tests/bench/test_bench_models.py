@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import harness, models
-from pdserve.random_model import DefaultModelSpec
+from pdserve.builtin.random_model import DefaultModelSpec
 
 TINY = DefaultModelSpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.loadgen.metrics import LEGEND
+from pdserve.loadgen.metrics import LEGEND
 from pdserve.cli import main
 from tests.bench.fake_openai import FakeOpenAIServer
 

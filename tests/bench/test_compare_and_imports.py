@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from bench.loadgen.compare import Column, Target, column_ratio, format_comparison
+from pdserve.loadgen.compare import Column, Target, column_ratio, format_comparison
 
 
 def test_comparison_table_and_targets() -> None:
@@ -26,8 +26,8 @@ def test_comparison_table_and_targets() -> None:
 
 def test_loadgen_does_not_import_torch() -> None:
     code = (
-        "import sys, bench.loadgen.runner, bench.loadgen.report, bench.loadgen.plots, "
-        "bench.loadgen.launch, bench.loadgen.compare, pdserve.cli.bench; "
+        "import sys, pdserve.loadgen.runner, pdserve.loadgen.report, pdserve.loadgen.plots, "
+        "pdserve.loadgen.launch, pdserve.loadgen.compare, pdserve.cli.bench; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

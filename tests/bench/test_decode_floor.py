@@ -11,9 +11,9 @@ import torch
 
 from bench import decode_floor
 from bench.profile_step import DecodeBench
-from engine import bf16_gemv
-from engine.config import CacheConfig, EngineConfig
-from engine.model_runner import ModelRunner
+from pdserve.engine.kernels import bf16_gemv
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.runner.model_runner import ModelRunner
 
 # tests/helpers/tiny_models.py: hidden 64, 2 layers, 4 heads, 2 KV heads (head_dim 16),
 # intermediate 128, vocabulary 384 (256 for "tied"); bf16: 2 bytes an element.

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import harness
-from common.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from tests.engine.test_engine import assert_idle, make_engine, prompts
 
 REPO = Path(__file__).resolve().parents[2]

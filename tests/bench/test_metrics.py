@@ -8,19 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.loadgen.config import SLOConfig, parse_slo
-from bench.loadgen.metrics import (
-    allocate_tokens,
-    e2e,
-    itls,
-    meets_slo,
-    run_duration,
-    stats,
-    summarize,
-    tpot,
-    ttft,
-)
-from bench.loadgen.records import RequestRecord
+from pdserve.loadgen.config import SLOConfig, parse_slo
+from pdserve.loadgen.metrics import allocate_tokens, e2e, itls, meets_slo, run_duration, stats, summarize, tpot, ttft
+from pdserve.loadgen.records import RequestRecord
 
 
 def rec(

@@ -12,18 +12,8 @@ import json
 import time
 from pathlib import Path
 
-from bench.loadgen.config import (
-    BenchConfig,
-    Endpoint,
-    EndpointConfig,
-    LoadConfig,
-    MixedConfig,
-    OutputConfig,
-    WorkloadConfig,
-    WorkloadKind,
-    parse_slo,
-)
-from bench.loadgen.runner import run_benchmark
+from pdserve.loadgen.config import BenchConfig, Endpoint, EndpointConfig, LoadConfig, MixedConfig, OutputConfig, WorkloadConfig, WorkloadKind, parse_slo
+from pdserve.loadgen.runner import run_benchmark
 from tests.bench.fake_openai import FakeOpenAIServer
 
 SLACK = 0.04  # seconds a loaded shared host may add to a median

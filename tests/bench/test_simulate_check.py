@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from bench.simulate_check import gateway_s, replay
-from common.slo import Slo
-from pdserve.sim_profile import DecodeFit, PrefillFit, Profile
-from pdserve.simulate import Cluster, summarize
-from pdserve.workload import Workload
+from pdserve.common.slo import Slo
+from pdserve.planner.profile import DecodeFit, PrefillFit, Profile
+from pdserve.planner.simulate import Cluster, summarize
+from pdserve.planner.workload import Workload
 from tests.bench.fake_openai import FakeOpenAIServer
 
 

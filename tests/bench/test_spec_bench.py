@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from bench import spec_decode
-from engine.llm_engine import LLMEngine
-from engine.spec.config import SpeculativeConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.spec.config import SpeculativeConfig
 from tests.engine.test_spec_decode import make_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

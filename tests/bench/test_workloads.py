@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.loadgen.config import LenDistribution, MixedConfig, WorkloadConfig, WorkloadKind
-from bench.loadgen.prompts import WORDS, TokenCounter, make_prompt
-from bench.loadgen.workloads import LONG_PROMPT_TAG, Workload, sample_len
+from pdserve.loadgen.config import LenDistribution, MixedConfig, WorkloadConfig, WorkloadKind
+from pdserve.loadgen.prompts import WORDS, TokenCounter, make_prompt
+from pdserve.loadgen.workloads import LONG_PROMPT_TAG, Workload, sample_len
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from pdserve.builtin_tokenizer import BOS_TOKEN, EOT_TOKEN, train_tokenizer
-from pdserve.default_model import default_model_dir, write_builtin_model
-from pdserve.random_model import DefaultModelSpec
-from pdserve.random_model import write_random_model as write_default_model
+from pdserve.builtin.tokenizer import BOS_TOKEN, EOT_TOKEN, train_tokenizer
+from pdserve.builtin.default_model import default_model_dir, write_builtin_model
+from pdserve.builtin.random_model import DefaultModelSpec
+from pdserve.builtin.random_model import write_random_model as write_default_model
 
 FILES = (
     "config.json",
@@ -166,7 +166,7 @@ def test_builtin_weights_variable_is_checked(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_envs_home_and_declared_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from common import envs
+    from pdserve.common import envs
 
     monkeypatch.setenv("PDSERVE_HOME", str(tmp_path / "h"))
     assert envs.home() == tmp_path / "h"

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from bench.quality import measure
-from common.sampling_params import SamplingParams
-from engine.config import CacheConfig, EngineConfig
-from engine.llm_engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 from gateway.tokenizer import Tokenizer
-from pdserve import default_model
-from pdserve.default_model import DRAFT, TRAINED, training_record, write_builtin_model
-from pdserve.random_model import write_random_model
-from pdserve.story_corpus import documents, vocabulary
+from pdserve.builtin import default_model
+from pdserve.builtin.default_model import DRAFT, TRAINED, training_record, write_builtin_model
+from pdserve.builtin.random_model import write_random_model
+from pdserve.builtin.story_corpus import documents, vocabulary
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -127,7 +127,7 @@ def test_heldout_perplexity_is_far_below_the_random_model(trained: Path, tmp_pat
 
 def test_assembly_is_torch_free(tmp_path: Path) -> None:
     # The gateway resolves the default model too, and never imports torch.
-    code = ("import sys; from pathlib import Path; from pdserve.default_model import DRAFT,"
+    code = ("import sys; from pathlib import Path; from pdserve.builtin.default_model import DRAFT,"
             " write_builtin_model; write_builtin_model(Path(sys.argv[1]));"
             " write_builtin_model(Path(sys.argv[2]), DRAFT); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t"), str(tmp_path / "d")],

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.codec import WireError, converter, from_wire, to_wire
+from pdserve.common.codec import WireError, converter, from_wire, to_wire
 
 
 @dataclass(frozen=True)

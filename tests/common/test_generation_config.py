@@ -1,4 +1,4 @@
-"""generation_config.json, read once (common/generation_config.py) for the engine's EOS ids,
+"""generation_config.json, read once (pdserve/common/generation_config.py) for the engine's EOS ids,
 the gateway's tokenizer and the gateway's sampling defaults (vLLM's --generation-config)."""
 
 from __future__ import annotations
@@ -8,19 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from common.generation_config import (
-    GenerationConfigError,
-    SamplingDefaults,
-    parse_generation_config,
-    read_generation_config,
-)
-from engine.model_config import ModelConfig, ModelConfigError
+from pdserve.common.generation_config import GenerationConfigError, SamplingDefaults, parse_generation_config, read_generation_config
+from pdserve.engine.loading.model_config import ModelConfig, ModelConfigError
 from gateway.tokenizer import Tokenizer, TokenizerError
 from pdserve.cli import build_parser
 from pdserve.cli.args import UsageError, model_dir
 from pdserve.cli.gateway_options import sampling_defaults
 from pdserve.cli.up import _gateway_cmd
-from pdserve.default_model import write_default_model
+from pdserve.builtin.default_model import write_default_model
 
 LLAMA3_INSTRUCT = {  # Meta-Llama-3.1-8B-Instruct's file
     "bos_token_id": 128000, "do_sample": True, "eos_token_id": [128001, 128008, 128009],
@@ -114,7 +109,7 @@ def test_up_passes_served_names_and_generation_config_to_the_gateway(tmp_path: P
 def test_bad_served_names_and_generation_config_are_refused_before_starting(
     argv: list[str], message: str
 ) -> None:
-    from common.transport import free_port
+    from pdserve.common.transport import free_port
     from pdserve.cli import gateway, up
 
     with pytest.raises(UsageError, match=message):

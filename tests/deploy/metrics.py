@@ -26,7 +26,7 @@ HISTOGRAMS = frozenset(
     }
 )
 
-# Every worker role serves the same WorkerMetrics (worker/metrics.py).
+# Every worker role serves the same WorkerMetrics (pdserve/worker/metrics.py).
 _WORKER = frozenset(
     {
         "llm_kv_cache_usage_ratio",

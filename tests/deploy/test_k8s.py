@@ -146,7 +146,7 @@ def _prestop_sleep_seconds(container: Doc) -> int:
 
 
 def _worker_default_drain_timeout() -> float:
-    from worker.runtime import RuntimeConfig
+    from pdserve.worker.runtime import RuntimeConfig
 
     return float(RuntimeConfig.__dataclass_fields__["drain_timeout_s"].default)
 
@@ -352,7 +352,7 @@ def test_workers_find_every_gateway_through_a_headless_service(example: list[Doc
     for role in WORKER_ROLES:
         worker = _containers(deps[role])[0]
         url = urlparse(_flag(_expanded_args(worker, example), "--gateway"))
-        # dns+tcp: the worker connects to every A record and re-resolves (worker.gateways).
+        # dns+tcp: the worker connects to every A record and re-resolves (pdserve.worker.gateways).
         assert url.scheme == "dns+tcp" and url.hostname and url.port
         svc = _named(example, "Service", url.hostname)
         spec = svc["spec"]

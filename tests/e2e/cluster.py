@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.transport import free_port
-from engine.dtype import host_cpu_flags, resolve_dtype
+from pdserve.common.transport import free_port
+from pdserve.engine.loading.dtype import host_cpu_flags, resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_BLOCKS = "256"

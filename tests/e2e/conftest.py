@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from common.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 
 
 @dataclass
@@ -38,15 +38,15 @@ class Reference:
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from pdserve.default_model import default_model_dir
+    from pdserve.builtin.default_model import default_model_dir
 
     return Path(default_model_dir())
 
 
 @pytest.fixture(scope="session")
 def reference(model_dir: Path) -> Iterator[Reference]:
-    from engine.config import CacheConfig, EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.core.config import CacheConfig, EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
     from gateway.tokenizer import Tokenizer
     from tests.e2e.cluster import DTYPE
 

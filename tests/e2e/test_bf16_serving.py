@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import CacheConfig, EngineConfig
+from pdserve.engine.core.config import CacheConfig, EngineConfig
 from tests.e2e.cluster import AUTO_DTYPE, Cluster, http, running_cluster
 from tests.e2e.conftest import Reference
 
@@ -31,7 +31,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 @pytest.fixture(scope="module")
 def auto_reference(model_dir: Path) -> Reference:
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.llm_engine import LLMEngine
     from gateway.tokenizer import Tokenizer
 
     cfg = EngineConfig(model_dir=str(model_dir), dtype=AUTO_DTYPE, num_threads=1, cache=CacheConfig(num_blocks=256))
@@ -39,7 +39,7 @@ def auto_reference(model_dir: Path) -> Reference:
 
 
 def test_workers_register_the_resolved_dtypes_layout(cluster: Cluster, model_dir: Path) -> None:
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.runner.model_runner import ModelRunner
 
     def compat(dtype: str) -> str:
         return ModelRunner.layout_for(EngineConfig(model_dir=str(model_dir), dtype=dtype)).compat_hash

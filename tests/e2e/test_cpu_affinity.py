@@ -10,8 +10,8 @@ from pathlib import Path
 
 from tests.e2e.cluster import Cluster, http, worker_metrics
 from tests.e2e.conftest import Reference
-from worker.core_sharing import create_share_file
-from worker.cpu_cores import format_cpu_list, parse_cpu_list
+from pdserve.worker.core_sharing import create_share_file
+from pdserve.worker.cpu_cores import format_cpu_list, parse_cpu_list
 
 
 def threads_allowed(pid: int) -> list[set[int]]:

@@ -9,8 +9,8 @@ import concurrent.futures as cf
 import time
 from pathlib import Path
 
-from common import protocol as p
-from common.sampling_params import SamplingParams
+from pdserve.common import protocol as p
+from pdserve.common.sampling_params import SamplingParams
 from gateway.backend import GenerateRequest
 from gateway.cluster import ClusterBackend, ClusterConfig
 from tests.e2e.cluster import (

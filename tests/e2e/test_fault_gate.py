@@ -14,7 +14,7 @@ from kv_transfer.faults import FaultConfig
 from tests.e2e.cluster import Cluster, http, metric_value, worker_metrics
 from tests.e2e.conftest import Reference
 from tests.kv_transfer.harness import TINY
-from worker.faults import NO_FAULTS, InjectedFaults, WorkerFaults, injected_faults
+from pdserve.worker.faults import NO_FAULTS, InjectedFaults, WorkerFaults, injected_faults
 
 # Each would be fatal if armed: the prefill worker exits on its first request, and
 # its first KV chunk is corrupted.
@@ -25,7 +25,7 @@ def test_fault_env_arms_nothing_without_the_flag(monkeypatch: pytest.MonkeyPatch
                                                  caplog: pytest.LogCaptureFixture) -> None:
     for name, value in FATAL.items():
         monkeypatch.setenv(name, value)
-    with caplog.at_level(logging.WARNING, logger="worker.faults"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.worker.faults"):
         assert injected_faults(False) == NO_FAULTS
         assert "ignored" in caplog.text and "is ON" not in caplog.text
         caplog.clear()

@@ -7,8 +7,8 @@ import asyncio
 import contextlib
 from typing import Any
 
-from common import protocol as p
-from common.sampling_params import SamplingParams
+from pdserve.common import protocol as p
+from pdserve.common.sampling_params import SamplingParams
 from gateway.backend import GenerateRequest
 from gateway.cluster import ClusterBackend, ClusterConfig, assigned_seed
 

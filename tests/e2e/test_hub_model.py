@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.transport import free_port
+from pdserve.common.transport import free_port
 from tests.e2e.cluster import DTYPE, ROOT, _env, http
 from tests.e2e.conftest import Reference
 from tests.helpers.hf_cache import add_to_cache

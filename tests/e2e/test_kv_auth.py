@@ -19,7 +19,7 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
-from common import protocol
+from pdserve.common import protocol
 from kv_transfer import wire
 from kv_transfer.auth import split_address
 from tests.e2e.cluster import Cluster, http

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from common.kv_layout import KVLayout
-from engine.config import CacheConfig, EngineConfig
-from engine.model_runner import ModelRunner
+from pdserve.common.kv_layout import KVLayout
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.runner.model_runner import ModelRunner
 from tests.e2e.cluster import Cluster, http, metric_value, running_cluster, worker_metrics
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog while the cat sleeps.",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from common.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from tests.e2e.cluster import DTYPE, Cluster, http
 from tests.e2e.test_moe_serving import _servable
 from tests.engine.test_hf_equivalence import prompt_of
@@ -67,8 +67,8 @@ def _greedy(c: Cluster, model: str, prompt: list[int]) -> tuple[str, list[str]]:
 def test_quantized_moe_disaggregated_equals_colocated_equals_dequantized_engine(
     served: tuple[Path, Cluster, Cluster], tmp_path: Path
 ) -> None:
-    from engine.config import CacheConfig, EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.core.config import CacheConfig, EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
     from gateway.tokenizer import Tokenizer
 
     d, pd, co = served

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.transport import free_port
+from pdserve.common.transport import free_port
 from tests.e2e.cluster import DTYPE, ROOT, _env, http
 from tests.e2e.conftest import Reference
 

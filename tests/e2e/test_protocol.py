@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common import protocol as p
-from common.draft_kv import DraftBlocks
-from common.logprobs import Logprob, TopLogprob
-from common.sampling_params import SamplingParams
+from pdserve.common import protocol as p
+from pdserve.common.draft_kv import DraftBlocks
+from pdserve.common.logprobs import Logprob, TopLogprob
+from pdserve.common.sampling_params import SamplingParams
 
 PAYLOAD = p.RequestPayload([1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=(7,)))
 RESUMED = p.RequestPayload([1, 2], SamplingParams(n=1, seed=3), p.Resume([8, 9], choice_index=1))

@@ -46,9 +46,9 @@ CASES = [("int8", "auto", "int8"), ("int4", "none", "none")]
 def test_disaggregated_equals_colocated_equals_engine(
     tmp_path: Path, model_dir: Path, reference: Reference, scheme: str, head_flag: str, head: str
 ) -> None:
-    from common.sampling_params import SamplingParams
-    from engine.config import CacheConfig, EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.common.sampling_params import SamplingParams
+    from pdserve.engine.core.config import CacheConfig, EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype=DTYPE, num_threads=1, quantization=scheme,
                                     lm_head_quantization=head_flag, cache=CacheConfig(num_blocks=64)))

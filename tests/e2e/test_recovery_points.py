@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from gateway.backend import GenerateRequest
 from gateway.cluster import ClusterBackend, ClusterConfig
 from gateway.flights import WorkerLost

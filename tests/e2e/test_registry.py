@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.protocol import Heartbeat, RegisterWorker
+from pdserve.common.protocol import Heartbeat, RegisterWorker
 from gateway.registry import WorkerRegistry
 from gateway.router import blocks_needed, pick_colocated, pick_decode, pick_prefill
 

@@ -1,4 +1,4 @@
-"""Live role flips through real processes (gateway/admin_roles.py, worker/role_switch.py).
+"""Live role flips through real processes (gateway/admin_roles.py, pdserve/worker/role_switch.py).
 
 One cluster for the module: two gateways (each with the admin token and round-robin
 routing) over one prefill and two decode workers, every worker registered with both;

@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from common.structured import json_schema
+from pdserve.common.structured import json_schema
 from tests.e2e.cluster import Cluster, metric_value, running_cluster, worker_metrics
 from tests.e2e.conftest import Reference
 from tests.e2e.test_exact_recovery import KEY, KILL_AFTER, Stream

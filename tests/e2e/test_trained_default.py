@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from common.sampling_params import SamplingParams
-from engine.config import CacheConfig, EngineConfig
-from engine.llm_engine import LLMEngine
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 from gateway.tokenizer import Tokenizer
-from pdserve.story_corpus import vocabulary
+from pdserve.builtin.story_corpus import vocabulary
 from tests.e2e.cluster import DTYPE, Cluster, http
 
 QUESTION = [{"role": "user", "content": "Tell me about the sea."}]
@@ -21,7 +21,7 @@ QUESTION = [{"role": "user", "content": "Tell me about the sea."}]
 def test_default_model_answers_readable_english(
     log_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pdserve.default_model import default_model_dir
+    from pdserve.builtin.default_model import default_model_dir
 
     env = {"PDSERVE_HOME": str(tmp_path / "home"), "PDSERVE_BUILTIN_WEIGHTS": "trained"}
     for k, v in env.items():

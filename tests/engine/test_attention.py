@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from engine.attention import TorchPagedAttention, build_metadata, decode_groups, order_chunks
-from engine.runner_types import SeqChunk
+from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, decode_groups, order_chunks
+from pdserve.engine.core.runner_types import SeqChunk
 
 
 def test_decode_groups_split_only_far_apart_long_contexts() -> None:

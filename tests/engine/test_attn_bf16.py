@@ -1,4 +1,4 @@
-"""The AVX-512 BF16 loop of the paged decode attention (engine/_attn_bf16.c) against a
+"""The AVX-512 BF16 loop of the paged decode attention (pdserve/engine/kernels/_attn_bf16.c) against a
 float64 softmax and against the generic loop it replaces (`pd_attn_bf16_set(0)`), for
 the head sizes it takes (64, 128), query groups over and under one register pass, and
 a head size it leaves to the generic loop."""
@@ -11,8 +11,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import native_attention, native_kernels
-from engine.native_attention import NativeAttention
+from pdserve.engine.attention import native as native_attention
+from pdserve.engine.kernels import native as native_kernels
+from pdserve.engine.attention.native import NativeAttention
 
 BS, NBLOCKS = 16, 400
 CPU_OK = native_kernels.LIB is not None and hasattr(native_kernels.LIB, "pd_attn_bf16_set")
@@ -21,8 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def native() -> NativeAttention:
-    assert native_attention.NATIVE is not None, "engine/_cpu_kernels.c was not built (pip install -e .)"
-    assert CPU_OK, "the library predates engine/_attn_bf16.c"
+    assert native_attention.NATIVE is not None, "pdserve/engine/kernels/_cpu_kernels.c was not built (pip install -e .)"
+    assert CPU_OK, "the library predates pdserve/engine/kernels/_attn_bf16.c"
     return native_attention.NATIVE
 
 

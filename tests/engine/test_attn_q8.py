@@ -1,4 +1,4 @@
-"""Decode attention over an fp8/int8 KV pool read in place (engine/_attn_q8.c) against a
+"""Decode attention over an fp8/int8 KV pool read in place (pdserve/engine/kernels/_attn_q8.c) against a
 float64 softmax over the gathered, dequantized blocks; the routing that picks it; the
 engine's greedy output against the gather + dequantize + SDPA path; and bad input.
 
@@ -19,16 +19,16 @@ import pytest
 import torch
 
 from bench.quality import heldout_rows
-from common.kv_layout import KVLayout
-from engine import native_attention
-from engine.attention import TorchPagedAttention, build_metadata, order_chunks
-from engine.config import CacheConfig, EngineConfig
-from engine.kv_pool import KVPool
-from engine.kv_quant import QuantizedCache, read_blocks, write_kv
-from engine.model_runner import ModelRunner
-from engine.native_attention import InPlacePagedAttention, NativeAttention, default_backend
-from engine.runner_types import SeqChunk
-from pdserve.default_model import write_builtin_model
+from pdserve.common.kv_layout import KVLayout
+from pdserve.engine.attention import native as native_attention
+from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.runner.kv_pool import KVPool
+from pdserve.engine.runner.kv_quant import QuantizedCache, read_blocks, write_kv
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.attention.native import InPlacePagedAttention, NativeAttention, default_backend
+from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.builtin.default_model import write_builtin_model
 
 KINDS = ("fp8_e4m3", "int8")
 BS, KVH, HEADS, NBLOCKS = 16, 2, 6, 130
@@ -37,8 +37,8 @@ CTX = [1, 15, 16, 17, 33, 129, 250, 700, 1500]  # one key, block edges, ragged, 
 
 @pytest.fixture(scope="module")
 def native() -> NativeAttention:
-    assert native_attention.NATIVE is not None, "engine/_cpu_kernels.c was not built (pip install -e .)"
-    assert native_attention.NATIVE.reads_quantized, "the build lacks engine/_attn_q8.c"
+    assert native_attention.NATIVE is not None, "pdserve/engine/kernels/_cpu_kernels.c was not built (pip install -e .)"
+    assert native_attention.NATIVE.reads_quantized, "the build lacks pdserve/engine/kernels/_attn_q8.c"
     return native_attention.NATIVE
 
 

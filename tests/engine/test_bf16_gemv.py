@@ -1,4 +1,4 @@
-"""The native bf16 GEMV (engine/_bf16_gemv.c, engine/bf16_gemv.py): its numerics against
+"""The native bf16 GEMV (pdserve/engine/kernels/_bf16_gemv.c, pdserve/engine/kernels/bf16_gemv.py): its numerics against
 a float64 reference on each path (AVX-512 BF16 dot products, AMX tiles), the inputs it
 takes and refuses, and the model's `linear` hook routing decode rows (and only those)
 to it."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import envs
-from engine import bf16_gemv, native_kernels
-from engine.quant.linear import linear
+from pdserve.common import envs
+from pdserve.engine.kernels import bf16_gemv, native as native_kernels
+from pdserve.engine.quant.linear import linear
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),

@@ -12,12 +12,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_manager import NO_HIT, BlockCopy, BlockManager
+from pdserve.engine.core.block_manager import NO_HIT, BlockCopy, BlockManager
 
 
 def test_bookkeeping_modules_import_no_torch() -> None:
     code = (
-        "import sys, engine.block_manager, engine.scheduler, engine.sequence;"
+        "import sys, pdserve.engine.core.block_manager, pdserve.engine.core.scheduler, pdserve.engine.core.sequence;"
         "print('torch' in sys.modules)"
     )
     root = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
-"""The block manager's prefix-cache feed (engine/cache_events.py) and the hash it shares
-with the gateway (common/block_hash.py): the gateway's KV index replays the feed, so at
+"""The block manager's prefix-cache feed (pdserve/engine/core/cache_events.py) and the hash it shares
+with the gateway (pdserve/common/block_hash.py): the gateway's KV index replays the feed, so at
 every drain the replayed set must equal the cache, and the gateway's own chain of a
 prompt must name exactly the blocks the engine cached for it."""
 
@@ -11,11 +11,11 @@ import struct
 
 import pytest
 
-import common.block_hash as shared_hash
-from common.block_hash import ROOT_DIGEST, block_key, cacheable_blocks, prefix_block_keys
-from engine import block_manager as bm_module
-from engine.block_manager import BlockManager
-from engine.cache_events import CacheEventLog
+import pdserve.common.block_hash as shared_hash
+from pdserve.common.block_hash import ROOT_DIGEST, block_key, cacheable_blocks, prefix_block_keys
+from pdserve.engine.core import block_manager as bm_module
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.cache_events import CacheEventLog
 
 BS = 4
 

@@ -1,4 +1,4 @@
-"""The worker's CUDA device made explicit (engine.cuda_device), checked on CPU with torch.cuda's
+"""The worker's CUDA device made explicit (pdserve.engine.runner.cuda_device), checked on CPU with torch.cuda's
 entry points replaced: which device becomes current, and which device's stream an event marks."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import cuda_device
+from pdserve.engine.runner import cuda_device
 
 
 class _FakeEvent:
@@ -39,8 +39,8 @@ def test_stream_event_marks_the_given_devices_stream(monkeypatch: pytest.MonkeyP
 
 def test_the_runner_binds_its_device_before_loading_weights(
         monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Any) -> None:
-    from engine import model_runner
-    from engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.runner import model_runner
+    from pdserve.engine.core.config import CacheConfig, EngineConfig
 
     calls: list[str] = []
     load = model_runner.load_model_with

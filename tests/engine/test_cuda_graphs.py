@@ -10,21 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.kv_layout import NULL_BLOCK
-from engine.attention import TorchPagedAttention
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.cuda_graphs import (
-    DecodeBufferLayout,
-    StaticDecodeStep,
-    fill_decode_inputs,
-    graph_buckets,
-    graph_support,
-    graphable,
-    pick_bucket,
-    requested_rows,
-)
-from engine.model_runner import ModelRunner
-from engine.runner_types import SeqChunk
+from pdserve.common.kv_layout import NULL_BLOCK
+from pdserve.engine.attention.paged import TorchPagedAttention
+from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.runner.cuda_graphs import DecodeBufferLayout, StaticDecodeStep, fill_decode_inputs, graph_buckets, graph_support, graphable, pick_bucket, requested_rows
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.core.runner_types import SeqChunk
 
 CPU = torch.device("cpu")
 
@@ -129,7 +120,7 @@ def test_graph_replay_draws_the_eager_tokens_on_cuda(tiny_model_dir: Callable[..
 def test_a_failed_capture_serves_eagerly_unless_graphs_were_asked_for(
         tiny_model_dir: Callable[..., Path], monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    from engine import cuda_graphs, model_runner
+    from pdserve.engine.runner import cuda_graphs, model_runner
 
     def fail(*_: object) -> None:
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
@@ -138,7 +129,7 @@ def test_a_failed_capture_serves_eagerly_unless_graphs_were_asked_for(
     monkeypatch.setattr(cuda_graphs, "DecodeGraphs", fail)
     cfg = EngineConfig(model_dir=str(tiny_model_dir("llama")), cache=CacheConfig(num_blocks=24),
                        scheduler=SchedulerConfig(max_num_seqs=4))
-    with caplog.at_level("ERROR", logger="engine.cuda_graphs"):
+    with caplog.at_level("ERROR", logger="pdserve.engine.runner.cuda_graphs"):
         runner = ModelRunner(cfg)
     assert runner._graphs is None and "serving eagerly" in caplog.text
     decodes = _prefilled(runner, [list(range(3, 8))])

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from engine.block_manager import BlockManager
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
-from engine.scheduler import ReserveCheck, Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.scheduler import ReserveCheck, Scheduler
+from pdserve.engine.core.sequence import Sequence, SequenceStatus
 
 BS = 4
 _ids = iter(range(10_000))

@@ -1,4 +1,4 @@
-"""`--dtype auto`: one torch-free resolution (engine/dtype.py) used by the engine config,
+"""`--dtype auto`: one torch-free resolution (pdserve/engine/loading/dtype.py) used by the engine config,
 the workers' CLI and `plan`; the resolved dtype is what the KV layout and the
 compatibility hash carry."""
 
@@ -12,15 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig
-from engine.dtype import (
-    DTYPE_CHOICES,
-    host_cpu_flags,
-    model_dtype,
-    resolve_dtype,
-    resolved_config,
-)
-from engine.model_runner import ModelRunner
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.loading.dtype import DTYPE_CHOICES, host_cpu_flags, model_dtype, resolve_dtype, resolved_config
+from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.cli import build_parser
 
 AMX = frozenset({"fpu", "avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})

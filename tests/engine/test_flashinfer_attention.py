@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from common.kv_layout import NULL_BLOCK
-from engine.attention import TorchPagedAttention, build_metadata, order_chunks
-from engine.backend_choice import installed, make_backend, refusal, resolve
-from engine.config import EngineConfig
-from engine.cuda_graphs import graph_support
-from engine.flashinfer_attention import FlashInferAttention, paged_kv_index, prefill_index
-from engine.runner_types import SeqChunk
+from pdserve.common.kv_layout import NULL_BLOCK
+from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks
+from pdserve.engine.attention.backend_choice import installed, make_backend, refusal, resolve
+from pdserve.engine.core.config import EngineConfig
+from pdserve.engine.runner.cuda_graphs import graph_support
+from pdserve.engine.attention.flashinfer import FlashInferAttention, paged_kv_index, prefill_index
+from pdserve.engine.core.runner_types import SeqChunk
 from pdserve.cli import build_parser
 from pdserve.cli.args import UsageError
 from pdserve.cli.up import gpu_flags

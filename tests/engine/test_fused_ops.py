@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import fused_ops, native_kernels
-from engine.models.llama import RMSNorm
-from engine.models.rope import RopeTables, apply_rope
+from pdserve.engine.kernels import fused_ops, native as native_kernels
+from pdserve.engine.models.llama import RMSNorm
+from pdserve.engine.models.rope import RopeTables, apply_rope
 
 
 def _norm(dtype: torch.dtype) -> RMSNorm:
@@ -21,7 +21,7 @@ def _norm(dtype: torch.dtype) -> RMSNorm:
 
 @pytest.mark.parametrize("rows", [1, 16, 500])
 def test_bf16_fused_add_norm_rounds_where_the_torch_ops_round(rows: int) -> None:
-    assert native_kernels.LIB is not None, "engine/_cpu_kernels.c was not built (pip install -e .)"
+    assert native_kernels.LIB is not None, "pdserve/engine/kernels/_cpu_kernels.c was not built (pip install -e .)"
     g = torch.Generator().manual_seed(rows)
     norm = _norm(torch.bfloat16)
     h = (torch.randn(rows, 768, generator=g) * 4).bfloat16()
@@ -54,7 +54,7 @@ def test_float32_and_a_missing_library_take_the_torch_ops(monkeypatch: pytest.Mo
 
 @pytest.mark.parametrize("tokens", [1, 16, 600])
 def test_bf16_rope_in_place_equals_the_torch_rotation(tokens: int) -> None:
-    assert native_kernels.LIB is not None, "engine/_cpu_kernels.c was not built (pip install -e .)"
+    assert native_kernels.LIB is not None, "pdserve/engine/kernels/_cpu_kernels.c was not built (pip install -e .)"
     tables = RopeTables(64, 500000.0, None, 2048, torch.bfloat16, torch.device("cpu"))
     g = torch.Generator().manual_seed(tokens)
     cos, sin = tables.lookup(torch.randint(0, 2048, (tokens,), generator=g))

@@ -17,16 +17,16 @@ from typing import Any
 
 import pytest
 
-from common.sampling_params import SamplingParams
-from common.structured import json_schema
-from engine.config import CacheConfig, EngineConfig
-from engine.grammar.compiler import CompiledGrammar
-from engine.grammar.matcher import GrammarMatcher
-from engine.llm_engine import LLMEngine
-from engine.spec.config import SpeculativeConfig
-from engine.spec.decoder import SpecDecoder
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.structured import json_schema
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.grammar.compiler import CompiledGrammar
+from pdserve.engine.grammar.matcher import GrammarMatcher
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.engine.spec.decoder import SpecDecoder
 from gateway.tokenizer import Tokenizer
-from pdserve.default_model import write_default_model
+from pdserve.builtin.default_model import write_default_model
 from tests.engine.test_grammar import SCHEMA, assert_valid
 from tests.engine.test_spec_decode import assert_idle_and_clean, assert_same, full_sequences
 
@@ -130,7 +130,7 @@ def test_unconstrained_batches_never_reach_the_grammar_hook(model_dir: Path, tok
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The batch-level guard: with no constrained row in the batch `constrain` is not
     called at all (it used to run, and build an expanded sequence list, every step)."""
-    import engine.llm_engine as llm_engine
+    import pdserve.engine.llm_engine as llm_engine
 
     calls: list[int] = []
     real = llm_engine.constrain

@@ -33,9 +33,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig
-from engine.model_runner import ModelRunner
-from engine.runner_types import SeqChunk
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.core.runner_types import SeqChunk
 from tests.helpers.tiny_models import FAMILIES
 
 # float32 end to end; differences come only from summation order (~1e-6 observed).
@@ -387,7 +387,7 @@ def test_bf16_prefill_logits_match_hf_bf16_every_position(
 
 def test_auto_matches_hf_in_the_dtype_it_resolves_to(tiny_model_dir: Callable[..., Path]) -> None:
     """The default `auto` config serves this host's dtype and matches HF run in it."""
-    from engine.dtype import host_cpu_flags, resolve_dtype
+    from pdserve.engine.loading.dtype import host_cpu_flags, resolve_dtype
 
     d = tiny_model_dir("llama")
     want = resolve_dtype("auto", "float32", "cpu", host_cpu_flags())

@@ -1,4 +1,4 @@
-"""The native int4 GEMV (engine/_int4_gemv.c) for decode's 1-4 rows: x @ W^T over the codes in
+"""The native int4 GEMV (pdserve/engine/kernels/_int4_gemv.c) for decode's 1-4 rows: x @ W^T over the codes in
 aten's CPU int4pack layout against a float64 reference of the exact dequantized weight
 ((q - 8) * scale + offset, codes unpacked by aten from the same bytes), for every group size
 it takes and both scale dtypes; each row's result independent of the rows beside it and of
@@ -15,16 +15,16 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine.quant import int4_kernel
-from engine.quant.linear import INT4_KERNEL_ROWS, Int4Linear, quantize_weight
-from engine.quant.pack import quantize_int4
+from pdserve.engine.quant import int4_kernel
+from pdserve.engine.quant.linear import INT4_KERNEL_ROWS, Int4Linear, quantize_weight
+from pdserve.engine.quant.pack import quantize_int4
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
     pytest.mark.skipif(not int4_kernel.gemv_available(),
                        reason="native int4 GEMV needs the built library and AVX-512 VBMI, VNNI, BF16"),
 ]
-ACT_GROUP, ACT_MAX = 64, 16383  # engine/_act_q16.h
+ACT_GROUP, ACT_MAX = 64, 16383  # pdserve/engine/kernels/_act_q16.h
 
 
 def _layer(n: int, k: int, seed: int, group: int = 128) -> Int4Linear:

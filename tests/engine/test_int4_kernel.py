@@ -1,4 +1,4 @@
-"""The native int4 GEMM (engine/_int4_gemm.c): x @ W^T over the codes in aten's CPU int4pack
+"""The native int4 GEMM (pdserve/engine/kernels/_int4_gemm.c): x @ W^T over the codes in aten's CPU int4pack
 layout, against a float64 reference of the dequantized weight, for every row count up to
 past 300; its thread split; and the layer that runs it for prefill (Int4Linear), against the
 old path that unpacks the whole weight and runs F.linear.
@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.quant import int4_kernel
-from engine.quant.linear import INT4_KERNEL_ROWS, Int4Linear, int4_linear, quantize_weight
-from engine.quant.pack import Int4Parts, quantize_int4
+from pdserve.engine.quant import int4_kernel
+from pdserve.engine.quant.linear import INT4_KERNEL_ROWS, Int4Linear, int4_linear, quantize_weight
+from pdserve.engine.quant.pack import Int4Parts, quantize_int4
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),

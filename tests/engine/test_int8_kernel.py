@@ -1,5 +1,5 @@
-"""The native int8 GEMM (engine/_int8_gemm.c, engine/_int8_gemv.c, engine/_int8_vnni.c,
-engine/_int8_amx_rows.c, engine/_int8_amx_q8.c): its packed layout, its numerics against
+"""The native int8 GEMM (pdserve/engine/kernels/_int8_gemm.c, pdserve/engine/kernels/_int8_gemv.c, pdserve/engine/kernels/_int8_vnni.c,
+pdserve/engine/kernels/_int8_amx_rows.c, pdserve/engine/kernels/_int8_amx_q8.c): its packed layout, its numerics against
 x @ (q s)^T in float32 on each of its paths (float32 GEMV, integer dot products over
 fixed-point rows, AVX-512 BF16, AMX, AMX for up to 16 rows widening the codes or multiplying
 them as int8 against fixed-point rows) and in float64 on the chosen path for every row count
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from engine.config import CacheConfig, EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.quant import int8_kernel
-from engine.quant.linear import Int8Linear, quantize_weight
-from engine.quant.pack import quantize_int8
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.quant import int8_kernel
+from pdserve.engine.quant.linear import Int8Linear, quantize_weight
+from pdserve.engine.quant.pack import quantize_int8
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
@@ -27,7 +27,7 @@ pytestmark = [
                        reason="native int8 kernel needs the built library and AVX-512 BF16"),
 ]
 SHAPES = [(2048, 768), (37, 53), (100, 130), (16, 2), (5, 1)]  # ragged N and K, K odd, K < 32
-ACT_MAX = 16383  # engine/_act_q16.h: the fixed-point rows of the VNNI and AMX_Q8 paths
+ACT_MAX = 16383  # pdserve/engine/kernels/_act_q16.h: the fixed-point rows of the VNNI and AMX_Q8 paths
 ACT_GROUP = {int8_kernel.VNNI: 64, int8_kernel.AMX_Q8: 256}  # k per row scale
 GEMV_PATHS = (int8_kernel.GEMV, int8_kernel.VNNI)  # up to 4 rows
 

@@ -1,4 +1,4 @@
-"""Quantized KV cache (engine/kv_quant.py): the row layout with its scales, the
+"""Quantized KV cache (pdserve/engine/runner/kv_quant.py): the row layout with its scales, the
 scale policy (a block starts afresh at slot 0; its scale only grows and its codes
 are re-quantized when it does), and the dequantizing read."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.kv_layout import KVLayout, kv_dtype_for, normalize_kv_cache_dtype
-from engine.config import EngineConfig
-from engine.kv_pool import KVPool
-from engine.kv_quant import FP8_MAX, INT8_MAX, QuantizedCache, read_blocks, write_kv
+from pdserve.common.kv_layout import KVLayout, kv_dtype_for, normalize_kv_cache_dtype
+from pdserve.engine.core.config import EngineConfig
+from pdserve.engine.runner.kv_pool import KVPool
+from pdserve.engine.runner.kv_quant import FP8_MAX, INT8_MAX, QuantizedCache, read_blocks, write_kv
 
 KINDS = ("fp8_e4m3", "int8")
 BS, KVH, D = 4, 2, 8

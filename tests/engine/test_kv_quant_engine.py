@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from engine.config import CacheConfig, EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
-from engine.runner_types import SeqChunk
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.core.runner_types import SeqChunk
 
 KINDS = ("fp8", "int8")
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

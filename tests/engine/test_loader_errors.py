@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.loader import CheckpointError, load_model
-from engine.model_config import ModelConfig, RopeScaling
+from pdserve.engine.loading.loader import CheckpointError, load_model
+from pdserve.engine.loading.model_config import ModelConfig, RopeScaling
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import attention, chunk_attention
-from engine.attention import TorchPagedAttention, build_metadata, order_chunks
-from engine.runner_types import SeqChunk
+from pdserve.engine.attention import paged as attention, chunk as chunk_attention
+from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks
+from pdserve.engine.core.runner_types import SeqChunk
 
 
 def _dense_mask_reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,

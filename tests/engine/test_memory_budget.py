@@ -9,13 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.config import CacheConfig, EngineConfig
-from engine.memory_budget import (
-    activation_bytes,
-    checkpoint_weight_bytes,
-    default_gpu_memory_utilization,
-    kv_cache_budget,
-)
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.runner.memory_budget import activation_bytes, checkpoint_weight_bytes, default_gpu_memory_utilization, kv_cache_budget
 from pdserve.cli import build_parser
 from pdserve.cli.args import UsageError
 from pdserve.cli.up import _worker_cmds, gpu_flags

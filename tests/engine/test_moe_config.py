@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engine.model_config import ModelConfig, ModelConfigError
+from pdserve.engine.loading.model_config import ModelConfig, ModelConfigError
 
 BASE: dict[str, Any] = {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "intermediate_size": 96,
                         "vocab_size": 128}

@@ -1,4 +1,4 @@
-"""In-place paged decode attention (engine/_cpu_kernels.c) against a direct softmax over
+"""In-place paged decode attention (pdserve/engine/kernels/_cpu_kernels.c) against a direct softmax over
 each sequence's own keys, the torch backend, and bad input."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from engine import native_attention
-from engine.attention import TorchPagedAttention, build_metadata, order_chunks
-from engine.native_attention import InPlacePagedAttention, NativeAttention, default_backend
-from engine.runner_types import SeqChunk
+from pdserve.engine.attention import native as native_attention
+from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks
+from pdserve.engine.attention.native import InPlacePagedAttention, NativeAttention, default_backend
+from pdserve.engine.core.runner_types import SeqChunk
 
 BS, KVH, HEADS, D, NBLOCKS = 16, 2, 6, 64, 600
 
@@ -19,7 +19,7 @@ BS, KVH, HEADS, D, NBLOCKS = 16, 2, 6, 64, 600
 @pytest.fixture(scope="module")
 def native() -> NativeAttention:
     # `make install` / `pip install -e .` builds it; a missing build is a failure, not a skip.
-    assert native_attention.NATIVE is not None, "engine/_cpu_kernels.c was not built (pip install -e .)"
+    assert native_attention.NATIVE is not None, "pdserve/engine/kernels/_cpu_kernels.c was not built (pip install -e .)"
     return native_attention.NATIVE
 
 

@@ -1,4 +1,4 @@
-"""engine/native_kernels.py: one signature table declares the library's entry points; an
+"""pdserve/engine/kernels/native.py: one signature table declares the library's entry points; an
 old library without an optional one still loads, one without a required one does not."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import ctypes
 
 import pytest
 
-from engine import native_kernels
-from engine.native_kernels import SYMBOLS, declare
+from pdserve.engine.kernels import native as native_kernels
+from pdserve.engine.kernels.native import SYMBOLS, declare
 
 
 class _Fn:

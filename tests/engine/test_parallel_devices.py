@@ -1,4 +1,4 @@
-"""Devices and backends of a tensor/pipeline-parallel group (engine/parallel/devices.py):
+"""Devices and backends of a tensor/pipeline-parallel group (pdserve/engine/parallel/devices.py):
 gloo on the CPU; on CUDA one GPU a rank with NCCL for the activations' collectives,
 refused before any rank starts when fewer GPUs are visible than the group has ranks.
 The NCCL all-reduce itself runs only where two GPUs are."""
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig
-from engine.parallel.comm import TPGroup, follower_store, leader_store
-from engine.parallel.devices import GLOO, NCCL, backend_for, group_devices
-from engine.parallel.plan import ParallelLayoutError
-from engine.parallel.runner import TPRunner
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.parallel.comm import TPGroup, follower_store, leader_store
+from pdserve.engine.parallel.devices import GLOO, NCCL, backend_for, group_devices
+from pdserve.engine.parallel.plan import ParallelLayoutError
+from pdserve.engine.parallel.runner import TPRunner
 
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

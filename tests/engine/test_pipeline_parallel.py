@@ -1,4 +1,4 @@
-"""Pipeline parallel in micro-batches and the tensor x pipeline grid (engine/parallel).
+"""Pipeline parallel in micro-batches and the tensor x pipeline grid (pdserve/engine/parallel).
 
 A step's chunks are cut into micro-batches and stage 0 starts micro-batch i + 1 before
 the last stage has handed micro-batch i back; the logits stay those of one process.
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import CacheConfig, EngineConfig
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.parallel.pipeline import micro_batches, stage_links
-from engine.parallel.plan import HeadRange, rank_shard
-from engine.parallel.runner import TPRunner
-from engine.runner_types import SeqChunk
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.loading.model_config import ModelConfig
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.parallel.pipeline import micro_batches, stage_links
+from pdserve.engine.parallel.plan import HeadRange, rank_shard
+from pdserve.engine.parallel.runner import TPRunner
+from pdserve.engine.core.runner_types import SeqChunk
 from tests.engine.test_hf_equivalence import LOGIT_ATOL
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

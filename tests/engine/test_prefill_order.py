@@ -1,15 +1,15 @@
-"""Short prompts first on chunked prefill (engine/prefill_order.py through the
+"""Short prompts first on chunked prefill (pdserve/engine/core/prefill_order.py through the
 scheduler): a prompt that fits in one chunk gets a step without a long prompt's chunk,
 the long one continues the step after, and a stream of short prompts holds a long
 one back at most MAX_HELD_STEPS steps in a row."""
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.prefill_order import MAX_HELD_STEPS
-from engine.scheduler import Scheduler
-from engine.sequence import SequenceStatus
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.config import SchedulerConfig
+from pdserve.engine.core.prefill_order import MAX_HELD_STEPS
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.core.sequence import SequenceStatus
 from tests.engine.test_scheduler import run_step, seq
 
 BS = 4

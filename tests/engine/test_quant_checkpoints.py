@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.sampling_params import SamplingParams
-from engine.config import CacheConfig, EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import CheckpointError, load_model_with
-from engine.model_config import ModelConfig, ModelConfigError
-from engine.quant.linear import ConcatLinear, Int4Linear
-from engine.quant.pack import Int4Parts, awq_parts, gptq_parts
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.loading.loader import CheckpointError, load_model_with
+from pdserve.engine.loading.model_config import ModelConfig, ModelConfigError
+from pdserve.engine.quant.linear import ConcatLinear, Int4Linear
+from pdserve.engine.quant.pack import Int4Parts, awq_parts, gptq_parts
 from tests.helpers.quant_checkpoints import write_fake_quant, write_quantized
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -89,7 +89,7 @@ def test_quantized_checkpoint_reports_its_method_and_refuses_requantization(
 ) -> None:
     _write(tiny_model_dir("llama"), tmp_path / "awq", "awq-g32")
     cfg = EngineConfig(model_dir=str(tmp_path / "awq"), dtype="float32", cache=CacheConfig(num_blocks=8))
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.runner.model_runner import ModelRunner
 
     assert ModelRunner.layout_for(cfg).quantization == "awq"
     with pytest.raises(CheckpointError, match="already awq-quantized"):

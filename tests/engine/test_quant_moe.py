@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.loader import load_model_with
-from engine.models.moe import MoEForCausalLM, SparseMoE
-from engine.quant.formats import INT4_GROUP
-from engine.quant.linear import Int4Linear, Int8Linear
-from engine.quant.pack import quantize_int4, quantize_int8
-from pdserve.plan import compute_plan
+from pdserve.engine.loading.loader import load_model_with
+from pdserve.engine.models.moe import MoEForCausalLM, SparseMoE
+from pdserve.engine.quant.formats import INT4_GROUP
+from pdserve.engine.quant.linear import Int4Linear, Int8Linear
+from pdserve.engine.quant.pack import quantize_int4, quantize_int8
+from pdserve.planner.capacity import compute_plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 FAMILIES = ("mixtral", "qwen3_moe")

@@ -7,16 +7,9 @@ import math
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from engine.sampler import (
-    Sampler,
-    SampleRow,
-    apply_penalties,
-    draw,
-    generator_seed,
-    sampling_probs,
-)
-from engine.sequence import Sequence, SequenceStatus, finish_status
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.sampler import Sampler, SampleRow, apply_penalties, draw, generator_seed, sampling_probs
+from pdserve.engine.core.sequence import Sequence, SequenceStatus, finish_status
 
 torch.set_num_threads(1)
 
@@ -196,7 +189,7 @@ def test_batched_draw_takes_the_tokens_each_row_drew_alone() -> None:
 
 def test_sampled_rows_are_drawn_in_one_batched_op(monkeypatch: pytest.MonkeyPatch) -> None:
     """No per-row draw: the sampled rows of a step reach `draw_batch` together."""
-    from engine import sampler as sampler_module
+    from pdserve.engine import sampler as sampler_module
 
     calls: list[int] = []
     real = sampler_module.draw_batch

@@ -10,11 +10,11 @@ from collections import deque
 from collections.abc import Iterator
 from typing import SupportsIndex
 
-from common.sampling_params import SamplingParams
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.config import SchedulerConfig
+from pdserve.engine.core.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.core.sequence import Sequence, SequenceStatus
 
 BS = 4
 
@@ -87,7 +87,7 @@ def test_long_prefill_cap_lets_a_short_prompt_in_behind_a_long_one() -> None:
     assert [c.num_tokens for c in out.chunks] == [4]  # capped, though 10 would fit
     s.add(short)
     out = run_step(s)
-    # the short prompt whole, in a step of its own (engine/prefill_order.py: the long
+    # the short prompt whole, in a step of its own (pdserve/engine/core/prefill_order.py: the long
     # prompt's chunk waits a step rather than lengthen the short one's)
     assert [(sq.request_id, c.num_tokens) for sq, c in zip(out.seqs, out.chunks, strict=True)] == [("short", 3)]
     assert short.output_token_ids  # its first token after 2 steps, not after long's 3

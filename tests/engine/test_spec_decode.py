@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
-from engine.runner_types import SeqChunk
-from engine.spec.config import SpeculativeConfig
-from engine.spec.decoder import SpecDecoder
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.engine.spec.decoder import SpecDecoder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from common.sampling_params import SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.spec.config import SpeculativeConfig
-from engine.spec.draft_model import DraftModelProposer
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.engine.spec.draft_model import DraftModelProposer
 from tests.engine.test_spec_decode import (
     GREEDY,
     PENALIZED,

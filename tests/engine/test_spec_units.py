@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from common.sampling_params import SamplingParams
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from engine.spec.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
-from engine.spec.decoder import SpecDecoder, accepted_prefix
-from engine.spec.ngram import NgramProposer
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.config import SchedulerConfig
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.core.sequence import Sequence, SequenceStatus
+from pdserve.engine.spec.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+from pdserve.engine.spec.decoder import SpecDecoder, accepted_prefix
+from pdserve.engine.spec.ngram import NgramProposer
 
 BS = 4
 

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.attention import build_metadata, order_chunks
-from engine.runner_types import SeqChunk
-from engine.step_staging import PinnedStager, pack_int64, stage_metadata, unpack
+from pdserve.engine.attention.paged import build_metadata, order_chunks
+from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.runner.step_staging import PinnedStager, pack_int64, stage_metadata, unpack
 
 CPU = torch.device("cpu")
 
@@ -91,8 +91,8 @@ def test_the_runner_selects_logits_through_the_staged_row_index(
         tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A runner that stages (on CUDA; forced here on the CPU) makes no copy of its own for
     the logits' rows: it indexes with the view staged with the step, and gets the same logits."""
-    from engine.config import CacheConfig, EngineConfig
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.core.config import CacheConfig, EngineConfig
+    from pdserve.engine.runner.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(model_dir=str(tiny_model_dir()), dtype="float32",
                                       cache=CacheConfig(num_blocks=16)))

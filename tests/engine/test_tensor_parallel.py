@@ -1,4 +1,4 @@
-"""Tensor and pipeline parallel (engine/parallel): a group of spawned gloo ranks
+"""Tensor and pipeline parallel (pdserve/engine/parallel): a group of spawned gloo ranks
 computes what the single-process engine and Hugging Face compute.
 
 Greedy tokens are equal and every step's float32 logits agree within LOGIT_ATOL (the
@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from engine.config import CacheConfig, EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.parallel.plan import ParallelLayoutError, check_pp, check_tp, stage_layers, tp_shard
-from engine.parallel.runner import TPRunner, make_runner
-from engine.parallel.steps import StepFormatError, decode_step, encode_step, encode_stop
-from engine.runner_types import SeqChunk
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.loading.model_config import ModelConfig
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.parallel.plan import ParallelLayoutError, check_pp, check_tp, stage_layers, tp_shard
+from pdserve.engine.parallel.runner import TPRunner, make_runner
+from pdserve.engine.parallel.steps import StepFormatError, decode_step, encode_step, encode_stop
+from pdserve.engine.core.runner_types import SeqChunk
 from tests.engine.test_hf_equivalence import LOGIT_ATOL, greedy, hf_greedy, prompt_of
 
 NEW_TOKENS = 16

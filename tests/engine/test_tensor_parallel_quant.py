@@ -1,4 +1,4 @@
-"""Tensor parallel over quantized weights (engine/parallel/quant_shard.py).
+"""Tensor parallel over quantized weights (pdserve/engine/parallel/quant_shard.py).
 
 A weight is quantized whole and then sliced, so a TP group holds the single process's
 codes, scales and zeros: TP 2 greedy tokens equal TP 1's under the same scheme (bf16: up to
@@ -20,16 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig
-from engine.loader import CheckpointError, load_config, load_model_with
-from engine.model_runner import ModelRunner
-from engine.parallel.plan import ParallelLayoutError, TPShard, check_tp_quant, rank_shard, tp_shard
-from engine.parallel.quant_shard import slice_int4, slice_int8
-from engine.parallel.runner import TPRunner, make_runner
-from engine.parallel.weights import COLUMNS, ROWS, Span
-from engine.quant.formats import QuantizationError
-from engine.quant.pack import Int4Parts, quantize_int4, quantize_int8
-from engine.runner_types import SeqChunk
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.loading.loader import CheckpointError, load_config, load_model_with
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.parallel.plan import ParallelLayoutError, TPShard, check_tp_quant, rank_shard, tp_shard
+from pdserve.engine.parallel.quant_shard import slice_int4, slice_int8
+from pdserve.engine.parallel.runner import TPRunner, make_runner
+from pdserve.engine.parallel.weights import COLUMNS, ROWS, Span
+from pdserve.engine.quant.formats import QuantizationError
+from pdserve.engine.quant.pack import Int4Parts, quantize_int4, quantize_int8
+from pdserve.engine.core.runner_types import SeqChunk
 from tests.engine.test_hf_equivalence import bf16_ulp, greedy, prompt_of
 from tests.helpers.quant_checkpoints import write_quantized
 

@@ -20,15 +20,11 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if CUDA else "1")  # see the modul
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
 
-from common.kv_layout import NULL_BLOCK  # noqa: E402
-from engine.attention import TorchPagedAttention, build_metadata, order_chunks  # noqa: E402
-from engine.kv_quant import QuantizedCache  # noqa: E402
-from engine.runner_types import SeqChunk  # noqa: E402
-from engine.triton_attention import (  # noqa: E402
-    TritonPagedAttention,
-    plan_splits,
-    select_backend,
-)
+from pdserve.common.kv_layout import NULL_BLOCK  # noqa: E402
+from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks  # noqa: E402
+from pdserve.engine.runner.kv_quant import QuantizedCache  # noqa: E402
+from pdserve.engine.core.runner_types import SeqChunk  # noqa: E402
+from pdserve.engine.attention.triton_paged import TritonPagedAttention, plan_splits, select_backend  # noqa: E402
 
 NUM_BLOCKS = 64
 DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from common.kv_layout import KVLayout
-from engine.config import CacheConfig, EngineConfig
-from engine.loader import weights_fingerprint
-from engine.model_runner import ModelRunner
-from engine.weights_fingerprint import CACHE_NAME, fingerprint_files
+from pdserve.common.kv_layout import KVLayout
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.loading.loader import weights_fingerprint
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.loading.weights_fingerprint import CACHE_NAME, fingerprint_files
 from tests.helpers.tiny_models import copy_with_one_weight_changed
 
 HOUR_NS = 3600 * 10**9
@@ -154,7 +154,7 @@ def test_runner_takes_the_callers_layout_without_fingerprinting_again(
     def fail(model_dir: object) -> None:
         raise AssertionError("weights fingerprinted twice")
 
-    monkeypatch.setattr("engine.model_runner.weights_fingerprint", fail)
+    monkeypatch.setattr("pdserve.engine.runner.model_runner.weights_fingerprint", fail)
     assert ModelRunner(cfg, layout=layout).layout == layout
     with pytest.raises(ValueError, match="does not belong"):
         ModelRunner(cfg, layout=replace(layout, block_size=32))

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from common import protocol as p
+from pdserve.common import protocol as p
 from gateway.cluster import ClusterBackend
 from gateway.config import GatewayConfig
 from gateway.tokenizer import Tokenizer
-from pdserve.default_model import write_default_model
+from pdserve.builtin.default_model import write_default_model
 from tests.gateway.local_backend import GatewayThread, LocalBackend, raw
 
 TOKEN = "admin-token-for-tests-0123"
@@ -74,7 +74,7 @@ def test_a_flip_marks_the_worker_draining_and_is_counted_when_it_comes_back(clus
     last = raw(gw.url, "POST", "/admin/workers/d2/role", json_body={"role": "prefill"}, headers=_bearer(TOKEN))
     assert last.status == 409 and "last decode" in last.json()["error"]["message"]
 
-    # The worker registers again as prefill (what worker/role_switch.py sends).
+    # The worker registers again as prefill (what pdserve/worker/role_switch.py sends).
     reg = p.RegisterWorker("d1", "prefill", "host", "", "", "hash", 100, 16, 0, 1)
     gw.call(lambda: gw.backend.control._handle("d1", reg))
     assert gw.call(lambda: not gw.backend.registry.get("d1").draining)

@@ -15,7 +15,7 @@ from gateway.admission import AdmissionController
 from gateway.config import AdmissionConfig, GatewayConfig, QueueLimits
 from gateway.errors import APIError
 from gateway.tokenizer import Tokenizer
-from pdserve.default_model import write_default_model
+from pdserve.builtin.default_model import write_default_model
 from tests.gateway.local_backend import GatewayThread, LocalBackend, raw
 
 

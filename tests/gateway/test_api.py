@@ -18,7 +18,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from gateway.backend import BackendErrorKind
 from gateway.config import GatewayConfig
 from gateway.tokenizer import Tokenizer
-from pdserve.default_model import write_default_model
+from pdserve.builtin.default_model import write_default_model
 from tests.gateway.local_backend import GatewayThread, LocalBackend, raw
 
 MODEL = "test-model"

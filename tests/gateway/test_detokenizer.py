@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from gateway.detokenizer import DetokDelta, IncrementalDetokenizer
 from gateway.tokenizer import Tokenizer
-from pdserve.default_model import write_default_model
+from pdserve.builtin.default_model import write_default_model
 
 # Text whose characters are 1, 2, 3 and 4 UTF-8 bytes long, plus a ZWJ sequence and a flag.
 MIXED = "Hi é 中文 🚀 👨‍👩‍👧‍👦 🇯🇵 ok"

@@ -5,7 +5,7 @@ first missing block."""
 
 from __future__ import annotations
 
-from common.protocol import KvEvents
+from pdserve.common.protocol import KvEvents
 from gateway.kv_index import KvIndex
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.block_hash import prefix_block_keys
-from common.protocol import Heartbeat, KvEvents, RegisterWorker, RequestPayload, Resume
-from common.sampling_params import SamplingParams
+from pdserve.common.block_hash import prefix_block_keys
+from pdserve.common.protocol import Heartbeat, KvEvents, RegisterWorker, RequestPayload, Resume
+from pdserve.common.sampling_params import SamplingParams
 from gateway.kv_index import KvIndex
 from gateway.kv_router import KvRouter, RouterConfig
 from gateway.registry import WorkerInfo, WorkerRegistry

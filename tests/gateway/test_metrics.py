@@ -15,7 +15,7 @@ from prometheus_client.samples import Sample
 from gateway.config import GatewayConfig
 from gateway.metrics import TPOT_BUCKETS, TTFT_BUCKETS
 from gateway.tokenizer import Tokenizer
-from pdserve.default_model import write_default_model
+from pdserve.builtin.default_model import write_default_model
 from tests.gateway.local_backend import GatewayThread, LocalBackend, raw
 
 MODEL = "m"

@@ -4,7 +4,7 @@ the wire keeps counting until a later heartbeat lists it or it leaves."""
 
 from __future__ import annotations
 
-from common.protocol import Heartbeat, RegisterWorker
+from pdserve.common.protocol import Heartbeat, RegisterWorker
 from gateway.registry import WorkerInfo, WorkerRegistry
 
 TOTAL = 100

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from common.slo import Slo, parse_slo
+from pdserve.common.slo import Slo, parse_slo
 from gateway.planner import (
     Action,
     LoadSample,

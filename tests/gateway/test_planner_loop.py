@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from common import protocol as p
-from common.slo import Slo
+from pdserve.common import protocol as p
+from pdserve.common.slo import Slo
 from gateway.admin_roles import RoleFlips
 from gateway.control_plane import ClusterConfig, ControlPlane
 from gateway.planner import PlannerConfig, PlannerSettings

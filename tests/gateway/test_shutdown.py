@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from pdserve.default_model import write_default_model
+from pdserve.builtin.default_model import write_default_model
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from gateway.chat_template import ChatTemplateError, render_chat_template
 from gateway.tokenizer import Tokenizer, TokenizerError
-from pdserve.default_model import write_default_model
+from pdserve.builtin.default_model import write_default_model
 
 
 @pytest.fixture(scope="module")

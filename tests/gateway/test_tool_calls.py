@@ -24,7 +24,7 @@ from gateway.tool_calls import (
     RequiredCallsParser,
     ToolCallAssembler,
 )
-from pdserve.default_model import write_default_model
+from pdserve.builtin.default_model import write_default_model
 from tests.gateway.local_backend import GatewayThread, LocalBackend, raw
 
 MODEL = "served"

@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.config import GatewayConfig, RequestLimits
 from gateway.tokenizer import Tokenizer
-from pdserve.default_model import write_default_model
+from pdserve.builtin.default_model import write_default_model
 from tests.gateway.local_backend import GatewayThread, LocalBackend, raw
 
 MODEL = "served"

@@ -1,6 +1,6 @@
 """AWQ and GPTQ checkpoints written from a float tiny model, following each format's
 published layout (AutoAWQ's `WQLinear_GEMM`, AutoGPTQ/GPTQModel's `QuantLinear`), with
-packing loops written out here independently of `engine/quant/pack.py`.
+packing loops written out here independently of `pdserve/engine/quant/pack.py`.
 
 `write_quantized(src, dst, method, ...)` quantizes every decoder linear of `src` to
 4 bits (AutoAWQ's min/max asymmetric scheme), writes `dst` in the format, and returns
@@ -138,8 +138,8 @@ def write_dequantized(src: Path, dst: Path, scheme: str) -> Path:
     """`src` as a float checkpoint whose decoder linears (experts included) hold the
     weights on-the-fly `scheme` (int8 | int4) quantization serves in float32: what a
     float32 worker started with `--quantization scheme` on `src` must compute."""
-    from engine.quant.formats import INT4_GROUP
-    from engine.quant.pack import quantize_int4, quantize_int8
+    from pdserve.engine.quant.formats import INT4_GROUP
+    from pdserve.engine.quant.pack import quantize_int4, quantize_int8
 
     deq = {}
     for name, w in load_file(str(src / "model.safetensors")).items():

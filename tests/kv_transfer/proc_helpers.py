@@ -9,9 +9,9 @@ import numpy as np
 
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import ZmqLinkFactory
-from kv_transfer.receiver import ZmqReceiver
-from kv_transfer.sender import Sender
-from kv_transfer.shm_pool import create_shm_pool
+from kv_transfer.receiver.receiver import ZmqReceiver
+from kv_transfer.sender.sender import Sender
+from kv_transfer.pool.shm import create_shm_pool
 from tests.kv_transfer.harness import TINY, random_pool
 
 NUM_BLOCKS = 16
@@ -42,7 +42,7 @@ def idle_receiver(transport: str, events: Queue) -> None:
 
 def cuda_receiver(events: Queue, results: Queue, dst_ids: list[int], lease_s: float) -> None:
     """Decode worker with a CUDA IPC pool: report the final state and the received blocks."""
-    from kv_transfer.cuda_ipc import create_cuda_pool
+    from kv_transfer.pool.cuda_ipc import create_cuda_pool
 
     pool = create_cuda_pool(TINY, NUM_BLOCKS + 1)
     with ZmqReceiver(TINY, pool, transport="cuda") as receiver:

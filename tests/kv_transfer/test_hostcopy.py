@@ -1,4 +1,4 @@
-"""The native copy kernel (kv_transfer/_hostcopy.c) against numpy, and its guard rails."""
+"""The native copy kernel (kv_transfer/pool/_hostcopy.c) against numpy, and its guard rails."""
 
 from __future__ import annotations
 
@@ -12,18 +12,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.kv_layout import KVLayout
-from kv_transfer import hostcopy
-from kv_transfer.copy_threads import CopyThreads
-from kv_transfer.pool_ops import HostPoolOps
-from kv_transfer.shm_pool import create_shm_pool
+from pdserve.common.kv_layout import KVLayout
+from kv_transfer.pool import hostcopy
+from kv_transfer.pool.copy_threads import CopyThreads
+from kv_transfer.pool.ops import HostPoolOps
+from kv_transfer.pool.shm import create_shm_pool
 
 
 @pytest.fixture(scope="module")
 def native() -> hostcopy.NativeCopy:
     # `make install` / `pip install -e .` builds it; a missing build is a failure, not a skip:
     # without it shared-memory transfers silently run at numpy speed.
-    assert hostcopy.NATIVE is not None, "kv_transfer/_hostcopy.c was not built (pip install -e .)"
+    assert hostcopy.NATIVE is not None, "kv_transfer/pool/_hostcopy.c was not built (pip install -e .)"
     assert hostcopy.NATIVE.kernel in ("avx2", "sse2", "c")
     return hostcopy.NATIVE
 

@@ -19,7 +19,7 @@ def test_heavy_imports_stay_in_their_modules() -> None:
 
 
 def test_importing_kv_transfer_loads_neither_torch_nor_cupy() -> None:
-    code = ("import sys, kv_transfer, kv_transfer.cuda_ipc, kv_transfer.receiver;"
+    code = ("import sys, kv_transfer, kv_transfer.pool.cuda_ipc, kv_transfer.receiver.receiver;"
             "print('torch' in sys.modules, 'cupy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=PKG.parent, check=True)

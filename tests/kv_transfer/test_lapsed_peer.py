@@ -11,7 +11,7 @@ import pytest
 
 from kv_transfer.api import TransferState
 from kv_transfer.links import ZmqLinkFactory
-from kv_transfer.sender import Sender
+from kv_transfer.sender.sender import Sender
 from tests.kv_transfer import proc_helpers
 from tests.kv_transfer.harness import TINY, random_pool, wait_terminal
 

@@ -9,10 +9,10 @@ import pytest
 
 from kv_transfer import wire
 from kv_transfer.api import TransferState
-from kv_transfer.blocks import frame_rows, gather
+from kv_transfer.pool.blocks import frame_rows, gather
 from kv_transfer.checksum import frame_checksum
 from kv_transfer.faults import FaultConfig
-from kv_transfer.receiver_core import ReceiverCore
+from kv_transfer.receiver.core import ReceiverCore
 from tests.kv_transfer.harness import TINY, make_pair, random_pool, wait_state, wait_terminal
 
 
@@ -124,7 +124,7 @@ def test_sender_never_writes_after_the_receivers_deadline(transport: str) -> Non
 
 
 def test_a_lost_cancel_is_repeated_until_the_writer_answers() -> None:
-    from kv_transfer.receiver_core import CANCEL_RESEND_S
+    from kv_transfer.receiver.core import CANCEL_RESEND_S
 
     clock = Clock()
     core = _core(clock, shared=True)

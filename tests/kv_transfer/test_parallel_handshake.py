@@ -1,11 +1,11 @@
-"""The KV handshake carries each side's rank layout (common.parallel_layout) and a
+"""The KV handshake carries each side's rank layout (pdserve.common.parallel_layout) and a
 receiver refuses, with a reason naming both layouts, a pair it cannot map."""
 
 from __future__ import annotations
 
 import pytest
 
-from common.parallel_layout import LayoutPairError, ParallelLayout, check_pair
+from pdserve.common.parallel_layout import LayoutPairError, ParallelLayout, check_pair
 from kv_transfer import wire
 from kv_transfer.api import TransferState
 from tests.kv_transfer.harness import CPU_TRANSPORTS, TINY, make_pair, same_bytes, wait_terminal

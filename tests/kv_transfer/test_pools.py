@@ -11,15 +11,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.kv_layout import KVLayout
+from pdserve.common.kv_layout import KVLayout
 from kv_transfer import FakeReceiver, ZmqReceiver, make_receiver, make_sender
 from kv_transfer.api import KVReceiver, KVSender, TransferState
-from kv_transfer.blocks import frame_rows, gather, plan_chunks
+from kv_transfer.pool.blocks import frame_rows, gather, plan_chunks
 from kv_transfer.checksum import block_row_sums, frame_checksum, pool_words, row_sums
 from kv_transfer.faults import FaultConfig
-from kv_transfer.sender import Sender
-from kv_transfer.shm_pool import ShmPool, attach_shm_pool, create_shm_pool
-from kv_transfer.tensor_adapter import pool_array, shm_pool_tensor, tensor_from_array
+from kv_transfer.sender.sender import Sender
+from kv_transfer.pool.shm import ShmPool, attach_shm_pool, create_shm_pool
+from kv_transfer.pool.tensor_adapter import pool_array, shm_pool_tensor, tensor_from_array
 from kv_transfer.wire import ShmDescriptor
 from tests.kv_transfer.harness import TINY, random_pool, same_bytes, wait_terminal
 
@@ -157,13 +157,13 @@ def test_implementations_match_the_interface(impl: type, proto: type) -> None:
 
 
 def test_shm_pool_type_is_exported() -> None:
-    assert ShmPool.__module__ == "kv_transfer.shm_pool"
+    assert ShmPool.__module__ == "kv_transfer.pool.shm"
 
 
 @pytest.mark.parametrize("fused_bytes", [1, 256 << 10])
 def test_fused_copy_and_checksum_match_the_plain_ones(monkeypatch: pytest.MonkeyPatch,
                                                       fused_bytes: int) -> None:
-    from kv_transfer import blocks
+    from kv_transfer.pool import blocks
 
     monkeypatch.setattr(blocks, "FUSED_BYTES", fused_bytes)  # 1: one layer at a time
     src = random_pool(TINY, 9, seed=4)
@@ -181,7 +181,7 @@ def test_fused_copy_and_checksum_match_the_plain_ones(monkeypatch: pytest.Monkey
 
 
 def test_block_runs_coalesce_ids_that_step_together() -> None:
-    from kv_transfer.runs import Run, block_runs
+    from kv_transfer.pool.runs import Run, block_runs
 
     assert block_runs([5, 6, 7, 2, 3, 9]) == [Run(0, 3, 5, 0), Run(3, 2, 2, 3), Run(5, 1, 9, 5)]
     # with destination ids, a run needs both sides to step by one
@@ -198,7 +198,7 @@ def test_runs_tiles_and_threads_match_a_per_block_copy(monkeypatch: pytest.Monke
                                                        native: bool) -> None:
     """Consecutive runs, split tiles and helper threads give the per-block reference result,
     with the native copy kernel and with the numpy fallback."""
-    from kv_transfer import blocks, hostcopy
+    from kv_transfer.pool import blocks, hostcopy
 
     monkeypatch.setattr(blocks, "FUSED_BYTES", fused_bytes)
     if native:

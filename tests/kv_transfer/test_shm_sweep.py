@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from kv_transfer import make_sender
-from kv_transfer.blocks import numpy_dtype
-from kv_transfer.sender import Sender
-from kv_transfer.shm_pool import create_shm_pool, sweep_stale_segments
+from kv_transfer.pool.blocks import numpy_dtype
+from kv_transfer.sender.sender import Sender
+from kv_transfer.pool.shm import create_shm_pool, sweep_stale_segments
 from tests.kv_transfer.harness import TINY
 
 
@@ -70,7 +70,7 @@ def test_creating_a_pool_sweeps_segments_of_killed_workers() -> None:
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 def test_a_liveness_lock_reads_alive_until_its_holder_closes_it() -> None:
-    from kv_transfer.shm_pool import LivenessLock, lock_holder_gone, watch_liveness
+    from kv_transfer.pool.shm import LivenessLock, lock_holder_gone, watch_liveness
 
     lock = LivenessLock()
     fd = watch_liveness(lock.name)
@@ -90,7 +90,7 @@ def test_a_liveness_lock_reads_alive_until_its_holder_closes_it() -> None:
 _SENDER_THEN_EXIT = """
 import numpy as np
 from kv_transfer import make_sender
-from kv_transfer.blocks import numpy_dtype
+from kv_transfer.pool.blocks import numpy_dtype
 from tests.kv_transfer.harness import TINY
 sender = make_sender(TINY, np.zeros(TINY.pool_shape(4), numpy_dtype(TINY)))
 print(sender._liveness.name, flush=True)

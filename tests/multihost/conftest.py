@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from common.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from tests.multihost.netns import NetnsUnavailable, VirtualNetwork, check_available
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ HEARTBEAT_TIMEOUT_S = "3.0"  # the default; generous for 2 shared cores
 @pytest.fixture(scope="session")
 def mh_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model, built once per session under a private PDSERVE_HOME."""
-    from pdserve.default_model import default_model_dir
+    from pdserve.builtin.default_model import default_model_dir
 
     home = tmp_path_factory.mktemp("pdserve-home")
     with pytest.MonkeyPatch.context() as mp:
@@ -74,8 +74,8 @@ class Reference:
 
 @pytest.fixture(scope="session")
 def mh_reference(mh_model_dir: Path) -> Reference:
-    from engine.config import CacheConfig, EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.core.config import CacheConfig, EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
     from gateway.tokenizer import Tokenizer
 
     # float32 on both sides, as in tests/e2e/cluster.py (DTYPE): exact equality under

@@ -15,22 +15,22 @@ from typing import Any
 
 import pytest
 
-from common import protocol as p
-from common.sampling_params import SamplingParams
-from engine.config import CacheConfig, EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
-from engine.spec.config import SpeculativeConfig
-from engine.spec.decoder import SpecStats
-from engine.spec.draft_model import DraftModelProposer
+from pdserve.common import protocol as p
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.engine.spec.decoder import SpecStats
+from pdserve.engine.spec.draft_model import DraftModelProposer
 from kv_transfer.api import TransferState
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
-from kv_transfer.tensor_adapter import pool_array
+from kv_transfer.pool.tensor_adapter import pool_array
 from tests.engine.test_engine import assert_idle
 from tests.engine.test_spec_decode import GREEDY, SEEDED, make_engine, prompts
 from tests.nodes.harness import NodePair
-from worker.draft_kv import DRAFT_WAIT_STEPS, DraftReceipts, DraftShipper
-from worker.metrics import WorkerMetrics
+from pdserve.worker.draft_kv import DRAFT_WAIT_STEPS, DraftReceipts, DraftShipper
+from pdserve.worker.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,5 +1,5 @@
-"""What the prefill, decode and colocated nodes share (worker/node_base.py,
-worker/transfers.py), driven through the nodes themselves over the fake transport:
+"""What the prefill, decode and colocated nodes share (pdserve/worker/node_base.py,
+pdserve/worker/transfers.py), driven through the nodes themselves over the fake transport:
 bad input is refused with a clear error and holds nothing, accepted requests are
 counted per role, an aborted transfer's blocks come back only once the transfer is
 terminal, and a finished transfer is measured on both sides."""
@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
-from common import protocol as p
-from common.sampling_params import SamplingParams
-from common.transport import host_id
-from engine.llm_engine import LLMEngine
+from pdserve.common import protocol as p
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.transport import host_id
+from pdserve.engine.llm_engine import LLMEngine
 from tests.engine.test_engine import assert_idle, make_engine, prompts
 from tests.nodes.test_layerwise_push import PARAMS, Pair
-from worker.colocated import ColocatedNode
-from worker.metrics import WorkerMetrics
+from pdserve.worker.colocated import ColocatedNode
+from pdserve.worker.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -6,7 +6,7 @@ from typing import Any, cast
 
 import pytest
 
-from engine.config import EngineConfig
+from pdserve.engine.core.config import EngineConfig
 from prefill_node.main import build_prefill, prefill_engine_config
 
 
@@ -26,7 +26,7 @@ def test_the_prefill_builder_hands_its_runner_a_config_without_graphs(
         seen.append(config)
         raise _Built
 
-    monkeypatch.setattr("worker.engine_glue.build_engine", build_engine)
+    monkeypatch.setattr("pdserve.worker.engine_glue.build_engine", build_engine)
     with pytest.raises(_Built):
         build_prefill(cfg, cast(Any, None), cast(Any, None))
     assert [c.cuda_graphs for c in seen] == [False] and seen[0].device == "cuda:1"

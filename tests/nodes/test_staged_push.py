@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kv_transfer.blocks import frame_nbytes
+from kv_transfer.pool.blocks import frame_nbytes
 from tests.engine.test_engine import assert_idle, prompts
 from tests.nodes.test_layerwise_push import Pair, _reference
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from common import protocol as p
-from engine.block_manager import BlockManager
+from pdserve.common import protocol as p
+from pdserve.engine.core.block_manager import BlockManager
 from tests.engine.test_engine import assert_idle, make_engine, prompts
 from tests.nodes.test_layerwise_push import PARAMS, Pair
 

@@ -20,7 +20,7 @@ from tests.e2e.cluster import Cluster
 @pytest.fixture(scope="session", autouse=True)
 def default_model() -> Path:
     """The built-in model, built once here rather than by several processes racing at startup."""
-    from pdserve.default_model import default_model_dir
+    from pdserve.builtin.default_model import default_model_dir
 
     return Path(default_model_dir())
 

@@ -9,13 +9,13 @@ import logging
 
 import pytest
 
-from common.logs import JsonFormatter, request_fields
-from common.protocol import RegisterWorker
-from common.transport import transport_kind
+from pdserve.common.logs import JsonFormatter, request_fields
+from pdserve.common.protocol import RegisterWorker
+from pdserve.common.transport import transport_kind
 from gateway.registry import WorkerRegistry
 from pdserve.cli import build_parser
 from pdserve.cli.up import _worker_cmds
-from worker.metrics import WorkerMetrics
+from pdserve.worker.metrics import WorkerMetrics
 
 
 def _record(msg: str, **extra: object) -> logging.LogRecord:
@@ -119,8 +119,8 @@ def test_prefill_workers_may_get_their_own_kv_pool() -> None:
 
 
 def test_kv_receiver_binds_a_fixed_port() -> None:
-    from common.transport import free_port
-    from kv_transfer.receiver import ZmqReceiver
+    from pdserve.common.transport import free_port
+    from kv_transfer.receiver.receiver import ZmqReceiver
     from tests.kv_transfer.harness import TINY, random_pool
 
     port = free_port()

@@ -1,9 +1,9 @@
-"""The arrivals a worker's heartbeats report (worker/arrivals.py): each once, only those
+"""The arrivals a worker's heartbeats report (pdserve/worker/arrivals.py): each once, only those
 in the snapshot a heartbeat sends, and None once more arrived than are kept."""
 
 from __future__ import annotations
 
-from worker.arrivals import ArrivalCursor, ArrivalLog, Arrivals, Report
+from pdserve.worker.arrivals import ArrivalCursor, ArrivalLog, Arrivals, Report
 
 
 def test_each_arrival_is_reported_once_by_the_heartbeat_whose_snapshot_holds_it() -> None:

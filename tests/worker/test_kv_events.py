@@ -1,4 +1,4 @@
-"""A worker publishes its prefix-cache events to a gateway (worker/kv_events.py): a
+"""A worker publishes its prefix-cache events to a gateway (pdserve/worker/kv_events.py): a
 snapshot right after registering, then numbered batches each tick something changed,
 a snapshot with the current number when the gateway asks, and a snapshot to everyone
 when the cache was reset. Driven through the real runtime against a ROUTER socket
@@ -10,13 +10,13 @@ import threading
 
 import zmq
 
-from common import protocol as p
-from common.transport import free_port
-from engine.cache_events import CacheEvents
+from pdserve.common import protocol as p
+from pdserve.common.transport import free_port
+from pdserve.engine.core.cache_events import CacheEvents
 from tests.worker.test_runtime_snapshot import ScriptedNode, run_in_main_thread
-from worker.gateways import GatewayLinks
-from worker.metrics import WorkerMetrics
-from worker.runtime import RuntimeConfig, WorkerRuntime
+from pdserve.worker.gateways import GatewayLinks
+from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.runtime import RuntimeConfig, WorkerRuntime
 
 
 class CachingNode(ScriptedNode):

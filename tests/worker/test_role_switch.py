@@ -1,15 +1,15 @@
-"""RoleSwitcher and the misrouted-request answer (worker/role_switch.py), with builders
+"""RoleSwitcher and the misrouted-request answer (pdserve/worker/role_switch.py), with builders
 that record what they build and clean up (the e2e flip is tests/e2e/test_role_flip.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from common import protocol as p
-from common.sampling_params import SamplingParams
-from worker.main import NodeParts, WorkerOptions
-from worker.metrics import WorkerMetrics
-from worker.role_switch import RoleSwitcher, misrouted
+from pdserve.common import protocol as p
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.worker.main import NodeParts, WorkerOptions
+from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.role_switch import RoleSwitcher, misrouted
 
 
 class _Node:

@@ -11,15 +11,15 @@ from collections.abc import Callable
 
 import zmq
 
-from common import protocol as p
-from common.sampling_params import SamplingParams
-from common.transport import free_port
-from engine.cache_events import CacheEvents
+from pdserve.common import protocol as p
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.transport import free_port
+from pdserve.engine.core.cache_events import CacheEvents
 from tests.observability.obs import value
-from worker.gateways import GatewayLinks
-from worker.metrics import WorkerMetrics
-from worker.node_api import NodeLoad, NodeRegistration
-from worker.runtime import RuntimeConfig, WorkerRuntime
+from pdserve.worker.gateways import GatewayLinks
+from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.node_api import NodeLoad, NodeRegistration
+from pdserve.worker.runtime import RuntimeConfig, WorkerRuntime
 
 TOTAL = 100
 BLOCKS_PER_REQUEST = 10

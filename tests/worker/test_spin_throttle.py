@@ -1,4 +1,4 @@
-"""worker/spin_throttle.py against the real libgomp: while the throttle is on, an idle
+"""pdserve/worker/spin_throttle.py against the real libgomp: while the throttle is on, an idle
 OpenMP thread sleeps at once instead of spinning out libgomp's spin count, and off()
 undoes it. Each case runs in a fresh interpreter: libgomp's pools are process-wide."""
 
@@ -11,12 +11,12 @@ import textwrap
 
 import pytest
 
-from worker.spin_throttle import SpinThrottle, available
+from pdserve.worker.spin_throttle import SpinThrottle, available
 
 PROBE = textwrap.dedent("""
     import json, os, time
     import torch
-    from worker.spin_throttle import SpinThrottle
+    from pdserve.worker.spin_throttle import SpinThrottle
 
     torch.set_num_threads(2)
     x = torch.ones(1 << 17)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from worker.thread_governor import GovernorConfig, Mode, Switch, ThreadGovernor, bucket_of
+from pdserve.worker.thread_governor import GovernorConfig, Mode, Switch, ThreadGovernor, bucket_of
 
 QUIET = {2: 0.020, 1: 0.030}  # 2 threads 1.5x faster than 1 on dedicated cores
 CONTENDED = {2: 0.200, 1: 0.030}  # one busy neighbour: 2 spinning threads collapse 10x

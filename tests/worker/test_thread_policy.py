@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from common import protocol as p
+from pdserve.common import protocol as p
 from pdserve.cli import build_parser
 from pdserve.cli.args import UsageError
 from pdserve.cli.up import _worker_cmds
 from pdserve.cli.workers import thread_policy
-from worker.cpu_cores import CoreGrant
-from worker.metrics import WorkerMetrics
-from worker.node_api import NodeLoad
-from worker.spin_throttle import available as spin_throttle_available
-from worker.thread_governor import Mode, ThreadGovernor
-from worker.thread_policy import GovernedNode, governed_grant, governor_for
+from pdserve.worker.cpu_cores import CoreGrant
+from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.node_api import NodeLoad
+from pdserve.worker.spin_throttle import available as spin_throttle_available
+from pdserve.worker.thread_governor import Mode, ThreadGovernor
+from pdserve.worker.thread_policy import GovernedNode, governed_grant, governor_for
 
 
 class FakeNode:

@@ -1,0 +1,1 @@
+"""Decode side of the KV handoff."""

@@ -1,0 +1,1 @@
+"""Prefill side of the KV handoff."""

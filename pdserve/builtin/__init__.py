@@ -1,0 +1,1 @@
+"""The built-in models: tokenizer, training corpus, trainer, random and trained checkpoints."""

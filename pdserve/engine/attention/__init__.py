@@ -1,0 +1,1 @@
+"""Paged attention backends (gather + SDPA, native CPU, Triton, FlashInfer) and their choice."""

@@ -1,0 +1,43 @@
+"""What the scheduler hands the model runner: one chunk of new tokens per sequence.
+
+Slot of position `p` in a sequence = `block_table[p // block_size] * block_size + p % block_size`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """The tokens of one sequence computed in one step.
+
+    token_ids:   new tokens computed this step (a prefill chunk, or one decode token).
+    start_pos:   tokens already in this sequence's KV cache before this step; the new
+                 tokens occupy positions [start_pos, start_pos + len(token_ids)).
+    block_table: physical block ids covering positions [0, start_pos + len(token_ids)).
+    need_logits: return the logits of the last token of this chunk.
+    num_draft_tokens: the last this many tokens are speculative drafts (pdserve.engine.spec);
+                 with need_logits the runner returns the logits of each of them and
+                 of the token before them, in position order.
+    """
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    need_logits: bool
+    num_draft_tokens: int = 0
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows this chunk yields."""
+        return 1 + self.num_draft_tokens if self.need_logits else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_pos(self) -> int:
+        """Tokens in the KV cache once this chunk is computed."""
+        return self.start_pos + len(self.token_ids)

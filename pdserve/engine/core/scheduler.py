@@ -1,0 +1,345 @@
+"""The step scheduler shared by the prefill node, the decode node and a colocated worker.
+
+Life of a request (one `Sequence` per choice):
+
+1. `add` queues it WAITING (decode node: `add_waiting_for_kv` holds it in
+   WAITING_FOR_KV with reserved blocks; it is never scheduled until `admit`).
+   A decode reservation is granted only when `check_reserve` says the pool
+   keeps room for every live stream's growth, so admitting it never forces a
+   running stream into preemption (see `ReserveCheck`).
+2. A step first gives each RUNNING sequence its uncomputed tokens (one decode
+   token, or the next chunk of a prefill), then admits WAITING sequences FCFS
+   into the leftover token budget, a prefill split into chunks when it does not
+   fit (chunked prefill). Admission looks up the prefix cache first. With chunks
+   capped (`long_prefill_token_threshold`), a waiting prompt that fits in one chunk
+   gets a step without the longer prompts' chunks, within a bounded wait
+   (pdserve/engine/core/prefill_order.py).
+3. Blocks are allocated as tokens are scheduled. When none are left the
+   latest-admitted RUNNING sequence is preempted by recompute: its blocks are
+   freed, its progress reset, and it goes back to the front of WAITING.
+   A decode sequence's draft tokens (`spec_token_ids`, pdserve.engine.spec) ride in its
+   chunk behind its last token, within the budget; they are dropped, never a
+   sequence preempted, when their slots do not fit.
+4. After the model runs, `mark_computed` advances `num_computed_tokens` (drafts
+   excluded: `SpecDecoder.settle` counts the accepted ones) and registers newly
+   full blocks in the prefix cache; the engine samples and appends a token to
+   every sequence whose chunk reached its end (more when drafts are accepted).
+5. `finish` ends a sequence (stopped, length, aborted) and frees its blocks, or,
+   for a prefill-only request (FINISHED_PREFILLED), keeps them until `release`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from pdserve.engine.core.block_manager import NO_HIT, BlockCopy, BlockManager
+from pdserve.engine.core.config import SchedulerConfig
+from pdserve.engine.core.prefill_order import ShortFirst
+from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.core.sequence import Sequence, SequenceStatus
+
+
+class ScheduledSeq(NamedTuple):
+    seq: Sequence
+    num_new_tokens: int
+
+
+class SchedulerOutput(NamedTuple):
+    """One step: chunks for the runner, their sequences (same order), and side effects."""
+
+    chunks: list[SeqChunk]
+    seqs: list[Sequence]
+    preempted: list[Sequence]
+    # Copy-on-write pairs the runner must copy before executing the chunks.
+    block_copies: list[BlockCopy]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class ReserveCheck(NamedTuple):
+    """Decode admission of one reservation, in blocks (`Scheduler.check_reserve`).
+
+    Granted when the prompt's blocks fit and, unless the worker is idle, the
+    blocks left free afterwards still cover the growth of every live stream (the
+    new one included) over its next `reserve_decode_tokens` tokens, capped by its
+    max_tokens, plus the watermark. Like SGLang's decode prealloc queue with
+    reserved decode tokens and vLLM's `watermark`: a request that does not pass
+    waits (the decode worker refuses, the gateway retries on the decode pool)
+    instead of taking blocks running streams need and forcing their recompute.
+    With max_tokens within `reserve_decode_tokens` no decode step ever preempts;
+    longer streams may still outgrow the pool after their first
+    `reserve_decode_tokens` tokens.
+    """
+
+    prompt_blocks: int  # blocks the reservation takes now
+    free_blocks: int  # free before it (free cached blocks included)
+    growth_blocks: int  # more blocks the live streams and this one may need
+    watermark_blocks: int
+    idle: bool  # no other stream is running, queued or awaiting its KV
+
+    @property
+    def ok(self) -> bool:
+        if self.prompt_blocks > self.free_blocks:
+            return False
+        return self.idle or self.free_blocks - self.prompt_blocks >= self.growth_blocks + self.watermark_blocks
+
+    @property
+    def reason(self) -> str:
+        """Why it was refused, in blocks ("" when granted)."""
+        if self.ok:
+            return ""
+        return (f"not enough free KV blocks: {self.free_blocks} free, the prompt needs "
+                f"{self.prompt_blocks}, running streams keep {self.growth_blocks} to grow "
+                f"+ {self.watermark_blocks} watermark")
+
+
+class Reservation(NamedTuple):
+    """A decode reservation: the blocks granted for the KV to arrive in (empty when
+    refused) and why; `cached_blocks`: leading blocks of the prompt already held here
+    (pinned, not part of `block_ids`: suffix-only handoff)."""
+
+    block_ids: list[int]
+    check: ReserveCheck
+    cached_blocks: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.block_ids)
+
+
+class Scheduler:
+    """Continuous batching at token granularity over one block manager."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+        self.config = config
+        self.block_manager = block_manager
+        # Admission (the engine) rejects requests that could outgrow it and ends a
+        # sequence that reaches it, so no chunk ever crosses it.
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.waiting_for_kv: dict[int, Sequence] = {}
+        self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_cached_tokens_hit = 0
+        # Most prefill tokens one sequence may get in a step.
+        cap = config.long_prefill_token_threshold
+        self._prefill_cap = (cap if cap > 0 and config.enable_chunked_prefill
+                             else config.max_num_batched_tokens)
+        self.short_first = ShortFirst(cap if cap > 0 and config.enable_chunked_prefill else 0)
+
+    # ------------------------------------------------------------ queue entry
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self._enqueue(seq)
+
+    def add_waiting_for_kv(self, seq: Sequence) -> None:
+        """Blocks are already allocated to `seq.seq_id`; hold it until `admit`."""
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        self.waiting_for_kv[seq.seq_id] = seq
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """KV arrived for these (now computed) sequences: run them, or queue if full."""
+        for seq in seqs:
+            self.waiting_for_kv.pop(seq.seq_id, None)
+            if len(self.running) < self.config.max_num_seqs:
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            else:
+                seq.status = SequenceStatus.WAITING
+                self._enqueue(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares `parent`'s blocks (copy-on-write) and runs beside it."""
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.status = parent.status
+        if parent.status is SequenceStatus.RUNNING:
+            self.running.append(child)
+
+    def check_reserve(self, seq: Sequence) -> ReserveCheck:
+        """Decode admission of `seq` (no blocks yet, not queued): see `ReserveCheck`."""
+        bm = self.block_manager
+        prompt = bm.blocks_for(seq.num_tokens)
+        live = [*self.running, *self.waiting, *self.waiting_for_kv.values()]
+        growth = sum(self._growth_blocks(s) for s in live) + self._growth_blocks(seq) - prompt
+        watermark = int(self.config.watermark * bm.num_allocatable)
+        return ReserveCheck(prompt, bm.num_free_blocks, growth, watermark, idle=not live)
+
+    def _growth_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq` (and its choices still to fork) may still need to hold the KV of
+        its next `reserve_decode_tokens` tokens, capped by max_tokens and max_model_len."""
+        bm = self.block_manager
+        left = max(0, seq.params.max_tokens - len(seq.output_token_ids))
+        goal = bm.blocks_for(min(seq.num_tokens + min(self.config.reserve_decode_tokens, left),
+                                 self.max_model_len))
+        table = bm.block_table(seq.seq_id)
+        need = max(0, goal - len(table))
+        if table and bm.ref_count(table[-1]) > 1:
+            need += 1  # a shared last block is copied before it is written (at most once too many)
+        # A choice still to fork shares the full blocks only: its partial block is its own.
+        return need + seq.pending_forks * (goal - seq.num_tokens // bm.block_size)
+
+    # --------------------------------------------------------------- stepping
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        copies: list[BlockCopy] = []
+        held = self.short_first.held_back(self.running,
+                                          room=len(self.running) < self.config.max_num_seqs)
+        budget = self._schedule_running(budget, scheduled, preempted, copies, held)
+        # After a preemption there is no room to admit anything new this step.
+        if not preempted:
+            self._schedule_waiting(budget, scheduled, copies, held)
+        chunks = [self._chunk(s.seq, s.num_new_tokens) for s in scheduled]
+        for chunk, s in zip(chunks, scheduled, strict=True):
+            prompt_end = s.seq.num_prompt_tokens
+            self.num_prompt_tokens_computed += max(0, min(chunk.end_pos, prompt_end) - chunk.start_pos)
+        return SchedulerOutput(chunks, [s.seq for s in scheduled], preempted, copies)
+
+    def mark_computed(self, output: SchedulerOutput) -> None:
+        """The runner computed `output`: advance progress and cache full blocks."""
+        for chunk, seq in zip(output.chunks, output.seqs, strict=True):
+            seq.num_computed_tokens = chunk.end_pos - chunk.num_draft_tokens
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End `seq` wherever it is; free its blocks unless it is FINISHED_PREFILLED."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+            self.short_first.dequeued(seq)
+        else:
+            self.waiting_for_kv.pop(seq.seq_id, None)
+        if status is not SequenceStatus.FINISHED_PREFILLED:
+            self.block_manager.free(seq.seq_id)
+        self.short_first.forget(seq.seq_id)
+        seq.status = status
+
+    def release(self, seq: Sequence) -> None:
+        """Free the blocks a FINISHED_PREFILLED sequence held for its KV transfer."""
+        self.block_manager.free(seq.seq_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+
+    # -------------------------------------------------------------- internals
+    def _enqueue(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self.short_first.queued(seq)
+
+    def _schedule_running(
+        self,
+        budget: int,
+        scheduled: list[ScheduledSeq],
+        preempted: list[Sequence],
+        copies: list[BlockCopy],
+        held: set[int],
+    ) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.seq_id in held:  # a long prefill's chunk waits a step for a short prompt
+                i += 1
+                continue
+            num_new = self._fit_drafts(seq, min(seq.num_uncomputed_tokens + len(seq.spec_token_ids),
+                                                budget, self._prefill_cap))
+            if num_new <= 0:
+                i += 1
+                continue
+            alloc = None
+            while alloc is None:
+                end = seq.num_computed_tokens + num_new
+                alloc = self.block_manager.allocate_slots(seq.seq_id, end, seq.num_computed_tokens)
+                if alloc is None and seq.spec_token_ids:
+                    num_new = self._fit_drafts(seq, num_new - len(seq.spec_token_ids))
+                    continue
+                if alloc is None:
+                    # Victims come from the tail (latest admitted); never from already
+                    # scheduled sequences, which all sit before index i.
+                    victim = self.running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        return budget
+            copies.extend(alloc.copies)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(
+        self, budget: int, scheduled: list[ScheduledSeq], copies: list[BlockCopy], held: set[int]
+    ) -> None:
+        """Admit WAITING sequences FCFS from the head. A held-back one is set aside and
+        put back at the front in its place, so the queue's order never changes and a
+        step costs O(admitted + held), not O(len(waiting))."""
+        bm = self.block_manager
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if seq.seq_id in held:
+                skipped.append(self.waiting.popleft())
+                continue
+            width = seq.num_choices_when_running
+            if self.running and len(self.running) + width > self.config.max_num_seqs:
+                break
+            first_admission = seq.num_computed_tokens == 0 and not bm.has_owner(seq.seq_id)
+            prefix = bm.match_prefix(seq.token_ids) if first_admission else NO_HIT
+            computed = max(seq.num_computed_tokens, prefix.num_tokens)
+            num_new = seq.num_tokens - computed
+            if num_new > min(budget, self._prefill_cap):
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = min(budget, self._prefill_cap)
+            alloc = bm.allocate_slots(seq.seq_id, computed + num_new, computed, prefix)
+            if alloc is None:
+                break
+            copies.extend(alloc.copies)
+            if prefix.num_tokens:
+                self.num_cached_tokens_hit += prefix.num_tokens
+                if seq.num_cached_tokens == 0:
+                    seq.num_cached_tokens = min(prefix.num_tokens, seq.num_prompt_tokens)
+            seq.num_computed_tokens = computed
+            self.short_first.dequeued(self.waiting.popleft())
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+    @staticmethod
+    def _fit_drafts(seq: Sequence, num_new: int) -> int:
+        """Cut `seq`'s drafts to what `num_new` scheduled tokens leave room for."""
+        room = max(0, num_new - seq.num_uncomputed_tokens)
+        if len(seq.spec_token_ids) > room:
+            seq.spec_token_ids = seq.spec_token_ids[:room]
+        return num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.seq_id)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.short_first.queued(seq)
+        self.num_preemptions += 1
+
+    def _chunk(self, seq: Sequence, num_new: int) -> SeqChunk:
+        start = seq.num_computed_tokens
+        drafts = seq.spec_token_ids  # scheduled whole (`_fit_drafts`), behind the last token
+        end = start + num_new - len(drafts)
+        return SeqChunk(
+            token_ids=seq.token_ids[start:end] + drafts,
+            start_pos=start,
+            block_table=self.block_manager.block_table(seq.seq_id),
+            need_logits=end == seq.num_tokens,
+            num_draft_tokens=len(drafts),
+        )

@@ -1,0 +1,116 @@
+"""Compiling a `StructuredOutput` against the model's tokenizer, once per constraint.
+
+`GrammarCompiler.compile(c)` returns a `CompiledGrammar` (a template matcher that each
+sequence copies), from an LRU cache keyed by the constraint's hash. Compiling runs on
+a small thread pool and the engine loop waits for it at most `timeout_s`: a constraint
+that takes longer is refused with `GrammarCompileError` (the request gets a 400 naming
+its parameter) and the loop goes on, so one pathological schema costs the worker at most
+that long, once. A compile that outlives its wait keeps running in the pool and is
+cached when it lands, so a retry can hit; a cache hit costs nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pdserve.common.structured import StructuredOutput, StructuredOutputError, check
+
+CACHE_SIZE = 256
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+
+
+class GrammarCompileError(StructuredOutputError):
+    """A constraint that did not compile (invalid, too complex, or not in time)."""
+
+
+class CompiledGrammar:
+    """A compiled constraint; `new_matcher()` gives a fresh llguidance matcher at the start of output."""
+
+    def __init__(self, key: str, template: Any, eos_token_ids: Sequence[int]) -> None:
+        self.key = key
+        self._template = template
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def new_matcher(self) -> Any:
+        return self._template.deep_copy()
+
+
+def load_tokenizer(model_dir: str, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
+    """The llguidance tokenizer of the model's `tokenizer.json`, covering the model's whole
+    vocabulary (ids past the tokenizer's own are never allowed)."""
+    from llguidance import LLTokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise GrammarCompileError("structured_outputs", f"structured outputs need {path}, which is missing")
+    return LLTokenizer(path.read_text(encoding="utf-8"), n_vocab=vocab_size, eos_token=list(eos_token_ids))
+
+
+class GrammarCompiler:
+    """Compiles and caches grammars for one model; safe to call from the engine loop only."""
+
+    def __init__(self, tokenizer_factory: Callable[[], Any], eos_token_ids: Sequence[int],
+                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, cache_size: int = CACHE_SIZE,
+                 build: Callable[[Any, str], Any] | None = None) -> None:
+        self._tokenizer_factory = tokenizer_factory
+        self._tokenizer: Any = None
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.timeout_s = timeout_s
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._cache_size = cache_size
+        self._pending: dict[str, cf.Future[Any]] = {}
+        self._build = build or _build_matcher
+        self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
+        self.num_compiled = 0
+        self.num_hits = 0
+
+    def compile(self, c: StructuredOutput) -> CompiledGrammar:
+        """The compiled grammar of `c`, or GrammarCompileError naming `c.param`."""
+        key = c.key
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            self.num_hits += 1
+            return hit
+        try:
+            grammar = check(c)  # a grammar error is reported without compiling anything
+        except StructuredOutputError as e:
+            raise GrammarCompileError(e.param, str(e)) from None
+        future = self._pending.get(key)
+        if future is None:
+            tokenizer = self._tok()
+            future = self._pool.submit(self._build, tokenizer, grammar)
+            self._pending[key] = future
+        try:
+            template = future.result(timeout=self.timeout_s)
+        except cf.TimeoutError:
+            raise GrammarCompileError(
+                c.param, f"{c.param} could not be compiled within {self.timeout_s:g} s "
+                "(--grammar-compile-timeout)") from None
+        del self._pending[key]
+        if template.is_error():
+            raise GrammarCompileError(c.param, f"invalid {c.param}: {template.get_error()[:300]}")
+        compiled = CompiledGrammar(key, template, self.eos_token_ids)
+        self._cache[key] = compiled
+        self.num_compiled += 1
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _tok(self) -> Any:
+        if self._tokenizer is None:
+            self._tokenizer = self._tokenizer_factory()
+        return self._tokenizer
+
+
+def _build_matcher(tokenizer: Any, grammar: str) -> Any:
+    from llguidance import LLMatcher
+
+    return LLMatcher(tokenizer, grammar, log_level=0)

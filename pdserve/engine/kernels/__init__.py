@@ -1,0 +1,1 @@
+"""Native CPU kernels (C, loaded with ctypes) and their Python wrappers."""

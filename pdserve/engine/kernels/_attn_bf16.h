@@ -1,0 +1,19 @@
+/* The AVX-512 BF16 inner loop of the paged decode attention (pdserve/engine/kernels/_attn_bf16.c). */
+#ifndef PD_ATTN_BF16_H
+#define PD_ATTN_BF16_H
+
+#include <stdint.h>
+
+#define PD_ATTN_UNHANDLED (-1)
+
+/* One (sequence, KV head) in bf16: q and out point at its G query heads' rows (D apart),
+ * sc at G * L floats of scratch. PD_ATTN_UNHANDLED: not this head size, CPU or setting. */
+int pd_attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *table,
+                   int64_t L, int64_t num_blocks, int64_t h, int64_t G, int64_t KVH, int64_t D,
+                   int64_t bs, float scale, uint16_t *out, float *sc);
+
+/* Turns the loop on (default) or off for the process (A/B benchmarks and tests); returns
+ * the previous setting. */
+int pd_attn_bf16_set(int on);
+
+#endif

@@ -1,0 +1,291 @@
+/* Native CPU kernels of the bf16 hot path (pdserve/engine/kernels/native.py loads them):
+ * (also the int4 weight unpacking of pdserve/engine/quant/linear.py, at the end of the file)
+ * paged decode attention read in place from the KV pool, the residual add fused with
+ * RMSNorm, and the rotary embedding in place (the last two at the end of the file).
+ *
+ * The torch backend (pdserve/engine/attention/paged.py) gathers every decoding sequence's
+ * whole context out of the pool, per layer per step, into a padded tensor and
+ * then runs SDPA over it: the KV bytes are read, written and read again. Here
+ * each (sequence, KV head) walks its own block table and reads each K and V row
+ * once, straight from the pool, with no padding and no mask.
+ *
+ * Layouts (element strides, C-contiguous):
+ *   q, out        [B, H, D]                       H = KVH * G query heads; heads
+ *                                                 h*G .. h*G+G-1 share KV head h;
+ *                                                 q's rows may be `q_stride` apart
+ *                                                 (a view into the qkv projection)
+ *   k, v (a pool) [num_blocks, bs, KVH, D]
+ *   tables        [B, table_stride] int64         block ids; only the first
+ *                                                 ceil(ctx_len / bs) are read
+ *   ctx_lens      [B] int64                       keys each sequence attends to
+ * dtype 0 = float32, 1 = bfloat16 (q, k, v and out alike). Scores, softmax and
+ * the weighted sum accumulate in float32; a bf16 output is rounded to nearest
+ * even once, at the end.
+ *
+ * Work items are (sequence, KV head) pairs, spread over OpenMP threads. The
+ * library is loaded after torch, so `libgomp.so.1` resolves to the runtime torch
+ * already loaded: the same thread pool, sized by the caller (torch's setting).
+ * No Python API: loaded with ctypes, which releases the GIL for the call.
+ * Every block id and length is checked here before it is used as an address.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "_attn_bf16.h"
+#include "_attn_simd.h"
+
+#define PD_OK 0
+#define PD_ERR_NOMEM 1
+#define PD_ERR_BLOCK 2
+#define PD_ERR_LEN 3
+
+/* float32 -> the nearest bf16, as float32 (a bf16 op's rounding of its result). */
+static inline float rbf(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* dst[0..D) = row `idx` (element offset) of `base` as float32. */
+static inline void load_row(const void *base, int dtype, int64_t idx, int64_t D, float *dst) {
+    if (dtype == 1) {
+        const uint16_t *p = (const uint16_t *)base + idx;
+        for (int64_t j = 0; j < D; j++)
+            dst[j] = bf16_to_f32(p[j]);
+    } else {
+        memcpy(dst, (const float *)base + idx, (size_t)D * sizeof(float));
+    }
+}
+
+/* One (sequence, KV head): the G query heads sharing it attend to its L keys.
+ * `work` holds G*D (queries) + D (one K/V row) + G*D (accumulators) + G*L
+ * (scores) floats. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static int attend(int dtype, const void *q, int64_t q_stride, const void *k, const void *v,
+                  const int64_t *table, int64_t L, int64_t num_blocks, int64_t b, int64_t h,
+                  int64_t G, int64_t KVH, int64_t D, int64_t bs, float scale, void *out,
+                  float *work) {
+    float *qf = work, *row = qf + G * D, *acc = row + D, *sc = acc + G * D;
+    int64_t q0 = (b * KVH * G + h * G) * D;
+    if (dtype == 1) { /* pdserve/engine/kernels/_attn_bf16.c where the head size and CPU allow */
+        int rc = pd_attend_bf16((const uint16_t *)q + b * q_stride + h * G * D, k, v, table, L,
+                                num_blocks, h, G, KVH, D, bs, scale, (uint16_t *)out + q0, sc);
+        if (rc != PD_ATTN_UNHANDLED)
+            return rc;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        load_row(q, dtype, b * q_stride + (h * G + g) * D, D, qf + g * D);
+        for (int64_t j = 0; j < D; j++)
+            qf[g * D + j] *= scale;
+    }
+    for (int64_t t = 0; t < L; t++) {
+        int64_t blk = table[t / bs];
+        if (blk < 0 || blk >= num_blocks)
+            return PD_ERR_BLOCK;
+        load_row(k, dtype, ((blk * bs + t % bs) * KVH + h) * D, D, row);
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qf + g * D;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t j = 0; j < D; j++)
+                s += qg[j] * row[j];
+            sc[g * L + t] = s;
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *s = sc + g * L, m = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < L; t++)
+            m = s[t] > m ? s[t] : m;
+        for (int64_t t = 0; t < L; t++) {
+            s[t] = expf(s[t] - m);
+            sum += s[t];
+        }
+        float inv = 1.0f / sum;
+        for (int64_t t = 0; t < L; t++)
+            s[t] *= inv;
+    }
+    memset(acc, 0, (size_t)(G * D) * sizeof(float));
+    for (int64_t t = 0; t < L; t++) {
+        int64_t blk = table[t / bs]; /* checked in the K pass */
+        load_row(v, dtype, ((blk * bs + t % bs) * KVH + h) * D, D, row);
+        for (int64_t g = 0; g < G; g++) {
+            float p = sc[g * L + t], *a = acc + g * D;
+            for (int64_t j = 0; j < D; j++)
+                a[j] += p * row[j];
+        }
+    }
+    for (int64_t i = 0; i < G * D; i++) {
+        if (dtype == 1)
+            ((uint16_t *)out)[q0 + i] = f32_to_bf16(acc[i]);
+        else
+            ((float *)out)[q0 + i] = acc[i];
+    }
+    return PD_OK;
+}
+
+/* Decode attention for B sequences; returns PD_OK or the first error met
+ * (the output is then unspecified). num_threads <= 0 means one thread. */
+int pd_paged_decode(int dtype, const void *q, int64_t q_stride, const void *k, const void *v,
+                    const int64_t *tables,
+                    int64_t table_stride, const int64_t *ctx_lens, int64_t B, int64_t H,
+                    int64_t KVH, int64_t D, int64_t bs, int64_t num_blocks, float scale,
+                    void *out, int num_threads) {
+    if (KVH <= 0 || H % KVH || D <= 0 || bs <= 0)
+        return PD_ERR_LEN;
+    int64_t G = H / KVH, items = B * KVH, max_len = 0;
+    if (items == 0)
+        return PD_OK;
+    for (int64_t b = 0; b < B; b++) {
+        if (ctx_lens[b] < 1 || ctx_lens[b] > table_stride * bs)
+            return PD_ERR_LEN;
+        max_len = ctx_lens[b] > max_len ? ctx_lens[b] : max_len;
+    }
+    int threads = num_threads < 1 ? 1 : num_threads;
+    if (threads > items)
+        threads = (int)items;
+    int err = PD_OK;
+#pragma omp parallel num_threads(threads) reduction(max : err)
+    {
+        /* Every thread must reach the `omp for`; one without scratch only reports it. */
+        float *work = malloc((size_t)(2 * G * D + D + G * max_len) * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < items; i++) {
+            if (work == NULL) {
+                err = PD_ERR_NOMEM;
+                continue;
+            }
+            int64_t b = i / KVH, h = i % KVH;
+            int rc = attend(dtype, q, q_stride, k, v, tables + b * table_stride, ctx_lens[b],
+                            num_blocks, b, h, G, KVH, D, bs, scale, out, work);
+            err = rc > err ? rc : err;
+        }
+        free(work);
+    }
+    return err;
+}
+
+/* The residual add fused with the next RMSNorm, bfloat16 in and out, rounded where
+ * Hugging Face's Llama rounds (so bf16 output stays within its HF tolerance):
+ *   h   <- bf16(h + delta)                       (in place; delta NULL: h as it is)
+ *   out  = bf16(w * bf16(h * rsqrt(mean(h^2) + eps)))   mean and rsqrt in float32
+ * One pass over h per row instead of ~9 torch ops (add, cast, pow, mean, add, rsqrt,
+ * mul, cast, mul), each a dispatch and a full pass over the row. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void add_rms_norm_row(uint16_t *h, const uint16_t *delta, const uint16_t *w, int64_t dim,
+                             float eps, uint16_t *out) {
+    float ss = 0.0f;
+    if (delta != NULL) {
+        for (int64_t j = 0; j < dim; j++)
+            h[j] = f32_to_bf16(bf16_to_f32(h[j]) + bf16_to_f32(delta[j]));
+    }
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < dim; j++) {
+        float x = bf16_to_f32(h[j]);
+        ss += x * x;
+    }
+    float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int64_t j = 0; j < dim; j++) {
+        float n = bf16_to_f32(f32_to_bf16(bf16_to_f32(h[j]) * inv));
+        out[j] = f32_to_bf16(bf16_to_f32(w[j]) * n);
+    }
+}
+
+void pd_add_rms_norm_bf16(uint16_t *h, const uint16_t *delta, const uint16_t *w, int64_t rows,
+                          int64_t dim, float eps, uint16_t *out, int num_threads) {
+    /* A decode batch's few rows are not worth waking the thread team for. */
+    int threads = rows * dim < (1 << 16) || num_threads < 1 ? 1 : num_threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        add_rms_norm_row(h + r * dim, delta == NULL ? NULL : delta + r * dim, w, dim, eps,
+                         out + r * dim);
+}
+
+/* Rotary embedding in place on the first `nheads` heads of each row of x (bf16):
+ * row t at x + t * row_stride, head h at + h * D; cos/sin rows [T, D], sin with the
+ * rotate_half sign folded in (pdserve/engine/models/rope.py). Rounded as HF's
+ * `x * cos + rotate_half(x) * sin` in bf16: each product, then the sum. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void rope_row(uint16_t *x, int64_t nheads, int64_t D, const uint16_t *c,
+                     const uint16_t *s) {
+    int64_t half = D / 2;
+    for (int64_t h = 0; h < nheads; h++) {
+        uint16_t *p = x + h * D;
+        for (int64_t j = 0; j < half; j++) {
+            float a = bf16_to_f32(p[j]), b = bf16_to_f32(p[j + half]);
+            float lo = rbf(rbf(a * bf16_to_f32(c[j])) + rbf(b * bf16_to_f32(s[j])));
+            float hi = rbf(rbf(b * bf16_to_f32(c[j + half])) + rbf(a * bf16_to_f32(s[j + half])));
+            p[j] = f32_to_bf16(lo);
+            p[j + half] = f32_to_bf16(hi);
+        }
+    }
+}
+
+void pd_rope_bf16(uint16_t *x, int64_t T, int64_t row_stride, int64_t nheads, int64_t D,
+                  const uint16_t *cos, const uint16_t *sin, int num_threads) {
+    int threads = T * nheads * D < (1 << 16) || num_threads < 1 ? 1 : num_threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        rope_row(x + t * row_stride, nheads, D, cos + t * D, sin + t * D);
+}
+
+/* int4 weights in the layout torch's CPU int4 kernel packs them in
+ * (`_convert_weight_to_int4pack_for_cpu(q, 1)` with N a multiple of 64):
+ *   packed [N/64, K, 32] uint8: the byte for (block nb, column k, lane d) holds row
+ *   nb*64+d in its low nibble and row nb*64+32+d in its high nibble;
+ *   sz [K/group, N, 2] (float32 or bf16): scale and offset, w = (q - 8) * scale + offset
+ * -> out [N, K] dense, float32 or bf16 (rounded to nearest even). The aten kernel is a
+ * small-M kernel: past a few dozen rows a dense matmul over this is several times faster
+ * (pdserve/engine/quant/linear.py). */
+/* One 64-row block, 16 columns at a time: the 16 x 32 bytes are first split into a
+ * [64 rows][16 columns] tile of codes (in L1), then each row's 16 values are scaled and
+ * stored contiguously (one vector). `group` is a multiple of 16 (checked by the caller).
+ * Codes, scales and offsets are finite, so bf16 rounding needs no NaN case. */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void int4_block(const uint8_t *packed, const void *sz, int sz_dtype, int64_t nb,
+                       int64_t N, int64_t K, int64_t group, int out_dtype, void *out) {
+    const uint8_t *src = packed + nb * K * 32;
+    uint8_t tile[64][16];
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+        for (int kk = 0; kk < 16; kk++) {
+            const uint8_t *row = src + (k0 + kk) * 32;
+            for (int d = 0; d < 32; d++) {
+                tile[d][kk] = row[d] & 15;
+                tile[32 + d][kk] = row[d] >> 4;
+            }
+        }
+        int64_t g = k0 / group;
+        for (int r = 0; r < 64; r++) {
+            int64_t n = nb * 64 + r, at = (g * N + n) * 2;
+            float s, o;
+            if (sz_dtype == 1) {
+                s = bf16_to_f32(((const uint16_t *)sz)[at]);
+                o = bf16_to_f32(((const uint16_t *)sz)[at + 1]);
+            } else {
+                s = ((const float *)sz)[at];
+                o = ((const float *)sz)[at + 1];
+            }
+            float w[16];
+            for (int kk = 0; kk < 16; kk++)
+                w[kk] = (float)((int)tile[r][kk] - 8) * s + o;
+            if (out_dtype == 1) {
+                uint16_t *dst = (uint16_t *)out + n * K + k0;
+                for (int kk = 0; kk < 16; kk++) {
+                    uint32_t u;
+                    memcpy(&u, &w[kk], sizeof u);
+                    dst[kk] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+                }
+            } else {
+                memcpy((float *)out + n * K + k0, w, sizeof w);
+            }
+        }
+    }
+}
+
+int pd_int4_dequant(const uint8_t *packed, const void *sz, int sz_dtype, int64_t N, int64_t K,
+                    int64_t group, int out_dtype, void *out, int num_threads) {
+    if (N % 64 != 0 || group <= 0 || group % 16 != 0 || K % group != 0)
+        return PD_ERR_LEN;
+    int threads = num_threads < 1 ? 1 : num_threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t nb = 0; nb < N / 64; nb++)
+        int4_block(packed, sz, sz_dtype, nb, N, K, group, out_dtype, out);
+    return PD_OK;
+}

@@ -1,0 +1,391 @@
+"""LLMEngine: requests in, tokens out, one scheduler step at a time.
+
+    engine = LLMEngine(EngineConfig(model_dir=...))
+    engine.add_request("r1", prompt_ids, SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+The same engine serves three roles:
+- single process / colocated: `add_request` + `step` (or `generate`);
+- prefill node: `add_request(..., prefill_only=True)` finishes once the first
+  token(s) are sampled (FINISHED_PREFILLED) and keeps the KV blocks until
+  `release`; `held_blocks` names them for the transfer. Stepping in two halves
+  (`schedule`, then `execute`) lets the node see `completing_prefills` first
+  and push each layer's KV from `layer_hook` while the next layer computes;
+- decode node: `reserve_remote` allocates blocks the prefill KV is written into,
+  `start_remote` marks the prompt computed elsewhere and decodes from token 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from pdserve.common.logprobs import Logprob
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.block_manager import NO_HIT, BlockCopy, BlockManager
+from pdserve.engine.core.config import EngineConfig
+from pdserve.engine.grammar.compiler import GrammarCompiler, load_tokenizer
+from pdserve.engine.grammar.masking import any_constrained, constrain, cut_drafts
+from pdserve.engine.core.outputs import EngineStats, GenerationResult, RequestOutput, StepDeltas, build_outputs, generation_result
+from pdserve.engine.core.request_checks import check_request
+from pdserve.engine.sampler import Sampler, SampleRow, request_seed
+from pdserve.engine.core.scheduler import Reservation, Scheduler, SchedulerOutput
+from pdserve.engine.core.sequence import Request, SequenceStatus, finish_status
+from pdserve.engine.core.sequence import Sequence as Seq
+from pdserve.engine.spec.decoder import SpecDecoder, accepted_prefix, draft_proposer
+
+if TYPE_CHECKING:
+    from pdserve.engine.runner.model_runner import ModelRunner
+
+
+class PrefillDone(NamedTuple):
+    """A prefill-only request whose prompt the scheduled batch completes."""
+
+    request_id: str
+    block_ids: list[int]
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model runner."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        if runner is None:
+            from pdserve.engine.parallel.runner import make_runner
+
+            runner = make_runner(config)
+        self.config = config
+        self.runner = runner
+        self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
+        self.vocab_size = runner.model_config.vocab_size
+        self.max_model_len = runner.max_model_len
+        self.block_manager = BlockManager(
+            runner.num_blocks, runner.layout.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.sampler = Sampler()
+        eos = sorted(self.eos_token_ids)
+        self.grammar = GrammarCompiler(
+            lambda: load_tokenizer(config.model_dir, self.vocab_size, eos), eos, config.grammar_compile_timeout_s
+        )
+        self.spec = (SpecDecoder(config.speculative, self.block_manager, self.max_model_len,
+                                 draft_proposer(config, runner))
+                     if config.speculative is not None else None)
+        self._requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_counter = itertools.count()
+        self._num_generated = 0
+        self._num_steps = 0
+
+    # ---------------------------------------------------------------- requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        output_token_ids: Sequence[int] = (),
+        choice_index: int = 0,
+    ) -> None:
+        """Queue a request; ValueError if it can never fit (length, KV capacity, budget).
+
+        `output_token_ids` resumes a sequence (n=1) that already generated these tokens
+        elsewhere (recovery): they are prefilled with the prompt, count toward
+        max_tokens and penalties, and the next draw is output token index len(...).
+        `choice_index` (n=1 only) continues choice c of an n>1 request: its seeds are
+        drawn from (seed, c, index) and its outputs carry index c.
+        """
+        req = self._new_request(request_id, prompt_token_ids, params, prefill_only, output_token_ids, choice_index)
+        self.scheduler.add(req.seqs[0])
+
+    def step(self, layer_hook: Callable[[int], None] | None = None) -> list[RequestOutput]:
+        """Run one scheduler step; return what each touched request gained."""
+        return self.execute(self.schedule(), layer_hook)
+
+    def schedule(self) -> SchedulerOutput:
+        """First half of `step`: pick this step's batch (blocks are allocated now).
+
+        Pass it to `execute` before anything else touches the engine."""
+        self._num_steps += 1
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, len(self.scheduler.running))
+            cut_drafts(self.scheduler.running, self.grammar)  # at the first token a grammar rejects
+        return self.scheduler.schedule()
+
+    def execute(
+        self, batch: SchedulerOutput, layer_hook: Callable[[int], None] | None = None
+    ) -> list[RequestOutput]:
+        """Second half of `step`: run the model on `batch`, sample, and report."""
+        if batch.is_empty:
+            return []
+        logits = self._execute(batch, layer_hook)
+        self.scheduler.mark_computed(batch)
+        outputs = self._postprocess(batch, logits)
+        if self.spec is not None:
+            self.spec.retain(self.scheduler.running)  # a draft model's KV of ended sequences
+        return outputs
+
+    def completing_prefills(self, batch: SchedulerOutput) -> list[PrefillDone]:
+        """Prefill-only requests whose prompt `batch` finishes, with their blocks.
+
+        Once `execute`'s `layer_hook(i)` runs, layer i of *every* listed block is final:
+        blocks of earlier chunks and prefix-cache hits were complete before this step.
+        The blocks are the ones `held_blocks` names after the step."""
+        done = []
+        for chunk, seq in zip(batch.chunks, batch.seqs, strict=True):
+            if seq.prefill_only and chunk.need_logits:
+                done.append(PrefillDone(seq.request_id, self.block_manager.block_table(seq.seq_id)))
+        return done
+
+    def abort(self, request_id: str) -> bool:
+        """End a request in any state and free its blocks; False if unknown."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if seq.status is SequenceStatus.FINISHED_PREFILLED:
+                self.scheduler.release(seq)
+                seq.status = SequenceStatus.FINISHED_ABORTED
+            elif not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if self.spec is not None:
+            self.spec.retain(self.scheduler.running)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[GenerationResult]:
+        """Run `prompts` to completion together; the single-process reference."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{next(self._request_counter)}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        reqs = {rid: self._requests[rid] for rid in ids}
+        while any(not r.finished for r in reqs.values()):
+            self.step()
+        return [generation_result(reqs[rid]) for rid in ids]
+
+    def seq_id(self, request_id: str) -> int:
+        """The id of the request's first sequence (what keys its draft-model KV)."""
+        return self._requests[request_id].seqs[0].seq_id
+
+    # -------------------------------------------------------------- prefill node
+    def held_blocks(self, request_id: str) -> list[int]:
+        """Blocks holding a FINISHED_PREFILLED request's prompt KV ([] if none held)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return []
+        for seq in req.seqs:
+            if seq.status is SequenceStatus.FINISHED_PREFILLED:
+                return self.block_manager.block_table(seq.seq_id)
+        return []
+
+    def release(self, request_id: str) -> None:
+        """The KV transfer was acked: free a prefill-only request's held blocks."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if seq.status is SequenceStatus.FINISHED_PREFILLED:
+                self.scheduler.release(seq)
+
+    # --------------------------------------------------------------- decode node
+    def reserve_remote(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        output_token_ids: Sequence[int] = (),
+        choice_index: int = 0,
+        reuse_prefix: bool = False,
+    ) -> Reservation:
+        """Allocate blocks for the prompt's KV (WAITING_FOR_KV) if decode admission
+        (`Scheduler.check_reserve`) grants it; a refusal reserves nothing.
+
+        `output_token_ids`, `choice_index`: a resumed sequence (recovery); its KV arrives
+        with the prompt's, as in `add_request`. `reuse_prefix`: leading blocks this
+        engine's prefix cache already holds are pinned instead (`cached_blocks`), and
+        only the rest are reserved for the transfer (suffix-only handoff).
+        """
+        req = self._new_request(request_id, prompt_token_ids, params, False, output_token_ids, choice_index)
+        seq = req.seqs[0]
+        check = self.scheduler.check_reserve(seq)
+        hit = self.block_manager.match_prefix(seq.token_ids) if reuse_prefix else NO_HIT
+        if not check.ok or self.block_manager.allocate_slots(seq.seq_id, seq.num_tokens, hit.num_tokens, hit) is None:
+            del self._requests[request_id]
+            return Reservation([], check)
+        self.scheduler.add_waiting_for_kv(seq)
+        cached = len(hit.block_ids)
+        return Reservation(self.block_manager.block_table(seq.seq_id)[cached:], check, cached)
+
+    def start_remote(
+        self,
+        request_id: str,
+        first_token_ids: Sequence[int],
+        first_logprobs: Sequence[Logprob | None] | None = None,
+    ) -> RequestOutput:
+        """The prompt KV is in the reserved blocks: append each choice's first token, run.
+
+        Returns finish reasons of choices the first token already ends (no new tokens).
+        """
+        req = self._requests[request_id]
+        parent = req.seqs[0]
+        if parent.status is not SequenceStatus.WAITING_FOR_KV:
+            raise ValueError(f"request {request_id!r} is not waiting for KV")
+        if len(first_token_ids) != req.params.n:
+            raise ValueError(f"need {req.params.n} first tokens, got {len(first_token_ids)}")
+        parent.num_computed_tokens = parent.num_tokens
+        self.block_manager.cache_full_blocks(parent.seq_id, parent.token_ids, parent.num_computed_tokens)
+        self._fork_choices(parent)
+        lps = list(first_logprobs) if first_logprobs is not None else [None] * len(req.seqs)
+        live = []
+        for seq, tok, lp in zip(req.seqs, first_token_ids, lps, strict=True):
+            seq.append_token(int(tok), lp)
+            status = finish_status(seq, self.eos_token_ids, self.max_model_len)
+            if status is None:
+                live.append(seq)
+            else:
+                self.scheduler.finish(seq, status)
+        self.scheduler.admit(live)
+        out = build_outputs([req], {}, {}, include_finished=True)[0]
+        if req.finished:
+            del self._requests[request_id]
+        return out
+
+    # --------------------------------------------------------------------- stats
+    def stats(self) -> EngineStats:
+        s, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_waiting_for_kv=len(s.waiting_for_kv),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_allocatable,
+            kv_usage=bm.usage,
+            num_prompt_tokens_computed=s.num_prompt_tokens_computed,
+            num_cached_tokens_hit=s.num_cached_tokens_hit,
+            num_generated_tokens=self._num_generated,
+            num_preemptions=s.num_preemptions,
+            num_steps=self._num_steps,
+            spec=self.spec.stats() if self.spec is not None else None,
+        )
+
+    # ----------------------------------------------------------------- internals
+    def _new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        prefill_only: bool,
+        output_token_ids: Sequence[int] = (),
+        choice_index: int = 0,
+    ) -> Request:
+        params.validate()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = [int(t) for t in prompt_token_ids]
+        outputs = [int(t) for t in output_token_ids]
+        check_request(prompt, outputs, params, choice_index, vocab_size=self.vocab_size,
+                      max_model_len=self.max_model_len, blocks=self.block_manager,
+                      scheduler=self.config.scheduler)
+        if params.structured is not None:
+            self.grammar.compile(params.structured)  # compiled (and cached) before it is queued
+        counter = next(self._request_counter)
+        seed = params.seed if params.seed is not None else request_seed(self.config.seed, counter)
+        seq = Seq(
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            choice_index=choice_index,
+            prompt_token_ids=prompt,
+            params=params,
+            sampling_seed=seed,
+            output_token_ids=outputs,
+            pending_forks=params.n - 1,
+            prefill_only=prefill_only,
+        )
+        req = Request(request_id, prompt, params, prefill_only, [seq])
+        self._requests[request_id] = req
+        return req
+
+    def _execute(
+        self, batch: SchedulerOutput, layer_hook: Callable[[int], None] | None
+    ) -> torch.Tensor:
+        if batch.block_copies:
+            self._copy_blocks(batch.block_copies)
+        return self.runner.execute(batch.chunks, layer_hook)
+
+    def _copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """Copy-on-write: duplicate shared blocks (all layers, K and V) before writing."""
+        kv = self.runner.pool.kv
+        src = torch.tensor([c.src for c in copies], dtype=torch.long, device=kv.device)
+        dst = torch.tensor([c.dst for c in copies], dtype=torch.long, device=kv.device)
+        kv[:, :, dst] = kv[:, :, src]
+
+    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        rows, seqs = self._sample_rows(batch)
+        if any_constrained(seqs):  # masks along drafts too (pdserve.engine.grammar.masking)
+            constrain(logits, rows, seqs, self.grammar)
+        samples = self.sampler(logits, rows)
+        deltas = StepDeltas()
+        touched: dict[str, Request] = {}
+        at = 0
+        for seq in seqs:
+            drafts, seq.spec_token_ids = seq.spec_token_ids, []
+            group = samples[at:at + 1 + len(drafts)]
+            at += len(group)
+            kept = accepted_prefix(drafts, [s.token_id for s in group])
+            for sample in group[:kept]:
+                seq.append_token(sample.token_id, sample.logprob)
+                self._num_generated += 1
+                deltas.add(seq, sample.token_id, sample.logprob)
+                status = finish_status(seq, self.eos_token_ids, self.max_model_len)
+                if status is not None:
+                    self.scheduler.finish(seq, status)
+                    break
+            if drafts and self.spec is not None:
+                self.spec.settle(seq, drafts, kept)
+            touched[seq.request_id] = self._requests[seq.request_id]
+        outputs = build_outputs(list(touched.values()), deltas.tokens, deltas.logprobs)
+        for req in touched.values():
+            if req.finished and not req.holds_blocks:
+                del self._requests[req.request_id]
+        return outputs
+
+    def _sample_rows(self, batch: SchedulerOutput) -> tuple[list[SampleRow], list[Seq]]:
+        """One row per choice whose chunk reached its end, plus one per draft token of
+        it (row j as if drafts[:j] had been generated one by one: pdserve.engine.spec); the n>1
+        fork happens here (a forking chunk carries no drafts)."""
+        rows: list[SampleRow] = []
+        seqs: list[Seq] = []
+        logits_index = 0
+        for chunk, seq in zip(batch.chunks, batch.seqs, strict=True):
+            if not chunk.need_logits:
+                continue
+            for s in [seq, *self._fork_choices(seq)]:
+                out = s.output_token_ids
+                for j in range(1 + len(s.spec_token_ids)):
+                    rows.append(SampleRow(logits_index + j, s.params, s.sampling_seed, s.choice_index,
+                                          len(out) + j, s.prompt_token_ids,
+                                          out + s.spec_token_ids[:j] if j else out))
+                seqs.append(s)
+            logits_index += chunk.num_logits
+        return rows, seqs
+
+    def _fork_choices(self, parent: Seq) -> list[Seq]:
+        """Create the parent's pending sibling choices, sharing its blocks copy-on-write."""
+        children = []
+        req = self._requests[parent.request_id]
+        for _ in range(parent.pending_forks):
+            child = parent.fork(next(self._seq_ids), len(req.seqs))
+            self.scheduler.fork(parent, child)
+            req.seqs.append(child)
+            children.append(child)
+        parent.pending_forks = 0
+        return children

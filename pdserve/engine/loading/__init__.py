@@ -1,0 +1,1 @@
+"""Model loading: config.json, checkpoints, the serving dtype, the weights fingerprint."""

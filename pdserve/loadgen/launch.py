@@ -1,0 +1,130 @@
+"""Start a `pdserve up` configuration for a benchmark driver and wait until it serves.
+
+The server runs in its own process group on a free loopback port, its output
+goes to a log file, and leaving the context stops exactly that process group
+(SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerHandle:
+    name: str
+    base_url: str
+    pid: int
+    log_path: str
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def pdserve_command() -> list[str]:
+    """`pdserve` run by the current interpreter, so a venv needs no activation."""
+    return [sys.executable, "-m", "pdserve"]
+
+
+def default_tokenizer() -> str | None:
+    """The built-in model's directory (it holds `tokenizer.json`), or None."""
+    try:
+        from pdserve.builtin.default_model import default_model_dir  # torch-free module
+
+        return str(default_model_dir())
+    except Exception as e:  # a missing engine must not stop a run against a server
+        print(f"no built-in tokenizer ({e}); prompt sizes are approximate", file=sys.stderr)
+        return None
+
+
+def _ready(base_url: str) -> bool:
+    """Serving means: a model is listed and a 1-token completion succeeds."""
+    try:
+        with urllib.request.urlopen(base_url + "/v1/models", timeout=5) as resp:
+            models = json.load(resp).get("data") or []
+        if not models:
+            return False
+        body = json.dumps({"model": models[0]["id"], "prompt": "hello", "max_tokens": 1})
+        req = urllib.request.Request(
+            base_url + "/v1/completions",
+            data=body.encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)  # the group this module created
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=grace_s)
+
+
+def _log_tail(path: str, lines: int = 30) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+@contextlib.contextmanager
+def pdserve_up(
+    name: str, up_args: Sequence[str], ready_timeout_s: float = 600.0
+) -> Iterator[ServerHandle]:
+    """`pdserve up <up_args> --port P` on 127.0.0.1; yields once it serves."""
+    port = free_port()
+    cmd = [*pdserve_command(), "up", *up_args, "--port", str(port)]
+    with serve_command(name, cmd, port, ready_timeout_s=ready_timeout_s) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def serve_command(
+    name: str, cmd: Sequence[str], port: int, env: dict[str, str] | None = None,
+    ready_timeout_s: float = 600.0,
+) -> Iterator[ServerHandle]:
+    """Any OpenAI-compatible server started by `cmd` (listening on 127.0.0.1:`port`) in
+    its own process group; yields once it serves, stops the group on exit."""
+    base_url = f"http://127.0.0.1:{port}"
+    with tempfile.NamedTemporaryFile(
+        prefix=f"pdserve-{name}-", suffix=".log", delete=False
+    ) as log:  # kept after the run for post-mortems
+        print(f"[{name}] starting: {' '.join(cmd)} (log {log.name})", file=sys.stderr, flush=True)
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=None if env is None else {**os.environ, **env})
+        try:
+            deadline = time.monotonic() + ready_timeout_s
+            while not _ready(base_url):
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"[{name}] exited with {proc.returncode}:\n{_log_tail(log.name)}"
+                    )
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"[{name}] not serving after {ready_timeout_s}s")
+                time.sleep(1.0)
+            print(f"[{name}] serving at {base_url}", file=sys.stderr, flush=True)
+            yield ServerHandle(name, base_url, proc.pid, log.name)
+        finally:
+            _stop(proc)

@@ -1,0 +1,1 @@
+"""`pdserve plan` and `pdserve profile`: capacity arithmetic and the P:D simulator."""

@@ -1,0 +1,79 @@
+"""The colocated worker: prefill and decode in one engine, chunked prefill mixed
+into decode steps. The baseline disaggregation must beat.
+
+A request's life here:
+1. `RunRequest` arrives: the engine queues it (WAITING).
+2. Engine steps prefill it in chunks alongside running decodes (RUNNING).
+3. Every step's new tokens go to the gateway as one `TokenBatch`.
+4. It finishes (stop/length) or an `Abort` removes it; its blocks return.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pdserve.common import protocol as p
+from pdserve.common.logs import request_fields
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.worker.engine_glue import wire_deltas
+from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.node_api import NodeLoad, Sender
+from pdserve.worker.node_base import EngineNode
+
+log = logging.getLogger(__name__)
+
+
+class ColocatedNode(EngineNode):
+    role = "colocated"
+
+    def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, send: Sender,
+                 metrics: WorkerMetrics) -> None:
+        super().__init__(worker_id, engine, runner, send, metrics)
+        self._live: set[str] = set()
+
+    def handle(self, msg: p.Message) -> None:
+        if isinstance(msg, p.RunRequest):
+            self._add(msg)
+        elif isinstance(msg, p.Abort):
+            for rid in msg.request_ids:
+                if rid in self._live:
+                    log.debug("colocated request %s aborted", rid, extra=request_fields(rid))
+                    self.engine.abort(rid)
+                    self._live.discard(rid)
+                    self.metrics.aborts.inc()
+
+    def _add(self, msg: p.RunRequest) -> None:
+        def enter(req: p.RequestPayload) -> None:
+            self.engine.add_request(msg.request_id, req.prompt_token_ids, req.params,
+                                    output_token_ids=req.output_token_ids, choice_index=req.choice_index)
+
+        if self.admit(msg, enter) is None:
+            return
+        self._live.add(msg.request_id)
+        self.accepted(msg.request_id, f"{msg.payload.num_tokens} prompt tokens", prefill=True)
+
+    def step(self) -> bool:
+        if not self.engine.has_unfinished():
+            return False
+        outputs = self.engine.step()
+        for out in outputs:
+            if out.finished and out.request_id in self._live:
+                self._live.discard(out.request_id)
+                log.debug("colocated request %s finished", out.request_id, extra=request_fields(out.request_id))
+        deltas = wire_deltas(outputs)
+        if deltas:
+            self.send(p.TokenBatch(self.worker_id, deltas))
+        return True
+
+    def load(self) -> NodeLoad:
+        queued = sum(seq.num_uncomputed_tokens for seq in list(self.engine.scheduler.waiting))
+        return self.stats.update(self.engine.stats(), queued)
+
+    def busy(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def close(self) -> None:
+        for rid in list(self._live):
+            self.engine.abort(rid)
+        self._live.clear()

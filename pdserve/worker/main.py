@@ -1,0 +1,120 @@
+"""Build and run one worker process of any role: the role's node comes from a builder
+that the caller (the CLI) picks, so this package never imports a node package."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.common.transport import CurveClient, new_worker_id
+from pdserve.engine.core.config import EngineConfig
+from kv_transfer.auth import CurveKeys, KVCurve, load_keys
+from kv_transfer.faults import FaultConfig
+from pdserve.worker.core_sharing import share_cores
+from pdserve.worker.cpu_cores import apply_grant
+from pdserve.worker.faults import injected_faults
+from pdserve.worker.gateways import GatewayLinks
+from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.node_api import Node
+from pdserve.worker.role_switch import RoleSwitcher
+from pdserve.worker.runtime import RuntimeConfig, WorkerRuntime
+from pdserve.worker.thread_policy import GovernedNode, governed_grant, governor_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    role: str  # prefill | decode | colocated
+    gateways: tuple[str, ...]  # tcp://HOST:PORT or dns+tcp://NAME:PORT, one channel per gateway
+    worker_id: str | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
+    heartbeat_s: float = 0.5
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0  # decode: fixed tcp port of the KV receiver (0: ephemeral)
+    kv_transport: str = "auto"  # auto | tcp | shm
+    curve: CurveClient | None = None
+    fault_injection: bool = False  # honour PDSERVE_FAULTS / PDSERVE_KV_FAULTS (tests only)
+    kv_curve: KVCurve | None = None  # CURVE on the KV sockets (prefill and decode)
+    core_share: str | None = None  # prefill lends / decode borrows cores (pdserve/worker/core_sharing.py)
+    cpu_cores: tuple[int, ...] = ()  # the cores this worker is pinned to
+    borrow_cores: tuple[int, ...] = ()  # decode: the prefill worker's cores
+    thread_policy: str = "fixed"  # adaptive: the thread governor picks 1 or N threads per step
+
+
+class NodeParts:
+    """What a role builder gets: the worker's id, its reply channel, its metrics and the
+    KV faults its sender or receiver injects (none unless fault injection is on)."""
+
+    def __init__(self, worker_id: str, channel: GatewayLinks, metrics: WorkerMetrics,
+                 kv_faults: FaultConfig) -> None:
+        self.worker_id = worker_id
+        self.send = channel.send
+        self.metrics = metrics
+        self.kv_faults = kv_faults
+
+
+# (engine config, options, parts) -> (node, cleanup callables run after the node closes)
+NodeBuilder = Callable[[EngineConfig, WorkerOptions, NodeParts], tuple[Node, list[Callable[[], Any]]]]
+
+
+def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder,
+               flip_builders: Mapping[str, NodeBuilder] | None = None) -> int:
+    """Serve as `opts.role` (its node from `build`); with `flip_builders` (role -> builder)
+    the worker can also switch live to any of those roles (pdserve/worker/role_switch.py)."""
+    worker_id = opts.worker_id or new_worker_id(opts.role)
+    channel = GatewayLinks(opts.gateways, worker_id, opts.curve)
+    rt_cfg = RuntimeConfig(opts.gateways, worker_id, opts.metrics_host, opts.metrics_port, opts.heartbeat_s,
+                           curve=opts.curve)
+    faults = injected_faults(opts.fault_injection)
+
+    def parts_for(role: str) -> NodeParts:
+        metrics = WorkerMetrics(role, worker_id)
+        metrics.torch_threads.set(engine_cfg.num_threads or 0)  # a governed node keeps it current
+        return NodeParts(worker_id, channel, metrics, faults.kv)
+
+    governor = governor_for(engine_cfg.num_threads or 1) if opts.thread_policy == "adaptive" else None
+
+    def governed(node: Node, metrics: WorkerMetrics) -> Node:
+        assert governor is not None
+        return GovernedNode(node, governor, metrics)
+
+    switcher = RoleSwitcher(engine_cfg, opts, {**(flip_builders or {}), opts.role: build}, parts_for,
+                            governed if governor is not None else None)
+    node = switcher.build(opts.role)
+    assert switcher.metrics is not None
+    runtime = WorkerRuntime(rt_cfg, channel, switcher.metrics, faults.worker,
+                            switcher if flip_builders else None)
+    if opts.core_share:
+        node = share_cores(node, opts.core_share, opts.cpu_cores, opts.borrow_cores,
+                           governed_grant(governor) if governor is not None else apply_grant)
+    try:
+        return runtime.run(node)
+    finally:
+        switcher.close()
+        log.debug("cleanup done")
+
+
+def build_colocated(engine_cfg: EngineConfig, opts: WorkerOptions,
+                    parts: NodeParts) -> tuple[Node, list[Callable[[], Any]]]:
+    from pdserve.worker.colocated import ColocatedNode
+    from pdserve.worker.engine_glue import build_engine
+
+    engine, runner = build_engine(engine_cfg)
+    return ColocatedNode(parts.worker_id, engine, runner, parts.send, parts.metrics), [runner.close]
+
+
+def kv_keys(opts: WorkerOptions) -> CurveKeys | None:
+    """The loaded KV-plane keys, or None when the KV sockets run without CURVE."""
+    return load_keys(opts.kv_curve) if opts.kv_curve is not None else None
+
+
+def pool_array(runner: Any) -> Any:
+    """The runner's KV pool as an array for the transfer layer (numpy on CPU, the
+    tensor itself on GPU; bfloat16 as raw 16-bit patterns)."""
+    from kv_transfer.pool.tensor_adapter import pool_array as adapt
+
+    return adapt(runner.pool.kv)

@@ -1,0 +1,97 @@
+"""What the worker runtime needs from a node (prefill, decode or colocated), and what
+a node reports back: its registration and its load."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+from pdserve.common import protocol as p
+from pdserve.engine.core.cache_events import CacheEvents
+
+
+class NodeRegistration(NamedTuple):
+    kv_address: str
+    kv_shm: str
+    compat_hash: str
+    total_blocks: int
+    block_size: int
+    quantization: str = "none"
+    kv_cache_dtype: str = ""
+    lm_head_quantization: str = "none"
+
+
+class NodeLoad(NamedTuple):
+    queued_prefill_tokens: int
+    free_blocks: int
+    total_blocks: int
+    running_seqs: int
+    waiting_seqs: int
+    steps: int = 0  # engine steps so far: the gateway's progress check (Heartbeat.steps)
+    tokens: int = 0  # tokens computed so far (prompt + generated): a step's size is the difference
+
+
+class Node(Protocol):
+    role: str
+
+    def registration(self) -> NodeRegistration: ...
+
+    def handle(self, msg: p.Message) -> None: ...
+
+    def step(self) -> bool:
+        """Do one unit of work; False when there was nothing to do."""
+        ...
+
+    def load(self) -> NodeLoad:
+        """Called by the main loop after every tick; never from another thread."""
+        ...
+
+    def busy(self) -> bool:
+        """True while the node holds requests (draining waits for False)."""
+        ...
+
+    def cache_events(self) -> CacheEvents:
+        """Prefix-cache blocks stored and evicted since the last call (main loop only)."""
+        ...
+
+    def cached_keys(self) -> list[int]:
+        """Every prefix-cache block's key (pdserve/common/block_hash.py), for a snapshot."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class NodeWrapper:
+    """A node that passes every call to the node it wraps; a wrapper (core sharing,
+    the thread governor) overrides only what it adds."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.role = node.role
+
+    def registration(self) -> NodeRegistration:
+        return self.node.registration()
+
+    def handle(self, msg: p.Message) -> None:
+        self.node.handle(msg)
+
+    def step(self) -> bool:
+        return self.node.step()
+
+    def load(self) -> NodeLoad:
+        return self.node.load()
+
+    def busy(self) -> bool:
+        return self.node.busy()
+
+    def cache_events(self) -> CacheEvents:
+        return self.node.cache_events()
+
+    def cached_keys(self) -> list[int]:
+        return self.node.cached_keys()
+
+    def close(self) -> None:
+        self.node.close()
+
+
+Sender = Callable[[p.Message], None]
