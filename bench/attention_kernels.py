@@ -96,9 +96,9 @@ def run(cfg: AttentionBench) -> AttentionResult:
     if cfg.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
     from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks
-    from pdserve.engine.runner.cuda_device import bind_device
-    from pdserve.engine.core.runner_types import SeqChunk
     from pdserve.engine.attention.triton_paged import TritonPagedAttention
+    from pdserve.engine.core.runner_types import SeqChunk
+    from pdserve.engine.runner.cuda_device import bind_device
 
     bind_device(torch.device(cfg.device))  # Triton and the timing events use the current device
     q, k, v, k_cache, v_cache, tables = _inputs(cfg)

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from bench import harness
+from bench.vs_vllm import workload_config
 from pdserve.loadgen.launch import ServerHandle, free_port, pdserve_command, serve_command
 from pdserve.loadgen.runner import run_benchmark
-from bench.vs_vllm import workload_config
 
 POLICIES = {  # name -> (--thread-policy, extra environment of `pdserve up`)
     "fixed+spin": ("fixed", {}),

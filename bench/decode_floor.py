@@ -40,8 +40,8 @@ from bench.engine import build_125m
 from bench.profile_step import DecodeBench
 from bench.vs_vllm import workload_config
 from pdserve.common.kv_layout import KVLayout
-from pdserve.engine.kernels import bf16_gemv
 from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.kernels import bf16_gemv
 from pdserve.engine.runner.model_runner import ModelRunner
 
 

@@ -24,7 +24,15 @@ from typing import Any
 
 from bench import harness
 from pdserve.loadgen.compare import Column, Target, column_ratio, format_comparison, split_args
-from pdserve.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, MixedConfig, WorkloadConfig, WorkloadKind, parse_slo
+from pdserve.loadgen.config import (
+    BenchConfig,
+    EndpointConfig,
+    LoadConfig,
+    MixedConfig,
+    WorkloadConfig,
+    WorkloadKind,
+    parse_slo,
+)
 from pdserve.loadgen.launch import pdserve_up
 from pdserve.loadgen.report import format_report, to_json
 from pdserve.loadgen.runner import run_benchmark

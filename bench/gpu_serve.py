@@ -40,11 +40,17 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from bench import harness
-from pdserve.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, OutputConfig, WorkloadConfig
-from pdserve.loadgen.runner import run_benchmark
 from bench.stack import StackConfig, serving_stack
-from pdserve.engine.loading.model_config import ModelConfig, ModelConfigError
 from pdserve.builtin.default_model import DefaultModelSpec, WeightFormat, write_default_model
+from pdserve.engine.loading.model_config import ModelConfig, ModelConfigError
+from pdserve.loadgen.config import (
+    BenchConfig,
+    EndpointConfig,
+    LoadConfig,
+    OutputConfig,
+    WorkloadConfig,
+)
+from pdserve.loadgen.runner import run_benchmark
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 

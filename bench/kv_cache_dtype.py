@@ -28,8 +28,8 @@ import torch
 from bench.harness import MODEL_HELP, model_dir
 from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks
 from pdserve.engine.core.config import CacheConfig, EngineConfig
-from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.runner.model_runner import ModelRunner
 
 BLOCK = 16
 PATHS = (("auto", False), ("fp8", False), ("int8", False), ("fp8", True), ("int8", True))

@@ -36,15 +36,15 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.common.kv_layout import KVLayout
-from kv_transfer.pool import hostcopy
 from kv_transfer.api import TransferState
 from kv_transfer.checksum import frame_checksum
-from kv_transfer.pool.copy_threads import DEFAULT_COPY_THREADS
 from kv_transfer.links import ZmqLinkFactory
+from kv_transfer.pool import hostcopy
+from kv_transfer.pool.copy_threads import DEFAULT_COPY_THREADS
+from kv_transfer.pool.shm import create_shm_pool
 from kv_transfer.receiver.receiver import ZmqReceiver
 from kv_transfer.sender.sender import DEFAULT_CHUNK_BYTES, DEFAULT_SHM_CHUNK_BYTES, Sender
-from kv_transfer.pool.shm import create_shm_pool
+from pdserve.common.kv_layout import KVLayout
 
 SHAPES = {
     "llama-125m": KVLayout(

@@ -16,10 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.engine.core.config import CacheConfig, EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
 from gateway.tokenizer import Tokenizer
 from pdserve.builtin.default_model import default_model_dir
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 from tests.e2e.cluster import DTYPE
 from tests.e2e.conftest import Reference
 from tests.e2e.layout_grid import LAYOUTS, LayoutGrid

@@ -45,7 +45,6 @@ from typing import Any
 import numpy as np
 
 from bench import harness
-from pdserve.loadgen.launch import pdserve_up
 from bench.multiturn_workload import (
     SHAPES,
     ChatShape,
@@ -55,6 +54,7 @@ from bench.multiturn_workload import (
     size_pools,
     verdict,
 )
+from pdserve.loadgen.launch import pdserve_up
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

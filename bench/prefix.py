@@ -16,7 +16,13 @@ import sys
 
 from bench import harness
 from pdserve.loadgen.compare import Column, Target, column_ratio, format_comparison, split_args
-from pdserve.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, WorkloadConfig, WorkloadKind
+from pdserve.loadgen.config import (
+    BenchConfig,
+    EndpointConfig,
+    LoadConfig,
+    WorkloadConfig,
+    WorkloadKind,
+)
 from pdserve.loadgen.launch import pdserve_up
 from pdserve.loadgen.report import format_report, to_json
 from pdserve.loadgen.runner import run_benchmark

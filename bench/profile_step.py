@@ -38,12 +38,13 @@ import torch
 
 from bench.engine import build_125m
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.engine.kernels import bf16_gemv, native as native_kernels
+from pdserve.engine.attention.native import NATIVE, InPlacePagedAttention, NativeAttention
 from pdserve.engine.attention.paged import TorchPagedAttention
 from pdserve.engine.core.config import CacheConfig, EngineConfig
-from pdserve.engine.runner.model_runner import ModelRunner
-from pdserve.engine.attention.native import NATIVE, InPlacePagedAttention, NativeAttention
 from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.kernels import bf16_gemv
+from pdserve.engine.kernels import native as native_kernels
+from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SampleRow
 
 

@@ -33,8 +33,8 @@ from typing import Any, NamedTuple
 import torch
 
 from pdserve.engine.core.config import CacheConfig, EngineConfig
-from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.runner.model_runner import ModelRunner
 
 REFERENCE: dict[str, Any] = {"dtype": "float32"}
 SCHEMES: dict[str, dict[str, Any]] = {

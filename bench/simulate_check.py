@@ -203,8 +203,8 @@ def _workloads(text: str) -> list[tuple[str, Workload]]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = harness.model_dir(args.model)
-    from pdserve.planner.hw_profile import ProfileConfig, measure
     from pdserve.planner.capacity import read_model_config
+    from pdserve.planner.hw_profile import ProfileConfig, measure
 
     def profiled() -> Profile:
         if args.profile is not None:

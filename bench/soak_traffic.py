@@ -21,8 +21,8 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.loadgen.client import sse_events
 from bench.soak_verdict import ErrorEvent
+from pdserve.loadgen.client import sse_events
 
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards",
          "quietly", "hex", "jovial", "bankers", "near", "old", "stone", "bridges", "under", "cold", "rain")

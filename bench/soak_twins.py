@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 from bench.soak_traffic import Completed
 from bench.soak_verdict import TwinCheck
-from pdserve.common.sampling_params import SamplingParams
 from gateway.cluster import assigned_seed
+from pdserve.common.sampling_params import SamplingParams
 
 RECOVERING = re.compile(r"recovering ([A-Za-z0-9._:\-]+) \(attempt \d+\)")
 PARAM_KEYS = ("max_tokens", "temperature", "ignore_eos", "seed", "frequency_penalty", "presence_penalty")
@@ -70,9 +70,9 @@ class ReferenceTwins:
     invariant the soak itself exercises), and batches make the check fast."""
 
     def __init__(self, model_dir: str, dtype: str, threads: int) -> None:
+        from gateway.tokenizer import Tokenizer
         from pdserve.engine.core.config import CacheConfig, EngineConfig
         from pdserve.engine.llm_engine import LLMEngine
-        from gateway.tokenizer import Tokenizer
 
         cache = CacheConfig(num_blocks=TWIN_KV_BLOCKS)
         self.engine = LLMEngine(EngineConfig(model_dir=model_dir, dtype=dtype, num_threads=threads, cache=cache))

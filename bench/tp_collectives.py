@@ -35,8 +35,8 @@ def _run(rank: int, size: int, port: int, shapes: list[tuple[int, int]], dtype: 
          store: Any = None) -> list[dict[str, Any]]:
     import torch
 
-    from pdserve.engine.parallel.steps import encode_step
     from pdserve.engine.core.runner_types import SeqChunk
+    from pdserve.engine.parallel.steps import encode_step
 
     torch.set_num_threads(1)
     group = _group(rank, size, port, store)

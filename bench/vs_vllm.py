@@ -44,7 +44,14 @@ from typing import Any
 
 from bench import harness
 from pdserve.loadgen.compare import Column, Target, format_comparison
-from pdserve.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, MixedConfig, WorkloadConfig, WorkloadKind
+from pdserve.loadgen.config import (
+    BenchConfig,
+    EndpointConfig,
+    LoadConfig,
+    MixedConfig,
+    WorkloadConfig,
+    WorkloadKind,
+)
 from pdserve.loadgen.launch import ServerHandle, free_port, pdserve_up, serve_command
 from pdserve.loadgen.runner import run_benchmark
 
@@ -68,7 +75,7 @@ TARGETS = (
     ("1P+1D", "mixed", Target("TTFT p50 ms", 1.2)),
 )
 CONFIGS = {"vllm": "vLLM", "colocated": "colocated", "1p1d": "1P+1D",
-           # the core policy's effect (docs/architecture.md, "Threads and cores")
+           # the core policy's effect (docs/internals.md, "Threads and cores")
            "1p1d-noborrow": "1P+1D no borrowing", "1p1d-unpinned": "1P+1D unpinned"}
 SHAPES = {"colocated": ["--colocated"], "1p1d": ["--prefill", "1", "--decode", "1"],
           "1p1d-noborrow": ["--prefill", "1", "--decode", "1", "--no-core-borrowing"],

@@ -13,10 +13,10 @@ from pdserve.worker.node_api import Node
 
 def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
                  parts: NodeParts) -> tuple[Node, list[Callable[[], Any]]]:
-    from pdserve.common.parallel_layout import ParallelLayout
     from decode_node.node import DecodeNode
-    from pdserve.engine.runner.model_runner import ModelRunner
     from kv_transfer import make_receiver
+    from pdserve.common.parallel_layout import ParallelLayout
+    from pdserve.engine.runner.model_runner import ModelRunner
     from pdserve.worker.draft_kv import build_receipts
     from pdserve.worker.engine_glue import build_engine
 
@@ -93,8 +93,8 @@ def default_kv_bytes(engine_cfg: EngineConfig) -> int:
     from pathlib import Path
 
     from pdserve.engine.loading.dtype import resolved_config
-    from pdserve.engine.runner.kv_pool import TORCH_DTYPES
     from pdserve.engine.loading.loader import load_config, weight_files
+    from pdserve.engine.runner.kv_pool import TORCH_DTYPES
     from pdserve.engine.runner.memory_budget import checkpoint_weight_bytes, cuda_kv_budget
 
     cfg = resolved_config(engine_cfg)

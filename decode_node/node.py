@@ -30,13 +30,13 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+from kv_transfer.api import KVReceiver, TransferState
 from pdserve.common import protocol as p
 from pdserve.common.logprobs import Logprob
 from pdserve.common.logs import request_fields
+from pdserve.engine.core.scheduler import Reservation
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner.model_runner import ModelRunner
-from pdserve.engine.core.scheduler import Reservation
-from kv_transfer.api import KVReceiver, TransferState
 from pdserve.worker.draft_kv import DraftReceipts
 from pdserve.worker.engine_glue import wire_deltas
 from pdserve.worker.metrics import WorkerMetrics

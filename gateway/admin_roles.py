@@ -32,12 +32,12 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.common import protocol as p
 from gateway.auth import check_authorization
 from gateway.control_plane import ControlPlane
 from gateway.errors import APIError
 from gateway.registry import WorkerInfo
 from gateway.state import STATE
+from pdserve.common import protocol as p
 
 log = logging.getLogger(__name__)
 

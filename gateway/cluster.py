@@ -56,8 +56,6 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from pdserve.common import protocol as p
-from pdserve.common.transport import new_id
 from gateway.backend import (
     BackendError,
     BackendErrorKind,
@@ -72,6 +70,8 @@ from gateway.flights import Attempt, Flight, FlightTable, RequestState, WorkerLo
 from gateway.kv_router import KvRouter, Pick
 from gateway.registry import WorkerInfo, WorkerRegistry
 from gateway.router import blocks_needed
+from pdserve.common import protocol as p
+from pdserve.common.transport import new_id
 
 log = logging.getLogger(__name__)
 

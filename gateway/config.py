@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.common.generation_config import SamplingDefaults
 from gateway.backend import PRIORITIES
 from gateway.planner import PlannerSettings
+from pdserve.common.generation_config import SamplingDefaults
 
 
 @dataclass(frozen=True)

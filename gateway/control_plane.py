@@ -26,8 +26,6 @@ from typing import Any, Protocol
 import zmq
 import zmq.asyncio
 
-from pdserve.common import protocol as p
-from pdserve.common.transport import LOOPBACK, CurveServer, ZapLog, apply_curve_server
 from gateway.backend import (
     FleetSample,
     ReadyState,
@@ -35,6 +33,8 @@ from gateway.backend import (
 from gateway.kv_index import KvIndex
 from gateway.kv_router import RouterConfig
 from gateway.registry import WorkerInfo, WorkerRegistry
+from pdserve.common import protocol as p
+from pdserve.common.transport import LOOPBACK, CurveServer, ZapLog, apply_curve_server
 
 log = logging.getLogger(__name__)
 

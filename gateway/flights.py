@@ -15,10 +15,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.common import protocol as p
 from gateway.backend import GenerateRequest
 from gateway.kv_router import Route
 from gateway.registry import WorkerInfo
+from pdserve.common import protocol as p
 
 log = logging.getLogger(__name__)
 

@@ -56,12 +56,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pdserve.common.block_hash import cacheable_blocks, prefix_block_keys
-from pdserve.common.protocol import RequestPayload
 from gateway.backend import FleetSample
 from gateway.kv_index import KvIndex
 from gateway.registry import WorkerInfo
 from gateway.router import blocks_needed, pick_colocated, pick_decode, pick_prefill
+from pdserve.common.block_hash import cacheable_blocks, prefix_block_keys
+from pdserve.common.protocol import RequestPayload
 
 ROUTERS = ("kv-aware", "least-loaded", "round-robin")
 # What one running sequence weighs against queued prompt tokens on a colocated worker.

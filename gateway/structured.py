@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.common.structured import StructuredOutput, StructuredOutputError, check, json_schema
 from gateway.errors import invalid
+from pdserve.common.structured import StructuredOutput, StructuredOutputError, check, json_schema
 
 MAX_SPEC_BYTES = 32 << 10  # a constraint travels in one control message (strings <= 64 KiB)
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")

@@ -15,8 +15,12 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from pdserve.common.generation_config import GenerationConfigError, read_generation_config, token_ids
 from gateway.chat_template import load_chat_template, render_chat_template
+from pdserve.common.generation_config import (
+    GenerationConfigError,
+    read_generation_config,
+    token_ids,
+)
 
 
 class TokenizerError(ValueError):

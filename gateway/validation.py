@@ -20,12 +20,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdserve.common.sampling_params import SamplingParams, SamplingParamsError
 from gateway.backend import PRIORITIES
 from gateway.config import GatewayConfig, RequestLimits
 from gateway.errors import APIError, excerpt, invalid
 from gateway.fields import bool_field, float_field, int_field, opt_str_field
 from gateway.structured import OutputShape, parse_output_shape, tool_message_fields
+from pdserve.common.sampling_params import SamplingParams, SamplingParamsError
 
 COMPLETION = "completion"
 CHAT = "chat"

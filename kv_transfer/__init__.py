@@ -1,6 +1,6 @@
 """KV handoff from prefill to decode workers.
 
-Worker-facing surface (see api.py for the state machine and docs/architecture.md):
+Worker-facing surface (see api.py for the state machine and docs/internals.md):
 
     receiver = make_receiver(layout, pool, "shm")      # decode side; pool from create_shm_pool
     receiver.expect(transfer_id, request_id, dst_block_ids, lease_s)
@@ -21,16 +21,16 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.common.kv_layout import KVLayout
 from kv_transfer.api import TERMINAL_STATES, KVReceiver, KVSender, TransferState, UnknownTransfer
 from kv_transfer.auth import CurveKeys
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import ZmqLinkFactory
-from kv_transfer.receiver.receiver import ZmqReceiver
-from kv_transfer.sender.sender import Sender
 from kv_transfer.pool.shm import ShmPool, attach_shm_pool, create_shm_pool
 from kv_transfer.pool.staging import HiddenHostPool
+from kv_transfer.receiver.receiver import ZmqReceiver
+from kv_transfer.sender.sender import Sender
+from pdserve.common.kv_layout import KVLayout
 
 __all__ = [
     "TERMINAL_STATES", "FakeFabric", "FakeReceiver", "FaultConfig", "HiddenHostPool", "KVReceiver",

@@ -17,15 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.parallel_layout import ParallelLayout
 from kv_transfer import wire
 from kv_transfer.api import TransferState
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import DONE, InboxLink, Parts, Sent
+from kv_transfer.pool.shm import ShmPool
 from kv_transfer.receiver.core import ReceiverCore, ReceiverStats
 from kv_transfer.sender.sender import Sender
-from kv_transfer.pool.shm import ShmPool
+from pdserve.common.kv_layout import KVLayout
+from pdserve.common.parallel_layout import ParallelLayout
 
 SCHEME = "fake://"
 

@@ -25,11 +25,11 @@ def prefill_engine_config(engine_cfg: EngineConfig) -> EngineConfig:
 
 def build_prefill(engine_cfg: EngineConfig, opts: WorkerOptions,
                   parts: NodeParts) -> tuple[Node, list[Callable[[], Any]]]:
-    from pdserve.common.parallel_layout import ParallelLayout
     from kv_transfer import make_sender
-    from prefill_node.node import PrefillNode
+    from pdserve.common.parallel_layout import ParallelLayout
     from pdserve.worker.draft_kv import build_shipper
     from pdserve.worker.engine_glue import build_engine
+    from prefill_node.node import PrefillNode
 
     engine, runner = build_engine(prefill_engine_config(engine_cfg))
     sender = make_sender(runner.layout, pool_array(runner), faults=parts.kv_faults,

@@ -31,14 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_transfer.api import KVSender, TransferState
 from pdserve.common import protocol as p
 from pdserve.common.logs import request_fields
 from pdserve.common.transport import host_id
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.core.outputs import RequestOutput
 from pdserve.engine.core.scheduler import SchedulerOutput
-from kv_transfer.api import KVSender, TransferState
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.worker.draft_kv import DraftShipper, Shipped
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.node_api import NodeLoad, Sender

@@ -18,9 +18,9 @@ from typing import NamedTuple
 
 import pytest
 
+from pdserve.builtin.default_model import write_default_model
 from pdserve.cli import build_parser
 from pdserve.cli.up import _gateway_cmd, _worker_cmds
-from pdserve.builtin.default_model import write_default_model
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_S = 60.0  # a refusal is parse-time work; a hang (the old `--decode -1`) is not
@@ -294,8 +294,8 @@ def _group_gone(pgid: int, within_s: float) -> bool:
 
 
 def test_wait_ready_ends_at_the_first_exit_with_the_childs_last_line() -> None:
-    from pdserve.common.transport import free_port
     from pdserve.cli.supervise import Child, Readiness, stop, wait_ready
+    from pdserve.common.transport import free_port
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens: never ready
     alive = Child.start("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"])
@@ -312,8 +312,8 @@ def test_wait_ready_ends_at_the_first_exit_with_the_childs_last_line() -> None:
 
 def test_a_stop_asked_for_during_start_up_is_clean_not_a_failure() -> None:
     """SIGTERM/Ctrl-C before the cluster is ready: `up` stops cleanly and exits 0."""
-    from pdserve.common.transport import free_port
     from pdserve.cli.supervise import Child, Readiness, stop, wait_ready
+    from pdserve.common.transport import free_port
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens: never ready
     alive = Child.start("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"])

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from gateway.tokenizer import Tokenizer
+from pdserve.builtin.default_model import write_builtin_model, write_default_model
+from pdserve.cli import main
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.config import CacheConfig, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from gateway.tokenizer import Tokenizer
-from pdserve.cli import main
-from pdserve.builtin.default_model import write_builtin_model, write_default_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The capital of France is", "Once upon a time, 你好 🚀"]

@@ -9,9 +9,22 @@ from pathlib import Path
 import pytest
 
 from pdserve.common.slo import Slo
-from pdserve.planner.profile import DecodeFit, PrefillFit, Profile, ProfileError, fit_decode, fit_prefill
+from pdserve.planner.profile import (
+    DecodeFit,
+    PrefillFit,
+    Profile,
+    ProfileError,
+    fit_decode,
+    fit_prefill,
+)
 from pdserve.planner.simulate import Cluster, SimulationError, recommend, simulate, simulate_splits
-from pdserve.planner.workload import Lengths, SimRequest, Workload, WorkloadError, parse_workload_slo
+from pdserve.planner.workload import (
+    Lengths,
+    SimRequest,
+    Workload,
+    WorkloadError,
+    parse_workload_slo,
+)
 
 # 1 ms per prompt token, 10 ms per decode step whatever the batch.
 LINEAR = Profile(PrefillFit(0.0, 0.001, 0.0), DecodeFit(0.010, 0.0, 0.0), block_size=16, chunk_tokens=100,

@@ -29,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.common.kv_layout import KVLayout
-from kv_transfer.pool.blocks import numpy_dtype
 from kv_transfer.checksum import word_dtype
-from kv_transfer.pool.ops import PoolOps
+from kv_transfer.pool.blocks import numpy_dtype
+from kv_transfer.pool.protocol import PoolOps
 from kv_transfer.pool.staging import StartedCopy, frame_sums
 from kv_transfer.wire import ShmDescriptor
+from pdserve.common.kv_layout import KVLayout
 
 PREFIX = "cudaipc:"
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: unified addressing picks the direction (and peer)

@@ -1,6 +1,6 @@
-"""What the transfer layer does to a pool in place, for host (numpy) and device pools.
+"""The pool operations for an array: host (numpy), staged and device pools.
 
-`pool_ops(array)` returns `HostPoolOps` for a numpy pool, the staging test double
+`pool_ops(array)` returns the `PoolOps` (kv_transfer/pool/protocol.py): `HostPoolOps` for a numpy pool, the staging test double
 for a `staging.HiddenHostPool`; any other array (a cupy array, e.g. a torch CUDA
 pool seen through DLPack) gets the CUDA implementation from `kv_transfer.pool.cuda_ipc`,
 imported only then, so CPU-only installs never import cupy. Device pools
@@ -10,33 +10,16 @@ imported only then, so CPU-only installs never import cupy. Device pools
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from kv_transfer.checksum import block_row_sums, pool_words
 from kv_transfer.pool import hostcopy
 from kv_transfer.pool.blocks import copy_blocks_with_sums, native_for, row_bytes
-from kv_transfer.checksum import block_row_sums, pool_words
 from kv_transfer.pool.copy_threads import CopyThreads
-
-
-class PoolOps(Protocol):
-    array: Any
-    on_device: bool
-
-    def row_sums(self, l0: int, l1: int, ids: Sequence[int]) -> np.ndarray:
-        """Host array of per-row uint64 sums of layers [l0, l1) of `ids`, in frame row order."""
-        ...
-
-    def copy_to(self, dst: PoolOps, l0: int, l1: int, src_ids: Sequence[int],
-                dst_ids: Sequence[int]) -> np.ndarray:
-        """Copy blocks into another pool of the same kind (complete when this returns);
-        returns the source's `row_sums` of those blocks."""
-        ...
-
-    def flip_byte(self, layer: int, block: int) -> None:
-        """Fault injection: corrupt one byte of a block."""
-        ...
+from kv_transfer.pool.protocol import PoolOps
+from kv_transfer.pool.staging import HiddenHostPool, HostStagedOps
 
 
 class HostPoolOps:
@@ -70,8 +53,6 @@ def pool_ops(array: Any, workers: CopyThreads | None = None) -> PoolOps:
     """Ops for `array`; host copies share their work with `workers` when given."""
     if isinstance(array, np.ndarray):
         return HostPoolOps(array, workers)
-    from kv_transfer.pool.staging import HiddenHostPool, HostStagedOps
-
     if isinstance(array, HiddenHostPool):
         return HostStagedOps(array)
     from kv_transfer.pool.cuda_ipc import DevicePoolOps

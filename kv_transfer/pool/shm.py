@@ -28,9 +28,9 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from pdserve.common.kv_layout import KVLayout
 from kv_transfer.pool.blocks import check_pool, numpy_dtype
 from kv_transfer.wire import ShmDescriptor
+from pdserve.common.kv_layout import KVLayout
 
 _DEV_SHM = "/dev/shm"
 _PREFIX = "pdkv"

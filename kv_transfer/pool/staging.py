@@ -22,9 +22,9 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from kv_transfer.pool.blocks import gather, scatter
 from kv_transfer.checksum import block_row_sums, pool_words, row_sums
-from kv_transfer.pool.ops import PoolOps
+from kv_transfer.pool.blocks import gather, scatter
+from kv_transfer.pool.protocol import PoolOps
 from kv_transfer.pool.streams import CopyEvent, HostStream
 
 

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.common.kv_layout import KVLayout
 from kv_transfer.pool.shm import ShmPool
+from pdserve.common.kv_layout import KVLayout
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                  "fp8_e4m3": torch.uint8, "int8": torch.uint8}

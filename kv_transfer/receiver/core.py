@@ -41,18 +41,18 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.parallel_layout import LayoutPairError, ParallelLayout, check_pair
 from kv_transfer import wire
 from kv_transfer.api import TransferState, UnknownTransfer
+from kv_transfer.faults import FaultConfig
 from kv_transfer.pool.blocks import check_block_ids, check_pool
 from kv_transfer.pool.copy_threads import CopyThreads
-from kv_transfer.faults import FaultConfig
-from kv_transfer.receiver.pending_claims import PendingClaims
 from kv_transfer.pool.ops import pool_ops
-from kv_transfer.receiver.frames import FrameCheck
-from kv_transfer.receiver.state import ReservationRecord
 from kv_transfer.pool.shm import lock_holder_gone, watch_liveness
+from kv_transfer.receiver.frames import FrameCheck
+from kv_transfer.receiver.pending_claims import PendingClaims
+from kv_transfer.receiver.state import ReservationRecord
+from pdserve.common.kv_layout import KVLayout
+from pdserve.common.parallel_layout import LayoutPairError, ParallelLayout, check_pair
 
 log = logging.getLogger(__name__)
 # A cancelled shared-memory transfer waits for the sender's Abort; the Cancel asking

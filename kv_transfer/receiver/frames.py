@@ -14,14 +14,14 @@ from typing import cast
 
 import numpy as np
 
-from pdserve.common.kv_layout import KVLayout
 from kv_transfer import wire
-from kv_transfer.pool.blocks import frame_nbytes, scatter_with_sums
 from kv_transfer.checksum import digest
+from kv_transfer.pool.blocks import frame_nbytes, scatter_with_sums
 from kv_transfer.pool.copy_threads import CopyThreads
-from kv_transfer.pool.ops import PoolOps
-from kv_transfer.receiver.state import ReservationRecord
+from kv_transfer.pool.protocol import PoolOps
 from kv_transfer.pool.staging import DeviceOps
+from kv_transfer.receiver.state import ReservationRecord
+from pdserve.common.kv_layout import KVLayout
 
 
 class FrameCheck:

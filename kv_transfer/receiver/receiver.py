@@ -31,17 +31,17 @@ from collections.abc import Sequence
 import numpy as np
 import zmq
 
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.parallel_layout import ParallelLayout
 from kv_transfer import auth, wire
 from kv_transfer.api import TransferState
-from kv_transfer.pool.copy_threads import DEFAULT_COPY_THREADS
-from kv_transfer.pool.cuda_ipc import CudaPool
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import Waker, tune_socket
-from kv_transfer.receiver.core import ReceiverCore, ReceiverStats
+from kv_transfer.pool.copy_threads import DEFAULT_COPY_THREADS
+from kv_transfer.pool.cuda_ipc import CudaPool
 from kv_transfer.pool.shm import ShmPool
 from kv_transfer.pool.staging import HiddenHostPool
+from kv_transfer.receiver.core import ReceiverCore, ReceiverStats
+from pdserve.common.kv_layout import KVLayout
+from pdserve.common.parallel_layout import ParallelLayout
 
 TRANSPORTS = ("tcp", "ipc", "shm", "shm+ipc", "shm+tcp", "cuda", "cuda+ipc", "cuda+tcp")
 log = logging.getLogger(__name__)

@@ -24,17 +24,17 @@ from typing import Any, NamedTuple, cast
 
 import numpy as np
 
-from pdserve.common.kv_layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.api import TransferState
-from kv_transfer.pool.blocks import frame_nbytes, gather_with_sums, plan_chunks
 from kv_transfer.checksum import digest
-from kv_transfer.pool.copy_threads import CopyThreads
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import Parts, StagingBuffers
-from kv_transfer.pool.ops import PoolOps
-from kv_transfer.sender.state import PeerRecord, TransferRecord
+from kv_transfer.pool.blocks import frame_nbytes, gather_with_sums, plan_chunks
+from kv_transfer.pool.copy_threads import CopyThreads
+from kv_transfer.pool.protocol import PoolOps
 from kv_transfer.pool.staging import DeviceOps, StartedCopy
+from kv_transfer.sender.state import PeerRecord, TransferRecord
+from pdserve.common.kv_layout import KVLayout
 
 
 class OutChunk(NamedTuple):

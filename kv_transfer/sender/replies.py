@@ -7,11 +7,11 @@ what must be said back is queued on the peer's control queue.
 
 from __future__ import annotations
 
-from pdserve.common.kv_layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.api import TransferState
 from kv_transfer.pool.ops import pool_ops
 from kv_transfer.sender.state import PeerRecord, TransferRecord, attach_direct
+from pdserve.common.kv_layout import KVLayout
 
 TransferReply = wire.Grant | wire.Ack | wire.Cancel
 

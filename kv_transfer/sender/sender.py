@@ -34,19 +34,19 @@ from typing import Any
 import numpy as np
 import zmq
 
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.parallel_layout import ParallelLayout
 from kv_transfer import wire
 from kv_transfer.api import TransferState, UnknownTransfer
-from kv_transfer.pool.blocks import check_block_ids, check_pool
-from kv_transfer.pool.copy_threads import DEFAULT_COPY_THREADS, CopyThreads
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import LinkFactory, Parts, Waker
+from kv_transfer.pool.blocks import check_block_ids, check_pool
+from kv_transfer.pool.copy_threads import DEFAULT_COPY_THREADS, CopyThreads
 from kv_transfer.pool.ops import pool_ops
+from kv_transfer.pool.shm import LivenessLock
 from kv_transfer.sender.chunks import ChunkMaker
 from kv_transfer.sender.replies import accept_hello_ack, apply_reply
 from kv_transfer.sender.state import PeerRecord, TransferRecord
-from kv_transfer.pool.shm import LivenessLock
+from pdserve.common.kv_layout import KVLayout
+from pdserve.common.parallel_layout import ParallelLayout
 
 log = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 8 << 20

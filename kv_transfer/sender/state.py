@@ -12,14 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.common.kv_layout import KVLayout
 from kv_transfer import wire
 from kv_transfer.api import TransferState
+from kv_transfer.links import Link, Parts
 from kv_transfer.pool.blocks import ChunkSpan
 from kv_transfer.pool.cuda_ipc import CudaPool, attach_cuda_pool, is_cuda_descriptor
-from kv_transfer.links import Link, Parts
-from kv_transfer.pool.ops import PoolOps
+from kv_transfer.pool.protocol import PoolOps
 from kv_transfer.pool.shm import ShmPool, attach_shm_pool
+from pdserve.common.kv_layout import KVLayout
 
 
 @dataclass

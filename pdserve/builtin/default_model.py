@@ -38,9 +38,19 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from pdserve.common import envs
+from pdserve.builtin.random_model import (
+    DEFAULT_MODEL_NAME,
+    FILES,
+    VERSION_FILE,
+    DefaultModelSpec,
+    WeightFormat,
+    fingerprint,
+    write_json,
+    write_model_metadata,
+    write_random_model,
+)
 from pdserve.builtin.tokenizer import BOS_TOKEN, CHAT_TEMPLATE, EOT_TOKEN
-from pdserve.builtin.random_model import DEFAULT_MODEL_NAME, FILES, VERSION_FILE, DefaultModelSpec, WeightFormat, fingerprint, write_json, write_model_metadata, write_random_model
+from pdserve.common import envs
 
 __all__ = [
     "BOS_TOKEN", "DEFAULT_MODEL_NAME", "DRAFT", "DRAFT_MODEL_NAME", "EOT_TOKEN", "TRAINED",
@@ -49,7 +59,7 @@ __all__ = [
 ]
 
 DRAFT_MODEL_NAME = "pdserve-tiny-llama-draft"
-BUILTIN_WEIGHTS_DIR = Path(__file__).resolve().with_name("builtin_weights")
+BUILTIN_WEIGHTS_DIR = Path(__file__).resolve().with_name("weights")
 WEIGHT_FILES = {
     "tokenizer": "tokenizer.json",
     "tiny-llama": "tiny-llama.safetensors",

@@ -29,8 +29,16 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
-from pdserve.builtin.tokenizer import BOS_TOKEN, CHAT_TEMPLATE, END_OF_TEXT_TOKEN, EOT_TOKEN, special_ids, tokenizer_config, train_tokenizer
 from pdserve.builtin.corpus import corpus_text
+from pdserve.builtin.tokenizer import (
+    BOS_TOKEN,
+    CHAT_TEMPLATE,
+    END_OF_TEXT_TOKEN,
+    EOT_TOKEN,
+    special_ids,
+    tokenizer_config,
+    train_tokenizer,
+)
 
 DEFAULT_MODEL_NAME = "pdserve-tiny-llama"
 # Bump when the writing code changes the files; corpus, shape, seed and template

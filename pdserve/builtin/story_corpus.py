@@ -23,7 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.builtin import story_words as w
-from pdserve.builtin.tokenizer import BOS_TOKEN, END_HEADER_TOKEN, END_OF_TEXT_TOKEN, EOT_TOKEN, START_HEADER_TOKEN
+from pdserve.builtin.tokenizer import (
+    BOS_TOKEN,
+    END_HEADER_TOKEN,
+    END_OF_TEXT_TOKEN,
+    EOT_TOKEN,
+    START_HEADER_TOKEN,
+)
 
 SPLITS = {"train": (0, 1_200_000), "heldout": (1_000_000, 150_000)}  # first seed, chars
 

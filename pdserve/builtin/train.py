@@ -24,7 +24,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,10 +35,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from pdserve.builtin.tokenizer import train_tokenizer
 from pdserve.builtin.default_model import BUILTIN_WEIGHTS_DIR, DRAFT_SPEC, TINY_SPEC, WEIGHT_FILES
 from pdserve.builtin.random_model import DefaultModelSpec
 from pdserve.builtin.story_corpus import documents, plain_text, render
+from pdserve.builtin.tokenizer import train_tokenizer
 
 # The committed weights' run (training.json has the same numbers): one torch thread each,
 # the two models trained side by side on 2 CPU cores shared with other test runs.
@@ -285,7 +284,3 @@ def train_all(out_dir: Path = BUILTIN_WEIGHTS_DIR, threads: int = 1, steps: int 
     return record
 
 
-if __name__ == "__main__":
-    from pdserve.cli import main
-
-    raise SystemExit(main(["train-model", *sys.argv[1:]]))

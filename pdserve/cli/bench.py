@@ -11,13 +11,24 @@ import json
 import sys
 from typing import Any
 
-from pdserve.loadgen.config import BenchConfig, Endpoint, EndpointConfig, LenDistribution, LoadConfig, MixedConfig, OutputConfig, WorkloadConfig, WorkloadKind, parse_slo
 from pdserve.cli.args import (
     http_url,
     non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
+)
+from pdserve.loadgen.config import (
+    BenchConfig,
+    Endpoint,
+    EndpointConfig,
+    LenDistribution,
+    LoadConfig,
+    MixedConfig,
+    OutputConfig,
+    WorkloadConfig,
+    WorkloadKind,
+    parse_slo,
 )
 
 

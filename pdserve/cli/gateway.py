@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.common import envs
-from pdserve.common.logs import configure_logging
 from pdserve.cli.args import (
     UsageError,
     add_model_arg,
@@ -33,6 +31,8 @@ from pdserve.cli.gateway_options import (
     gateway_settings,
     sampling_defaults,
 )
+from pdserve.common import envs
+from pdserve.common.logs import configure_logging
 
 # gateway/kv_router.py: ROUTERS (kept out of this module's imports: parsing loads no zmq)
 ROUTERS = ("kv-aware", "least-loaded", "round-robin")
@@ -96,11 +96,11 @@ def check_args(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(envs.log_level())
-    from pdserve.common.transport import CurveServer, free_port
     from gateway.cluster import ClusterBackend, ClusterConfig
     from gateway.config import GatewayConfig
     from gateway.server import run_gateway
     from gateway.tokenizer import Tokenizer
+    from pdserve.common.transport import CurveServer, free_port
 
     max_model_len = check_args(args)
     defaults = sampling_defaults(args.generation_config, model_dir(args.model))

@@ -14,14 +14,18 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from pdserve.common import envs
-from pdserve.common.generation_config import GenerationConfigError, SamplingDefaults, read_generation_config
 from pdserve.cli.args import (
     UsageError,
     non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
+)
+from pdserve.common import envs
+from pdserve.common.generation_config import (
+    GenerationConfigError,
+    SamplingDefaults,
+    read_generation_config,
 )
 
 log = logging.getLogger("pdserve.gateway")
@@ -181,8 +185,8 @@ def gateway_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def planner_settings(args: argparse.Namespace) -> Any:
     """--planner and its knobs -> `PlannerSettings` (None when off); bad --slo: UsageError."""
-    from pdserve.common.slo import parse_slo
     from gateway.planner import PlannerConfig, PlannerSettings
+    from pdserve.common.slo import parse_slo
 
     try:
         slo = parse_slo(args.slo)

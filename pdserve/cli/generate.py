@@ -11,7 +11,6 @@ import json
 import sys
 from typing import Any
 
-from pdserve.common.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.cli.args import (
     add_dtype_arg,
     add_kv_cache_dtype_arg,
@@ -24,6 +23,7 @@ from pdserve.cli.args import (
     device,
     positive_int,
 )
+from pdserve.common.sampling_params import SamplingParams, SamplingParamsError
 
 
 def register(subparsers: Any) -> None:

@@ -40,7 +40,12 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # torch-free, but not needed to parse
-    from pdserve.builtin.default_model import DRAFT, TRAINED, BuiltinWeightsError, write_builtin_model
+    from pdserve.builtin.default_model import (
+        DRAFT,
+        TRAINED,
+        BuiltinWeightsError,
+        write_builtin_model,
+    )
     from pdserve.builtin.random_model import write_random_model
 
     out: Path = args.dir

@@ -26,7 +26,13 @@ from pdserve.cli.args import (
     positive_int,
 )
 from pdserve.cli.plan_simulate import add_simulate_args, run_simulate
-from pdserve.planner.capacity import KV_CACHE_DTYPES, PlanError, compute_plan, format_plan, parse_size
+from pdserve.planner.capacity import (
+    KV_CACHE_DTYPES,
+    PlanError,
+    compute_plan,
+    format_plan,
+    parse_size,
+)
 
 
 def _size(text: str) -> int:

@@ -39,7 +39,13 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
 
 def run_simulate(args: argparse.Namespace) -> int:
     from pdserve.planner.profile import Profile, ProfileError
-    from pdserve.planner.simulate import Cluster, SimulationError, format_results, recommend, simulate_splits
+    from pdserve.planner.simulate import (
+        Cluster,
+        SimulationError,
+        format_results,
+        recommend,
+        simulate_splits,
+    )
     from pdserve.planner.workload import Workload, WorkloadError, parse_workload_slo
 
     if args.workload is None:

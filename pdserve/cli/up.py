@@ -293,8 +293,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.common.transport import free_port
     from pdserve.cli import supervise
+    from pdserve.common.transport import free_port
 
     check_args(args)
     control_port = free_port()

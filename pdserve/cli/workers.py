@@ -11,8 +11,6 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from pdserve.common import envs
-from pdserve.common.logs import configure_logging
 from pdserve.cli.args import (
     UsageError,
     add_dtype_arg,
@@ -37,6 +35,8 @@ from pdserve.cli.args import (
     positive_float,
     positive_int,
 )
+from pdserve.common import envs
+from pdserve.common.logs import configure_logging
 from pdserve.worker.cpu_cores import format_cpu_list, parse_cpu_list, pin_process
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
                     help="adaptive: each step runs with all torch threads spinning or with their "
                     "OpenMP waits throttled (1 thread without libgomp), whichever recent steps show "
                     "faster (one busy neighbour process makes spinning threads 10x slower; "
-                    "docs/architecture.md, Threads and cores); fixed: always --threads. "
+                    "docs/internals.md, Threads and cores); fixed: always --threads. "
                     "Default: adaptive on CPU with more than one thread (or borrowed cores), "
                     "fixed on CUDA and with tensor or pipeline parallelism")
     ap.add_argument("--kv-cache-memory", type=byte_size, default=None, help="KV pool bytes, e.g. 256MiB")

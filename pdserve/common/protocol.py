@@ -30,7 +30,9 @@ import msgpack
 from pdserve.common.codec import WireError, from_wire, to_wire
 from pdserve.common.draft_kv import DraftBlocks
 from pdserve.common.logprobs import Logprob
-from pdserve.common.payload import RequestPayload as RequestPayload  # re-exported: the messages carry it
+from pdserve.common.payload import (
+    RequestPayload as RequestPayload,  # re-exported: the messages carry it
+)
 from pdserve.common.payload import Resume as Resume
 
 MAGIC = "pdsv"

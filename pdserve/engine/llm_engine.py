@@ -28,15 +28,23 @@ from pdserve.common.logprobs import Logprob
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.block_manager import NO_HIT, BlockCopy, BlockManager
 from pdserve.engine.core.config import EngineConfig
-from pdserve.engine.grammar.compiler import GrammarCompiler, load_tokenizer
-from pdserve.engine.grammar.masking import any_constrained, constrain, cut_drafts
-from pdserve.engine.core.outputs import EngineStats, GenerationResult, RequestOutput, StepDeltas, build_outputs, generation_result
+from pdserve.engine.core.outputs import (
+    EngineStats,
+    GenerationResult,
+    RequestOutput,
+    StepDeltas,
+    build_outputs,
+    generation_result,
+)
 from pdserve.engine.core.request_checks import check_request
-from pdserve.engine.sampler import Sampler, SampleRow, request_seed
 from pdserve.engine.core.scheduler import Reservation, Scheduler, SchedulerOutput
 from pdserve.engine.core.sequence import Request, SequenceStatus, finish_status
 from pdserve.engine.core.sequence import Sequence as Seq
-from pdserve.engine.spec.decoder import SpecDecoder, accepted_prefix, draft_proposer
+from pdserve.engine.grammar.compiler import GrammarCompiler, load_tokenizer
+from pdserve.engine.grammar.masking import any_constrained, constrain, cut_drafts
+from pdserve.engine.sampler import Sampler, SampleRow, request_seed
+from pdserve.engine.spec.decoder import SpecDecoder, accepted_prefix
+from pdserve.engine.spec.draft_model import draft_proposer
 
 if TYPE_CHECKING:
     from pdserve.engine.runner.model_runner import ModelRunner

@@ -38,7 +38,13 @@ from typing import Any, NamedTuple
 from pdserve.common.kv_layout import DTYPE_BYTES
 from pdserve.engine.loading.dtype import host_cpu_flags, resolve_dtype
 from pdserve.engine.loading.model_config import ModelConfig, ModelConfigError
-from pdserve.engine.quant.formats import INT4_GROUP, QuantizationError, linear_weight_bytes, served_lm_head, served_quantization
+from pdserve.engine.quant.formats import (
+    INT4_GROUP,
+    QuantizationError,
+    linear_weight_bytes,
+    served_lm_head,
+    served_quantization,
+)
 
 DEFAULT_OVERHEAD_FRACTION = 0.10
 # `--kv-cache-dtype` values plan takes beyond the serving dtypes: one byte an element.

@@ -57,8 +57,8 @@ class ProfileConfig:
 def measure(config: ProfileConfig, progress: Callable[[str], None] = lambda _: None) -> Profile:
     """Build the engine once and time its steps (module docstring)."""
     from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
-    from pdserve.engine.loading.dtype import resolved_config
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.loading.dtype import resolved_config
 
     longest = max(max(config.prefill_lengths), max(config.context_lengths) + config.decode_steps + 2)
     # one step prefills the longest prompt, or a whole decode batch's prompts

@@ -62,7 +62,17 @@ from functools import partial
 
 from pdserve.common.slo import Slo
 from pdserve.planner.profile import Profile
-from pdserve.planner.report import TIE, Cluster, Percentiles, RequestResult, SimResult, format_results, percentiles, recommend, summarize
+from pdserve.planner.report import (
+    TIE,
+    Cluster,
+    Percentiles,
+    RequestResult,
+    SimResult,
+    format_results,
+    percentiles,
+    recommend,
+    summarize,
+)
 from pdserve.planner.workload import SimRequest
 
 __all__ = ["TIE", "Cluster", "Percentiles", "RequestResult", "SimResult", "SimulationError", "format_results",

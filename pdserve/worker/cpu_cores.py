@@ -1,6 +1,6 @@
 """Which cores each worker on a shared host runs on, and pinning a worker to them.
 
-Policy (`pdserve up --cpu-affinity`, see docs/architecture.md):
+Policy (`pdserve up --cpu-affinity`, see docs/internals.md):
 
 1. `plan_cores` gives the workers consecutive, disjoint slices of the cores this
    process may use, one core per torch thread, in start order (prefill workers,

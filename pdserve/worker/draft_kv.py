@@ -33,13 +33,13 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kv_transfer.api import KVReceiver, KVSender, TransferState
+from kv_transfer.auth import CurveKeys
+from kv_transfer.faults import FaultConfig
 from pdserve.common.draft_kv import DraftBlocks, draft_transfer_id
 from pdserve.common.transport import transport_kind
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.spec.draft_model import DraftModelProposer
-from kv_transfer.api import KVReceiver, KVSender, TransferState
-from kv_transfer.auth import CurveKeys
-from kv_transfer.faults import FaultConfig
 from pdserve.worker.metrics import WorkerMetrics
 
 KVPeer = KVSender | KVReceiver

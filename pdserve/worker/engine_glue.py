@@ -9,10 +9,10 @@ from typing import Any
 from pdserve.common import protocol as p
 from pdserve.common.kv_layout import KVLayout
 from pdserve.engine.core.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.core.outputs import EngineStats, RequestOutput
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parallel.runner import make_runner
+from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.spec.decoder import SpecStats
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.node_api import NodeLoad

@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
+from kv_transfer.faults import FaultConfig
 from pdserve.common import envs
 from pdserve.common import protocol as p
-from kv_transfer.faults import FaultConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,64 +1,33 @@
 """Build and run one worker process of any role: the role's node comes from a builder
-that the caller (the CLI) picks, so this package never imports a node package."""
+that the caller (the CLI) picks, so this package never imports a node package.
+
+`WorkerOptions`, `NodeParts` and `NodeBuilder` are in pdserve/worker/options.py; they are
+re-exported here for the node packages' builders."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from pdserve.common.transport import CurveClient, new_worker_id
+from kv_transfer.auth import CurveKeys, load_keys
+from pdserve.common.transport import new_worker_id
 from pdserve.engine.core.config import EngineConfig
-from kv_transfer.auth import CurveKeys, KVCurve, load_keys
-from kv_transfer.faults import FaultConfig
 from pdserve.worker.core_sharing import share_cores
 from pdserve.worker.cpu_cores import apply_grant
 from pdserve.worker.faults import injected_faults
 from pdserve.worker.gateways import GatewayLinks
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.node_api import Node
+from pdserve.worker.options import NodeBuilder, NodeParts, WorkerOptions
 from pdserve.worker.role_switch import RoleSwitcher
 from pdserve.worker.runtime import RuntimeConfig, WorkerRuntime
 from pdserve.worker.thread_policy import GovernedNode, governed_grant, governor_for
 
+__all__ = ["NodeBuilder", "NodeParts", "WorkerOptions", "build_colocated", "kv_keys", "pool_array",
+           "run_worker"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    role: str  # prefill | decode | colocated
-    gateways: tuple[str, ...]  # tcp://HOST:PORT or dns+tcp://NAME:PORT, one channel per gateway
-    worker_id: str | None = None
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 0
-    heartbeat_s: float = 0.5
-    kv_host: str = "127.0.0.1"
-    kv_port: int = 0  # decode: fixed tcp port of the KV receiver (0: ephemeral)
-    kv_transport: str = "auto"  # auto | tcp | shm
-    curve: CurveClient | None = None
-    fault_injection: bool = False  # honour PDSERVE_FAULTS / PDSERVE_KV_FAULTS (tests only)
-    kv_curve: KVCurve | None = None  # CURVE on the KV sockets (prefill and decode)
-    core_share: str | None = None  # prefill lends / decode borrows cores (pdserve/worker/core_sharing.py)
-    cpu_cores: tuple[int, ...] = ()  # the cores this worker is pinned to
-    borrow_cores: tuple[int, ...] = ()  # decode: the prefill worker's cores
-    thread_policy: str = "fixed"  # adaptive: the thread governor picks 1 or N threads per step
-
-
-class NodeParts:
-    """What a role builder gets: the worker's id, its reply channel, its metrics and the
-    KV faults its sender or receiver injects (none unless fault injection is on)."""
-
-    def __init__(self, worker_id: str, channel: GatewayLinks, metrics: WorkerMetrics,
-                 kv_faults: FaultConfig) -> None:
-        self.worker_id = worker_id
-        self.send = channel.send
-        self.metrics = metrics
-        self.kv_faults = kv_faults
-
-
-# (engine config, options, parts) -> (node, cleanup callables run after the node closes)
-NodeBuilder = Callable[[EngineConfig, WorkerOptions, NodeParts], tuple[Node, list[Callable[[], Any]]]]
 
 
 def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder,

@@ -36,9 +36,9 @@ from pdserve.common.protocol import FLIP_ROLES
 
 if TYPE_CHECKING:
     from pdserve.engine.core.config import EngineConfig
-    from pdserve.worker.main import NodeBuilder, NodeParts, WorkerOptions
     from pdserve.worker.metrics import WorkerMetrics
     from pdserve.worker.node_api import Node
+    from pdserve.worker.options import NodeBuilder, NodeParts, WorkerOptions
 
 log = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 import time
 
+from kv_transfer.api import KVReceiver, KVSender, TransferState
 from pdserve.common import protocol as p
 from pdserve.common.kv_layout import KVLayout
 from pdserve.common.logs import request_fields
 from pdserve.common.transport import transport_kind
 from pdserve.engine.llm_engine import LLMEngine
-from kv_transfer.api import KVReceiver, KVSender, TransferState
 from pdserve.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)

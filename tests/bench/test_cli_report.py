@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.loadgen.metrics import LEGEND
 from pdserve.cli import main
+from pdserve.loadgen.metrics import LEGEND
 from tests.bench.fake_openai import FakeOpenAIServer
 
 SUMMARY_KEYS = {

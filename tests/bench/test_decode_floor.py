@@ -11,8 +11,8 @@ import torch
 
 from bench import decode_floor
 from bench.profile_step import DecodeBench
-from pdserve.engine.kernels import bf16_gemv
 from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.kernels import bf16_gemv
 from pdserve.engine.runner.model_runner import ModelRunner
 
 # tests/helpers/tiny_models.py: hidden 64, 2 layers, 4 heads, 2 KV heads (head_dim 16),

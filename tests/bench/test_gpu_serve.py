@@ -37,8 +37,8 @@ from bench.gpu_serve import (
     weight_bytes,
 )
 from bench.stack import StackConfig, stack_commands
-from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.builtin.default_model import WeightFormat, write_default_model
+from pdserve.engine.loading.model_config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 # hidden 4, 1 layer, 2 heads / 1 KV head of dim 2, FFN 8, vocab 10: small enough to add up by hand.

@@ -9,7 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.loadgen.config import SLOConfig, parse_slo
-from pdserve.loadgen.metrics import allocate_tokens, e2e, itls, meets_slo, run_duration, stats, summarize, tpot, ttft
+from pdserve.loadgen.metrics import (
+    allocate_tokens,
+    e2e,
+    itls,
+    meets_slo,
+    run_duration,
+    stats,
+    summarize,
+    tpot,
+    ttft,
+)
 from pdserve.loadgen.records import RequestRecord
 
 

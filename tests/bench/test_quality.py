@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from bench import moe_model, quality
+from pdserve.builtin.default_model import write_builtin_model
 from pdserve.engine.core.config import CacheConfig, EngineConfig
 from pdserve.engine.runner.model_runner import ModelRunner
-from pdserve.builtin.default_model import write_builtin_model
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,17 @@ import json
 import time
 from pathlib import Path
 
-from pdserve.loadgen.config import BenchConfig, Endpoint, EndpointConfig, LoadConfig, MixedConfig, OutputConfig, WorkloadConfig, WorkloadKind, parse_slo
+from pdserve.loadgen.config import (
+    BenchConfig,
+    Endpoint,
+    EndpointConfig,
+    LoadConfig,
+    MixedConfig,
+    OutputConfig,
+    WorkloadConfig,
+    WorkloadKind,
+    parse_slo,
+)
 from pdserve.loadgen.runner import run_benchmark
 from tests.bench.fake_openai import FakeOpenAIServer
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from pdserve.builtin.tokenizer import BOS_TOKEN, EOT_TOKEN, train_tokenizer
 from pdserve.builtin.default_model import default_model_dir, write_builtin_model
 from pdserve.builtin.random_model import DefaultModelSpec
 from pdserve.builtin.random_model import write_random_model as write_default_model
+from pdserve.builtin.tokenizer import BOS_TOKEN, EOT_TOKEN, train_tokenizer
 
 FILES = (
     "config.json",

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from bench.quality import measure
-from pdserve.common.sampling_params import SamplingParams
-from pdserve.engine.core.config import CacheConfig, EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
 from gateway.tokenizer import Tokenizer
 from pdserve.builtin import default_model
 from pdserve.builtin.default_model import DRAFT, TRAINED, training_record, write_builtin_model
 from pdserve.builtin.random_model import write_random_model
 from pdserve.builtin.story_corpus import documents, vocabulary
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

@@ -8,14 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.common.generation_config import GenerationConfigError, SamplingDefaults, parse_generation_config, read_generation_config
-from pdserve.engine.loading.model_config import ModelConfig, ModelConfigError
 from gateway.tokenizer import Tokenizer, TokenizerError
+from pdserve.builtin.default_model import write_default_model
 from pdserve.cli import build_parser
 from pdserve.cli.args import UsageError, model_dir
 from pdserve.cli.gateway_options import sampling_defaults
 from pdserve.cli.up import _gateway_cmd
-from pdserve.builtin.default_model import write_default_model
+from pdserve.common.generation_config import (
+    GenerationConfigError,
+    SamplingDefaults,
+    parse_generation_config,
+    read_generation_config,
+)
+from pdserve.engine.loading.model_config import ModelConfig, ModelConfigError
 
 LLAMA3_INSTRUCT = {  # Meta-Llama-3.1-8B-Instruct's file
     "bos_token_id": 128000, "do_sample": True, "eos_token_id": [128001, 128008, 128009],
@@ -109,8 +114,8 @@ def test_up_passes_served_names_and_generation_config_to_the_gateway(tmp_path: P
 def test_bad_served_names_and_generation_config_are_refused_before_starting(
     argv: list[str], message: str
 ) -> None:
-    from pdserve.common.transport import free_port
     from pdserve.cli import gateway, up
+    from pdserve.common.transport import free_port
 
     with pytest.raises(UsageError, match=message):
         up.check_args(build_parser().parse_args(["up", "--port", str(free_port()), *argv]))

@@ -10,7 +10,13 @@ import pytest
 
 from pdserve.common import protocol as p
 from pdserve.common.sampling_params import SamplingParams, SamplingParamsError
-from pdserve.common.structured import StructuredOutput, StructuredOutputError, check, choice_regex, json_schema
+from pdserve.common.structured import (
+    StructuredOutput,
+    StructuredOutputError,
+    check,
+    choice_regex,
+    json_schema,
+)
 
 CONSTRAINED = SamplingParams(max_tokens=9, seed=1, structured=json_schema({"enum": ["a", "b"]}, "response_format"))
 

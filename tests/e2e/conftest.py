@@ -45,9 +45,9 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def reference(model_dir: Path) -> Iterator[Reference]:
+    from gateway.tokenizer import Tokenizer
     from pdserve.engine.core.config import CacheConfig, EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from gateway.tokenizer import Tokenizer
     from tests.e2e.cluster import DTYPE
 
     cfg = EngineConfig(model_dir=str(model_dir), dtype=DTYPE, num_threads=1, cache=CacheConfig(num_blocks=256))

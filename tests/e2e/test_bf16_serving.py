@@ -31,8 +31,8 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 @pytest.fixture(scope="module")
 def auto_reference(model_dir: Path) -> Reference:
-    from pdserve.engine.llm_engine import LLMEngine
     from gateway.tokenizer import Tokenizer
+    from pdserve.engine.llm_engine import LLMEngine
 
     cfg = EngineConfig(model_dir=str(model_dir), dtype=AUTO_DTYPE, num_threads=1, cache=CacheConfig(num_blocks=256))
     return Reference(LLMEngine(cfg), Tokenizer.from_model_dir(model_dir), model_dir.name)

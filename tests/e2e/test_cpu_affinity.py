@@ -8,10 +8,10 @@ import os
 import time
 from pathlib import Path
 
-from tests.e2e.cluster import Cluster, http, worker_metrics
-from tests.e2e.conftest import Reference
 from pdserve.worker.core_sharing import create_share_file
 from pdserve.worker.cpu_cores import format_cpu_list, parse_cpu_list
+from tests.e2e.cluster import Cluster, http, worker_metrics
+from tests.e2e.conftest import Reference
 
 
 def threads_allowed(pid: int) -> list[set[int]]:

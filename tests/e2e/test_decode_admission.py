@@ -9,10 +9,10 @@ import concurrent.futures as cf
 import time
 from pathlib import Path
 
-from pdserve.common import protocol as p
-from pdserve.common.sampling_params import SamplingParams
 from gateway.backend import GenerateRequest
 from gateway.cluster import ClusterBackend, ClusterConfig
+from pdserve.common import protocol as p
+from pdserve.common.sampling_params import SamplingParams
 from tests.e2e.cluster import (
     DTYPE,
     WORKER_BLOCKS,

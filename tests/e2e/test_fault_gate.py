@@ -11,10 +11,10 @@ import pytest
 
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
 from kv_transfer.faults import FaultConfig
+from pdserve.worker.faults import NO_FAULTS, InjectedFaults, WorkerFaults, injected_faults
 from tests.e2e.cluster import Cluster, http, metric_value, worker_metrics
 from tests.e2e.conftest import Reference
 from tests.kv_transfer.harness import TINY
-from pdserve.worker.faults import NO_FAULTS, InjectedFaults, WorkerFaults, injected_faults
 
 # Each would be fatal if armed: the prefill worker exits on its first request, and
 # its first KV chunk is corrupted.

@@ -7,10 +7,10 @@ import asyncio
 import contextlib
 from typing import Any
 
-from pdserve.common import protocol as p
-from pdserve.common.sampling_params import SamplingParams
 from gateway.backend import GenerateRequest
 from gateway.cluster import ClusterBackend, ClusterConfig, assigned_seed
+from pdserve.common import protocol as p
+from pdserve.common.sampling_params import SamplingParams
 
 KEY = bytes(range(32))
 

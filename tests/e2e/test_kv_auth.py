@@ -19,9 +19,9 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
-from pdserve.common import protocol
 from kv_transfer import wire
 from kv_transfer.auth import split_address
+from pdserve.common import protocol
 from tests.e2e.cluster import Cluster, http
 from tests.e2e.conftest import Reference
 

@@ -67,9 +67,9 @@ def _greedy(c: Cluster, model: str, prompt: list[int]) -> tuple[str, list[str]]:
 def test_quantized_moe_disaggregated_equals_colocated_equals_dequantized_engine(
     served: tuple[Path, Cluster, Cluster], tmp_path: Path
 ) -> None:
+    from gateway.tokenizer import Tokenizer
     from pdserve.engine.core.config import CacheConfig, EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from gateway.tokenizer import Tokenizer
 
     d, pd, co = served
     for w in [*pd.worker_list(), *co.worker_list()]:

@@ -14,9 +14,9 @@ import zmq
 
 from pdserve.common import protocol as p
 from pdserve.common.transport import free_port
+from pdserve.worker.gateways import GatewayLinks, parse_gateway, resolve
 from tests.e2e.cluster import Cluster, Proc, http, start
 from tests.e2e.conftest import Reference
-from pdserve.worker.gateways import GatewayLinks, parse_gateway, resolve
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "Hello, my name is"]
 MAX_TOKENS = 12

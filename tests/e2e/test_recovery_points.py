@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdserve.common.sampling_params import SamplingParams
 from gateway.backend import GenerateRequest
 from gateway.cluster import ClusterBackend, ClusterConfig
 from gateway.flights import WorkerLost
+from pdserve.common.sampling_params import SamplingParams
 from tests.e2e.cluster import WORKER_BLOCKS, Proc, remove_leaked_shm, start
 from tests.e2e.conftest import Reference
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pdserve.common.protocol import Heartbeat, RegisterWorker
 from gateway.registry import WorkerRegistry
 from gateway.router import blocks_needed, pick_colocated, pick_decode, pick_prefill
+from pdserve.common.protocol import Heartbeat, RegisterWorker
 
 
 def _reg(wid: str, role: str, total: int = 100, compat: str = "c1") -> RegisterWorker:

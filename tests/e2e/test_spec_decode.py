@@ -121,10 +121,10 @@ def test_decode_worker_reports_drafts_and_the_gateway_reexports_them(cluster: Cl
 def _trained(home: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, str], Reference, str]:
     """The trained built-in model and its trained draft: the processes' environment, the
     reference engine, and a draft_model config that drafts at every batch size."""
-    from pdserve.engine.core.config import CacheConfig, EngineConfig
-    from pdserve.engine.llm_engine import LLMEngine
     from gateway.tokenizer import Tokenizer
     from pdserve.builtin.default_model import default_model_dir, draft_model_dir
+    from pdserve.engine.core.config import CacheConfig, EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
     from tests.e2e.cluster import DTYPE
 
     env = {"PDSERVE_HOME": str(home), "PDSERVE_BUILTIN_WEIGHTS": "trained"}

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from gateway.tokenizer import Tokenizer
+from pdserve.builtin.story_corpus import vocabulary
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.config import CacheConfig, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from gateway.tokenizer import Tokenizer
-from pdserve.builtin.story_corpus import vocabulary
 from tests.e2e.cluster import DTYPE, Cluster, http
 
 QUESTION = [{"role": "user", "content": "Tell me about the sea."}]

@@ -6,7 +6,12 @@ import math
 
 import torch
 
-from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, decode_groups, order_chunks
+from pdserve.engine.attention.paged import (
+    TorchPagedAttention,
+    build_metadata,
+    decode_groups,
+    order_chunks,
+)
 from pdserve.engine.core.runner_types import SeqChunk
 
 

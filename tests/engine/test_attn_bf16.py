@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pdserve.engine.attention import native as native_attention
-from pdserve.engine.kernels import native as native_kernels
 from pdserve.engine.attention.native import NativeAttention
+from pdserve.engine.kernels import native as native_kernels
 
 BS, NBLOCKS = 16, 400
 CPU_OK = native_kernels.LIB is not None and hasattr(native_kernels.LIB, "pd_attn_bf16_set")

@@ -19,16 +19,16 @@ import pytest
 import torch
 
 from bench.quality import heldout_rows
+from pdserve.builtin.default_model import write_builtin_model
 from pdserve.common.kv_layout import KVLayout
 from pdserve.engine.attention import native as native_attention
+from pdserve.engine.attention.native import InPlacePagedAttention, NativeAttention, default_backend
 from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks
 from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.core.runner_types import SeqChunk
 from pdserve.engine.runner.kv_pool import KVPool
 from pdserve.engine.runner.kv_quant import QuantizedCache, read_blocks, write_kv
 from pdserve.engine.runner.model_runner import ModelRunner
-from pdserve.engine.attention.native import InPlacePagedAttention, NativeAttention, default_backend
-from pdserve.engine.core.runner_types import SeqChunk
-from pdserve.builtin.default_model import write_builtin_model
 
 KINDS = ("fp8_e4m3", "int8")
 BS, KVH, HEADS, NBLOCKS = 16, 2, 6, 130

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.common import envs
-from pdserve.engine.kernels import bf16_gemv, native as native_kernels
+from pdserve.engine.kernels import bf16_gemv
+from pdserve.engine.kernels import native as native_kernels
 from pdserve.engine.quant.linear import linear
 
 pytestmark = [

@@ -39,8 +39,8 @@ def test_stream_event_marks_the_given_devices_stream(monkeypatch: pytest.MonkeyP
 
 def test_the_runner_binds_its_device_before_loading_weights(
         monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Any) -> None:
-    from pdserve.engine.runner import model_runner
     from pdserve.engine.core.config import CacheConfig, EngineConfig
+    from pdserve.engine.runner import model_runner
 
     calls: list[str] = []
     load = model_runner.load_model_with

@@ -13,9 +13,18 @@ import torch
 from pdserve.common.kv_layout import NULL_BLOCK
 from pdserve.engine.attention.paged import TorchPagedAttention
 from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.runner.cuda_graphs import DecodeBufferLayout, StaticDecodeStep, fill_decode_inputs, graph_buckets, graph_support, graphable, pick_bucket, requested_rows
-from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.runner.cuda_graphs import (
+    DecodeBufferLayout,
+    StaticDecodeStep,
+    fill_decode_inputs,
+    graph_buckets,
+    graph_support,
+    graphable,
+    pick_bucket,
+    requested_rows,
+)
+from pdserve.engine.runner.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 

@@ -19,9 +19,9 @@ import torch
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.core.scheduler import ReserveCheck, Scheduler
 from pdserve.engine.core.sequence import Sequence, SequenceStatus
+from pdserve.engine.llm_engine import LLMEngine
 
 BS = 4
 _ids = iter(range(10_000))

@@ -12,10 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.core.config import CacheConfig, EngineConfig
-from pdserve.engine.loading.dtype import DTYPE_CHOICES, host_cpu_flags, model_dtype, resolve_dtype, resolved_config
-from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.cli import build_parser
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.loading.dtype import (
+    DTYPE_CHOICES,
+    host_cpu_flags,
+    model_dtype,
+    resolve_dtype,
+    resolved_config,
+)
+from pdserve.engine.runner.model_runner import ModelRunner
 
 AMX = frozenset({"fpu", "avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
 AVX512_BF16 = frozenset({"avx2", "avx512f", "avx512_bf16"})

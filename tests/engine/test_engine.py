@@ -16,8 +16,8 @@ import torch
 
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.core.sequence import SequenceStatus
+from pdserve.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)

@@ -14,17 +14,17 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.common.kv_layout import NULL_BLOCK
-from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks
-from pdserve.engine.attention.backend_choice import installed, make_backend, refusal, resolve
-from pdserve.engine.core.config import EngineConfig
-from pdserve.engine.runner.cuda_graphs import graph_support
-from pdserve.engine.attention.flashinfer import FlashInferAttention, paged_kv_index, prefill_index
-from pdserve.engine.core.runner_types import SeqChunk
 from pdserve.cli import build_parser
 from pdserve.cli.args import UsageError
 from pdserve.cli.up import gpu_flags
 from pdserve.cli.workers import check_gpu_args
+from pdserve.common.kv_layout import NULL_BLOCK
+from pdserve.engine.attention.backend_choice import installed, make_backend, refusal, resolve
+from pdserve.engine.attention.flashinfer import FlashInferAttention, paged_kv_index, prefill_index
+from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks
+from pdserve.engine.core.config import EngineConfig
+from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.runner.cuda_graphs import graph_support
 
 T = torch.tensor
 NUM_BLOCKS = 64

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.kernels import fused_ops, native as native_kernels
+from pdserve.engine.kernels import fused_ops
+from pdserve.engine.kernels import native as native_kernels
 from pdserve.engine.models.llama import RMSNorm
 from pdserve.engine.models.rope import RopeTables, apply_rope
 

@@ -19,14 +19,14 @@ import jsonschema
 import llguidance
 import pytest
 
+from gateway.tokenizer import Tokenizer
+from pdserve.builtin.default_model import write_default_model
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.structured import StructuredOutput, grammar_text, json_schema
 from pdserve.engine.core.config import CacheConfig, EngineConfig
 from pdserve.engine.grammar.compiler import GrammarCompileError, GrammarCompiler, load_tokenizer
 from pdserve.engine.grammar.matcher import GrammarMatcher
 from pdserve.engine.llm_engine import LLMEngine
-from gateway.tokenizer import Tokenizer
-from pdserve.builtin.default_model import write_default_model
 from tests.engine.test_engine import _copy_kv, assert_idle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from gateway.tokenizer import Tokenizer
+from pdserve.builtin.default_model import write_default_model
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.structured import json_schema
 from pdserve.engine.core.config import CacheConfig, EngineConfig
@@ -25,8 +27,6 @@ from pdserve.engine.grammar.matcher import GrammarMatcher
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.engine.spec.decoder import SpecDecoder
-from gateway.tokenizer import Tokenizer
-from pdserve.builtin.default_model import write_default_model
 from tests.engine.test_grammar import SCHEMA, assert_valid
 from tests.engine.test_spec_decode import assert_idle_and_clean, assert_same, full_sequences
 

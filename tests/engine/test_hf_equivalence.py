@@ -34,8 +34,8 @@ import pytest
 import torch
 
 from pdserve.engine.core.config import CacheConfig, EngineConfig
-from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.runner.model_runner import ModelRunner
 from tests.helpers.tiny_models import FAMILIES
 
 # float32 end to end; differences come only from summation order (~1e-6 observed).

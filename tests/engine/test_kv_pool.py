@@ -11,9 +11,9 @@ import torch
 
 from pdserve.common.kv_layout import KVLayout
 from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.core.runner_types import SeqChunk
 from pdserve.engine.runner.kv_pool import KVPool
 from pdserve.engine.runner.model_runner import ModelRunner
-from pdserve.engine.core.runner_types import SeqChunk
 
 LAYOUT = KVLayout("m", num_layers=2, num_kv_heads=2, head_dim=4, block_size=8, dtype="float32")
 

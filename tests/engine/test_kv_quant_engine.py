@@ -13,9 +13,9 @@ import torch
 
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.core.runner_types import SeqChunk
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner.model_runner import ModelRunner
-from pdserve.engine.core.runner_types import SeqChunk
 
 KINDS = ("fp8", "int8")
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.attention import paged as attention, chunk as chunk_attention
+from pdserve.engine.attention import chunk as chunk_attention
+from pdserve.engine.attention import paged as attention
 from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks
 from pdserve.engine.core.runner_types import SeqChunk
 

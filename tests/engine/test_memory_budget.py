@@ -9,12 +9,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pdserve.engine.core.config import CacheConfig, EngineConfig
-from pdserve.engine.runner.memory_budget import activation_bytes, checkpoint_weight_bytes, default_gpu_memory_utilization, kv_cache_budget
 from pdserve.cli import build_parser
 from pdserve.cli.args import UsageError
 from pdserve.cli.up import _worker_cmds, gpu_flags
 from pdserve.cli.workers import check_gpu_args
+from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.runner.memory_budget import (
+    activation_bytes,
+    checkpoint_weight_bytes,
+    default_gpu_memory_utilization,
+    kv_cache_budget,
+)
 
 GIB = 1 << 30
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pdserve.engine.attention import native as native_attention
-from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks
 from pdserve.engine.attention.native import InPlacePagedAttention, NativeAttention, default_backend
+from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks
 from pdserve.engine.core.runner_types import SeqChunk
 
 BS, KVH, HEADS, D, NBLOCKS = 16, 2, 6, 64, 600

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.core.runner_types import SeqChunk
 from pdserve.engine.loading.model_config import ModelConfig
-from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.parallel.pipeline import micro_batches, stage_links
 from pdserve.engine.parallel.plan import HeadRange, rank_shard
 from pdserve.engine.parallel.runner import TPRunner
-from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.runner.model_runner import ModelRunner
 from tests.engine.test_hf_equivalence import LOGIT_ATOL
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

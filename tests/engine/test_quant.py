@@ -11,15 +11,20 @@ import pytest
 import torch
 
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.engine.kernels import native as native_kernels
 from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.kernels import native as native_kernels
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loading.loader import CheckpointError, load_model_with
-from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.quant import int4_kernel
-from pdserve.engine.quant.formats import PrequantConfig, QuantizationError, linear_weight_bytes, served_quantization
+from pdserve.engine.quant.formats import (
+    PrequantConfig,
+    QuantizationError,
+    linear_weight_bytes,
+    served_quantization,
+)
 from pdserve.engine.quant.linear import INT4_DEQUANT_ROWS, Int4Linear, Int8Linear, quantize_weight
 from pdserve.engine.quant.pack import quantize_int4, quantize_int8
+from pdserve.engine.runner.model_runner import ModelRunner
 from tests.helpers.tiny_models import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -12,10 +12,10 @@ import torch
 
 from pdserve.engine.core.config import CacheConfig, EngineConfig
 from pdserve.engine.loading.loader import load_model_with
-from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.quant.formats import QuantizationError, served_lm_head
 from pdserve.engine.quant.linear import Int8Linear
 from pdserve.engine.quant.pack import quantize_int8
+from pdserve.engine.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.engine.sampler import Sampler, SampleRow, apply_penalties, draw, generator_seed, sampling_probs
 from pdserve.engine.core.sequence import Sequence, SequenceStatus, finish_status
+from pdserve.engine.sampler import (
+    Sampler,
+    SampleRow,
+    apply_penalties,
+    draw,
+    generator_seed,
+    sampling_probs,
+)
 
 torch.set_num_threads(1)
 

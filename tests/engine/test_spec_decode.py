@@ -19,8 +19,8 @@ import torch
 
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.engine.spec.decoder import SpecDecoder
 

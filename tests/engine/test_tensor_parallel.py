@@ -21,13 +21,19 @@ import torch
 
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.core.runner_types import SeqChunk
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loading.model_config import ModelConfig
-from pdserve.engine.runner.model_runner import ModelRunner
-from pdserve.engine.parallel.plan import ParallelLayoutError, check_pp, check_tp, stage_layers, tp_shard
+from pdserve.engine.parallel.plan import (
+    ParallelLayoutError,
+    check_pp,
+    check_tp,
+    stage_layers,
+    tp_shard,
+)
 from pdserve.engine.parallel.runner import TPRunner, make_runner
 from pdserve.engine.parallel.steps import StepFormatError, decode_step, encode_step, encode_stop
-from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.runner.model_runner import ModelRunner
 from tests.engine.test_hf_equivalence import LOGIT_ATOL, greedy, hf_greedy, prompt_of
 
 NEW_TOKENS = 16

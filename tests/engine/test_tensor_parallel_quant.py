@@ -21,15 +21,21 @@ import pytest
 import torch
 
 from pdserve.engine.core.config import CacheConfig, EngineConfig
+from pdserve.engine.core.runner_types import SeqChunk
 from pdserve.engine.loading.loader import CheckpointError, load_config, load_model_with
-from pdserve.engine.runner.model_runner import ModelRunner
-from pdserve.engine.parallel.plan import ParallelLayoutError, TPShard, check_tp_quant, rank_shard, tp_shard
+from pdserve.engine.parallel.plan import (
+    ParallelLayoutError,
+    TPShard,
+    check_tp_quant,
+    rank_shard,
+    tp_shard,
+)
 from pdserve.engine.parallel.quant_shard import slice_int4, slice_int8
 from pdserve.engine.parallel.runner import TPRunner, make_runner
 from pdserve.engine.parallel.weights import COLUMNS, ROWS, Span
 from pdserve.engine.quant.formats import QuantizationError
 from pdserve.engine.quant.pack import Int4Parts, quantize_int4, quantize_int8
-from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.runner.model_runner import ModelRunner
 from tests.engine.test_hf_equivalence import bf16_ulp, greedy, prompt_of
 from tests.helpers.quant_checkpoints import write_quantized
 

@@ -22,9 +22,9 @@ pytest.importorskip("triton", reason="triton is not installed (pip install '.[te
 
 from pdserve.common.kv_layout import NULL_BLOCK  # noqa: E402
 from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks  # noqa: E402
-from pdserve.engine.runner.kv_quant import QuantizedCache  # noqa: E402
-from pdserve.engine.core.runner_types import SeqChunk  # noqa: E402
 from pdserve.engine.attention.triton_paged import TritonPagedAttention, plan_splits, select_backend  # noqa: E402
+from pdserve.engine.core.runner_types import SeqChunk  # noqa: E402
+from pdserve.engine.runner.kv_quant import QuantizedCache  # noqa: E402
 
 NUM_BLOCKS = 64
 DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}

@@ -18,8 +18,8 @@ from safetensors.numpy import save_file
 from pdserve.common.kv_layout import KVLayout
 from pdserve.engine.core.config import CacheConfig, EngineConfig
 from pdserve.engine.loading.loader import weights_fingerprint
-from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.loading.weights_fingerprint import CACHE_NAME, fingerprint_files
+from pdserve.engine.runner.model_runner import ModelRunner
 from tests.helpers.tiny_models import copy_with_one_weight_changed
 
 HOUR_NS = 3600 * 10**9

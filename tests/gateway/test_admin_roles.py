@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.common import protocol as p
 from gateway.cluster import ClusterBackend
 from gateway.config import GatewayConfig
 from gateway.tokenizer import Tokenizer
 from pdserve.builtin.default_model import write_default_model
+from pdserve.common import protocol as p
 from tests.gateway.local_backend import GatewayThread, LocalBackend, raw
 
 TOKEN = "admin-token-for-tests-0123"

@@ -11,10 +11,10 @@ from typing import Any
 import openai
 import pytest
 
-from pdserve.common.generation_config import SamplingDefaults
 from gateway.config import GatewayConfig
 from gateway.tokenizer import Tokenizer
 from pdserve.builtin.default_model import write_default_model
+from pdserve.common.generation_config import SamplingDefaults
 from tests.gateway.local_backend import GatewayThread, LocalBackend, raw
 
 PRIMARY = "org/served-model"

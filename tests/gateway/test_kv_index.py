@@ -5,8 +5,8 @@ first missing block."""
 
 from __future__ import annotations
 
-from pdserve.common.protocol import KvEvents
 from gateway.kv_index import KvIndex
+from pdserve.common.protocol import KvEvents
 
 
 def _registered(*workers: str) -> KvIndex:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.common.block_hash import prefix_block_keys
-from pdserve.common.protocol import Heartbeat, KvEvents, RegisterWorker, RequestPayload, Resume
-from pdserve.common.sampling_params import SamplingParams
 from gateway.kv_index import KvIndex
 from gateway.kv_router import KvRouter, RouterConfig
 from gateway.registry import WorkerInfo, WorkerRegistry
+from pdserve.common.block_hash import prefix_block_keys
+from pdserve.common.protocol import Heartbeat, KvEvents, RegisterWorker, RequestPayload, Resume
+from pdserve.common.sampling_params import SamplingParams
 
 BS = 4
 PROMPT = list(range(1, 42))  # 10 full blocks + 1 token; 10 cacheable blocks

@@ -4,8 +4,8 @@ the wire keeps counting until a later heartbeat lists it or it leaves."""
 
 from __future__ import annotations
 
-from pdserve.common.protocol import Heartbeat, RegisterWorker
 from gateway.registry import WorkerInfo, WorkerRegistry
+from pdserve.common.protocol import Heartbeat, RegisterWorker
 
 TOTAL = 100
 

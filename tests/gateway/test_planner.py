@@ -12,7 +12,6 @@ import random
 
 import pytest
 
-from pdserve.common.slo import Slo, parse_slo
 from gateway.planner import (
     Action,
     LoadSample,
@@ -22,6 +21,7 @@ from gateway.planner import (
     pressures,
     wanted_flip,
 )
+from pdserve.common.slo import Slo, parse_slo
 
 SLO = Slo(ttft_s=1.0, itl_s=0.05)
 CFG = PlannerConfig(SLO, dwell_s=20.0, cooldown_s=30.0, margin=0.2)

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from pdserve.common import protocol as p
-from pdserve.common.slo import Slo
 from gateway.admin_roles import RoleFlips
 from gateway.control_plane import ClusterConfig, ControlPlane
 from gateway.planner import PlannerConfig, PlannerSettings
 from gateway.planner_loop import HistogramWindow, PlannerCollector, PlannerLoop
+from pdserve.common import protocol as p
+from pdserve.common.slo import Slo
 
 
 class _Events:

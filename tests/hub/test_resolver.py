@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.builtin.default_model import VERSION_FILE, default_model_dir
 from pdserve.cli import build_parser
 from pdserve.cli.args import UsageError, resolve_model_arg
-from pdserve.builtin.default_model import VERSION_FILE, default_model_dir
 from pdserve.cli.hub import ALLOW_PATTERNS, HubError, HubSource, is_repo_id, resolve_model
 from tests.e2e.cluster import ROOT, _env
 from tests.helpers.hf_cache import add_to_cache

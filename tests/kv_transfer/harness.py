@@ -8,16 +8,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.common.kv_layout import KVLayout
-from pdserve.common.parallel_layout import ParallelLayout
 from kv_transfer.api import TransferState
-from kv_transfer.pool.blocks import numpy_dtype
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import ZmqLinkFactory
+from kv_transfer.pool.blocks import numpy_dtype
+from kv_transfer.pool.shm import ShmPool, create_shm_pool
 from kv_transfer.receiver.receiver import ZmqReceiver
 from kv_transfer.sender.sender import Sender
-from kv_transfer.pool.shm import ShmPool, create_shm_pool
+from pdserve.common.kv_layout import KVLayout
+from pdserve.common.parallel_layout import ParallelLayout
 
 CPU_TRANSPORTS = ["fake", "tcp", "ipc", "shm"]
 TINY = KVLayout("tiny-model", num_layers=3, num_kv_heads=2, head_dim=4, block_size=2,

@@ -9,9 +9,9 @@ import numpy as np
 
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import ZmqLinkFactory
+from kv_transfer.pool.shm import create_shm_pool
 from kv_transfer.receiver.receiver import ZmqReceiver
 from kv_transfer.sender.sender import Sender
-from kv_transfer.pool.shm import create_shm_pool
 from tests.kv_transfer.harness import TINY, random_pool
 
 NUM_BLOCKS = 16

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from kv_transfer.api import TransferState
 from pdserve.common.kv_layout import KVLayout
 from pdserve.engine.core.config import CacheConfig, EngineConfig
 from pdserve.engine.runner.model_runner import ModelRunner
-from kv_transfer.api import TransferState
 from tests.helpers.tiny_models import copy_with_one_weight_changed
 from tests.kv_transfer.harness import CPU_TRANSPORTS, make_pair, same_bytes, wait_terminal
 

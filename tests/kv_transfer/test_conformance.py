@@ -330,9 +330,9 @@ def test_shm_chunks_stay_within_the_receivers_frame_limit() -> None:
     splits them to the receiver's limit (it learns it in the handshake) instead of
     having every chunk rejected."""
     from kv_transfer.links import ZmqLinkFactory
+    from kv_transfer.pool.shm import create_shm_pool
     from kv_transfer.receiver.receiver import ZmqReceiver
     from kv_transfer.sender.sender import Sender
-    from kv_transfer.pool.shm import create_shm_pool
     from tests.kv_transfer.harness import random_pool
 
     src = random_pool(TINY, 80, seed=5)

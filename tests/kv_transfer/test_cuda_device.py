@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from kv_transfer.api import TransferState
+from kv_transfer.links import ZmqLinkFactory
 from kv_transfer.pool.blocks import frame_nbytes
 from kv_transfer.pool.cuda_ipc import cuda_available, owner_device
-from kv_transfer.links import ZmqLinkFactory
 from kv_transfer.receiver.receiver import ZmqReceiver
 from kv_transfer.sender.sender import Sender
 from kv_transfer.wire import ShmDescriptor

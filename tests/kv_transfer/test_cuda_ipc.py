@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from kv_transfer.api import TransferState
-from kv_transfer.pool.cuda_ipc import cuda_available
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import ZmqLinkFactory
+from kv_transfer.pool.cuda_ipc import cuda_available
 from kv_transfer.sender.sender import Sender
 from tests.kv_transfer import proc_helpers
 from tests.kv_transfer.harness import TINY, random_pool, wait_terminal

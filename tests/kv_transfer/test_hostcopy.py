@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.common.kv_layout import KVLayout
 from kv_transfer.pool import hostcopy
 from kv_transfer.pool.copy_threads import CopyThreads
 from kv_transfer.pool.ops import HostPoolOps
 from kv_transfer.pool.shm import create_shm_pool
+from pdserve.common.kv_layout import KVLayout
 
 
 @pytest.fixture(scope="module")

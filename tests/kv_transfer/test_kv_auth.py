@@ -23,11 +23,11 @@ from kv_transfer.api import TransferState
 from kv_transfer.auth import CurveKeys, KVCurve, load_keys, split_address
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import ZmqLinkFactory
+from kv_transfer.pool.shm import create_shm_pool
+from kv_transfer.receiver.core import ReceiverCore, ReceiverStats
 from kv_transfer.receiver.pending_claims import MAX_PENDING_CLAIMS, MAX_PENDING_CLAIMS_PER_PEER
 from kv_transfer.receiver.receiver import ZmqReceiver
-from kv_transfer.receiver.core import ReceiverCore, ReceiverStats
 from kv_transfer.sender.sender import Sender
-from kv_transfer.pool.shm import create_shm_pool
 from tests.kv_transfer.harness import TINY, random_pool, same_bytes, wait_terminal
 
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

@@ -9,9 +9,9 @@ import pytest
 
 from kv_transfer import wire
 from kv_transfer.api import TransferState
-from kv_transfer.pool.blocks import frame_rows, gather
 from kv_transfer.checksum import frame_checksum
 from kv_transfer.faults import FaultConfig
+from kv_transfer.pool.blocks import frame_rows, gather
 from kv_transfer.receiver.core import ReceiverCore
 from tests.kv_transfer.harness import TINY, make_pair, random_pool, wait_state, wait_terminal
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.common.parallel_layout import LayoutPairError, ParallelLayout, check_pair
 from kv_transfer import wire
 from kv_transfer.api import TransferState
+from pdserve.common.parallel_layout import LayoutPairError, ParallelLayout, check_pair
 from tests.kv_transfer.harness import CPU_TRANSPORTS, TINY, make_pair, same_bytes, wait_terminal
 
 SIZES = [(tp, pp) for tp in (1, 2) for pp in (1, 2)]

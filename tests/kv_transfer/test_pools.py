@@ -11,16 +11,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.common.kv_layout import KVLayout
 from kv_transfer import FakeReceiver, ZmqReceiver, make_receiver, make_sender
 from kv_transfer.api import KVReceiver, KVSender, TransferState
-from kv_transfer.pool.blocks import frame_rows, gather, plan_chunks
 from kv_transfer.checksum import block_row_sums, frame_checksum, pool_words, row_sums
 from kv_transfer.faults import FaultConfig
-from kv_transfer.sender.sender import Sender
+from kv_transfer.pool.blocks import frame_rows, gather, plan_chunks
 from kv_transfer.pool.shm import ShmPool, attach_shm_pool, create_shm_pool
 from kv_transfer.pool.tensor_adapter import pool_array, shm_pool_tensor, tensor_from_array
+from kv_transfer.sender.sender import Sender
 from kv_transfer.wire import ShmDescriptor
+from pdserve.common.kv_layout import KVLayout
 from tests.kv_transfer.harness import TINY, random_pool, same_bytes, wait_terminal
 
 

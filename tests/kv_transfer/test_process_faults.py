@@ -11,9 +11,9 @@ import pytest
 
 from kv_transfer.api import TransferState
 from kv_transfer.links import ZmqLinkFactory
+from kv_transfer.pool.shm import create_shm_pool
 from kv_transfer.receiver.receiver import ZmqReceiver
 from kv_transfer.sender.sender import Sender
-from kv_transfer.pool.shm import create_shm_pool
 from tests.kv_transfer import proc_helpers
 from tests.kv_transfer.harness import TINY, random_pool
 

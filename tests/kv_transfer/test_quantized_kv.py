@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from kv_transfer.api import TransferState
+from kv_transfer.pool.blocks import frame_nbytes
 from pdserve.common.kv_layout import KVLayout
 from pdserve.engine.runner.kv_pool import KVPool
 from pdserve.engine.runner.kv_quant import QuantizedCache, read_blocks, write_kv
-from kv_transfer.api import TransferState
-from kv_transfer.pool.blocks import frame_nbytes
 from tests.kv_transfer.harness import CPU_TRANSPORTS, make_pair, wait_terminal
 
 pytestmark = pytest.mark.timeout(60)

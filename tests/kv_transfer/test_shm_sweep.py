@@ -14,8 +14,8 @@ import pytest
 
 from kv_transfer import make_sender
 from kv_transfer.pool.blocks import numpy_dtype
-from kv_transfer.sender.sender import Sender
 from kv_transfer.pool.shm import create_shm_pool, sweep_stale_segments
+from kv_transfer.sender.sender import Sender
 from tests.kv_transfer.harness import TINY
 
 

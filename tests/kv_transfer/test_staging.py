@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 from kv_transfer.api import TransferState
-from kv_transfer.pool.blocks import frame_nbytes
-from kv_transfer.pool.copy_threads import CopyThreads
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import Link, ZmqLinkFactory
-from kv_transfer.receiver.receiver import ZmqReceiver
-from kv_transfer.sender.sender import Sender
-from kv_transfer.sender.chunks import ChunkMaker
-from kv_transfer.sender.state import PeerRecord, TransferRecord
+from kv_transfer.pool.blocks import frame_nbytes
+from kv_transfer.pool.copy_threads import CopyThreads
 from kv_transfer.pool.staging import HiddenHostPool, HostStagedOps
+from kv_transfer.receiver.receiver import ZmqReceiver
+from kv_transfer.sender.chunks import ChunkMaker
+from kv_transfer.sender.sender import Sender
+from kv_transfer.sender.state import PeerRecord, TransferRecord
 from tests.kv_transfer.harness import TINY, random_pool, wait_state, wait_terminal
 
 pytestmark = pytest.mark.timeout(60)

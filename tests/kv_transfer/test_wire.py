@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from kv_transfer import wire
 from kv_transfer.api import TransferState
 from kv_transfer.faults import FaultConfig
-from kv_transfer.receiver.receiver import ZmqReceiver
 from kv_transfer.receiver.core import ReceiverCore
+from kv_transfer.receiver.receiver import ZmqReceiver
 from tests.kv_transfer.harness import TINY, make_pair, same_bytes, wait_terminal
 
 ids = st.text(max_size=40)

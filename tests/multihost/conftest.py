@@ -74,9 +74,9 @@ class Reference:
 
 @pytest.fixture(scope="session")
 def mh_reference(mh_model_dir: Path) -> Reference:
+    from gateway.tokenizer import Tokenizer
     from pdserve.engine.core.config import CacheConfig, EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from gateway.tokenizer import Tokenizer
 
     # float32 on both sides, as in tests/e2e/cluster.py (DTYPE): exact equality under
     # recovery holds in float32 only.

@@ -8,15 +8,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from decode_node.node import DecodeNode
+from kv_transfer.api import KVReceiver, KVSender
 from pdserve.common import protocol as p
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.transport import host_id
-from decode_node.node import DecodeNode
 from pdserve.engine.llm_engine import LLMEngine
-from kv_transfer.api import KVReceiver, KVSender
-from prefill_node.node import PrefillNode
 from pdserve.worker.draft_kv import DraftReceipts, DraftShipper
 from pdserve.worker.metrics import WorkerMetrics
+from prefill_node.node import PrefillNode
 
 STEP_DEADLINE_S = 30.0  # a hung handoff fails the test instead of hanging it
 

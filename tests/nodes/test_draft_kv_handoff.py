@@ -15,6 +15,9 @@ from typing import Any
 
 import pytest
 
+from kv_transfer.api import TransferState
+from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
+from kv_transfer.pool.tensor_adapter import pool_array
 from pdserve.common import protocol as p
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.config import CacheConfig, EngineConfig
@@ -23,14 +26,11 @@ from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.engine.spec.decoder import SpecStats
 from pdserve.engine.spec.draft_model import DraftModelProposer
-from kv_transfer.api import TransferState
-from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
-from kv_transfer.pool.tensor_adapter import pool_array
+from pdserve.worker.draft_kv import DRAFT_WAIT_STEPS, DraftReceipts, DraftShipper
+from pdserve.worker.metrics import WorkerMetrics
 from tests.engine.test_engine import assert_idle
 from tests.engine.test_spec_decode import GREEDY, SEEDED, make_engine, prompts
 from tests.nodes.harness import NodePair
-from pdserve.worker.draft_kv import DRAFT_WAIT_STEPS, DraftReceipts, DraftShipper
-from pdserve.worker.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

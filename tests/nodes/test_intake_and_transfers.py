@@ -18,10 +18,10 @@ from pdserve.common import protocol as p
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.transport import host_id
 from pdserve.engine.llm_engine import LLMEngine
-from tests.engine.test_engine import assert_idle, make_engine, prompts
-from tests.nodes.test_layerwise_push import PARAMS, Pair
 from pdserve.worker.colocated import ColocatedNode
 from pdserve.worker.metrics import WorkerMetrics
+from tests.engine.test_engine import assert_idle, make_engine, prompts
+from tests.nodes.test_layerwise_push import PARAMS, Pair
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from decode_node.main import receiver_transport
 from pdserve.common import protocol as p
 from pdserve.common.transport import host_id
-from decode_node.main import receiver_transport
 from prefill_node.node import layer_ready, peer_address
 
 

@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from pdserve.common.sampling_params import SamplingParams
 from kv_transfer.api import TransferState
 from kv_transfer.fake import FakeFabric, FakeReceiver, fake_sender
 from kv_transfer.links import ZmqLinkFactory
-from kv_transfer.receiver.receiver import ZmqReceiver
-from kv_transfer.sender.sender import Sender
 from kv_transfer.pool.staging import HiddenHostPool
 from kv_transfer.pool.tensor_adapter import pool_array
+from kv_transfer.receiver.receiver import ZmqReceiver
+from kv_transfer.sender.sender import Sender
+from pdserve.common.sampling_params import SamplingParams
 from tests.engine.test_engine import assert_idle, make_engine, prompts
 from tests.nodes.harness import NodePair
 

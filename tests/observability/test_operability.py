@@ -9,12 +9,12 @@ import logging
 
 import pytest
 
-from pdserve.common.logs import JsonFormatter, request_fields
-from pdserve.common.protocol import RegisterWorker
-from pdserve.common.transport import transport_kind
 from gateway.registry import WorkerRegistry
 from pdserve.cli import build_parser
 from pdserve.cli.up import _worker_cmds
+from pdserve.common.logs import JsonFormatter, request_fields
+from pdserve.common.protocol import RegisterWorker
+from pdserve.common.transport import transport_kind
 from pdserve.worker.metrics import WorkerMetrics
 
 
@@ -119,8 +119,8 @@ def test_prefill_workers_may_get_their_own_kv_pool() -> None:
 
 
 def test_kv_receiver_binds_a_fixed_port() -> None:
-    from pdserve.common.transport import free_port
     from kv_transfer.receiver.receiver import ZmqReceiver
+    from pdserve.common.transport import free_port
     from tests.kv_transfer.harness import TINY, random_pool
 
     port = free_port()

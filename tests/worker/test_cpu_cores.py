@@ -11,7 +11,13 @@ import pytest
 
 from pdserve.cli.up import borrows_cores, core_flags, core_plan
 from pdserve.worker.core_sharing import CoreBorrower, CoreLender, CoreShareFile, create_share_file
-from pdserve.worker.cpu_cores import CoreGrant, borrow_grant, format_cpu_list, parse_cpu_list, plan_cores
+from pdserve.worker.cpu_cores import (
+    CoreGrant,
+    borrow_grant,
+    format_cpu_list,
+    parse_cpu_list,
+    plan_cores,
+)
 
 
 def test_cpu_lists_parse_and_format_like_proc() -> None:

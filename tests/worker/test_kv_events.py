@@ -13,10 +13,10 @@ import zmq
 from pdserve.common import protocol as p
 from pdserve.common.transport import free_port
 from pdserve.engine.core.cache_events import CacheEvents
-from tests.worker.test_runtime_snapshot import ScriptedNode, run_in_main_thread
 from pdserve.worker.gateways import GatewayLinks
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.runtime import RuntimeConfig, WorkerRuntime
+from tests.worker.test_runtime_snapshot import ScriptedNode, run_in_main_thread
 
 
 class CachingNode(ScriptedNode):

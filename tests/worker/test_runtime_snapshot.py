@@ -15,11 +15,11 @@ from pdserve.common import protocol as p
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.transport import free_port
 from pdserve.engine.core.cache_events import CacheEvents
-from tests.observability.obs import value
 from pdserve.worker.gateways import GatewayLinks
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.node_api import NodeLoad, NodeRegistration
 from pdserve.worker.runtime import RuntimeConfig, WorkerRuntime
+from tests.observability.obs import value
 
 TOTAL = 100
 BLOCKS_PER_REQUEST = 10

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.common import protocol as p
 from pdserve.cli import build_parser
 from pdserve.cli.args import UsageError
 from pdserve.cli.up import _worker_cmds
 from pdserve.cli.workers import thread_policy
+from pdserve.common import protocol as p
 from pdserve.worker.cpu_cores import CoreGrant
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.node_api import NodeLoad

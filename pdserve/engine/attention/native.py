@@ -21,10 +21,10 @@ import math
 
 import torch
 
-from pdserve.engine.kernels import native as native_kernels
 from pdserve.engine.attention.paged import AttentionBackend, DecodeBatch, TorchPagedAttention
-from pdserve.engine.runner.kv_quant import KVCacheView, QuantizedCache
+from pdserve.engine.kernels import native as native_kernels
 from pdserve.engine.kernels.native import DTYPE_CODES as _DTYPE_CODES
+from pdserve.engine.runner.kv_quant import KVCacheView, QuantizedCache
 
 _KIND_CODES = {"fp8_e4m3": 0, "int8": 1}  # pdserve/engine/kernels/_attn_q8.c
 _ERRORS = {1: "out of memory", 2: "block id outside the pool", 3: "bad context length or shape"}

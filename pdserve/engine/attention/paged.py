@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from pdserve.common.kv_layout import NULL_BLOCK
 from pdserve.engine.attention.chunk import chunk_causal_attention
-from pdserve.engine.runner.kv_quant import KVCacheView, read_blocks, write_kv
 from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.runner.kv_quant import KVCacheView, read_blocks, write_kv
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.attention.paged import AttentionBackend, AttentionMetadata, DecodeBatch, PrefillSeq
-from pdserve.engine.runner.kv_quant import KVCacheView, write_plain_kv
 from pdserve.engine.attention.native import default_backend as native_default_backend
+from pdserve.engine.attention.paged import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeBatch,
+    PrefillSeq,
+)
+from pdserve.engine.runner.kv_quant import KVCacheView, write_plain_kv
 
 # A split covers at least this many KV blocks; splits are added until about
 # TARGET_PROGRAMS programs run (enough to fill a GPU's SMs at small batch).

@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 
 from pdserve.common.kv_layout import normalize_kv_cache_dtype
 from pdserve.engine.attention.backend_choice import ATTENTION_BACKENDS
-from pdserve.engine.loading.dtype import DTYPE_CHOICES
 from pdserve.engine.quant.formats import LM_HEAD_CHOICES, QUANTIZATION_CHOICES
 from pdserve.engine.spec.config import SpeculativeConfig
+
+SERVING_DTYPES = ("float32", "float16", "bfloat16")
+DTYPE_CHOICES = ("auto", *SERVING_DTYPES)
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.grammar.compiler import GrammarCompiler
 from pdserve.engine.grammar.matcher import GrammarMatcher
 from pdserve.engine.sampler import SampleRow
-from pdserve.engine.core.sequence import Sequence
 
 
 def matcher_for(seq: Sequence, compiler: GrammarCompiler) -> GrammarMatcher:

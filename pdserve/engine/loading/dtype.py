@@ -19,15 +19,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from pdserve.engine.core.config import DTYPE_CHOICES, SERVING_DTYPES, EngineConfig
 from pdserve.engine.loading.model_config import ModelConfig
 
-if TYPE_CHECKING:
-    from pdserve.engine.core.config import EngineConfig
-
-SERVING_DTYPES = ("float32", "float16", "bfloat16")
-DTYPE_CHOICES = ("auto", *SERVING_DTYPES)
+__all__ = ["DTYPE_CHOICES", "SERVING_DTYPES"]
 # /proc/cpuinfo flags of a CPU with native bf16 arithmetic (either suffices).
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 _ALIASES = {

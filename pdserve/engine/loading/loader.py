@@ -16,18 +16,27 @@ import torch
 from safetensors import safe_open
 
 from pdserve.common import envs
-from pdserve.engine.runner.kv_pool import TORCH_DTYPES
 from pdserve.engine.loading.model_config import ModelConfig, ModelConfigError
+from pdserve.engine.loading.weights_fingerprint import (
+    FingerprintError,
+    WeightsFingerprint,
+    fingerprint_files,
+)
 from pdserve.engine.models import MODEL_REGISTRY, LlamaForCausalLM
 from pdserve.engine.models.llama import WeightSpec
 from pdserve.engine.parallel.plan import ParallelLayoutError, TPShard, check_tp_quant, local_config
 from pdserve.engine.parallel.quant_shard import quantized_linear, slice_int4
 from pdserve.engine.parallel.weights import shard_source, shard_span, stage_specs
 from pdserve.engine.quant.checkpoint import load_linear
-from pdserve.engine.quant.formats import ON_THE_FLY, QuantizationError, served_lm_head, served_quantization
+from pdserve.engine.quant.formats import (
+    ON_THE_FLY,
+    QuantizationError,
+    served_lm_head,
+    served_quantization,
+)
 from pdserve.engine.quant.linear import Int8Linear, set_weight
 from pdserve.engine.quant.pack import Int4Parts, quantize_int8
-from pdserve.engine.loading.weights_fingerprint import FingerprintError, WeightsFingerprint, fingerprint_files
+from pdserve.engine.runner.kv_pool import TORCH_DTYPES
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

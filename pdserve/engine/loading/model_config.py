@@ -13,10 +13,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.common.generation_config import GenerationConfigError, parse_generation_config, read_generation_config, token_ids
+from pdserve.common.generation_config import (
+    GenerationConfigError,
+    parse_generation_config,
+    read_generation_config,
+    token_ids,
+)
 from pdserve.common.kv_layout import KVLayout, kv_dtype_for
-from pdserve.engine.loading.moe_config import MOE_ARCHITECTURES, MoEConfig, MoEConfigError, parse_moe
-from pdserve.engine.quant.formats import PrequantConfig, QuantizationError, parse_quantization_config
+from pdserve.engine.loading.moe_config import (
+    MOE_ARCHITECTURES,
+    MoEConfig,
+    MoEConfigError,
+    parse_moe,
+)
+from pdserve.engine.quant.formats import (
+    PrequantConfig,
+    QuantizationError,
+    parse_quantization_config,
+)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

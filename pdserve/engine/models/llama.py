@@ -22,10 +22,10 @@ from torch import nn
 
 from pdserve.engine.attention.paged import AttentionBackend, AttentionMetadata
 from pdserve.engine.kernels.fused_ops import add_rms_norm, rope_qk
-from pdserve.engine.runner.kv_quant import KVCacheView
 from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.engine.models.rope import RopeTables, apply_rope
 from pdserve.engine.quant.linear import linear
+from pdserve.engine.runner.kv_quant import KVCacheView
 
 # Decoder linears by parameter name: what weight quantization replaces (pdserve/engine/quant).
 LINEAR_WEIGHTS = ("self_attn.qkv_weight", "self_attn.o_weight", "mlp.gate_up_weight", "mlp.down_weight")

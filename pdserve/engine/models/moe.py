@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.loading.model_config import ModelConfig
-from pdserve.engine.models.llama import LlamaForCausalLM, WeightSpec, _param
 from pdserve.engine.loading.moe_config import MoEConfig
+from pdserve.engine.models.llama import LlamaForCausalLM, WeightSpec, _param
 from pdserve.engine.quant.linear import linear
 
 # An expert's linears by parameter name (under `layers.{i}.mlp.experts.{e}.`).

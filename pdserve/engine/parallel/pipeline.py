@@ -24,10 +24,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.core.runner_types import SeqChunk
 from pdserve.engine.parallel.comm import TPGroup
 from pdserve.engine.parallel.plan import HeadRange, grid_place
-from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.runner.model_runner import ModelRunner
 
 # Rank 0's progress through a step, for tests and tracing: (event, micro-batch), the
 # events "start" (its stage begins the micro-batch), "sent" (handed to stage 1) and

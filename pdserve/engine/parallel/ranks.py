@@ -66,12 +66,12 @@ def follower_main(args: RankArgs) -> None:
     import torch
 
     from pdserve.engine.loading.loader import load_config
-    from pdserve.engine.runner.model_runner import ModelRunner
     from pdserve.engine.parallel.comm import TPGroup, follower_store, reduce_group
     from pdserve.engine.parallel.pipeline import stage_links, stage_step
     from pdserve.engine.parallel.plan import rank_shard
     from pdserve.engine.parallel.shared_pool import attach_segment
     from pdserve.engine.parallel.steps import decode_step
+    from pdserve.engine.runner.model_runner import ModelRunner
 
     segment = attach_segment(args.pool_name, args.pool_bytes)
     cfg = args.config

@@ -26,9 +26,9 @@ import torch
 from pdserve.common.kv_layout import KVLayout
 from pdserve.engine.attention.paged import AttentionBackend
 from pdserve.engine.core.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from pdserve.engine.core.runner_types import SeqChunk
 from pdserve.engine.loading.dtype import resolved_config
 from pdserve.engine.loading.loader import load_config
-from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.parallel.comm import TPGroup, leader_store, reduce_group
 from pdserve.engine.parallel.devices import GLOO, group_devices
 from pdserve.engine.parallel.pipeline import PipeEvent, leader_step, stage_links
@@ -37,7 +37,7 @@ from pdserve.engine.parallel.ranks import RankArgs, RankWatch, exit_process, sta
 from pdserve.engine.parallel.shared_pool import SharedSegment, create_segment
 from pdserve.engine.parallel.steps import encode_step, encode_stop
 from pdserve.engine.quant.formats import served_quantization
-from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.runner.model_runner import ModelRunner
 
 # Rendezvous and collective timeout: loading a follower's slice must finish within it.
 GROUP_TIMEOUT_S = 600.0

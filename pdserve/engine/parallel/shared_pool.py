@@ -17,8 +17,8 @@ import secrets
 
 import torch
 
-from pdserve.engine.runner.kv_quant import KVCacheView, QuantizedCache
 from pdserve.engine.parallel.plan import HeadRange
+from pdserve.engine.runner.kv_quant import KVCacheView, QuantizedCache
 
 _DEV_SHM = "/dev/shm"
 

@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.kernels import bf16_gemv, native as native_kernels
+from pdserve.engine.kernels import bf16_gemv
+from pdserve.engine.kernels import native as native_kernels
 from pdserve.engine.kernels.native import DTYPE_CODES
 from pdserve.engine.quant import int4_kernel, int8_kernel
 from pdserve.engine.quant.formats import INT4_GROUP, ON_THE_FLY, QuantizationError

@@ -31,9 +31,9 @@ import torch
 
 from pdserve.common.kv_layout import NULL_BLOCK
 from pdserve.engine.attention.paged import AttentionBackend, AttentionMetadata, DecodeBatch
+from pdserve.engine.core.runner_types import SeqChunk
 from pdserve.engine.runner.cuda_device import stream_event
 from pdserve.engine.runner.kv_quant import KVCacheView
-from pdserve.engine.core.runner_types import SeqChunk
 
 log = logging.getLogger(__name__)
 

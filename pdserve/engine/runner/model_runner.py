@@ -10,29 +10,41 @@ reads block tables and writes K/V at the slots they imply.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from pdserve.common.kv_layout import KVLayout
-from pdserve.engine.attention.paged import AttentionBackend, AttentionMetadata, build_metadata, order_chunks
 from pdserve.engine.attention.backend_choice import make_backend
+from pdserve.engine.attention.paged import (
+    AttentionBackend,
+    AttentionMetadata,
+    build_metadata,
+    order_chunks,
+)
 from pdserve.engine.core.config import DEFAULT_CPU_KV_BYTES, EngineConfig
-from pdserve.engine.runner.cuda_device import bind_device
-from pdserve.engine.runner.cuda_graphs import DecodeGraphs, StaticDecodeStep, capture_or_eager, graph_buckets, graph_support
+from pdserve.engine.core.runner_types import SeqChunk
 from pdserve.engine.loading.dtype import resolved_config
-from pdserve.engine.runner.kv_pool import TORCH_DTYPES, KVPool
-from pdserve.engine.runner.kv_quant import KVCacheView
 from pdserve.engine.loading.loader import load_config, load_model_with, weights_fingerprint
-from pdserve.engine.runner.memory_budget import cuda_kv_budget
 from pdserve.engine.loading.model_config import ModelConfig, kv_layout
 from pdserve.engine.parallel.plan import TPShard
 from pdserve.engine.parallel.shared_pool import head_slice
 from pdserve.engine.quant.formats import served_lm_head, served_quantization
-from pdserve.engine.core.runner_types import SeqChunk
-from pdserve.engine.spec.draft_kv import with_draft
+from pdserve.engine.runner.cuda_device import bind_device
+from pdserve.engine.runner.cuda_graphs import (
+    DecodeGraphs,
+    StaticDecodeStep,
+    capture_or_eager,
+    graph_buckets,
+    graph_support,
+)
+from pdserve.engine.runner.kv_pool import TORCH_DTYPES, KVPool
+from pdserve.engine.runner.kv_quant import KVCacheView
+from pdserve.engine.runner.memory_budget import cuda_kv_budget
 from pdserve.engine.runner.step_staging import PinnedStager, stage_metadata
+from pdserve.engine.spec.draft_kv import draft_engine_config
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -98,7 +110,7 @@ class ModelRunner:
         weights = layout.weights if layout is not None else weights_fingerprint(config.model_dir).digest
         self.quantization = served_quantization(config.quantization, self.model_config.prequant)
         self.lm_head_quantization = served_lm_head(config.lm_head_quantization, self.quantization)
-        self.layout: KVLayout = with_draft(kv_layout(
+        self.layout: KVLayout = self._with_draft(kv_layout(
             self.model_config, self.block_size, config.dtype, weights, config.kv_cache_dtype,
             self.quantization, self.lm_head_quantization), config)
         if layout is not None and layout != self.layout:
@@ -157,10 +169,19 @@ class ModelRunner:
         config = resolved_config(config)
         model_config = load_config(config.model_dir)
         scheme = served_quantization(config.quantization, model_config.prequant)
-        return with_draft(kv_layout(model_config, config.cache.block_size, config.dtype,
+        return cls._with_draft(kv_layout(model_config, config.cache.block_size, config.dtype,
                                     weights_fingerprint(config.model_dir).digest, config.kv_cache_dtype,
                                     scheme, served_lm_head(config.lm_head_quantization, scheme)),
                           config)
+
+    @classmethod
+    def _with_draft(cls, layout: KVLayout, config: EngineConfig) -> KVLayout:
+        """`layout` with the draft's identity when `config` ships draft KV (draft_kv=prefill)."""
+        spec = config.speculative
+        if spec is None or not spec.ships_draft_kv or spec.model is None:
+            return layout
+        draft = cls.layout_for(draft_engine_config(config, spec.model, 2))
+        return replace(layout, draft=draft.compat_hash)
 
     @staticmethod
     def num_blocks_for_bytes(layout: KVLayout, budget_bytes: int) -> int:

@@ -26,17 +26,13 @@ only change how many of them one forward yields.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.sequence import Sequence as Seq
 from pdserve.engine.core.sequence import SequenceStatus
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.engine.spec.ngram import NgramProposer
-
-if TYPE_CHECKING:
-    from pdserve.engine.core.config import EngineConfig
-    from pdserve.engine.runner.model_runner import ModelRunner
 
 
 class DraftInput(NamedTuple):
@@ -174,13 +170,3 @@ class SpecDecoder:
         return SpecStats(self._drafts, self._draft_tokens, self._accepted, tuple(self._per_pos),
                          int(getattr(self.proposer, "prefill_tokens", 0)))
 
-
-def draft_proposer(config: EngineConfig, runner: ModelRunner) -> BatchProposer | None:
-    """The draft-model proposer `config` asks for (None: the default n-gram one)."""
-    spec = config.speculative
-    if spec is None or spec.method != "draft_model" or spec.model is None:
-        return None
-    from pdserve.engine.spec.draft_model import DraftModelProposer
-
-    return DraftModelProposer(config, spec.model, runner.num_blocks, runner.model_config.vocab_size,
-                              runner.max_model_len)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pdserve.common.kv_layout import KVLayout
 from pdserve.engine.core.config import CacheConfig, EngineConfig
 
 
@@ -22,14 +21,3 @@ def draft_engine_config(target: EngineConfig, draft_dir: str, num_blocks: int) -
                         cache=CacheConfig(block_size=target.cache.block_size, num_blocks=num_blocks,
                                           enable_prefix_caching=False),
                         scheduler=replace(target.scheduler, max_model_len=None))
-
-
-def with_draft(layout: KVLayout, config: EngineConfig) -> KVLayout:
-    """`layout` with the draft's identity when `config` ships draft KV (draft_kv=prefill)."""
-    spec = config.speculative
-    if spec is None or not spec.ships_draft_kv or spec.model is None:
-        return layout
-    from pdserve.engine.runner.model_runner import ModelRunner
-
-    draft = ModelRunner.layout_for(draft_engine_config(config, spec.model, 2))
-    return replace(layout, draft=draft.compat_hash)

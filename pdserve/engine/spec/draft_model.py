@@ -47,7 +47,8 @@ import torch
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.config import EngineConfig
 from pdserve.engine.core.runner_types import SeqChunk
-from pdserve.engine.spec.decoder import DraftInput
+from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.spec.decoder import BatchProposer, DraftInput
 from pdserve.engine.spec.draft_kv import draft_engine_config
 
 
@@ -61,8 +62,6 @@ class DraftModelProposer:
 
     def __init__(self, target: EngineConfig, draft_dir: str, num_blocks: int, vocab_size: int,
                  max_model_len: int) -> None:
-        from pdserve.engine.runner.model_runner import ModelRunner
-
         self.runner = ModelRunner(draft_engine_config(target, draft_dir, num_blocks))
         if self.runner.model_config.vocab_size != vocab_size:
             raise ValueError(f"draft model {draft_dir} has a vocabulary of {self.runner.model_config.vocab_size}, "
@@ -169,3 +168,12 @@ class DraftModelProposer:
             self.prefill_tokens += len(new)
         state.computed.extend(new)
         return SeqChunk(new, start, self.blocks.block_table(seq_id), need_logits=True)
+
+
+def draft_proposer(config: EngineConfig, runner: ModelRunner) -> BatchProposer | None:
+    """The draft-model proposer `config` asks for (None: the default n-gram one)."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model" or spec.model is None:
+        return None
+    return DraftModelProposer(config, spec.model, runner.num_blocks, runner.model_config.vocab_size,
+                              runner.max_model_len)

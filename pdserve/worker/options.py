@@ -1,0 +1,52 @@
+"""What a worker process is asked to be (`WorkerOptions`), and what a role's node builder
+gets (`NodeParts`) and returns (`NodeBuilder`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kv_transfer.auth import KVCurve
+from kv_transfer.faults import FaultConfig
+from pdserve.common.transport import CurveClient
+from pdserve.engine.core.config import EngineConfig
+from pdserve.worker.gateways import GatewayLinks
+from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.node_api import Node
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    role: str  # prefill | decode | colocated
+    gateways: tuple[str, ...]  # tcp://HOST:PORT or dns+tcp://NAME:PORT, one channel per gateway
+    worker_id: str | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
+    heartbeat_s: float = 0.5
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0  # decode: fixed tcp port of the KV receiver (0: ephemeral)
+    kv_transport: str = "auto"  # auto | tcp | shm
+    curve: CurveClient | None = None
+    fault_injection: bool = False  # honour PDSERVE_FAULTS / PDSERVE_KV_FAULTS (tests only)
+    kv_curve: KVCurve | None = None  # CURVE on the KV sockets (prefill and decode)
+    core_share: str | None = None  # prefill lends / decode borrows cores (pdserve/worker/core_sharing.py)
+    cpu_cores: tuple[int, ...] = ()  # the cores this worker is pinned to
+    borrow_cores: tuple[int, ...] = ()  # decode: the prefill worker's cores
+    thread_policy: str = "fixed"  # adaptive: the thread governor picks 1 or N threads per step
+
+
+class NodeParts:
+    """What a role builder gets: the worker's id, its reply channel, its metrics and the
+    KV faults its sender or receiver injects (none unless fault injection is on)."""
+
+    def __init__(self, worker_id: str, channel: GatewayLinks, metrics: WorkerMetrics,
+                 kv_faults: FaultConfig) -> None:
+        self.worker_id = worker_id
+        self.send = channel.send
+        self.metrics = metrics
+        self.kv_faults = kv_faults
+
+
+# (engine config, options, parts) -> (node, cleanup callables run after the node closes)
+NodeBuilder = Callable[[EngineConfig, WorkerOptions, NodeParts], tuple[Node, list[Callable[[], Any]]]]
