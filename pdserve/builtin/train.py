@@ -1,5 +1,4 @@
-"""Train the built-in models on `pdserve.builtin.story_corpus` (`pdserve train-model`, or
-`python -m pdserve.builtin.train`).
+"""Train the built-in models on `pdserve.builtin.story_corpus` (`pdserve train-model`).
 
 Writes `pdserve/builtin/weights/`: `tokenizer.json` (byte-level BPE retrained on the
 corpus), `tiny-llama.safetensors` and `tiny-llama-draft.safetensors` (float32, Hugging
