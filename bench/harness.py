@@ -1,6 +1,7 @@
 """What the bench scripts share: their common command-line flags, the model and
 tokenizer they fall back to, the `pdserve up` arguments they pass, the engine they
-measure against, and the result JSON they write.
+measure against, how they time (interleaved medians after a warm-up, phase laps, device
+timing), the lines and tables they report with, and the result JSON they write.
 
 Every script runs as a module from the repository root (`python -m bench.NAME`),
 so nothing edits `sys.path`. torch is imported only when an engine is built.
@@ -9,13 +10,21 @@ so nothing edits `sys.path`. torch is imported only when an engine is built.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
+import platform
+import statistics
+import subprocess
 import sys
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from bench import models
-from pdserve.loadgen.compare import split_args
+from pdserve.loadgen.compare import Column, split_args
 from pdserve.loadgen.config import OutputConfig
 from pdserve.loadgen.launch import default_tokenizer
 
@@ -88,3 +97,193 @@ def write_json(path: str | None, result: dict[str, Any]) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
+
+
+# --- timing: every bench module times through these --------------------------------------
+# Interleaving is the rule: the things compared take turns within each repetition, so the
+# drift of a shared machine's load falls on all of them alike, and only ratios measured
+# in the same run are reported (bench/README.md). The clock is a parameter so that tests
+# can drive the harness with fake timings.
+
+K = TypeVar("K")
+T = TypeVar("T")
+R = TypeVar("R")
+Clock = Callable[[], float]
+
+
+def seconds(fn: Callable[[], object], clock: Clock = time.perf_counter) -> float:
+    """Seconds of one call of `fn`."""
+    t0 = clock()
+    fn()
+    return clock() - t0
+
+
+class Stopwatch:
+    """Seconds between marks, for a run timed in phases (prefill, then decode)."""
+
+    def __init__(self, clock: Clock = time.perf_counter) -> None:
+        self.clock = clock
+        self.last = clock()
+
+    def lap(self) -> float:
+        """Seconds since the previous lap (or the start); the next lap counts from now."""
+        now = self.clock()
+        lap, self.last = now - self.last, now
+        return lap
+
+
+def rounds(fns: Mapping[K, Callable[[], T]], reps: int, *, warmup: int = 0,
+           alternate: bool = False) -> dict[K, list[T]]:
+    """Each fn's results over `reps` rounds in which the fns take turns in their order
+    (reversed in odd rounds when `alternate`, which also cancels any warm-up favouring
+    the later ones), after `warmup` rounds whose results are dropped."""
+    out: dict[K, list[T]] = {k: [] for k in fns}
+    for r in range(warmup + reps):
+        order = list(fns.items())
+        for k, fn in order[::-1] if alternate and (r - warmup) % 2 else order:
+            value = fn()
+            if r >= warmup:
+                out[k].append(value)
+    return out
+
+
+def interleaved(fns: Mapping[K, Callable[[], object]], reps: int, *, warmup: int = 1,
+                setup: Callable[[], object] | None = None, clock: Clock = time.perf_counter) -> dict[K, list[float]]:
+    """Seconds of each call of each fn, the fns taking turns (`rounds`); `setup` runs,
+    untimed, before every call (a barrier, a cache flush)."""
+    def timed(fn: Callable[[], object]) -> Callable[[], float]:
+        def call() -> float:
+            if setup is not None:
+                setup()
+            return seconds(fn, clock)
+
+        return call
+
+    return rounds({k: timed(fn) for k, fn in fns.items()}, reps, warmup=warmup)
+
+
+def medians(fns: Mapping[K, Callable[[], object]], reps: int, *, warmup: int = 1,
+            setup: Callable[[], object] | None = None, clock: Clock = time.perf_counter) -> dict[K, float]:
+    """The median seconds of each fn over `reps` interleaved repetitions (`interleaved`)."""
+    times = interleaved(fns, reps, warmup=warmup, setup=setup, clock=clock)
+    return {k: statistics.median(ts) for k, ts in times.items()}
+
+
+def median_of(records: Sequence[R]) -> R:
+    """A record (NamedTuple or dataclass) whose every field is the median of that field over `records`."""
+    first: Any = records[0]
+    fields = first._fields if hasattr(first, "_fields") else [f.name for f in dataclasses.fields(first)]
+    return type(first)(**{f: statistics.median(getattr(r, f) for r in records) for f in fields})
+
+
+def median_summary(runs: Sequence[dict[str, Any]], columns: Sequence[Column]) -> dict[str, Any]:
+    """A summary-shaped dict holding each column's median over the run summaries `runs`
+    (in the summary's unit: `Column.value` scales, this divides back)."""
+    out: dict[str, Any] = {}
+    for c in columns:
+        values = [v for r in runs if (v := c.value(r)) is not None]
+        if values:
+            node = out
+            for key in c.path[:-1]:
+                node = node.setdefault(key, {})
+            node[c.path[-1]] = statistics.median(values) / c.scale
+    return out
+
+
+def device_seconds(fn: Callable[[], object], iters: int, warmup: int, device: str,
+                   clock: Clock = time.perf_counter) -> float:
+    """Mean seconds of `fn` over `iters` calls back to back after `warmup` calls: CUDA
+    events on a cuda device (the calls are asynchronous there), else `clock`."""
+    for _ in range(warmup):
+        fn()
+    if not device.startswith("cuda"):
+        return seconds(lambda: [fn() for _ in range(iters)], clock) / iters
+    import torch
+
+    with torch.cuda.device(torch.device(device)):  # the events mark `device`'s stream
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+    return float(start.elapsed_time(end)) / 1e3 / iters
+
+
+def read_bandwidth(threads: int | None = None, mib: int = 256, reps: int = 5) -> float:
+    """Bytes per second a float32 `sum` streams over `mib` MiB (median of `reps` after one
+    that touches every page and wakes the thread team), on `threads` torch threads (default:
+    as set): the floor a weight or KV stream cannot beat."""
+    import torch
+
+    x = torch.ones(mib * 2**20 // 4)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads or prev)
+    try:
+        return x.numel() * 4 / medians({"sum": x.sum}, reps)["sum"]
+    finally:
+        torch.set_num_threads(prev)
+
+
+# --- the report: the machine line, the ratio tables -----------------------------------------
+SIMD_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_vbmi", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def machine_line() -> str:
+    """The commit, CPU model and the SIMD flags the kernels choose their paths by, the
+    cores and the load average: what every figure a bench prints goes with."""
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                                text=True, timeout=10, cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    model, flags = platform.processor() or "unknown CPU", set()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    simd = " ".join(f for f in SIMD_FLAGS if f in flags) or "none of " + ",".join(SIMD_FLAGS)
+    return (f"commit {commit}; {model}; {os.cpu_count()} cores; {simd}; "
+            f"load average {os.getloadavg()[0]:.1f}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RatioTable:
+    """The kernel benches' table: per row of key cells (threads x shape x rows), the base
+    path's time and every path's ratio to it ("-": the path does not run there)."""
+
+    keys: tuple[tuple[str, int], ...]  # header and width of each key column
+    paths: tuple[str, ...]
+    base: str = "bf16"
+    width: int = 8  # of a ratio column
+    unit: str = "us"
+    scale: float = 1e6  # seconds -> unit
+
+    def header(self) -> str:
+        return (" ".join(f"{h:>{w}}" for h, w in self.keys) + f" {self.base + ' ' + self.unit:>8}  ratio to "
+                f"{self.base}: " + " ".join(f"{p:>{self.width}}" for p in self.paths))
+
+    def row(self, key: Sequence[object], times: Mapping[str, float], base: str | None = None,
+            fmt: str = "8.1f") -> str:
+        """`times` in seconds; `base` names another path as the denominator (its key column)."""
+        b = times[base or self.base]
+        ratios = " ".join(f"{times[p] / b:{self.width}.2f}" if p in times else f"{'-':>{self.width}}"
+                          for p in self.paths)
+        keys = " ".join(f"{k!s:>{w}}" for k, (_, w) in zip(key, self.keys, strict=True))
+        return f"{keys} {b * self.scale:{fmt}}                {ratios}"
+
+
+def sweep(threads: Sequence[int], rows: Sequence[int],
+          shapes: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int, int, int]]:
+    """(threads, rows, N, K) in the kernel tables' order, torch set to each thread count in turn."""
+    import torch
+
+    for t in threads:
+        torch.set_num_threads(t)
+        for m in rows:
+            for n, k in shapes:
+                yield t, m, n, k
