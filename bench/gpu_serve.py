@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import shutil
 import signal
@@ -154,17 +155,9 @@ def measure_hbm_gbps(device: str, nbytes: int = 4 << 30, copies: int = 20) -> fl
     """Time `copies` copies of an `nbytes` buffer on the GPU (before the stack starts)."""
     import torch
 
-    with torch.cuda.device(torch.device(device)):  # the events mark `device`'s stream
-        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        dst.copy_(src)  # warm-up
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(copies):
-            dst.copy_(src)
-        end.record()
-        end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = harness.device_seconds(functools.partial(dst.copy_, src), copies, 1, device) * copies
     del src, dst
     torch.cuda.empty_cache()
     return copy_gbps(nbytes, copies, seconds)

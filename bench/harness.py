@@ -51,6 +51,27 @@ def parser(doc: str | None, *, model_help: str | None = MODEL_HELP, tokenizer: b
     return ap
 
 
+def parse_speed_args(ap: argparse.ArgumentParser, argv: list[str] | None, *, quick: tuple[int, int],
+                     full: tuple[int, int]) -> argparse.Namespace:
+    """`ap`'s arguments and the engine-speed flags: `--quick` (one rep of the `quick`
+    (prompt, decode) lengths, else `full`), `--prompt-len`, `--decode-tokens`, `--reps`
+    (default 3) and `--threads` (torch threads, set here; default torch's)."""
+    ap.add_argument("--quick", action="store_true", help="short prompts, few tokens, one rep")
+    for flag in ("--prompt-len", "--decode-tokens", "--reps"):
+        ap.add_argument(flag, type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args(argv)
+    lengths = quick if args.quick else full
+    args.prompt_len = args.prompt_len or lengths[0]
+    args.decode_tokens = args.decode_tokens or lengths[1]
+    args.reps = args.reps or (1 if args.quick else 3)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return args
+
+
 def model_dir(model: str | None) -> str:
     """`model` (a `shape:NAME` resolved by bench/models.py), or the built-in model's
     directory (written on first use)."""
@@ -111,11 +132,16 @@ R = TypeVar("R")
 Clock = Callable[[], float]
 
 
+def timed(fn: Callable[[], T], clock: Clock = time.perf_counter) -> tuple[float, T]:
+    """Seconds of one call of `fn`, and what it returned."""
+    t0 = clock()
+    value = fn()
+    return clock() - t0, value
+
+
 def seconds(fn: Callable[[], object], clock: Clock = time.perf_counter) -> float:
     """Seconds of one call of `fn`."""
-    t0 = clock()
-    fn()
-    return clock() - t0
+    return timed(fn, clock)[0]
 
 
 class Stopwatch:
@@ -132,18 +158,24 @@ class Stopwatch:
         return lap
 
 
+def turns(keys: Sequence[K], reps: int, *, warmup: int = 0, alternate: bool = False) -> Iterator[tuple[int, K]]:
+    """(round, key) in the order the keys take turns: `warmup` rounds numbered from
+    -warmup (whatever they measure is dropped), then rounds 0 to reps - 1; each round in
+    the keys' order, reversed in odd rounds when `alternate` (which also cancels any
+    warm-up favouring the later ones)."""
+    for r in range(-warmup, reps):
+        for k in keys[::-1] if alternate and r % 2 else keys:
+            yield r, k
+
+
 def rounds(fns: Mapping[K, Callable[[], T]], reps: int, *, warmup: int = 0,
            alternate: bool = False) -> dict[K, list[T]]:
-    """Each fn's results over `reps` rounds in which the fns take turns in their order
-    (reversed in odd rounds when `alternate`, which also cancels any warm-up favouring
-    the later ones), after `warmup` rounds whose results are dropped."""
+    """Each fn's results over `reps` rounds in which the fns take turns (`turns`)."""
     out: dict[K, list[T]] = {k: [] for k in fns}
-    for r in range(warmup + reps):
-        order = list(fns.items())
-        for k, fn in order[::-1] if alternate and (r - warmup) % 2 else order:
-            value = fn()
-            if r >= warmup:
-                out[k].append(value)
+    for r, k in turns(list(fns), reps, warmup=warmup, alternate=alternate):
+        value = fns[k]()
+        if r >= 0:
+            out[k].append(value)
     return out
 
 
