@@ -144,6 +144,11 @@ def seconds(fn: Callable[[], object], clock: Clock = time.perf_counter) -> float
     return timed(fn, clock)[0]
 
 
+def fastest(fn: Callable[[], object], reps: int, clock: Clock = time.perf_counter) -> float:
+    """The least seconds of `reps` calls of `fn` (the first may fault pages in)."""
+    return min(seconds(fn, clock) for _ in range(reps))
+
+
 class Stopwatch:
     """Seconds between marks, for a run timed in phases (prefill, then decode)."""
 
@@ -202,8 +207,11 @@ def medians(fns: Mapping[K, Callable[[], object]], reps: int, *, warmup: int = 1
 
 
 def median_of(records: Sequence[R]) -> R:
-    """A record (NamedTuple or dataclass) whose every field is the median of that field over `records`."""
+    """A record (NamedTuple, dataclass or dict) whose every field is the median of that
+    field over `records`."""
     first: Any = records[0]
+    if isinstance(first, dict):
+        return type(first)({f: statistics.median(r[f] for r in records) for f in first})  # type: ignore[index]
     fields = first._fields if hasattr(first, "_fields") else [f.name for f in dataclasses.fields(first)]
     return type(first)(**{f: statistics.median(getattr(r, f) for r in records) for f in fields})
 

@@ -96,7 +96,7 @@ def measure(cases: list[Case], threads: int, steps: int) -> list[Row]:
     fns: dict[tuple[int, str], Callable[[], float]] = {}
     for i, c in enumerate(cases):
         fns[i, "step"] = lambda c=c: harness.seconds(c.step)  # type: ignore[misc]
-        fns[i, "attn"] = lambda c=c: min(harness.seconds(c.attend) for _ in range(3))  # type: ignore[misc]
+        fns[i, "attn"] = lambda c=c: harness.fastest(c.attend, 3)  # type: ignore[misc]
     got = harness.rounds(fns, steps, warmup=1)
     return [c.row._replace(threads=threads, step_ms=statistics.median(got[i, "step"]) * 1e3,
                            attn_ms=statistics.median(got[i, "attn"]) * 1e3) for i, c in enumerate(cases)]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 
 from bench import harness
 from pdserve.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, WorkloadConfig
@@ -51,12 +50,12 @@ def measure_engine(
     for i in range(batch):
         eng.add_request(f"r{i}", prompt(), greedy)
     harness.prefill_all(eng, batch)
-    steps, tokens, t0 = 0, 0, time.perf_counter()
+    steps, tokens, watch = 0, 0, harness.Stopwatch()
     while eng.has_unfinished():
         outs = eng.step()
         steps += 1
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-    elapsed = time.perf_counter() - t0
+    elapsed = watch.lap()
     return EngineDecode(batch, elapsed / max(1, steps), tokens / elapsed if elapsed else 0.0)
 
 

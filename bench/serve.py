@@ -50,10 +50,10 @@ def engine_decode_tps(model_dir: str, shape: Shape, threads: int) -> float:
     for i in range(shape.concurrency):
         engine.add_request(f"b{i}", prompt_ids(i, shape.prompt_len, shape.concurrency), params)
     harness.prefill_all(engine, shape.concurrency)  # prefill everything first
-    tokens, t0 = 0, time.perf_counter()
+    tokens, watch = 0, harness.Stopwatch()
     while engine.has_unfinished():
         tokens += sum(len(c.token_ids) for o in engine.step() for c in o.outputs)
-    return tokens / (time.perf_counter() - t0)
+    return tokens / watch.lap()
 
 
 async def _stream(session: object, url: str, model: str, i: int, shape: Shape) -> tuple[float, float, int]:

@@ -173,13 +173,13 @@ def decode_run(engine: Any, batch: list[list[int]], output_len: int) -> Run:
         for o in engine.step():
             outputs[o.request_id].extend(t for c in o.outputs for t in c.token_ids)
             started.add(o.request_id)
-    tokens, t0, c0 = 0, time.perf_counter(), time.process_time()
+    tokens, wall, cpu_watch = 0, harness.Stopwatch(), harness.Stopwatch(time.process_time)
     while engine.has_unfinished():
         for o in engine.step():
             new = [t for c in o.outputs for t in c.token_ids]
             outputs[o.request_id].extend(new)
             tokens += len(new)
-    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    elapsed, cpu = wall.lap(), cpu_watch.lap()
     after = engine.stats().spec
     drafts = (after.num_drafts - before.num_drafts) if after is not None else 0
     accepted = (after.num_accepted_tokens - before.num_accepted_tokens) if after is not None else 0

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
-import time
 
 from bench import harness
 from pdserve.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, WorkloadConfig
@@ -54,14 +52,13 @@ def measure_engine(model_dir: str | None, args: argparse.Namespace, salt: int) -
     eng.generate([prompt()], dataclasses.replace(params, max_tokens=4))  # warm-up
     for i in range(args.concurrency):
         eng.add_request(f"r{i}", prompt(), params)
-    t0 = time.perf_counter()
+    watch = harness.Stopwatch()
     harness.prefill_all(eng, args.concurrency)
-    t1 = time.perf_counter()
+    prefill_s = watch.lap()
     tokens = 0
     while eng.has_unfinished():
         tokens += sum(len(o.outputs[0].token_ids) for o in eng.step())
-    t2 = time.perf_counter()
-    return EngineRates(args.concurrency * args.input_len / (t1 - t0), tokens / (t2 - t1))
+    return EngineRates(args.concurrency * args.input_len / prefill_s, tokens / watch.lap())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tok = harness.tokenizer_dir(args)
     runs = [measure_engine(args.model, args, salt) for salt in range(args.engine_reps)]
-    rates = EngineRates(statistics.median(r.prefill_tok_s for r in runs),
-                        statistics.median(r.decode_tok_s for r in runs))
+    rates = harness.median_of(runs)
     cfg = BenchConfig(
         endpoint=EndpointConfig(),
         workload=WorkloadConfig(input_len=args.input_len, output_len=args.output_len, tokenizer_dir=tok),
