@@ -273,7 +273,7 @@ def machine_line() -> str:
     """The commit, CPU model and the SIMD flags the kernels choose their paths by, the
     cores and the load average: what every figure a bench prints goes with."""
     try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"], capture_output=True,
                                 text=True, timeout=10, cwd=Path(__file__).parent).stdout.strip() or "unknown"
     except OSError:
         commit = "unknown"
