@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from typing import Any
 
@@ -107,16 +106,10 @@ def run_once(args: argparse.Namespace, configs: list[tuple[str, list[str]]], tok
 
 def verdicts(per_run: list[dict[str, dict]]) -> list[str]:
     """One VERDICT line per target: the per-run ratios, their median, PASS/MISS."""
-    lines = []
-    for t in TARGETS:
-        ratios = [column_ratio(COLUMNS, t.header, s["1P+1D"], s["colocated"]) for s in per_run]
-        got = [r for r in ratios if r is not None]
-        median = statistics.median(got) if got else None
-        status = "MISS" if median is None or "MISSED" in t.check(median) else "PASS"
-        lines.append(f"VERDICT {t.header} 1P+1D/colocated: per run "
-                     f"{', '.join('-' if r is None else f'{r:.3f}' for r in ratios)}; median "
-                     f"{'-' if median is None else f'{median:.3f}'} (target <= {t.bound}): {status}")
-    return lines
+    return [harness.verdict(f"{t.header} 1P+1D/colocated",
+                            [column_ratio(COLUMNS, t.header, s["1P+1D"], s["colocated"]) for s in per_run],
+                            f"<= {t.bound}", lambda m, t=t: "MISSED" not in t.check(m), "{:.3f}")
+            for t in TARGETS]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -265,7 +265,7 @@ def read_bandwidth(threads: int | None = None, mib: int = 256, reps: int = 5) ->
         torch.set_num_threads(prev)
 
 
-# --- the report: the machine line, the ratio tables -----------------------------------------
+# --- the report: the machine line, verdicts, the ratio tables ------------------------------
 SIMD_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_vbmi", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
@@ -289,6 +289,16 @@ def machine_line() -> str:
     simd = " ".join(f for f in SIMD_FLAGS if f in flags) or "none of " + ",".join(SIMD_FLAGS)
     return (f"commit {commit}; {model}; {os.cpu_count()} cores; {simd}; "
             f"load average {os.getloadavg()[0]:.1f}")
+
+
+def verdict(name: str, values: Sequence[float | None], target: str, ok: Callable[[float], bool],
+            fmt: str = "{:.2f}") -> str:
+    """One target's line: the per-run values ("-": none that run), their median and PASS/MISS."""
+    got = [v for v in values if v is not None]
+    median = statistics.median(got) if got else None
+    status = "PASS" if median is not None and ok(median) else "MISS"
+    return (f"VERDICT {name}: per run {', '.join('-' if v is None else fmt.format(v) for v in values)}; median "
+            f"{'-' if median is None else fmt.format(median)} (target {target}): {status}")
 
 
 @dataclasses.dataclass(frozen=True)

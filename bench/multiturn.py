@@ -53,7 +53,6 @@ from bench.multiturn_workload import (
     differing,
     history_hits,
     size_pools,
-    verdict,
 )
 
 
@@ -233,14 +232,14 @@ def report(runs: list[dict[str, dict[str, Any]]], routers: list[str]) -> list[st
     if len(routers) >= 2:
         fast, base = routers[0], routers[1]
         ratios = [r[base]["ttft_p50_ms"] / r[fast]["ttft_p50_ms"] for r in runs]
-        lines.append(verdict(f"TTFT p50 {base} / {fast}", ratios, ">= 3", lambda m: m >= 3))
+        lines.append(harness.verdict(f"TTFT p50 {base} / {fast}", ratios, ">= 3", lambda m: m >= 3))
         diffs = [len(differing(r[fast]["texts"], r[base]["texts"])) for r in runs]
         total = sum(r[fast]["requests"] for r in runs)
         lines.append(f"VERDICT answers identical ({fast} vs {base}): {total - sum(diffs)}/{total} turns "
                      f"(differing per run: {diffs}): {'PASS' if not any(diffs) else 'MISS'}")
     for router in routers:
         cuts = [1 - r[router]["kv_bytes"] / r[router]["kv_bytes_all_blocks"] for r in runs]
-        lines.append(verdict(f"KV bytes shipped below every prompt block, {router}", cuts, ">= 80%",
+        lines.append(harness.verdict(f"KV bytes shipped below every prompt block, {router}", cuts, ">= 80%",
                              lambda m: m >= 0.8, "{:.0%}"))
     return lines
 

@@ -121,6 +121,14 @@ def test_median_summary_per_column_in_the_summary_unit() -> None:
     assert got["all"] == {"tok_s": 7.5}  # no "missing": a column without values is absent
 
 
+def test_verdict_takes_the_median_of_the_runs_it_has() -> None:
+    line = harness.verdict("TTFT x", [3.5, None, 2.0, 4.0], ">= 3", lambda m: m >= 3)
+    assert line == "VERDICT TTFT x: per run 3.50, -, 2.00, 4.00; median 3.50 (target >= 3): PASS"
+    assert harness.verdict("cut", [0.7, 0.9], ">= 80%", lambda m: m >= 0.81, "{:.0%}").endswith(
+        "per run 70%, 90%; median 80% (target >= 80%): MISS")
+    assert harness.verdict("none", [None], "<= 1", lambda m: True).endswith("median - (target <= 1): MISS")
+
+
 def test_ratio_table_cells() -> None:
     table = harness.RatioTable((("threads", 7), ("N x K", 10), ("M", 4)), ("aten", "gemv", "auto"))
     head = table.header()
