@@ -106,10 +106,12 @@ def run_once(args: argparse.Namespace, configs: list[tuple[str, list[str]]], tok
 
 def verdicts(per_run: list[dict[str, dict]]) -> list[str]:
     """One VERDICT line per target: the per-run ratios, their median, PASS/MISS."""
-    return [harness.verdict(f"{t.header} 1P+1D/colocated",
-                            [column_ratio(COLUMNS, t.header, s["1P+1D"], s["colocated"]) for s in per_run],
-                            f"<= {t.bound}", lambda m, t=t: "MISSED" not in t.check(m), "{:.3f}")
-            for t in TARGETS]
+    def line(t: Target) -> str:
+        ratios = [column_ratio(COLUMNS, t.header, s["1P+1D"], s["colocated"]) for s in per_run]
+        return harness.verdict(f"{t.header} 1P+1D/colocated", ratios, f"<= {t.bound}",
+                               lambda m: "MISSED" not in t.check(m), "{:.3f}")
+
+    return [line(t) for t in TARGETS]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from bench import models
 from pdserve.loadgen.compare import Column, split_args
@@ -211,7 +211,7 @@ def median_of(records: Sequence[R]) -> R:
     field over `records`."""
     first: Any = records[0]
     if isinstance(first, dict):
-        return type(first)({f: statistics.median(r[f] for r in records) for f in first})  # type: ignore[index]
+        return cast(R, type(first)({f: statistics.median(r[f] for r in records) for f in first}))  # type: ignore[index]
     fields = first._fields if hasattr(first, "_fields") else [f.name for f in dataclasses.fields(first)]
     return type(first)(**{f: statistics.median(getattr(r, f) for r in records) for f in fields})
 

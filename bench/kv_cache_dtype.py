@@ -18,6 +18,7 @@ path (gather + dequantize + SDPA, `TorchPagedAttention`) in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 from collections.abc import Callable
 from typing import NamedTuple
@@ -95,8 +96,8 @@ def measure(cases: list[Case], threads: int, steps: int) -> list[Row]:
     torch.set_num_threads(threads)
     fns: dict[tuple[int, str], Callable[[], float]] = {}
     for i, c in enumerate(cases):
-        fns[i, "step"] = lambda c=c: harness.seconds(c.step)  # type: ignore[misc]
-        fns[i, "attn"] = lambda c=c: harness.fastest(c.attend, 3)  # type: ignore[misc]
+        fns[i, "step"] = functools.partial(harness.seconds, c.step)
+        fns[i, "attn"] = functools.partial(harness.fastest, c.attend, 3)
     got = harness.rounds(fns, steps, warmup=1)
     return [c.row._replace(threads=threads, step_ms=statistics.median(got[i, "step"]) * 1e3,
                            attn_ms=statistics.median(got[i, "attn"]) * 1e3) for i, c in enumerate(cases)]

@@ -195,9 +195,9 @@ def run_workload(url: str, shape: ChatShape, warmups: int) -> dict[str, Any]:
         for th in warm:
             th.join()
     before, decided = _kv_bytes(url), _decisions(url)
-    started = time.monotonic()
+    watch = harness.Stopwatch()
     out = converse(url, model, shape)
-    out["wall_s"] = time.monotonic() - started
+    out["wall_s"] = watch.lap()
     out["kv_bytes"] = _kv_bytes(url) - before
     out["decisions"] = {k: v - decided.get(k, 0) for k, v in _decisions(url).items() if v - decided.get(k, 0)}
     return out

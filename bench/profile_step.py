@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import statistics
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
             with variant(runner, name):
                 return dec.run(), prefill_run(runner, args.prefill_len, pre_table)
 
-        got = harness.rounds({name: lambda name=name: run(name) for name in variants}, args.reps, warmup=1)
+        got = harness.rounds({name: functools.partial(run, name) for name in variants}, args.reps, warmup=1)
         for i, label in enumerate(("decode step", "prefill step")):
             meds = {name: statistics.median(t[i] for t in ts) for name, ts in got.items()}
             for name, med in meds.items():

@@ -18,6 +18,7 @@ median steps/s and CPU per step of each, and the ratios to passive.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     for load in args.loads.split(","):
         spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if load == "spinner" else None
         try:
-            runs = harness.rounds({m: lambda m=m: run_mode(m, args.seconds) for m in MODES}, args.reps)
+            runs = harness.rounds({m: functools.partial(run_mode, m, args.seconds) for m in MODES}, args.reps)
         finally:
             if spinner is not None:
                 spinner.kill()

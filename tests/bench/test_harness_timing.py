@@ -52,7 +52,12 @@ def test_rounds_take_turns_and_drop_the_warm_up_results() -> None:
 
     def counter(name: str) -> Callable[[], int]:
         n = iter(range(100))
-        return lambda: (order.append(name), next(n))[1]
+
+        def fn() -> int:
+            order.append(name)
+            return next(n)
+
+        return fn
 
     got = harness.rounds({"x": counter("x"), "y": counter("y")}, 3, warmup=2)
     assert order == ["x", "y"] * 5
