@@ -13,7 +13,7 @@ and prints output tok/s per cell, ratios to fixed+spin quiet, the governor's swi
 (scraped from the worker's /metrics before the server stops) and the load average.
 All cells run back to back in one process, so background load hits them alike.
 
-    .venv/bin/python -m bench.contention --model /tmp/m125     # ~10 min on 2 cores
+    .venv/bin/python -m bench.contention --model /tmp/m125
 
 Without --model it builds the ~125M Llama shape (bench.engine.build_125m) in a
 temporary directory. Targets: adaptive+spin >= 0.95x fixed+spin quiet (c16), and

@@ -33,14 +33,8 @@ SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength
 
 def mean_step_s(engine: LLMEngine, batch: int, params: SamplingParams, tag: str) -> float:
     """Mean decode step once every request has its first token."""
-    for i in range(batch):
-        engine.add_request(f"{tag}-{i}", [0] + [10 + i + j for j in range(64)], params)
-    harness.prefill_all(engine, batch)
-    watch, steps = harness.Stopwatch(), 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    return watch.lap() / max(steps, 1)
+    w = harness.engine_wave(engine, [[0] + [10 + i + j for j in range(64)] for i in range(batch)], params, tag=f"{tag}-")
+    return w.decode_s / max(w.decode_steps, 1)
 
 
 def main(argv: list[str] | None = None) -> int:

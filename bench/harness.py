@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 from bench import models
 from pdserve.loadgen.compare import Column, split_args
@@ -29,6 +29,7 @@ from pdserve.loadgen.config import OutputConfig
 from pdserve.loadgen.launch import default_tokenizer
 
 if TYPE_CHECKING:
+    from pdserve.common.sampling_params import SamplingParams
     from pdserve.engine.llm_engine import LLMEngine
 
 MODEL_HELP = ("model dir, or shape:NAME for a random-weight Llama of a bench/models.py shape (default: "
@@ -111,6 +112,32 @@ def prefill_all(engine: LLMEngine, num_requests: int) -> None:
     started: set[str] = set()
     while len(started) < num_requests:
         started.update(o.request_id for o in engine.step() if any(c.token_ids for c in o.outputs))
+
+
+class Wave(NamedTuple):
+    """One wave of requests run together on the reference engine."""
+
+    prefill_s: float  # until every request has its first token
+    decode_s: float  # from there to the last token
+    decode_steps: int
+    decode_tokens: int  # the tokens of those steps
+
+
+def engine_wave(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, *,
+                warmup: list[int] | None = None, tag: str = "r") -> Wave:
+    """`prompts` (requests `{tag}{i}`) run together, their prefill (`prefill_all`) and
+    their decode timed apart; first a 4-token request of `warmup` when one is given."""
+    if warmup is not None:
+        engine.generate([warmup], dataclasses.replace(params, max_tokens=4))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", p, params)
+    watch = Stopwatch()
+    prefill_all(engine, len(prompts))
+    prefill_s, steps, tokens = watch.lap(), 0, 0
+    while engine.has_unfinished():
+        tokens += sum(len(c.token_ids) for o in engine.step() for c in o.outputs)
+        steps += 1
+    return Wave(prefill_s, watch.lap(), steps, tokens)
 
 
 def write_json(path: str | None, result: dict[str, Any]) -> None:

@@ -3,7 +3,7 @@
 One request's KV rows ((layer, K/V, block) rows at shuffled block ids, as a
 transfer sees them) copied from one pool to another with their checksum sums,
 and summed alone (the receiver's verification), next to a numpy memcpy of the
-same byte count in the same run. No processes or sockets: this is the ceiling
+same byte count, the three taking turns (medians). No processes or sockets: this is the ceiling
 that `bench/kv_transfer.py`'s shared-memory transfer works under.
 
     .venv/bin/python -m bench.hostcopy

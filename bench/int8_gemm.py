@@ -4,11 +4,13 @@
 
 For each weight shape [N, K] (the ~125M benchmark model's projections: qkv, o, gate_up,
 down), row count and thread count: F.linear with the bf16 weight, the aten int8 kernel
-(`torch._weight_int8pack_mm`, up to 16 rows), and each native path (pdserve/engine/kernels/_int8_gemm.c,
-pdserve/engine/kernels/_int8_gemv.c, pdserve/engine/kernels/_int8_amx_rows.c): `gemv` (float32 FMA, up to 4 rows), `dpbf16`
-(AVX-512 BF16 dot products), `amx`, `amx_rows` (AMX chunk by chunk, up to 16 rows), and `auto` (the path the library picks, with the Python call around it,
-as a layer runs it). Prints the median time of each and its ratio to bf16, all measured
-in the same run (the host may be shared: compare ratios, not absolute times). A single
+(`torch._weight_int8pack_mm`, up to 16 rows), and each native path of `int8_kernel.PATHS`
+(pdserve/engine/quant/int8_kernel.py says which the library picks for which rows): `gemv` (float32
+FMA) and `vnni` (integer dot products), up to 4 rows; `amx_rows` (AMX chunk by chunk) and
+`amx_q8` (AMX on int8 tiles), up to 16 rows; `dpbf16` (AVX-512 BF16 dot products); `amx`;
+and `auto` (the library's pick, with the Python call around it, as a layer runs it).
+Prints the median time of each and its ratio to bf16, the paths taking turns after a
+warm-up (the host may be shared: compare ratios, not absolute times). A single
 layer called again and again is served from the CPU caches; a decode step streams 12
 layers of distinct weights (~75 MB int8, ~150 MB bf16) from memory, so `--step` also
 times whole passes over 12 distinct copies of the four layers, bf16 against each path, and

@@ -46,14 +46,9 @@ def engine_decode_tps(model_dir: str, shape: Shape, threads: int) -> float:
     """Decode tokens/s of the engine with `concurrency` sequences decoding together."""
     engine = harness.reference_engine(model_dir, threads)
     params = SamplingParams(max_tokens=shape.output_len, temperature=0.0, ignore_eos=True)
-    engine.generate([prompt_ids(999, shape.prompt_len)], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    for i in range(shape.concurrency):
-        engine.add_request(f"b{i}", prompt_ids(i, shape.prompt_len, shape.concurrency), params)
-    harness.prefill_all(engine, shape.concurrency)  # prefill everything first
-    tokens, watch = 0, harness.Stopwatch()
-    while engine.has_unfinished():
-        tokens += sum(len(c.token_ids) for o in engine.step() for c in o.outputs)
-    return tokens / watch.lap()
+    prompts = [prompt_ids(i, shape.prompt_len, shape.concurrency) for i in range(shape.concurrency)]
+    w = harness.engine_wave(engine, prompts, params, warmup=prompt_ids(999, shape.prompt_len))
+    return w.decode_tokens / w.decode_s
 
 
 async def _stream(session: object, url: str, model: str, i: int, shape: Shape) -> tuple[float, float, int]:

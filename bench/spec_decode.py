@@ -6,8 +6,8 @@
 
 Workloads (the trained built-in model unless `--model`):
 - `quote`: output repeats the prompt (summarize-and-quote): a held-out story, then its
-  first sentence again, meant to be quoted (the trained model does not copy it: 3-gram
-  copied fraction ~0.1); n-gram drafts by default.
+  first sentence again, meant to be quoted (the trained model does not copy it:
+  bench/README.md); n-gram drafts by default.
 - `redo`: output repeats the prompt on the trained model (regenerate / ask-again traffic):
   a held-out story's first sentence, the model's own earlier greedy answer and its end
   token, then the same first sentence again (`redo_prompt`). The model does

@@ -44,21 +44,10 @@ def measure_engine(model_dir: str | None, args: argparse.Namespace, salt: int) -
 
     eng = harness.reference_engine(model_dir, args.threads)
     rng = np.random.default_rng(salt)
-
-    def prompt() -> list[int]:
-        return [int(x) for x in rng.integers(10, eng.vocab_size, args.input_len)]
-
+    prompts = [[int(x) for x in rng.integers(10, eng.vocab_size, args.input_len)] for _ in range(args.concurrency + 1)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    eng.generate([prompt()], dataclasses.replace(params, max_tokens=4))  # warm-up
-    for i in range(args.concurrency):
-        eng.add_request(f"r{i}", prompt(), params)
-    watch = harness.Stopwatch()
-    harness.prefill_all(eng, args.concurrency)
-    prefill_s = watch.lap()
-    tokens = 0
-    while eng.has_unfinished():
-        tokens += sum(len(o.outputs[0].token_ids) for o in eng.step())
-    return EngineRates(args.concurrency * args.input_len / prefill_s, tokens / watch.lap())
+    w = harness.engine_wave(eng, prompts[1:], params, warmup=prompts[0])
+    return EngineRates(args.concurrency * args.input_len / w.prefill_s, w.decode_tokens / w.decode_s)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
