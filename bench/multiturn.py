@@ -38,7 +38,6 @@ import os
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from typing import Any
 
@@ -81,39 +80,6 @@ def shape_of(args: argparse.Namespace) -> ChatShape:
                         args.turn_words or None, args.think_s)
 
 
-def _stream(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, str, int, int]:
-    """One streamed completion: (TTFT s, text, cached prompt tokens, prompt tokens)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    start, ttft, text, cached, prompt_tokens = time.monotonic(), None, [], 0, 0
-    try:
-        r = urllib.request.urlopen(req, timeout=600)
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"HTTP {e.code}: {e.read()[:300]!r}") from None
-    with r:
-        for line in r:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            for choice in event.get("choices") or []:
-                if choice.get("text") and ttft is None:
-                    ttft = time.monotonic() - start
-                text.append(choice.get("text") or "")
-            if event.get("usage"):
-                cached = int((event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-                prompt_tokens = int(event["usage"].get("prompt_tokens") or 0)
-    if ttft is None:
-        raise RuntimeError("a completion streamed no text")
-    return ttft, "".join(text), cached, prompt_tokens
-
-
-def _model(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
-        return str(json.load(r)["data"][0]["id"])
-
-
 def _samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
     """(labels, value) of every sample called `name` on a Prometheus endpoint."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -154,13 +120,13 @@ def converse(url: str, model: str, shape: ChatShape) -> dict[str, Any]:
             for t, (user, think) in enumerate(zip(shape.user_messages(c), shape.think_times(c), strict=True)):
                 time.sleep(think)  # the user reading and typing: the workload's arrival pattern
                 history += shape.turn_text(user)
-                ttft, answer, hit, n = _stream(url, model, history, shape.output_len)
-                history += answer
-                prompts.append(n)
-                cached.append(hit)
+                got = harness.stream_completion(url, model, history, shape.output_len)
+                history += got.text
+                prompts.append(int(got.usage.get("prompt_tokens") or 0))
+                cached.append(int((got.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
                 with lock:
-                    ttfts.append(ttft)
-                    texts[f"{c}/{t}"] = answer
+                    ttfts.append(got.first_s)
+                    texts[f"{c}/{t}"] = got.text
         except BaseException as e:  # reported by the caller
             errors.append(e)
         with lock:
@@ -186,9 +152,9 @@ def converse(url: str, model: str, shape: ChatShape) -> dict[str, Any]:
 def run_workload(url: str, shape: ChatShape, warmups: int) -> dict[str, Any]:
     """Warm the system prompt (`warmups` requests at once: one per prefill worker, under
     either router), then every conversation; with the server's counters."""
-    model = _model(url)
+    model = harness.served_model(url)
     if shape.system_prompt():
-        warm = [threading.Thread(target=_stream, args=(url, model, shape.system_prompt() + "User:", 1))
+        warm = [threading.Thread(target=harness.stream_completion, args=(url, model, shape.system_prompt() + "User:", 1))
                 for _ in range(warmups)]
         for th in warm:
             th.start()

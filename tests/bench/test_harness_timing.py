@@ -1,6 +1,7 @@
 """bench/harness.py's timing and report half, driven by a fake clock: the order in which
 things take turns, the medians, laps and minima of known timings, the warm-up dropped,
-the untimed setup, the ratio table's cells and the machine line."""
+the untimed setup, the ratio table's cells, the verdict and machine lines, and a streamed
+completion against a server of known timing."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from bench import harness
 from pdserve.loadgen.compare import Column
+from tests.bench.fake_openai import FakeOpenAIServer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -190,3 +192,15 @@ def test_speed_args_quick_full_and_explicit() -> None:
         assert parse("--threads", "1").threads == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(prev)
+
+
+def test_stream_completion_against_a_server_with_known_timing(fake_server: FakeOpenAIServer) -> None:
+    fake_server.behaviour.ttft_s, fake_server.behaviour.itl_s = 0.05, 0.02
+    assert harness.served_model(fake_server.url) == "fake-model"
+    got = harness.stream_completion(fake_server.url, "fake-model", "one two three", 4)
+    assert got.text == " w w w w" and got.usage["prompt_tokens"] == 3 and got.usage["completion_tokens"] == 4
+    assert got.first_s >= 0.05 and got.last_s - got.first_s >= 3 * 0.02  # the server waits that long at least
+    sent = fake_server.requests[-1]
+    assert (sent["temperature"], sent["ignore_eos"], sent["stream"], sent["max_tokens"]) == (0, True, True, 4)
+    with pytest.raises(RuntimeError, match="HTTP 503"):
+        harness.stream_completion(fake_server.url, "fake-model", "FAIL503", 4)
