@@ -19,8 +19,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
@@ -142,48 +140,6 @@ def engine_wave(engine: LLMEngine, prompts: list[list[int]], params: SamplingPar
     return Wave(prefill_s, watch.lap(), steps, tokens)
 
 
-def served_model(url: str) -> str:
-    """The model a server at `url` serves (its first in /v1/models)."""
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
-        return str(json.load(r)["data"][0]["id"])
-
-
-class Streamed(NamedTuple):
-    """One streamed completion as its client saw it."""
-
-    first_s: float  # from the request to the first text
-    last_s: float  # to the last text
-    text: str
-    usage: dict[str, Any]  # the server's (include_usage); {} without one
-
-
-def stream_completion(url: str, model: str, prompt: str | list[int], max_tokens: int) -> Streamed:
-    """A greedy streamed completion of `max_tokens` (ignore_eos) from `url`; an HTTP error
-    or a stream without text raises RuntimeError."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    start, first, last, text, usage = time.perf_counter(), None, 0.0, [], {}
-    try:
-        r = urllib.request.urlopen(req, timeout=600)
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"HTTP {e.code}: {e.read()[:300]!r}") from None
-    with r:
-        for line in r:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            usage = event.get("usage") or usage
-            if chunk := "".join(c.get("text") or "" for c in event.get("choices") or []):
-                last = time.perf_counter() - start
-                first = last if first is None else first
-                text.append(chunk)
-    if first is None:
-        raise RuntimeError("a completion streamed no text")
-    return Streamed(first, last, "".join(text), usage)
-
-
 def write_json(path: str | None, result: dict[str, Any]) -> None:
     """Write `result` to `path` (no-op without one)."""
     if path:
@@ -255,11 +211,11 @@ def rounds(fns: Mapping[K, Callable[[], T]], reps: int, *, warmup: int = 0,
     return out
 
 
-def interleaved(fns: Mapping[K, Callable[[], object]], reps: int, *, warmup: int = 1,
-                setup: Callable[[], object] | None = None, clock: Clock = time.perf_counter) -> dict[K, list[float]]:
-    """Seconds of each call of each fn, the fns taking turns (`rounds`); `setup` runs,
-    untimed, before every call (a barrier, a cache flush)."""
-    def timed(fn: Callable[[], object]) -> Callable[[], float]:
+def medians(fns: Mapping[K, Callable[[], object]], reps: int, *, warmup: int = 1,
+            setup: Callable[[], object] | None = None, clock: Clock = time.perf_counter) -> dict[K, float]:
+    """The median seconds of each fn over `reps` rounds in which the fns take turns
+    (`rounds`) after `warmup` rounds; `setup` runs, untimed, before every call (a barrier)."""
+    def timed_call(fn: Callable[[], object]) -> Callable[[], float]:
         def call() -> float:
             if setup is not None:
                 setup()
@@ -267,13 +223,7 @@ def interleaved(fns: Mapping[K, Callable[[], object]], reps: int, *, warmup: int
 
         return call
 
-    return rounds({k: timed(fn) for k, fn in fns.items()}, reps, warmup=warmup)
-
-
-def medians(fns: Mapping[K, Callable[[], object]], reps: int, *, warmup: int = 1,
-            setup: Callable[[], object] | None = None, clock: Clock = time.perf_counter) -> dict[K, float]:
-    """The median seconds of each fn over `reps` interleaved repetitions (`interleaved`)."""
-    times = interleaved(fns, reps, warmup=warmup, setup=setup, clock=clock)
+    times = rounds({k: timed_call(fn) for k, fn in fns.items()}, reps, warmup=warmup)
     return {k: statistics.median(ts) for k, ts in times.items()}
 
 
@@ -322,9 +272,8 @@ def device_seconds(fn: Callable[[], object], iters: int, warmup: int, device: st
 
 
 def read_bandwidth(threads: int | None = None, mib: int = 256, reps: int = 5) -> float:
-    """Bytes per second a float32 `sum` streams over `mib` MiB (median of `reps` after one
-    that touches every page and wakes the thread team), on `threads` torch threads (default:
-    as set): the floor a weight or KV stream cannot beat."""
+    """Bytes/s of a float32 `sum` over `mib` MiB on `threads` torch threads (default: as
+    set), median of `reps` after a warm-up: the floor a weight or KV stream cannot beat."""
     import torch
 
     x = torch.ones(mib * 2**20 // 4)

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import harness
+from bench import client, harness
 from pdserve.loadgen.launch import pdserve_up
 from bench.multiturn_workload import (
     SHAPES,
@@ -120,7 +120,7 @@ def converse(url: str, model: str, shape: ChatShape) -> dict[str, Any]:
             for t, (user, think) in enumerate(zip(shape.user_messages(c), shape.think_times(c), strict=True)):
                 time.sleep(think)  # the user reading and typing: the workload's arrival pattern
                 history += shape.turn_text(user)
-                got = harness.stream_completion(url, model, history, shape.output_len)
+                got = client.stream_completion(url, model, history, shape.output_len)
                 history += got.text
                 prompts.append(int(got.usage.get("prompt_tokens") or 0))
                 cached.append(int((got.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
@@ -152,9 +152,9 @@ def converse(url: str, model: str, shape: ChatShape) -> dict[str, Any]:
 def run_workload(url: str, shape: ChatShape, warmups: int) -> dict[str, Any]:
     """Warm the system prompt (`warmups` requests at once: one per prefill worker, under
     either router), then every conversation; with the server's counters."""
-    model = harness.served_model(url)
+    model = client.served_model(url)
     if shape.system_prompt():
-        warm = [threading.Thread(target=harness.stream_completion, args=(url, model, shape.system_prompt() + "User:", 1))
+        warm = [threading.Thread(target=client.stream_completion, args=(url, model, shape.system_prompt() + "User:", 1))
                 for _ in range(warmups)]
         for th in warm:
             th.start()

@@ -44,7 +44,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench import harness
+from bench import client, harness
 from pdserve.loadgen.launch import pdserve_up
 from pdserve.planner.knee import Knee, knee
 from pdserve.planner.profile import Profile
@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def replay(url: str, requests: list[SimRequest], vocab: int, seed: int) -> list[RequestResult]:
     """Each request sent at its arrival time from its own thread."""
-    model = harness.served_model(url)
+    model = client.served_model(url)
     rng = random.Random(seed)
     shared = [rng.randrange(3, vocab) for _ in range(max((q.prefix_tokens for q in requests), default=0))]
     prompts = [shared[:q.prefix_tokens] + [rng.randrange(3, vocab) for _ in range(q.prompt_tokens - q.prefix_tokens)]
@@ -94,7 +94,7 @@ def replay(url: str, requests: list[SimRequest], vocab: int, seed: int) -> list[
         time.sleep(max(0.0, t0 + q.arrival - time.monotonic()))
         sent = time.monotonic() - t0
         try:
-            first, last, *_ = harness.stream_completion(url, model, prompts[i], q.output_tokens)
+            first, last, *_ = client.stream_completion(url, model, prompts[i], q.output_tokens)
         except BaseException as e:  # reported below
             errors.append(e)
             return
@@ -120,14 +120,14 @@ def burst_gateway_s(url: str, vocab: int, profile: Profile, count: int, seed: in
     """The gateway's time per request: `count` one-token requests of CALIBRATION_TOKENS
     random tokens sent at once; the gateway serves them one after another, so the last
     first token comes `count` gateway times and one prefill after the start."""
-    model, rng = harness.served_model(url), random.Random(seed)
+    model, rng = client.served_model(url), random.Random(seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(CALIBRATION_TOKENS)] for _ in range(count)]
     firsts: list[float] = []  # seconds from the burst's start to each first token
     start = time.monotonic()
 
     def one(prompt: list[int]) -> None:
         sent = time.monotonic() - start
-        firsts.append(sent + harness.stream_completion(url, model, prompt, 1).first_s)
+        firsts.append(sent + client.stream_completion(url, model, prompt, 1).first_s)
 
     threads = [threading.Thread(target=one, args=(q,)) for q in prompts]
     for t in threads:

@@ -1,7 +1,7 @@
 """bench/harness.py's timing and report half, driven by a fake clock: the order in which
 things take turns, the medians, laps and minima of known timings, the warm-up dropped,
-the untimed setup, the ratio table's cells, the verdict and machine lines, and a streamed
-completion against a server of known timing."""
+the untimed setup, the ratio table's cells, the verdict and machine lines; and
+bench/client.py's streamed completion against a server of known timing."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from bench import harness
+from bench import client, harness
 from pdserve.loadgen.compare import Column
 from tests.bench.fake_openai import FakeOpenAIServer
 
@@ -74,13 +74,13 @@ def test_medians_of_known_timings_interleaved_with_the_setup_untimed() -> None:
         clock.calls.append("setup")
         clock.now += 1000.0  # a slow barrier: none of it may be counted
 
-    times = harness.interleaved(fns, 3, warmup=1, setup=barrier, clock=clock)
-    assert times == {"a": [5.0, 1.0, 3.0], "b": [2.0, 2.0, 8.0]}  # the warm-up's 100 s dropped
+    # with the warm-up's 100 s the medians would be 4 and 5; with the barrier's, over 1000
+    assert harness.medians(fns, 3, warmup=1, setup=barrier, clock=clock) == {"a": 3.0, "b": 2.0}
     assert clock.calls == ["setup", "a", "setup", "b"] * 4
     clock.calls.clear()
-    fns = {"a": clock.call("a", [100.0, 5.0, 1.0, 3.0]), "b": clock.call("b", [100.0, 2.0, 2.0, 8.0])}
-    assert harness.medians(fns, 3, clock=clock) == {"a": 3.0, "b": 2.0}
-    assert clock.calls == ["a", "b"] * 4
+    fns = {"a": clock.call("a", [5.0, 1.0, 3.0]), "b": clock.call("b", [2.0, 2.0, 8.0])}
+    assert harness.medians(fns, 3, warmup=0, clock=clock) == {"a": 3.0, "b": 2.0}
+    assert clock.calls == ["a", "b"] * 3
 
 
 def test_seconds_timed_fastest_and_stopwatch_laps() -> None:
@@ -196,11 +196,11 @@ def test_speed_args_quick_full_and_explicit() -> None:
 
 def test_stream_completion_against_a_server_with_known_timing(fake_server: FakeOpenAIServer) -> None:
     fake_server.behaviour.ttft_s, fake_server.behaviour.itl_s = 0.05, 0.02
-    assert harness.served_model(fake_server.url) == "fake-model"
-    got = harness.stream_completion(fake_server.url, "fake-model", "one two three", 4)
+    assert client.served_model(fake_server.url) == "fake-model"
+    got = client.stream_completion(fake_server.url, "fake-model", "one two three", 4)
     assert got.text == " w w w w" and got.usage["prompt_tokens"] == 3 and got.usage["completion_tokens"] == 4
     assert got.first_s >= 0.05 and got.last_s - got.first_s >= 3 * 0.02  # the server waits that long at least
     sent = fake_server.requests[-1]
     assert (sent["temperature"], sent["ignore_eos"], sent["stream"], sent["max_tokens"]) == (0, True, True, 4)
     with pytest.raises(RuntimeError, match="HTTP 503"):
-        harness.stream_completion(fake_server.url, "fake-model", "FAIL503", 4)
+        client.stream_completion(fake_server.url, "fake-model", "FAIL503", 4)
