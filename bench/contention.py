@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             model = str(build_125m(Path(tmp)))
         load_before = os.getloadavg()
         cells = run_cells(args, model)
-    print(f"model {model}, {args.dtype}, colocated up on {len(os.sched_getaffinity(0))} cores; "
+    print(f"{harness.machine_line()}\nmodel {model}, {args.dtype}, colocated up on {len(os.sched_getaffinity(0))} cores; "
           f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(report(cells))
     harness.write_json(args.output_json, {"args": vars(args), "cells": [c._asdict() for c in cells]})

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         per_run.append(summaries)
         results.append(result)
     lines = verdicts(per_run)
-    print("\n" + "\n".join(lines))
+    print("\n" + "\n".join([harness.machine_line(), *lines]))
     harness.write_json(args.output_json, {"args": vars(args), "verdicts": lines, "results": results})
     return 0
 

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n## round {r + 1} ({' then '.join(order)})")
         print(format_comparison(COLUMNS, [(p, runs[p][-1]) for p in PLACEMENTS],
                                 [("prefill/decode", "prefill", "decode")]), flush=True)
-    print(f"\n## medians of {args.rounds} rounds: draft KV made on the decode vs the prefill worker")
+    print(f"\n{harness.machine_line()}\n## medians of {args.rounds} rounds: draft KV made on the decode vs the prefill worker")
     medians = {p: harness.median_summary(runs[p], COLUMNS) for p in PLACEMENTS}
     print(format_comparison(COLUMNS, [(p, medians[p]) for p in PLACEMENTS],
                             [("prefill/decode", "prefill", "decode")]))

@@ -295,7 +295,7 @@ def _fmt(v: float | None, spec: str = ".1f", scale: float = 1.0) -> str:
 
 
 def report(meta: Mapping[str, Any], prefill: PrefillResult, rows: list[dict[str, Any]]) -> None:
-    print(f"{meta['shape']} {meta['dtype']} on {meta['device']}: {meta['param_count']:,} params, "
+    print(f"{harness.machine_line()}\n{meta['shape']} {meta['dtype']} on {meta['device']}: {meta['param_count']:,} params, "
           f"{meta['weight_bytes'] / 1e9:.2f} GB weights; HBM {meta['hbm_gbps']:.0f} GB/s nominal, "
           f"{_fmt(meta['hbm_gbps_measured'], '.0f')} measured")
     print(f"prefill: {prefill.requests} x {meta['prefill_len']} tokens: {prefill.tokens_per_s:.1f} tok/s "

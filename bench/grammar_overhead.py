@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         steps[name].append(mean_step_s(engine, args.batch, runs[name], f"{name}{rep}"))
     med = {name: statistics.median(v) for name, v in steps.items()}
     ratio = med["schema"] / med["plain"]
+    print(harness.machine_line())
     for name, v in steps.items():
         print(f"{name:7s} median TPOT {1000 * med[name]:.2f} ms  runs: "
               + " ".join(f"{1000 * x:.1f}" for x in v))

@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['wall_s']:.1f} s  decisions {r['decisions']}  load {os.getloadavg()[0]:.1f}", flush=True)
         else:
             runs.append(results)
-    print(f"load average {os.getloadavg()[0]:.1f}; runs compared {len(runs)} of {args.runs}")
+    print(f"{harness.machine_line()}; runs compared {len(runs)} of {args.runs}")
     for line in report(runs, routers):
         print(line)
     harness.write_json(args.output_json, {"args": vars(args), "pools": vars(pools), "runs": runs, "failed": failed})

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     with pdserve_up("overhead", harness.up_args(args.up_args, args.model)) as server:
         for b in batches:
             stack[b] = run_benchmark(bench_config(args, server.base_url, b, tok)).runs[0].summary
-    print(f"{'batch':>6}{'engine tok/s':>14}{'stack tok/s':>13}{'ratio':>8}{'step ms':>9}"
+    print(f"{harness.machine_line()}\n{'batch':>6}{'engine tok/s':>14}{'stack tok/s':>13}{'ratio':>8}{'step ms':>9}"
           f"{'TPOT ms':>9}{'added ms':>10}{'ITL p50 ms':>12}")
     rows = []
     for b in batches:

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     results = measure(args.model, {n: SCHEMES[n] for n in names}, args.rows,
                       -(-args.tokens // args.rows), base)
     print(markdown(results), end="")
-    print(f"\n{args.model}, {results[0].tokens} held-out tokens, {watch.lap():.0f}s")
+    print(f"\n{harness.machine_line()}\n{args.model}, {results[0].tokens} held-out tokens, {watch.lap():.0f}s")
     return 0
 
 

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
-    print(f"{'C':>4} {'engine tok/s':>13} {'gateway tok/s':>14} {'ratio':>6}")
+    print(f"{harness.machine_line()}\n{'C':>4} {'engine tok/s':>13} {'gateway tok/s':>14} {'ratio':>6}")
     for r in rows:
         print(f"{r['concurrency']:>4} {r['engine_decode_tps']:>13} {r['gateway_decode_tps']:>14} {r['ratio']:>6}")
     result = {"topology": "colocated" if args.colocated else "1P+1D", "results": rows}

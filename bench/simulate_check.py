@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 measured = summarize(cluster, replay(server.base_url, requests, vocab, w.seed), slo)
                 rows.append(_row(name, split, k, rate, simulate(profile, cluster, requests, slo), measured, profile))
     within = sum(abs(r["error"]) <= 0.2 for r in rows)
-    print(f"goodput within 20%: {within}/{len(rows)} -> issue 18 simulator target "
+    print(f"{harness.machine_line()}\ngoodput within 20%: {within}/{len(rows)} -> issue 18 simulator target "
           f"{'MET' if within == len(rows) == 6 else 'NOT MET'} (needs all 6 of 3 workloads x 2 splits)")
     harness.write_json(args.output_json, {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     return 0

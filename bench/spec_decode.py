@@ -252,7 +252,7 @@ def main() -> int:
                 if args.disable_sweep else [spec])
     runs: list[dict[str, Any]] = []
     summary: list[dict[str, Any]] = []
-    print(f"workload {args.workload}, output {args.output_len}, {args.threads} threads, dtype {off.runner.dtype}")
+    print(f"{harness.machine_line()}\nworkload {args.workload}, output {args.output_len}, {args.threads} threads, dtype {off.runner.dtype}")
     for variant in variants:
         on = build(model, args.threads, args.dtype, variant)
         for engine in (off, on):  # warm both

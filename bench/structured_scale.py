@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         results = [run_mode(m, args.num_requests, args.concurrency, args.kill_after, model, worker_extra, log_dir)
                    for m in modes]
     baseline = results[0]
-    print(f"{args.num_requests} seeded json_schema requests, concurrency {args.concurrency}, "
+    print(f"{harness.machine_line()}\n{args.num_requests} seeded json_schema requests, concurrency {args.concurrency}, "
           f"identity against {baseline.mode}")
     print(f"{'mode':10s} {'valid':>9s} {'identical':>9s} {'cut':>4s} {'wall s':>7s} {'tok/s':>6s}  spec acc/draft")
     problems: list[str] = []

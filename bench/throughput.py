@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_p50_s": s["ttft"]["p50"],
         "tpot_p50_s": s["tpot"]["p50"],
     }
-    print(f"engine: prefill {rates.prefill_tok_s:.0f} tok/s, decode {rates.decode_tok_s:.0f} tok/s "
+    print(f"{harness.machine_line()}\nengine: prefill {rates.prefill_tok_s:.0f} tok/s, decode {rates.decode_tok_s:.0f} tok/s "
           f"(batch {args.concurrency}, {args.threads} threads; runs {[(round(r.prefill_tok_s), round(r.decode_tok_s)) for r in runs]})")
     print(f"served: {s['completed']} completed, {s['failed']} failed; {prompt_tokens} prompt + "
           f"{decode_tokens} decode tokens in {wall:.2f} s")

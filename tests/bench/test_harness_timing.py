@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -204,3 +205,12 @@ def test_stream_completion_against_a_server_with_known_timing(fake_server: FakeO
     assert (sent["temperature"], sent["ignore_eos"], sent["stream"], sent["max_tokens"]) == (0, True, True, 4)
     with pytest.raises(RuntimeError, match="HTTP 503"):
         client.stream_completion(fake_server.url, "fake-model", "FAIL503", 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_seconds_on_cuda_times_the_queued_work() -> None:
+    spin = functools.partial(torch.cuda._sleep, 10_000_000)  # ~ms of GPU cycles a call, queued at once
+    watch = harness.Stopwatch()
+    per_call = harness.device_seconds(spin, 4, 1, "cuda")
+    wall = watch.lap()  # the warm-up call and the 4 timed ones, synchronized at the end
+    assert 0 < 4 * per_call < wall
