@@ -34,7 +34,8 @@ def stream_completion(url: str, model: str, prompt: str | list[int], max_tokens:
             "stream": True, "stream_options": {"include_usage": True}}
     req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
-    start, first, last, text, usage = time.perf_counter(), None, 0.0, [], {}
+    start, first, last, text = time.perf_counter(), None, 0.0, []
+    usage: dict[str, Any] = {}
     try:
         r = urllib.request.urlopen(req, timeout=600)
     except urllib.error.HTTPError as e:
