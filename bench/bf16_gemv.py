@@ -56,15 +56,13 @@ def main(argv: list[str] | None = None) -> None:
         print("the native bf16 GEMV is not available here: F.linear only")
     print(f"{harness.machine_line()}\ntorch {torch.__version__}, {args.threads} thread(s), "
           f"one-core read bandwidth {harness.read_bandwidth() / 1e9:.1f} GB/s")
-    print(f"{'shape':<8} {'N x K':>11} {'rows':>4} {'F.linear us':>11} {'GB/s':>5}   ratio to F.linear (GB/s)")
+    table = harness.RatioTable((("shape", 8), ("N x K", 11), ("rows", 4)), ("avx", "amx", "hook"),
+                               base="F.linear", width=13, gbps=True)
+    print(table.header())
     for name in args.shapes:
         n, k = SHAPES[name]
         for m in args.rows:
-            t = shape_row(n, k, m, args.reps)
-            base = t["F.linear"]
-            cells = "  ".join(f"{v}: {t[v] / base:.2f} ({n * k * 2 / t[v] / 1e9:.1f})" for v in t if v != "F.linear")
-            print(f"{name:<8} {f'{n}x{k}':>11} {m:>4} {base * 1e6:>11.1f} {n * k * 2 / base / 1e9:>5.1f}   {cells}")
-
+            print(table.row((name, f"{n}x{k}", m), shape_row(n, k, m, args.reps), fmt="11.1f", nbytes=n * k * 2))
 
 if __name__ == "__main__":
     main()

@@ -324,7 +324,8 @@ def verdict(name: str, values: Sequence[float | None], target: str, ok: Callable
 @dataclasses.dataclass(frozen=True)
 class RatioTable:
     """The kernel benches' table: per row of key cells (threads x shape x rows), the base
-    path's time and every path's ratio to it ("-": the path does not run there)."""
+    path's time and every path's ratio to it ("-": the path does not run there); with
+    `gbps`, each time also as GB/s of the row's `nbytes` (weight bytes read)."""
 
     keys: tuple[tuple[str, int], ...]  # header and width of each key column
     paths: tuple[str, ...]
@@ -332,19 +333,27 @@ class RatioTable:
     width: int = 8  # of a ratio column
     unit: str = "us"
     scale: float = 1e6  # seconds -> unit
+    gbps: bool = False
 
     def header(self) -> str:
-        return (" ".join(f"{h:>{w}}" for h, w in self.keys) + f" {self.base + ' ' + self.unit:>8}  ratio to "
-                f"{self.base}: " + " ".join(f"{p:>{self.width}}" for p in self.paths))
+        return (" ".join(f"{h:>{w}}" for h, w in self.keys) + f" {self.base + ' ' + self.unit:>8}"
+                + ("  GB/s" if self.gbps else "") + f"  ratio to {self.base}{' (GB/s)' if self.gbps else ''}: "
+                + " ".join(f"{p:>{self.width}}" for p in self.paths))
 
     def row(self, key: Sequence[object], times: Mapping[str, float], base: str | None = None,
-            fmt: str = "8.1f") -> str:
+            fmt: str = "8.1f", nbytes: int = 0) -> str:
         """`times` in seconds; `base` names another path as the denominator (its key column)."""
         b = times[base or self.base]
-        ratios = " ".join(f"{times[p] / b:{self.width}.2f}" if p in times else f"{'-':>{self.width}}"
-                          for p in self.paths)
+
+        def cell(p: str) -> str:
+            if p not in times:
+                return f"{'-':>{self.width}}"
+            got = f"{times[p] / b:.2f}" + (f" ({nbytes / times[p] / 1e9:.1f})" if self.gbps else "")
+            return f"{got:>{self.width}}"
+
         keys = " ".join(f"{k!s:>{w}}" for k, (_, w) in zip(key, self.keys, strict=True))
-        return f"{keys} {b * self.scale:{fmt}}                {ratios}"
+        rate = f" {nbytes / b / 1e9:5.1f}" if self.gbps else ""
+        return f"{keys} {b * self.scale:{fmt}}{rate}                {' '.join(cell(p) for p in self.paths)}"
 
 
 def sweep(threads: Sequence[int], rows: Sequence[int],

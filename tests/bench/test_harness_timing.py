@@ -148,6 +148,11 @@ def test_ratio_table_cells() -> None:
     row = table.row(("", "vs GEMV", 4), {"gemv": 2e-3, "aten": 1e-3, "auto": 4e-3}, base="gemv", fmt="8.0f")
     assert row.split() == ["vs", "GEMV", "4", "2000", "0.50", "1.00", "2.00"]
     assert len(row.splitlines()[0]) == len(table.row(("", "x", 4), {"bf16": 1e-4}))  # the columns line up
+    gbps = harness.RatioTable((("rows", 4),), ("avx", "amx"), base="F.linear", width=13, gbps=True)
+    assert gbps.header().split()[-4:] == ["F.linear", "(GB/s):", "avx", "amx"]
+    # 2 MB read: 2 GB/s in 1 ms, 4 GB/s in 0.5 ms
+    assert gbps.row((16,), {"F.linear": 1e-3, "avx": 0.5e-3}, nbytes=2_000_000).split() == [
+        "16", "1000.0", "2.0", "0.50", "(4.0)", "-"]
 
 
 def test_sweep_sets_each_thread_count_in_the_tables_order() -> None:
