@@ -1,15 +1,20 @@
 """The plain HTTP client of the bench scripts that time single requests against a server
 themselves (bench/multiturn.py, bench/simulate_check.py) rather than through the load
-generator: which model it serves, and one greedy streamed completion as the client saw it.
+generator: which model it serves, one greedy streamed completion as the client saw it, and
+clients run at once, a thread each.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple, TypeVar
+
+T = TypeVar("T")
 
 
 def served_model(url: str) -> str:
@@ -53,3 +58,23 @@ def stream_completion(url: str, model: str, prompt: str | list[int], max_tokens:
     if first is None:
         raise RuntimeError("a completion streamed no text")
     return Streamed(first, last, "".join(text), usage)
+
+
+def at_once(fn: Callable[[T], object], items: Iterable[T]) -> None:
+    """`fn(item)` for every item at once, each in a thread of its own; once all are done,
+    the first exception any of them raised is raised here."""
+    errors: list[BaseException] = []
+
+    def run(item: T) -> None:
+        try:
+            fn(item)
+        except BaseException as e:  # raised below, in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(item,)) for item in items]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

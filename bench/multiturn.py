@@ -109,36 +109,26 @@ def converse(url: str, model: str, shape: ChatShape) -> dict[str, Any]:
     ttfts: list[float] = []
     texts: dict[str, str] = {}
     per_conv: dict[int, tuple[list[int], list[int]]] = {}
-    errors: list[BaseException] = []
     lock = threading.Lock()
 
     def one(c: int) -> None:
         history = shape.system_prompt() + shape.opening(c)
         prompts: list[int] = []
         cached: list[int] = []
-        try:
-            for t, (user, think) in enumerate(zip(shape.user_messages(c), shape.think_times(c), strict=True)):
-                time.sleep(think)  # the user reading and typing: the workload's arrival pattern
-                history += shape.turn_text(user)
-                got = client.stream_completion(url, model, history, shape.output_len)
-                history += got.text
-                prompts.append(int(got.usage.get("prompt_tokens") or 0))
-                cached.append(int((got.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
-                with lock:
-                    ttfts.append(got.first_s)
-                    texts[f"{c}/{t}"] = got.text
-        except BaseException as e:  # reported by the caller
-            errors.append(e)
+        for t, (user, think) in enumerate(zip(shape.user_messages(c), shape.think_times(c), strict=True)):
+            time.sleep(think)  # the user reading and typing: the workload's arrival pattern
+            history += shape.turn_text(user)
+            got = client.stream_completion(url, model, history, shape.output_len)
+            history += got.text
+            prompts.append(int(got.usage.get("prompt_tokens") or 0))
+            cached.append(int((got.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
+            with lock:
+                ttfts.append(got.first_s)
+                texts[f"{c}/{t}"] = got.text
         with lock:
             per_conv[c] = (prompts, cached)
 
-    threads = [threading.Thread(target=one, args=(c,)) for c in range(shape.conversations)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
+    client.at_once(one, range(shape.conversations))
     hits = [history_hits(p, c) for p, c in per_conv.values()]
     ms = np.array(ttfts) * 1000
     return {"ttft_p50_ms": float(np.percentile(ms, 50)), "ttft_p95_ms": float(np.percentile(ms, 95)),
@@ -154,12 +144,8 @@ def run_workload(url: str, shape: ChatShape, warmups: int) -> dict[str, Any]:
     either router), then every conversation; with the server's counters."""
     model = client.served_model(url)
     if shape.system_prompt():
-        warm = [threading.Thread(target=client.stream_completion, args=(url, model, shape.system_prompt() + "User:", 1))
-                for _ in range(warmups)]
-        for th in warm:
-            th.start()
-        for th in warm:
-            th.join()
+        client.at_once(lambda _: client.stream_completion(url, model, shape.system_prompt() + "User:", 1),
+                       range(warmups))
     before, decided = _kv_bytes(url), _decisions(url)
     watch = harness.Stopwatch()
     out = converse(url, model, shape)

@@ -38,7 +38,6 @@ import os
 import random
 import statistics
 import sys
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -86,28 +85,17 @@ def replay(url: str, requests: list[SimRequest], vocab: int, seed: int) -> list[
     prompts = [shared[:q.prefix_tokens] + [rng.randrange(3, vocab) for _ in range(q.prompt_tokens - q.prefix_tokens)]
                for q in requests]
     results: list[RequestResult | None] = [None] * len(requests)
-    errors: list[BaseException] = []
     t0 = time.monotonic() + 0.5
 
     def one(i: int) -> None:
         q = requests[i]
         time.sleep(max(0.0, t0 + q.arrival - time.monotonic()))
         sent = time.monotonic() - t0
-        try:
-            first, last, *_ = client.stream_completion(url, model, prompts[i], q.output_tokens)
-        except BaseException as e:  # reported below
-            errors.append(e)
-            return
+        first, last, *_ = client.stream_completion(url, model, prompts[i], q.output_tokens)
         itl = (last - first) / (q.output_tokens - 1) if q.output_tokens > 1 else 0.0
         results[i] = RequestResult(sent, first, itl, sent + last)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    client.at_once(one, range(len(requests)))
     return [r for r in results if r is not None]
 
 
@@ -129,13 +117,7 @@ def burst_gateway_s(url: str, vocab: int, profile: Profile, count: int, seed: in
         sent = time.monotonic() - start
         firsts.append(sent + client.stream_completion(url, model, prompt, 1).first_s)
 
-    threads = [threading.Thread(target=one, args=(q,)) for q in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if len(firsts) != count:
-        raise RuntimeError("a calibration request failed")
+    client.at_once(one, prompts)
     return max(0.0, (max(firsts) - profile.prefill.prompt_s(CALIBRATION_TOKENS)) / count)
 
 

@@ -205,7 +205,8 @@ def test_stream_completion_against_a_server_with_known_timing(fake_server: FakeO
     assert client.served_model(fake_server.url) == "fake-model"
     got = client.stream_completion(fake_server.url, "fake-model", "one two three", 4)
     assert got.text == " w w w w" and got.usage["prompt_tokens"] == 3 and got.usage["completion_tokens"] == 4
-    assert got.first_s >= 0.05 and got.last_s - got.first_s >= 3 * 0.02  # the server waits that long at least
+    # the server sends the first text 50 ms after the request came, the last 3 x 20 ms after that at the earliest
+    assert got.first_s >= 0.05 and got.last_s >= 0.05 + 3 * 0.02 and got.last_s > got.first_s
     sent = fake_server.requests[-1]
     assert (sent["temperature"], sent["ignore_eos"], sent["stream"], sent["max_tokens"]) == (0, True, True, 4)
     with pytest.raises(RuntimeError, match="HTTP 503"):
@@ -219,3 +220,27 @@ def test_device_seconds_on_cuda_times_the_queued_work() -> None:
     per_call = harness.device_seconds(spin, 4, 1, "cuda")
     wall = watch.lap()  # the warm-up call and the 4 timed ones, synchronized at the end
     assert 0 < 4 * per_call < wall
+
+
+def test_at_once_runs_every_item_in_its_own_thread_and_raises_the_first_error() -> None:
+    import threading
+
+    barrier = threading.Barrier(3, timeout=30)  # passes only if all three run at the same time
+    seen: list[int] = []
+
+    def meet(i: int) -> None:
+        barrier.wait()
+        seen.append(i)
+
+    client.at_once(meet, [0, 1, 2])
+    assert sorted(seen) == [0, 1, 2]
+    done: list[int] = []
+
+    def fail_on_one(i: int) -> None:
+        if i == 1:
+            raise ValueError("one failed")
+        done.append(i)
+
+    with pytest.raises(ValueError, match="one failed"):
+        client.at_once(fail_on_one, range(4))
+    assert sorted(done) == [0, 2, 3]  # the others still ran to their end
