@@ -213,9 +213,7 @@ def rounds(off: Any, on: Any, make_batch: Any, c: int, n_rounds: int, output_len
         runs += [replace(a, outputs=[]).__dict__ | {"label": label, "concurrency": c, "round": r, "spec": False},
                  replace(b, outputs=[]).__dict__ | {"label": label, "concurrency": c, "round": r, "spec": True,
                                                     "identical": ratio.identical}]
-    med = Ratio(statistics.median(x.wall for x in got), statistics.median(x.cpu for x in got),
-                statistics.median(x.mean_acceptance_length for x in got), all(x.identical for x in got),
-                statistics.median(x.copied for x in got))
+    med = replace(harness.median_of(got), identical=all(x.identical for x in got))
     print(f"{label} C={c}: median ratio on/off wall {med.wall:.2f}, cpu {med.cpu:.2f} over {n_rounds} rounds, "
           f"median mean acceptance length {med.mean_acceptance_length:.2f}, copied {med.copied:.2f}"
           f"{'' if med.identical else ', OUTPUTS DIFFER'}")
