@@ -16,16 +16,14 @@ the two outputs (the comparison is only worth making if they agree).
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+
+from bench import harness
 
 
 @dataclass(frozen=True)
@@ -74,23 +72,6 @@ def _inputs(cfg: AttentionBench) -> tuple[torch.Tensor, ...]:
     return q, k, v, k_cache, v_cache, perm.view(cfg.batch, blocks_per_seq)
 
 
-def _time(cfg: AttentionBench, step: Callable[[], torch.Tensor]) -> float:
-    for _ in range(cfg.warmup):
-        step()
-    if cfg.device.startswith("cuda"):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(cfg.iters):
-            step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / cfg.iters
-    t0 = time.perf_counter()
-    for _ in range(cfg.iters):
-        step()
-    return (time.perf_counter() - t0) / cfg.iters
-
-
 def run(cfg: AttentionBench) -> AttentionResult:
     """Time both backends on one decode step (see the module docstring)."""
     if cfg.device == "cpu":
@@ -112,31 +93,30 @@ def run(cfg: AttentionBench) -> AttentionResult:
         got = tri.forward(q, k, v, k_cache, v_cache, flat).float()
         want = ref.forward(q, k, v, k_cache, v_cache, grouped).float()
         diff = float((got - want).abs().max())
-        triton_s = _time(cfg, lambda: tri.forward(q, k, v, k_cache, v_cache, flat))
-        torch_s = _time(cfg, lambda: ref.forward(q, k, v, k_cache, v_cache, grouped))
+        triton_s = harness.device_seconds(lambda: tri.forward(q, k, v, k_cache, v_cache, flat),
+                                          cfg.iters, cfg.warmup, cfg.device)
+        torch_s = harness.device_seconds(lambda: ref.forward(q, k, v, k_cache, v_cache, grouped),
+                                         cfg.iters, cfg.warmup, cfg.device)
     return AttentionResult(triton_s, torch_s, torch_s / triton_s,
                            cfg.kv_bytes_per_step / triton_s / 1e9, diff)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, model_help=None)
     defaults = AttentionBench()
     for name in ("batch", "context", "heads", "kv_heads", "head_dim", "block_size", "warmup",
                  "iters"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     ap.add_argument("--dtype", default=defaults.dtype, choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--device", default=defaults.device, help="cuda | cuda:N | cpu")
-    ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     cfg = AttentionBench(**{k: v for k, v in vars(args).items() if k != "output_json"})
     result = run(cfg)
-    print(f"decode attention, batch {cfg.batch} x {cfg.context} tokens, {cfg.heads}/{cfg.kv_heads} "
+    print(f"{harness.machine_line()}\ndecode attention, batch {cfg.batch} x {cfg.context} tokens, {cfg.heads}/{cfg.kv_heads} "
           f"heads of {cfg.head_dim}, {cfg.dtype} on {cfg.device}: triton "
           f"{result.triton_s * 1e3:.3f} ms ({result.triton_kv_gbps:.0f} GB/s of KV), gather + SDPA "
           f"{result.torch_s * 1e3:.3f} ms: {result.speedup:.2f}x; max |diff| {result.max_abs_diff:.2e}")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"config": asdict(cfg), "result": asdict(result)}, f, indent=2)
+    harness.write_json(args.output_json, {"config": asdict(cfg), "result": asdict(result)})
     return 0
 
 

@@ -16,37 +16,17 @@ a 256 MiB float32 buffer): the floor a weight stream cannot beat.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from bench import harness
 from pdserve.engine.kernels import bf16_gemv
 
 SHAPES = {"qkv": (1280, 768), "o": (768, 768), "gate_up": (4096, 768), "down": (768, 2048),
           "lm_head": (32000, 768)}
 LAYERS = 12
-
-
-def _turns(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Median seconds of each fn, the fns taking turns `reps` times (after one warm-up turn)."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for rep in range(reps + 1):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            if rep:
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def read_bandwidth() -> float:
-    """GB/s of one sum over a 256 MiB float32 buffer (median of 5)."""
-    buf = torch.ones(64 * 1024 * 1024)
-    t = _turns({"sum": buf.sum}, 5)["sum"]
-    return buf.numel() * 4 / t / 1e9
 
 
 def shape_row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
@@ -61,7 +41,7 @@ def shape_row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
         if bf16_gemv.amx_rows():
             fns["amx"] = lambda: [bf16_gemv.gemv(x, w, None, bf16_gemv.AMX) for w in ws]
         fns["hook"] = lambda: [bf16_gemv.linear(x, w) for w in ws]
-    return {name: t / copies for name, t in _turns(fns, reps).items()}
+    return {name: t / copies for name, t in harness.medians(fns, reps).items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,19 +54,15 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     if not bf16_gemv.available():
         print("the native bf16 GEMV is not available here: F.linear only")
-    with open("/proc/loadavg") as f:
-        load = f.read().split()[0]
-    print(f"torch {torch.__version__}, {args.threads} thread(s), load average {load}, "
-          f"one-core read bandwidth {read_bandwidth():.1f} GB/s")
-    print(f"{'shape':<8} {'N x K':>11} {'rows':>4} {'F.linear us':>11} {'GB/s':>5}   ratio to F.linear (GB/s)")
+    print(f"{harness.machine_line()}\ntorch {torch.__version__}, {args.threads} thread(s), "
+          f"one-core read bandwidth {harness.read_bandwidth() / 1e9:.1f} GB/s")
+    table = harness.RatioTable((("shape", 8), ("N x K", 11), ("rows", 4)), ("avx", "amx", "hook"),
+                               base="F.linear", width=13, gbps=True)
+    print(table.header())
     for name in args.shapes:
         n, k = SHAPES[name]
         for m in args.rows:
-            t = shape_row(n, k, m, args.reps)
-            base = t["F.linear"]
-            cells = "  ".join(f"{v}: {t[v] / base:.2f} ({n * k * 2 / t[v] / 1e9:.1f})" for v in t if v != "F.linear")
-            print(f"{name:<8} {f'{n}x{k}':>11} {m:>4} {base * 1e6:>11.1f} {n * k * 2 / base / 1e9:>5.1f}   {cells}")
-
+            print(table.row((name, f"{n}x{k}", m), shape_row(n, k, m, args.reps), fmt="11.1f", nbytes=n * k * 2))
 
 if __name__ == "__main__":
     main()

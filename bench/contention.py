@@ -13,7 +13,7 @@ and prints output tok/s per cell, ratios to fixed+spin quiet, the governor's swi
 (scraped from the worker's /metrics before the server stops) and the load average.
 All cells run back to back in one process, so background load hits them alike.
 
-    .venv/bin/python -m bench.contention --model /tmp/m125     # ~10 min on 2 cores
+    .venv/bin/python -m bench.contention --model /tmp/m125
 
 Without --model it builds the ~125M Llama shape (bench.engine.build_125m) in a
 temporary directory. Targets: adaptive+spin >= 0.95x fixed+spin quiet (c16), and
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             model = str(build_125m(Path(tmp)))
         load_before = os.getloadavg()
         cells = run_cells(args, model)
-    print(f"model {model}, {args.dtype}, colocated up on {len(os.sched_getaffinity(0))} cores; "
+    print(f"{harness.machine_line()}\nmodel {model}, {args.dtype}, colocated up on {len(os.sched_getaffinity(0))} cores; "
           f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(report(cells))
     harness.write_json(args.output_json, {"args": vars(args), "cells": [c._asdict() for c in cells]})

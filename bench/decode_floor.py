@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from bench import harness
 from bench.engine import build_125m
 from bench.profile_step import DecodeBench
 from bench.vs_vllm import workload_config
@@ -95,23 +95,6 @@ def mixed_shapes() -> tuple[Shape, Shape]:
             Shape("largest", (wl.input_len + wl.output_len,) * streams + (long_ctx,)))
 
 
-def read_bandwidth(threads: int, mib: int = 256, reps: int = 5) -> float:
-    """Bytes per second a float32 `sum` streams over `mib` MiB on `threads` threads (median)."""
-    x = torch.ones(mib * 2**20 // 4)
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        x.sum()  # touch every page, warm the thread team
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            x.sum()
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(prev)
-    return x.numel() * 4 / statistics.median(times)
-
-
 @contextmanager
 def checked_gemv() -> Iterator[None]:
     """`linear` with the kernel call checked again, as before the hot-path change."""
@@ -139,21 +122,19 @@ class Timing(NamedTuple):
 def time_step(dec: DecodeBench, threads: int, reps: int, bw_mib: int) -> Timing:
     """Bandwidth, the step and the checked-GEMV step take turns within each repetition, so
     background load on a shared host hits the three alike."""
+    def checked() -> float:
+        with checked_gemv():
+            return dec.run()
+
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
-    bw: list[float] = []
-    now: list[float] = []
-    before: list[float] = []
     try:
         dec.run()  # warm up at this thread count
-        for _ in range(reps):
-            bw.append(read_bandwidth(threads, bw_mib))
-            now.append(dec.run())
-            with checked_gemv():
-                before.append(dec.run())
+        got = harness.rounds({"bandwidth": lambda: harness.read_bandwidth(threads, bw_mib), "step": dec.run,
+                              "checked": checked}, reps)
     finally:
         torch.set_num_threads(prev)
-    return Timing(statistics.median(bw), statistics.median(now), statistics.median(before))
+    return Timing(*(statistics.median(got[f]) for f in Timing._fields))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         blocks = max(sum((ctx + args.steps) // 16 + 2 for ctx in s.contexts) for s in shapes) + 1
         runner = ModelRunner(EngineConfig(model_dir=str(model_dir), dtype="bfloat16",
                                           cache=CacheConfig(num_blocks=blocks)))
-        print(f"torch {torch.__version__}, bf16, bf16 GEMV {'on' if bf16_gemv.enabled() else 'off'}, "
+        print(f"{harness.machine_line()}\ntorch {torch.__version__}, bf16, bf16 GEMV {'on' if bf16_gemv.enabled() else 'off'}, "
               f"{args.reps} repetitions of {args.steps} steps")
         print(f"{'shape':<8} {'seqs':>4} {'contexts':>9} {'weights MB':>10} {'KV MB':>6} {'thr':>3} {'GB/s':>5} "
               f"{'floor ms':>8} {'step ms':>8} {'roofline':>8} {'checked ms':>10} {'now/checked':>11}")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from typing import Any
 
@@ -115,16 +114,12 @@ def run_once(args: argparse.Namespace, configs: list[tuple[str, list[str]]], tok
 
 def verdicts(per_run: list[dict[str, dict]]) -> list[str]:
     """One VERDICT line per target: the per-run ratios, their median, PASS/MISS."""
-    lines = []
-    for t in TARGETS:
+    def line(t: Target) -> str:
         ratios = [column_ratio(COLUMNS, t.header, s["1P+1D"], s["colocated"]) for s in per_run]
-        got = [r for r in ratios if r is not None]
-        median = statistics.median(got) if got else None
-        status = "MISS" if median is None or "MISSED" in t.check(median) else "PASS"
-        lines.append(f"VERDICT {t.header} 1P+1D/colocated: per run "
-                     f"{', '.join('-' if r is None else f'{r:.3f}' for r in ratios)}; median "
-                     f"{'-' if median is None else f'{median:.3f}'} (target <= {t.bound}): {status}")
-    return lines
+        return harness.verdict(f"{t.header} 1P+1D/colocated", ratios, f"<= {t.bound}",
+                               lambda m: "MISSED" not in t.check(m), "{:.3f}")
+
+    return [line(t) for t in TARGETS]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         per_run.append(summaries)
         results.append(result)
     lines = verdicts(per_run)
-    print("\n" + "\n".join(lines))
+    print("\n" + "\n".join([harness.machine_line(), *lines]))
     harness.write_json(args.output_json, {"args": vars(args), "verdicts": lines, "results": results})
     return 0
 

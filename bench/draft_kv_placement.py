@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import urllib.request
 from typing import Any
@@ -121,19 +120,6 @@ def run_placement(args: argparse.Namespace, placement: str, tokenizer: str | Non
     return {"all": run.summary, **run.per_tag, "worker": worker}
 
 
-def median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """A summary whose every column is the median over `runs`."""
-    out: dict[str, Any] = {}
-    for c in COLUMNS:
-        values = [v for r in runs if (v := c.value(r)) is not None]
-        if values:
-            node = out
-            for key in c.path[:-1]:
-                node = node.setdefault(key, {})
-            node[c.path[-1]] = statistics.median(values) / c.scale
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tokenizer = harness.tokenizer_dir(args)
@@ -145,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n## round {r + 1} ({' then '.join(order)})")
         print(format_comparison(COLUMNS, [(p, runs[p][-1]) for p in PLACEMENTS],
                                 [("prefill/decode", "prefill", "decode")]), flush=True)
-    print(f"\n## medians of {args.rounds} rounds: draft KV made on the decode vs the prefill worker")
-    medians = {p: median_summary(runs[p]) for p in PLACEMENTS}
+    print(f"\n{harness.machine_line()}\n## medians of {args.rounds} rounds: draft KV made on the decode vs the prefill worker")
+    medians = {p: harness.median_summary(runs[p], COLUMNS) for p in PLACEMENTS}
     print(format_comparison(COLUMNS, [(p, medians[p]) for p in PLACEMENTS],
                             [("prefill/decode", "prefill", "decode")]))
     harness.write_json(args.output_json, {"args": vars(args), "medians": medians, "runs": runs})

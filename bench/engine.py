@@ -12,15 +12,14 @@ decode = from the first token to the last. Ratio = engine / transformers (> 1: t
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
+from bench import harness
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -73,36 +72,17 @@ def _prompts(batch: int, length: int, vocab: int, salt: int) -> list[list[int]]:
     return torch.randint(3, vocab, (batch, length), generator=g).tolist()
 
 
-def _median_of(
-    a: Callable[[], Throughput], b: Callable[[], Throughput], reps: int
-) -> tuple[Throughput, Throughput]:
-    """Median of `reps` runs each, interleaved so background load hits both alike."""
-    runs_a, runs_b = [], []
-    for _ in range(reps):
-        runs_a.append(a())
-        runs_b.append(b())
-    return _median(runs_a), _median(runs_b)
-
-
-def _median(runs: list[Throughput]) -> Throughput:
-    return Throughput(
-        statistics.median(r.prefill_tok_s for r in runs),
-        statistics.median(r.decode_tok_s for r in runs),
-    )
-
-
 def engine_run(engine: LLMEngine, prompts: list[list[int]], decode_tokens: int) -> Throughput:
     params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"bench-{time.monotonic_ns()}-{i}", p, params)
-    t0 = time.perf_counter()
+    watch = harness.Stopwatch()
     engine.step()  # the budget holds every prompt: one prefill step, first tokens out
-    t1 = time.perf_counter()
+    prefill_s = watch.lap()
     while engine.has_unfinished():
         engine.step()
-    t2 = time.perf_counter()
     n = len(prompts)
-    return Throughput(n * len(prompts[0]) / (t1 - t0), n * decode_tokens / (t2 - t1))
+    return Throughput(n * len(prompts[0]) / prefill_s, n * decode_tokens / watch.lap())
 
 
 def hf_run(model: Any, prompts: list[list[int]], decode_tokens: int) -> Throughput:
@@ -162,9 +142,9 @@ def bench_model(
         def run_hf(p: list[list[int]] = prompts) -> Throughput:
             return hf_run(hf, p, args.decode_tokens)
 
-        with torch.inference_mode():
-            e, h = _median_of(run_engine, run_hf, args.reps)
-        rows.append(Row(name, b, e, h))
+        with torch.inference_mode():  # interleaved so background load hits both alike
+            got = harness.rounds({"engine": run_engine, "hf": run_hf}, args.reps)
+        rows.append(Row(name, b, harness.median_of(got["engine"]), harness.median_of(got["hf"])))
         print(format_row(rows[-1]), flush=True)
     return rows
 
@@ -187,21 +167,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--quick", action="store_true", help="short prompts, few tokens, one rep")
     ap.add_argument("--models", default="default,125m", help="comma list of default,125m")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--prompt-len", type=int, default=None)
-    ap.add_argument("--decode-tokens", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = ap.parse_args(argv)
-    args.prompt_len = args.prompt_len or (32 if args.quick else 128)
-    args.decode_tokens = args.decode_tokens or (16 if args.quick else 64)
-    args.reps = args.reps or (1 if args.quick else 3)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = harness.parse_speed_args(ap, argv, quick=(32, 16), full=(128, 64))
     batches = [int(b) for b in args.batches.split(",")]
     builders = {"default": build_default, "125m": build_125m}
+    print(harness.machine_line())
     print(
         f"torch threads {torch.get_num_threads()}, prompt {args.prompt_len} tokens, "
         f"{args.decode_tokens} decode tokens, median of {args.reps}"

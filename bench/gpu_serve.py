@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import shutil
 import signal
@@ -160,17 +161,9 @@ def measure_hbm_gbps(device: str, nbytes: int = 4 << 30, copies: int = 20) -> fl
     """Time `copies` copies of an `nbytes` buffer on the GPU (before the stack starts)."""
     import torch
 
-    with torch.cuda.device(torch.device(device)):  # the events mark `device`'s stream
-        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        dst.copy_(src)  # warm-up
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(copies):
-            dst.copy_(src)
-        end.record()
-        end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = harness.device_seconds(functools.partial(dst.copy_, src), copies, 1, device) * copies
     del src, dst
     torch.cuda.empty_cache()
     return copy_gbps(nbytes, copies, seconds)
@@ -308,7 +301,7 @@ def _fmt(v: float | None, spec: str = ".1f", scale: float = 1.0) -> str:
 
 
 def report(meta: Mapping[str, Any], prefill: PrefillResult, rows: list[dict[str, Any]]) -> None:
-    print(f"{meta['shape']} {meta['dtype']} on {meta['device']}: {meta['param_count']:,} params, "
+    print(f"{harness.machine_line()}\n{meta['shape']} {meta['dtype']} on {meta['device']}: {meta['param_count']:,} params, "
           f"{meta['weight_bytes'] / 1e9:.2f} GB weights; HBM {meta['hbm_gbps']:.0f} GB/s nominal, "
           f"{_fmt(meta['hbm_gbps_measured'], '.0f')} measured")
     print(f"prefill: {prefill.requests} x {meta['prefill_len']} tokens: {prefill.tokens_per_s:.1f} tok/s "

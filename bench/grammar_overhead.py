@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from typing import TYPE_CHECKING
 
 from bench import harness
@@ -34,14 +33,8 @@ SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength
 
 def mean_step_s(engine: LLMEngine, batch: int, params: SamplingParams, tag: str) -> float:
     """Mean decode step once every request has its first token."""
-    for i in range(batch):
-        engine.add_request(f"{tag}-{i}", [0] + [10 + i + j for j in range(64)], params)
-    harness.prefill_all(engine, batch)
-    t0, steps = time.perf_counter(), 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    return (time.perf_counter() - t0) / max(steps, 1)
+    w = harness.engine_wave(engine, [[0] + [10 + i + j for j in range(64)] for i in range(batch)], params, tag=f"{tag}-")
+    return w.decode_s / max(w.decode_steps, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,12 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = {"plain": SamplingParams(**base),
             "schema": SamplingParams(**base, structured=json_schema(SCHEMA, "response_format"))}
     steps: dict[str, list[float]] = {name: [] for name in runs}
-    for rep in range(args.reps):
-        order = list(runs.items()) if rep % 2 == 0 else list(runs.items())[::-1]
-        for name, params in order:
-            steps[name].append(mean_step_s(engine, args.batch, params, f"{name}{rep}"))
+    for rep, name in harness.turns(list(runs), args.reps, alternate=True):
+        steps[name].append(mean_step_s(engine, args.batch, runs[name], f"{name}{rep}"))
     med = {name: statistics.median(v) for name, v in steps.items()}
     ratio = med["schema"] / med["plain"]
+    print(harness.machine_line())
     for name, v in steps.items():
         print(f"{name:7s} median TPOT {1000 * med[name]:.2f} ms  runs: "
               + " ".join(f"{1000 * x:.1f}" for x in v))

@@ -3,7 +3,7 @@
 One request's KV rows ((layer, K/V, block) rows at shuffled block ids, as a
 transfer sees them) copied from one pool to another with their checksum sums,
 and summed alone (the receiver's verification), next to a numpy memcpy of the
-same byte count in the same run. No processes or sockets: this is the ceiling
+same byte count, the three taking turns (medians). No processes or sockets: this is the ceiling
 that `bench/kv_transfer.py`'s shared-memory transfer works under.
 
     .venv/bin/python -m bench.hostcopy
@@ -13,13 +13,11 @@ that `bench/kv_transfer.py`'s shared-memory transfer works under.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from bench import harness
 from bench.kv_transfer import SHAPES, Memcpy
 from kv_transfer.pool import hostcopy
 from kv_transfer.pool.ops import pool_ops
@@ -32,15 +30,6 @@ class KernelResult:
     memcpy_gbps: float  # numpy copy of the same source bytes, one contiguous buffer
     copy_gbps: float  # copy + sum of the rows, streaming stores (the shm transfer's copy)
     sum_gbps: float  # sum of the copied rows (the receiver's verification)
-
-
-def _median_gbps(fn: Callable[[], object], nbytes: int, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
 
 
 def bench_kernel(shape: str, tokens: int, repeats: int) -> KernelResult:
@@ -61,10 +50,8 @@ def bench_kernel(shape: str, tokens: int, repeats: int) -> KernelResult:
         def verify() -> None:
             receiver.row_sums(0, layout.num_layers, dst_ids)
 
-        copy()
-        return KernelResult(nbytes, _median_gbps(baseline.copy, nbytes, repeats),
-                            _median_gbps(copy, nbytes, repeats),
-                            _median_gbps(verify, nbytes, repeats))
+        t = harness.medians({"memcpy": baseline.copy, "copy": copy, "sum": verify}, repeats)
+        return KernelResult(nbytes, *(nbytes / t[k] / 1e9 for k in ("memcpy", "copy", "sum")))
 
 
 def main() -> None:
@@ -73,7 +60,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = ap.parse_args()
-    print(f"host copy: {hostcopy.describe()}; medians of {args.repeats}, one thread")
+    print(f"{harness.machine_line()}\nhost copy: {hostcopy.describe()}; medians of {args.repeats}, one thread")
     print(f"{'shape':<12} {'MiB':>7} {'memcpy GB/s':>12} {'copy+sum GB/s':>14} {'% memcpy':>9} "
           f"{'sum GB/s':>9}")
     for shape in args.shapes:

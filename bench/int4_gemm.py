@@ -17,13 +17,12 @@ again and again is served from the CPU caches: `python -m bench.quant` times dec
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from bench import harness
 from bench.int8_gemm import SHAPES
 from pdserve.engine.quant import int4_kernel
 from pdserve.engine.quant.linear import Int4Linear, quantize_weight
@@ -31,13 +30,8 @@ from pdserve.engine.quant.linear import Int4Linear, quantize_weight
 PATHS = ("aten", "gemv", "dequant", "native", "auto")
 
 
-def _once_us(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e6
-
-
 def _row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
+    """Median seconds of bf16 and each path on an [m, k] input and an [n, k] weight."""
     g = torch.Generator().manual_seed(n * 31 + k)
     layer = quantize_weight((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16), "int4")
     assert isinstance(layer, Int4Linear)
@@ -54,13 +48,7 @@ def _row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
         paths["native"] = lambda: int4_kernel.matmul(x, packed, sz, group)
     paths["auto"] = lambda: layer(x)
     paths["dequant"] = lambda: F.linear(x, layer.dense_weight(torch.bfloat16))  # writes a dense weight: last
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for fn in paths.values():  # warm-up: first-call allocations, caches
-        fn()
-    for _ in range(reps):  # interleaved: background load hits every path alike
-        for name, fn in paths.items():
-            times[name].append(_once_us(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return harness.medians(paths, reps)  # the warm-up round: first-call allocations, caches
 
 
 def main() -> None:
@@ -71,15 +59,10 @@ def main() -> None:
     args = ap.parse_args()
     if not int4_kernel.available():
         print("native int4 kernel unavailable (no library, AMX-BF16 or AVX-512 VBMI): torch paths only")
-    print(f"{'threads':>7} {'N x K':>10} {'M':>4} {'bf16 us':>8}  ratio to bf16: "
-          + " ".join(f"{p:>8}" for p in PATHS))
-    for threads in args.threads:
-        torch.set_num_threads(threads)
-        for m in args.rows:
-            for n, k in SHAPES:
-                r = _row(n, k, m, args.reps)
-                ratios = " ".join(f"{r[p] / r['bf16']:8.2f}" if p in r else f"{'-':>8}" for p in PATHS)
-                print(f"{threads:>7} {f'{n}x{k}':>10} {m:>4} {r['bf16']:8.1f}                {ratios}", flush=True)
+    table = harness.RatioTable((("threads", 7), ("N x K", 10), ("M", 4)), PATHS)
+    print(f"{harness.machine_line()}\n{table.header()}")
+    for threads, m, n, k in harness.sweep(args.threads, args.rows, SHAPES):
+        print(table.row((threads, f"{n}x{k}", m), _row(n, k, m, args.reps)), flush=True)
 
 
 if __name__ == "__main__":

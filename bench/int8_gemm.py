@@ -4,11 +4,13 @@
 
 For each weight shape [N, K] (the ~125M benchmark model's projections: qkv, o, gate_up,
 down), row count and thread count: F.linear with the bf16 weight, the aten int8 kernel
-(`torch._weight_int8pack_mm`, up to 16 rows), and each native path (pdserve/engine/kernels/_int8_gemm.c,
-pdserve/engine/kernels/_int8_gemv.c, pdserve/engine/kernels/_int8_amx_rows.c): `gemv` (float32 FMA, up to 4 rows), `dpbf16`
-(AVX-512 BF16 dot products), `amx`, `amx_rows` (AMX chunk by chunk, up to 16 rows), and `auto` (the path the library picks, with the Python call around it,
-as a layer runs it). Prints the median time of each and its ratio to bf16, all measured
-in the same run (the host may be shared: compare ratios, not absolute times). A single
+(`torch._weight_int8pack_mm`, up to 16 rows), and each native path of `int8_kernel.PATHS`
+(pdserve/engine/quant/int8_kernel.py says which the library picks for which rows): `gemv` (float32
+FMA) and `vnni` (integer dot products), up to 4 rows; `amx_rows` (AMX chunk by chunk) and
+`amx_q8` (AMX on int8 tiles), up to 16 rows; `dpbf16` (AVX-512 BF16 dot products); `amx`;
+and `auto` (the library's pick, with the Python call around it, as a layer runs it).
+Prints the median time of each and its ratio to bf16, the paths taking turns after a
+warm-up (the host may be shared: compare ratios, not absolute times). A single
 layer called again and again is served from the CPU caches; a decode step streams 12
 layers of distinct weights (~75 MB int8, ~150 MB bf16) from memory, so `--step` also
 times whole passes over 12 distinct copies of the four layers, bf16 against each path, and
@@ -19,13 +21,12 @@ decode runs for 1-16 rows): int8 reads half its bytes, so ~0.5 is the floor ther
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from bench import harness
 from pdserve.engine.kernels import bf16_gemv
 from pdserve.engine.quant import int8_kernel
 from pdserve.engine.quant.pack import quantize_int8
@@ -41,18 +42,8 @@ def _runs(code: int, m: int) -> bool:
             and (not amx or int8_kernel.amx_available()))
 
 
-def _median_us(fn: Callable[[], object], reps: int) -> float:
-    for _ in range(max(5, reps // 10)):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
-
-
 def _row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
+    """Median seconds of bf16 and each path on an [m, k] input and an [n, k] weight."""
     g = torch.Generator().manual_seed(n * 31 + k)
     w = torch.randn(n, k, generator=g) * 0.05
     parts = quantize_int8(w)
@@ -68,10 +59,10 @@ def _row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
             if _runs(code, m):
                 paths[name] = lambda code=code: int8_kernel.matmul(x, packed, code)  # type: ignore[misc]
         paths["auto"] = lambda: int8_kernel.matmul(x, packed)
-    return {name: _median_us(fn, reps) for name, fn in paths.items()}
+    return harness.medians(paths, reps, warmup=max(5, reps // 10))
 
 
-def _step(m: int, reps: int) -> str:
+def _step(m: int, reps: int, table: harness.RatioTable) -> str:
     """Median time of one pass over LAYERS x SHAPES distinct layers, bf16 and each path."""
     g = torch.Generator().manual_seed(m)
     layers = []
@@ -88,16 +79,10 @@ def _step(m: int, reps: int) -> str:
             if _runs(code, m):
                 passes[name] = lambda code=code: [int8_kernel.matmul(x, p, code) for _, p, x in layers]  # type: ignore[misc]
         passes["auto"] = lambda: [int8_kernel.matmul(x, p) for _, p, x in layers]
-    times: dict[str, list[float]] = {name: [] for name in passes}
-    for _ in range(reps):  # interleaved: background load hits every path alike
-        for name, fn in passes.items():
-            times[name].append(_median_us(fn, 1))
-    med = {name: statistics.median(t) for name, t in times.items()}
-    line = (f"{torch.get_num_threads():>7} {'step x12':>10} {m:>4} {med['bf16']:8.0f}                "
-            + " ".join(f"{med[p] / med['bf16']:9.2f}" if p in med else f"{'-':>9}" for p in PATHS))
+    med = harness.medians(passes, reps, warmup=5)
+    line = table.row((torch.get_num_threads(), "step x12", m), med, fmt="8.0f")
     if "bf16_gemv" in med:
-        line += (f"\n{'':>7} {'vs GEMV':>10} {m:>4} {med['bf16_gemv']:8.0f}                "
-                 + " ".join(f"{med[p] / med['bf16_gemv']:9.2f}" if p in med else f"{'-':>9}" for p in PATHS))
+        line += "\n" + table.row(("", "vs GEMV", m), med, base="bf16_gemv", fmt="8.0f")
     return line
 
 
@@ -110,18 +95,14 @@ def main() -> None:
     args = ap.parse_args()
     if not int8_kernel.available():
         print("native int8 kernel unavailable (no library or no AVX-512 BF16): torch paths only")
-    print(f"{'threads':>7} {'N x K':>10} {'M':>4} {'bf16 us':>8}  ratio to bf16: "
-          + " ".join(f"{p:>9}" for p in PATHS))
+    table = harness.RatioTable((("threads", 7), ("N x K", 10), ("M", 4)), PATHS, width=9)
+    print(f"{harness.machine_line()}\n{table.header()}")
     for threads in args.threads:
-        torch.set_num_threads(threads)
-        for m in args.rows:
-            for n, k in SHAPES:
-                r = _row(n, k, m, args.reps)
-                ratios = " ".join(f"{r[p] / r['bf16']:9.2f}" if p in r else f"{'-':>9}" for p in PATHS)
-                print(f"{threads:>7} {f'{n}x{k}':>10} {m:>4} {r['bf16']:8.1f}                {ratios}")
+        for _, m, n, k in harness.sweep([threads], args.rows, SHAPES):
+            print(table.row((threads, f"{n}x{k}", m), _row(n, k, m, args.reps)), flush=True)
         if args.step:
             for m in args.rows:
-                print(_step(m, max(3, args.reps // 20)))
+                print(_step(m, max(3, args.reps // 20), table))
 
 
 if __name__ == "__main__":

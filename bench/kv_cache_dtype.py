@@ -18,14 +18,14 @@ path (gather + dequantize + SDPA, `TorchPagedAttention`) in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from bench.harness import MODEL_HELP, model_dir
+from bench import harness
 from pdserve.engine.attention.paged import TorchPagedAttention, build_metadata, order_chunks
 from pdserve.engine.core.config import CacheConfig, EngineConfig
 from pdserve.engine.core.runner_types import SeqChunk
@@ -91,39 +91,29 @@ def _attention(runner: ModelRunner, tables: list[list[int]], pos: int) -> Callab
 
 
 def measure(cases: list[Case], threads: int, steps: int) -> list[Row]:
-    """Median step and attention times, the cases interleaved round by round so that
-    background load falls on all of them alike."""
+    """Median step and attention times, the cases interleaved round by round (after a
+    warm-up round) so that background load falls on all of them alike."""
     torch.set_num_threads(threads)
-    step_t: list[list[float]] = [[] for _ in cases]
-    attn_t: list[list[float]] = [[] for _ in cases]
-    for c in cases:  # warm-up
-        c.step()
-        c.attend()
-    for _ in range(steps):
-        for i, c in enumerate(cases):
-            step_t[i].append(_seconds(c.step))
-            attn_t[i].append(min(_seconds(c.attend) for _ in range(3)))
-    return [c.row._replace(threads=threads, step_ms=statistics.median(s) * 1e3,
-                           attn_ms=statistics.median(a) * 1e3)
-            for c, s, a in zip(cases, step_t, attn_t, strict=True)]
-
-
-def _seconds(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    fns: dict[tuple[int, str], Callable[[], float]] = {}
+    for i, c in enumerate(cases):
+        fns[i, "step"] = functools.partial(harness.seconds, c.step)
+        fns[i, "attn"] = functools.partial(harness.fastest, c.attend, 3)
+    got = harness.rounds(fns, steps, warmup=1)
+    return [c.row._replace(threads=threads, step_ms=statistics.median(got[i, "step"]) * 1e3,
+                           attn_ms=statistics.median(got[i, "attn"]) * 1e3) for i, c in enumerate(cases)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--model", default=None, help=MODEL_HELP)
+    ap.add_argument("--model", default=None, help=harness.MODEL_HELP)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=1500)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     args = ap.parse_args()
-    model = model_dir(args.model)
+    model = harness.model_dir(args.model)
     cases = [build(model, kv, gather, args.batch, args.context, args.steps) for kv, gather in PATHS]
+    print(harness.machine_line())
     print(f"{'kv cache':<8} {'path':<22} {'thr':>3} {'bytes/block':>11} {'vs bf16':>7} "
           f"{'step ms':>8} {'vs bf16':>7} {'attn ms':>8} {'vs bf16':>7}")
     for threads in (int(t) for t in args.threads.split(",")):

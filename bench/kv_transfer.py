@@ -23,8 +23,6 @@ run; the exit status is then 1.
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing
 import statistics
 import sys
@@ -36,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from bench import harness
 from kv_transfer.api import TransferState
 from kv_transfer.checksum import frame_checksum
 from kv_transfer.links import ZmqLinkFactory
@@ -77,12 +76,7 @@ class Memcpy:
 
     def seconds(self, repeats: int = 3) -> float:
         """Best of `repeats` copies (the first may fault pages in)."""
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            self.copy()
-            best = min(best, time.perf_counter() - t0)
-        return best
+        return harness.fastest(self.copy, repeats)
 
 
 def receiver_main(shape: str, transport: str, num_blocks: int, conn: Connection,
@@ -119,15 +113,8 @@ def receiver_main(shape: str, transport: str, num_blocks: int, conn: Connection,
 def checksum_gbps(nbytes: int, rows: int, repeats: int = 5) -> tuple[float, float]:
     """GB/s of the frame checksum used on the wire, and of zlib.crc32, on `nbytes`."""
     frame = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
-    out = []
-    for fn in (lambda: frame_checksum(frame, rows), lambda: zlib.crc32(frame.data)):
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        out.append(nbytes / best / 1e9)
-    return out[0], out[1]
+    ours = harness.fastest(lambda: frame_checksum(frame, rows), repeats)
+    return nbytes / ours / 1e9, nbytes / harness.fastest(lambda: zlib.crc32(frame.data), repeats) / 1e9
 
 
 # How often the benchmark looks for the ack (its own granularity, added to every latency).
@@ -224,18 +211,16 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int,
                 tid = f"t{i}"
                 parent.send(("expect", tid, dst_ids))
                 parent.recv()
-                t0 = time.perf_counter()
-                cpu0 = time.process_time()
+                wall, cpu_watch = harness.Stopwatch(), harness.Stopwatch(time.process_time)
                 sender.begin(tid, "bench", address, src_ids, dst_ids, lease_s=120)
                 # In serving, Claim/Grant happen while the prefill runs; wait for the grant
                 # (the sender is idle until then) to time the data phase on its own too.
                 _wait(sender, tid, lambda st: st is not TransferState.RESERVED, transport)
-                t1 = time.perf_counter()
+                grant_s = wall.lap()
                 sender.send_all(tid)
                 state = _wait(sender, tid, lambda st: st.terminal, transport)
-                t2 = time.perf_counter()
-                elapsed = t2 - t0
-                sender_cpu = time.process_time() - cpu0
+                data_s = wall.lap()
+                sender_cpu = cpu_watch.lap()
                 if state is not TransferState.COMPLETE:
                     raise RuntimeError(f"{transport}: {state.name}: {sender.reason(tid)}")
                 sender.forget(tid)
@@ -244,8 +229,8 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int,
                 if not ok:
                     raise RuntimeError("receiver did not see COMPLETE")
                 if i >= WARMUP_RUNS:
-                    times.append(elapsed)
-                    data.append(t2 - t1)
+                    times.append(grant_s + data_s)
+                    data.append(data_s)
                     cpu.append(max(sender_cpu, receiver_cpu))
         base = min(base, memcpy.seconds(5))
     finally:  # a failed run must not leave the receiver process waiting
@@ -257,7 +242,7 @@ def bench_one(shape: str, transport: str, tokens: int, runs: int,
     return Result(nbytes, med(times), med(data), med(cpu), base)
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, model_help=None)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK_BYTES / 2**20,
@@ -268,10 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="copy threads per side (Sender/ZmqReceiver copy_threads=)")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--transports", nargs="+", default=DEFAULT_TRANSPORTS, choices=TRANSPORTS)
-    ap.add_argument("--output-json", default=None, help="every row, failures included")
     args = ap.parse_args(argv)
     rows: list[dict[str, Any]] = []
-    print(f"host copy: {hostcopy.describe()}; shm chunk {args.shm_chunk_mib:g} MiB, "
+    print(f"{harness.machine_line()}\nhost copy: {hostcopy.describe()}; shm chunk {args.shm_chunk_mib:g} MiB, "
           f"zmq frame {args.chunk_mib:g} MiB")
     print("latency: begin -> ack (incl. the Claim/Grant round trip); data: grant -> ack; "
           "% memcpy: best memcpy time / median transfer time")
@@ -302,9 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{shape:<12} checksum (row sums + blake2b): {ours:.2f} GB/s; zlib.crc32: {crc:.2f} GB/s; "
               f"memcpy: {nbytes / Memcpy(np.ones(nbytes, np.uint8), nbytes).seconds(5) / 1e9:.2f} GB/s",
               flush=True)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"tokens": args.tokens, "runs": args.runs, "rows": rows}, f, indent=2)
+    harness.write_json(args.output_json, {"tokens": args.tokens, "runs": args.runs, "rows": rows})
     return 1 if any("error" in r for r in rows) else 0
 
 

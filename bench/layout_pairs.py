@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from bench import harness
 from gateway.tokenizer import Tokenizer
 from pdserve.builtin.default_model import default_model_dir
 from pdserve.engine.core.config import CacheConfig, EngineConfig
@@ -41,11 +41,11 @@ def main() -> int:
     names = list(LAYOUTS)
     with tempfile.TemporaryDirectory() as d:
         grid = LayoutGrid(Path(d), names, names)
-        t0 = time.monotonic()
+        watch = harness.Stopwatch()
         failed = 0
         try:
             grid.start()
-            print(f"started {len(names)} x {len(names)} layouts in {time.monotonic() - t0:.0f} s")
+            print(f"started {len(names)} x {len(names)} layouts in {watch.lap():.0f} s")
             for p, dl in grid.pairs():
                 body = {"model": ref.model_name, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
                 got = [grid.complete(p, dl, {**body, "prompt": prompt}) for prompt in prompts]

@@ -6,8 +6,8 @@ The weight-quantization quality table wants every supported family on a model th
 learned something; the shipped models are dense Llamas. This trains a Mixtral (the
 `pdserve/engine/models/moe.py` family with float32 routers, Hugging Face layout) of
 `MOE_SHAPE` with the built-in tokenizer on the same training split, with the same
-loop, seeds and schedule as the built-in models (`pdserve.builtin.train.train`), in
-about two minutes on 2 CPU cores. Never shipped: the directory is keyed by the
+loop, seeds and schedule as the built-in models (`pdserve.builtin.train.train`; its
+training time is in bench/README.md). Never shipped: the directory is keyed by the
 shape's and the schedule's fingerprint under `$PDSERVE_BENCH_MODELS` (default: the
 temp dir) and reused, like `bench/models.py`'s random shapes.
 """

@@ -38,13 +38,12 @@ import os
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from typing import Any
 
 import numpy as np
 
-from bench import harness
+from bench import client, harness
 from bench.multiturn_workload import (
     SHAPES,
     ChatShape,
@@ -52,7 +51,6 @@ from bench.multiturn_workload import (
     differing,
     history_hits,
     size_pools,
-    verdict,
 )
 from pdserve.loadgen.launch import pdserve_up
 
@@ -80,39 +78,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def shape_of(args: argparse.Namespace) -> ChatShape:
     return ChatShape.of(args.shape, args.conversations, args.turns, args.output_len, args.seed,
                         args.turn_words or None, args.think_s)
-
-
-def _stream(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, str, int, int]:
-    """One streamed completion: (TTFT s, text, cached prompt tokens, prompt tokens)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    start, ttft, text, cached, prompt_tokens = time.monotonic(), None, [], 0, 0
-    try:
-        r = urllib.request.urlopen(req, timeout=600)
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"HTTP {e.code}: {e.read()[:300]!r}") from None
-    with r:
-        for line in r:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            for choice in event.get("choices") or []:
-                if choice.get("text") and ttft is None:
-                    ttft = time.monotonic() - start
-                text.append(choice.get("text") or "")
-            if event.get("usage"):
-                cached = int((event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-                prompt_tokens = int(event["usage"].get("prompt_tokens") or 0)
-    if ttft is None:
-        raise RuntimeError("a completion streamed no text")
-    return ttft, "".join(text), cached, prompt_tokens
-
-
-def _model(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
-        return str(json.load(r)["data"][0]["id"])
 
 
 def _samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
@@ -144,36 +109,26 @@ def converse(url: str, model: str, shape: ChatShape) -> dict[str, Any]:
     ttfts: list[float] = []
     texts: dict[str, str] = {}
     per_conv: dict[int, tuple[list[int], list[int]]] = {}
-    errors: list[BaseException] = []
     lock = threading.Lock()
 
     def one(c: int) -> None:
         history = shape.system_prompt() + shape.opening(c)
         prompts: list[int] = []
         cached: list[int] = []
-        try:
-            for t, (user, think) in enumerate(zip(shape.user_messages(c), shape.think_times(c), strict=True)):
-                time.sleep(think)  # the user reading and typing: the workload's arrival pattern
-                history += shape.turn_text(user)
-                ttft, answer, hit, n = _stream(url, model, history, shape.output_len)
-                history += answer
-                prompts.append(n)
-                cached.append(hit)
-                with lock:
-                    ttfts.append(ttft)
-                    texts[f"{c}/{t}"] = answer
-        except BaseException as e:  # reported by the caller
-            errors.append(e)
+        for t, (user, think) in enumerate(zip(shape.user_messages(c), shape.think_times(c), strict=True)):
+            time.sleep(think)  # the user reading and typing: the workload's arrival pattern
+            history += shape.turn_text(user)
+            got = client.stream_completion(url, model, history, shape.output_len)
+            history += got.text
+            prompts.append(int(got.usage.get("prompt_tokens") or 0))
+            cached.append(int((got.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
+            with lock:
+                ttfts.append(got.first_s)
+                texts[f"{c}/{t}"] = got.text
         with lock:
             per_conv[c] = (prompts, cached)
 
-    threads = [threading.Thread(target=one, args=(c,)) for c in range(shape.conversations)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
+    client.at_once(one, range(shape.conversations))
     hits = [history_hits(p, c) for p, c in per_conv.values()]
     ms = np.array(ttfts) * 1000
     return {"ttft_p50_ms": float(np.percentile(ms, 50)), "ttft_p95_ms": float(np.percentile(ms, 95)),
@@ -187,18 +142,14 @@ def converse(url: str, model: str, shape: ChatShape) -> dict[str, Any]:
 def run_workload(url: str, shape: ChatShape, warmups: int) -> dict[str, Any]:
     """Warm the system prompt (`warmups` requests at once: one per prefill worker, under
     either router), then every conversation; with the server's counters."""
-    model = _model(url)
+    model = client.served_model(url)
     if shape.system_prompt():
-        warm = [threading.Thread(target=_stream, args=(url, model, shape.system_prompt() + "User:", 1))
-                for _ in range(warmups)]
-        for th in warm:
-            th.start()
-        for th in warm:
-            th.join()
+        client.at_once(lambda _: client.stream_completion(url, model, shape.system_prompt() + "User:", 1),
+                       range(warmups))
     before, decided = _kv_bytes(url), _decisions(url)
-    started = time.monotonic()
+    watch = harness.Stopwatch()
     out = converse(url, model, shape)
-    out["wall_s"] = time.monotonic() - started
+    out["wall_s"] = watch.lap()
     out["kv_bytes"] = _kv_bytes(url) - before
     out["decisions"] = {k: v - decided.get(k, 0) for k, v in _decisions(url).items() if v - decided.get(k, 0)}
     return out
@@ -233,14 +184,14 @@ def report(runs: list[dict[str, dict[str, Any]]], routers: list[str]) -> list[st
     if len(routers) >= 2:
         fast, base = routers[0], routers[1]
         ratios = [r[base]["ttft_p50_ms"] / r[fast]["ttft_p50_ms"] for r in runs]
-        lines.append(verdict(f"TTFT p50 {base} / {fast}", ratios, ">= 3", lambda m: m >= 3))
+        lines.append(harness.verdict(f"TTFT p50 {base} / {fast}", ratios, ">= 3", lambda m: m >= 3))
         diffs = [len(differing(r[fast]["texts"], r[base]["texts"])) for r in runs]
         total = sum(r[fast]["requests"] for r in runs)
         lines.append(f"VERDICT answers identical ({fast} vs {base}): {total - sum(diffs)}/{total} turns "
                      f"(differing per run: {diffs}): {'PASS' if not any(diffs) else 'MISS'}")
     for router in routers:
         cuts = [1 - r[router]["kv_bytes"] / r[router]["kv_bytes_all_blocks"] for r in runs]
-        lines.append(verdict(f"KV bytes shipped below every prompt block, {router}", cuts, ">= 80%",
+        lines.append(harness.verdict(f"KV bytes shipped below every prompt block, {router}", cuts, ">= 80%",
                              lambda m: m >= 0.8, "{:.0%}"))
     return lines
 
@@ -276,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['wall_s']:.1f} s  decisions {r['decisions']}  load {os.getloadavg()[0]:.1f}", flush=True)
         else:
             runs.append(results)
-    print(f"load average {os.getloadavg()[0]:.1f}; runs compared {len(runs)} of {args.runs}")
+    print(f"{harness.machine_line()}; runs compared {len(runs)} of {args.runs}")
     for line in report(runs, routers):
         print(line)
     harness.write_json(args.output_json, {"args": vars(args), "pools": vars(pools), "runs": runs, "failed": failed})

@@ -1,5 +1,5 @@
 """The multi-turn chat workload of `bench/multiturn.py`: conversation text, the KV pool
-sizes that make routing matter, and the verdicts. No server, no torch.
+sizes that make routing matter, and the answers' comparison. No server, no torch.
 
 Shape `chat` (the default; issue 18's "2,000-token conversation growing over 6 turns"):
 every conversation opens with one shared system prompt (`system_words`, ~1,000 tokens:
@@ -148,15 +148,6 @@ def history_hits(prompt_tokens: Sequence[int], cached: Sequence[int], block_size
     later = range(1, len(prompt_tokens))
     hits = sum(1 for i in later if cached[i] >= (prompt_tokens[i - 1] - 1) // block_size * block_size)
     return hits, len(later)
-
-
-def verdict(name: str, values: Sequence[float], target: str, ok: Callable[[float], bool],
-            fmt: str = "{:.2f}") -> str:
-    """One target's line: per-run values, their median and PASS/MISS."""
-    median = float(np.median(values)) if values else float("nan")
-    status = "PASS" if values and ok(median) else "MISS"
-    return (f"VERDICT {name}: per run {', '.join(fmt.format(v) for v in values)}; median "
-            f"{fmt.format(median)} (target {target}): {status}")
 
 
 def differing(texts_a: dict[str, str], texts_b: dict[str, str]) -> list[str]:

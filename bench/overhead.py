@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 
 from bench import harness
 from pdserve.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, WorkloadConfig
@@ -42,22 +41,10 @@ def measure_engine(
 
     eng = harness.reference_engine(model_dir, threads)
     rng = np.random.default_rng(batch)
-
-    def prompt() -> list[int]:
-        return [int(x) for x in rng.integers(10, eng.vocab_size, prompt_len)]
-
+    prompts = [[int(x) for x in rng.integers(10, eng.vocab_size, prompt_len)] for _ in range(batch + 1)]
     greedy = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    eng.generate([prompt()], dataclasses.replace(greedy, max_tokens=4))  # warm-up
-    for i in range(batch):
-        eng.add_request(f"r{i}", prompt(), greedy)
-    harness.prefill_all(eng, batch)
-    steps, tokens, t0 = 0, 0, time.perf_counter()
-    while eng.has_unfinished():
-        outs = eng.step()
-        steps += 1
-        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-    elapsed = time.perf_counter() - t0
-    return EngineDecode(batch, elapsed / max(1, steps), tokens / elapsed if elapsed else 0.0)
+    w = harness.engine_wave(eng, prompts[1:], greedy, warmup=prompts[0])
+    return EngineDecode(batch, w.decode_s / max(1, w.decode_steps), w.decode_tokens / w.decode_s if w.decode_s else 0.0)
 
 
 def fmt(value: float | None, scale: float = 1000.0) -> str:
@@ -98,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     with pdserve_up("overhead", harness.up_args(args.up_args, args.model)) as server:
         for b in batches:
             stack[b] = run_benchmark(bench_config(args, server.base_url, b, tok)).runs[0].summary
-    print(f"{'batch':>6}{'engine tok/s':>14}{'stack tok/s':>13}{'ratio':>8}{'step ms':>9}"
+    print(f"{harness.machine_line()}\n{'batch':>6}{'engine tok/s':>14}{'stack tok/s':>13}{'ratio':>8}{'step ms':>9}"
           f"{'TPOT ms':>9}{'added ms':>10}{'ITL p50 ms':>12}")
     rows = []
     for b in batches:

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n### {name}\n{format_report(result, legend=False)}")
         summaries[name] = result.runs[0].summary
         results[name] = to_json(result)
-    print(f"\n## shared-prefix workload, {args.prefix_len}-token prefix")
+    print(f"\n{harness.machine_line()}\n## shared-prefix workload, {args.prefix_len}-token prefix")
     rows = [(name, summaries[name]) for name, _ in configs]
     print(format_comparison(COLUMNS, rows, [("no-cache/cache", "no-cache", "cache")]))
     r = column_ratio(COLUMNS, TARGET.header, summaries["no-cache"], summaries["cache"])

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +36,7 @@ from typing import Any, cast
 
 import torch
 
+from bench import harness
 from bench.engine import build_125m
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.attention.native import NATIVE, InPlacePagedAttention, NativeAttention
@@ -78,18 +79,17 @@ class DecodeBench:
         for i in range(self.steps):
             chunks = [SeqChunk([tok], ctx + i, t, True)
                       for tok, ctx, t in zip(tokens, self.contexts, self.tables, strict=True)]
-            t0 = time.perf_counter()
-            logits = self.runner.execute(chunks)
-            tokens = [r.token_id for r in self.sampler(logits, self.rows)]
-            times.append(time.perf_counter() - t0)
+
+            def step(chunks: list[SeqChunk] = chunks) -> None:
+                tokens[:] = [r.token_id for r in self.sampler(self.runner.execute(chunks), self.rows)]
+
+            times.append(harness.seconds(step))
         return statistics.median(times)
 
 
 def prefill_run(runner: ModelRunner, length: int, table: list[int]) -> float:
     prompt = torch.randint(3, runner.model_config.vocab_size, (length,)).tolist()
-    t0 = time.perf_counter()
-    runner.execute([SeqChunk(prompt, 0, table, True)])
-    return time.perf_counter() - t0
+    return harness.seconds(lambda: runner.execute([SeqChunk(prompt, 0, table, True)]))
 
 
 def profile(label: str, fn: Callable[[], object]) -> None:
@@ -97,9 +97,7 @@ def profile(label: str, fn: Callable[[], object]) -> None:
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        fn()
-        wall = time.perf_counter() - t0
+        wall = harness.seconds(fn)
     events = prof.key_averages()
     # Top-level ops only: a child's time is inside its parent's, so summing every
     # row would count nested work twice.
@@ -135,20 +133,18 @@ def main(argv: list[str] | None = None) -> None:
         runner = ModelRunner(cfg)
         dec = DecodeBench(runner, [args.ctx] * args.batch, args.steps, args.prefill_len)
         pre_table = dec.spare
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
+        print(f"{harness.machine_line()}\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
               f"decode batch {args.batch} at ctx {args.ctx}, prefill {args.prefill_len} tokens")
-        decode: dict[str, list[float]] = {name: [] for name in variants}
-        prefill: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(args.reps + 1):  # the first round warms up and is dropped
-            for name in variants:
-                with variant(runner, name):
-                    decode[name].append(dec.run())
-                    prefill[name].append(prefill_run(runner, args.prefill_len, pre_table))
-        for label, times in (("decode step", decode), ("prefill step", prefill)):
-            base = statistics.median(times[base_name][1:])
-            for name, ts in times.items():
-                med = statistics.median(ts[1:])
-                print(f"{label} {name:<30} {med * 1e3:8.2f} ms  ratio to {base_name.split()[0]} {med / base:.3f}")
+
+        def run(name: str) -> tuple[float, float]:
+            with variant(runner, name):
+                return dec.run(), prefill_run(runner, args.prefill_len, pre_table)
+
+        got = harness.rounds({name: functools.partial(run, name) for name in variants}, args.reps, warmup=1)
+        for i, label in enumerate(("decode step", "prefill step")):
+            meds = {name: statistics.median(t[i] for t in ts) for name, ts in got.items()}
+            for name, med in meds.items():
+                print(f"{label} {name:<30} {med * 1e3:8.2f} ms  ratio to {base_name.split()[0]} {med / meds[base_name]:.3f}")
         if args.profile:
             for name in (base_name, variants[-1]):
                 with variant(runner, name, recorded=True):

@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
+from bench import harness
 from pdserve.engine.core.config import CacheConfig, EngineConfig
 from pdserve.engine.core.runner_types import SeqChunk
 from pdserve.engine.runner.model_runner import ModelRunner
@@ -179,11 +179,11 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = default_model_dir()
     base = EngineConfig(model_dir=str(args.model), num_threads=args.threads)
-    start = time.monotonic()
+    watch = harness.Stopwatch()
     results = measure(args.model, {n: SCHEMES[n] for n in names}, args.rows,
                       -(-args.tokens // args.rows), base)
     print(markdown(results), end="")
-    print(f"\n{args.model}, {results[0].tokens} held-out tokens, {time.monotonic() - start:.0f}s")
+    print(f"\n{harness.machine_line()}\n{args.model}, {results[0].tokens} held-out tokens, {watch.lap():.0f}s")
     return 0
 
 

@@ -16,13 +16,13 @@ Ratios are quantized / bf16 (ITL: < 1 is faster; tok/s: > 1 is faster).
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from bench import harness
 from bench.engine import Throughput, _prompts, build_125m, engine_run
 from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -59,11 +59,9 @@ def run(model_dir: Path, args: argparse.Namespace) -> dict[str, Speed]:
         measure(e, argparse.Namespace(prompt_len=8, decode_tokens=2), 99)
     runs: dict[str, list[Speed]] = {s: [] for s in SCHEMES}
     with torch.inference_mode():
-        for rep in range(args.reps):
-            for s in SCHEMES:
-                runs[s].append(measure(engines[s], args, rep))
-    return {s: Speed(*(statistics.median(getattr(r, f) for r in rs) for f in Speed._fields))
-            for s, rs in runs.items()}
+        for rep, s in harness.turns(SCHEMES, args.reps):
+            runs[s].append(measure(engines[s], args, rep))
+    return {s: harness.median_of(rs) for s, rs in runs.items()}
 
 
 def format_table(speeds: dict[str, Speed]) -> str:
@@ -80,19 +78,10 @@ def format_table(speeds: dict[str, Speed]) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="short prompts, few tokens, one rep")
     ap.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: build the 125M shape)")
     ap.add_argument("--dtype", default="bfloat16", help="compute dtype of every scheme (default bfloat16)")
-    ap.add_argument("--prompt-len", type=int, default=None)
-    ap.add_argument("--decode-tokens", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = ap.parse_args(argv)
-    args.prompt_len = args.prompt_len or (16 if args.quick else 128)
-    args.decode_tokens = args.decode_tokens or (4 if args.quick else 64)
-    args.reps = args.reps or (1 if args.quick else 3)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = harness.parse_speed_args(ap, argv, quick=(16, 4), full=(128, 64))
+    print(harness.machine_line())
     print(f"torch threads {torch.get_num_threads()}, {args.dtype} compute, prompt {args.prompt_len} tokens, "
           f"{args.decode_tokens} decode tokens, median of {args.reps}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:

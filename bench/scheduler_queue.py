@@ -12,8 +12,8 @@ the ratios share the machine's load).
 from __future__ import annotations
 
 import argparse
-import time
 
+from bench import harness
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.config import SchedulerConfig
@@ -33,9 +33,8 @@ def step_seconds(num_waiting: int, steps: int, cap: int) -> float:
         s.add(_seq(i))
     total, next_id = 0.0, num_waiting
     for _ in range(steps):
-        t0 = time.perf_counter()
-        out = s.schedule()
-        total += time.perf_counter() - t0
+        sec, out = harness.timed(s.schedule)
+        total += sec
         for seq in out.seqs:  # end the admitted ones, queue as many new: the length holds
             s.finish(seq, SequenceStatus.FINISHED_STOPPED)
             s.add(_seq(next_id))
@@ -49,6 +48,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[10, 1000, 10000])
     ap.add_argument("--cap", type=int, default=0, help="long_prefill_token_threshold")
     args = ap.parse_args()
+    print(harness.machine_line())
     base = 0.0
     for n in args.lengths:
         sec = step_seconds(n, args.steps, args.cap)

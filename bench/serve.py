@@ -46,14 +46,9 @@ def engine_decode_tps(model_dir: str, shape: Shape, threads: int) -> float:
     """Decode tokens/s of the engine with `concurrency` sequences decoding together."""
     engine = harness.reference_engine(model_dir, threads)
     params = SamplingParams(max_tokens=shape.output_len, temperature=0.0, ignore_eos=True)
-    engine.generate([prompt_ids(999, shape.prompt_len)], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    for i in range(shape.concurrency):
-        engine.add_request(f"b{i}", prompt_ids(i, shape.prompt_len, shape.concurrency), params)
-    harness.prefill_all(engine, shape.concurrency)  # prefill everything first
-    tokens, t0 = 0, time.perf_counter()
-    while engine.has_unfinished():
-        tokens += sum(len(c.token_ids) for o in engine.step() for c in o.outputs)
-    return tokens / (time.perf_counter() - t0)
+    prompts = [prompt_ids(i, shape.prompt_len, shape.concurrency) for i in range(shape.concurrency)]
+    w = harness.engine_wave(engine, prompts, params, warmup=prompt_ids(999, shape.prompt_len))
+    return w.decode_tokens / w.decode_s
 
 
 async def _stream(session: object, url: str, model: str, i: int, shape: Shape) -> tuple[float, float, int]:
@@ -130,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
-    print(f"{'C':>4} {'engine tok/s':>13} {'gateway tok/s':>14} {'ratio':>6}")
+    print(f"{harness.machine_line()}\n{'C':>4} {'engine tok/s':>13} {'gateway tok/s':>14} {'ratio':>6}")
     for r in rows:
         print(f"{r['concurrency']:>4} {r['engine_decode_tps']:>13} {r['gateway_decode_tps']:>14} {r['ratio']:>6}")
     result = {"topology": "colocated" if args.colocated else "1P+1D", "results": rows}

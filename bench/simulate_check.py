@@ -34,19 +34,16 @@ not simulated: the load average printed with each profile says how much there wa
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
 import sys
-import threading
 import time
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench import harness
+from bench import client, harness
 from pdserve.loadgen.launch import pdserve_up
 from pdserve.planner.knee import Knee, knee
 from pdserve.planner.profile import Profile
@@ -80,60 +77,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _complete(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
-    """One streamed completion: (seconds to the first text, seconds to the last)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    start, first, last = time.monotonic(), None, None
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for line in r:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            if any(c.get("text") for c in json.loads(line[6:]).get("choices") or []):
-                last = time.monotonic() - start
-                first = last if first is None else first
-    if first is None or last is None:
-        raise RuntimeError("a completion streamed no text")
-    return first, last
-
-
-def _model(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
-        return str(json.load(r)["data"][0]["id"])
-
-
 def replay(url: str, requests: list[SimRequest], vocab: int, seed: int) -> list[RequestResult]:
     """Each request sent at its arrival time from its own thread."""
-    model = _model(url)
+    model = client.served_model(url)
     rng = random.Random(seed)
     shared = [rng.randrange(3, vocab) for _ in range(max((q.prefix_tokens for q in requests), default=0))]
     prompts = [shared[:q.prefix_tokens] + [rng.randrange(3, vocab) for _ in range(q.prompt_tokens - q.prefix_tokens)]
                for q in requests]
     results: list[RequestResult | None] = [None] * len(requests)
-    errors: list[BaseException] = []
     t0 = time.monotonic() + 0.5
 
     def one(i: int) -> None:
         q = requests[i]
         time.sleep(max(0.0, t0 + q.arrival - time.monotonic()))
         sent = time.monotonic() - t0
-        try:
-            first, last = _complete(url, model, prompts[i], q.output_tokens)
-        except BaseException as e:  # reported below
-            errors.append(e)
-            return
+        first, last, *_ = client.stream_completion(url, model, prompts[i], q.output_tokens)
         itl = (last - first) / (q.output_tokens - 1) if q.output_tokens > 1 else 0.0
         results[i] = RequestResult(sent, first, itl, sent + last)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    client.at_once(one, range(len(requests)))
     return [r for r in results if r is not None]
 
 
@@ -146,22 +108,16 @@ def burst_gateway_s(url: str, vocab: int, profile: Profile, count: int, seed: in
     """The gateway's time per request: `count` one-token requests of CALIBRATION_TOKENS
     random tokens sent at once; the gateway serves them one after another, so the last
     first token comes `count` gateway times and one prefill after the start."""
-    model, rng = _model(url), random.Random(seed)
+    model, rng = client.served_model(url), random.Random(seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(CALIBRATION_TOKENS)] for _ in range(count)]
     firsts: list[float] = []  # seconds from the burst's start to each first token
     start = time.monotonic()
 
     def one(prompt: list[int]) -> None:
         sent = time.monotonic() - start
-        firsts.append(sent + _complete(url, model, prompt, 1)[0])
+        firsts.append(sent + client.stream_completion(url, model, prompt, 1).first_s)
 
-    threads = [threading.Thread(target=one, args=(q,)) for q in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if len(firsts) != count:
-        raise RuntimeError("a calibration request failed")
+    client.at_once(one, prompts)
     return max(0.0, (max(firsts) - profile.prefill.prompt_s(CALIBRATION_TOKENS)) / count)
 
 
@@ -233,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                 measured = summarize(cluster, replay(server.base_url, requests, vocab, w.seed), slo)
                 rows.append(_row(name, split, k, rate, simulate(profile, cluster, requests, slo), measured, profile))
     within = sum(abs(r["error"]) <= 0.2 for r in rows)
-    print(f"goodput within 20%: {within}/{len(rows)} -> issue 18 simulator target "
+    print(f"{harness.machine_line()}\ngoodput within 20%: {within}/{len(rows)} -> issue 18 simulator target "
           f"{'MET' if within == len(rows) == 6 else 'NOT MET'} (needs all 6 of 3 workloads x 2 splits)")
     harness.write_json(args.output_json, {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     return 0

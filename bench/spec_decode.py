@@ -6,8 +6,8 @@
 
 Workloads (the trained built-in model unless `--model`):
 - `quote`: output repeats the prompt (summarize-and-quote): a held-out story, then its
-  first sentence again, meant to be quoted (the trained model does not copy it: 3-gram
-  copied fraction ~0.1); n-gram drafts by default.
+  first sentence again, meant to be quoted (the trained model does not copy it:
+  bench/README.md); n-gram drafts by default.
 - `redo`: output repeats the prompt on the trained model (regenerate / ask-again traffic):
   a held-out story's first sentence, the model's own earlier greedy answer and its end
   token, then the same first sentence again (`redo_prompt`). The model does
@@ -173,13 +173,13 @@ def decode_run(engine: Any, batch: list[list[int]], output_len: int) -> Run:
         for o in engine.step():
             outputs[o.request_id].extend(t for c in o.outputs for t in c.token_ids)
             started.add(o.request_id)
-    tokens, t0, c0 = 0, time.perf_counter(), time.process_time()
+    tokens, wall, cpu_watch = 0, harness.Stopwatch(), harness.Stopwatch(time.process_time)
     while engine.has_unfinished():
         for o in engine.step():
             new = [t for c in o.outputs for t in c.token_ids]
             outputs[o.request_id].extend(new)
             tokens += len(new)
-    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    elapsed, cpu = wall.lap(), cpu_watch.lap()
     after = engine.stats().spec
     drafts = (after.num_drafts - before.num_drafts) if after is not None else 0
     accepted = (after.num_accepted_tokens - before.num_accepted_tokens) if after is not None else 0
@@ -213,9 +213,7 @@ def rounds(off: Any, on: Any, make_batch: Any, c: int, n_rounds: int, output_len
         runs += [replace(a, outputs=[]).__dict__ | {"label": label, "concurrency": c, "round": r, "spec": False},
                  replace(b, outputs=[]).__dict__ | {"label": label, "concurrency": c, "round": r, "spec": True,
                                                     "identical": ratio.identical}]
-    med = Ratio(statistics.median(x.wall for x in got), statistics.median(x.cpu for x in got),
-                statistics.median(x.mean_acceptance_length for x in got), all(x.identical for x in got),
-                statistics.median(x.copied for x in got))
+    med = replace(harness.median_of(got), identical=all(x.identical for x in got))
     print(f"{label} C={c}: median ratio on/off wall {med.wall:.2f}, cpu {med.cpu:.2f} over {n_rounds} rounds, "
           f"median mean acceptance length {med.mean_acceptance_length:.2f}, copied {med.copied:.2f}"
           f"{'' if med.identical else ', OUTPUTS DIFFER'}")
@@ -252,7 +250,7 @@ def main() -> int:
                 if args.disable_sweep else [spec])
     runs: list[dict[str, Any]] = []
     summary: list[dict[str, Any]] = []
-    print(f"workload {args.workload}, output {args.output_len}, {args.threads} threads, dtype {off.runner.dtype}")
+    print(f"{harness.machine_line()}\nworkload {args.workload}, output {args.output_len}, {args.threads} threads, dtype {off.runner.dtype}")
     for variant in variants:
         on = build(model, args.threads, args.dtype, variant)
         for engine in (off, on):  # warm both

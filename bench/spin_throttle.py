@@ -18,12 +18,14 @@ median steps/s and CPU per step of each, and the ratios to passive.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from bench import harness
 
 MODES = ("spin", "passive", "throttled", "one")
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,20 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--loads", default="quiet,spinner")
     args = ap.parse_args(argv)
-    print(f"load average {os.getloadavg()[0]:.1f} at the start, {len(os.sched_getaffinity(0))} cores")
+    print(f"{harness.machine_line()} at the start, {len(os.sched_getaffinity(0))} cores free to this process")
     print("| load | mode | steps/s | CPU ms/step | / passive |\n|---|---|---:|---:|---:|")
     for load in args.loads.split(","):
         spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if load == "spinner" else None
         try:
-            runs: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
-            for _ in range(args.reps):
-                for mode in MODES:
-                    runs[mode].append(run_mode(mode, args.seconds))
+            runs = harness.rounds({m: functools.partial(run_mode, m, args.seconds) for m in MODES}, args.reps)
         finally:
             if spinner is not None:
                 spinner.kill()
                 spinner.wait()
-        med = {m: {k: statistics.median(r[k] for r in rs) for k in ("steps_s", "cpu_ms")} for m, rs in runs.items()}
+        med = {m: harness.median_of(rs) for m, rs in runs.items()}
         for mode in MODES:
             ratio = med[mode]["steps_s"] / med["passive"]["steps_s"]
             print(f"| {load} | {mode} | {med[mode]['steps_s']:.1f} | {med[mode]['cpu_ms']:.0f} | {ratio:.2f} |")

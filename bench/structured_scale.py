@@ -27,7 +27,6 @@ import json
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -165,8 +164,7 @@ def run_mode(mode: str, n: int, concurrency: int, kill_after: int, model: str, w
                 done[0] += 1
             return out
 
-        t0 = time.perf_counter()
-        interrupted = 0
+        watch, interrupted = harness.Stopwatch(), 0
         with ThreadPoolExecutor(concurrency) as pool:
             futures = [pool.submit(one, i) for i in range(n)]
             if victim is not None:
@@ -178,7 +176,7 @@ def run_mode(mode: str, n: int, concurrency: int, kill_after: int, model: str, w
                     if interrupted:
                         victim.signal(signal.SIGKILL)
             outcomes = [f.result() for f in futures]
-        wall = time.perf_counter() - t0
+        wall = watch.lap()
         spec = ""
         if mode == "spec":
             text = worker_metrics(next(w for w in c.worker_list() if w["role"] == "decode"))
@@ -233,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         results = [run_mode(m, args.num_requests, args.concurrency, args.kill_after, model, worker_extra, log_dir)
                    for m in modes]
     baseline = results[0]
-    print(f"{args.num_requests} seeded json_schema requests, concurrency {args.concurrency}, "
+    print(f"{harness.machine_line()}\n{args.num_requests} seeded json_schema requests, concurrency {args.concurrency}, "
           f"identity against {baseline.mode}")
     print(f"{'mode':10s} {'valid':>9s} {'identical':>9s} {'cut':>4s} {'wall s':>7s} {'tok/s':>6s}  spec acc/draft")
     problems: list[str] = []

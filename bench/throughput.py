@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
-import time
 
 from bench import harness
 from pdserve.loadgen.config import BenchConfig, EndpointConfig, LoadConfig, WorkloadConfig
@@ -46,22 +44,10 @@ def measure_engine(model_dir: str | None, args: argparse.Namespace, salt: int) -
 
     eng = harness.reference_engine(model_dir, args.threads)
     rng = np.random.default_rng(salt)
-
-    def prompt() -> list[int]:
-        return [int(x) for x in rng.integers(10, eng.vocab_size, args.input_len)]
-
+    prompts = [[int(x) for x in rng.integers(10, eng.vocab_size, args.input_len)] for _ in range(args.concurrency + 1)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    eng.generate([prompt()], dataclasses.replace(params, max_tokens=4))  # warm-up
-    for i in range(args.concurrency):
-        eng.add_request(f"r{i}", prompt(), params)
-    t0 = time.perf_counter()
-    harness.prefill_all(eng, args.concurrency)
-    t1 = time.perf_counter()
-    tokens = 0
-    while eng.has_unfinished():
-        tokens += sum(len(o.outputs[0].token_ids) for o in eng.step())
-    t2 = time.perf_counter()
-    return EngineRates(args.concurrency * args.input_len / (t1 - t0), tokens / (t2 - t1))
+    w = harness.engine_wave(eng, prompts[1:], params, warmup=prompts[0])
+    return EngineRates(args.concurrency * args.input_len / w.prefill_s, w.decode_tokens / w.decode_s)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tok = harness.tokenizer_dir(args)
     runs = [measure_engine(args.model, args, salt) for salt in range(args.engine_reps)]
-    rates = EngineRates(statistics.median(r.prefill_tok_s for r in runs),
-                        statistics.median(r.decode_tok_s for r in runs))
+    rates = harness.median_of(runs)
     cfg = BenchConfig(
         endpoint=EndpointConfig(),
         workload=WorkloadConfig(input_len=args.input_len, output_len=args.output_len, tokenizer_dir=tok),
@@ -108,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_p50_s": s["ttft"]["p50"],
         "tpot_p50_s": s["tpot"]["p50"],
     }
-    print(f"engine: prefill {rates.prefill_tok_s:.0f} tok/s, decode {rates.decode_tok_s:.0f} tok/s "
+    print(f"{harness.machine_line()}\nengine: prefill {rates.prefill_tok_s:.0f} tok/s, decode {rates.decode_tok_s:.0f} tok/s "
           f"(batch {args.concurrency}, {args.threads} threads; runs {[(round(r.prefill_tok_s), round(r.decode_tok_s)) for r in runs]})")
     print(f"served: {s['completed']} completed, {s['failed']} failed; {prompt_tokens} prompt + "
           f"{decode_tokens} decode tokens in {wall:.2f} s")

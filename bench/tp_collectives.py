@@ -9,7 +9,9 @@ engine's choice) against vocabulary-parallel (each rank its V / tp rows, then an
 all-gather of the logits).
 
 Prints one JSON line per (hidden, tokens): the median microseconds of one all-reduce,
-of one layer's two, and of one step broadcast (a decode batch of `tokens` sequences, 8 blocks each). On CPU the group is gloo over loopback.
+of one layer's two, and of one step broadcast (a decode batch of `tokens` sequences, 8
+blocks each), every call after a barrier, the collectives taking turns. On CPU the group
+is gloo over loopback.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import statistics
-import time
+import sys
 from typing import Any
+
+from bench import harness
 
 REPEATS = 50
 WARMUP = 5
@@ -43,25 +46,14 @@ def _run(rank: int, size: int, port: int, shapes: list[tuple[int, int]], dtype: 
     rows = []
     for hidden, tokens in shapes:
         x = torch.randn(tokens, hidden, dtype=getattr(torch, dtype))
-        times = []
-        for i in range(WARMUP + REPEATS):
-            group.barrier()
-            t0 = time.perf_counter()
-            group.all_reduce(x)
-            if i >= WARMUP:
-                times.append(time.perf_counter() - t0)
         step = encode_step([SeqChunk([1], 100, list(range(8)), True)] * tokens)  # `tokens` decodes
-        btimes = []
-        for i in range(WARMUP + REPEATS):
-            group.barrier()
-            t0 = time.perf_counter()
-            group.broadcast_longs(step if rank == 0 else None)
-            if i >= WARMUP:
-                btimes.append(time.perf_counter() - t0)
-        one = statistics.median(times) * 1e6
+        t = harness.medians({"all_reduce": lambda: group.all_reduce(x),  # noqa: B023 (called at once)
+                             "broadcast": lambda: group.broadcast_longs(step if rank == 0 else None)},  # noqa: B023
+                            REPEATS, warmup=WARMUP, setup=group.barrier)
+        one = t["all_reduce"] * 1e6
         row = {"tp": size, "hidden": hidden, "tokens": tokens, "dtype": dtype,
                "all_reduce_us": round(one, 1), "per_layer_us": round(2 * one, 1),
-               "step_broadcast_us": round(statistics.median(btimes) * 1e6, 1)}
+               "step_broadcast_us": round(t["broadcast"] * 1e6, 1)}
         if vocab:
             row.update(_lm_head(group, x, vocab, size))
         rows.append(row)
@@ -76,21 +68,17 @@ def _lm_head(group: Any, x: Any, vocab: int, size: int) -> dict[str, float]:
 
     full_w = torch.randn(vocab, x.shape[1], dtype=x.dtype)
     part_w = full_w[: vocab // size].clone()
-    full, part = [], []
-    for i in range(WARMUP + REPEATS):
-        group.barrier()
-        t0 = time.perf_counter()
-        F.linear(x, full_w)
-        t1 = time.perf_counter()
+
+    def vocab_parallel() -> Any:
         local = F.linear(x, part_w)
         outs = [torch.empty_like(local) for _ in range(size)]
         group._pg.allgather([outs], [local]).wait()
-        torch.cat(outs, dim=-1)
-        if i >= WARMUP:
-            full.append(t1 - t0)
-            part.append(time.perf_counter() - t1)
-    return {"vocab": vocab, "lm_head_replicated_us": round(statistics.median(full) * 1e6, 1),
-            "lm_head_vocab_parallel_us": round(statistics.median(part) * 1e6, 1)}
+        return torch.cat(outs, dim=-1)
+
+    t = harness.medians({"full": lambda: F.linear(x, full_w), "part": vocab_parallel}, REPEATS, warmup=WARMUP,
+                        setup=group.barrier)
+    return {"vocab": vocab, "lm_head_replicated_us": round(t["full"] * 1e6, 1),
+            "lm_head_vocab_parallel_us": round(t["part"] * 1e6, 1)}
 
 
 def _follower(rank: int, size: int, port: int, shapes: list[tuple[int, int]], dtype: str, vocab: int) -> None:
@@ -108,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.engine.parallel.comm import leader_store
 
     shapes = [(h, t) for h in args.hidden for t in args.tokens]
+    print(harness.machine_line(), file=sys.stderr)  # stdout: JSON lines only
     store = leader_store(args.tp, 60.0)
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_follower, args=(r, args.tp, store.port, shapes, args.dtype, args.vocab))

@@ -36,7 +36,6 @@ the issue's targets are checked when vLLM ran.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -133,20 +132,6 @@ def server(config: str, args: argparse.Namespace, model: str) -> Iterator[Server
             yield s
 
 
-def median_summary(summaries: list[dict[str, Any]], columns: tuple[Column, ...]) -> dict[str, Any]:
-    """A summary-shaped dict holding each column's median over `summaries`."""
-    out: dict[str, Any] = {}
-    for c in columns:
-        vals = [v / c.scale for v in (c.value(s) for s in summaries) if v is not None]
-        if not vals:
-            continue
-        node = out
-        for key in c.path[:-1]:
-            node = node.setdefault(key, {})
-        node[c.path[-1]] = statistics.median(vals)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = harness.model_dir(args.model)
@@ -163,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                     run = result.runs[0]
                     runs.setdefault((config, w), []).append({"all": run.summary, **run.per_tag})
                     print(f"[rep {rep + 1}/{args.reps}] {config} {w} done", file=sys.stderr, flush=True)
-    medians = {k: median_summary(v, COLUMNS[k[1]]) for k, v in runs.items()}
+    medians = {k: harness.median_summary(v, COLUMNS[k[1]]) for k, v in runs.items()}
     base = configs[0]
-    print(f"model {model}, {args.dtype}, median of {args.reps}; ratios are to {base}")
+    print(f"{harness.machine_line()}\nmodel {model}, {args.dtype}, median of {args.reps}; ratios are to {base}")
     for w in workloads:
         rows = [(c, medians[(c, w)]) for c in configs]
         ratios = [(f"{c}/{base}", c, base) for c in configs[1:]]

@@ -79,3 +79,17 @@ def test_prefill_all_stops_once_every_request_has_its_first_token(
     for i in range(3):
         engine.abort(f"r{i}")
     assert_idle(engine)
+
+
+def test_engine_wave_times_the_prefill_and_the_decode_apart(
+        tiny_model_dir: Callable[..., Path], one_torch_thread: None) -> None:
+    engine = make_engine(tiny_model_dir("llama"), budget=2048)  # 3 x 40 tokens: one prefill step
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    warmup, *wave = prompts(8, 40, 40, 40, seed=3)
+    w = harness.engine_wave(engine, wave, params, warmup=warmup, tag="w")
+    assert w.prefill_s > 0 and w.decode_s > 0
+    assert (w.decode_steps, w.decode_tokens) == (4, 3 * 4)  # every token but each request's first
+    assert engine.stats().num_prompt_tokens_computed == 8 + 3 * 40  # the warm-up ran too
+    assert_idle(engine)
+    again = harness.engine_wave(engine, wave[:1], params, tag="again")  # no warm-up; new ids
+    assert (again.decode_steps, again.decode_tokens) == (4, 4)
