@@ -1,9 +1,8 @@
 """Frame checksum: fast enough to run at memory bandwidth on both ends.
 
-zlib.crc32 runs at ~2 GB/s here, well below memcpy, so it would dominate the
-shared-memory path. Instead every *row* (one block of one layer's K or V, a
+zlib.crc32 runs well below memcpy speed, so it would dominate the shared-memory path. Instead every *row* (one block of one layer's K or V, a
 contiguous run of bytes) is summed as unsigned 64-bit words (numpy, vectorized,
-~15-25 GB/s), and the vector of row sums is hashed with BLAKE2b-64.
+near memory bandwidth), and the vector of row sums is hashed with BLAKE2b-64.
 
 What it detects: any change confined to one 8-byte word (a flipped bit or byte,
 a torn write of one word) changes that row's sum, hence the digest; a block

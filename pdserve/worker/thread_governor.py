@@ -1,8 +1,8 @@
 """The torch threads of a CPU worker (count, wait mode), chosen each step from how fast steps run.
 
 Why: a worker whose OpenMP threads spin-wait (`--spin-wait`, libgomp's default) is
-8-27% faster on cores of its own, and 10x slower when one other busy process shares
-them: a thread waiting at a barrier spins through its time slice while its twin is
+faster on cores of its own, and many times slower when one other busy process shares
+them (bench/README.md, "OpenMP waiting" and the contention rows, has the figures): a thread waiting at a barrier spins through its time slice while its twin is
 descheduled. OpenMP reads its wait policy once, but `torch.set_num_threads` works
 at any step (with one thread there is no barrier to wait at), and libgomp throttles
 its spinning while the process holds more OpenMP threads than CPUs
@@ -56,10 +56,7 @@ runtime, OMP_WAIT_POLICY=PASSIVE, or a ceiling of 1) the low state falls back to
 thread, which needs no spin remedy of its own: a 1-thread `at::parallel_for` runs
 inline without entering a parallel region, so the docked pool thread spins out
 libgomp's spin count once after the last N-thread region, then sleeps on a futex
-(measured: 2 s of 256x256 matmuls at 1 thread right after 300 at 2 threads, CPU time
-per thread from /proc/self/task/*/stat, torch 2.13 + libgomp: the pool thread used
-< 0.5% of the wall time with the default wait policy and with OMP_WAIT_POLICY=PASSIVE
-alike).
+(checked from each thread's CPU time in /proc/self/task/*/stat under either wait policy).
 
 Pure logic with an injected clock; `apply` (torch.set_num_threads) and the
 `SpinControl` are the hooks that touch the process.

@@ -16,17 +16,13 @@ the draft's KV for the prompt is made (`draft_kv` in `--speculative-config`):
   a sequence whose draft KV is still arriving decodes without drafts (`await_kv`) for
   a few steps. A draft transfer that fails or does not land by then (`give_up`), a
   full draft pool or a forked choice (n > 1) falls back to the local prefill.
-Why "decode" stays the default (bench/README.md, "Draft KV placement": 1P+1D, two runs
-of 3 alternating rounds on the shared 2-core CPU machine at load ~13): what shipping
-costs is certain -- +24% KV bytes per prompt token (the built-in draft holds 1/4 of
-the target's KV per token and ships whole prompts), +21-35% prefill-worker CPU per
-prompt, the draft prefill on the prefill worker's path ahead of the next prompt --
-while what it saves, the draft prefill inside a decode step, did not show above the
-noise: the other streams' ITL p99 was 1.26x and 0.86x of decode-local in the two runs
-(TTFT p50 1.28x and 0.68x), at the same acceptance. The draft is cheap (on the ~125M
-shape 7.3 ms against the target's 69 ms at 512 tokens, 0.52 MB of KV). Where decode
-runs on its own accelerator with ITL of a few ms, that stall may matter more:
-measure there with bench/draft_kv_placement.py before switching.
+Why "decode" stays the default: what shipping costs is certain -- more KV bytes per
+prompt token (the draft's KV ships whole prompts), more prefill-worker CPU per prompt,
+the draft prefill on the prefill worker's path ahead of the next prompt -- while what it
+saves, the draft prefill inside a decode step, did not show above the noise on CPU
+(bench/README.md, "Draft KV placement", has the figures and the command). Where decode
+runs on its own accelerator with ITL of a few ms, that stall may matter more: measure
+there with bench/draft_kv_placement.py before switching.
 
 Per step, for the sequences that draft (greedy drafts; acceptance is the target's
 own draw, `pdserve.engine.spec.decoder`, so output is exact whatever the draft proposes):
