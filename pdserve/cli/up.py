@@ -13,24 +13,18 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from pdserve.cli.args import (
     UsageError,
-    add_dtype_arg,
-    add_gpu_args,
-    add_kv_cache_dtype_arg,
-    add_lm_head_quantization_arg,
     add_model_arg,
-    add_quantization_arg,
-    add_speculative_arg,
-    byte_size_text,
     check_listen,
     check_max_model_len,
     check_model,
     check_parallel,
     check_speculative,
-    device,
     host,
     model_dir,
     non_negative_float,
@@ -46,7 +40,8 @@ from pdserve.cli.gateway_options import (
     check_tool_flags,
     sampling_defaults,
 )
-from pdserve.worker.cpu_cores import format_cpu_list, plan_cores
+from pdserve.cli.worker_args import WorkerArgs
+from pdserve.worker.cpu_cores import plan_cores
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -81,27 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--prefill-pp", type=positive_int, default=1, help="pipeline stages per prefill worker")
     ap.add_argument("--decode-pp", type=positive_int, default=1,
                     help="pipeline stages per decode (or colocated) worker")
-    ap.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
-    add_dtype_arg(ap, "workers' weight and KV dtype, each resolved on its own host; ")
-    add_kv_cache_dtype_arg(ap)
-    add_quantization_arg(ap)
-    add_lm_head_quantization_arg(ap)
-    ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"))
-    ap.add_argument("--kv-cache-memory", type=byte_size_text, default=None,
-                    help="per-worker KV pool bytes, e.g. 256MiB")
-    ap.add_argument("--num-blocks", type=positive_int, default=None)
     ap.add_argument("--prefill-num-blocks", type=positive_int, default=None,
                     help="KV blocks of each prefill worker (default: --num-blocks)")
-    add_gpu_args(ap, "0.9 / the number of workers on the device")
-    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="per-worker token budget per step")
-    ap.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=None,
-                    help="per-worker cap on one sequence's prefill tokens per step")
-    ap.add_argument("--max-num-seqs", type=positive_int, default=None, help="per-worker running sequences")
-    ap.add_argument("--max-model-len", type=positive_int, default=None,
-                    help="longest prompt + output, for the gateway and every worker (default: the model's)")
-    ap.add_argument("--block-size", type=positive_int, default=None, help="per-worker KV block size in tokens")
-    ap.add_argument("--no-prefix-caching", action="store_true", help="disable the workers' prefix cache")
-    add_speculative_arg(ap)  # decode and colocated workers
+    WorkerArgs.add_to(ap, up=True)  # every worker flag `up` offers, passed on to each worker
     ap.add_argument("--max-recoveries", type=non_negative_int, default=3)
     ap.add_argument("--stall-timeout", type=non_negative_float, default=30.0,
                     help="gateway: seconds a worker may hold work without an engine step (0: off)")
@@ -117,8 +94,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     help='gateway: tool_choice "auto" (needs --tool-call-parser)')
     ap.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                     help="gateway: the model's tool-call format")
-    ap.add_argument("--grammar-compile-timeout", type=positive_float, default=None, metavar="SECONDS",
-                    help="workers: refuse a structured-output constraint not compiled in time (default 10)")
     ap.add_argument("--router", choices=ROUTERS, default="kv-aware", help="gateway: how a prompt's worker is picked")
     ap.add_argument("--local-prefill-threshold", type=non_negative_int, default=0, metavar="TOKENS",
                     help="gateway: prefill on the decode worker when at most this many prompt tokens are uncached")
@@ -143,55 +118,29 @@ def _thread_counts(args: argparse.Namespace) -> list[int]:
 
 def _worker_cmds(args: argparse.Namespace, control: str,
                  share_file: str | None = None) -> list[list[str]]:
+    """Each worker's command line: the flags `up` passes on, and what it sets per worker."""
     roles, counts = _roles(args), _thread_counts(args)
-    cores = core_flags(args, roles, counts, share_file)
     # Threads that fit the cores may spin between parallel regions (see workers.py).
     ranks = [_parallel(args, role)[0] * _parallel(args, role)[1] for role in roles]
     spin = sum(n * r for n, r in zip(counts, ranks, strict=True)) <= len(os.sched_getaffinity(0))
+    base = WorkerArgs.from_namespace(
+        args, up=True, gateway=(control,), model=None if args.model is None else str(args.model), spin_wait=spin,
+        thread_policy=None if args.thread_policy == "auto" else args.thread_policy, **gpu_settings(args, len(roles)))
+    spec = args.speculative_config
     cmds = []
-    for role, n, pin in zip(roles, counts, cores, strict=True):
-        cmd = [*_pdserve(), role, "--gateway", control, "--threads", str(n), "--device", args.device,
-               "--dtype", args.dtype, "--quantization", args.quantization,
-               "--lm-head-quantization", args.lm_head_quantization, *pin]
-        cmd += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else []
-        cmd += ["--colocated"] if role == "worker" else ["--kv-transport", args.kv_transport]
+    for role, n, cores in zip(roles, counts, core_settings(args, roles, share_file), strict=True):
         tp, pp = _parallel(args, role)
-        cmd += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
-        cmd += ["--pipeline-parallel-size", str(pp)] if pp > 1 else []
-        cmd += ["--spin-wait"] if spin else []
-        cmd += ["--thread-policy", args.thread_policy] if args.thread_policy != "auto" else []
-        if args.model:
-            cmd += ["--model", args.model]
-        if args.kv_cache_memory:
-            cmd += ["--kv-cache-memory", args.kv_cache_memory]
-        blocks = (args.prefill_num_blocks if role == "prefill" else None) or args.num_blocks
-        if blocks:
-            cmd += ["--num-blocks", str(blocks)]
-        cmd += gpu_flags(args, len(roles))
-        if args.max_num_batched_tokens:
-            cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-        if args.long_prefill_token_threshold:
-            cmd += ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
-        if args.max_num_seqs:
-            cmd += ["--max-num-seqs", str(args.max_num_seqs)]
-        if args.max_model_len:
-            cmd += ["--max-model-len", str(args.max_model_len)]
-        if args.block_size:
-            cmd += ["--block-size", str(args.block_size)]
-        if args.no_prefix_caching:
-            cmd += ["--no-prefix-caching"]
-        if args.grammar_compile_timeout:
-            cmd += ["--grammar-compile-timeout", str(args.grammar_compile_timeout)]
-        spec = args.speculative_config
-        if spec is not None and (role != "prefill" or spec.ships_draft_kv):
-            cmd += ["--speculative-config", spec.to_json()]
-        cmds.append(cmd)
+        child = replace(base, threads=n, tensor_parallel_size=tp, pipeline_parallel_size=pp, **cores,
+                        num_blocks=(args.prefill_num_blocks if role == "prefill" else None) or args.num_blocks,
+                        speculative_config=None if role == "prefill" and spec and not spec.ships_draft_kv else spec)
+        colocated = ["--colocated"] if role == "worker" else []
+        cmds.append([*_pdserve(), role, *colocated, *child.to_argv("colocated" if colocated else role)])
     return cmds
 
 
-def gpu_flags(args: argparse.Namespace, num_workers: int) -> list[str]:
-    """A CUDA worker's memory share (all of `up`'s workers sit on --device) and graphs flag."""
-    backend = [] if args.attention_backend == "auto" else ["--attention-backend", args.attention_backend]
+def gpu_settings(args: argparse.Namespace, num_workers: int) -> dict[str, float]:
+    """A CUDA worker's memory share (all of `up`'s workers sit on --device); the GPU flags
+    refused on a CPU --device."""
     if not args.device.startswith("cuda"):
         if args.cuda_graphs or args.gpu_memory_utilization is not None:
             flag = "--cuda-graphs" if args.cuda_graphs else "--gpu-memory-utilization"
@@ -199,14 +148,11 @@ def gpu_flags(args: argparse.Namespace, num_workers: int) -> list[str]:
         if args.attention_backend in ("triton", "flashinfer"):
             raise UsageError("--attention-backend", f"{args.attention_backend} needs a CUDA --device, "
                              f"not {args.device}")
-        return backend
+        return {}
     from pdserve.engine.runner.memory_budget import default_gpu_memory_utilization
 
     share = args.gpu_memory_utilization or default_gpu_memory_utilization(num_workers)
-    flags = ["--gpu-memory-utilization", f"{share:.6g}"]
-    if args.cuda_graphs is not None:
-        flags.append("--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs")
-    return flags + backend
+    return {"gpu_memory_utilization": float(f"{share:.6g}")}
 
 
 def core_plan(args: argparse.Namespace) -> list[tuple[int, ...]] | None:
@@ -226,17 +172,17 @@ def borrows_cores(args: argparse.Namespace) -> bool:
             and not args.no_core_borrowing and core_plan(args) is not None)
 
 
-def core_flags(args: argparse.Namespace, roles: list[str], counts: list[int],
-               share_file: str | None) -> list[list[str]]:
-    """Each worker's --cpu-cores (and core-sharing) flags."""
+def core_settings(args: argparse.Namespace, roles: list[str],
+                  share_file: str | None) -> list[dict[str, Any]]:
+    """Each worker's cores (and core-sharing file), as `WorkerArgs` fields."""
     plan = core_plan(args)
     if plan is None:
-        return [[] for _ in roles]
-    flags = [["--cpu-cores", format_cpu_list(c)] for c in plan]
+        return [{} for _ in roles]
+    settings: list[dict[str, Any]] = [{"cpu_cores": c} for c in plan]
     if share_file is not None:
-        flags[0] += ["--core-share", share_file]
-        flags[1] += ["--core-share", share_file, "--borrow-cores", format_cpu_list(plan[0])]
-    return flags
+        settings[0]["core_share"] = share_file
+        settings[1].update(core_share=share_file, borrow_cores=plan[0])
+    return settings
 
 
 def _parallel(args: argparse.Namespace, role: str) -> tuple[int, int]:
@@ -289,7 +235,7 @@ def check_args(args: argparse.Namespace) -> None:
     api_keys(args)  # every --api-key-file readable and not empty
     check_listen("--port", args.host, args.port)
     core_plan(args)  # --cpu-affinity on: the threads must fit
-    gpu_flags(args, 1)  # the GPU flags need a CUDA --device
+    gpu_settings(args, 1)  # the GPU flags need a CUDA --device
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,29 +15,16 @@ from pdserve.common import envs
 from pdserve.common.logs import configure_logging
 from pdserve.cli.args import (
     UsageError,
-    add_dtype_arg,
-    add_gpu_args,
-    add_kv_cache_dtype_arg,
-    add_lm_head_quantization_arg,
-    add_model_arg,
-    add_quantization_arg,
-    add_speculative_arg,
     byte_size,
     check_listen,
     check_max_model_len,
     check_model,
     check_parallel,
     check_speculative,
-    device,
-    fraction,
-    host,
     model_dir,
-    non_negative_int,
-    port_or_zero,
-    positive_float,
-    positive_int,
 )
-from pdserve.worker.cpu_cores import format_cpu_list, parse_cpu_list, pin_process
+from pdserve.cli.worker_args import WorkerArgs, default_threads
+from pdserve.worker.cpu_cores import format_cpu_list, pin_process
 
 if TYPE_CHECKING:
     from kv_transfer.auth import KVCurve
@@ -45,111 +32,13 @@ if TYPE_CHECKING:
 ROLE_COMMANDS = {"prefill": "prefill", "decode": "decode", "worker": "colocated"}
 
 
-def gateway_address(text: str) -> str:
-    from pdserve.worker.gateways import parse_gateway
-
-    try:
-        return parse_gateway(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def cpu_list(text: str) -> tuple[int, ...]:
-    try:
-        return parse_cpu_list(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def default_threads(local_workers: int = 1) -> int:
-    return max(1, (os.cpu_count() or 1) // max(local_workers, 1))
-
-
-def add_worker_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--gateway", required=True, action="append", type=gateway_address,
-                    help="gateway control address, tcp://HOST:PORT or dns+tcp://NAME:PORT (every A record, "
-                    "re-resolved); repeat for several gateways")
-    add_model_arg(ap)
-    ap.add_argument("--device", default="cpu", type=device, help="cpu | cuda | cuda:N")
-    add_dtype_arg(ap)
-    add_kv_cache_dtype_arg(ap)
-    add_quantization_arg(ap)
-    add_lm_head_quantization_arg(ap)
-    ap.add_argument("--spin-wait", action="store_true",
-                    help="let OpenMP threads spin briefly between parallel regions (OpenMP's own "
-                    "default): ~20%% faster steps when this worker's threads have their cores to "
-                    "themselves, a collapse when other busy processes share them. Without it "
-                    "the worker sets OMP_WAIT_POLICY=PASSIVE unless the environment sets it")
-    ap.add_argument("--thread-policy", default=None, choices=("adaptive", "fixed"),
-                    help="adaptive: each step runs with all torch threads spinning or with their "
-                    "OpenMP waits throttled (1 thread without libgomp), whichever recent steps show "
-                    "faster (one busy neighbour process makes spinning threads 10x slower; "
-                    "docs/architecture.md, Threads and cores); fixed: always --threads. "
-                    "Default: adaptive on CPU with more than one thread (or borrowed cores), "
-                    "fixed on CUDA and with tensor or pipeline parallelism")
-    ap.add_argument("--kv-cache-memory", type=byte_size, default=None, help="KV pool bytes, e.g. 256MiB")
-    add_gpu_args(ap, "0.9")
-    ap.add_argument("--num-blocks", type=positive_int, default=None, help="explicit KV block count")
-    ap.add_argument("--block-size", type=positive_int, default=16)
-    ap.add_argument("--max-num-seqs", type=positive_int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
-    ap.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=0,
-                    help="cap on one sequence's prefill tokens per step, so short prompts "
-                    "are not queued behind a long one (0: no cap)")
-    ap.add_argument("--max-model-len", type=positive_int, default=None)
-    ap.add_argument("--reserve-decode-tokens", type=non_negative_int, default=512,
-                    help="decode admission: a reservation is granted only if every live stream keeps "
-                    "room to grow by this many more tokens (capped by its max_tokens)")
-    ap.add_argument("--kv-watermark", type=fraction, default=0.01,
-                    help="decode admission: fraction of the KV pool also kept free")
-    ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--grammar-compile-timeout", type=positive_float, default=10.0, metavar="SECONDS",
-                    help="structured outputs: a constraint not compiled in time is refused (400)")
-    ap.add_argument("--threads", type=positive_int, default=None,
-                    help="torch intra-op threads per rank (default: the cores split among --local-workers)")
-    ap.add_argument("--tensor-parallel-size", type=positive_int, default=1,
-                    help="ranks of this worker's tensor-parallel group (CPU: gloo, one process per rank, "
-                    "one registration); must divide the attention heads and intermediate size, and "
-                    "divide or be a multiple of the KV heads")
-    ap.add_argument("--pipeline-parallel-size", type=positive_int, default=1,
-                    help="pipeline stages of this worker, one process each, layers split evenly "
-                    "(one step at a time, no micro-batch overlap yet; not with --tensor-parallel-size)")
-    ap.add_argument("--local-workers", type=positive_int, default=1, help="workers sharing this host")
-    ap.add_argument("--cpu-cores", type=cpu_list, default=None, metavar="LIST",
-                    help="pin the worker's threads to these cores, e.g. 0-3 (default: unpinned); "
-                    "--threads then defaults to their count")
-    ap.add_argument("--core-share", default=None, metavar="FILE",
-                    help="prefill/decode: the file `pdserve up` made so the decode worker may "
-                    "use the prefill worker's cores while it has no work")
-    ap.add_argument("--borrow-cores", type=cpu_list, default=None, metavar="LIST",
-                    help="decode, with --core-share and --cpu-cores: the prefill worker's cores")
-    ap.add_argument("--metrics-host", type=host, default="127.0.0.1")
-    ap.add_argument("--metrics-port", type=port_or_zero, default=0, help="worker /health and /metrics (0: free)")
-    ap.add_argument("--heartbeat", type=positive_float, default=0.5, help="seconds between heartbeats")
-    ap.add_argument("--worker-id", default=None)
-    ap.add_argument("--kv-host", type=host, default="127.0.0.1", help="decode: address the KV receiver binds")
-    ap.add_argument("--kv-port", type=port_or_zero, default=0, help="decode: KV receiver tcp port (0: ephemeral)")
-    ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"),
-                    help="auto: shared memory (CPU) or CUDA IPC (GPU) with same-host peers, tcp "
-                    "otherwise; tcp: always tcp (a GPU pool through pinned host staging)")
-    ap.add_argument("--enable-fault-injection", action="store_true",
-                    help="tests only: inject the faults PDSERVE_FAULTS and PDSERVE_KV_FAULTS ask for "
-                    "(ignored without this flag); logs a WARNING")
-    ap.add_argument("--curve-key", default=None, help="CURVE: this worker's secret certificate file")
-    ap.add_argument("--curve-server-key", default=None, help="CURVE: the gateway's public certificate file")
-    ap.add_argument("--curve-authorized-keys", default=None,
-                    help="CURVE, prefill and decode: directory of the workers' public certificates "
-                    "(the gateway's); KV sockets then use CURVE and accept only these peers")
-
-
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     for command, role in ROLE_COMMANDS.items():
         ap = sub.add_parser(command, help=f"run a {role} worker")
-        add_worker_args(ap)
+        WorkerArgs.add_to(ap)
         if command == "worker":
             ap.add_argument("--colocated", action="store_true", required=True,
                             help="prefill and decode in one process")
-        add_speculative_arg(ap)  # a prefill worker uses only a draft_kv=prefill draft
         ap.set_defaults(func=run, role=role)
 
 
@@ -253,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             pipeline_parallel_size=args.pipeline_parallel_size,
             cache=CacheConfig(
                 block_size=args.block_size,
-                kv_cache_memory=args.kv_cache_memory,
+                kv_cache_memory=args.kv_cache_memory and byte_size(args.kv_cache_memory),
                 gpu_memory_utilization=args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
                 num_blocks=args.num_blocks,
                 enable_prefix_caching=not args.no_prefix_caching,
