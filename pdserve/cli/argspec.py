@@ -29,7 +29,7 @@ class Flag:
     metavar: str | None = None
     required: bool = False
     render: Callable[[Any], str] = str  # a value as the text its `type` parses back
-    roles: tuple[str, ...] | None = None
+    roles: tuple[str, ...] | None = None  # worker roles (`pdserve.common.roles.Role`, a str)
     up: bool = True
     up_help: str | None = None  # the help `pdserve up` shows, when not `help` ("": none)
     group: str | None = None  # an argparse argument group's title

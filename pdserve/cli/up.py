@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pdserve.common.roles import Role
 from pdserve.cli.args import (
     UsageError,
     add_model_arg,
@@ -105,14 +106,14 @@ def _pdserve() -> list[str]:
     return [sys.executable, "-m", "pdserve"]
 
 
-def _roles(args: argparse.Namespace) -> list[str]:
-    return ["worker"] * args.workers if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
+def _roles(args: argparse.Namespace) -> list[Role]:
+    return [Role.COLOCATED] * args.workers if args.colocated else [Role.PREFILL] * args.prefill + [Role.DECODE] * args.decode
 
 
 def _thread_counts(args: argparse.Namespace) -> list[int]:
     roles = _roles(args)
     threads = args.threads or max(1, len(os.sched_getaffinity(0)) // max(len(roles), 1))
-    per_role = {"prefill": args.prefill_threads, "decode": args.decode_threads}
+    per_role = {Role.PREFILL: args.prefill_threads, Role.DECODE: args.decode_threads}
     return [per_role.get(role) or threads for role in roles]
 
 
@@ -131,10 +132,10 @@ def _worker_cmds(args: argparse.Namespace, control: str,
     for role, n, cores in zip(roles, counts, core_settings(args, roles, share_file), strict=True):
         tp, pp = _parallel(args, role)
         child = replace(base, threads=n, tensor_parallel_size=tp, pipeline_parallel_size=pp, **cores,
-                        num_blocks=(args.prefill_num_blocks if role == "prefill" else None) or args.num_blocks,
-                        speculative_config=None if role == "prefill" and spec and not spec.ships_draft_kv else spec)
-        colocated = ["--colocated"] if role == "worker" else []
-        cmds.append([*_pdserve(), role, *colocated, *child.to_argv("colocated" if colocated else role)])
+                        num_blocks=(args.prefill_num_blocks if role == Role.PREFILL else None) or args.num_blocks,
+                        speculative_config=None if role == Role.PREFILL and spec and not spec.ships_draft_kv else spec)
+        command = ["worker", "--colocated"] if role == Role.COLOCATED else [role.value]
+        cmds.append([*_pdserve(), *command, *child.to_argv(role)])
     return cmds
 
 
@@ -172,7 +173,7 @@ def borrows_cores(args: argparse.Namespace) -> bool:
             and not args.no_core_borrowing and core_plan(args) is not None)
 
 
-def core_settings(args: argparse.Namespace, roles: list[str],
+def core_settings(args: argparse.Namespace, roles: list[Role],
                   share_file: str | None) -> list[dict[str, Any]]:
     """Each worker's cores (and core-sharing file), as `WorkerArgs` fields."""
     plan = core_plan(args)
@@ -185,9 +186,9 @@ def core_settings(args: argparse.Namespace, roles: list[str],
     return settings
 
 
-def _parallel(args: argparse.Namespace, role: str) -> tuple[int, int]:
+def _parallel(args: argparse.Namespace, role: Role) -> tuple[int, int]:
     """(tensor, pipeline) parallel sizes of one worker of `role`."""
-    return (args.prefill_tp, args.prefill_pp) if role == "prefill" else (args.decode_tp, args.decode_pp)
+    return (args.prefill_tp, args.prefill_pp) if role == Role.PREFILL else (args.decode_tp, args.decode_pp)
 
 
 def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:

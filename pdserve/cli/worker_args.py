@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.common.kv_layout import KV_CACHE_DTYPE_HELP
+from pdserve.common.roles import Role
 from pdserve.engine.loading.dtype import DTYPE_HELP
 from pdserve.engine.quant.formats import LM_HEAD_CHOICES, QUANTIZATION_CHOICES
 from pdserve.engine.spec.config import SpeculativeConfig
@@ -39,7 +40,7 @@ from pdserve.cli.args import (
 from pdserve.cli.argspec import ArgGroup, flag
 from pdserve.worker.cpu_cores import format_cpu_list, parse_cpu_list
 
-P_D = ("prefill", "decode")
+P_D = (Role.PREFILL, Role.DECODE)
 
 
 def gateway_address(text: str) -> str:
@@ -132,7 +133,7 @@ class WorkerArgs(ArgGroup):
                                   up=False)
     borrow_cores: tuple[int, ...] | None = flag(None, "decode, with --core-share and --cpu-cores: the prefill "
                                                 "worker's cores", type=cpu_list, metavar="LIST", render=_cores,
-                                                roles=("decode",), up=False)
+                                                roles=(Role.DECODE,), up=False)
     metrics_host: str = flag("127.0.0.1", type=host, up=False)
     metrics_port: int = flag(0, "worker /health and /metrics (0: free)", type=port_or_zero, up=False)
     heartbeat: float = flag(0.5, "seconds between heartbeats", type=positive_float, up=False)

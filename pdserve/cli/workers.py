@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.common import envs
 from pdserve.common.logs import configure_logging
+from pdserve.common.roles import FLIP_ROLES, Role
 from pdserve.cli.args import (
     UsageError,
     byte_size,
@@ -29,7 +30,7 @@ from pdserve.worker.cpu_cores import format_cpu_list, pin_process
 if TYPE_CHECKING:
     from kv_transfer.auth import KVCurve
 
-ROLE_COMMANDS = {"prefill": "prefill", "decode": "decode", "worker": "colocated"}
+ROLE_COMMANDS = {"prefill": Role.PREFILL, "decode": Role.DECODE, "worker": Role.COLOCATED}
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -54,7 +55,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_parallel(flag, args.tensor_parallel_size, args.pipeline_parallel_size, args.device, config)
     if args.metrics_port:
         check_listen("--metrics-port", args.metrics_host, args.metrics_port)
-    if args.kv_port and args.role == "decode":
+    if args.kv_port and args.role == Role.DECODE:
         check_listen("--kv-port", args.kv_host, args.kv_port)
     check_core_args(args)
     check_gpu_args(args)
@@ -94,13 +95,13 @@ def check_gpu_args(args: argparse.Namespace) -> None:
 
 
 def check_core_args(args: argparse.Namespace) -> None:
-    if args.core_share and args.role == "colocated":
+    if args.core_share and args.role == Role.COLOCATED:
         raise UsageError("--core-share", "is for a prefill and a decode worker")
     if args.core_share and not os.path.isfile(args.core_share):
         raise UsageError("--core-share", f"no such file: {args.core_share}")
-    if args.borrow_cores and (args.role != "decode" or not args.core_share or not args.cpu_cores):
+    if args.borrow_cores and (args.role != Role.DECODE or not args.core_share or not args.cpu_cores):
         raise UsageError("--borrow-cores", "needs a decode worker with --core-share and --cpu-cores")
-    if args.core_share and args.role == "decode" and not args.borrow_cores:
+    if args.core_share and args.role == Role.DECODE and not args.borrow_cores:
         raise UsageError("--core-share", "a decode worker needs --borrow-cores and --cpu-cores too")
     allowed = os.sched_getaffinity(0)
     for flag, cores in (("--cpu-cores", args.cpu_cores), ("--borrow-cores", args.borrow_cores)):
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         thread_policy=args.thread_policy,
     )
     # Prefill and decode workers can switch between the two live (gateway admin call).
-    flips = {r: node_builder(r) for r in ("prefill", "decode")} if args.role != "colocated" else None
+    flips = {r: node_builder(r) for r in FLIP_ROLES} if args.role in FLIP_ROLES else None
     return run_worker(engine_cfg, opts, node_builder(args.role), flips)
 
 
@@ -200,7 +201,7 @@ def kv_curve_option(args: argparse.Namespace) -> KVCurve | None:
 
     if args.curve_authorized_keys and not args.curve_key:
         raise UsageError("--curve-authorized-keys", "needs --curve-key")
-    if not args.curve_key or args.role == "colocated":
+    if not args.curve_key or args.role == Role.COLOCATED:
         return None
     if not args.curve_authorized_keys:
         raise UsageError("--curve-key", f"a {args.role} worker with --curve-key needs "
@@ -214,13 +215,13 @@ def kv_curve_option(args: argparse.Namespace) -> KVCurve | None:
     return kv_curve
 
 
-def node_builder(role: str) -> Any:
+def node_builder(role: Role) -> Any:
     """The role's node builder: the CLI is the one place that knows every role."""
-    if role == "prefill":
+    if role == Role.PREFILL:
         from prefill_node.main import build_prefill
 
         return build_prefill
-    if role == "decode":
+    if role == Role.DECODE:
         from decode_node.main import build_decode
 
         return build_decode

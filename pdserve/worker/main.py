@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.common.roles import Role
 from pdserve.common.transport import CurveClient, new_worker_id
 from pdserve.engine.core.config import EngineConfig
 from kv_transfer.auth import CurveKeys, KVCurve, load_keys
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    role: str  # prefill | decode | colocated
+    role: Role
     gateways: tuple[str, ...]  # tcp://HOST:PORT or dns+tcp://NAME:PORT, one channel per gateway
     worker_id: str | None = None
     metrics_host: str = "127.0.0.1"
@@ -43,6 +44,9 @@ class WorkerOptions:
     cpu_cores: tuple[int, ...] = ()  # the cores this worker is pinned to
     borrow_cores: tuple[int, ...] = ()  # decode: the prefill worker's cores
     thread_policy: str = "fixed"  # adaptive: the thread governor picks 1 or N threads per step
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))
 
 
 class NodeParts:
@@ -62,7 +66,7 @@ NodeBuilder = Callable[[EngineConfig, WorkerOptions, NodeParts], tuple[Node, lis
 
 
 def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder,
-               flip_builders: Mapping[str, NodeBuilder] | None = None) -> int:
+               flip_builders: Mapping[Role, NodeBuilder] | None = None) -> int:
     """Serve as `opts.role` (its node from `build`); with `flip_builders` (role -> builder)
     the worker can also switch live to any of those roles (pdserve/worker/role_switch.py)."""
     worker_id = opts.worker_id or new_worker_id(opts.role)
@@ -71,7 +75,7 @@ def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder
                            curve=opts.curve)
     faults = injected_faults(opts.fault_injection)
 
-    def parts_for(role: str) -> NodeParts:
+    def parts_for(role: Role) -> NodeParts:
         metrics = WorkerMetrics(role, worker_id)
         metrics.torch_threads.set(engine_cfg.num_threads or 0)  # a governed node keeps it current
         return NodeParts(worker_id, channel, metrics, faults.kv)
