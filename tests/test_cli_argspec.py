@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from pdserve.cli.worker_args import WorkerArgs
 GW = "tcp://127.0.0.1:5555"
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
 # Texts tried in turn for a field's value other than its default; each field takes the first its type parses.
-CANDIDATES = ("3", "0.25", "cuda", "64MiB", "bfloat16", "fp8", "0-1", "127.0.0.2", "tcp://127.0.0.1:7001",
+CANDIDATES = ("3", "5", "0.25", "cuda", "64MiB", "bfloat16", "fp8", "0-1", "127.0.0.2", "tcp://127.0.0.1:7001",
               "/tmp/pdserve-x", NGRAM)
 # Set by `up` for each child (or never offered): `up` defines its own flags of these names.
 UP_OWN = {"model", "revision", "download_dir", "threads", "thread_policy"}
@@ -42,7 +43,7 @@ def _other(f: Any) -> tuple[list[str], Any]:
         except (argparse.ArgumentTypeError, ValueError, TypeError):
             continue
         if value != f.default and value not in ((), None):
-            return [name, text], (value,) if spec.action == "append" else value
+            return [name, text], (value,) if spec.action == "append" or spec.nargs else value
     raise AssertionError(f"no candidate value for {name}")
 
 
@@ -121,3 +122,29 @@ def test_a_field_alone_adds_the_flag_to_the_worker_commands_and_to_up(monkeypatc
     assert all(c[c.index("--new-knob") + 1] == "9" for c in cmds)
     assert all(KnobArgs.from_namespace(parser.parse_args(c[3:])).new_knob == 9 for c in cmds)
     assert all("--new-knob" not in c for c in up._worker_cmds(parser.parse_args(["up"]), GW))
+
+
+def test_every_gateway_flag_up_offers_reaches_the_gateway_and_round_trips(tmp_path: Path) -> None:
+    from pdserve.cli.gateway_args import GatewayArgs
+    from pdserve.cli.up import _gateway_cmd
+
+    argv: list[str] = []
+    want: dict[str, Any] = {}
+    for f in GatewayArgs.flags(up=True):
+        words, want[f.name] = _other(f)
+        argv += words
+    keys = tmp_path / "keys"
+    argv[argv.index("--api-key-file") + 1] = str(keys)  # made absolute for the child
+    argv[argv.index("--generation-config") + 1] = str(tmp_path)
+    want.update(api_key_file=(str(keys),), generation_config=str(tmp_path))
+    cmd = _gateway_cmd(build_parser().parse_args(["up", *argv]), 5555)
+    parsed = GatewayArgs.from_namespace(build_parser().parse_args(cmd[3:]))
+    assert {name: getattr(parsed, name) for name in want} == want
+    assert parsed.control_port == 5555 and parsed.port == GatewayArgs().port
+    assert [*cmd[:4], *parsed.to_argv()] == cmd  # what the child parsed reproduces its command line
+    # --max-model-len is registered once in `up` and reaches both the gateway and the workers
+    assert "max_model_len" in want and GatewayArgs.flags(up=True) and WorkerArgs.flags(up=True)
+    assert _parse_child(_worker_cmds(build_parser().parse_args(["up", *argv]), GW)[0]).max_model_len == \
+        want["max_model_len"]
+    plain = _gateway_cmd(build_parser().parse_args(["up"]), 5555)
+    assert plain[3:] == ["gateway", "--control-port", "5555"]  # defaults are not emitted

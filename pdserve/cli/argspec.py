@@ -61,7 +61,7 @@ class ArgGroup:
             if f.name in skip:
                 continue
             target: Any = ap
-            if spec.group is not None:
+            if spec.group is not None and not up:  # `up` lists its flags in one section
                 target = groups.get(spec.group) or groups.setdefault(spec.group, ap.add_argument_group(spec.group))
             text = spec.up_help if up and spec.up_help is not None else spec.help
             kw: dict[str, Any] = {"dest": f.name, "help": text or None}

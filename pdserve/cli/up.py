@@ -26,15 +26,12 @@ from pdserve.cli.args import (
     check_model,
     check_parallel,
     check_speculative,
-    host,
     model_dir,
-    non_negative_float,
-    non_negative_int,
     port,
     positive_float,
     positive_int,
 )
-from pdserve.cli.gateway import ROUTERS
+from pdserve.cli.gateway_args import GatewayArgs
 from pdserve.cli.gateway_options import (
     api_keys,
     check_served_names,
@@ -48,7 +45,6 @@ from pdserve.worker.cpu_cores import plan_cores
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap = sub.add_parser("up", help="start a gateway and workers on this machine")
     add_model_arg(ap, " (resolved once here; the children get the directory)")
-    ap.add_argument("--host", type=host, default="127.0.0.1")
     ap.add_argument("--port", type=port, default=8000)
     ap.add_argument("--prefill", type=positive_int, default=1, help="prefill workers")
     ap.add_argument("--decode", type=positive_int, default=1, help="decode workers")
@@ -80,24 +76,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--prefill-num-blocks", type=positive_int, default=None,
                     help="KV blocks of each prefill worker (default: --num-blocks)")
     WorkerArgs.add_to(ap, up=True)  # every worker flag `up` offers, passed on to each worker
-    ap.add_argument("--max-recoveries", type=non_negative_int, default=3)
-    ap.add_argument("--stall-timeout", type=non_negative_float, default=30.0,
-                    help="gateway: seconds a worker may hold work without an engine step (0: off)")
-    ap.add_argument("--api-key", action="append", default=[], help="gateway: require this API key (repeatable)")
-    ap.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
-                    help="gateway: file of API keys, one per line, '#' comments")
-    ap.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                    help="gateway: model name(s) requests may use; the first is reported")
-    ap.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
-                    help="gateway: sampling defaults from the model's generation_config.json (auto), "
-                         "none (vllm) or a directory's")
-    ap.add_argument("--enable-auto-tool-choice", action="store_true",
-                    help='gateway: tool_choice "auto" (needs --tool-call-parser)')
-    ap.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
-                    help="gateway: the model's tool-call format")
-    ap.add_argument("--router", choices=ROUTERS, default="kv-aware", help="gateway: how a prompt's worker is picked")
-    ap.add_argument("--local-prefill-threshold", type=non_negative_int, default=0, metavar="TOKENS",
-                    help="gateway: prefill on the decode worker when at most this many prompt tokens are uncached")
+    # and every gateway flag it offers; one both take (--max-model-len) is registered once
+    GatewayArgs.add_to(ap, up=True, skip=frozenset(f.name for f in WorkerArgs.flags(up=True)))
     ap.add_argument("--ready-timeout", type=positive_float, default=120.0)
     ap.set_defaults(func=run)
 
@@ -192,28 +172,14 @@ def _parallel(args: argparse.Namespace, role: Role) -> tuple[int, int]:
 
 
 def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
-    cmd = [*_pdserve(), "gateway", "--host", args.host, "--port", str(args.port),
-           "--control-port", str(control_port), "--max-recoveries", str(args.max_recoveries),
-           "--stall-timeout", str(args.stall_timeout), "--router", args.router,
-           "--local-prefill-threshold", str(args.local_prefill_threshold)]
-    if args.model:
-        cmd += ["--model", str(Path(args.model))]
-    if args.max_model_len:
-        cmd += ["--max-model-len", str(args.max_model_len)]
-    names = args.served_model_name or ([args.repo_id] if getattr(args, "repo_id", None) else [])
-    if names:  # a repo id is served by its name, not by its snapshot directory's
-        cmd += ["--served-model-name", *names]
-    mode = args.generation_config
-    cmd += ["--generation-config", mode if mode in ("auto", "vllm") else str(Path(mode).resolve())]
-    if args.enable_auto_tool_choice:
-        cmd += ["--enable-auto-tool-choice"]
-    if args.tool_call_parser:
-        cmd += ["--tool-call-parser", args.tool_call_parser]
-    for key in args.api_key:
-        cmd += ["--api-key", key]
-    for path in args.api_key_file:
-        cmd += ["--api-key-file", str(Path(path).resolve())]
-    return cmd
+    """The gateway's command line: the flags `up` passes on, with paths made absolute."""
+    names = args.served_model_name or ([args.repo_id] if getattr(args, "repo_id", None) else None)
+    mode = args.generation_config  # a repo id is served by its name, not by its snapshot directory's
+    gateway = GatewayArgs.from_namespace(
+        args, up=True, port=args.port, control_port=control_port, model=args.model and str(Path(args.model)),
+        served_model_name=names and tuple(names), api_key_file=tuple(str(Path(f).resolve()) for f in args.api_key_file),
+        generation_config=mode if mode in ("auto", "vllm") else str(Path(mode).resolve()))
+    return [*_pdserve(), "gateway", *gateway.to_argv()]
 
 
 def _role_names(args: argparse.Namespace) -> list[str]:
