@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import urlparse
 
-from pdserve.common.kv_layout import KV_CACHE_DTYPE_HELP, normalize_kv_cache_dtype
-from pdserve.engine.loading.dtype import DTYPE_HELP, normalize_dtype
-from pdserve.engine.quant.formats import LM_HEAD_CHOICES, QUANTIZATION_CHOICES
+from pdserve.common.kv_layout import normalize_kv_cache_dtype
+from pdserve.engine.loading.dtype import normalize_dtype
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.planner.capacity import PlanError, parse_size
 
@@ -134,15 +133,6 @@ def memory_fraction(text: str) -> float:
     return value
 
 
-GPU_MEMORY_HELP = ("CUDA: fraction of the device's total memory a worker may use (weights, "
-                   "activations and KV cache); default {}")
-CUDA_GRAPHS_HELP = ("CUDA: replay decode steps from CUDA graphs captured at batch sizes "
-                    "1, 2, 4 ... 64 (default on with a CUDA device; never on CPU)")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
-ATTENTION_BACKEND_HELP = ("auto: on CUDA flashinfer if installed, else triton; on CPU the native/torch "
-                          "kernels. triton and flashinfer need CUDA and the package installed")
-
-
 def byte_size(text: str) -> int:
     """Bytes > 0: `256MiB`, `1GiB`, `2GB`, `1048576` (one parser: `pdserve.planner.capacity.parse_size`)."""
     try:
@@ -195,11 +185,6 @@ def dtype(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_dtype_arg(ap: argparse.ArgumentParser, help_prefix: str = "") -> None:
-    """`--dtype`, default auto (pdserve/engine/loading/dtype.py), for every command that runs or plans a model."""
-    ap.add_argument("--dtype", type=dtype, default="auto", help=help_prefix + DTYPE_HELP)
-
-
 def kv_cache_dtype(text: str) -> str:
     """`auto`, `fp8` (= `fp8_e4m3`), `fp8_e4m3` or `int8`; returned normalized."""
     try:
@@ -208,53 +193,12 @@ def kv_cache_dtype(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_kv_cache_dtype_arg(ap: argparse.ArgumentParser) -> None:
-    """`--kv-cache-dtype` (vLLM's name), for every command that runs a model."""
-    ap.add_argument("--kv-cache-dtype", type=kv_cache_dtype, default="auto",
-                    help=KV_CACHE_DTYPE_HELP)
-
-
-def add_quantization_arg(ap: argparse.ArgumentParser) -> None:
-    """`--quantization`, weight-only, for every command that runs a model (pdserve/engine/quant)."""
-    ap.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none", help=QUANTIZATION_HELP)
-
-
-QUANTIZATION_HELP = ("weight-only quantization of the decoder linears on load: int8 (per-channel "
-                     "scales) or int4 (groups of 128, asymmetric); AWQ/GPTQ checkpoints are served "
-                     "as stored with none")
-
-
-def add_lm_head_quantization_arg(ap: argparse.ArgumentParser) -> None:
-    """`--lm-head-quantization`, for every command that runs a model (pdserve/engine/quant/formats.py)."""
-    ap.add_argument("--lm-head-quantization", choices=LM_HEAD_CHOICES, default="auto", help=LM_HEAD_HELP)
-
-
-LM_HEAD_HELP = ("the LM head's weights: auto (int8 per-channel with --quantization int8/int4, "
-                "else the compute dtype), none (always the compute dtype) or int8")
-
-
 def speculative_config(text: str) -> SpeculativeConfig:
     """vLLM's `--speculative-config` JSON (pdserve/engine/spec/config.py)."""
     try:
         return SpeculativeConfig.from_json(text)
     except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def add_speculative_arg(ap: argparse.ArgumentParser) -> None:
-    """`--speculative-config` for every command that decodes."""
-    ap.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
-                    help=SPECULATIVE_HELP)
-
-
-SPECULATIVE_HELP = (
-    'speculative decoding, vLLM\'s shape: {"method": "ngram", '
-    '"num_speculative_tokens": K, "prompt_lookup_min": a, "prompt_lookup_max": b} or '
-    '{"method": "draft_model", "model": DIR, "num_speculative_tokens": K}; optional '
-    '"disable_by_batch_size" (default 8): no drafts in a step with more running '
-    'sequences; draft_model: optional "draft_kv": "decode" (default: the decode worker '
-    'prefills the draft) or "prefill" (the prefill worker runs the draft too and ships '
-    'its KV; give the same config to both). Output is identical with it on or off')
 
 
 def check_speculative(spec: SpeculativeConfig | None) -> None:

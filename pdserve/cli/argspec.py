@@ -53,12 +53,14 @@ class ArgGroup:
         return [f for f in fields(cls) if "flag" in f.metadata and (not up or f.metadata["flag"].up)]  # type: ignore[arg-type]
 
     @classmethod
-    def add_to(cls, ap: argparse.ArgumentParser, *, up: bool = False, skip: frozenset[str] = frozenset()) -> None:
-        """Register the group's flags on `ap` (`up`: those `pdserve up` offers, with its help)."""
+    def add_to(cls, ap: argparse.ArgumentParser, *, up: bool = False, skip: frozenset[str] = frozenset(),
+               only: tuple[str, ...] | None = None) -> None:
+        """Register the group's flags on `ap` (`up`: those `pdserve up` offers, with its help;
+        `only`: just these fields, for a command that shares a few of them)."""
         groups: dict[str, Any] = {}
         for f in cls.flags(up=up):
             spec: Flag = f.metadata["flag"]
-            if f.name in skip:
+            if f.name in skip or (only is not None and f.name not in only):
                 continue
             target: Any = ap
             if spec.group is not None and not up:  # `up` lists its flags in one section

@@ -10,20 +10,14 @@ from pathlib import Path
 
 from pdserve.common.kv_layout import KV_CACHE_DTYPE_HELP
 from pdserve.common.roles import Role
+from pdserve.engine.attention.backend_choice import ATTENTION_BACKENDS
 from pdserve.engine.loading.dtype import DTYPE_HELP
 from pdserve.engine.quant.formats import LM_HEAD_CHOICES, QUANTIZATION_CHOICES
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.cli.args import (
-    ATTENTION_BACKEND_HELP,
-    ATTENTION_BACKENDS,
-    CUDA_GRAPHS_HELP,
     DOWNLOAD_DIR_HELP,
-    GPU_MEMORY_HELP,
-    LM_HEAD_HELP,
     MODEL_HELP,
-    QUANTIZATION_HELP,
     REVISION_HELP,
-    SPECULATIVE_HELP,
     byte_size_text,
     device,
     dtype,
@@ -41,6 +35,10 @@ from pdserve.cli.argspec import ArgGroup, flag
 from pdserve.worker.cpu_cores import format_cpu_list, parse_cpu_list
 
 P_D = (Role.PREFILL, Role.DECODE)
+GPU_MEMORY_HELP = ("CUDA: fraction of the device's total memory a worker may use (weights, activations and KV "
+                   "cache); default ")
+
+ENGINE_FLAGS = ("dtype", "kv_cache_dtype", "quantization", "lm_head_quantization")  # shared with `generate`
 
 
 def gateway_address(text: str) -> str:
@@ -79,8 +77,12 @@ class WorkerArgs(ArgGroup):
     dtype: str = flag("auto", DTYPE_HELP, type=dtype,
                       up_help="workers' weight and KV dtype, each resolved on its own host; " + DTYPE_HELP)
     kv_cache_dtype: str = flag("auto", KV_CACHE_DTYPE_HELP, type=kv_cache_dtype)
-    quantization: str = flag("none", QUANTIZATION_HELP, choices=QUANTIZATION_CHOICES)
-    lm_head_quantization: str = flag("auto", LM_HEAD_HELP, choices=LM_HEAD_CHOICES)
+    quantization: str = flag("none", "weight-only quantization of the decoder linears on load: int8 (per-channel "
+                             "scales) or int4 (groups of 128, asymmetric); AWQ/GPTQ checkpoints are served as stored "
+                             "with none", choices=QUANTIZATION_CHOICES)
+    lm_head_quantization: str = flag("auto", "the LM head's weights: auto (int8 per-channel with --quantization "
+                                     "int8/int4, else the compute dtype), none (always the compute dtype) or int8",
+                                     choices=LM_HEAD_CHOICES)
     spin_wait: bool = flag(False, "let OpenMP threads spin briefly between parallel regions (OpenMP's own "
                            "default): ~20%% faster steps when this worker's threads have their cores to themselves, "
                            "a collapse when other busy processes share them. Without it the worker sets "
@@ -93,11 +95,14 @@ class WorkerArgs(ArgGroup):
         "tensor or pipeline parallelism", choices=("adaptive", "fixed"), up=False)
     kv_cache_memory: str | None = flag(None, "KV pool bytes, e.g. 256MiB", type=byte_size_text,
                                        up_help="per-worker KV pool bytes, e.g. 256MiB")
-    gpu_memory_utilization: float | None = flag(None, GPU_MEMORY_HELP.format("0.9"), type=memory_fraction,
-                                                metavar="FRACTION", up_help=GPU_MEMORY_HELP.format(
-                                                    "0.9 / the number of workers on the device"))
-    cuda_graphs: bool | None = flag(None, CUDA_GRAPHS_HELP, action=argparse.BooleanOptionalAction)
-    attention_backend: str = flag("auto", ATTENTION_BACKEND_HELP, choices=ATTENTION_BACKENDS)
+    gpu_memory_utilization: float | None = flag(None, GPU_MEMORY_HELP + "0.9", type=memory_fraction, metavar="FRACTION",
+                                                up_help=GPU_MEMORY_HELP + "0.9 / the number of workers on the device")
+    cuda_graphs: bool | None = flag(None, "CUDA: replay decode steps from CUDA graphs captured at batch sizes 1, 2, "
+                                    "4 ... 64 (default on with a CUDA device; never on CPU)",
+                                    action=argparse.BooleanOptionalAction)
+    attention_backend: str = flag("auto", "auto: on CUDA flashinfer if installed, else triton; on CPU the "
+                                  "native/torch kernels. triton and flashinfer need CUDA and the package installed",
+                                  choices=ATTENTION_BACKENDS)
     num_blocks: int | None = flag(None, "explicit KV block count", type=positive_int, up_help="")
     block_size: int = flag(16, type=positive_int, up_help="per-worker KV block size in tokens")
     max_num_seqs: int = flag(64, type=positive_int, up_help="per-worker running sequences")
@@ -151,5 +156,11 @@ class WorkerArgs(ArgGroup):
     curve_authorized_keys: str | None = flag(
         None, "CURVE, prefill and decode: directory of the workers' public certificates (the gateway's); KV "
         "sockets then use CURVE and accept only these peers", up=False)
-    speculative_config: SpeculativeConfig | None = flag(None, SPECULATIVE_HELP, type=speculative_config,
-                                                        metavar="JSON", render=SpeculativeConfig.to_json)
+    speculative_config: SpeculativeConfig | None = flag(
+        None, 'speculative decoding, vLLM\'s shape: {"method": "ngram", "num_speculative_tokens": K, '
+        '"prompt_lookup_min": a, "prompt_lookup_max": b} or {"method": "draft_model", "model": DIR, '
+        '"num_speculative_tokens": K}; optional "disable_by_batch_size" (default 8): no drafts in a step with more '
+        'running sequences; draft_model: optional "draft_kv": "decode" (default: the decode worker prefills the '
+        'draft) or "prefill" (the prefill worker runs the draft too and ships its KV; give the same config to '
+        'both). Output is identical with it on or off', type=speculative_config, metavar="JSON",
+        render=SpeculativeConfig.to_json)
