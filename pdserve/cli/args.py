@@ -17,14 +17,17 @@ import ipaddress
 import math
 import re
 import socket
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlparse
 
 from pdserve.common.kv_layout import normalize_kv_cache_dtype
 from pdserve.engine.loading.dtype import normalize_dtype
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.planner.capacity import PlanError, parse_size
+
+T = TypeVar("T")
 
 
 class Parser(argparse.ArgumentParser):
@@ -177,28 +180,20 @@ def device(text: str) -> str:
     return text
 
 
-def dtype(text: str) -> str:
-    """`auto`, `float32`, `float16` or `bfloat16` (also `fp32`, `fp16`, `half`, `bf16`)."""
-    try:
-        return normalize_dtype(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def checked(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """`parse` as an argparse type: its ValueError or TypeError is the refusal, in its words."""
+    def conv(text: str) -> T:
+        try:
+            return parse(text)
+        except (ValueError, TypeError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    conv.__name__ = parse.__name__
+    return conv
 
 
-def kv_cache_dtype(text: str) -> str:
-    """`auto`, `fp8` (= `fp8_e4m3`), `fp8_e4m3` or `int8`; returned normalized."""
-    try:
-        return normalize_kv_cache_dtype(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def speculative_config(text: str) -> SpeculativeConfig:
-    """vLLM's `--speculative-config` JSON (pdserve/engine/spec/config.py)."""
-    try:
-        return SpeculativeConfig.from_json(text)
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+dtype = checked(normalize_dtype)  # auto, float32, float16, bfloat16 (also fp32, fp16, half, bf16)
+kv_cache_dtype = checked(normalize_kv_cache_dtype)  # auto, fp8 (= fp8_e4m3), fp8_e4m3 or int8, normalized
+speculative_config = checked(SpeculativeConfig.from_json)  # vLLM's --speculative-config JSON
 
 
 def check_speculative(spec: SpeculativeConfig | None) -> None:

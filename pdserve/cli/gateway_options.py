@@ -48,19 +48,13 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(dict.fromkeys(keys))
 
 
-def _set(args: argparse.Namespace, pairs: dict[str, str]) -> dict[str, Any]:
-    return {
-        field: getattr(args, attr)
-        for field, attr in pairs.items()
-        if getattr(args, attr) is not None
-    }
-
-
 def request_limits(args: argparse.Namespace) -> Any:
+    """The limits set by flags named as `RequestLimits`'s fields (--max-tokens-limit: `max_tokens`,
+    a cap, not the default); the others keep the dataclass's defaults."""
     from gateway.config import RequestLimits
 
-    names = {f.name: f.name for f in fields(RequestLimits)} | {"max_tokens": "max_tokens_limit"}
-    return RequestLimits(**_set(args, names))
+    flags = {f.name: f.name for f in fields(RequestLimits)} | {"max_tokens": "max_tokens_limit"}
+    return RequestLimits(**{k: getattr(args, a) for k, a in flags.items() if getattr(args, a) is not None})
 
 
 def admission_config(args: argparse.Namespace) -> Any:

@@ -183,10 +183,8 @@ def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
 
 
 def _role_names(args: argparse.Namespace) -> list[str]:
-    if args.colocated:
-        return [f"colocated worker {i + 1}" for i in range(args.workers)]
-    return [f"prefill worker {i + 1}" for i in range(args.prefill)] + [
-        f"decode worker {i + 1}" for i in range(args.decode)]
+    roles = _roles(args)
+    return [f"{role} worker {roles[:i].count(role) + 1}" for i, role in enumerate(roles)]
 
 
 def check_args(args: argparse.Namespace) -> None:

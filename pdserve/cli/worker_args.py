@@ -19,6 +19,7 @@ from pdserve.cli.args import (
     MODEL_HELP,
     REVISION_HELP,
     byte_size_text,
+    checked,
     device,
     dtype,
     fraction,
@@ -42,33 +43,19 @@ ENGINE_FLAGS = ("dtype", "kv_cache_dtype", "quantization", "lm_head_quantization
 
 
 def gateway_address(text: str) -> str:
-    from pdserve.worker.gateways import parse_gateway
+    from pdserve.worker.gateways import parse_gateway  # zmq: loaded only when a worker's flags are parsed
 
-    try:
-        return parse_gateway(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def cpu_list(text: str) -> tuple[int, ...]:
-    try:
-        return parse_cpu_list(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return parse_gateway(text)
 
 
 def default_threads(local_workers: int = 1) -> int:
     return max(1, (os.cpu_count() or 1) // max(local_workers, 1))
 
 
-def _cores(cores: tuple[int, ...]) -> str:
-    return format_cpu_list(list(cores))
-
-
 @dataclass(frozen=True)
 class WorkerArgs(ArgGroup):
     gateway: tuple[str, ...] = flag((), "gateway control address, tcp://HOST:PORT or dns+tcp://NAME:PORT (every "
-                                    "A record, re-resolved); repeat for several gateways", type=gateway_address,
+                                    "A record, re-resolved); repeat for several gateways", type=checked(gateway_address),
                                     action="append", required=True, up=False)
     model: str | None = flag(None, MODEL_HELP, up=False)  # `up` passes the directory it resolved
     revision: str | None = flag(None, REVISION_HELP, up=False)
@@ -131,13 +118,13 @@ class WorkerArgs(ArgGroup):
         "micro-batch overlap yet; not with --tensor-parallel-size)", type=positive_int, up=False)
     local_workers: int = flag(1, "workers sharing this host", type=positive_int, up=False)
     cpu_cores: tuple[int, ...] | None = flag(None, "pin the worker's threads to these cores, e.g. 0-3 (default: "
-                                             "unpinned); --threads then defaults to their count", type=cpu_list,
-                                             metavar="LIST", render=_cores, up=False)
+                                             "unpinned); --threads then defaults to their count", type=checked(parse_cpu_list),
+                                             metavar="LIST", render=format_cpu_list, up=False)
     core_share: str | None = flag(None, "prefill/decode: the file `pdserve up` made so the decode worker may use "
                                   "the prefill worker's cores while it has no work", metavar="FILE", roles=P_D,
                                   up=False)
     borrow_cores: tuple[int, ...] | None = flag(None, "decode, with --core-share and --cpu-cores: the prefill "
-                                                "worker's cores", type=cpu_list, metavar="LIST", render=_cores,
+                                                "worker's cores", type=checked(parse_cpu_list), metavar="LIST", render=format_cpu_list,
                                                 roles=(Role.DECODE,), up=False)
     metrics_host: str = flag("127.0.0.1", type=host, up=False)
     metrics_port: int = flag(0, "worker /health and /metrics (0: free)", type=port_or_zero, up=False)

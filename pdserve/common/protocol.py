@@ -34,7 +34,7 @@ from pdserve.common.payload import RequestPayload as RequestPayload  # re-export
 from pdserve.common.payload import Resume as Resume
 from pdserve.common.roles import FLIP_ROLES as FLIP_ROLES  # re-exported: the roles a live role flip moves between
 from pdserve.common.roles import ROLES as ROLES
-from pdserve.common.roles import Role
+from pdserve.common.roles import Role as Role  # re-exported: RegisterWorker and SwitchRole carry it
 
 MAGIC = "pdsv"
 VERSION = 1
