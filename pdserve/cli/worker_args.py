@@ -38,7 +38,6 @@ from pdserve.worker.cpu_cores import format_cpu_list, parse_cpu_list
 P_D = (Role.PREFILL, Role.DECODE)
 GPU_MEMORY_HELP = ("CUDA: fraction of the device's total memory a worker may use (weights, activations and KV "
                    "cache); default ")
-
 ENGINE_FLAGS = ("dtype", "kv_cache_dtype", "quantization", "lm_head_quantization")  # shared with `generate`
 
 

@@ -123,70 +123,69 @@ def run(args: argparse.Namespace) -> int:
     if args.cpu_cores:  # before torch starts its threads: they inherit the mask
         pin_process(args.cpu_cores)
     kv_curve = kv_curve_option(args)
+    w = WorkerArgs.from_namespace(args)
     from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine.loading.dtype import model_dtype
     from pdserve.engine.runner.memory_budget import DEFAULT_GPU_MEMORY_UTILIZATION
 
-    model = model_dir(args.model)
+    model = model_dir(w.model)
     try:
         engine_cfg = EngineConfig(
             model_dir=str(model),
-            dtype=model_dtype(args.dtype, model, args.device),  # `auto`: what this host serves in
-            device=args.device,
-            grammar_compile_timeout_s=args.grammar_compile_timeout,
-            quantization=args.quantization,
-            lm_head_quantization=args.lm_head_quantization,
-            num_threads=args.threads or (len(args.cpu_cores) if args.cpu_cores
-                                         else default_threads(args.local_workers)),
-            kv_cache_dtype=args.kv_cache_dtype,
-            tensor_parallel_size=args.tensor_parallel_size,
-            pipeline_parallel_size=args.pipeline_parallel_size,
+            dtype=model_dtype(w.dtype, model, w.device),  # `auto`: what this host serves in
+            device=w.device,
+            grammar_compile_timeout_s=w.grammar_compile_timeout,
+            quantization=w.quantization,
+            lm_head_quantization=w.lm_head_quantization,
+            num_threads=w.threads or (len(w.cpu_cores) if w.cpu_cores else default_threads(w.local_workers)),
+            kv_cache_dtype=w.kv_cache_dtype,
+            tensor_parallel_size=w.tensor_parallel_size,
+            pipeline_parallel_size=w.pipeline_parallel_size,
             cache=CacheConfig(
-                block_size=args.block_size,
-                kv_cache_memory=args.kv_cache_memory and byte_size(args.kv_cache_memory),
-                gpu_memory_utilization=args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
-                num_blocks=args.num_blocks,
-                enable_prefix_caching=not args.no_prefix_caching,
+                block_size=w.block_size,
+                kv_cache_memory=byte_size(w.kv_cache_memory) if w.kv_cache_memory else None,
+                gpu_memory_utilization=w.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
+                num_blocks=w.num_blocks,
+                enable_prefix_caching=not w.no_prefix_caching,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                long_prefill_token_threshold=args.long_prefill_token_threshold,
-                max_model_len=args.max_model_len,
-                reserve_decode_tokens=args.reserve_decode_tokens,
-                watermark=args.kv_watermark,
+                max_num_seqs=w.max_num_seqs,
+                max_num_batched_tokens=w.max_num_batched_tokens,
+                long_prefill_token_threshold=w.long_prefill_token_threshold,
+                max_model_len=w.max_model_len,
+                reserve_decode_tokens=w.reserve_decode_tokens,
+                watermark=w.kv_watermark,
             ),
-            speculative=getattr(args, "speculative_config", None),
-            cuda_graphs=args.cuda_graphs,
-            attention_backend=args.attention_backend,
+            speculative=w.speculative_config,
+            cuda_graphs=w.cuda_graphs,
+            attention_backend=w.attention_backend,
         )
     except ValueError as e:
         raise SystemExit(f"pdserve {args.role}: {e}") from None
     logging.getLogger(__name__).info("serving in %s (--dtype %s, KV cache %s, device %s, --quantization %s)",
-                                     engine_cfg.dtype, args.dtype, args.kv_cache_dtype, args.device,
-                                     args.quantization)
+                                     engine_cfg.dtype, w.dtype, w.kv_cache_dtype, w.device, w.quantization)
     from pdserve.common.transport import CurveClient
     from pdserve.worker.main import WorkerOptions, run_worker
 
-    curve = CurveClient(args.curve_key, args.curve_server_key) if args.curve_key else None
+    curve = CurveClient(w.curve_key, w.curve_server_key) if w.curve_key and w.curve_server_key else None
 
     opts = WorkerOptions(
         role=args.role,
-        gateways=tuple(args.gateway),
-        worker_id=args.worker_id,
-        metrics_host=args.metrics_host,
-        metrics_port=args.metrics_port,
-        heartbeat_s=args.heartbeat,
-        kv_host=args.kv_host,
-        kv_port=args.kv_port,
-        kv_transport=args.kv_transport,
+        gateways=w.gateway,
+        worker_id=w.worker_id,
+        metrics_host=w.metrics_host,
+        metrics_port=w.metrics_port,
+        heartbeat_s=w.heartbeat,
+        kv_host=w.kv_host,
+        kv_port=w.kv_port,
+        kv_transport=w.kv_transport,
         curve=curve,
-        fault_injection=args.enable_fault_injection,
+        fault_injection=w.enable_fault_injection,
         kv_curve=kv_curve,
-        core_share=args.core_share,
-        cpu_cores=tuple(args.cpu_cores or ()),
-        borrow_cores=tuple(args.borrow_cores or ()),
-        thread_policy=args.thread_policy,
+        core_share=w.core_share,
+        cpu_cores=w.cpu_cores or (),
+        borrow_cores=w.borrow_cores or (),
+        thread_policy=str(args.thread_policy),  # resolved by check_args
     )
     # Prefill and decode workers can switch between the two live (gateway admin call).
     flips = {r: node_builder(r) for r in FLIP_ROLES} if args.role in FLIP_ROLES else None
