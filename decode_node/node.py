@@ -34,6 +34,7 @@ from kv_transfer.api import KVReceiver, TransferState
 from pdserve.common import protocol as p
 from pdserve.common.logprobs import Logprob
 from pdserve.common.logs import request_fields
+from pdserve.common.roles import Role
 from pdserve.engine.core.scheduler import Reservation
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner.model_runner import ModelRunner
@@ -77,7 +78,7 @@ def first_logprobs(raw: list[Logprob | None] | None) -> list[Logprob | None] | N
 
 
 class DecodeNode(EngineNode):
-    role = "decode"
+    role = Role.DECODE
 
     def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, receiver: KVReceiver,
                  send: Sender, metrics: WorkerMetrics, kv_shm: str = "",

@@ -38,6 +38,7 @@ from gateway.errors import APIError
 from gateway.registry import WorkerInfo
 from gateway.state import STATE
 from pdserve.common import protocol as p
+from pdserve.common.roles import Role
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,8 @@ class FlipResult:
 @dataclass(frozen=True)
 class PendingFlip:
     worker_id: str
-    from_role: str
-    to_role: str
+    from_role: Role
+    to_role: Role
     since: float
 
 
@@ -92,6 +93,7 @@ class RoleFlips:
         if refused is not None:
             return refused
         assert w is not None
+        role = Role(role)  # the request's name, checked by `refusal`
         w.draining = True  # before SwitchRole: nothing routed here can arrive after it
         self.control.send(worker_id, p.SwitchRole(worker_id, role))
         self._pending[worker_id] = PendingFlip(worker_id, w.role, role, time.monotonic() if now is None else now)

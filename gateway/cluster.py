@@ -197,7 +197,7 @@ class ClusterBackend:
         request, a = flight.request, flight.attempt
         mode = await self._wait_mode(request)
         if mode == "colocated":
-            pick = self.router.pick(self.registry.pool("colocated"), a.payload)
+            pick = self.router.pick(self.registry.pool(p.Role.COLOCATED), a.payload)
             assert pick is not None
             self._run_on(a, pick)
             return
@@ -220,11 +220,11 @@ class ClusterBackend:
     def _prefill_locally(self, a: Attempt) -> bool:
         """Run on the decode worker if it has room and the uncached part is within the
         threshold, or would wait behind a long prefill (gateway/kv_router.py)."""
-        decode = self.router.pick_decode(self.registry.pool("decode"), a.payload, count=False)
+        decode = self.router.pick_decode(self.registry.pool(p.Role.DECODE), a.payload, count=False)
         if decode is None:
             return False
         blocks = blocks_needed(a.payload.num_tokens, decode.reg.block_size)
-        prefill = self.registry.pool("prefill")
+        prefill = self.registry.pool(p.Role.PREFILL)
         route = self.router.local_prefill(decode, a.payload, prefill) if decode.free_blocks >= blocks else None
         if route is None:
             return False
@@ -233,7 +233,7 @@ class ClusterBackend:
 
     def _start_prefill(self, a: Attempt) -> None:
         """Send the attempt's prompt to the prefill worker the router picks."""
-        pick = self.router.pick(self.registry.pool("prefill"), a.payload)
+        pick = self.router.pick(self.registry.pool(p.Role.PREFILL), a.payload)
         if pick is None:
             raise BackendError(BackendErrorKind.NO_WORKERS, "no prefill worker registered", retry_after=1.0)
         prefill, a.route = pick.worker, pick.route
@@ -243,7 +243,7 @@ class ClusterBackend:
 
     def _reserve(self, a: Attempt) -> None:
         """Ask the decode worker the router picks to reserve blocks for the prompt."""
-        decode = self.router.pick_decode(self.registry.pool("decode"), a.payload)
+        decode = self.router.pick_decode(self.registry.pool(p.Role.DECODE), a.payload)
         if decode is None:
             raise BackendError(BackendErrorKind.NO_WORKERS, "no decode worker registered", retry_after=1.0)
         a.transfer_id = new_id("xfer")
@@ -373,7 +373,7 @@ class ClusterBackend:
     def _assign(a: Attempt, w: WorkerInfo, tokens: int, blocks: int = 0) -> None:
         a.workers.add(w.worker_id)
         w.inflight.add(a.wid)
-        w.add_pending(a.wid, tokens, blocks, 1 if blocks or w.role == "colocated" else 0)
+        w.add_pending(a.wid, tokens, blocks, 1 if blocks or w.role == p.Role.COLOCATED else 0)
 
     def _unassign(self, a: Attempt, worker_id: str) -> None:
         a.workers.discard(worker_id)

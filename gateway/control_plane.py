@@ -34,6 +34,7 @@ from gateway.kv_index import KvIndex
 from gateway.kv_router import RouterConfig
 from gateway.registry import WorkerInfo, WorkerRegistry
 from pdserve.common import protocol as p
+from pdserve.common.roles import Role
 from pdserve.common.transport import LOOPBACK, CurveServer, ZapLog, apply_curve_server
 
 log = logging.getLogger(__name__)
@@ -142,9 +143,9 @@ class ControlPlane:
     # --- registry views ----------------------------------------------------
 
     def mode(self) -> str | None:
-        if self.registry.pool("prefill") and self.registry.pool("decode"):
+        if self.registry.pool(Role.PREFILL) and self.registry.pool(Role.DECODE):
             return "disagg"
-        if self.registry.pool("colocated"):
+        if self.registry.pool(Role.COLOCATED):
             return "colocated"
         return None
 
@@ -169,7 +170,7 @@ class ControlPlane:
             free = hb.free_blocks if hb else total
             usage = (total - free) / total if total else 0.0
             out.append(FleetSample("llm_kv_cache_usage_ratio", "KV cache usage (0-1)", labels, usage))
-            if w.role != "prefill":
+            if w.role != Role.PREFILL:
                 running = float(hb.running_seqs) if hb else 0.0
                 out.append(FleetSample("llm_current_batch_size", "Running sequences", labels, running))
             for name, value in sorted((hb.gauges if hb else {}).items()):

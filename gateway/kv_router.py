@@ -62,6 +62,7 @@ from gateway.registry import WorkerInfo
 from gateway.router import blocks_needed, pick_colocated, pick_decode, pick_prefill
 from pdserve.common.block_hash import cacheable_blocks, prefix_block_keys
 from pdserve.common.protocol import RequestPayload
+from pdserve.common.roles import Role
 
 ROUTERS = ("kv-aware", "least-loaded", "round-robin")
 # What one running sequence weighs against queued prompt tokens on a colocated worker.
@@ -134,7 +135,7 @@ class KvRouter:
         if kind == "round-robin":
             w, reason = sorted(pool, key=lambda w: w.worker_id)[next(self._turn) % len(pool)], "round_robin"
         elif kind == "least-loaded":
-            colocated = pool[0].role == "colocated"
+            colocated = pool[0].role == Role.COLOCATED
             best = pick_colocated(pool) if colocated else pick_prefill(pool)
             assert best is not None
             w, reason = best, "least_loaded"
@@ -155,7 +156,7 @@ class KvRouter:
     @staticmethod
     def cost(w: WorkerInfo, num_tokens: int, cached_tokens: int) -> int:
         """Uncached prompt tokens + queued load (the module docstring's formula)."""
-        load = w.queued_tokens + (RUNNING_SEQ_TOKENS * w.running if w.role == "colocated" else 0)
+        load = w.queued_tokens + (RUNNING_SEQ_TOKENS * w.running if w.role == Role.COLOCATED else 0)
         return num_tokens - cached_tokens + load
 
     def pick_decode(self, pool: Sequence[WorkerInfo], payload: RequestPayload,

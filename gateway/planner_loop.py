@@ -41,6 +41,7 @@ from gateway.control_plane import ControlPlane
 from gateway.planner import Action, Decision, LoadSample, PlannerSettings, PlannerState, decide
 from gateway.registry import WorkerInfo, WorkerRegistry
 from gateway.state import STATE
+from pdserve.common.roles import Role
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class PlannerLoop:
         self._task: asyncio.Task[None] | None = None
 
     def sample(self, now: float) -> LoadSample:
-        prefill, decode = self.registry.pool("prefill"), self.registry.pool("decode")
+        prefill, decode = self.registry.pool(Role.PREFILL), self.registry.pool(Role.DECODE)
         usage = [(w.reg.total_blocks - w.free_blocks) / max(w.reg.total_blocks, 1) for w in decode]
         q = self.settings.quantile
         return LoadSample(now, len(prefill), len(decode), sum(w.queued_tokens for w in prefill),
@@ -156,12 +157,12 @@ class PlannerLoop:
         return True
 
     def _flip(self, action: Action) -> None:
-        giver = "decode" if action is Action.TO_PREFILL else "prefill"
+        giver = Role.DECODE if action is Action.TO_PREFILL else Role.PREFILL
         pool = self.registry.pool(giver)
         if not pool:
             return
-        w = min(pool, key=lambda w: (w.running if giver == "decode" else w.queued_tokens, len(w.inflight)))
-        result = self.flips.request(w.worker_id, "prefill" if giver == "decode" else "decode")
+        w = min(pool, key=lambda w: (w.running if giver == Role.DECODE else w.queued_tokens, len(w.inflight)))
+        result = self.flips.request(w.worker_id, Role.PREFILL if giver == Role.DECODE else Role.DECODE)
         if result.status != 202:
             log.warning("planner: flip of %s refused: %s", w.worker_id, result.message)
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.common.protocol import Heartbeat, RegisterWorker
+from pdserve.common.roles import Role
 from pdserve.common.transport import transport_kind
 
 
@@ -84,7 +85,7 @@ class WorkerInfo:
         return self.reg.worker_id
 
     @property
-    def role(self) -> str:
+    def role(self) -> Role:
         return self.reg.role
 
     @property
@@ -217,7 +218,7 @@ class WorkerRegistry:
     def get(self, worker_id: str) -> WorkerInfo | None:
         return self._workers.get(worker_id)
 
-    def pool(self, role: str) -> list[WorkerInfo]:
+    def pool(self, role: Role) -> list[WorkerInfo]:
         """Routable workers of one role (draining and stalled workers excluded)."""
         return [w for w in self._workers.values() if w.role == role and not w.draining and not w.stalled]
 

@@ -34,6 +34,7 @@ import torch
 from kv_transfer.api import KVSender, TransferState
 from pdserve.common import protocol as p
 from pdserve.common.logs import request_fields
+from pdserve.common.roles import Role
 from pdserve.common.transport import host_id
 from pdserve.engine.core.outputs import RequestOutput
 from pdserve.engine.core.scheduler import SchedulerOutput
@@ -87,7 +88,7 @@ def layer_ready(device: torch.device) -> torch.cuda.Event | None:
 
 
 class PrefillNode(EngineNode):
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, sender: KVSender,
                  send: Sender, metrics: WorkerMetrics, layerwise: bool = True,

@@ -17,15 +17,17 @@ import ipaddress
 import math
 import re
 import socket
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlparse
 
-from pdserve.common.kv_layout import KV_CACHE_DTYPE_HELP, normalize_kv_cache_dtype
-from pdserve.engine.loading.dtype import DTYPE_HELP, normalize_dtype
-from pdserve.engine.quant.formats import LM_HEAD_CHOICES, QUANTIZATION_CHOICES
+from pdserve.common.kv_layout import normalize_kv_cache_dtype
+from pdserve.engine.loading.dtype import normalize_dtype
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.planner.capacity import PlanError, parse_size
+
+T = TypeVar("T")
 
 
 class Parser(argparse.ArgumentParser):
@@ -134,20 +136,6 @@ def memory_fraction(text: str) -> float:
     return value
 
 
-def add_gpu_args(ap: argparse.ArgumentParser, per_worker_default: str) -> None:
-    """--gpu-memory-utilization and --cuda-graphs (CUDA workers only)."""
-    ap.add_argument("--gpu-memory-utilization", type=memory_fraction, default=None, metavar="FRACTION",
-                    help="CUDA: fraction of the device's total memory a worker may use (weights, "
-                    f"activations and KV cache); default {per_worker_default}")
-    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                    help="CUDA: replay decode steps from CUDA graphs captured at batch sizes "
-                    "1, 2, 4 ... 64 (default on with a CUDA device; never on CPU)")
-    ap.add_argument("--attention-backend", choices=("auto", "torch", "triton", "flashinfer"),
-                    default="auto",
-                    help="auto: on CUDA flashinfer if installed, else triton; on CPU the native/torch "
-                    "kernels. triton and flashinfer need CUDA and the package installed")
-
-
 def byte_size(text: str) -> int:
     """Bytes > 0: `256MiB`, `1GiB`, `2GB`, `1048576` (one parser: `pdserve.planner.capacity.parse_size`)."""
     try:
@@ -192,66 +180,20 @@ def device(text: str) -> str:
     return text
 
 
-def dtype(text: str) -> str:
-    """`auto`, `float32`, `float16` or `bfloat16` (also `fp32`, `fp16`, `half`, `bf16`)."""
-    try:
-        return normalize_dtype(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def checked(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """`parse` as an argparse type: its ValueError or TypeError is the refusal, in its words."""
+    def conv(text: str) -> T:
+        try:
+            return parse(text)
+        except (ValueError, TypeError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    conv.__name__ = parse.__name__
+    return conv
 
 
-def add_dtype_arg(ap: argparse.ArgumentParser, help_prefix: str = "") -> None:
-    """`--dtype`, default auto (pdserve/engine/loading/dtype.py), for every command that runs or plans a model."""
-    ap.add_argument("--dtype", type=dtype, default="auto", help=help_prefix + DTYPE_HELP)
-
-
-def kv_cache_dtype(text: str) -> str:
-    """`auto`, `fp8` (= `fp8_e4m3`), `fp8_e4m3` or `int8`; returned normalized."""
-    try:
-        return normalize_kv_cache_dtype(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def add_kv_cache_dtype_arg(ap: argparse.ArgumentParser) -> None:
-    """`--kv-cache-dtype` (vLLM's name), for every command that runs a model."""
-    ap.add_argument("--kv-cache-dtype", type=kv_cache_dtype, default="auto",
-                    help=KV_CACHE_DTYPE_HELP)
-
-
-def add_quantization_arg(ap: argparse.ArgumentParser) -> None:
-    """`--quantization`, weight-only, for every command that runs a model (pdserve/engine/quant)."""
-    ap.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
-                    help="weight-only quantization of the decoder linears on load: int8 (per-channel "
-                    "scales) or int4 (groups of 128, asymmetric); AWQ/GPTQ checkpoints are served "
-                    "as stored with none")
-
-
-def add_lm_head_quantization_arg(ap: argparse.ArgumentParser) -> None:
-    """`--lm-head-quantization`, for every command that runs a model (pdserve/engine/quant/formats.py)."""
-    ap.add_argument("--lm-head-quantization", choices=LM_HEAD_CHOICES, default="auto",
-                    help="the LM head's weights: auto (int8 per-channel with --quantization int8/int4, "
-                    "else the compute dtype), none (always the compute dtype) or int8")
-
-
-def speculative_config(text: str) -> SpeculativeConfig:
-    """vLLM's `--speculative-config` JSON (pdserve/engine/spec/config.py)."""
-    try:
-        return SpeculativeConfig.from_json(text)
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def add_speculative_arg(ap: argparse.ArgumentParser) -> None:
-    """`--speculative-config` for every command that decodes."""
-    ap.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
-                    help='speculative decoding, vLLM\'s shape: {"method": "ngram", '
-                    '"num_speculative_tokens": K, "prompt_lookup_min": a, "prompt_lookup_max": b} or '
-                    '{"method": "draft_model", "model": DIR, "num_speculative_tokens": K}; optional '
-                    '"disable_by_batch_size" (default 8): no drafts in a step with more running '
-                    'sequences; draft_model: optional "draft_kv": "decode" (default: the decode worker '
-                    'prefills the draft) or "prefill" (the prefill worker runs the draft too and ships '
-                    'its KV; give the same config to both). Output is identical with it on or off')
+dtype = checked(normalize_dtype)  # auto, float32, float16, bfloat16 (also fp32, fp16, half, bf16)
+kv_cache_dtype = checked(normalize_kv_cache_dtype)  # auto, fp8 (= fp8_e4m3), fp8_e4m3 or int8, normalized
+speculative_config = checked(SpeculativeConfig.from_json)  # vLLM's --speculative-config JSON
 
 
 def check_speculative(spec: SpeculativeConfig | None) -> None:
@@ -275,11 +217,14 @@ def http_url(text: str) -> str:
 def add_model_arg(ap: argparse.ArgumentParser, note: str = "") -> None:
     """`--model` (a directory or a Hugging Face repo id) with `--revision` and `--download-dir`;
     `pdserve.cli.main` resolves an id to its snapshot directory before the command runs."""
-    ap.add_argument("--model", default=None,
-                    help="model directory or Hugging Face repo id org/name (default: built-in)" + note)
-    ap.add_argument("--revision", default=None, help="with a repo id: branch, tag or commit (default: main)")
-    ap.add_argument("--download-dir", type=Path, default=None,
-                    help="with a repo id: the Hugging Face cache to use (default: $HF_HUB_CACHE or $HF_HOME/hub)")
+    ap.add_argument("--model", default=None, help=MODEL_HELP + note)
+    ap.add_argument("--revision", default=None, help=REVISION_HELP)
+    ap.add_argument("--download-dir", type=Path, default=None, help=DOWNLOAD_DIR_HELP)
+
+
+MODEL_HELP = "model directory or Hugging Face repo id org/name (default: built-in)"
+REVISION_HELP = "with a repo id: branch, tag or commit (default: main)"
+DOWNLOAD_DIR_HELP = "with a repo id: the Hugging Face cache to use (default: $HF_HUB_CACHE or $HF_HOME/hub)"
 
 
 def resolve_model_arg(args: argparse.Namespace) -> None:

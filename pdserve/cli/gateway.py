@@ -12,20 +12,13 @@ import argparse
 
 from pdserve.cli.args import (
     UsageError,
-    add_model_arg,
     check_listen,
     check_max_model_len,
     check_model,
-    host,
     model_dir,
-    non_negative_float,
-    non_negative_int,
-    port_or_zero,
-    positive_float,
-    positive_int,
 )
+from pdserve.cli.gateway_args import GatewayArgs
 from pdserve.cli.gateway_options import (
-    add_gateway_options,
     check_served_names,
     check_tool_flags,
     gateway_settings,
@@ -34,47 +27,10 @@ from pdserve.cli.gateway_options import (
 from pdserve.common import envs
 from pdserve.common.logs import configure_logging
 
-# gateway/kv_router.py: ROUTERS (kept out of this module's imports: parsing loads no zmq)
-ROUTERS = ("kv-aware", "least-loaded", "round-robin")
-
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap = sub.add_parser("gateway", help="run the HTTP gateway and worker registry")
-    ap.add_argument("--host", type=host, default="127.0.0.1")
-    ap.add_argument("--port", type=port_or_zero, default=8000,
-                    help="0: a free one (the `listening` log event names it)")
-    add_model_arg(ap, " (for the tokenizer)")
-    ap.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                    help="model name(s) requests may use; the first is reported in responses "
-                         "(default: the dir name)")
-    ap.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
-                    help="sampling defaults: auto (the model's generation_config.json), vllm (none), "
-                         "or a directory holding a generation_config.json")
-    ap.add_argument("--max-model-len", type=positive_int, default=None, help="default: the model's limit")
-    ap.add_argument("--control-host", type=host, default="127.0.0.1", help="address workers connect to")
-    ap.add_argument("--control-port", type=port_or_zero, default=0, help="0: a free port")
-    ap.add_argument("--heartbeat-timeout", type=positive_float, default=3.0,
-                    help="seconds of silence before a worker is removed")
-    ap.add_argument("--stall-timeout", type=non_negative_float, default=30.0,
-                    help="seconds a heartbeating worker may hold work without an engine step before "
-                         "it is marked stalled and its requests recovered (0: off)")
-    ap.add_argument("--max-recoveries", type=non_negative_int, default=3)
-    ap.add_argument("--router", choices=ROUTERS, default="kv-aware",
-                    help="how a prompt's worker is picked: kv-aware (least uncached prompt tokens + queued "
-                         "tokens, from the workers' prefix-cache events), least-loaded, round-robin")
-    ap.add_argument("--local-prefill-threshold", type=non_negative_int, default=0, metavar="TOKENS",
-                    help="a request whose uncached prompt part on the decode worker is at most this many "
-                         "tokens is prefilled there (no KV transfer), up to 4x that when every prefill "
-                         "worker has 4x its uncached tokens queued; 0: off")
-    ap.add_argument("--request-timeout", type=positive_float, default=None, help="per-request deadline (s)")
-    ap.add_argument("--drain-timeout", type=positive_float, default=30.0)
-    ap.add_argument("--max-in-flight", type=positive_int, default=256, help="requests inside the backend at once")
-    ap.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
-    add_gateway_options(ap)
-    ap.add_argument("--curve-secret-key", default=None,
-                    help="CURVE: the gateway's secret certificate (encrypts the control plane)")
-    ap.add_argument("--curve-authorized-keys", default=None,
-                    help="CURVE: directory of worker public certificates allowed to connect")
+    GatewayArgs.add_to(ap)
     ap.set_defaults(func=run)
 
 

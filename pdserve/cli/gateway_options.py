@@ -1,5 +1,5 @@
-"""`pdserve gateway` flags for authentication, admission and request size limits,
-and their mapping onto `gateway.config` (imported lazily: parsing stays light).
+"""The mapping of `pdserve gateway`'s flags (pdserve/cli/gateway_args.py) for authentication,
+admission and request size limits onto `gateway.config` (imported lazily: parsing stays light).
 
 A flag left unset keeps the config dataclass's default, so defaults live in one
 place (`gateway/config.py`).
@@ -14,13 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from pdserve.cli.args import (
-    UsageError,
-    non_negative_float,
-    non_negative_int,
-    positive_float,
-    positive_int,
-)
+from pdserve.cli.args import UsageError
 from pdserve.common import envs
 from pdserve.common.generation_config import (
     GenerationConfigError,
@@ -30,71 +24,7 @@ from pdserve.common.generation_config import (
 
 log = logging.getLogger("pdserve.gateway")
 
-# RequestLimits field -> flag (`max_tokens` is a cap, not the default: hence its name).
-LIMIT_FLAGS = {
-    "max_body_bytes": "--max-body-bytes",
-    "max_header_bytes": "--max-header-bytes",
-    "max_messages": "--max-messages",
-    "max_prompt_tokens": "--max-prompt-tokens",
-    "max_n": "--max-n",
-    "max_tokens": "--max-tokens-limit",
-    "max_stop": "--max-stop",
-    "max_stop_len": "--max-stop-len",
-    "max_logprobs": "--max-logprobs",
-}
 PRIORITIES = ("interactive", "batch")
-
-
-def add_gateway_options(ap: argparse.ArgumentParser) -> None:
-    auth = ap.add_argument_group("authentication")
-    auth.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
-                      help="file of API keys, one per line, '#' comments; with --api-key and "
-                      "PDSERVE_API_KEYS")
-    auth.add_argument(
-        "--metrics-protected", action="store_true", help="require the API key on /metrics too"
-    )
-    adm = ap.add_argument_group("admission (503 + Retry-After beyond these)")
-    adm.add_argument(
-        "--max-queue-depth", type=non_negative_int, default=None, help="waiting requests per priority class"
-    )
-    adm.add_argument(
-        "--max-queue-wait", type=non_negative_float, default=None, help="longest wait for a slot (s), per class"
-    )
-    for prio in PRIORITIES:
-        adm.add_argument(
-            f"--max-queue-depth-{prio}", type=non_negative_int, default=None, help=f"{prio} class only"
-        )
-        adm.add_argument(
-            f"--max-queue-wait-{prio}", type=non_negative_float, default=None, help=f"{prio} class only"
-        )
-    adm.add_argument("--batch-aging", type=non_negative_float, default=None,
-                     help="seconds after which a waiting batch request counts as interactive (0: never)")
-    adm.add_argument("--retry-after", type=non_negative_int, default=None, help="Retry-After seconds on 503s")
-    tools = ap.add_argument_group("tool calling (vLLM's flags)")
-    tools.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='tool_choice "auto": find tool calls in the output (needs --tool-call-parser)')
-    tools.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
-                       help="the model's tool-call format: hermes (<tool_call>, Qwen) or llama3_json")
-    roles = ap.add_argument_group("live role flips and the P:D planner")
-    roles.add_argument("--admin-token", default=None, metavar="TOKEN",
-                       help="bearer token of POST /admin/workers/{id}/role (live role flip); default "
-                       "PDSERVE_ADMIN_TOKEN; without one the admin API is off")
-    roles.add_argument("--planner", choices=("off", "flip", "replicas"), default="off",
-                       help="P:D planner: flip moves workers between prefill and decode, replicas only "
-                       "publishes llm_planner_desired_workers{role} for the HPA/KEDA objects")
-    roles.add_argument("--slo", default="ttft=2,itl=0.1", metavar="ttft=S,itl=S",
-                       help="the planner's targets: p90 time to first token and time per output token")
-    roles.add_argument("--planner-dwell", type=non_negative_float, default=20.0, metavar="SECONDS",
-                       help="a flip must be wanted this long without a break")
-    roles.add_argument("--planner-margin", type=non_negative_float, default=0.2,
-                       help="a flip must improve the worse SLO pressure by more than this fraction")
-    roles.add_argument("--planner-interval", type=positive_float, default=2.0, metavar="SECONDS")
-    lim = ap.add_argument_group("request size limits (400/413 beyond these)")
-    for name, flag in LIMIT_FLAGS.items():
-        lim.add_argument(flag, type=int, default=None, dest=f"limit_{name}", metavar="N")
-    lim.add_argument(
-        "--default-max-tokens", type=positive_int, default=None, help="completions without max_tokens"
-    )
 
 
 def read_key_file(path: str) -> list[str]:
@@ -122,18 +52,13 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(dict.fromkeys(keys))
 
 
-def _set(args: argparse.Namespace, pairs: dict[str, str]) -> dict[str, Any]:
-    return {
-        field: getattr(args, attr)
-        for field, attr in pairs.items()
-        if getattr(args, attr) is not None
-    }
-
-
 def request_limits(args: argparse.Namespace) -> Any:
+    """The limits set by flags named as `RequestLimits`'s fields (--max-tokens-limit: `max_tokens`,
+    a cap, not the default); the others keep the dataclass's defaults."""
     from gateway.config import RequestLimits
 
-    return RequestLimits(**_set(args, {f: f"limit_{f}" for f in LIMIT_FLAGS}))
+    flags = {f.name: f.name for f in fields(RequestLimits)} | {"max_tokens": "max_tokens_limit"}
+    return RequestLimits(**{k: getattr(args, a) for k, a in flags.items() if getattr(args, a) is not None})
 
 
 def admission_config(args: argparse.Namespace) -> Any:

@@ -12,17 +12,12 @@ import sys
 from typing import Any
 
 from pdserve.cli.args import (
-    add_dtype_arg,
-    add_kv_cache_dtype_arg,
-    add_lm_head_quantization_arg,
     add_model_arg,
-    add_quantization_arg,
-    add_speculative_arg,
     check_model,
     check_speculative,
-    device,
     positive_int,
 )
+from pdserve.cli.worker_args import ENGINE_FLAGS, WorkerArgs
 from pdserve.common.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -43,15 +38,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--n", type=int, default=1, help="choices per prompt")
     p.add_argument("--ignore-eos", action="store_true")
-    add_dtype_arg(p)
-    add_kv_cache_dtype_arg(p)
-    add_quantization_arg(p)
-    add_lm_head_quantization_arg(p)
-    p.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
+    WorkerArgs.add_to(p, only=("device", *ENGINE_FLAGS, "block_size", "speculative_config"))
     p.add_argument("--num-threads", type=positive_int, default=None, help="torch intra-op threads")
-    p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    add_speculative_arg(p)
     p.set_defaults(func=run)
 
 

@@ -15,10 +15,7 @@ from typing import Any
 
 from pdserve.cli.args import (
     UsageError,
-    add_dtype_arg,
-    add_lm_head_quantization_arg,
     add_model_arg,
-    add_quantization_arg,
     device,
     fraction,
     model_dir,
@@ -26,6 +23,7 @@ from pdserve.cli.args import (
     positive_int,
 )
 from pdserve.cli.plan_simulate import add_simulate_args, run_simulate
+from pdserve.cli.worker_args import WorkerArgs
 from pdserve.planner.capacity import (
     KV_CACHE_DTYPES,
     PlanError,
@@ -54,9 +52,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="tokens per full request (required unless --simulate)")
     p.add_argument("--concurrency", type=positive_int, default=None, help="check this many full requests")
-    add_dtype_arg(p)
-    add_quantization_arg(p)
-    add_lm_head_quantization_arg(p)
+    WorkerArgs.add_to(p, only=("dtype", "quantization", "lm_head_quantization"))
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="KV element type to plan for (auto: the serving dtype; fp8 and int8: 1 byte)")
     p.add_argument("--gpu-hourly-cost", type=positive_float, default=None, metavar="USD",

@@ -11,12 +11,11 @@ from typing import Any
 
 from pdserve.cli.args import (
     UsageError,
-    add_dtype_arg,
     add_model_arg,
-    device,
     model_dir,
     positive_int,
 )
+from pdserve.cli.worker_args import WorkerArgs
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -33,8 +32,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("profile", help="measure prefill and decode step times for `plan --simulate`",
                               description=__doc__.splitlines()[0])
     add_model_arg(p)
-    add_dtype_arg(p)
-    p.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
+    WorkerArgs.add_to(p, only=("device", "dtype"))
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (as the workers will run)")
     p.add_argument("--output", "-o", type=Path, default=Path("profile.json"), help="where to write the profile")
     p.add_argument("--prefill-lengths", type=_ints, default=(32, 128, 384, 768, 1536), metavar="N,N,...")

@@ -13,46 +13,38 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from pdserve.cli.args import (
     UsageError,
-    add_dtype_arg,
-    add_gpu_args,
-    add_kv_cache_dtype_arg,
-    add_lm_head_quantization_arg,
     add_model_arg,
-    add_quantization_arg,
-    add_speculative_arg,
-    byte_size_text,
     check_listen,
     check_max_model_len,
     check_model,
     check_parallel,
     check_speculative,
-    device,
-    host,
     model_dir,
-    non_negative_float,
-    non_negative_int,
     port,
     positive_float,
     positive_int,
 )
-from pdserve.cli.gateway import ROUTERS
+from pdserve.cli.gateway_args import GatewayArgs
 from pdserve.cli.gateway_options import (
     api_keys,
     check_served_names,
     check_tool_flags,
     sampling_defaults,
 )
-from pdserve.worker.cpu_cores import format_cpu_list, plan_cores
+from pdserve.cli.worker_args import WorkerArgs
+from pdserve.common.roles import Role
+from pdserve.worker.cpu_cores import plan_cores
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap = sub.add_parser("up", help="start a gateway and workers on this machine")
     add_model_arg(ap, " (resolved once here; the children get the directory)")
-    ap.add_argument("--host", type=host, default="127.0.0.1")
     ap.add_argument("--port", type=port, default=8000)
     ap.add_argument("--prefill", type=positive_int, default=1, help="prefill workers")
     ap.add_argument("--decode", type=positive_int, default=1, help="decode workers")
@@ -81,47 +73,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--prefill-pp", type=positive_int, default=1, help="pipeline stages per prefill worker")
     ap.add_argument("--decode-pp", type=positive_int, default=1,
                     help="pipeline stages per decode (or colocated) worker")
-    ap.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
-    add_dtype_arg(ap, "workers' weight and KV dtype, each resolved on its own host; ")
-    add_kv_cache_dtype_arg(ap)
-    add_quantization_arg(ap)
-    add_lm_head_quantization_arg(ap)
-    ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"))
-    ap.add_argument("--kv-cache-memory", type=byte_size_text, default=None,
-                    help="per-worker KV pool bytes, e.g. 256MiB")
-    ap.add_argument("--num-blocks", type=positive_int, default=None)
     ap.add_argument("--prefill-num-blocks", type=positive_int, default=None,
                     help="KV blocks of each prefill worker (default: --num-blocks)")
-    add_gpu_args(ap, "0.9 / the number of workers on the device")
-    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="per-worker token budget per step")
-    ap.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=None,
-                    help="per-worker cap on one sequence's prefill tokens per step")
-    ap.add_argument("--max-num-seqs", type=positive_int, default=None, help="per-worker running sequences")
-    ap.add_argument("--max-model-len", type=positive_int, default=None,
-                    help="longest prompt + output, for the gateway and every worker (default: the model's)")
-    ap.add_argument("--block-size", type=positive_int, default=None, help="per-worker KV block size in tokens")
-    ap.add_argument("--no-prefix-caching", action="store_true", help="disable the workers' prefix cache")
-    add_speculative_arg(ap)  # decode and colocated workers
-    ap.add_argument("--max-recoveries", type=non_negative_int, default=3)
-    ap.add_argument("--stall-timeout", type=non_negative_float, default=30.0,
-                    help="gateway: seconds a worker may hold work without an engine step (0: off)")
-    ap.add_argument("--api-key", action="append", default=[], help="gateway: require this API key (repeatable)")
-    ap.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
-                    help="gateway: file of API keys, one per line, '#' comments")
-    ap.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                    help="gateway: model name(s) requests may use; the first is reported")
-    ap.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
-                    help="gateway: sampling defaults from the model's generation_config.json (auto), "
-                         "none (vllm) or a directory's")
-    ap.add_argument("--enable-auto-tool-choice", action="store_true",
-                    help='gateway: tool_choice "auto" (needs --tool-call-parser)')
-    ap.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
-                    help="gateway: the model's tool-call format")
-    ap.add_argument("--grammar-compile-timeout", type=positive_float, default=None, metavar="SECONDS",
-                    help="workers: refuse a structured-output constraint not compiled in time (default 10)")
-    ap.add_argument("--router", choices=ROUTERS, default="kv-aware", help="gateway: how a prompt's worker is picked")
-    ap.add_argument("--local-prefill-threshold", type=non_negative_int, default=0, metavar="TOKENS",
-                    help="gateway: prefill on the decode worker when at most this many prompt tokens are uncached")
+    WorkerArgs.add_to(ap, up=True)  # every worker flag `up` offers, passed on to each worker
+    # and every gateway flag it offers; one both take (--max-model-len) is registered once
+    GatewayArgs.add_to(ap, up=True, skip=frozenset(f.name for f in WorkerArgs.flags(up=True)))
     ap.add_argument("--ready-timeout", type=positive_float, default=120.0)
     ap.set_defaults(func=run)
 
@@ -130,68 +86,42 @@ def _pdserve() -> list[str]:
     return [sys.executable, "-m", "pdserve"]
 
 
-def _roles(args: argparse.Namespace) -> list[str]:
-    return ["worker"] * args.workers if args.colocated else ["prefill"] * args.prefill + ["decode"] * args.decode
+def _roles(args: argparse.Namespace) -> list[Role]:
+    return [Role.COLOCATED] * args.workers if args.colocated else [Role.PREFILL] * args.prefill + [Role.DECODE] * args.decode
 
 
 def _thread_counts(args: argparse.Namespace) -> list[int]:
     roles = _roles(args)
     threads = args.threads or max(1, len(os.sched_getaffinity(0)) // max(len(roles), 1))
-    per_role = {"prefill": args.prefill_threads, "decode": args.decode_threads}
+    per_role = {Role.PREFILL: args.prefill_threads, Role.DECODE: args.decode_threads}
     return [per_role.get(role) or threads for role in roles]
 
 
 def _worker_cmds(args: argparse.Namespace, control: str,
                  share_file: str | None = None) -> list[list[str]]:
+    """Each worker's command line: the flags `up` passes on, and what it sets per worker."""
     roles, counts = _roles(args), _thread_counts(args)
-    cores = core_flags(args, roles, counts, share_file)
     # Threads that fit the cores may spin between parallel regions (see workers.py).
     ranks = [_parallel(args, role)[0] * _parallel(args, role)[1] for role in roles]
     spin = sum(n * r for n, r in zip(counts, ranks, strict=True)) <= len(os.sched_getaffinity(0))
+    base = WorkerArgs.from_namespace(
+        args, up=True, gateway=(control,), model=None if args.model is None else str(args.model), spin_wait=spin,
+        thread_policy=None if args.thread_policy == "auto" else args.thread_policy, **gpu_settings(args, len(roles)))
+    spec = args.speculative_config
     cmds = []
-    for role, n, pin in zip(roles, counts, cores, strict=True):
-        cmd = [*_pdserve(), role, "--gateway", control, "--threads", str(n), "--device", args.device,
-               "--dtype", args.dtype, "--quantization", args.quantization,
-               "--lm-head-quantization", args.lm_head_quantization, *pin]
-        cmd += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else []
-        cmd += ["--colocated"] if role == "worker" else ["--kv-transport", args.kv_transport]
+    for role, n, cores in zip(roles, counts, core_settings(args, roles, share_file), strict=True):
         tp, pp = _parallel(args, role)
-        cmd += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
-        cmd += ["--pipeline-parallel-size", str(pp)] if pp > 1 else []
-        cmd += ["--spin-wait"] if spin else []
-        cmd += ["--thread-policy", args.thread_policy] if args.thread_policy != "auto" else []
-        if args.model:
-            cmd += ["--model", args.model]
-        if args.kv_cache_memory:
-            cmd += ["--kv-cache-memory", args.kv_cache_memory]
-        blocks = (args.prefill_num_blocks if role == "prefill" else None) or args.num_blocks
-        if blocks:
-            cmd += ["--num-blocks", str(blocks)]
-        cmd += gpu_flags(args, len(roles))
-        if args.max_num_batched_tokens:
-            cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-        if args.long_prefill_token_threshold:
-            cmd += ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
-        if args.max_num_seqs:
-            cmd += ["--max-num-seqs", str(args.max_num_seqs)]
-        if args.max_model_len:
-            cmd += ["--max-model-len", str(args.max_model_len)]
-        if args.block_size:
-            cmd += ["--block-size", str(args.block_size)]
-        if args.no_prefix_caching:
-            cmd += ["--no-prefix-caching"]
-        if args.grammar_compile_timeout:
-            cmd += ["--grammar-compile-timeout", str(args.grammar_compile_timeout)]
-        spec = args.speculative_config
-        if spec is not None and (role != "prefill" or spec.ships_draft_kv):
-            cmd += ["--speculative-config", spec.to_json()]
-        cmds.append(cmd)
+        child = replace(base, threads=n, tensor_parallel_size=tp, pipeline_parallel_size=pp, **cores,
+                        num_blocks=(args.prefill_num_blocks if role == Role.PREFILL else None) or args.num_blocks,
+                        speculative_config=None if role == Role.PREFILL and spec and not spec.ships_draft_kv else spec)
+        command = ["worker", "--colocated"] if role == Role.COLOCATED else [role.value]
+        cmds.append([*_pdserve(), *command, *child.to_argv(role)])
     return cmds
 
 
-def gpu_flags(args: argparse.Namespace, num_workers: int) -> list[str]:
-    """A CUDA worker's memory share (all of `up`'s workers sit on --device) and graphs flag."""
-    backend = [] if args.attention_backend == "auto" else ["--attention-backend", args.attention_backend]
+def gpu_settings(args: argparse.Namespace, num_workers: int) -> dict[str, float]:
+    """A CUDA worker's memory share (all of `up`'s workers sit on --device); the GPU flags
+    refused on a CPU --device."""
     if not args.device.startswith("cuda"):
         if args.cuda_graphs or args.gpu_memory_utilization is not None:
             flag = "--cuda-graphs" if args.cuda_graphs else "--gpu-memory-utilization"
@@ -199,14 +129,11 @@ def gpu_flags(args: argparse.Namespace, num_workers: int) -> list[str]:
         if args.attention_backend in ("triton", "flashinfer"):
             raise UsageError("--attention-backend", f"{args.attention_backend} needs a CUDA --device, "
                              f"not {args.device}")
-        return backend
+        return {}
     from pdserve.engine.runner.memory_budget import default_gpu_memory_utilization
 
     share = args.gpu_memory_utilization or default_gpu_memory_utilization(num_workers)
-    flags = ["--gpu-memory-utilization", f"{share:.6g}"]
-    if args.cuda_graphs is not None:
-        flags.append("--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs")
-    return flags + backend
+    return {"gpu_memory_utilization": float(f"{share:.6g}")}
 
 
 def core_plan(args: argparse.Namespace) -> list[tuple[int, ...]] | None:
@@ -226,54 +153,38 @@ def borrows_cores(args: argparse.Namespace) -> bool:
             and not args.no_core_borrowing and core_plan(args) is not None)
 
 
-def core_flags(args: argparse.Namespace, roles: list[str], counts: list[int],
-               share_file: str | None) -> list[list[str]]:
-    """Each worker's --cpu-cores (and core-sharing) flags."""
+def core_settings(args: argparse.Namespace, roles: list[Role],
+                  share_file: str | None) -> list[dict[str, Any]]:
+    """Each worker's cores (and core-sharing file), as `WorkerArgs` fields."""
     plan = core_plan(args)
     if plan is None:
-        return [[] for _ in roles]
-    flags = [["--cpu-cores", format_cpu_list(c)] for c in plan]
+        return [{} for _ in roles]
+    settings: list[dict[str, Any]] = [{"cpu_cores": c} for c in plan]
     if share_file is not None:
-        flags[0] += ["--core-share", share_file]
-        flags[1] += ["--core-share", share_file, "--borrow-cores", format_cpu_list(plan[0])]
-    return flags
+        settings[0]["core_share"] = share_file
+        settings[1].update(core_share=share_file, borrow_cores=plan[0])
+    return settings
 
 
-def _parallel(args: argparse.Namespace, role: str) -> tuple[int, int]:
+def _parallel(args: argparse.Namespace, role: Role) -> tuple[int, int]:
     """(tensor, pipeline) parallel sizes of one worker of `role`."""
-    return (args.prefill_tp, args.prefill_pp) if role == "prefill" else (args.decode_tp, args.decode_pp)
+    return (args.prefill_tp, args.prefill_pp) if role == Role.PREFILL else (args.decode_tp, args.decode_pp)
 
 
 def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
-    cmd = [*_pdserve(), "gateway", "--host", args.host, "--port", str(args.port),
-           "--control-port", str(control_port), "--max-recoveries", str(args.max_recoveries),
-           "--stall-timeout", str(args.stall_timeout), "--router", args.router,
-           "--local-prefill-threshold", str(args.local_prefill_threshold)]
-    if args.model:
-        cmd += ["--model", str(Path(args.model))]
-    if args.max_model_len:
-        cmd += ["--max-model-len", str(args.max_model_len)]
-    names = args.served_model_name or ([args.repo_id] if getattr(args, "repo_id", None) else [])
-    if names:  # a repo id is served by its name, not by its snapshot directory's
-        cmd += ["--served-model-name", *names]
-    mode = args.generation_config
-    cmd += ["--generation-config", mode if mode in ("auto", "vllm") else str(Path(mode).resolve())]
-    if args.enable_auto_tool_choice:
-        cmd += ["--enable-auto-tool-choice"]
-    if args.tool_call_parser:
-        cmd += ["--tool-call-parser", args.tool_call_parser]
-    for key in args.api_key:
-        cmd += ["--api-key", key]
-    for path in args.api_key_file:
-        cmd += ["--api-key-file", str(Path(path).resolve())]
-    return cmd
+    """The gateway's command line: the flags `up` passes on, with paths made absolute."""
+    names = args.served_model_name or ([args.repo_id] if getattr(args, "repo_id", None) else None)
+    mode = args.generation_config  # a repo id is served by its name, not by its snapshot directory's
+    gateway = GatewayArgs.from_namespace(
+        args, up=True, port=args.port, control_port=control_port, model=args.model and str(Path(args.model)),
+        served_model_name=names and tuple(names), api_key_file=tuple(str(Path(f).resolve()) for f in args.api_key_file),
+        generation_config=mode if mode in ("auto", "vllm") else str(Path(mode).resolve()))
+    return [*_pdserve(), "gateway", *gateway.to_argv()]
 
 
 def _role_names(args: argparse.Namespace) -> list[str]:
-    if args.colocated:
-        return [f"colocated worker {i + 1}" for i in range(args.workers)]
-    return [f"prefill worker {i + 1}" for i in range(args.prefill)] + [
-        f"decode worker {i + 1}" for i in range(args.decode)]
+    roles = _roles(args)
+    return [f"{role} worker {roles[:i].count(role) + 1}" for i, role in enumerate(roles)]
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -289,7 +200,7 @@ def check_args(args: argparse.Namespace) -> None:
     api_keys(args)  # every --api-key-file readable and not empty
     check_listen("--port", args.host, args.port)
     core_plan(args)  # --cpu-affinity on: the threads must fit
-    gpu_flags(args, 1)  # the GPU flags need a CUDA --device
+    gpu_settings(args, 1)  # the GPU flags need a CUDA --device
 
 
 def run(args: argparse.Namespace) -> int:

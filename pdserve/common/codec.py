@@ -6,7 +6,7 @@ against `cls`'s annotations, down to the leaves, and builds the typed value. Unk
 or missing fields, a wrong type at any depth, and map keys that are not strings
 raise `WireError` naming the path; nothing else is ever raised for bad input.
 
-Supported annotations: str, int, float, bool, None, `X | None`, `list[X]`,
+Supported annotations: str, int, float, bool, None, a `str` enum (as its value), `X | None`, `list[X]`,
 `tuple[X, ...]`, `dict[str, X]` and dataclasses built of these. There is no `Any`:
 every leaf has a type.
 """
@@ -14,6 +14,7 @@ every leaf has a type.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import types
 import typing
@@ -35,6 +36,8 @@ def to_wire(value: Any) -> Any:
         return [to_wire(v) for v in value]
     if isinstance(value, dict):
         return {k: to_wire(v) for k, v in value.items()}
+    if isinstance(value, enum.Enum):
+        return value.value
     return value
 
 
@@ -138,4 +141,17 @@ def converter(tp: Any) -> Convert:
         return _mapping(converter(args[1]))
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _dataclass(tp)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum) and issubclass(tp, str):
+        return _str_enum(tp)
     return _leaf(tp)
+
+
+def _str_enum(cls: type[enum.Enum]) -> Convert:
+    names = ", ".join(m.value for m in cls)
+
+    def conv(v: Any, path: str) -> Any:
+        try:
+            return cls(v) if isinstance(v, str) else _fail(path, f"one of {names}")
+        except ValueError:
+            _fail(path, f"one of {names}")
+    return conv

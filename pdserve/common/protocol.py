@@ -34,6 +34,11 @@ from pdserve.common.payload import (
     RequestPayload as RequestPayload,  # re-exported: the messages carry it
 )
 from pdserve.common.payload import Resume as Resume
+from pdserve.common.roles import (
+    FLIP_ROLES as FLIP_ROLES,  # re-exported: the roles a live role flip moves between
+)
+from pdserve.common.roles import ROLES as ROLES
+from pdserve.common.roles import Role as Role  # re-exported: RegisterWorker and SwitchRole carry it
 
 MAGIC = "pdsv"
 VERSION = 1
@@ -43,8 +48,6 @@ MAX_MAP_LEN = 4096
 MAX_STR_LEN = 1 << 16
 MAX_RECEIVED = 1024  # request ids in one heartbeat (`Heartbeat.received`)
 
-ROLES = ("prefill", "decode", "colocated")
-FLIP_ROLES = ("prefill", "decode")  # the roles a live role flip moves between
 
 
 class ProtocolError(ValueError):
@@ -65,7 +68,7 @@ class RegisterWorker(Message):
 
     TAG: ClassVar[str] = "register"
     worker_id: str
-    role: str  # prefill | decode | colocated
+    role: Role  # a plain name is turned into its Role here
     host_id: str  # same host_id => same-host fast paths are possible
     kv_address: str  # decode: KV receiver address ("" for prefill/colocated)
     kv_shm: str  # decode: shared-memory pool descriptor ("" when none)
@@ -77,6 +80,9 @@ class RegisterWorker(Message):
     quantization: str = "none"  # weight quantization served: none | int8 | int4 | awq | gptq
     kv_cache_dtype: str = ""  # the KV pool's element dtype
     lm_head_quantization: str = "none"  # the LM head's weights: none | int8
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))
 
 
 @dataclass(frozen=True)
@@ -293,7 +299,10 @@ class SwitchRole(Message):
 
     TAG: ClassVar[str] = "switch_role"
     worker_id: str
-    role: str
+    role: Role
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))
 
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
@@ -368,10 +377,8 @@ def decode(data: bytes) -> Message:
         raise ProtocolError(str(e)) from None
     except (TypeError, ValueError) as e:  # a field's own constructor refused the value
         raise ProtocolError(f"{tag}: {type(e).__name__}") from None
-    if isinstance(msg, RegisterWorker) and msg.role not in ROLES:
-        raise ProtocolError(f"unknown role {msg.role[:20]!r}")
     if isinstance(msg, Heartbeat) and msg.received is not None and len(msg.received) > MAX_RECEIVED:
         raise ProtocolError(f"heartbeat lists {len(msg.received)} received requests (at most {MAX_RECEIVED})")
     if isinstance(msg, SwitchRole) and msg.role not in FLIP_ROLES:
-        raise ProtocolError(f"cannot switch to role {msg.role[:20]!r}")
+        raise ProtocolError(f"cannot switch to role {msg.role.value!r}")
     return msg

@@ -14,6 +14,7 @@ import logging
 
 from pdserve.common import protocol as p
 from pdserve.common.logs import request_fields
+from pdserve.common.roles import Role
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.worker.engine_glue import wire_deltas
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class ColocatedNode(EngineNode):
-    role = "colocated"
+    role = Role.COLOCATED
 
     def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, send: Sender,
                  metrics: WorkerMetrics) -> None:

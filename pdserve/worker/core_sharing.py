@@ -30,6 +30,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
+from pdserve.common.roles import Role
 from pdserve.worker.cpu_cores import CoreGrant, apply_grant, borrow_grant
 from pdserve.worker.node_api import Node, NodeWrapper
 
@@ -157,10 +158,10 @@ def share_cores(node: Node, path: str, own: Sequence[int], borrow: Sequence[int]
     applies each grant with `apply`)."""
     share = CoreShareFile(path)
     side: CoreLender | CoreBorrower
-    if node.role == "decode":
+    if node.role == Role.DECODE:
         side = CoreBorrower(share, own, borrow, apply)
     else:
         side = CoreLender(share)
     log.info("%s worker %s cores over %s", node.role,
-             "borrows the prefill worker's" if node.role == "decode" else "lends its", path)
+             "borrows the prefill worker's" if node.role == Role.DECODE else "lends its", path)
     return SharedCoresNode(node, side)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kv_transfer.auth import CurveKeys, load_keys
+from pdserve.common.roles import Role
 from pdserve.common.transport import new_worker_id
 from pdserve.engine.core.config import EngineConfig
 from pdserve.worker.core_sharing import share_cores
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder,
-               flip_builders: Mapping[str, NodeBuilder] | None = None) -> int:
+               flip_builders: Mapping[Role, NodeBuilder] | None = None) -> int:
     """Serve as `opts.role` (its node from `build`); with `flip_builders` (role -> builder)
     the worker can also switch live to any of those roles (pdserve/worker/role_switch.py)."""
     worker_id = opts.worker_id or new_worker_id(opts.role)
@@ -40,7 +41,7 @@ def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder
                            curve=opts.curve)
     faults = injected_faults(opts.fault_injection)
 
-    def parts_for(role: str) -> NodeParts:
+    def parts_for(role: Role) -> NodeParts:
         metrics = WorkerMetrics(role, worker_id)
         metrics.torch_threads.set(engine_cfg.num_threads or 0)  # a governed node keeps it current
         return NodeParts(worker_id, channel, metrics, faults.kv)

@@ -14,11 +14,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from pdserve.common.roles import Role
 from pdserve.worker.node_api import NodeLoad
 
 
 class WorkerMetrics:
-    def __init__(self, role: str, worker_id: str) -> None:
+    def __init__(self, role: Role, worker_id: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         labels = {"role": role, "worker": worker_id}
@@ -107,14 +108,14 @@ class WorkerMetrics:
         self.kv_usage.set((load.total_blocks - load.free_blocks) / max(load.total_blocks, 1))
         self.waiting.set(load.waiting_seqs)
         self.running_seqs.set(load.running_seqs)
-        if self._role != "decode":
+        if self._role != Role.DECODE:
             self.queued_prefill_tokens.set(load.queued_prefill_tokens)
-        if self._role != "prefill":
+        if self._role != Role.PREFILL:
             self.batch_size.set(load.running_seqs)
 
     def gauges(self) -> dict[str, float]:
         """Values carried in heartbeats for the gateway to re-export."""
-        prefill = {} if self._role == "decode" else {
+        prefill = {} if self._role == Role.DECODE else {
             "llm_prefill_queued_tokens": float(self.queued_prefill_tokens._value.get()),
         }
         return prefill | {
@@ -124,7 +125,7 @@ class WorkerMetrics:
             "llm_prefill_tokens_count": float(self.prefill_tokens._value.get()),
             "llm_decode_tokens_count": float(self.decode_tokens._value.get()),
             "llm_prefill_requests_count": float(self.prefill_requests._value.get()),
-        } | ({} if self._role == "prefill" else {
+        } | ({} if self._role == Role.PREFILL else {
             "llm_spec_decode_num_drafts_count": float(self.spec_drafts._value.get()),
             "llm_spec_decode_num_draft_tokens_count": float(self.spec_draft_tokens._value.get()),
             "llm_spec_decode_num_accepted_tokens_count": float(self.spec_accepted_tokens._value.get()),

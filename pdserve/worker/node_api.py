@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from pdserve.common import protocol as p
+from pdserve.common.roles import Role
 from pdserve.engine.core.cache_events import CacheEvents
 
 
@@ -32,7 +33,7 @@ class NodeLoad(NamedTuple):
 
 
 class Node(Protocol):
-    role: str
+    role: Role
 
     def registration(self) -> NodeRegistration: ...
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from kv_transfer.auth import KVCurve
 from kv_transfer.faults import FaultConfig
+from pdserve.common.roles import Role
 from pdserve.common.transport import CurveClient
 from pdserve.engine.core.config import EngineConfig
 from pdserve.worker.gateways import GatewayLinks
@@ -18,7 +19,7 @@ from pdserve.worker.node_api import Node
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    role: str  # prefill | decode | colocated
+    role: Role
     gateways: tuple[str, ...]  # tcp://HOST:PORT or dns+tcp://NAME:PORT, one channel per gateway
     worker_id: str | None = None
     metrics_host: str = "127.0.0.1"
@@ -34,6 +35,9 @@ class WorkerOptions:
     cpu_cores: tuple[int, ...] = ()  # the cores this worker is pinned to
     borrow_cores: tuple[int, ...] = ()  # decode: the prefill worker's cores
     thread_policy: str = "fixed"  # adaptive: the thread governor picks 1 or N threads per step
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))
 
 
 class NodeParts:

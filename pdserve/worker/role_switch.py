@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.common import protocol as p
 from pdserve.common.protocol import FLIP_ROLES
+from pdserve.common.roles import Role
 
 if TYPE_CHECKING:
     from pdserve.engine.core.config import EngineConfig
@@ -61,8 +62,8 @@ class RoleSwitcher:
     (the one place that knows every role package) supplies them."""
 
     def __init__(self, engine_cfg: EngineConfig, opts: WorkerOptions,
-                 builders: Mapping[str, NodeBuilder],
-                 parts_for: Callable[[str], NodeParts],
+                 builders: Mapping[Role, NodeBuilder],
+                 parts_for: Callable[[Role], NodeParts],
                  wrap: Callable[[Node, WorkerMetrics], Node] | None = None) -> None:
         self.engine_cfg = engine_cfg
         self.wrap = wrap  # applied to every node built (the thread policy's GovernedNode)
@@ -74,7 +75,7 @@ class RoleSwitcher:
         self._cleanup: list[Callable[[], Any]] = []
         self.metrics: WorkerMetrics | None = None
 
-    def refusal(self, role: str) -> FlipRefusal:
+    def refusal(self, role: Role) -> FlipRefusal:
         if role not in FLIP_ROLES:
             return FlipRefusal(f"a worker can only switch to {' or '.join(FLIP_ROLES)}, not {role!r}")
         if self.role not in FLIP_ROLES:
@@ -85,7 +86,7 @@ class RoleSwitcher:
             return FlipRefusal("a worker sharing cores (--core-share) keeps its role")
         return FlipRefusal()
 
-    def build(self, role: str) -> Node:
+    def build(self, role: Role) -> Node:
         """The node for `role`; its cleanup is kept until the next switch or `close`."""
         parts = self.parts_for(role)
         node, cleanup = self.builders[role](self.engine_cfg, replace(self.opts, role=role), parts)
@@ -96,7 +97,7 @@ class RoleSwitcher:
         self.role = role
         return node
 
-    def switch(self, old: Node, role: str) -> Node:
+    def switch(self, old: Node, role: Role) -> Node:
         """Close `old` and build `role`'s node. If that fails, the old role's node is
         built again (and the error logged), so the worker stays in service."""
         previous = self.role
@@ -118,13 +119,13 @@ class RoleSwitcher:
 
 
 # The messages that start work on a role's node; any other role's node ignores them.
-_STARTS: dict[str, tuple[type[p.Message], ...]] = {
-    "prefill": (p.PrefillRequest,),
-    "decode": (p.DecodeReserve, p.RunRequest),
+_STARTS: dict[Role, tuple[type[p.Message], ...]] = {
+    Role.PREFILL: (p.PrefillRequest,),
+    Role.DECODE: (p.DecodeReserve, p.RunRequest),
 }
 
 
-def misrouted(role: str, msg: p.Message) -> p.RequestFailed | None:
+def misrouted(role: Role, msg: p.Message) -> p.RequestFailed | None:
     """A retryable failure for a request sent to this worker's previous role (a gateway
     that had not yet seen it drain), so that gateway re-routes it; None otherwise."""
     if role not in _STARTS or isinstance(msg, _STARTS[role]):

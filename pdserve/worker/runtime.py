@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.common import protocol as p
+from pdserve.common.roles import Role
 from pdserve.common.transport import LOOPBACK, CurveClient, WorkerChannel, host_id, transport_kind
 from pdserve.worker.arrivals import ArrivalCursor, ArrivalLog, Arrivals
 from pdserve.worker.faults import FaultInjector, WorkerFaults
@@ -83,7 +84,7 @@ class WorkerRuntime:
                  faults: WorkerFaults | None = None, switcher: RoleSwitcher | None = None) -> None:
         self.config = config
         self.switcher = switcher  # None: this worker keeps its role
-        self._switch_to = ""  # a SwitchRole's role, acted on after the tick that read it
+        self._switch_to: Role | None = None  # a SwitchRole's role, acted on after the tick that read it
         self.channel = channel
         self.metrics = metrics
         self._stop_requested = False
@@ -139,7 +140,8 @@ class WorkerRuntime:
 
     def _switch_role(self, node: Node, metrics_port: int) -> Node:
         """Drain, rebuild the node as the asked role, register again (pdserve/worker/role_switch.py)."""
-        role, self._switch_to = self._switch_to, ""
+        role, self._switch_to = self._switch_to, None
+        assert role is not None
         refusal = self.switcher.refusal(role) if self.switcher else None
         if refusal is None or not refusal.ok or role == node.role:
             if role != node.role:
@@ -182,7 +184,7 @@ class WorkerRuntime:
             elif isinstance(msg, p.KvSnapshotRequest):
                 self.channel.send_to(gateway, self.cache.snapshot(node))
             elif isinstance(msg, p.SwitchRole):
-                self._switch_to = msg.role if msg.worker_id == self.config.worker_id else ""
+                self._switch_to = msg.role if msg.worker_id == self.config.worker_id else None
             elif (failed := misrouted(node.role, msg)) is not None:
                 self.channel.send(failed)  # for the role this worker left: the gateway re-routes it
             else:

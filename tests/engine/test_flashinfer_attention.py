@@ -16,7 +16,7 @@ import torch
 
 from pdserve.cli import build_parser
 from pdserve.cli.args import UsageError
-from pdserve.cli.up import gpu_flags
+from pdserve.cli.up import _worker_cmds, gpu_settings
 from pdserve.cli.workers import check_gpu_args
 from pdserve.common.kv_layout import NULL_BLOCK
 from pdserve.engine.attention.backend_choice import installed, make_backend, refusal, resolve
@@ -230,10 +230,10 @@ def test_the_cli_refuses_what_cannot_run_and_up_passes_the_choice_on() -> None:
         with pytest.raises(UsageError, match="flashinfer package, which is not installed"):
             check_gpu_args(_worker("--device", "cuda", "--attention-backend", "flashinfer"))
     check_gpu_args(_worker("--attention-backend", "torch"))
-    assert gpu_flags(build_parser().parse_args(["up", "--device", "cuda", "--attention-backend", "triton"]),
-                     2)[-2:] == ["--attention-backend", "triton"]
+    cmds = _worker_cmds(build_parser().parse_args(["up", "--device", "cuda", "--attention-backend", "triton"]), "tcp://x:1")
+    assert all(build_parser().parse_args(c[3:]).attention_backend == "triton" for c in cmds)
     with pytest.raises(UsageError, match="--attention-backend"):
-        gpu_flags(build_parser().parse_args(["up", "--attention-backend", "triton"]), 2)
+        gpu_settings(build_parser().parse_args(["up", "--attention-backend", "triton"]), 2)
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from pdserve.cli import build_parser
 from pdserve.cli.args import UsageError
-from pdserve.cli.up import _worker_cmds, gpu_flags
+from pdserve.cli.up import _worker_cmds, gpu_settings
 from pdserve.cli.workers import check_gpu_args
 from pdserve.engine.core.config import CacheConfig, EngineConfig
 from pdserve.engine.runner.memory_budget import (
@@ -66,12 +66,12 @@ def test_up_gives_each_cuda_worker_its_share_and_cpu_refuses_the_gpu_flags() -> 
         parsed = build_parser().parse_args(cmd[3:])
         assert parsed.gpu_memory_utilization == pytest.approx(0.45) and parsed.cuda_graphs is False
     three = build_parser().parse_args(["up", "--device", "cuda", "--prefill", "2"])
-    assert gpu_flags(three, 3) == ["--gpu-memory-utilization", "0.3"]
+    assert gpu_settings(three, 3) == {"gpu_memory_utilization": 0.3}
     mine = build_parser().parse_args(["up", "--device", "cuda", "--gpu-memory-utilization", "0.6"])
-    assert gpu_flags(mine, 2) == ["--gpu-memory-utilization", "0.6"]
+    assert gpu_settings(mine, 2) == {"gpu_memory_utilization": 0.6}
     assert all("--gpu-memory-utilization" not in c for c in _worker_cmds(build_parser().parse_args(["up"]), "x"))
     with pytest.raises(UsageError, match="--cuda-graphs"):
-        gpu_flags(build_parser().parse_args(["up", "--cuda-graphs"]), 2)
+        gpu_settings(build_parser().parse_args(["up", "--cuda-graphs"]), 2)
     with pytest.raises(UsageError, match="--gpu-memory-utilization"):
         check_gpu_args(build_parser().parse_args(["decode", "--gateway", "tcp://127.0.0.1:1",
                                                   "--gpu-memory-utilization", "0.5"]))

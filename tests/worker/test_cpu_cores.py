@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli.up import borrows_cores, core_flags, core_plan
+from pdserve.cli.up import borrows_cores, core_plan, core_settings
+from pdserve.cli.worker_args import WorkerArgs
+from pdserve.common.roles import Role
 from pdserve.worker.core_sharing import CoreBorrower, CoreLender, CoreShareFile, create_share_file
 from pdserve.worker.cpu_cores import (
     CoreGrant,
@@ -61,9 +63,12 @@ def test_up_pins_when_threads_fit_and_borrows_with_one_prefill_and_one_decode(
     args = _up_args(prefill_threads=1, decode_threads=3)
     assert core_plan(args) == [(0,), (1, 2, 3)]
     assert borrows_cores(args)
-    flags = core_flags(args, ["prefill", "decode"], [1, 3], "/dev/shm/x")
-    assert flags == [["--cpu-cores", "0", "--core-share", "/dev/shm/x"],
-                     ["--cpu-cores", "1-3", "--core-share", "/dev/shm/x", "--borrow-cores", "0"]]
+    settings = core_settings(args, [Role.PREFILL, Role.DECODE], "/dev/shm/x")
+    assert settings == [{"cpu_cores": (0,), "core_share": "/dev/shm/x"},
+                        {"cpu_cores": (1, 2, 3), "core_share": "/dev/shm/x", "borrow_cores": (0,)}]
+    argv = [WorkerArgs(**s).to_argv(role) for s, role in zip(settings, [Role.PREFILL, Role.DECODE], strict=True)]
+    assert argv == [["--cpu-cores", "0", "--core-share", "/dev/shm/x"],
+                    ["--cpu-cores", "1-3", "--core-share", "/dev/shm/x", "--borrow-cores", "0"]]
     assert not borrows_cores(_up_args(decode=2))  # which decode worker would borrow?
     assert not borrows_cores(_up_args(no_core_borrowing=True))
     assert core_plan(_up_args(threads=3)) is None  # 6 threads on 4 cores: unpinned
@@ -74,7 +79,7 @@ def test_up_pins_when_threads_fit_and_borrows_with_one_prefill_and_one_decode(
 
 
 class FakeNode:
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(self) -> None:
         self.work = False
