@@ -133,7 +133,7 @@ class ResponseBuilder:
         parser = self._tool_parser()
         first, rest = parser.feed(text), parser.finish()
         calls = self._calls[index]
-        calls.deltas(first.calls + rest.calls)
+        calls.deltas([c for c in first.calls + rest.calls if c.index != parser.unclosed])
         content = first.content + rest.content
         if not calls.any:
             return {"role": "assistant", "content": content}

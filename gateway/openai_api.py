@@ -181,7 +181,7 @@ class _RequestRun:
         builder = ResponseBuilder(
             self.kind, self.rid, state.config.model_name, state.tokenizer, parsed.params.n,
             parsed.params.logprobs is not None,
-            parser_factory(shape.tool_mode, shape.tool_name, state.config.tool_call_parser),
+            parser_factory(shape.tool_mode, shape.tool_name, state.config.tool_call_parser, shape.parallel),
             named_tool=shape.tool_mode == "named",
         )
         try:

@@ -38,10 +38,11 @@ _SAMPLING = {
 }
 _KNOWN = {
     COMPLETION: _SAMPLING | {"prompt", "logprobs"},
-    CHAT: _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"},
+    CHAT: _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                       "parallel_tool_calls"},
 }
 # Ignored without effect on the output.
-HARMLESS = {"store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort"}
+HARMLESS = {"store", "metadata", "service_tier", "reasoning_effort"}
 # Accepted only when absent, null or equal to one of these neutral values.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
