@@ -74,19 +74,24 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _RequestRun(request, COMPLETION).serve()
+    return await RequestRun(request, COMPLETION).serve()
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _RequestRun(request, CHAT).serve()
+    return await RequestRun(request, CHAT).serve()
 
 
-class _RequestRun:
-    """One generation request, from body bytes to the last byte of the response."""
+class RequestRun:
+    """One generation request, from body bytes to the last byte of the response.
 
-    def __init__(self, request: web.Request, kind: str) -> None:
+    Other endpoints that are a chat request in another dress (gateway/responses/)
+    reuse it, replacing `_parse` (body -> ParsedRequest) and the two writers
+    (`_collect`, `_stream`); `endpoint` labels metrics and logs."""
+
+    def __init__(self, request: web.Request, kind: str, endpoint: str | None = None) -> None:
         self.request = request
         self.kind = kind
+        self.endpoint = endpoint or ("chat" if kind == CHAT else "completions")
         self.state: GatewayState = request.app[STATE]
         self.timer = RequestTimer()
         self.arrival = time.monotonic()
@@ -260,7 +265,7 @@ class _RequestRun:
         """Metrics and the per-request JSON log line, whatever the outcome."""
         m = self.state.metrics
         timings = self.timer.result()
-        endpoint = "chat" if self.kind == CHAT else "completions"
+        endpoint = self.endpoint
         m.requests.labels(endpoint=endpoint, status=str(self.status)).inc()
         record: dict[str, Any] = {
             "event": "request", "request_id": self.rid, "endpoint": endpoint, "status": self.status,

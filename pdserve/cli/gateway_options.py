@@ -91,6 +91,9 @@ def add_gateway_options(ap: argparse.ArgumentParser) -> None:
     lim.add_argument(
         "--default-max-tokens", type=positive_int, default=None, help="completions without max_tokens"
     )
+    lim.add_argument("--responses-store-size", type=non_negative_int, default=None, metavar="N",
+                     help="stored /v1/responses kept for previous_response_id, least recently used "
+                     "evicted first (default 1024; 0: store nothing)")
 
 
 def read_key_file(path: str) -> list[str]:
@@ -173,6 +176,8 @@ def gateway_settings(args: argparse.Namespace) -> dict[str, Any]:
     out["planner"] = planner_settings(args)
     if args.default_max_tokens is not None:
         out["default_max_tokens"] = args.default_max_tokens
+    if args.responses_store_size is not None:
+        out["responses_store_size"] = args.responses_store_size
     if args.enable_auto_tool_choice:
         out["tool_call_parser"] = args.tool_call_parser
     assert set(out) <= {f.name for f in fields(GatewayConfig)}
