@@ -27,6 +27,7 @@ from gateway.chat_template import ChatTemplateError
 from gateway.errors import APIError, from_backend, invalid, unavailable
 from gateway.formatting import ResponseBuilder, usage
 from gateway.generation import ChoiceUpdate, Generation
+from gateway.prompt_echo import PromptView
 from gateway.state import STATE, GatewayState
 from gateway.timing import RequestTimer
 from gateway.tool_calls import parser_factory
@@ -194,11 +195,18 @@ class RequestRun:
                 first = await gen.first()
             except BackendError as e:
                 raise from_backend(e, state.config.admission.retry_after_s) from None
+            builder.set_prompt(self._prompt_view(parsed, ids))
             if parsed.stream:
                 return await self._stream(parsed, builder, first)
             return await self._collect(builder, first)
         finally:
             await gen.aclose()
+
+    def _prompt_view(self, parsed: ParsedRequest, ids: list[int]) -> PromptView:
+        assert self.gen is not None
+        lps = self.gen.stats.prompt_logprobs
+        text = parsed.prompt_text if parsed.prompt_text is not None else self.state.tokenizer.decode(ids)
+        return PromptView(text, tuple(ids), tuple(lps) if lps is not None else None, parsed.echo)
 
     def _usage(self) -> dict[str, Any]:
         assert self.gen is not None
