@@ -157,6 +157,15 @@ def test_function_call_output_items_streamed_and_not(gw: tuple[GatewayThread, Lo
     assert json.loads(done.arguments) == {"city": "Rome"}
     [fc] = final.output
     assert fc.type == "function_call" and fc.name == "get_weather" and fc.arguments == done.arguments
+    # The agent loop: the call's output continues the stored conversation.
+    n = _script(backend, tok, "Sunny in Rome.")
+    out: Any = [{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 25C"}]
+    r = _client(g).responses.create(model=MODEL, input=out, previous_response_id=r.id, tools=TOOLS,
+                                    tool_choice="none", max_output_tokens=n)
+    assert r.output_text == "Sunny in Rome."
+    prompt = _prompt(backend, tok)
+    assert prompt.index("Weather in Rome?") < prompt.index('"name": "get_weather", "arguments": {"city": "Rome"}')
+    assert prompt.index("get_weather") < prompt.index("<tool_response>\nsunny, 25C\n</tool_response>")
 
 
 def test_previous_response_id_continues_the_conversation(gw: tuple[GatewayThread, LocalBackend],
