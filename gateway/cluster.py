@@ -303,7 +303,7 @@ class ClusterBackend:
                     self._unassign(a, a.prefill_id)
                     a.prefill_id = ""
                 delta = self._record(flight.request, ev.index, ev.token_ids, ev.finish_reason, ev.logprobs,
-                                     ev.cached_tokens, ev.timings)
+                                     ev.cached_tokens, ev.timings, ev.prompt_logprobs)
                 if delta is not None:
                     yield delta
             else:
@@ -313,10 +313,10 @@ class ClusterBackend:
         a, out = flight.attempt, []
         self._prompt_done(a, ev.cached_tokens)
         for i, tok in enumerate(ev.token_ids[: len(a.choices)]):
-            first = ev.logprobs[i] if i < len(ev.logprobs) else None
-            lp = [first] if first is not None else None
+            lp = [x] if i < len(ev.logprobs) and (x := ev.logprobs[i]) is not None else None
             reason = ev.finish_reasons[i] if i < len(ev.finish_reasons) else None
-            d = self._record(flight.request, a.choices[i], [tok], reason, lp, ev.cached_tokens, ev.timings or None)
+            d = self._record(flight.request, a.choices[i], [tok], reason, lp, ev.cached_tokens, ev.timings or None,
+                             ev.prompt_logprobs if i == 0 else None)
             if d is not None:
                 out.append(d)
         if flight.attempt_done:
@@ -335,13 +335,13 @@ class ClusterBackend:
     def _record(
         request: RequestState, index: int, token_ids: list[int], reason: str | None,
         logprobs: list[Logprob] | None, cached: int, timings: dict[str, float] | None,
-    ) -> TokenDelta | None:
+        prompt_logprobs: list[Logprob | None] | None = None) -> TokenDelta | None:
         if not 0 <= index < len(request.finished) or request.finished[index]:
             return None
         request.generated[index].extend(token_ids)
         if reason is not None:
             request.finished[index] = True
-        return TokenDelta(index, list(token_ids), logprobs, reason, cached, timings)
+        return TokenDelta(index, list(token_ids), logprobs, reason, cached, timings, prompt_logprobs=prompt_logprobs)
 
     @staticmethod
     def _check_failure(a: Attempt, ev: Any) -> None:

@@ -88,10 +88,15 @@ class GatewayConfig:
     admin_token: str | None = None
     # --planner: the P:D planner (gateway/planner_loop.py); None: off.
     planner: PlannerSettings | None = None
+    # --responses-store-size: stored /v1/responses kept for previous_response_id
+    # (least recently used evicted first; 0: nothing is stored).
+    responses_store_size: int = 1024
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.responses_store_size < 0:
+            raise ValueError("responses_store_size must be >= 0")
         if any(not k for k in self.api_keys):
             raise ValueError("api keys must be non-empty")
         if self.admin_token is not None and len(self.admin_token) < 16:

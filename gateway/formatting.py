@@ -13,6 +13,7 @@ from typing import Any
 
 from gateway.backend import Logprob
 from gateway.generation import ChoiceUpdate
+from gateway.prompt_echo import PromptView, echo_logprobs, prepend, vllm_prompt_logprobs
 from gateway.tokenizer import Tokenizer
 from gateway.tool_calls import ToolCallAssembler, ToolCallParser
 from gateway.validation import CHAT
@@ -51,6 +52,15 @@ class ResponseBuilder:
         self._parsers = [tool_parser() for _ in range(n)] if tool_parser is not None and kind == CHAT else []
         self._calls = [ToolCallAssembler() for _ in range(n)]
         self._named_tool = named_tool  # OpenAI ends a forced named call with "stop"
+        self._prompt: PromptView | None = None
+        self._opened: set[int] = set()  # choices whose first chunk went out (echo, prompt_logprobs)
+
+    def set_prompt(self, view: PromptView) -> None:
+        """The prompt, for echo and prompt_logprobs; set once its logprobs are in (they
+        come with the first token)."""
+        self._prompt = view
+        if view.echo:  # the output's text offsets start after the echoed prompt's tokens
+            self._text_offset = [sum(len(self._token(t)) for t in view.token_ids)] * len(self._acc)
 
     # -- streaming ------------------------------------------------------------
 
@@ -59,11 +69,11 @@ class ResponseBuilder:
         return {"id": self.id, "object": obj, "created": self._created, "model": self._model, "choices": choices}
 
     def role_chunk(self) -> dict[str, Any]:
-        """Chat streams open every choice with the assistant role."""
-        return self._envelope(
+        """Chat streams open every choice with the assistant role (and the prompt's logprobs)."""
+        return self._with_prompt_logprobs(self._envelope(
             [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
              for i in range(len(self._acc))]
-        )
+        ))
 
     def chunk(self, u: ChoiceUpdate) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": u.index}
@@ -74,6 +84,9 @@ class ResponseBuilder:
         else:
             choice["text"] = u.text
         choice["logprobs"] = self._logprobs(u.index, u.logprobs, u.text) if self._want_logprobs else None
+        if self._kind != CHAT and u.index not in self._opened:
+            self._opened.add(u.index)
+            self._open_completion(choice)
         choice["finish_reason"] = self._finish_reason(u.index, u.finish_reason)
         if u.finish_reason is not None:
             choice["stop_reason"] = u.stop_reason
@@ -109,10 +122,32 @@ class ResponseBuilder:
                 choice = {"index": i, "text": text}
             choice.update(logprobs=lp, finish_reason=self._finish_reason(i, acc.finish_reason),
                           stop_reason=acc.stop_reason)
+            if self._kind != CHAT:
+                self._open_completion(choice)
             choices.append(choice)
         obj = "chat.completion" if self._kind == CHAT else "text_completion"
-        return {"id": self.id, "object": obj, "created": self._created, "model": self._model,
+        body = {"id": self.id, "object": obj, "created": self._created, "model": self._model,
                 "choices": choices, "usage": usage_obj}
+        return self._with_prompt_logprobs(body) if self._kind == CHAT else body
+
+    # -- the prompt: echo and prompt_logprobs ---------------------------------
+
+    def _open_completion(self, choice: dict[str, Any]) -> None:
+        """A completion choice's first chunk (or whole body): echo and prompt_logprobs."""
+        view = self._prompt
+        if view is None:
+            return
+        if view.echo:
+            choice["text"] = view.text + choice["text"]
+            if choice["logprobs"] is not None:
+                choice["logprobs"] = prepend(echo_logprobs(view, self._token), choice["logprobs"])
+        if view.logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(view.logprobs, self._token)
+
+    def _with_prompt_logprobs(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self._prompt is not None and self._prompt.logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self._prompt.logprobs, self._token)
+        return body
 
     # -- tool calls -----------------------------------------------------------
 
@@ -133,7 +168,7 @@ class ResponseBuilder:
         parser = self._tool_parser()
         first, rest = parser.feed(text), parser.finish()
         calls = self._calls[index]
-        calls.deltas(first.calls + rest.calls)
+        calls.deltas([c for c in first.calls + rest.calls if c.index != parser.unclosed])
         content = first.content + rest.content
         if not calls.any:
             return {"role": "assistant", "content": content}

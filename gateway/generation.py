@@ -54,6 +54,9 @@ class GenerationStats:
     completion_tokens: int = 0
     cached_tokens: int = 0
     first_token_at: float | None = None  # timer clock
+    # params.prompt_logprobs: from the first delta that carries them (a recovery's
+    # re-prefill computes them again; the first ones stand).
+    prompt_logprobs: list[Logprob | None] | None = None
     last_token_at: float | None = None
     finish_reasons: dict[int, str] = field(default_factory=dict)
 
@@ -138,6 +141,8 @@ class Generation:
     def _apply(self, delta: Any) -> ChoiceUpdate | None:
         self._timer.report(delta.timings)
         self.stats.cached_tokens = max(self.stats.cached_tokens, delta.cached_tokens)
+        if self.stats.prompt_logprobs is None and delta.prompt_logprobs is not None:
+            self.stats.prompt_logprobs = list(delta.prompt_logprobs)
         if not 0 <= delta.index < len(self._choices):
             raise BackendError(BackendErrorKind.FAILED, f"backend sent choice index {delta.index}")
         choice = self._choices[delta.index]

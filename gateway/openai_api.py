@@ -27,6 +27,7 @@ from gateway.chat_template import ChatTemplateError
 from gateway.errors import APIError, from_backend, invalid, unavailable
 from gateway.formatting import ResponseBuilder, usage
 from gateway.generation import ChoiceUpdate, Generation
+from gateway.prompt_echo import PromptView
 from gateway.state import STATE, GatewayState
 from gateway.timing import RequestTimer
 from gateway.tool_calls import parser_factory
@@ -74,19 +75,24 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _RequestRun(request, COMPLETION).serve()
+    return await RequestRun(request, COMPLETION).serve()
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _RequestRun(request, CHAT).serve()
+    return await RequestRun(request, CHAT).serve()
 
 
-class _RequestRun:
-    """One generation request, from body bytes to the last byte of the response."""
+class RequestRun:
+    """One generation request, from body bytes to the last byte of the response.
 
-    def __init__(self, request: web.Request, kind: str) -> None:
+    Other endpoints that are a chat request in another dress (gateway/responses/)
+    reuse it, replacing `_parse` (body -> ParsedRequest) and the two writers
+    (`_collect`, `_stream`); `endpoint` labels metrics and logs."""
+
+    def __init__(self, request: web.Request, kind: str, endpoint: str | None = None) -> None:
         self.request = request
         self.kind = kind
+        self.endpoint = endpoint or ("chat" if kind == CHAT else "completions")
         self.state: GatewayState = request.app[STATE]
         self.timer = RequestTimer()
         self.arrival = time.monotonic()
@@ -181,7 +187,7 @@ class _RequestRun:
         builder = ResponseBuilder(
             self.kind, self.rid, state.config.model_name, state.tokenizer, parsed.params.n,
             parsed.params.logprobs is not None,
-            parser_factory(shape.tool_mode, shape.tool_name, state.config.tool_call_parser),
+            parser_factory(shape.tool_mode, shape.tool_name, state.config.tool_call_parser, shape.parallel),
             named_tool=shape.tool_mode == "named",
         )
         try:
@@ -189,11 +195,18 @@ class _RequestRun:
                 first = await gen.first()
             except BackendError as e:
                 raise from_backend(e, state.config.admission.retry_after_s) from None
+            builder.set_prompt(self._prompt_view(parsed, ids))
             if parsed.stream:
                 return await self._stream(parsed, builder, first)
             return await self._collect(builder, first)
         finally:
             await gen.aclose()
+
+    def _prompt_view(self, parsed: ParsedRequest, ids: list[int]) -> PromptView:
+        assert self.gen is not None
+        lps = self.gen.stats.prompt_logprobs
+        text = parsed.prompt_text if parsed.prompt_text is not None else self.state.tokenizer.decode(ids)
+        return PromptView(text, tuple(ids), tuple(lps) if lps is not None else None, parsed.echo)
 
     def _usage(self) -> dict[str, Any]:
         assert self.gen is not None
@@ -260,7 +273,7 @@ class _RequestRun:
         """Metrics and the per-request JSON log line, whatever the outcome."""
         m = self.state.metrics
         timings = self.timer.result()
-        endpoint = "chat" if self.kind == CHAT else "completions"
+        endpoint = self.endpoint
         m.requests.labels(endpoint=endpoint, status=str(self.status)).inc()
         record: dict[str, Any] = {
             "event": "request", "request_id": self.rid, "endpoint": endpoint, "status": self.status,

@@ -8,7 +8,8 @@ it until SIGTERM/SIGINT, then drains: `/ready` and new generation requests answe
 (which aborts them in the backend), and it returns exit code 0.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /v1/models/{model}, POST /tokenize, POST /detokenize, GET /v1/workers, GET /health,
+GET /v1/models/{model}, POST /v1/responses and GET/DELETE /v1/responses/{id}
+(gateway/responses/), POST /tokenize, POST /detokenize, GET /v1/workers, GET /health,
 GET /ready, GET /metrics, POST /admin/workers/{id}/role (gateway/admin_roles.py).
 """
 
@@ -33,6 +34,7 @@ from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import REQUEST_ID_HEADER, chat_completions, completions
 from gateway.planner_loop import install_roles
+from gateway.responses.handler import install_responses
 from gateway.state import STATE, GatewayState
 from gateway.tokenize_api import detokenize, tokenize
 from gateway.tokenizer import Tokenizer
@@ -170,6 +172,7 @@ def build_app(config: GatewayConfig, backend: GenerationBackend, tokenizer: Toke
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     install_roles(app)  # POST /admin/workers/{id}/role, flip metrics, the planner
+    install_responses(app)  # the Responses API and its bounded store
 
     async def start_backend(_: web.Application) -> None:
         await backend.start()

@@ -6,6 +6,8 @@ A constraint is checked here with the grammar engine the workers compile with
 worker. Tools: `tool_choice` `required` or a named function is enforced with a JSON
 schema built from the tools' parameters (vLLM's shapes): a named call generates the
 function's arguments object; `required` generates `[{"name": ..., "parameters": ...}]`.
+Either follows the parameters strictly (gateway/tool_schema.py: no property the schema
+does not name), and `parallel_tool_calls: false` allows one call.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import invalid
+from gateway.fields import bool_field
+from gateway.tool_schema import strict
 from pdserve.common.structured import StructuredOutput, StructuredOutputError, check, json_schema
 
 MAX_SPEC_BYTES = 32 << 10  # a constraint travels in one control message (strings <= 64 KiB)
@@ -44,12 +48,14 @@ class OutputShape:
     """What a request asks of its output's shape.
 
     `tool_mode`: none | auto (the parser finds calls in free text) | required | named
-    (the grammar forces calls; `tool_name` is the named one)."""
+    (the grammar forces calls; `tool_name` is the named one). `parallel`: more than
+    one call per choice is allowed (parallel_tool_calls)."""
 
     constraint: StructuredOutput | None = None
     tools: tuple[Tool, ...] = ()
     tool_mode: str = NONE
     tool_name: str | None = None
+    parallel: bool = True
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -72,12 +78,13 @@ def parse_output_shape(body: Mapping[str, Any], chat: bool, auto_tools: bool) ->
         return _checked(OutputShape(constraint))
     tools = _tools(body.get("tools"))
     mode, name = _tool_choice(body.get("tool_choice"), tools, auto_tools)
+    parallel = bool(bool_field(body, "parallel_tool_calls", True))
     if mode in (REQUIRED, NAMED):
         if constraint is not None:
             raise invalid("tool_choice", f"tool_choice {mode!r} cannot be combined with a structured output",
                           "conflicting_parameters")
-        constraint = _tool_constraint(tools, mode, name, body.get("parallel_tool_calls"))
-    return _checked(OutputShape(constraint, tools, mode, name))
+        constraint = _tool_constraint(tools, mode, name, parallel)
+    return _checked(OutputShape(constraint, tools, mode, name, parallel))
 
 
 def _checked(shape: OutputShape) -> OutputShape:
@@ -206,15 +213,16 @@ def _tool_choice(value: Any, tools: tuple[Tool, ...], auto_tools: bool) -> tuple
     return NAMED, name
 
 
-def _tool_constraint(tools: tuple[Tool, ...], mode: str, name: str | None, parallel: Any) -> StructuredOutput:
+def _tool_constraint(tools: tuple[Tool, ...], mode: str, name: str | None, parallel: bool) -> StructuredOutput:
     if mode == NAMED:
         tool = next(t for t in tools if t.name == name)
-        return StructuredOutput("json_schema", tool.parameters, "tool_choice")
+        params = strict(json.loads(tool.parameters))
+        return StructuredOutput("json_schema", json.dumps(params, separators=(",", ":")), "tool_choice")
     item = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.name]},
-                                                          "parameters": json.loads(t.parameters)},
+                                                          "parameters": strict(json.loads(t.parameters))},
                        "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}
     array: dict[str, Any] = {"type": "array", "minItems": 1, "items": item}
-    if parallel is False:
+    if not parallel:
         array["maxItems"] = 1
     return StructuredOutput("json_schema", json.dumps(array, separators=(",", ":")), "tool_choice")
 

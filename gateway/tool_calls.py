@@ -17,6 +17,7 @@ its id and the OpenAI dict shapes.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,12 @@ class ToolCallParser(Protocol):
 
     def finish(self) -> ParseStep: ...
 
+    @property
+    def unclosed(self) -> int | None:
+        """After `finish`: the index of a streamed call whose arguments were cut off
+        (max_tokens) before they closed; the final message leaves it out."""
+        ...
+
 
 def _call(obj: Any, args_key: str) -> tuple[str, str] | None:
     """(name, arguments JSON) of a decoded call object, or None if it is not one."""
@@ -66,6 +73,7 @@ class HermesParser:
     _buf: str = ""
     _inside: bool = False
     _n: int = 0
+    unclosed: int | None = None  # a call is parsed whole or not at all
 
     def feed(self, text: str) -> ParseStep:
         self._buf += text
@@ -112,6 +120,7 @@ class HermesParser:
 class Llama3JsonParser:
     _buf: str = ""
     _mode: str = "?"  # ? undecided, text, calls
+    unclosed: int | None = None  # calls are parsed at the end, whole
 
     def feed(self, text: str) -> ParseStep:
         self._buf += text
@@ -158,6 +167,7 @@ class NamedCallParser:
 
     name: str
     _started: bool = False
+    unclosed: int | None = None  # the one call is kept, cut off or not, as OpenAI does
 
     def feed(self, text: str) -> ParseStep:
         if not text and self._started:
@@ -170,29 +180,142 @@ class NamedCallParser:
         return self.feed("")
 
 
+_REQUIRED_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
+
+
 @dataclass
 class RequiredCallsParser:
-    """tool_choice required: the output is a JSON array of {name, parameters}."""
+    """tool_choice required: the output is a JSON array of {name, parameters}, the
+    shape the grammar forces (name first). Streamed: a call's name as soon as its
+    header is complete, then its arguments as they come. Text that is not that shape
+    (only possible without the grammar) is parsed whole at the end."""
 
     _buf: str = ""
+    _all: str = ""
+    _phase: str = "open"  # open, head, args, close, sep, done, failed
+    _n: int = 0
+    _depth: int = 0
+    _in_str: bool = False
+    _esc: bool = False
+    _started: bool = False  # the current arguments value has begun
+
+    @property
+    def unclosed(self) -> int | None:
+        return self._n - 1 if self._phase == "args" else None
 
     def feed(self, text: str) -> ParseStep:
         self._buf += text
-        return ParseStep("", [])
+        self._all += text
+        calls: list[ToolCallDelta] = []
+        while self._step(calls):
+            pass
+        return ParseStep("", calls)
 
     def finish(self) -> ParseStep:
+        if self._n:  # calls were streamed; a cut-off one stays as far as it came
+            return ParseStep("", [])
         try:
-            items = json.loads(self._buf)
+            items = json.loads(self._all)
         except ValueError:
-            return ParseStep(self._buf, [])
+            return ParseStep(self._all, [])
         calls = [_call(o, "parameters") for o in items] if isinstance(items, list) else [None]
         if not calls or any(c is None for c in calls):
-            return ParseStep(self._buf, [])
+            return ParseStep(self._all, [])
         return ParseStep("", [ToolCallDelta(i, *c) for i, c in enumerate(calls) if c is not None])
 
+    def _step(self, calls: list[ToolCallDelta]) -> bool:
+        """Consume what the current phase can; False when it needs more text."""
+        buf = self._buf.lstrip() if self._phase in ("open", "close", "sep") else self._buf
+        if self._phase in ("done", "failed") or not buf:
+            return False
+        if self._phase in ("open", "close", "sep"):
+            want = {"open": "[", "close": "}", "sep": ",]"}[self._phase]
+            if buf[0] not in want:
+                self._phase = "failed"
+                return False
+            self._buf = buf[1:]
+            self._phase = {"[": "head", "}": "sep", ",": "head", "]": "done"}[buf[0]]
+            return True
+        if self._phase == "head":
+            m = _REQUIRED_HEAD.match(buf)
+            if m is None:
+                if not buf.lstrip().startswith("{") and buf.strip():
+                    self._phase = "failed"
+                return False
+            calls.append(ToolCallDelta(self._n, json.loads(f'"{m.group(1)}"'), ""))
+            self._n += 1
+            self._buf, self._phase = buf[m.end():], "args"
+            self._depth, self._in_str, self._esc, self._started = 0, False, False, False
+            return True
+        return self._args(calls)
 
-def parser_factory(tool_mode: str, tool_name: str | None, parser: str | None) -> Callable[[], ToolCallParser] | None:
-    """A new parser per choice, or None when the output is plain content."""
+    def _args(self, calls: list[ToolCallDelta]) -> bool:
+        """Stream the arguments value up to its end: a bracket or a string closing at
+        depth 0, or the `,`/`}` after a bare scalar (not part of the value)."""
+        if not self._started:
+            self._buf = self._buf.lstrip()
+        i, done = 0, False
+        while i < len(self._buf) and not done:
+            c = self._buf[i]
+            if self._in_str:
+                if self._esc:
+                    self._esc = False
+                elif c == "\\":
+                    self._esc = True
+                elif c == '"':
+                    self._in_str = False
+            elif self._started and self._depth == 0 and c in ",}":
+                done = True
+                break
+            elif c == '"':
+                self._in_str = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+            self._started = self._started or not c.isspace()
+            i += 1
+            done = self._started and self._depth == 0 and not self._in_str and c in '}]"'
+        piece, self._buf = self._buf[:i], self._buf[i:]
+        if piece:
+            calls.append(ToolCallDelta(self._n - 1, None, piece))
+        if done:
+            self._phase = "close"
+        return done
+
+
+@dataclass
+class FirstCallOnly:
+    """parallel_tool_calls false: only a choice's first call is a call."""
+
+    inner: ToolCallParser
+
+    @property
+    def unclosed(self) -> int | None:
+        return 0 if self.inner.unclosed == 0 else None
+
+    def feed(self, text: str) -> ParseStep:
+        return self._first(self.inner.feed(text))
+
+    def finish(self) -> ParseStep:
+        return self._first(self.inner.finish())
+
+    @staticmethod
+    def _first(step: ParseStep) -> ParseStep:
+        return ParseStep(step.content, [c for c in step.calls if c.index == 0])
+
+
+def parser_factory(tool_mode: str, tool_name: str | None, parser: str | None,
+                   parallel: bool = True) -> Callable[[], ToolCallParser] | None:
+    """A new parser per choice, or None when the output is plain content. `parallel`
+    false (parallel_tool_calls): a choice makes at most one call."""
+    make = _parser_class(tool_mode, tool_name, parser)
+    if make is None or parallel:
+        return make
+    return lambda: FirstCallOnly(make())
+
+
+def _parser_class(tool_mode: str, tool_name: str | None, parser: str | None) -> Callable[[], ToolCallParser] | None:
     if tool_mode == "named" and tool_name is not None:
         return lambda: NamedCallParser(tool_name)
     if tool_mode == "required":

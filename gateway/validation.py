@@ -34,17 +34,18 @@ _SAMPLING = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "seed", "stop", "n", "stream", "stream_options",
     "ignore_eos", "user", "priority", "stop_token_ids", "skip_special_tokens",
-    "include_stop_str_in_output", "response_format", "structured_outputs", "speculative",
+    "include_stop_str_in_output", "response_format", "structured_outputs", "speculative", "prompt_logprobs",
 }
 _KNOWN = {
-    COMPLETION: _SAMPLING | {"prompt", "logprobs"},
-    CHAT: _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"},
+    COMPLETION: _SAMPLING | {"prompt", "logprobs", "echo"},
+    CHAT: _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                       "parallel_tool_calls"},
 }
 # Ignored without effect on the output.
-HARMLESS = {"store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort"}
+HARMLESS = {"store", "metadata", "service_tier", "reasoning_effort"}
 # Accepted only when absent, null or equal to one of these neutral values.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "echo": (False,),
+    "echo": (False,),  # chat; completions support it
     "suffix": ("",),
     "best_of": (1,),
     "logit_bias": ({},),
@@ -78,6 +79,7 @@ class ParsedRequest:
     skip_special_tokens: bool = True
     include_stop_str: bool = False
     shape: OutputShape = OutputShape()  # structured output and tools
+    echo: bool = False  # completions: the prompt leads the text (and its logprobs the logprobs)
 
     @property
     def prompt_param(self) -> str:
@@ -154,6 +156,7 @@ def parse_request(
         skip_special_tokens=bool_field(body, "skip_special_tokens", True),
         include_stop_str=bool_field(body, "include_stop_str_in_output", False),
         shape=shape,
+        echo=bool(bool_field(body, "echo", False)),
     )
 
 
@@ -300,6 +303,9 @@ def _sampling(kind: str, body: Mapping[str, Any], config: GatewayConfig, max_tok
         logprobs = (top or 0) if want else None
     else:
         logprobs = int_field(body, "logprobs", lo=0, hi=min(limits.max_logprobs, 20))
+    prompt_logprobs = int_field(body, "prompt_logprobs", lo=0, hi=min(limits.max_logprobs, 20))
+    if kind == COMPLETION and body.get("echo") and logprobs is not None and prompt_logprobs is None:
+        prompt_logprobs = logprobs  # echo + logprobs: the prompt's tokens carry logprobs too (vLLM)
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and (
         not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids)
@@ -319,6 +325,7 @@ def _sampling(kind: str, body: Mapping[str, Any], config: GatewayConfig, max_tok
         "stop_token_ids": tuple(stop_ids or ()),
         "ignore_eos": bool_field(body, "ignore_eos", None),
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "n": n,
         # false: this request never speculates (pdserve's own field; output is the same).
         "speculative": bool_field(body, "speculative", None),

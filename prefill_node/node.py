@@ -190,6 +190,7 @@ class PrefillNode(EngineNode):
             [c.logprobs[0] if c.logprobs else None for c in choices],
             out.num_cached_tokens,
             self._timings(job),
+            list(out.prompt_logprobs) if out.prompt_logprobs is not None else None,
         ))
         if not out.prefilled or all(c.finish_reason is not None for c in choices):
             self._finish_without_decode(job)

@@ -121,6 +121,9 @@ class GatewayArgs(ArgGroup):
     max_logprobs: int | None = _limit()
     default_max_tokens: int | None = flag(None, "completions without max_tokens", type=positive_int, up=False,
                                           group=LIMITS)
+    responses_store_size: int | None = flag(
+        None, "stored /v1/responses kept for previous_response_id, least recently used evicted first "
+        "(default 1024; 0: store nothing)", type=non_negative_int, metavar="N", up=False, group=LIMITS)
     curve_secret_key: str | None = flag(None, "CURVE: the gateway's secret certificate (encrypts the control "
                                         "plane)", up=False)
     curve_authorized_keys: str | None = flag(None, "CURVE: directory of worker public certificates allowed to "

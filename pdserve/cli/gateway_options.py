@@ -102,6 +102,8 @@ def gateway_settings(args: argparse.Namespace) -> dict[str, Any]:
     out["planner"] = planner_settings(args)
     if args.default_max_tokens is not None:
         out["default_max_tokens"] = args.default_max_tokens
+    if args.responses_store_size is not None:
+        out["responses_store_size"] = args.responses_store_size
     if args.enable_auto_tool_choice:
         out["tool_call_parser"] = args.tool_call_parser
     assert set(out) <= {f.name for f in fields(GatewayConfig)}

@@ -208,6 +208,9 @@ class FirstToken(Message):
     logprobs: list[Logprob | None]  # one entry per choice (None when not requested)
     cached_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
+    # params.prompt_logprobs: one entry per prompt token (None at position 0), computed
+    # here where the prompt was; None when not requested.
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -228,7 +231,9 @@ class TokenDelta:
 
     `logprobs` is None or one entry per token of `token_ids`; `finish_reason` is set on
     the choice's last delta ("stop" or "length"); `timings` carries worker-measured
-    stage durations in seconds (see gateway/backend.py)."""
+    stage durations in seconds (see gateway/backend.py). `prompt_logprobs` rides on
+    the first delta of a worker that computed the prompt (params.prompt_logprobs), as
+    in `FirstToken`."""
 
     index: int
     token_ids: list[int]
@@ -237,6 +242,7 @@ class TokenDelta:
     cached_tokens: int = 0
     timings: dict[str, float] | None = None
     request_id: str = ""  # the worker-side request id
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs of each sampled token; None = off
+    # vLLM's prompt_logprobs: the logprob of each prompt token after the first, and the
+    # top-n alternatives; None = off. Such a request never reads the prefix cache (the
+    # positions it needs must be computed).
+    prompt_logprobs: int | None = None
     n: int = 1
     # Output constraint (JSON schema, regex, choice, grammar) enforced as a token mask.
     structured: StructuredOutput | None = None
@@ -63,6 +67,8 @@ class SamplingParams:
             raise SamplingParamsError("repetition_penalty", "repetition_penalty must be > 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise SamplingParamsError("logprobs", "logprobs must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise SamplingParamsError("prompt_logprobs", "prompt_logprobs must be in [0, 20]")
         if self.n < 1:
             raise SamplingParamsError("n", "n must be at least 1")
         if self.structured is not None:

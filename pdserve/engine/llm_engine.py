@@ -42,6 +42,7 @@ from pdserve.engine.core.sequence import Request, SequenceStatus, finish_status
 from pdserve.engine.core.sequence import Sequence as Seq
 from pdserve.engine.grammar.compiler import GrammarCompiler, load_tokenizer
 from pdserve.engine.grammar.masking import any_constrained, constrain, cut_drafts
+from pdserve.engine.prompt_logprobs import collect_prompt_logprobs
 from pdserve.engine.sampler import Sampler, SampleRow, request_seed
 from pdserve.engine.spec.decoder import SpecDecoder, accepted_prefix
 from pdserve.engine.spec.draft_model import draft_proposer
@@ -337,6 +338,7 @@ class LLMEngine:
         kv[:, :, dst] = kv[:, :, src]
 
     def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        collect_prompt_logprobs(batch.chunks, batch.seqs, logits, self._requests)
         rows, seqs = self._sample_rows(batch)
         if any_constrained(seqs):  # masks along drafts too (pdserve.engine.grammar.masking)
             constrain(logits, rows, seqs, self.grammar)
@@ -374,16 +376,16 @@ class LLMEngine:
         seqs: list[Seq] = []
         logits_index = 0
         for chunk, seq in zip(batch.chunks, batch.seqs, strict=True):
+            base, logits_index = logits_index + chunk.first_sampled_row, logits_index + chunk.num_logits
             if not chunk.need_logits:
                 continue
             for s in [seq, *self._fork_choices(seq)]:
                 out = s.output_token_ids
                 for j in range(1 + len(s.spec_token_ids)):
-                    rows.append(SampleRow(logits_index + j, s.params, s.sampling_seed, s.choice_index,
+                    rows.append(SampleRow(base + j, s.params, s.sampling_seed, s.choice_index,
                                           len(out) + j, s.prompt_token_ids,
                                           out + s.spec_token_ids[:j] if j else out))
                 seqs.append(s)
-            logits_index += chunk.num_logits
         return rows, seqs
 
     def _fork_choices(self, parent: Seq) -> list[Seq]:

@@ -36,14 +36,16 @@ def wire_deltas(outputs: Iterable[RequestOutput]) -> list[p.TokenDelta]:
     """Every non-empty choice delta of one step; engine-side aborts are not reported."""
     deltas = []
     for out in outputs:
+        prompt_lps = list(out.prompt_logprobs) if out.prompt_logprobs is not None else None
         for c in out.outputs:
             if c.finish_reason == "abort" or (not c.token_ids and c.finish_reason is None):
                 continue
             reason = c.finish_reason
             deltas.append(p.TokenDelta(
                 c.index, list(c.token_ids), list(c.logprobs) if c.logprobs is not None else None, reason,
-                out.num_cached_tokens, request_id=out.request_id,
+                out.num_cached_tokens, request_id=out.request_id, prompt_logprobs=prompt_lps,
             ))
+            prompt_lps = None  # once per request
     return deltas
 
 

@@ -179,7 +179,9 @@ def test_named_and_required_choices_ask_the_backend_for_a_constraint(
     assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Oslo"}')
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content is None
     c = backend.requests[-1].params.structured
-    assert c is not None and c.kind == "json_schema" and json.loads(c.spec) == TOOLS[0]["function"]["parameters"]
+    # The arguments follow the parameters strictly: no key the schema does not name.
+    assert c is not None and c.kind == "json_schema"
+    assert json.loads(c.spec) == {**TOOLS[0]["function"]["parameters"], "additionalProperties": False}
     n = _script(backend, tok, '[{"name": "get_time", "parameters": {}}]')
     r = _client(g).chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="required", max_tokens=n)
     assert [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls or []] == [("get_time", "{}")]

@@ -37,6 +37,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     prefilled: bool = False
+    # params.prompt_logprobs: set on the one output after the prompt was computed.
+    prompt_logprobs: tuple[Logprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class GenerationResult:
     prompt_token_ids: tuple[int, ...]
     choices: tuple[ChoiceResult, ...]
     num_cached_tokens: int
+    prompt_logprobs: tuple[Logprob | None, ...] | None = None
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -120,6 +123,9 @@ def build_outputs(
             for seq in req.seqs
             if seq.choice_index in new or (include_finished and seq.is_finished)
         )
+        prompt_lps = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_reported:
+            prompt_lps, req.prompt_logprobs_reported = req.prompt_logprobs, True
         outs.append(
             RequestOutput(
                 request_id=req.request_id,
@@ -128,6 +134,7 @@ def build_outputs(
                 num_prompt_tokens=len(req.prompt_token_ids),
                 num_cached_tokens=req.num_cached_tokens,
                 prefilled=req.holds_blocks,
+                prompt_logprobs=prompt_lps,
             )
         )
     return outs
@@ -149,4 +156,5 @@ def generation_result(req: Request) -> GenerationResult:
             for seq in req.seqs
         ),
         num_cached_tokens=req.num_cached_tokens,
+        prompt_logprobs=req.prompt_logprobs,
     )

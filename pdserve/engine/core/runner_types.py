@@ -20,6 +20,9 @@ class SeqChunk:
     num_draft_tokens: the last this many tokens are speculative drafts (pdserve.engine.spec);
                  with need_logits the runner returns the logits of each of them and
                  of the token before them, in position order.
+    prompt_logits: return the logits of every token of this chunk, in position order
+                 (prompt logprobs); never with drafts. With need_logits the last row is
+                 also the one sampled from.
     """
 
     token_ids: list[int]
@@ -27,11 +30,20 @@ class SeqChunk:
     block_table: list[int]
     need_logits: bool
     num_draft_tokens: int = 0
+    prompt_logits: bool = False
 
     @property
     def num_logits(self) -> int:
         """Logits rows this chunk yields."""
+        if self.prompt_logits:
+            return len(self.token_ids)
         return 1 + self.num_draft_tokens if self.need_logits else 0
+
+    @property
+    def first_sampled_row(self) -> int:
+        """The first of this chunk's rows sampled from (with need_logits): its last
+        1 + num_draft_tokens rows are (a prompt_logits chunk has one per token before)."""
+        return self.num_logits - 1 - self.num_draft_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -294,7 +294,9 @@ class Scheduler:
             if self.running and len(self.running) + width > self.config.max_num_seqs:
                 break
             first_admission = seq.num_computed_tokens == 0 and not bm.has_owner(seq.seq_id)
-            prefix = bm.match_prefix(seq.token_ids) if first_admission else NO_HIT
+            # prompt_logprobs needs the logits of every prompt position: computed, not cached.
+            reads_cache = first_admission and seq.params.prompt_logprobs is None
+            prefix = bm.match_prefix(seq.token_ids) if reads_cache else NO_HIT
             computed = max(seq.num_computed_tokens, prefix.num_tokens)
             num_new = seq.num_tokens - computed
             if num_new > min(budget, self._prefill_cap):
@@ -342,4 +344,6 @@ class Scheduler:
             block_table=self.block_manager.block_table(seq.seq_id),
             need_logits=end == seq.num_tokens,
             num_draft_tokens=len(drafts),
+            # Prompt logprobs: every row of a chunk that reaches into the prompt.
+            prompt_logits=seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens and not drafts,
         )

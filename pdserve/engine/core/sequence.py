@@ -159,6 +159,12 @@ class Request:
     params: SamplingParams
     prefill_only: bool
     seqs: list[Sequence]
+    # params.prompt_logprobs: one entry per prompt token (None at position 0), set once
+    # the prompt is computed (pdserve/engine/prompt_logprobs.py, which fills `partial_prompt_logprobs`
+    # chunk by chunk); reported with the request's next output, once.
+    prompt_logprobs: tuple[Logprob | None, ...] | None = None
+    prompt_logprobs_reported: bool = False
+    partial_prompt_logprobs: list[Logprob | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -220,7 +220,7 @@ class ModelRunner:
         if not chunks:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32)
         self._check(chunks)
-        if self._graphs is not None and layer_hook is None:
+        if self._graphs is not None and layer_hook is None and not any(c.prompt_logits for c in chunks):
             replayed = self._graphs.run(chunks)  # None: not a step a graph covers
             if replayed is not None:
                 return replayed
@@ -273,6 +273,8 @@ class ModelRunner:
                 raise ValueError("a SeqChunk must carry at least one token")
             if not 0 <= c.num_draft_tokens < len(c.token_ids):
                 raise ValueError(f"{c.num_draft_tokens} draft tokens in a chunk of {len(c.token_ids)}")
+            if c.prompt_logits and c.num_draft_tokens:
+                raise ValueError("a prompt_logits chunk carries no drafts")
             if c.start_pos < 0 or c.end_pos > self.max_model_len:
                 raise ValueError(
                     f"chunk covers positions [{c.start_pos}, {c.end_pos}) beyond max_model_len {self.max_model_len}"
