@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common import protocol as p
-from pdserve.common.transport import LOOPBACK, CurveServer, ZapLog, apply_curve_server
+from pdserve.common.transport import LOOPBACK, CurveServer, ZapLog, apply_curve_server, limit_incoming
 from gateway.backend import (
     FleetSample,
     ReadyState,
@@ -115,6 +115,7 @@ class ControlPlane:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        limit_incoming(sock, p.MAX_MESSAGE_BYTES)
         host, port = self.config.control_host, self.config.control_port
         if port:
             sock.bind(f"tcp://{host}:{port}")

@@ -33,6 +33,7 @@ import zmq
 
 from pdserve.common.kv_layout import KVLayout
 from pdserve.common.parallel_layout import ParallelLayout
+from pdserve.common.transport import limit_incoming
 from kv_transfer import auth, wire
 from kv_transfer.api import TransferState
 from kv_transfer.pool.copy_threads import DEFAULT_COPY_THREADS
@@ -85,7 +86,7 @@ class ZmqReceiver:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # zmq drops a connection that sends a frame above this before buffering it.
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + wire.MAX_HEADER_BYTES)
+        limit_incoming(self._sock, max_frame_bytes + wire.MAX_HEADER_BYTES)
         self._ipc_path = ""
         try:
             self._bind(inner, host, port)

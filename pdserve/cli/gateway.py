@@ -26,6 +26,7 @@ from pdserve.cli.args import (
     positive_float,
     positive_int,
 )
+from pdserve.cli.curve_options import add_insecure_arg, check_gateway_exposure
 from pdserve.cli.gateway_options import (
     add_gateway_options,
     check_served_names,
@@ -75,6 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     help="CURVE: the gateway's secret certificate (encrypts the control plane)")
     ap.add_argument("--curve-authorized-keys", default=None,
                     help="CURVE: directory of worker public certificates allowed to connect")
+    add_insecure_arg(ap)
     ap.set_defaults(func=run)
 
 
@@ -84,6 +86,7 @@ def check_args(args: argparse.Namespace) -> int:
     if bool(args.curve_secret_key) != bool(args.curve_authorized_keys):
         flag = "--curve-authorized-keys" if args.curve_secret_key else "--curve-secret-key"
         raise UsageError(flag, "--curve-secret-key and --curve-authorized-keys go together")
+    check_gateway_exposure(args)
     check_tool_flags(args)
     max_model_len = check_max_model_len(args.max_model_len, check_model(args.model))
     check_served_names(args.served_model_name)

@@ -37,6 +37,7 @@ from pdserve.cli.args import (
     positive_float,
     positive_int,
 )
+from pdserve.cli.curve_options import add_insecure_arg, check_worker_exposure
 from pdserve.worker.cpu_cores import format_cpu_list, parse_cpu_list, pin_process
 
 if TYPE_CHECKING:
@@ -140,6 +141,7 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--curve-authorized-keys", default=None,
                     help="CURVE, prefill and decode: directory of the workers' public certificates "
                     "(the gateway's); KV sockets then use CURVE and accept only these peers")
+    add_insecure_arg(ap)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -158,6 +160,7 @@ def check_args(args: argparse.Namespace) -> None:
     if bool(args.curve_key) != bool(args.curve_server_key):
         flag = "--curve-server-key" if args.curve_key else "--curve-key"
         raise UsageError(flag, "--curve-key and --curve-server-key go together")
+    check_worker_exposure(args)
     config = check_model(args.model, tokenizer=False)
     check_max_model_len(args.max_model_len, config)
     check_speculative(getattr(args, "speculative_config", None))

@@ -23,6 +23,17 @@ from pdserve.common.protocol import Message, ProtocolError
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+# A peer that has not finished the ZeroMQ (and CURVE) handshake by then is dropped;
+# libzmq's default is 30 s, long enough for a flood of half-open connections to pile up.
+HANDSHAKE_IVL_MS = 5000
+
+
+def limit_incoming(sock: zmq.Socket[Any], max_message_bytes: int) -> None:
+    """Every socket that receives from a peer: zmq drops the connection of a peer that
+    sends a frame above `max_message_bytes` before buffering it (a decoder's cap comes
+    too late: the frame is already in memory), and one that stalls its handshake."""
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -127,6 +138,7 @@ class WorkerChannel:
         self._sock.setsockopt(zmq.LINGER, 500)
         self._sock.setsockopt(zmq.SNDHWM, 2 if lossy else 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        limit_incoming(self._sock, protocol.MAX_MESSAGE_BYTES)
         if lossy:
             self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.connect(gateway_address)
