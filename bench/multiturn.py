@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from bench import harness
-from pdserve.loadgen.launch import pdserve_up
+from pdserve.loadgen.launch import list_workers, pdserve_up
 from bench.multiturn_workload import (
     SHAPES,
     ChatShape,
@@ -127,8 +127,7 @@ def _samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 def _kv_bytes(url: str) -> float:
     """KV bytes every decode worker received (its llm_kv_transfer_bytes counter)."""
-    with urllib.request.urlopen(f"{url}/v1/workers", timeout=10) as r:
-        workers = json.load(r)["data"]
+    workers = list_workers(url)
     return sum(v for w in workers if w["role"] == "decode"
                for _, v in _samples(f"http://127.0.0.1:{w['metrics_port']}/metrics", "llm_kv_transfer_bytes_total"))
 

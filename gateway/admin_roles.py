@@ -124,12 +124,19 @@ class FlipCollector(Collector):
 ROLE_FLIPS: web.AppKey[RoleFlips | None] = web.AppKey("pdserve_role_flips", object)  # type: ignore[arg-type]
 
 
-def _flips(request: web.Request) -> RoleFlips:
+def check_admin(request: web.Request) -> None:
+    """404 without an admin token configured, 401 unless the request carries it."""
     token = request.app[STATE].config.admin_token
-    flips = request.app.get(ROLE_FLIPS)
-    if token is None or flips is None:
+    if token is None:
         raise APIError(404, "the admin API is not enabled (--admin-token)", code="not_found")
     check_authorization(request.headers.get("Authorization"), [token])
+
+
+def _flips(request: web.Request) -> RoleFlips:
+    flips = request.app.get(ROLE_FLIPS)
+    if flips is None:
+        raise APIError(404, "the admin API is not enabled (--admin-token)", code="not_found")
+    check_admin(request)
     return flips
 
 
