@@ -217,3 +217,59 @@ def test_an_oversize_control_frame_is_dropped_by_the_socket(log_dir: Path) -> No
         assert c.gateway.alive() and http("GET", f"{c.url}/health", timeout=5)[0] == 200
     finally:
         c.stop()
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _wait(cond: Any, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_3000_kv_hellos_naming_a_lock_leave_the_decode_worker_bounded(log_dir: Path, reference: Reference) -> None:
+    """The issue's reproduction against a real decode worker: 3,000 peers each send one
+    Hello naming a live liveness lock, then go. Each used to leave a descriptor open in
+    the worker; now at most the table's capacity, and none once the lock is released."""
+    from kv_transfer import wire
+    from kv_transfer.liveness_table import DEFAULT_CAPACITY
+    from kv_transfer.pool.shm import LivenessLock
+
+    c = Cluster(log_dir, curve=False)  # CURVE would refuse these peers before any Hello
+    lock = LivenessLock()
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        c.start_gateway(wait=False)
+        c.add_worker("prefill")
+        c.add_worker("decode")
+        c.wait_gateway()
+        decode = next(w for w in c.wait_roles(prefill=1, decode=1) if w["role"] == "decode")
+        kind, _, endpoint = str(decode["kv_address"]).partition("+")
+        assert kind == "shm", decode["kv_address"]  # shared memory: the senders name liveness locks
+        pid, compat = int(decode["pid"]), str(decode["compat_hash"])
+        baseline = _fds(pid)
+        for _ in range(30):
+            socks = [ctx.socket(zmq.DEALER) for _ in range(100)]  # 100 new peers at a time
+            for s in socks:
+                s.setsockopt(zmq.LINGER, 0)
+                s.connect(endpoint)
+                s.send(wire.encode(wire.Hello(compat, lock.name)))
+            for s in socks:
+                assert s.poll(20_000), "no HelloAck"
+                s.recv()
+                s.close()
+        _wait(lambda: _fds(pid) - baseline <= DEFAULT_CAPACITY + 16, "the peers' descriptors closed")
+        lock.close()  # the peer goes for good
+        _wait(lambda: _fds(pid) - baseline <= 16, "the liveness descriptors released")
+        status, out = http("POST", f"{c.url}/v1/completions",
+                           {"model": reference.model_name, "prompt": "after the flood", "max_tokens": 4,
+                            "temperature": 0})
+        assert status == 200, out
+        c.wait_idle()
+    finally:
+        lock.close()
+        ctx.destroy(linger=0)
+        c.stop()
