@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import zmq
+import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
+
+from pdserve.common import protocol as p
 
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 UNIX_ACCEPTING = 0x10000  # __SO_ACCEPTCON in /proc/net/unix's Flags
+HUGE = 1 << 20
 
 
 def children(pid: int) -> list[int]:
@@ -126,3 +132,56 @@ class Peer:
 
     def handshake_succeeded(self) -> bool:
         return zmq.EVENT_HANDSHAKE_SUCCEEDED in self.pump_events()
+
+
+def rogue_curve(server_public_file: str) -> tuple[bytes, bytes, bytes]:
+    """A fresh key pair nobody authorized, aimed at the real server's public key."""
+    public, secret = zmq.curve_keypair()
+    server, _ = zmq.auth.load_certificate(server_public_file)
+    return public, secret, server
+
+
+class FakeWorkers:
+    """The fake-worker attack: a decode and a prefill "worker" that register with the
+    real compatibility hash and a huge free-block count and heartbeat as an eager,
+    empty worker would (the router's first choice) -- once over a plain DEALER, once
+    with a CURVE key nobody authorized aimed at the gateway's real public key."""
+
+    def __init__(self, control: str, compat_hash: str, block_size: int, gateway_public_file: str) -> None:
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self.peers: list[Peer] = []
+        for n, curve in enumerate((None, rogue_curve(gateway_public_file))):
+            for role in ("decode", "prefill"):
+                wid = f"{role}-evil-{n}"
+                peer = Peer(self._ctx, control, wid.encode(), curve)
+                peer.send(p.encode(p.RegisterWorker(
+                    worker_id=wid, role=role, host_id="evil",
+                    kv_address="tcp://127.0.0.1:9" if role == "decode" else "", kv_shm="",
+                    compat_hash=compat_hash, total_blocks=HUGE, block_size=block_size,
+                    metrics_port=1, pid=1)))
+                self.peers.append(peer)
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, daemon=True)
+        self._beat.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(0.2):
+            for peer in self.peers:
+                wid = peer.sock.getsockopt(zmq.IDENTITY).decode()
+                peer.send(p.encode(p.Heartbeat(wid, 0, HUGE, HUGE, 0, 0)))
+
+    def wait_refused(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all(f.handshake_failed() for f in self.peers):
+            assert time.monotonic() < deadline, [f.events for f in self.peers]
+            time.sleep(0.1)
+
+    def assert_got_nothing(self) -> None:
+        for f in self.peers:
+            assert not f.handshake_succeeded(), f.events
+            assert f.received() == []  # not a RegisterAck, not a token
+
+    def close(self) -> None:
+        self._stop.set()
+        self._beat.join(5)
+        self._ctx.destroy(linger=0)

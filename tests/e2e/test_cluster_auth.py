@@ -19,7 +19,6 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ import pytest
 import zmq
 import zmq.auth
 
-from pdserve.common import protocol as p
 from pdserve.common.transport import free_port
 from kv_transfer.auth import split_address
 from tests.e2e import peers
@@ -38,7 +36,6 @@ from tests.e2e.cluster import ADMIN, DTYPE, ROOT, Cluster, _env, http
 from tests.e2e.conftest import Reference
 
 SECRET_PROMPTS = [f"Note {i}: my secret password is" for i in range(3)]
-HUGE = 1 << 20
 OVERSIZE = 64 << 20  # twice the control plane's 32 MiB cap
 OVERSIZE_FRAMES = 4
 
@@ -86,64 +83,25 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     assert key_dir is not None and not key_dir.exists(), "up left its keys behind"
 
 
-def _rogue_curve(server_public_file: str) -> tuple[bytes, bytes, bytes]:
-    """A fresh key pair nobody authorized, aimed at the real server's public key."""
-    public, secret = zmq.curve_keypair()
-    server, _ = zmq.auth.load_certificate(server_public_file)
-    return public, secret, server
-
-
-def _fake_registration(wid: str, role: str, real: dict[str, Any]) -> p.RegisterWorker:
-    return p.RegisterWorker(
-        worker_id=wid, role=role, host_id=str(real["host_id"]) if "host_id" in real else "evil",
-        kv_address="tcp://127.0.0.1:9" if role == "decode" else "", kv_shm="",
-        compat_hash=str(real["compat_hash"]), total_blocks=HUGE, block_size=int(real["block_size"]),
-        metrics_port=1, pid=1)
-
-
 def test_fake_workers_are_refused_and_read_no_prompt(up: Up, reference: Reference) -> None:
     real = up.workers()
     assert sorted(w["role"] for w in real) == ["decode", "prefill"]
     decode = next(w for w in real if w["role"] == "decode")
-    ctx: zmq.Context[Any] = zmq.Context()
-    fakes: list[peers.Peer] = []
-    stop = threading.Event()
+    fakes = peers.FakeWorkers(up.control, str(decode["compat_hash"]), int(decode["block_size"]),
+                              str(up.key_dir / "gateway.key"))
     try:
-        for n, curve in enumerate((None, _rogue_curve(str(up.key_dir / "gateway.key")))):
-            for role in ("decode", "prefill"):
-                wid = f"{role}-evil-{n}"
-                peer = peers.Peer(ctx, up.control, wid.encode(), curve)
-                peer.send(p.encode(_fake_registration(wid, role, decode)))
-                fakes.append(peer)
-
-        def heartbeat() -> None:  # an eager, empty worker: the router's first choice
-            while not stop.wait(0.2):
-                for peer in fakes:
-                    wid = peer.sock.getsockopt(zmq.IDENTITY).decode()
-                    peer.send(p.encode(p.Heartbeat(wid, 0, HUGE, HUGE, 0, 0)))
-
-        beat = threading.Thread(target=heartbeat, daemon=True)
-        beat.start()
-        deadline = time.monotonic() + 30
-        while not all(f.handshake_failed() for f in fakes):
-            assert time.monotonic() < deadline, [f.events for f in fakes]
-            time.sleep(0.1)
-        model = reference.model_name
+        fakes.wait_refused()
         for prompt in SECRET_PROMPTS:
             want = reference.text(reference.generate(reference.completion_ids(prompt), max_tokens=6,
                                                      temperature=0.0)[0])
             status, out = http("POST", f"{up.url}/completions",
-                               {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0})
+                               {"model": reference.model_name, "prompt": prompt, "max_tokens": 6,
+                                "temperature": 0})
             assert status == 200 and out["choices"][0]["text"] == want, out  # the real workers answered
-        stop.set()
-        beat.join(5)
         assert sorted(w["id"] for w in up.workers()) == sorted(w["id"] for w in real)
-        for f in fakes:
-            assert not f.handshake_succeeded(), f.events
-            assert f.received() == []  # not a RegisterAck, not a token
+        fakes.assert_got_nothing()
     finally:
-        stop.set()
-        ctx.destroy(linger=0)
+        fakes.close()
 
 
 def test_every_internal_port_refuses_an_unauthenticated_handshake(up: Up) -> None:
