@@ -129,7 +129,11 @@ def check_admin(request: web.Request) -> None:
     token = request.app[STATE].config.admin_token
     if token is None:
         raise APIError(404, "the admin API is not enabled (--admin-token)", code="not_found")
-    check_authorization(request.headers.get("Authorization"), [token])
+    try:
+        check_authorization(request.headers.get("Authorization"), [token])
+    except APIError as e:  # the same 401, worded for the admin token rather than an API key
+        raise APIError(401, "this endpoint needs the admin token: send 'Authorization: Bearer <admin token>'",
+                       code="invalid_admin_token", headers=e.headers, reason="unauthorized") from None
 
 
 def _flips(request: web.Request) -> RoleFlips:

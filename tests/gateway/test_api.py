@@ -327,7 +327,7 @@ def test_worker_list_needs_the_admin_token_not_an_api_key(backend: LocalBackend,
         for headers in ({}, {"Authorization": "Bearer sk-one"}, {"Authorization": "Bearer wrong-admin-token"}):
             r = raw(g.url, "GET", "/v1/workers", headers=headers)
             assert r.status == 401, headers
-            assert b"local-0" not in r.body
+            assert b"local-0" not in r.body and r.json()["error"]["code"] == "invalid_admin_token"
         ok = raw(g.url, "GET", "/v1/workers", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
         assert ok.status == 200
         assert ok.json()["data"] == [{"id": "local-0", "role": "colocated", "running": 0}]
