@@ -31,11 +31,11 @@ def _mount_secrets(dep: dict[str, Any], container: dict[str, Any], keys: Path, a
                    root: Path) -> dict[str, str]:
     """Lay each Secret volume of `container` out under `root` as the kubelet would
     (items at their paths, 0600 here); mount path -> local directory."""
-    from tests.deploy.test_k8s import _secret_mounts
+    from tests.deploy.test_k8s_secrets import secret_mounts
 
     sources = {"pdserve-curve": lambda key: keys / key, "pdserve-api-keys": lambda key: api_keys}
     out = {}
-    for i, (mount, (secret, items)) in enumerate(_secret_mounts(dep, container).items()):
+    for i, (mount, (secret, items)) in enumerate(secret_mounts(dep, container).items()):
         local = root / f"mount{i}"
         for path, key in (items or {"api-keys": "api-keys"}).items():
             target = local / path
