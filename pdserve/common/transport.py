@@ -12,6 +12,7 @@ import os
 import secrets
 import socket
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,15 +111,23 @@ def apply_curve_server(sock: zmq.Socket[Any], curve: CurveServer) -> None:
 
 class ZapLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     """pyzmq's authenticator reports refusals at debug level; surface them as warnings.
-    `extra["plane"]` names the socket in the warning (default: the control plane)."""
+    `extra["plane"]` names the socket in the warning (default: the control plane).
+    A refused peer reconnects every 100 ms, so only the 1st, 2nd, 4th, 8th... refusal
+    is logged: a flood of them cannot flood the log."""
+
+    def __init__(self, logger: logging.Logger, extra: Mapping[str, object] | None = None) -> None:
+        super().__init__(logger, extra or {})
+        self.denied = 0
 
     def debug(self, msg: object, *args: Any, **kwargs: Any) -> None:
         text = str(msg) % args if args else str(msg)
-        if text.startswith("DENIED"):
-            plane = (self.extra or {}).get("plane", "control plane")
-            self.logger.warning("%s refused a peer: %s", plane, text)
-        else:
+        if not text.startswith("DENIED"):
             self.logger.debug("%s", text)
+            return
+        self.denied += 1
+        if self.denied & (self.denied - 1) == 0:
+            plane = (self.extra or {}).get("plane", "control plane")
+            self.logger.warning("%s refused a peer (%d so far): %s", plane, self.denied, text)
 
 
 class WorkerChannel:
