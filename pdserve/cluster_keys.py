@@ -89,9 +89,43 @@ def create(directory: str) -> ClusterKeys:
     return keys
 
 
-def create_private() -> ClusterKeys:
-    """A fresh key set in a new private temporary directory (remove it with `remove`)."""
-    return create(tempfile.mkdtemp(prefix=f"pdserve-keys-{os.getpid()}-"))
+PRIVATE_PREFIX = "pdserve-keys-"
+
+
+def create_private(tmp_dir: str | None = None) -> ClusterKeys:
+    """A fresh key set in a new private temporary directory (remove it with `remove`).
+    Directories an earlier `up` left behind (it was killed) are removed first."""
+    tmp_dir = tmp_dir or tempfile.gettempdir()
+    sweep_stale(tmp_dir)
+    return create(tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-", dir=tmp_dir))
+
+
+def sweep_stale(tmp_dir: str) -> list[str]:
+    """Remove this user's `pdserve-keys-<pid>-*` directories whose process is gone."""
+    removed = []
+    for entry in os.scandir(tmp_dir):
+        pid_text = entry.name.removeprefix(PRIVATE_PREFIX).partition("-")[0]
+        if not entry.name.startswith(PRIVATE_PREFIX) or not pid_text.isdigit():
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid() or not entry.is_dir(follow_symlinks=False):
+                continue
+        except OSError:
+            continue
+        if not _alive(int(pid_text)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def remove(keys: ClusterKeys) -> None:
