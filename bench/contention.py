@@ -23,7 +23,6 @@ temporary directory. Targets: adaptive+spin >= 0.95x fixed+spin quiet (c16), and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -36,7 +35,13 @@ from typing import NamedTuple
 
 from bench import harness
 from bench.vs_vllm import workload_config
-from pdserve.loadgen.launch import ServerHandle, free_port, pdserve_command, serve_command
+from pdserve.loadgen.launch import (
+    ServerHandle,
+    free_port,
+    list_workers,
+    pdserve_command,
+    serve_command,
+)
 from pdserve.loadgen.runner import run_benchmark
 
 POLICIES = {  # name -> (--thread-policy, extra environment of `pdserve up`)
@@ -94,8 +99,7 @@ def spinner(on: bool) -> Iterator[None]:
 
 def switch_counts(base_url: str) -> str:
     """`reason=count` of every worker's llm_thread_switches_total, from its /metrics."""
-    with urllib.request.urlopen(f"{base_url}/v1/workers", timeout=5) as r:
-        workers = json.loads(r.read())["data"]
+    workers = list_workers(base_url)
     out = []
     for w in workers:
         with urllib.request.urlopen(f"http://127.0.0.1:{w['metrics_port']}/metrics", timeout=5) as r:

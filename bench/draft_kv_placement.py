@@ -30,7 +30,7 @@ from typing import Any
 from bench import harness
 from bench.disagg_vs_colocated import bench_config
 from pdserve.loadgen.compare import Column, format_comparison
-from pdserve.loadgen.launch import pdserve_up
+from pdserve.loadgen.launch import list_workers, pdserve_up
 from pdserve.loadgen.runner import run_benchmark
 
 PLACEMENTS = ("decode", "prefill")
@@ -92,7 +92,7 @@ def _cpu_s(pid: int) -> float:
 
 def worker_counters(base_url: str) -> dict[str, float]:
     """The counters this bench reads from the prefill and decode workers."""
-    workers = {w["role"]: w for w in json.loads(_get(f"{base_url}/v1/workers"))["data"]}
+    workers = {w["role"]: w for w in list_workers(base_url)}
     pre = _get(f"http://127.0.0.1:{workers['prefill']['metrics_port']}/metrics")
     dec = _get(f"http://127.0.0.1:{workers['decode']['metrics_port']}/metrics")
     return {"kv_bytes": _metric(pre, "llm_kv_transfer_bytes_total"),

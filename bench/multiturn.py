@@ -33,7 +33,6 @@ answers identical between the routers, token for token, greedy).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -52,7 +51,7 @@ from bench.multiturn_workload import (
     history_hits,
     size_pools,
 )
-from pdserve.loadgen.launch import pdserve_up
+from pdserve.loadgen.launch import list_workers, pdserve_up
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,8 +91,7 @@ def _samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 def _kv_bytes(url: str) -> float:
     """KV bytes every decode worker received (its llm_kv_transfer_bytes counter)."""
-    with urllib.request.urlopen(f"{url}/v1/workers", timeout=10) as r:
-        workers = json.load(r)["data"]
+    workers = list_workers(url)
     return sum(v for w in workers if w["role"] == "decode"
                for _, v in _samples(f"http://127.0.0.1:{w['metrics_port']}/metrics", "llm_kv_transfer_bytes_total"))
 

@@ -126,12 +126,23 @@ class FlipCollector(Collector):
 ROLE_FLIPS: web.AppKey[RoleFlips | None] = web.AppKey("pdserve_role_flips", object)  # type: ignore[arg-type]
 
 
-def _flips(request: web.Request) -> RoleFlips:
+def check_admin(request: web.Request) -> None:
+    """404 without an admin token configured, 401 unless the request carries it."""
     token = request.app[STATE].config.admin_token
-    flips = request.app.get(ROLE_FLIPS)
-    if token is None or flips is None:
+    if token is None:
         raise APIError(404, "the admin API is not enabled (--admin-token)", code="not_found")
-    check_authorization(request.headers.get("Authorization"), [token])
+    try:
+        check_authorization(request.headers.get("Authorization"), [token])
+    except APIError as e:  # the same 401, worded for the admin token rather than an API key
+        raise APIError(401, "this endpoint needs the admin token: send 'Authorization: Bearer <admin token>'",
+                       code="invalid_admin_token", headers=e.headers, reason="unauthorized") from None
+
+
+def _flips(request: web.Request) -> RoleFlips:
+    flips = request.app.get(ROLE_FLIPS)
+    if flips is None:
+        raise APIError(404, "the admin API is not enabled (--admin-token)", code="not_found")
+    check_admin(request)
     return flips
 
 

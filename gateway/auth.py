@@ -3,7 +3,9 @@
 Keys are compared with `hmac.compare_digest` against every configured key (no early
 exit), so the time taken reveals neither which key nor how much of one matched.
 `/health` and `/ready` are always open; `/metrics` is open unless configured protected;
-`/admin/...` checks the admin token instead (gateway/admin_roles.py).
+`/admin/...` and `GET /v1/workers` (it names every worker, its addresses and the
+compatibility hash a worker registers with) check the admin token instead
+(gateway/admin_roles.py).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from gateway.errors import APIError
 
 ALWAYS_OPEN = frozenset({"/health", "/ready"})
 ADMIN_PREFIX = "/admin/"  # its own bearer token (gateway/admin_roles.py), never an API key
+ADMIN_PATHS = frozenset({"/v1/workers"})  # the admin token too
 
 
 def is_protected(path: str, metrics_protected: bool) -> bool:
-    if path in ALWAYS_OPEN or path.startswith(ADMIN_PREFIX):
+    if path in ALWAYS_OPEN or path in ADMIN_PATHS or path.startswith(ADMIN_PREFIX):
         return False
     return not (path == "/metrics" and not metrics_protected)
 

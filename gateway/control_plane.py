@@ -35,7 +35,13 @@ from gateway.kv_router import RouterConfig
 from gateway.registry import WorkerInfo, WorkerRegistry
 from pdserve.common import protocol as p
 from pdserve.common.roles import Role
-from pdserve.common.transport import LOOPBACK, CurveServer, ZapLog, apply_curve_server
+from pdserve.common.transport import (
+    LOOPBACK,
+    CurveServer,
+    ZapLog,
+    apply_curve_server,
+    limit_incoming,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +122,7 @@ class ControlPlane:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        limit_incoming(sock, p.MAX_MESSAGE_BYTES)
         host, port = self.config.control_host, self.config.control_port
         if port:
             sock.bind(f"tcp://{host}:{port}")

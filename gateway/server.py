@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.admin_roles import check_admin
 from gateway.admission import AdmissionController
 from gateway.auth import check_authorization, is_protected
 from gateway.backend import GenerationBackend
@@ -145,6 +146,7 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def list_workers(request: web.Request) -> web.Response:
+    check_admin(request)  # the fleet's addresses and compatibility hash are for operators only
     workers = [dict(w) for w in request.app[STATE].backend.workers()]
     return _json({"object": "list", "data": workers})
 

@@ -15,7 +15,8 @@ from typing import Any, Protocol
 import numpy as np
 import zmq
 
-from kv_transfer import auth
+from kv_transfer import auth, wire
+from pdserve.common.transport import limit_incoming
 
 Parts = list[Any]  # bytes-like frames: the msgpack header, then optionally one tensor frame
 SMALL_FRAME = 64 << 10  # below this, copying into zmq is cheaper than tracking a zero-copy frame
@@ -100,6 +101,8 @@ class ZmqLink:
         # Queue only on live connections: a dead receiver makes sends would-block
         # instead of growing an unbounded queue; the lease then fails the transfer.
         self.socket.setsockopt(zmq.IMMEDIATE, 1)
+        # A receiver only ever answers with small control messages.
+        limit_incoming(self.socket, wire.MAX_HEADER_BYTES)
         tune_socket(self.socket, endpoint)
         self.socket.connect(endpoint)
 

@@ -91,6 +91,16 @@ CASES: dict[str, Case] = {
     "gateway-host-three-numbers": Case(lambda d, p: ["gateway", "--host", "1.2.3"], "argument --host"),
     "gateway-curve-half": Case(
         lambda d, p: ["gateway", "--model", str(d.good), "--curve-secret-key", "k"], "argument --curve-authorized-keys"),
+    # An exposed control or KV plane without CURVE keys, and no --insecure (docs/security.md).
+    "gateway-control-host-exposed": Case(
+        lambda d, p: ["gateway", "--model", str(d.good), "--control-host", "0.0.0.0"], "argument --control-host"),
+    "decode-kv-host-exposed": Case(
+        lambda d, p: ["decode", "--gateway", GW, "--kv-host", "0.0.0.0"], "argument --kv-host"),
+    "prefill-remote-gateway": Case(
+        lambda d, p: ["prefill", "--gateway", "tcp://10.1.2.3:5"], "argument --gateway"),
+    "worker-dns-gateway": Case(
+        lambda d, p: ["worker", "--colocated", "--gateway", "dns+tcp://gateway.example:5"], "argument --gateway"),
+    "keygen-not-empty": Case(lambda d, p: ["keygen", str(d.good)], "argument directory"),
     "prefill-model-missing": Case(lambda d, p: ["prefill", "--gateway", GW, "--model", "/nonexistent"], "argument --model"),
     "prefill-max-model-len-over-limit": Case(
         lambda d, p: ["prefill", "--gateway", GW, "--model", str(d.good), "--max-model-len", "4096"],

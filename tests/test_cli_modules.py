@@ -16,7 +16,7 @@ def _commands(parser: argparse.ArgumentParser) -> set[str]:
 
 def test_every_listed_module_registers_its_commands() -> None:
     assert _commands(cli.build_parser()) == {
-        "make-model", "train-model", "generate", "gateway", "prefill", "decode", "worker", "up", "plan", "profile", "bench",
+        "make-model", "train-model", "generate", "gateway", "prefill", "decode", "worker", "up", "plan", "profile", "bench", "keygen",
     }
 
 

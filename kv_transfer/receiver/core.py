@@ -32,7 +32,6 @@ and checksum verification of a chunk's bytes in receiver_frames.py.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -44,10 +43,10 @@ import numpy as np
 from kv_transfer import wire
 from kv_transfer.api import TransferState, UnknownTransfer
 from kv_transfer.faults import FaultConfig
+from kv_transfer.liveness_table import LivenessTable
 from kv_transfer.pool.blocks import check_block_ids, check_pool
 from kv_transfer.pool.copy_threads import CopyThreads
 from kv_transfer.pool.ops import pool_ops
-from kv_transfer.pool.shm import lock_holder_gone, watch_liveness
 from kv_transfer.receiver.frames import FrameCheck
 from kv_transfer.receiver.pending_claims import PendingClaims
 from kv_transfer.receiver.state import ReservationRecord
@@ -60,6 +59,8 @@ log = logging.getLogger(__name__)
 CANCEL_RESEND_S = 0.5
 # Said to a peer whose Hello does not match; it names no hash and no layout.
 REFUSED = "compatibility hash mismatch"
+# How often descriptors on gone senders' liveness locks are closed.
+LIVENESS_SWEEP_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,10 @@ class ReceiverCore:
         self._res: dict[str, ReservationRecord] = {}
         self._reserved_blocks: set[int] = set()
         self._pending = PendingClaims()
-        # Same-host senders' liveness locks (peer -> descriptor): a cancelled shared-memory
-        # transfer is released as soon as its writer is known dead, not at its lease.
-        self._liveness: dict[bytes, int] = {}
+        # Same-host senders' liveness locks (bounded, swept: liveness_table.py): a cancelled
+        # shared-memory transfer is released as soon as its writer is known dead.
+        self._liveness = LivenessTable()
+        self._next_sweep = 0.0
         self._outbox: list[tuple[bytes, wire.Message]] = []
         self._malformed = self._rejected = self._completed = 0
         self._refused_hellos = 0
@@ -168,9 +170,7 @@ class ReceiverCore:
         """Stop the copy helper threads (after the transport stopped calling `handle`)."""
         self._copy.close()
         with self._lock:
-            for fd in self._liveness.values():
-                os.close(fd)
-            self._liveness.clear()
+            self._liveness.close()
 
     # ---------------------------------------------------------------- transport side
     def take_outbox(self) -> list[tuple[bytes, wire.Message]]:
@@ -187,6 +187,17 @@ class ReceiverCore:
             for held in self._pending.expire(now):
                 self._outbox.append((held.peer, wire.Ack(held.claim.transfer_id, False,
                                                          "no reservation for transfer")))
+            if now >= self._next_sweep:
+                self._next_sweep = now + LIVENESS_SWEEP_S
+                self._liveness.sweep(self._peers_in_use())
+
+    def liveness_fds(self) -> int:
+        """Descriptors held on senders' liveness locks now (bounded, see liveness_table.py)."""
+        with self._lock:
+            return len(self._liveness)
+
+    def _peers_in_use(self) -> set[bytes]:
+        return {res.peer for res in self._res.values() if res.peer is not None and not res.state.terminal}
 
     def note_malformed(self) -> None:
         """A message with the wrong number of parts, seen by the transport."""
@@ -232,14 +243,11 @@ class ReceiverCore:
             log.warning("refused a KV handshake: %s", unmappable)
             self._outbox.append((peer, wire.HelloAck("", False, unmappable[:wire.MAX_REASON_LEN], 0, None)))
             return
-        self._outbox.append((peer, wire.HelloAck(mine, ok, "", self.max_frame_bytes, self.shm)))
-        if self.shm is not None and msg.liveness:
-            fd = watch_liveness(msg.liveness)
-            old = self._liveness.pop(peer, None)
-            if old is not None:
-                os.close(old)
-            if fd is not None:
-                self._liveness[peer] = fd
+        # The pool's name and shape go only to a sender that asks to write into it and
+        # proves a live process on this host holds the lock it names.
+        watched = self.shm is not None and self._liveness.watch(peer, msg.liveness, self._peers_in_use())
+        shm = self.shm if watched else None
+        self._outbox.append((peer, wire.HelloAck(mine, ok, "", self.max_frame_bytes, shm)))
 
     def _unmappable(self, msg: wire.Hello) -> str:
         """Why KV from a sender of `msg`'s rank layout cannot land in this pool ("": it can;
@@ -360,8 +368,7 @@ class ReceiverCore:
 
     def _writer_dead(self, res: ReservationRecord) -> bool:
         """The granted sender's process is gone (its liveness lock was released)."""
-        fd = self._liveness.get(res.peer) if res.peer is not None else None
-        if fd is None or not lock_holder_gone(fd):
+        if not self._liveness.holder_gone(res.peer):
             return False
         res.writer_done = True
         res.reason = f"{res.reason} (sender gone)"

@@ -42,6 +42,7 @@ from kv_transfer.pool.staging import HiddenHostPool
 from kv_transfer.receiver.core import ReceiverCore, ReceiverStats
 from pdserve.common.kv_layout import KVLayout
 from pdserve.common.parallel_layout import ParallelLayout
+from pdserve.common.transport import limit_incoming
 
 TRANSPORTS = ("tcp", "ipc", "shm", "shm+ipc", "shm+tcp", "cuda", "cuda+ipc", "cuda+tcp")
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class ZmqReceiver:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # zmq drops a connection that sends a frame above this before buffering it.
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + wire.MAX_HEADER_BYTES)
+        limit_incoming(self._sock, max_frame_bytes + wire.MAX_HEADER_BYTES)
         self._ipc_path = ""
         try:
             self._bind(inner, host, port)

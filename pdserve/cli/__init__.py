@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "plan",
     "profile",
     "bench",
+    "keygen",
 )
 
 

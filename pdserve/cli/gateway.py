@@ -17,6 +17,7 @@ from pdserve.cli.args import (
     check_model,
     model_dir,
 )
+from pdserve.cli.curve_options import add_insecure_arg, check_gateway_exposure
 from pdserve.cli.gateway_args import GatewayArgs
 from pdserve.cli.gateway_options import (
     check_served_names,
@@ -31,6 +32,7 @@ from pdserve.common.logs import configure_logging
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap = sub.add_parser("gateway", help="run the HTTP gateway and worker registry")
     GatewayArgs.add_to(ap)
+    add_insecure_arg(ap)
     ap.set_defaults(func=run)
 
 
@@ -40,6 +42,7 @@ def check_args(args: argparse.Namespace) -> int:
     if bool(args.curve_secret_key) != bool(args.curve_authorized_keys):
         flag = "--curve-authorized-keys" if args.curve_secret_key else "--curve-secret-key"
         raise UsageError(flag, "--curve-secret-key and --curve-authorized-keys go together")
+    check_gateway_exposure(args)
     check_tool_flags(args)
     max_model_len = check_max_model_len(args.max_model_len, check_model(args.model))
     check_served_names(args.served_model_name)

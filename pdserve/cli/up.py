@@ -3,6 +3,10 @@ as separate processes on this machine. Checks every argument and the model
 before starting anything; prints the URL once ready, or exits non-zero at once
 with the one-line reason of a process that failed to start. Ctrl-C or SIGTERM
 stops the workers (they drain and deregister), then the gateway.
+
+Every `up` makes fresh CURVE key pairs for its processes (pdserve/cli/cluster_keys.py,
+a private directory removed when it stops), so its control plane and KV plane admit
+no peer but its own workers.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.cli.args import (
     UsageError,
@@ -40,6 +44,9 @@ from pdserve.cli.gateway_options import (
 from pdserve.cli.worker_args import WorkerArgs
 from pdserve.common.roles import Role
 from pdserve.worker.cpu_cores import plan_cores
+
+if TYPE_CHECKING:
+    from pdserve.cli.cluster_keys import ClusterKeys
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -204,11 +211,22 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.cli import supervise
+    from pdserve.cli import cluster_keys
     from pdserve.common.transport import free_port
 
     check_args(args)
-    control_port = free_port()
+    # Keys for this `up`'s own processes only: its control and KV planes refuse any
+    # other peer. Their paths, never the keys, go on the children's command lines.
+    keys = cluster_keys.create_private()
+    try:
+        return _run(args, keys, free_port())
+    finally:
+        cluster_keys.remove(keys)
+
+
+def _run(args: argparse.Namespace, keys: ClusterKeys, control_port: int) -> int:
+    from pdserve.cli import supervise
+
     control = f"tcp://127.0.0.1:{control_port}"
     stop = {"now": False}
 
@@ -218,8 +236,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     share_file = new_share_file() if borrows_cores(args) else None
-    gateway = supervise.Child.start("gateway", _gateway_cmd(args, control_port), stdout=subprocess.DEVNULL)
-    workers = [supervise.Child.start(name, cmd) for name, cmd in
+    gateway = supervise.Child.start("gateway", [*_gateway_cmd(args, control_port), *keys.gateway_flags()],
+                                    stdout=subprocess.DEVNULL)
+    workers = [supervise.Child.start(name, [*cmd, *keys.worker_flags()]) for name, cmd in
                zip(_role_names(args), _worker_cmds(args, control, share_file), strict=True)]
     children = [gateway, *workers]
     url = f"http://{args.host}:{args.port}"

@@ -21,6 +21,7 @@ from pdserve.cli.args import (
     check_speculative,
     model_dir,
 )
+from pdserve.cli.curve_options import add_insecure_arg, check_worker_exposure
 from pdserve.cli.worker_args import WorkerArgs, default_threads
 from pdserve.common import envs
 from pdserve.common.logs import configure_logging
@@ -37,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     for command, role in ROLE_COMMANDS.items():
         ap = sub.add_parser(command, help=f"run a {role} worker")
         WorkerArgs.add_to(ap)
+        add_insecure_arg(ap)
         if command == "worker":
             ap.add_argument("--colocated", action="store_true", required=True,
                             help="prefill and decode in one process")
@@ -48,6 +50,7 @@ def check_args(args: argparse.Namespace) -> None:
     if bool(args.curve_key) != bool(args.curve_server_key):
         flag = "--curve-server-key" if args.curve_key else "--curve-key"
         raise UsageError(flag, "--curve-key and --curve-server-key go together")
+    check_worker_exposure(args)
     config = check_model(args.model, tokenizer=False)
     check_max_model_len(args.max_model_len, config)
     check_speculative(getattr(args, "speculative_config", None))

@@ -12,6 +12,7 @@ import os
 import secrets
 import socket
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,17 @@ from pdserve.common.protocol import Message, ProtocolError
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+# A peer that has not finished the ZeroMQ (and CURVE) handshake by then is dropped;
+# libzmq's default is 30 s, long enough for a flood of half-open connections to pile up.
+HANDSHAKE_IVL_MS = 5000
+
+
+def limit_incoming(sock: zmq.Socket[Any], max_message_bytes: int) -> None:
+    """Every socket that receives from a peer: zmq drops the connection of a peer that
+    sends a frame above `max_message_bytes` before buffering it (a decoder's cap comes
+    too late: the frame is already in memory), and one that stalls its handshake."""
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -99,15 +111,23 @@ def apply_curve_server(sock: zmq.Socket[Any], curve: CurveServer) -> None:
 
 class ZapLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     """pyzmq's authenticator reports refusals at debug level; surface them as warnings.
-    `extra["plane"]` names the socket in the warning (default: the control plane)."""
+    `extra["plane"]` names the socket in the warning (default: the control plane).
+    A refused peer reconnects every 100 ms, so only the 1st, 2nd, 4th, 8th... refusal
+    is logged: a flood of them cannot flood the log."""
+
+    def __init__(self, logger: logging.Logger, extra: Mapping[str, object] | None = None) -> None:
+        super().__init__(logger, extra or {})
+        self.denied = 0
 
     def debug(self, msg: object, *args: Any, **kwargs: Any) -> None:
         text = str(msg) % args if args else str(msg)
-        if text.startswith("DENIED"):
-            plane = (self.extra or {}).get("plane", "control plane")
-            self.logger.warning("%s refused a peer: %s", plane, text)
-        else:
+        if not text.startswith("DENIED"):
             self.logger.debug("%s", text)
+            return
+        self.denied += 1
+        if self.denied & (self.denied - 1) == 0:
+            plane = (self.extra or {}).get("plane", "control plane")
+            self.logger.warning("%s refused a peer (%d so far): %s", plane, self.denied, text)
 
 
 class WorkerChannel:
@@ -127,6 +147,7 @@ class WorkerChannel:
         self._sock.setsockopt(zmq.LINGER, 500)
         self._sock.setsockopt(zmq.SNDHWM, 2 if lossy else 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        limit_incoming(self._sock, protocol.MAX_MESSAGE_BYTES)
         if lossy:
             self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.connect(gateway_address)

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -20,6 +21,19 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
+from typing import Any
+
+# The admin token of the servers this process starts (`GET /v1/workers` needs it); a
+# PDSERVE_ADMIN_TOKEN already set is used as it is.
+ADMIN_TOKEN = os.environ.get("PDSERVE_ADMIN_TOKEN") or secrets.token_hex(16)
+
+
+def list_workers(base_url: str, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """`GET /v1/workers` of a server started here (with its admin token)."""
+    req = urllib.request.Request(base_url.rstrip("/") + "/v1/workers",
+                                 headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return list(json.load(r)["data"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +127,8 @@ def serve_command(
     ) as log:  # kept after the run for post-mortems
         print(f"[{name}] starting: {' '.join(cmd)} (log {log.name})", file=sys.stderr, flush=True)
         proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=None if env is None else {**os.environ, **env})
+                                start_new_session=True,
+                                env={**os.environ, "PDSERVE_ADMIN_TOKEN": ADMIN_TOKEN, **(env or {})})
         try:
             deadline = time.monotonic() + ready_timeout_s
             while not _ready(base_url):

@@ -1,20 +1,22 @@
 """A worker's Prometheus metrics and its small HTTP server (`/health`, `/metrics`).
 
 Each worker owns one `CollectorRegistry` (no process-global registry), served
-from a daemon thread on a loopback port. The same gauges travel in heartbeats
+on a loopback port by a small fixed pool of threads with read timeouts
+(pdserve/worker/metrics_http.py). The same gauges travel in heartbeats
 so the gateway can re-export the fleet.
 """
 
 from __future__ import annotations
 
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pdserve.common.roles import Role
+from pdserve.worker.metrics_http import DEFAULT_TIMEOUT_S, BoundedHTTPServer
 from pdserve.worker.node_api import NodeLoad
 
 
@@ -138,7 +140,8 @@ class WorkerMetrics:
 class MetricsServer:
     """`GET /health` and `GET /metrics` on (host, port); port 0 picks a free one."""
 
-    def __init__(self, metrics: WorkerMetrics, host: str, port: int, health: Any) -> None:
+    def __init__(self, metrics: WorkerMetrics, host: str, port: int, health: Any,
+                 read_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.metrics = metrics  # replaced whole when the worker switches roles
         outer, outer_health = self, health
 
@@ -161,10 +164,14 @@ class MetricsServer:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
                 return
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
+        self._server = BoundedHTTPServer((host, port), Handler, timeout_s=read_timeout_s)
         self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def refused(self) -> int:
+        """Connections closed unserved because every handler thread and queue slot was taken."""
+        return self._server.refused
 
     def start(self) -> None:
         self._thread.start()

@@ -1,6 +1,12 @@
 """Real-process cluster for end-to-end tests: a gateway and workers started as
 `pdserve ...` subprocesses on free loopback ports, each in its own process
-group, all killed on teardown."""
+group, all killed on teardown.
+
+Authenticated like `pdserve up`: a gateway started here gets the suite's CURVE keys
+(one key set per test process, pdserve/cli/cluster_keys.py), and so does every worker
+whose gateways all hold them; a command that names its own `--curve-*` flags, and a
+`Cluster(curve=False)`, get none. Every gateway has the admin token `ADMIN_TOKEN`
+(unless the test's env sets another), which `GET /v1/workers` needs."""
 
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.cli import cluster_keys
 from pdserve.common.transport import free_port
 from pdserve.engine.loading.dtype import host_cpu_flags, resolve_dtype
 
@@ -35,12 +42,50 @@ DTYPE = "float32"
 # plays no part).
 WORKER_COMMANDS = ("prefill", "decode", "worker")
 AUTO_DTYPE = resolve_dtype("auto", None, "cpu", host_cpu_flags())
+ADMIN_TOKEN = "e2e-admin-token-0123456789abcdef"
+_suite_keys: list[cluster_keys.ClusterKeys] = []
+_keyed_control_ports: set[int] = set()  # gateways started with the suite's keys
+
+
+def suite_keys() -> cluster_keys.ClusterKeys:
+    """This test process's CURVE key set (created on first use, removed at exit)."""
+    if not _suite_keys:
+        import atexit
+
+        _suite_keys.append(cluster_keys.create_private())
+        atexit.register(cluster_keys.remove, _suite_keys[0])
+    return _suite_keys[0]
+
+
+def _names_curve(args: list[str]) -> bool:
+    return any(a.startswith("--curve") or a == "--insecure" for a in args)
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args[:-1] else None
+
+
+def with_suite_keys(args: list[str]) -> list[str]:
+    """`args` plus the suite's CURVE flags where they apply (see the module docstring)."""
+    if args[0] == "gateway":
+        port = _flag_value(args, "--control-port")
+        keyed = not _names_curve(args)
+        if port is not None:  # a port the OS hands out again must not keep a past gateway's mark
+            (_keyed_control_ports.add if keyed else _keyed_control_ports.discard)(int(port))
+        return [*args, *suite_keys().gateway_flags()] if keyed else args
+    if args[0] in WORKER_COMMANDS and not _names_curve(args):
+        gateways = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--gateway"]
+        ports = [int(g.rsplit(":", 1)[1]) for g in gateways]
+        if ports and all(p in _keyed_control_ports for p in ports):
+            return [*args, *suite_keys().worker_flags()]
+    return args
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.setdefault("PDSERVE_LOG_LEVEL", "WARNING")
+    env.setdefault("PDSERVE_ADMIN_TOKEN", ADMIN_TOKEN)
     env.update(extra or {})
     return env
 
@@ -84,11 +129,16 @@ class Proc:
         return self.log_path.read_text(errors="replace")[-4000:]
 
 
-def start(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
+def start(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None,
+          curve: bool = True) -> Proc:
     """`python -m pdserve ARGS` in its own process group; a worker runs the suite's
-    `DTYPE` unless `args` name another."""
+    `DTYPE` unless `args` name another; with `curve`, the suite's keys where they apply."""
     if args and args[0] in WORKER_COMMANDS and "--dtype" not in args:
         args = [*args, "--dtype", DTYPE]
+    if curve and args:
+        args = with_suite_keys(args)
+    elif args and args[0] == "gateway" and (port := _flag_value(args, "--control-port")) is not None:
+        _keyed_control_ports.discard(int(port))
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as out:
         popen = subprocess.Popen(
@@ -98,9 +148,14 @@ def start(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None 
     return Proc(name, popen, log_path)
 
 
-def http(method: str, url: str, body: Any = None, timeout: float = 60.0) -> tuple[int, Any]:
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def http(method: str, url: str, body: Any = None, timeout: float = 60.0,
+         headers: dict[str, str] | None = None) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
@@ -181,6 +236,8 @@ class Cluster:
     control_port: int = field(default_factory=free_port)
     gateway: Proc | None = None
     workers: list[Proc] = field(default_factory=list)
+    curve: bool = True  # the suite's CURVE keys on the gateway and its workers
+    admin_token: str = ADMIN_TOKEN
     _n: int = 0
 
     @property
@@ -193,9 +250,11 @@ class Cluster:
 
     def start_gateway(self, *extra: str, env: dict[str, str] | None = None, wait: bool = True) -> None:
         """Start the gateway; with `wait`, until /health answers (else `wait_gateway`)."""
+        env = {"PDSERVE_ADMIN_TOKEN": self.admin_token, **(env or {})}
+        self.admin_token = env["PDSERVE_ADMIN_TOKEN"]
         self.gateway = start("gateway", ["gateway", "--port", str(self.port), "--control-port",
                                          str(self.control_port), "--heartbeat-timeout", "3.0", *extra],
-                             self.log_dir, env)
+                             self.log_dir, env, self.curve)
         if wait:
             self.wait_gateway()
 
@@ -208,12 +267,13 @@ class Cluster:
                 "--heartbeat", "0.25", "--dtype", DTYPE, *extra]
         if role == "worker":
             args.append("--colocated")
-        proc = start(f"{role}{self._n}", args, self.log_dir, env)
+        proc = start(f"{role}{self._n}", args, self.log_dir, env, self.curve)
         self.workers.append(proc)
         return proc
 
     def worker_list(self) -> list[dict[str, Any]]:
-        status, body = http("GET", f"{self.url}/v1/workers", timeout=5)
+        status, body = http("GET", f"{self.url}/v1/workers", timeout=5,
+                            headers={"Authorization": f"Bearer {self.admin_token}"})
         assert status == 200, body
         return list(body["data"])
 

@@ -52,7 +52,6 @@ def test_api_key_file_protects_every_api_route(log_dir: Path) -> None:
         model = _ready_model(c, KEY)
         routes: list[tuple[str, str, Any]] = [
             ("GET", "/v1/models", None),
-            ("GET", "/v1/workers", None),
             ("POST", "/v1/completions", {"model": model, "prompt": "Hello", "max_tokens": 3}),
             ("POST", "/v1/chat/completions",
              {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
@@ -67,6 +66,9 @@ def test_api_key_file_protects_every_api_route(log_dir: Path) -> None:
             assert status == 200, (path, out)
         for path in ("/health", "/ready", "/metrics"):
             assert _call("GET", c.url + path, None)[0] == 200, path
+        # The worker list takes the admin token, never an API key.
+        assert _call("GET", c.url + "/v1/workers", KEY)[0] == 401
+        assert _call("GET", c.url + "/v1/workers", c.admin_token)[0] == 200
     finally:
         c.stop()
 

@@ -183,7 +183,7 @@ def fuzz(control: str, kv: str, compat: str, rng: random.Random) -> int:
 
 
 def test_fuzzed_control_and_kv_ports_leave_every_process_serving(log_dir: Path, reference: Reference) -> None:
-    c = Cluster(log_dir)
+    c = Cluster(log_dir, curve=False)  # the unauthenticated planes, as a loopback-only cluster may run
     try:
         c.start_gateway()
         c.add_worker("prefill")

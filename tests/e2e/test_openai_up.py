@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdserve.common.transport import free_port
-from tests.e2e.cluster import DTYPE, ROOT, _env, http
+from tests.e2e.cluster import ADMIN, DTYPE, ROOT, _env, http
 from tests.e2e.conftest import Reference
 
 # Not the model's own limit (2048) nor the default block size (16): `up` must pass them on.
@@ -102,5 +102,5 @@ def test_up_passes_max_model_len_and_block_size(up_url: str) -> None:
     body = {"model": card["id"], "prompt": "Hi", "max_tokens": MAX_MODEL_LEN}
     status, err = http("POST", f"{up_url}/completions", body)
     assert status == 400 and f"maximum context length is {MAX_MODEL_LEN}" in err["error"]["message"], err
-    status, workers = http("GET", f"{up_url}/workers")
+    status, workers = http("GET", f"{up_url}/workers", headers=ADMIN)
     assert status == 200 and sorted(w["block_size"] for w in workers["data"]) == [BLOCK_SIZE] * 2, workers

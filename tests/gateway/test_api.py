@@ -230,7 +230,7 @@ def test_models_workers_health_ready(gw: GatewayThread, backend: LocalBackend) -
     assert [m.id for m in models.data] == [MODEL]
     assert raw(gw.url, "GET", f"/v1/models/{MODEL}").json()["id"] == MODEL
     assert raw(gw.url, "GET", "/v1/models/other").status == 404
-    assert raw(gw.url, "GET", "/v1/workers").json()["data"] == [{"id": "local-0", "role": "colocated", "running": 0}]
+    assert raw(gw.url, "GET", "/v1/workers").status == 404  # no admin token configured: no listing
     assert raw(gw.url, "GET", "/health").status == 200
     ready = raw(gw.url, "GET", "/ready")
     assert ready.status == 200 and ready.json()["ready"] is True
@@ -263,7 +263,7 @@ def keyed(backend: LocalBackend, tok: Tokenizer) -> Iterator[GatewayThread]:
 
 @pytest.mark.parametrize("method,path", [
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-    ("GET", f"/v1/models/{MODEL}"), ("GET", "/v1/workers"), ("GET", "/metrics"),
+    ("GET", f"/v1/models/{MODEL}"), ("GET", "/metrics"),
 ])
 def test_api_key_required_on_protected_routes(keyed: GatewayThread, method: str, path: str) -> None:
     body = {"prompt": "x", "messages": CHAT} if method == "POST" else None
@@ -314,3 +314,20 @@ def test_request_deadline(backend: LocalBackend, tok: Tokenizer) -> None:
         assert len(backend.aborted) == 2
         assert backend.requests[-1].deadline is not None
     assert not backend.running  # and closed it on cleanup
+
+
+ADMIN_TOKEN = "api-test-admin-token-0123456789"
+
+
+def test_worker_list_needs_the_admin_token_not_an_api_key(backend: LocalBackend, tok: Tokenizer) -> None:
+    """`GET /v1/workers` names the workers and the compatibility hash a worker registers
+    with: a fake worker must not read it. Only the admin token opens it."""
+    config = GatewayConfig(model_name=MODEL, api_keys=("sk-one",), admin_token=ADMIN_TOKEN)
+    with GatewayThread(config, backend, tok) as g:
+        for headers in ({}, {"Authorization": "Bearer sk-one"}, {"Authorization": "Bearer wrong-admin-token"}):
+            r = raw(g.url, "GET", "/v1/workers", headers=headers)
+            assert r.status == 401, headers
+            assert b"local-0" not in r.body and r.json()["error"]["code"] == "invalid_admin_token"
+        ok = raw(g.url, "GET", "/v1/workers", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        assert ok.status == 200
+        assert ok.json()["data"] == [{"id": "local-0", "role": "colocated", "running": 0}]

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from pdserve.common.sampling_params import SamplingParams
+from tests.e2e.cluster import ADMIN, ADMIN_TOKEN, suite_keys
 from tests.multihost.netns import NetnsUnavailable, VirtualNetwork, check_available
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,10 +90,11 @@ def mh_reference(mh_model_dir: Path) -> Reference:
 # --- HTTP helpers ------------------------------------------------------------
 
 
-def http(method: str, url: str, body: Any = None, timeout: float = 30.0) -> tuple[int, Any]:
+def http(method: str, url: str, body: Any = None, timeout: float = 30.0,
+         headers: dict[str, str] | None = None) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
-        url, data=data, method=method, headers={"Content-Type": "application/json"}
+        url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -152,7 +154,8 @@ class Proc:
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(
-        OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", PDSERVE_LOG_LEVEL="INFO"
+        OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", PDSERVE_LOG_LEVEL="INFO",
+        PDSERVE_ADMIN_TOKEN=ADMIN_TOKEN,
     )
     return env
 
@@ -191,14 +194,15 @@ class Deployment:
         gw = self.net.addr("gw")
         self.start("gw", ["gateway", "--host", gw, "--port", str(HTTP_PORT), "--control-host", gw,
                           "--control-port", str(CONTROL_PORT), "--model", str(self.model_dir),
-                          "--heartbeat-timeout", HEARTBEAT_TIMEOUT_S])
+                          "--heartbeat-timeout", HEARTBEAT_TIMEOUT_S, *suite_keys().gateway_flags()])
         for host, role in (("pf", "prefill"), ("d1", "decode"), ("d2", "decode")):
             addr = self.net.addr(host)
             self.start(host, [role, "--gateway", self.control, "--model", str(self.model_dir),
                               "--worker-id", self.worker_id(host), "--threads", "1",
                               "--num-blocks", WORKER_BLOCKS, "--heartbeat", "0.25",
                               "--metrics-host", addr, "--metrics-port", str(METRICS_PORT),
-                              "--kv-host", addr, "--kv-transport", "tcp", "--dtype", "float32"])
+                              "--kv-host", addr, "--kv-transport", "tcp", "--dtype", "float32",
+                              *suite_keys().worker_flags()])
         wanted = {self.worker_id(h) for h in ("pf", "d1", "d2")}
         self.wait(
             lambda: wanted <= {w["id"] for w in self.workers()}, "all three workers registered", 120
@@ -206,7 +210,7 @@ class Deployment:
         self.wait(lambda: http("GET", f"{self.url}/ready", timeout=2)[0] == 200, "gateway /ready")
 
     def workers(self) -> list[dict[str, Any]]:
-        status, body = http("GET", f"{self.url}/v1/workers", timeout=5)
+        status, body = http("GET", f"{self.url}/v1/workers", timeout=5, headers=ADMIN)
         assert status == 200, body
         return list(body["data"])
 
