@@ -23,6 +23,7 @@ from aiohttp import web
 
 from gateway import sse
 from gateway.backend import BackendError, GenerateRequest
+from gateway.body import read_body
 from gateway.chat_template import ChatTemplateError
 from gateway.errors import APIError, from_backend, invalid, unavailable
 from gateway.formatting import ResponseBuilder, usage
@@ -38,7 +39,6 @@ from gateway.validation import (
     check_prompt,
     decode_body,
     parse_request,
-    too_large,
 )
 
 log = logging.getLogger("pdserve.gateway")
@@ -48,29 +48,13 @@ TIMINGS_HEADER = "x-pdserve-timings"
 PRIORITY_HEADER = "x-pdserve-priority"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 CLIENT_CLOSED = 499  # nginx's convention, for logs and metrics only
+RESPONSE_GRACE_S = 1.0  # past --request-timeout, before a stream whose client is not reading is cut
 
 
 def request_id(request: web.Request) -> str:
     """The client's x-request-id when it is sane, else a fresh one."""
     rid = request.headers.get(REQUEST_ID_HEADER, "")
     return rid if _REQUEST_ID_RE.match(rid) else uuid.uuid4().hex
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, refused with a 413 as soon as it passes `limit` bytes."""
-    length = request.content_length
-    if length is not None and length > limit:
-        raise too_large(limit)
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        chunk = await request.content.readany()
-        if not chunk:
-            return b"".join(chunks)
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -97,6 +81,7 @@ class _RequestRun:
         self.parsed: ParsedRequest | None = None
         self.prompt_len = 0
         self.gen: Generation | None = None
+        self.resp: web.StreamResponse | None = None  # a stream's response, once started
 
     async def serve(self) -> web.StreamResponse:
         self.state.enter()
@@ -135,14 +120,42 @@ class _RequestRun:
             admission = await state.admission.acquire(parsed.priority)
         try:
             state.metrics.queue_wait.labels(priority=parsed.priority).observe(admission.wait_s)
-            return await self._generate(parsed, ids)
+            bound = self._response_bound()
+            if bound is None:
+                return await self._generate(parsed, ids)
+            end = time.monotonic() + bound
+            try:
+                return await asyncio.wait_for(self._generate(parsed, ids), bound)
+            except asyncio.TimeoutError:
+                if time.monotonic() < end:
+                    raise  # not ours
+                return self._cut_off()
         finally:
             state.admission.release()
+
+    def _response_bound(self) -> float | None:
+        """Seconds from now by which the whole response must be out: --request-timeout from
+        arrival, plus a grace period. Waits for the backend end at the deadline itself with a
+        clean 504 or error event; this bound catches the rest: writes to a client not reading."""
+        timeout = self.state.config.request_timeout_s
+        if timeout is None:
+            return None
+        return max(0.0, self.arrival + timeout + RESPONSE_GRACE_S - time.monotonic())
+
+    def _cut_off(self) -> web.StreamResponse:
+        """The response deadline passed: a stream already under way is cut (the connection is
+        aborted: nothing more can be said on it); otherwise a 504."""
+        self.status, self.error = 504, "deadline_exceeded"
+        if self.resp is None:
+            raise APIError(504, "request deadline exceeded", code="timeout", reason="timeout")
+        if self.request.transport is not None:
+            self.request.transport.abort()
+        return self.resp
 
     async def _parse(self) -> ParsedRequest:
         config = self.state.config
         check_content_type(self.request.headers.get("Content-Type", ""))
-        raw = await read_body(self.request, config.limits.max_body_bytes)
+        raw = await read_body(self.request, config.limits.max_body_bytes, config.connections.body_timeout_s)
         body = decode_body(raw, config.limits)
         return parse_request(self.kind, body, config, self.request.headers.get(PRIORITY_HEADER))
 
@@ -218,7 +231,7 @@ class _RequestRun:
 
     async def _stream(self, parsed: ParsedRequest, builder: ResponseBuilder, first: ChoiceUpdate | None) -> web.StreamResponse:
         assert self.gen is not None
-        resp = web.StreamResponse(headers={**sse.SSE_HEADERS, REQUEST_ID_HEADER: self.rid})
+        self.resp = resp = web.StreamResponse(headers={**sse.SSE_HEADERS, REQUEST_ID_HEADER: self.rid})
         try:
             with self.timer.measure("respond"):
                 await resp.prepare(self.request)

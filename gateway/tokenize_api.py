@@ -21,11 +21,11 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.body import read_body
 from gateway.chat_template import ChatTemplateError
 from gateway.config import GatewayConfig
 from gateway.errors import excerpt, invalid
 from gateway.fields import bool_field
-from gateway.openai_api import read_body
 from gateway.state import STATE
 from gateway.tokenizer import Tokenizer
 from gateway.validation import check_content_type, check_model, decode_body, parse_messages
@@ -110,7 +110,8 @@ def parse_detokenize(body: Mapping[str, Any], config: GatewayConfig, vocab_size:
 
 async def _body(request: web.Request, config: GatewayConfig) -> dict[str, Any]:
     check_content_type(request.headers.get("Content-Type", ""))
-    return decode_body(await read_body(request, config.limits.max_body_bytes), config.limits)
+    raw = await read_body(request, config.limits.max_body_bytes, config.connections.body_timeout_s)
+    return decode_body(raw, config.limits)
 
 
 def _check_fields(body: Mapping[str, Any], known: set[str]) -> None:

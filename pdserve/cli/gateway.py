@@ -9,6 +9,8 @@ start workers against it.
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 
 from pdserve.common import envs
 from pdserve.common.logs import configure_logging
@@ -33,6 +35,8 @@ from pdserve.cli.gateway_options import (
     gateway_settings,
     sampling_defaults,
 )
+
+log = logging.getLogger("pdserve.gateway")
 
 # gateway/kv_router.py: ROUTERS (kept out of this module's imports: parsing loads no zmq)
 ROUTERS = ("kv-aware", "least-loaded", "round-robin")
@@ -69,7 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--request-timeout", type=positive_float, default=None, help="per-request deadline (s)")
     ap.add_argument("--drain-timeout", type=positive_float, default=30.0)
     ap.add_argument("--max-in-flight", type=positive_int, default=256, help="requests inside the backend at once")
-    ap.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
+    ap.add_argument("--api-key", action="append", default=[],
+                    help="require this API key (repeatable); visible to every user of the host in the "
+                    "process list: prefer --api-key-file or PDSERVE_API_KEYS")
     add_gateway_options(ap)
     ap.add_argument("--curve-secret-key", default=None,
                     help="CURVE: the gateway's secret certificate (encrypts the control plane)")
@@ -103,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
     from gateway.tokenizer import Tokenizer
 
     max_model_len = check_args(args)
+    if args.api_key:
+        log.warning(json.dumps({"event": "api_key_on_command_line", "note": "--api-key is visible to every "
+                                "user of this host in the process list; use --api-key-file or PDSERVE_API_KEYS"}))
     defaults = sampling_defaults(args.generation_config, model_dir(args.model))
     try:
         settings = gateway_settings(args)

@@ -37,6 +37,29 @@ LIMIT_FLAGS = {
     "max_stop": "--max-stop",
     "max_stop_len": "--max-stop-len",
     "max_logprobs": "--max-logprobs",
+    "max_stop_token_ids": "--max-stop-token-ids",
+    "max_user_len": "--max-user-len",
+    "max_prompt_chars": "--max-prompt-chars",
+}
+# ConnectionLimits field -> flag.
+CONNECTION_FLAGS = {
+    "max_connections": ("--max-connections", "open client connections; past it: 503 and close"),
+    "header_timeout_s": ("--header-timeout", "seconds for a complete request head, from connecting or "
+                         "from the previous response (also the keep-alive idle limit)"),
+    "body_timeout_s": ("--body-timeout", "seconds for the whole request body; past it: 408"),
+    "idle_write_timeout_s": ("--idle-write-timeout", "seconds a response may stay undrained (the client "
+                             "stopped reading) before the connection is cut and the request aborted"),
+}
+# `pdserve up` forwards these gateway flags when given (flag -> type).
+UP_FORWARDED = {
+    "--max-in-flight": positive_int,
+    "--request-timeout": positive_float,
+    "--max-queue-depth": non_negative_int,
+    "--max-queue-wait": non_negative_float,
+    "--max-connections": positive_int,
+    "--header-timeout": positive_float,
+    "--body-timeout": positive_float,
+    "--idle-write-timeout": positive_float,
 }
 PRIORITIES = ("interactive", "batch")
 
@@ -49,6 +72,15 @@ def add_gateway_options(ap: argparse.ArgumentParser) -> None:
     auth.add_argument(
         "--metrics-protected", action="store_true", help="require the API key on /metrics too"
     )
+    conn = ap.add_argument_group("client connections (slow and stalled clients)")
+    for name, (flag, text) in CONNECTION_FLAGS.items():
+        kind = positive_int if name == "max_connections" else positive_float
+        conn.add_argument(flag, type=kind, default=None, dest=f"conn_{name}", help=text)
+    conn.add_argument("--tokenizer-threads", type=positive_int, default=None,
+                      help="threads rendering chat templates and tokenizing, off the event loop (default 2)")
+    conn.add_argument("--allow-special-tokens-in-content", action="store_true",
+                      help="tokenize special-token strings inside message content as control tokens "
+                      "(default: as text, so a user cannot forge a system or assistant turn)")
     adm = ap.add_argument_group("admission (503 + Retry-After beyond these)")
     adm.add_argument(
         "--max-queue-depth", type=non_negative_int, default=None, help="waiting requests per priority class"
@@ -132,6 +164,29 @@ def request_limits(args: argparse.Namespace) -> Any:
     return RequestLimits(**_set(args, {f: f"limit_{f}" for f in LIMIT_FLAGS}))
 
 
+def connection_limits(args: argparse.Namespace) -> Any:
+    from gateway.config import ConnectionLimits
+
+    return ConnectionLimits(**_set(args, {f: f"conn_{f}" for f in CONNECTION_FLAGS}))
+
+
+def add_up_gateway_options(ap: argparse.ArgumentParser) -> None:
+    """`pdserve up`'s copies of the gateway's admission and timeout flags."""
+    group = ap.add_argument_group("gateway admission and timeouts (see `pdserve gateway --help`)")
+    for flag, kind in UP_FORWARDED.items():
+        group.add_argument(flag, type=kind, default=None, dest=f"gw_{flag[2:].replace('-', '_')}")
+
+
+def up_gateway_flags(args: argparse.Namespace) -> list[str]:
+    """The `add_up_gateway_options` flags given to `up`, for the gateway's command line."""
+    out: list[str] = []
+    for flag in UP_FORWARDED:
+        value = getattr(args, f"gw_{flag[2:].replace('-', '_')}")
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
 def admission_config(args: argparse.Namespace) -> Any:
     from gateway.config import AdmissionConfig, QueueLimits
 
@@ -164,6 +219,8 @@ def gateway_settings(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "admission": admission_config(args),
         "limits": request_limits(args),
+        "connections": connection_limits(args),
+        "special_tokens_in_content": args.allow_special_tokens_in_content,
         "api_keys": api_keys(args),
         "metrics_protected": args.metrics_protected,
     }
@@ -171,6 +228,8 @@ def gateway_settings(args: argparse.Namespace) -> dict[str, Any]:
     if out["admin_token"] is not None and len(out["admin_token"]) < 16:
         raise UsageError("--admin-token", "must be at least 16 characters (or PDSERVE_ADMIN_TOKEN)")
     out["planner"] = planner_settings(args)
+    if args.tokenizer_threads is not None:
+        out["tokenizer_threads"] = args.tokenizer_threads
     if args.default_max_tokens is not None:
         out["default_max_tokens"] = args.default_max_tokens
     if args.enable_auto_tool_choice:

@@ -41,10 +41,12 @@ from pdserve.cli.args import (
 )
 from pdserve.cli.gateway import ROUTERS
 from pdserve.cli.gateway_options import (
+    add_up_gateway_options,
     api_keys,
     check_served_names,
     check_tool_flags,
     sampling_defaults,
+    up_gateway_flags,
 )
 from pdserve.worker.cpu_cores import format_cpu_list, plan_cores
 
@@ -123,6 +125,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--local-prefill-threshold", type=non_negative_int, default=0, metavar="TOKENS",
                     help="gateway: prefill on the decode worker when at most this many prompt tokens are uncached")
     ap.add_argument("--ready-timeout", type=positive_float, default=120.0)
+    add_up_gateway_options(ap)
     ap.set_defaults(func=run)
 
 
@@ -262,6 +265,7 @@ def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
         cmd += ["--enable-auto-tool-choice"]
     if args.tool_call_parser:
         cmd += ["--tool-call-parser", args.tool_call_parser]
+    cmd += up_gateway_flags(args)
     for key in args.api_key:
         cmd += ["--api-key", key]
     for path in args.api_key_file:
