@@ -2,7 +2,8 @@
 
 The life of a request in the gateway:
 1. parse: content type, body size, JSON, parameters (gateway/validation.py);
-2. tokenize: chat template + encoding, then the context-length check;
+2. tokenize: a character-count check, then chat template + encoding in the prompt pool
+   (gateway/prompts.py, gateway/prompt_pool.py), then the context-length check;
 3. queue_wait: admission (gateway/admission.py) — 503 with Retry-After past the limits;
 4. generate: `Generation.first()` waits for the first output, so errors before any
    output get a real status code; then the rest is streamed (SSE) or collected;
@@ -24,10 +25,10 @@ from aiohttp import web
 from gateway import sse
 from gateway.backend import BackendError, GenerateRequest
 from gateway.body import read_body
-from gateway.chat_template import ChatTemplateError
-from gateway.errors import APIError, from_backend, invalid, unavailable
+from gateway.errors import APIError, from_backend, unavailable
 from gateway.formatting import ResponseBuilder, usage
 from gateway.generation import ChoiceUpdate, Generation
+from gateway.prompts import check_prompt_chars, encode_request, prompt_chars
 from gateway.state import STATE, GatewayState
 from gateway.timing import RequestTimer
 from gateway.tool_calls import parser_factory
@@ -48,6 +49,7 @@ TIMINGS_HEADER = "x-pdserve-timings"
 PRIORITY_HEADER = "x-pdserve-priority"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 CLIENT_CLOSED = 499  # nginx's convention, for logs and metrics only
+LOGGED_USER_CHARS = 64  # of the `user` field, in the request log line
 RESPONSE_GRACE_S = 1.0  # past --request-timeout, before a stream whose client is not reading is cut
 
 
@@ -113,8 +115,7 @@ class _RequestRun:
         with self.timer.measure("parse"):
             parsed = await self._parse()
         with self.timer.measure("tokenize"):
-            ids = self._tokenize(parsed)
-            parsed = check_prompt(parsed, len(ids), state.tokenizer.vocab_size, state.config)
+            parsed, ids = await self._tokenize(parsed)
         self.parsed, self.prompt_len = parsed, len(ids)
         with self.timer.measure("queue_wait"):
             admission = await state.admission.acquire(parsed.priority)
@@ -159,20 +160,15 @@ class _RequestRun:
         body = decode_body(raw, config.limits)
         return parse_request(self.kind, body, config, self.request.headers.get(PRIORITY_HEADER))
 
-    def _tokenize(self, parsed: ParsedRequest) -> list[int]:
-        tok = self.state.tokenizer
-        if parsed.prompt_token_ids is not None:
-            return list(parsed.prompt_token_ids)
-        if parsed.prompt_text is not None:
-            return tok.encode(parsed.prompt_text, add_special_tokens=True)
-        assert parsed.messages is not None
-        try:
-            tools = parsed.shape.template_tools
-            extra = {"tools": tools} if tools else {}
-            prompt = tok.apply_chat_template(list(parsed.messages), add_generation_prompt=True, **extra)
-        except ChatTemplateError as e:
-            raise invalid("messages", f"cannot apply the chat template: {str(e)[:200]}", "invalid_messages") from None
-        return tok.encode(prompt, add_special_tokens=False)
+    async def _tokenize(self, parsed: ParsedRequest) -> tuple[ParsedRequest, list[int]]:
+        """Cheap checks on the loop, the template and tokenizer in the prompt pool."""
+        state, tok, config = self.state, self.state.tokenizer, self.state.config
+        chars = prompt_chars(parsed)
+        check_prompt_chars(parsed, chars, config, tok)
+        enc = await state.prompts.run(chars, lambda: encode_request(parsed, tok, config))
+        parsed = check_prompt(parsed, enc.num_tokens, tok.vocab_size, config)
+        assert enc.ids is not None, "check_prompt refuses every prompt past token_limit"
+        return parsed, enc.ids
 
     async def _generate(self, parsed: ParsedRequest, ids: list[int]) -> web.StreamResponse:
         state = self.state
@@ -282,7 +278,7 @@ class _RequestRun:
             record["error"] = self.error
         if self.parsed is not None:
             record.update(priority=self.parsed.priority, stream=self.parsed.stream, n=self.parsed.params.n,
-                          prompt_tokens=self.prompt_len, user=self.parsed.user)
+                          prompt_tokens=self.prompt_len, user=(self.parsed.user or "")[:LOGGED_USER_CHARS] or None)
         if self.gen is not None:
             s = self.gen.stats
             m.prompt_tokens.inc(self.prompt_len)

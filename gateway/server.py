@@ -34,6 +34,7 @@ from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import REQUEST_ID_HEADER, chat_completions, completions
 from gateway.planner_loop import install_roles
+from gateway.prompt_pool import PromptPool
 from gateway.state import STATE, GatewayState
 from gateway.tokenize_api import detokenize, tokenize
 from gateway.tokenizer import Tokenizer
@@ -155,9 +156,10 @@ def build_app(config: GatewayConfig, backend: GenerationBackend, tokenizer: Toke
     """The gateway app. The backend is started on app startup and closed on cleanup."""
     app = web.Application(middlewares=[error_middleware, header_limit_middleware, auth_middleware])
     admission = AdmissionController(config.admission)
+    prompts = PromptPool(config.tokenizer_threads, config.tokenizer_queue, config.admission.retry_after_s)
     app[STATE] = GatewayState(
         config=config, backend=backend, tokenizer=tokenizer, admission=admission,
-        metrics=GatewayMetrics(admission, backend),
+        metrics=GatewayMetrics(admission, backend), prompts=prompts,
     )
     app[_CREATED] = int(time.time())
     app.router.add_post("/v1/completions", completions)
@@ -177,6 +179,7 @@ def build_app(config: GatewayConfig, backend: GenerationBackend, tokenizer: Toke
 
     async def close_backend(_: web.Application) -> None:
         await backend.close()
+        prompts.close()
 
     app.on_startup.append(start_backend)
     app.on_cleanup.append(close_backend)
