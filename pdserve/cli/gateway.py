@@ -70,7 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     help="a request whose uncached prompt part on the decode worker is at most this many "
                          "tokens is prefilled there (no KV transfer), up to 4x that when every prefill "
                          "worker has 4x its uncached tokens queued; 0: off")
-    ap.add_argument("--request-timeout", type=positive_float, default=None, help="per-request deadline (s)")
+    ap.add_argument("--request-timeout", type=positive_float, default=None,
+                    help="per-request deadline (s) from arrival, over the whole response")
     ap.add_argument("--drain-timeout", type=positive_float, default=30.0)
     ap.add_argument("--max-in-flight", type=positive_int, default=256, help="requests inside the backend at once")
     ap.add_argument("--api-key", action="append", default=[],
