@@ -110,7 +110,7 @@ def test_streams_never_read_release_their_slots(tok: Tokenizer, sockets: list[so
         assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 3
         metrics = raw(gw.url, "GET", "/metrics").body.decode()
         assert metric_value(metrics, "llm_connections_dropped_total") == 3
-        assert all(closed_by_peer(s) for s in sockets)
+        wait_for(lambda: all(closed_by_peer(s) for s in sockets), "every stalled connection closed")
 
 
 def test_request_timeout_bounds_the_whole_response(tok: Tokenizer, sockets: list[socket.socket]) -> None:
