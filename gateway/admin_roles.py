@@ -33,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.auth import check_authorization
+from gateway.body import read_body
 from gateway.control_plane import ControlPlane
 from gateway.errors import APIError
 from gateway.registry import WorkerInfo
@@ -150,7 +151,7 @@ async def set_role(request: web.Request) -> web.Response:
     flips = _flips(request)
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
         raise APIError(413, "request body too large", code="request_too_large")
-    body = await request.content.read(MAX_BODY_BYTES + 1)
+    body = await read_body(request, MAX_BODY_BYTES, request.app[STATE].config.connections.body_timeout_s)
     try:
         data: Any = json.loads(body or b"null")
     except ValueError:

@@ -123,5 +123,7 @@ def render_chat_template(
         )
     except ChatTemplateError:
         raise
-    except (jinja2.TemplateError, TypeError, KeyError) as e:
-        raise ChatTemplateError(f"chat template failed to render: {e}") from e
+    except Exception as e:  # any failure of the template on this input is the input's (a 400)
+        # jinja2's errors, TypeError, KeyError, the sandbox's OverflowError (a range too
+        # long), SecurityError, RecursionError, MemoryError ...
+        raise ChatTemplateError(f"chat template failed to render: {type(e).__name__}: {str(e)[:200]}") from None

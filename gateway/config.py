@@ -23,11 +23,40 @@ class RequestLimits:
     max_stop: int = 4
     max_stop_len: int = 256  # characters per stop string
     max_logprobs: int = 20
+    max_stop_token_ids: int = 64  # distinct ids in stop_token_ids
+    max_user_len: int = 256  # characters of the `user` field
+    # Prompt characters (a completion's text, or a chat's message contents and tools) beyond
+    # which a prompt is refused before it is tokenized. None: max_model_len times the
+    # longest token's length in characters, so no prompt that could fit is refused.
+    max_prompt_chars: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_header_bytes", "max_messages", "max_n", "max_stop"):
+        for name in ("max_body_bytes", "max_header_bytes", "max_messages", "max_n", "max_stop",
+                     "max_stop_token_ids", "max_user_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What one client connection may hold (gateway/connections.py): none of it for longer
+    than it uses it."""
+
+    max_connections: int = 4096  # open connections per gateway; beyond it: 503 and close
+    # A connection must deliver a complete request head within this many seconds of
+    # opening or of its previous response (this is also the keep-alive idle limit).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0  # the whole request body, from its head on; past it: 408
+    # A connection whose unsent output has not drained at all for this long (the client
+    # stopped reading) is cut; its request is aborted as on a disconnect.
+    idle_write_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+        for name in ("header_timeout_s", "body_timeout_s", "idle_write_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
 
 
 @dataclass(frozen=True)
@@ -74,10 +103,18 @@ class GatewayConfig:
     max_model_len: int = 2048
     limits: RequestLimits = field(default_factory=RequestLimits)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    # Threads rendering chat templates and tokenizing prompts (gateway/prompt_pool.py), and
+    # how many prompts may wait for one before a 503.
+    tokenizer_threads: int = 2
+    tokenizer_queue: int = 256
+    # False: special-token strings inside message content are tokenized as text, so a user
+    # cannot forge a turn (gateway/chat_prompt.py); True: as control tokens (the old way).
+    special_tokens_in_content: bool = False
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     metrics_protected: bool = False  # require the API key on /metrics too
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
-    request_timeout_s: float | None = None  # per-request deadline from arrival
+    request_timeout_s: float | None = None  # per-request deadline from arrival, whole response
     default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default)
     # Defaults for sampling fields a request leaves out (from generation_config.json).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
@@ -97,6 +134,8 @@ class GatewayConfig:
             raise ValueError("max_model_len must be >= 2")
         if self.responses_store_size < 0:
             raise ValueError("responses_store_size must be >= 0")
+        if self.tokenizer_threads < 1 or self.tokenizer_queue < 1:
+            raise ValueError("tokenizer_threads and tokenizer_queue must be >= 1")
         if any(not k for k in self.api_keys):
             raise ValueError("api keys must be non-empty")
         if self.admin_token is not None and len(self.admin_token) < 16:

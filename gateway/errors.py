@@ -21,6 +21,7 @@ _TYPE_BY_STATUS = {
     403: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
@@ -43,6 +44,7 @@ class APIError(Exception):
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
         reason: str | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -52,6 +54,7 @@ class APIError(Exception):
         self.headers = dict(headers or {})
         # Label for llm_requests_rejected_total; None: not counted as a rejection.
         self.reason = reason
+        self.close = close  # close the connection after the answer (e.g. a body that never came)
 
     @property
     def type(self) -> str:
@@ -61,12 +64,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.Response(
+        resp = web.Response(
             status=self.status,
             body=json.dumps(self.body()).encode(),
             content_type="application/json",
             headers=self.headers,
         )
+        if self.close:
+            resp.force_close()
+        return resp
 
 
 def invalid(param: str | None, message: str, code: str | None = None) -> APIError:

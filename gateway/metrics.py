@@ -59,6 +59,10 @@ class GatewayMetrics:
         self.requests = Counter(
             "llm_requests", "Finished requests by endpoint and HTTP status.", ["endpoint", "status"], registry=r
         )
+        self.connections_dropped = Counter(
+            "llm_connections_dropped", "Client connections the gateway cut: refused past the cap, "
+            "or a stalled reader (gateway/connections.py).", ["reason"], registry=r
+        )
         self.prompt_tokens = Counter("llm_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("llm_generation_tokens", "Output tokens generated.", registry=r)
         self.cached_tokens = Counter("llm_prompt_cached_tokens", "Prompt tokens served from the prefix cache.", registry=r)

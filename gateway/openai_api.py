@@ -2,7 +2,8 @@
 
 The life of a request in the gateway:
 1. parse: content type, body size, JSON, parameters (gateway/validation.py);
-2. tokenize: chat template + encoding, then the context-length check;
+2. tokenize: a character-count check, then chat template + encoding in the prompt pool
+   (gateway/prompts.py, gateway/prompt_pool.py), then the context-length check;
 3. queue_wait: admission (gateway/admission.py) — 503 with Retry-After past the limits;
 4. generate: `Generation.first()` waits for the first output, so errors before any
    output get a real status code; then the rest is streamed (SSE) or collected;
@@ -23,11 +24,12 @@ from aiohttp import web
 
 from gateway import sse
 from gateway.backend import BackendError, GenerateRequest
-from gateway.chat_template import ChatTemplateError
-from gateway.errors import APIError, from_backend, invalid, unavailable
+from gateway.body import read_body
+from gateway.errors import APIError, from_backend, unavailable
 from gateway.formatting import ResponseBuilder, usage
 from gateway.generation import ChoiceUpdate, Generation
 from gateway.prompt_echo import PromptView
+from gateway.prompts import check_prompt_chars, encode_request, prompt_chars
 from gateway.state import STATE, GatewayState
 from gateway.timing import RequestTimer
 from gateway.tool_calls import parser_factory
@@ -39,7 +41,6 @@ from gateway.validation import (
     check_prompt,
     decode_body,
     parse_request,
-    too_large,
 )
 
 log = logging.getLogger("pdserve.gateway")
@@ -49,29 +50,14 @@ TIMINGS_HEADER = "x-pdserve-timings"
 PRIORITY_HEADER = "x-pdserve-priority"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 CLIENT_CLOSED = 499  # nginx's convention, for logs and metrics only
+LOGGED_USER_CHARS = 64  # of the `user` field, in the request log line
+RESPONSE_GRACE_S = 1.0  # past --request-timeout, before a stream whose client is not reading is cut
 
 
 def request_id(request: web.Request) -> str:
     """The client's x-request-id when it is sane, else a fresh one."""
     rid = request.headers.get(REQUEST_ID_HEADER, "")
     return rid if _REQUEST_ID_RE.match(rid) else uuid.uuid4().hex
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, refused with a 413 as soon as it passes `limit` bytes."""
-    length = request.content_length
-    if length is not None and length > limit:
-        raise too_large(limit)
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        chunk = await request.content.readany()
-        if not chunk:
-            return b"".join(chunks)
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -103,6 +89,7 @@ class RequestRun:
         self.parsed: ParsedRequest | None = None
         self.prompt_len = 0
         self.gen: Generation | None = None
+        self.resp: web.StreamResponse | None = None  # a stream's response, once started
 
     async def serve(self) -> web.StreamResponse:
         self.state.enter()
@@ -134,38 +121,60 @@ class RequestRun:
         with self.timer.measure("parse"):
             parsed = await self._parse()
         with self.timer.measure("tokenize"):
-            ids = self._tokenize(parsed)
-            parsed = check_prompt(parsed, len(ids), state.tokenizer.vocab_size, state.config)
+            parsed, ids = await self._tokenize(parsed)
         self.parsed, self.prompt_len = parsed, len(ids)
         with self.timer.measure("queue_wait"):
             admission = await state.admission.acquire(parsed.priority)
         try:
             state.metrics.queue_wait.labels(priority=parsed.priority).observe(admission.wait_s)
-            return await self._generate(parsed, ids)
+            bound = self._response_bound()
+            if bound is None:
+                return await self._generate(parsed, ids)
+            end = time.monotonic() + bound
+            try:
+                return await asyncio.wait_for(self._generate(parsed, ids), bound)
+            except asyncio.TimeoutError:
+                if time.monotonic() < end:
+                    raise  # not ours
+                return self._cut_off()
         finally:
             state.admission.release()
+
+    def _response_bound(self) -> float | None:
+        """Seconds from now by which the whole response must be out: --request-timeout from
+        arrival, plus a grace period. Waits for the backend end at the deadline itself with a
+        clean 504 or error event; this bound catches the rest: writes to a client not reading."""
+        timeout = self.state.config.request_timeout_s
+        if timeout is None:
+            return None
+        return max(0.0, self.arrival + timeout + RESPONSE_GRACE_S - time.monotonic())
+
+    def _cut_off(self) -> web.StreamResponse:
+        """The response deadline passed: a stream already under way is cut (the connection is
+        aborted: nothing more can be said on it); otherwise a 504."""
+        self.status, self.error = 504, "deadline_exceeded"
+        if self.resp is None:
+            raise APIError(504, "request deadline exceeded", code="timeout", reason="timeout")
+        if self.request.transport is not None:
+            self.request.transport.abort()
+        return self.resp
 
     async def _parse(self) -> ParsedRequest:
         config = self.state.config
         check_content_type(self.request.headers.get("Content-Type", ""))
-        raw = await read_body(self.request, config.limits.max_body_bytes)
+        raw = await read_body(self.request, config.limits.max_body_bytes, config.connections.body_timeout_s)
         body = decode_body(raw, config.limits)
         return parse_request(self.kind, body, config, self.request.headers.get(PRIORITY_HEADER))
 
-    def _tokenize(self, parsed: ParsedRequest) -> list[int]:
-        tok = self.state.tokenizer
-        if parsed.prompt_token_ids is not None:
-            return list(parsed.prompt_token_ids)
-        if parsed.prompt_text is not None:
-            return tok.encode(parsed.prompt_text, add_special_tokens=True)
-        assert parsed.messages is not None
-        try:
-            tools = parsed.shape.template_tools
-            extra = {"tools": tools} if tools else {}
-            prompt = tok.apply_chat_template(list(parsed.messages), add_generation_prompt=True, **extra)
-        except ChatTemplateError as e:
-            raise invalid("messages", f"cannot apply the chat template: {str(e)[:200]}", "invalid_messages") from None
-        return tok.encode(prompt, add_special_tokens=False)
+    async def _tokenize(self, parsed: ParsedRequest) -> tuple[ParsedRequest, list[int]]:
+        """Cheap checks on the loop, the template and tokenizer in the prompt pool."""
+        state, tok, config = self.state, self.state.tokenizer, self.state.config
+        chars = prompt_chars(parsed)
+        check_prompt_chars(parsed, chars, config, tok)
+        enc = await state.prompts.run(chars, lambda: encode_request(parsed, tok, config))
+        parsed = check_prompt(parsed, enc.num_tokens, tok.vocab_size, config)
+        assert enc.ids is not None, "check_prompt refuses every prompt past token_limit"
+        return parsed, enc.ids
 
     async def _generate(self, parsed: ParsedRequest, ids: list[int]) -> web.StreamResponse:
         state = self.state
@@ -231,7 +240,7 @@ class RequestRun:
 
     async def _stream(self, parsed: ParsedRequest, builder: ResponseBuilder, first: ChoiceUpdate | None) -> web.StreamResponse:
         assert self.gen is not None
-        resp = web.StreamResponse(headers={**sse.SSE_HEADERS, REQUEST_ID_HEADER: self.rid})
+        self.resp = resp = web.StreamResponse(headers={**sse.SSE_HEADERS, REQUEST_ID_HEADER: self.rid})
         try:
             with self.timer.measure("respond"):
                 await resp.prepare(self.request)
@@ -282,7 +291,7 @@ class RequestRun:
             record["error"] = self.error
         if self.parsed is not None:
             record.update(priority=self.parsed.priority, stream=self.parsed.stream, n=self.parsed.params.n,
-                          prompt_tokens=self.prompt_len, user=self.parsed.user)
+                          prompt_tokens=self.prompt_len, user=(self.parsed.user or "")[:LOGGED_USER_CHARS] or None)
         if self.gen is not None:
             s = self.gen.stats
             m.prompt_tokens.inc(self.prompt_len)

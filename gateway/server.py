@@ -28,13 +28,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.admin_roles import check_admin
 from gateway.admission import AdmissionController
-from gateway.auth import check_authorization, is_protected
+from gateway.auth import check_authorization, is_loopback, is_protected
 from gateway.backend import GenerationBackend
 from gateway.config import GatewayConfig
+from gateway.connections import GatewayRunner
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import REQUEST_ID_HEADER, chat_completions, completions
 from gateway.planner_loop import install_roles
+from gateway.prompt_pool import PromptPool
 from gateway.responses.handler import install_responses
 from gateway.state import STATE, GatewayState
 from gateway.tokenize_api import detokenize, tokenize
@@ -158,9 +160,10 @@ def build_app(config: GatewayConfig, backend: GenerationBackend, tokenizer: Toke
     """The gateway app. The backend is started on app startup and closed on cleanup."""
     app = web.Application(middlewares=[error_middleware, header_limit_middleware, auth_middleware])
     admission = AdmissionController(config.admission)
+    prompts = PromptPool(config.tokenizer_threads, config.tokenizer_queue, config.admission.retry_after_s)
     app[STATE] = GatewayState(
         config=config, backend=backend, tokenizer=tokenizer, admission=admission,
-        metrics=GatewayMetrics(admission, backend),
+        metrics=GatewayMetrics(admission, backend), prompts=prompts,
     )
     app[_CREATED] = int(time.time())
     app.router.add_post("/v1/completions", completions)
@@ -181,20 +184,26 @@ def build_app(config: GatewayConfig, backend: GenerationBackend, tokenizer: Toke
 
     async def close_backend(_: web.Application) -> None:
         await backend.close()
+        prompts.close()
 
     app.on_startup.append(start_backend)
     app.on_cleanup.append(close_backend)
     return app
 
 
-def make_runner(app: web.Application, config: GatewayConfig) -> web.AppRunner:
+def make_runner(app: web.Application, config: GatewayConfig) -> GatewayRunner:
     """An AppRunner with the gateway's server settings: handlers are cancelled when the
-    client disconnects (that is what aborts a request in the backend), and header sizes
-    are bounded: header_limit_middleware answers 431 past the configured limit, aiohttp's
-    parser a plain 400 past four times it."""
+    client disconnects (that is what aborts a request in the backend), connections are
+    capped and timed (gateway/connections.py), and header sizes are bounded:
+    header_limit_middleware answers 431 past the configured limit, aiohttp's parser a
+    plain 400 past four times it."""
     parser_limit = 4 * config.limits.max_header_bytes + 1024
-    return web.AppRunner(
+    dropped = app[STATE].metrics.connections_dropped
+    return GatewayRunner(
         app,
+        config.connections,
+        retry_after_s=config.admission.retry_after_s,
+        on_drop=lambda reason: dropped.labels(reason=reason).inc(),
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=1.0,  # graceful draining happened before cleanup
@@ -220,6 +229,7 @@ async def serve_gateway(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     host, port = runner.addresses[0][:2]
+    warn_if_exposed(config)
     # The one line on stdout: launchers and tests read the URL from it.
     print(f"pdserve gateway listening on http://{host}:{port}", flush=True)
     log.info(json.dumps({"event": "listening", "host": host, "port": port, "model": config.model_name}))
@@ -235,6 +245,16 @@ async def serve_gateway(
             loop.remove_signal_handler(sig)
         await runner.cleanup()
     return 0
+
+
+def warn_if_exposed(config: GatewayConfig) -> None:
+    """Serving beyond loopback without an API key: anyone who can reach the port can use it."""
+    if not config.api_keys and not is_loopback(config.host):
+        log.warning(json.dumps({
+            "event": "no_api_key", "host": config.host,
+            "note": "serving off loopback without an API key: anyone who reaches this port can "
+                    "generate; set --api-key-file or PDSERVE_API_KEYS",
+        }))
 
 
 def run_gateway(config: GatewayConfig, backend: GenerationBackend, tokenizer: Tokenizer) -> int:

@@ -11,6 +11,7 @@ from gateway.admission import AdmissionController
 from gateway.backend import GenerationBackend
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
+from gateway.prompt_pool import PromptPool
 from gateway.tokenizer import Tokenizer
 
 
@@ -21,6 +22,7 @@ class GatewayState:
     tokenizer: Tokenizer
     admission: AdmissionController
     metrics: GatewayMetrics
+    prompts: PromptPool
     draining: bool = False
     active: int = 0  # generation requests being handled (queued, running or streaming)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)

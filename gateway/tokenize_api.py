@@ -21,11 +21,12 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.chat_template import ChatTemplateError
+from gateway.body import read_body
+from gateway.chat_prompt import encode_chat
 from gateway.config import GatewayConfig
 from gateway.errors import excerpt, invalid
 from gateway.fields import bool_field
-from gateway.openai_api import read_body
+from gateway.prompts import text_chars
 from gateway.state import STATE
 from gateway.tokenizer import Tokenizer
 from gateway.validation import check_content_type, check_model, decode_body, parse_messages
@@ -46,8 +47,10 @@ class TokenizeRequest:
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    req = parse_tokenize(await _body(request, state.config), state.config)
-    ids = tokenize_ids(req, state.tokenizer)
+    config = state.config
+    req = parse_tokenize(await _body(request, config), config)
+    chars = text_chars(req.prompt) + text_chars(req.messages)
+    ids = await state.prompts.run(chars, lambda: tokenize_ids(req, state.tokenizer, config.special_tokens_in_content))
     strs = [state.tokenizer.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
     return _json({"count": len(ids), "max_model_len": state.config.max_model_len, "tokens": ids, "token_strs": strs})
 
@@ -83,15 +86,15 @@ def parse_tokenize(body: Mapping[str, Any], config: GatewayConfig) -> TokenizeRe
     )
 
 
-def tokenize_ids(req: TokenizeRequest, tok: Tokenizer) -> list[int]:
+def tokenize_ids(req: TokenizeRequest, tok: Tokenizer, special_tokens_in_content: bool = False) -> list[int]:
     if req.prompt is not None:
         return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     assert req.messages is not None
-    try:
-        text = tok.apply_chat_template(list(req.messages), add_generation_prompt=req.add_generation_prompt)
-    except ChatTemplateError as e:
-        raise invalid("messages", f"cannot apply the chat template: {str(e)[:200]}", "invalid_messages") from None
-    return tok.encode(text, add_special_tokens=req.add_special_tokens)
+    ids = encode_chat(tok, req.messages, add_generation_prompt=req.add_generation_prompt,
+                      add_special_tokens=req.add_special_tokens,
+                      special_tokens_in_content=special_tokens_in_content).ids
+    assert ids is not None
+    return ids
 
 
 def parse_detokenize(body: Mapping[str, Any], config: GatewayConfig, vocab_size: int) -> list[int]:
@@ -110,7 +113,8 @@ def parse_detokenize(body: Mapping[str, Any], config: GatewayConfig, vocab_size:
 
 async def _body(request: web.Request, config: GatewayConfig) -> dict[str, Any]:
     check_content_type(request.headers.get("Content-Type", ""))
-    return decode_body(await read_body(request, config.limits.max_body_bytes), config.limits)
+    raw = await read_body(request, config.limits.max_body_bytes, config.connections.body_timeout_s)
+    return decode_body(raw, config.limits)
 
 
 def _check_fields(body: Mapping[str, Any], known: set[str]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -25,6 +25,18 @@ from pdserve.common.generation_config import (
 
 class TokenizerError(ValueError):
     """The model directory has no usable tokenizer."""
+
+
+class Encoded(NamedTuple):
+    """A bounded encoding: `ids` is None when `num_tokens` passed the limit (never materialized)."""
+
+    ids: list[int] | None
+    num_tokens: int
+
+
+# Texts at least this long are encoded through `encode_batch`, which releases the GIL, so a
+# long prompt tokenizing in the prompt pool does not stall the event loop.
+_UNLOCKED_CHARS = 2048
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -60,6 +72,9 @@ class Tokenizer:
         bos_token_id: int | None = None,
     ) -> None:
         self._tok = tokenizer
+        self._max_token_chars: int | None = None
+        # What other modules derive from this tokenizer once (gateway/chat_prompt.py).
+        self.derived: dict[str, Any] = {}
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -108,7 +123,37 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with add_special_tokens, the tokenizer's own
         post-processor adds what the model expects (e.g. BOS)."""
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        ids = self.encode_bounded(text, add_special_tokens, None).ids
+        assert ids is not None
+        return ids
+
+    def encode_bounded(self, text: str, add_special_tokens: bool, limit: int | None) -> Encoded:
+        """`encode`, but past `limit` tokens only the count: a prompt refused as too long
+        never has its ids built. Long texts release the GIL while they are split."""
+        if len(text) < _UNLOCKED_CHARS:
+            enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        else:
+            enc = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        count = len(enc)
+        if limit is not None and count > limit:
+            return Encoded(None, count)
+        return Encoded(list(enc.ids), count)
+
+    @property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token stands for: the longest vocabulary
+        entry (a byte-level token's characters are its bytes, a byte-fallback token's
+        spelling is longer than its byte). A text of more than `n * max_token_chars`
+        characters cannot be n tokens or fewer."""
+        if self._max_token_chars is None:
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max((len(t) for t in vocab), default=1)
+        return self._max_token_chars
+
+    @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` object itself."""
+        return self._tok
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -152,7 +152,7 @@ def parse_request(
         stream=stream,
         include_usage=include_usage,
         priority=_priority(body.get("priority"), header_priority),
-        user=opt_str_field(body, "user"),
+        user=_user(body, limits),
         skip_special_tokens=bool_field(body, "skip_special_tokens", True),
         include_stop_str=bool_field(body, "include_stop_str_in_output", False),
         shape=shape,
@@ -306,11 +306,7 @@ def _sampling(kind: str, body: Mapping[str, Any], config: GatewayConfig, max_tok
     prompt_logprobs = int_field(body, "prompt_logprobs", lo=0, hi=min(limits.max_logprobs, 20))
     if kind == COMPLETION and body.get("echo") and logprobs is not None and prompt_logprobs is None:
         prompt_logprobs = logprobs  # echo + logprobs: the prompt's tokens carry logprobs too (vLLM)
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and (
-        not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids)
-    ):
-        raise invalid("stop_token_ids", "stop_token_ids must be an array of token ids", "invalid_type")
+    stop_ids = _stop_token_ids(body.get("stop_token_ids"), limits)
     seed = int_field(body, "seed", lo=-(2**63), hi=2**64 - 1)
     kwargs: dict[str, Any] = {
         "max_tokens": max_tokens or 1,
@@ -322,7 +318,7 @@ def _sampling(kind: str, body: Mapping[str, Any], config: GatewayConfig, max_tok
         "frequency_penalty": float_field(body, "frequency_penalty", -2.0, 2.0),
         "repetition_penalty": float_field(body, "repetition_penalty", 0.0, None, lo_open=True),
         "seed": seed,
-        "stop_token_ids": tuple(stop_ids or ()),
+        "stop_token_ids": stop_ids,
         "ignore_eos": bool_field(body, "ignore_eos", None),
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
@@ -337,6 +333,25 @@ def _sampling(kind: str, body: Mapping[str, Any], config: GatewayConfig, max_tok
         return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None}).validate()
     except SamplingParamsError as e:
         raise invalid(e.param, str(e)) from None
+
+
+def _stop_token_ids(value: Any, limits: RequestLimits) -> tuple[int, ...]:
+    """Distinct ids, sorted: at most `max_stop_token_ids` of them in the request."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise invalid("stop_token_ids", "stop_token_ids must be an array of token ids", "invalid_type")
+    if len(value) > limits.max_stop_token_ids:
+        raise invalid("stop_token_ids", f"at most {limits.max_stop_token_ids} stop_token_ids are allowed",
+                      "too_many_stop_token_ids")
+    return tuple(sorted(set(value)))
+
+
+def _user(body: Mapping[str, Any], limits: RequestLimits) -> str | None:
+    user = opt_str_field(body, "user")
+    if user is not None and len(user) > limits.max_user_len:
+        raise invalid("user", f"user must be at most {limits.max_user_len} characters", "string_above_max_length")
+    return user
 
 
 def _stop(value: Any, limits: RequestLimits) -> tuple[str, ...]:

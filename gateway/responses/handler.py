@@ -82,7 +82,8 @@ class _ResponsesRun(RequestRun):
     async def _parse(self) -> ParsedRequest:
         config = self.state.config
         check_content_type(self.request.headers.get("Content-Type", ""))
-        body = decode_body(await read_body(self.request, config.limits.max_body_bytes), config.limits)
+        raw = await read_body(self.request, config.limits.max_body_bytes, config.connections.body_timeout_s)
+        body = decode_body(raw, config.limits)
         self.req = req = translate(body, self.store.get)
         try:
             parsed = parse_request(CHAT, req.chat_body, config, self.request.headers.get(PRIORITY_HEADER))

@@ -52,6 +52,20 @@ def _positive_ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key_file is None:
+        return str(args.api_key) if args.api_key is not None else None
+    from pdserve.cli.gateway_options import read_key_file
+
+    try:
+        keys = read_key_file(args.api_key_file)
+    except OSError as e:
+        raise ValueError(f"--api-key-file {args.api_key_file}: {e.strerror or e}") from None
+    if not keys:
+        raise ValueError(f"--api-key-file {args.api_key_file}: no key in it")
+    return keys[0]
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench",
@@ -61,7 +75,8 @@ def register(subparsers: Any) -> None:
     e = p.add_argument_group("endpoint")
     e.add_argument("--base-url", type=http_url, default="http://127.0.0.1:8000")
     e.add_argument("--endpoint", choices=[x.value for x in Endpoint], default="completions")
-    e.add_argument("--api-key", default=None)
+    e.add_argument("--api-key", default=None, help="visible in the process list: prefer --api-key-file")
+    e.add_argument("--api-key-file", default=None, metavar="FILE", help="the key: the file's first key line")
     e.add_argument("--model", default=None, help="default: first id from GET /v1/models")
     e.add_argument("--request-timeout", type=positive_float, default=600.0, help="seconds per request")
     e.add_argument("--temperature", type=float, default=0.0)
@@ -138,7 +153,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         endpoint=EndpointConfig(
             base_url=args.base_url,
             endpoint=Endpoint(args.endpoint),
-            api_key=args.api_key,
+            api_key=_api_key(args),
             model=args.model,
             request_timeout_s=args.request_timeout,
             ignore_eos=not args.no_ignore_eos,

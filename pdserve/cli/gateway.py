@@ -9,6 +9,8 @@ start workers against it.
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 
 from pdserve.cli.args import (
     UsageError,
@@ -27,6 +29,8 @@ from pdserve.cli.gateway_options import (
 )
 from pdserve.common import envs
 from pdserve.common.logs import configure_logging
+
+log = logging.getLogger("pdserve.gateway")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -62,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.common.transport import CurveServer, free_port
 
     max_model_len = check_args(args)
+    if args.api_key:
+        log.warning(json.dumps({"event": "api_key_on_command_line", "note": "--api-key is visible to every "
+                                "user of this host in the process list; use --api-key-file or PDSERVE_API_KEYS"}))
     defaults = sampling_defaults(args.generation_config, model_dir(args.model))
     try:
         settings = gateway_settings(args)

@@ -26,6 +26,7 @@ ROUTERS = ("kv-aware", "least-loaded", "round-robin")
 AUTH, ADMISSION = "authentication", "admission (503 + Retry-After beyond these)"
 TOOLS, ROLES = "tool calling (vLLM's flags)", "live role flips and the P:D planner"
 LIMITS = "request size limits (400/413 beyond these)"
+CONNECTIONS = "client connections (slow and stalled clients)"
 
 
 def _limit() -> Any:
@@ -69,10 +70,13 @@ class GatewayArgs(ArgGroup):
         "prefilled there (no KV transfer), up to 4x that when every prefill worker has 4x its uncached tokens "
         "queued; 0: off", type=non_negative_int, metavar="TOKENS", up_help="gateway: prefill on the decode "
         "worker when at most this many prompt tokens are uncached")
-    request_timeout: float | None = flag(None, "per-request deadline (s)", type=positive_float, up=False)
+    request_timeout: float | None = flag(None, "per-request deadline (s) from arrival, over the whole response",
+                                          type=positive_float, up_help="gateway: per-request deadline (s)")
     drain_timeout: float = flag(30.0, type=positive_float, up=False)
-    max_in_flight: int = flag(256, "requests inside the backend at once", type=positive_int, up=False)
-    api_key: tuple[str, ...] = flag((), "require this API key (repeatable)", action="append",
+    max_in_flight: int = flag(256, "requests inside the backend at once", type=positive_int,
+                              up_help="gateway: requests inside the backend at once")
+    api_key: tuple[str, ...] = flag((), "require this API key (repeatable); visible to every user of the host in "
+                                    "the process list: prefer --api-key-file or PDSERVE_API_KEYS", action="append",
                                     up_help="gateway: require this API key (repeatable)")
     api_key_file: tuple[str, ...] = flag(
         (), "file of API keys, one per line, '#' comments; with --api-key and PDSERVE_API_KEYS", action="append",
@@ -80,9 +84,24 @@ class GatewayArgs(ArgGroup):
     metrics_protected: bool = flag(False, "require the API key on /metrics too", action="store_true", up=False,
                                    group=AUTH)
     max_queue_depth: int | None = flag(None, "waiting requests per priority class", type=non_negative_int,
-                                       up=False, group=ADMISSION)
+                                       group=ADMISSION, up_help="gateway: waiting requests per priority class")
     max_queue_wait: float | None = flag(None, "longest wait for a slot (s), per class", type=non_negative_float,
-                                        up=False, group=ADMISSION)
+                                        group=ADMISSION, up_help="gateway: longest wait for a slot (s)")
+    max_connections: int | None = flag(None, "open client connections; past it: 503 and close (default 4096)",
+                                       type=positive_int, group=CONNECTIONS)
+    header_timeout: float | None = flag(
+        None, "seconds for a complete request head, from connecting or from the previous response (also the "
+        "keep-alive idle limit; default 10)", type=positive_float, group=CONNECTIONS)
+    body_timeout: float | None = flag(None, "seconds for the whole request body; past it: 408 (default 30)",
+                                      type=positive_float, group=CONNECTIONS)
+    idle_write_timeout: float | None = flag(
+        None, "seconds a response may stay undrained (the client stopped reading) before the connection is cut "
+        "and the request aborted (default 30)", type=positive_float, group=CONNECTIONS)
+    tokenizer_threads: int | None = flag(None, "threads rendering chat templates and tokenizing, off the event "
+                                         "loop (default 2)", type=positive_int, up=False, group=CONNECTIONS)
+    allow_special_tokens_in_content: bool = flag(
+        False, "tokenize special-token strings inside message content as control tokens (default: as text, so "
+        "a user cannot forge a system or assistant turn)", action="store_true", up=False, group=CONNECTIONS)
     max_queue_depth_interactive: int | None = _queue("depth", "interactive")
     max_queue_wait_interactive: float | None = _queue("wait", "interactive")
     max_queue_depth_batch: int | None = _queue("depth", "batch")
@@ -119,6 +138,9 @@ class GatewayArgs(ArgGroup):
     max_stop: int | None = _limit()
     max_stop_len: int | None = _limit()
     max_logprobs: int | None = _limit()
+    max_stop_token_ids: int | None = _limit()
+    max_user_len: int | None = _limit()
+    max_prompt_chars: int | None = _limit()
     default_max_tokens: int | None = flag(None, "completions without max_tokens", type=positive_int, up=False,
                                           group=LIMITS)
     responses_store_size: int | None = flag(

@@ -61,6 +61,15 @@ def request_limits(args: argparse.Namespace) -> Any:
     return RequestLimits(**{k: getattr(args, a) for k, a in flags.items() if getattr(args, a) is not None})
 
 
+def connection_limits(args: argparse.Namespace) -> Any:
+    """--max-connections and the client read/write timeouts -> `ConnectionLimits` (unset: its defaults)."""
+    from gateway.config import ConnectionLimits
+
+    flags = {"max_connections": "max_connections", "header_timeout_s": "header_timeout",
+             "body_timeout_s": "body_timeout", "idle_write_timeout_s": "idle_write_timeout"}
+    return ConnectionLimits(**{k: getattr(args, a) for k, a in flags.items() if getattr(args, a) is not None})
+
+
 def admission_config(args: argparse.Namespace) -> Any:
     from gateway.config import AdmissionConfig, QueueLimits
 
@@ -93,6 +102,8 @@ def gateway_settings(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "admission": admission_config(args),
         "limits": request_limits(args),
+        "connections": connection_limits(args),
+        "special_tokens_in_content": args.allow_special_tokens_in_content,
         "api_keys": api_keys(args),
         "metrics_protected": args.metrics_protected,
     }
@@ -100,8 +111,12 @@ def gateway_settings(args: argparse.Namespace) -> dict[str, Any]:
     if out["admin_token"] is not None and len(out["admin_token"]) < 16:
         raise UsageError("--admin-token", "must be at least 16 characters (or PDSERVE_ADMIN_TOKEN)")
     out["planner"] = planner_settings(args)
+    if args.tokenizer_threads is not None:
+        out["tokenizer_threads"] = args.tokenizer_threads
     if args.default_max_tokens is not None:
         out["default_max_tokens"] = args.default_max_tokens
+    if args.tokenizer_threads is not None:
+        out["tokenizer_threads"] = args.tokenizer_threads
     if args.responses_store_size is not None:
         out["responses_store_size"] = args.responses_store_size
     if args.enable_auto_tool_choice:

@@ -41,6 +41,8 @@ def test_cli_sweep_writes_table_json_png(
     fake_server: FakeOpenAIServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake_server.behaviour.ttft_s, fake_server.behaviour.itl_s = 0.01, 0.005
+    fake_server.behaviour.api_key = "k"  # the key comes from a file, not the command line
+    (tmp_path / "key").write_text("# bench key\nk\n")
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     rc = main(
         [
@@ -52,7 +54,7 @@ def test_cli_sweep_writes_table_json_png(
             "--input-len", "8",
             "--output-len", "4",
             "--slo", "ttft=1,tpot=1",
-            "--api-key", "k",
+            "--api-key-file", str(tmp_path / "key"),
             "--output-json", str(out_json),
             "--output-png", str(out_png),
         ]

@@ -1,6 +1,7 @@
 """`pdserve gateway` flags: API keys from a file (and the environment), protected
-/metrics, admission and size limits mapped onto `GatewayConfig`, `pdserve up`
-forwarding the key flags, and unknown options rejected."""
+/metrics, a warning when serving off loopback without a key, admission, connection and
+size limits mapped onto `GatewayConfig`, `pdserve up` forwarding the key, admission and
+timeout flags, and unknown options rejected."""
 
 from __future__ import annotations
 
@@ -183,3 +184,52 @@ def test_bad_stall_timeout_and_seed_key_stop_the_gateway(
     finally:
         proc.stop()
     assert message in proc.log()
+
+
+def test_connection_and_prompt_flags_map_to_the_config() -> None:
+    from gateway.config import ConnectionLimits, GatewayConfig
+
+    s = _settings()
+    assert s["connections"] == ConnectionLimits() and s["special_tokens_in_content"] is False
+    s = _settings("--max-connections", "9", "--header-timeout", "2", "--body-timeout", "3",
+                  "--idle-write-timeout", "4", "--tokenizer-threads", "3", "--allow-special-tokens-in-content",
+                  "--max-stop-token-ids", "5", "--max-user-len", "7", "--max-prompt-chars", "1000")
+    assert s["connections"] == ConnectionLimits(max_connections=9, header_timeout_s=2.0, body_timeout_s=3.0,
+                                                idle_write_timeout_s=4.0)
+    config = GatewayConfig(**s)
+    assert config.tokenizer_threads == 3 and config.special_tokens_in_content is True
+    lim = config.limits
+    assert (lim.max_stop_token_ids, lim.max_user_len, lim.max_prompt_chars) == (5, 7, 1000)
+
+
+def test_up_forwards_admission_and_timeout_flags() -> None:
+    flags = ["--max-in-flight", "3", "--request-timeout", "20.0", "--max-queue-depth", "4",
+             "--max-queue-wait", "1.5", "--max-connections", "100", "--header-timeout", "2.0",
+             "--body-timeout", "3.0", "--idle-write-timeout", "4.0"]
+    cmd = _gateway_cmd(build_parser().parse_args(["up", *flags]), 5555)
+    gw = cmd[cmd.index("gateway"):]
+    for flag, value in zip(flags[::2], flags[1::2], strict=True):
+        assert gw[gw.index(flag) + 1] == value, flag
+    assert "--max-connections" not in _gateway_cmd(build_parser().parse_args(["up"]), 5555)
+    # what up forwards, the gateway accepts
+    s = _settings(*flags[:2], *flags[4:])
+    assert s["admission"].max_in_flight == 3 and s["connections"].idle_write_timeout_s == 4.0
+
+
+def test_off_loopback_without_an_api_key_warns(tmp_path: Path) -> None:
+    """A gateway listening beyond loopback with no API key logs a warning; with a key
+    (from the environment, not the command line) it does not."""
+    for env, warned in (({}, True), ({"PDSERVE_API_KEYS": KEY}, False)):
+        c = Cluster(tmp_path / ("open" if warned else "keyed"))
+        c.log_dir.mkdir()
+        try:
+            c.gateway = start("gateway", ["gateway", "--host", "0.0.0.0", "--port", str(c.port),
+                                          "--control-port", str(c.control_port)], c.log_dir, env)
+            c.wait_gateway()
+            log = c.gateway.log()
+            assert ('"no_api_key"' in log) is warned, log
+            assert '"api_key_on_command_line"' not in log
+            status = _call("GET", c.url + "/v1/models", None)[0]
+            assert status == (200 if warned else 401)
+        finally:
+            c.stop()

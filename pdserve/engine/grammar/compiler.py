@@ -7,6 +7,14 @@ that takes longer is refused with `GrammarCompileError` (the request gets a 400 
 its parameter) and the loop goes on, so one pathological schema costs the worker at most
 that long, once. A compile that outlives its wait keeps running in the pool and is
 cached when it lands, so a retry can hit; a cache hit costs nothing.
+
+"Compiled" includes the grammar's first mask: llguidance builds its lexer lazily, so a
+pathological pattern (`(a{200}){1000}`: fifteen bytes) costs its time on the first mask,
+which would otherwise fall inside an engine step. The first mask is computed in the pool,
+under the same timeout, and every sequence's matcher starts from it. `PARSER_LIMITS`
+bounds what llguidance may spend building regexes and per step; a grammar that exceeds
+them at run time puts its matcher in the error state, which allows only EOS, and the
+sequence ends.
 """
 
 from __future__ import annotations
@@ -21,6 +29,12 @@ from pdserve.common.structured import StructuredOutput, StructuredOutputError, c
 
 CACHE_SIZE = 256
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+# llguidance's parser limits (its defaults in comments): regex construction fuel (1M,
+# ~50k/ms: the knob that stops `(a{N}){1000}`), lexer fuel per mask (200k, ~14k/ms),
+# Earley items per mask (50k), lexer states (250k, 1-2 kB each), and no schema text in
+# error messages (they reach logs).
+PARSER_LIMITS: dict[str, Any] = {"initial_lexer_fuel": 200_000, "step_lexer_fuel": 100_000, "step_max_items": 20_000,
+                 "max_lexer_states": 50_000, "verbose_errors": False}
 
 
 class GrammarCompileError(StructuredOutputError):
@@ -28,12 +42,15 @@ class GrammarCompileError(StructuredOutputError):
 
 
 class CompiledGrammar:
-    """A compiled constraint; `new_matcher()` gives a fresh llguidance matcher at the start of output."""
+    """A compiled constraint; `new_matcher()` gives a fresh llguidance matcher at the start of
+    output, whose first mask is `first_mask` (computed once, at compile time)."""
 
     def __init__(self, key: str, template: Any, eos_token_ids: Sequence[int]) -> None:
         self.key = key
         self._template = template
         self.eos_token_ids = tuple(eos_token_ids)
+        # None (a template built without one): each matcher computes its own.
+        self.first_mask: bytes | None = getattr(template, "first_mask", None)
 
     def new_matcher(self) -> Any:
         return self._template.deep_copy()
@@ -110,7 +127,27 @@ class GrammarCompiler:
         return self._tokenizer
 
 
-def _build_matcher(tokenizer: Any, grammar: str) -> Any:
-    from llguidance import LLMatcher
+class _Template:
+    """An llguidance matcher at the start of output, with its first mask already computed."""
 
-    return LLMatcher(tokenizer, grammar, log_level=0)
+    def __init__(self, matcher: Any, first_mask: bytes) -> None:
+        self.matcher = matcher
+        self.first_mask = first_mask
+
+    def is_error(self) -> bool:
+        return bool(self.matcher.is_error())
+
+    def get_error(self) -> str:
+        return str(self.matcher.get_error())
+
+    def deep_copy(self) -> Any:
+        return self.matcher.deep_copy()
+
+
+def _build_matcher(tokenizer: Any, grammar: str) -> Any:
+    """Runs in the compile pool: the matcher and its first mask (llguidance drops the GIL)."""
+    from llguidance import LLMatcher, LLParserLimits
+
+    matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=LLParserLimits(**PARSER_LIMITS))
+    first = matcher.compute_bitmask() if not matcher.is_error() else b""
+    return _Template(matcher, first)

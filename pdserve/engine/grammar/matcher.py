@@ -25,13 +25,16 @@ class GrammarMatcher:
     def __init__(self, compiled: CompiledGrammar) -> None:
         self._m = compiled.new_matcher()
         self._eos = compiled.eos_token_ids
+        self._first_mask = compiled.first_mask  # the mask before any token, from compile time
         self.num_consumed = 0
+        self._in_matcher = 0  # tokens the llguidance matcher holds (synced + a draft's, for now)
 
     def sync(self, output_token_ids: Sequence[int]) -> bool:
         """Consume the output tokens not consumed yet; False if the grammar rejected one
         (the matcher then stays in its error state)."""
         new = output_token_ids[self.num_consumed:]
         self.num_consumed = len(output_token_ids)
+        self._in_matcher += len(new)
         if new and not self._m.is_error() and not self._m.consume_tokens([int(t) for t in new]):
             log.warning("grammar rejected an output token: %s", self._m.get_error()[:200])
         return not self._m.is_error()
@@ -52,9 +55,11 @@ class GrammarMatcher:
         masks = [self.allowed(vocab_size)]
         for t in tokens[:take]:
             self._m.consume_token(int(t))
+            self._in_matcher += 1
             masks.append(self.allowed(vocab_size))
         if take:
             self._m.rollback(take)
+            self._in_matcher -= take
         return masks
 
     def allowed(self, vocab_size: int) -> np.ndarray:
@@ -64,7 +69,10 @@ class GrammarMatcher:
             mask = np.zeros(vocab_size, dtype=bool)
             mask[[t for t in self._eos if t < vocab_size]] = True
             return mask
-        bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+        raw = self._first_mask if self._in_matcher == 0 else None
+        if raw is None:
+            raw = bytes(self._m.compute_bitmask())
+        bits = np.frombuffer(raw, dtype=np.uint8)
         mask = np.unpackbits(bits, bitorder="little").astype(bool)
         if mask.size < vocab_size:
             mask = np.concatenate([mask, np.zeros(vocab_size - mask.size, dtype=bool)])

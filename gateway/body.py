@@ -1,0 +1,36 @@
+"""Reading a request body: bounded in size and in time."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from gateway.errors import APIError
+from gateway.validation import too_large
+
+
+async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    """The request body, refused with a 413 as soon as it passes `limit` bytes, and with a
+    408 (the connection closed) unless all of it arrives within `timeout_s`."""
+    length = request.content_length
+    if length is not None and length > limit:
+        raise too_large(limit)
+    try:
+        return await asyncio.wait_for(_read(request, limit), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g}s", code="body_timeout",
+                       reason="body_timeout", close=True) from None
+
+
+async def _read(request: web.Request, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await request.content.readany()
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
