@@ -53,7 +53,7 @@ class CacheSnapshot:
     loaded_blocks: int
     load_seconds: float  # total time those loads took
     dropped_writes: int  # blocks not written down because the queue was full
-    queued_writes: int
+    queued_writes: int  # blocks queued or being written
 
 
 class _Write:
@@ -178,4 +178,4 @@ class TieredKVCache:
             loads, blocks, secs, dropped = (self._loads, self._loaded_blocks, self._load_seconds,
                                             self._dropped)
         return CacheSnapshot(tuple(t.stats.snapshot() for t in self.tiers), loads, blocks, secs,
-                             dropped, self._queue.qsize())
+                             dropped, self._queue.unfinished_tasks)

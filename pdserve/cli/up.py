@@ -46,6 +46,7 @@ from pdserve.cli.gateway_options import (
     check_tool_flags,
     sampling_defaults,
 )
+from pdserve.cli.kv_tier_args import add_tier_args, tier_flags
 from pdserve.worker.cpu_cores import format_cpu_list, plan_cores
 
 
@@ -101,6 +102,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     help="longest prompt + output, for the gateway and every worker (default: the model's)")
     ap.add_argument("--block-size", type=positive_int, default=None, help="per-worker KV block size in tokens")
     ap.add_argument("--no-prefix-caching", action="store_true", help="disable the workers' prefix cache")
+    add_tier_args(ap, keep_text=True)  # prefill and colocated workers
     add_speculative_arg(ap)  # decode and colocated workers
     ap.add_argument("--max-recoveries", type=non_negative_int, default=3)
     ap.add_argument("--stall-timeout", type=non_negative_float, default=30.0,
@@ -180,6 +182,7 @@ def _worker_cmds(args: argparse.Namespace, control: str,
             cmd += ["--block-size", str(args.block_size)]
         if args.no_prefix_caching:
             cmd += ["--no-prefix-caching"]
+        cmd += tier_flags(args) if role != "decode" else []
         if args.grammar_compile_timeout:
             cmd += ["--grammar-compile-timeout", str(args.grammar_compile_timeout)]
         spec = args.speculative_config

@@ -37,6 +37,7 @@ from pdserve.cli.args import (
     positive_float,
     positive_int,
 )
+from pdserve.cli.kv_tier_args import add_tier_args, tier_config
 from pdserve.worker.cpu_cores import format_cpu_list, parse_cpu_list, pin_process
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-watermark", type=fraction, default=0.01,
                     help="decode admission: fraction of the KV pool also kept free")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    add_tier_args(ap)
     ap.add_argument("--grammar-compile-timeout", type=positive_float, default=10.0, metavar="SECONDS",
                     help="structured outputs: a constraint not compiled in time is refused (400)")
     ap.add_argument("--threads", type=positive_int, default=None,
@@ -233,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cpu_cores:  # before torch starts its threads: they inherit the mask
         pin_process(args.cpu_cores)
     kv_curve = kv_curve_option(args)
+    kv_offload = tier_config(args) if args.role != "decode" else None
     from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine.loading.dtype import model_dtype
     from pdserve.engine.runner.memory_budget import DEFAULT_GPU_MEMORY_UTILIZATION
@@ -297,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
         cpu_cores=tuple(args.cpu_cores or ()),
         borrow_cores=tuple(args.borrow_cores or ()),
         thread_policy=args.thread_policy,
+        kv_offload=kv_offload,
     )
     # Prefill and decode workers can switch between the two live (gateway admin call).
     flips = {r: node_builder(r) for r in ("prefill", "decode")} if args.role != "colocated" else None

@@ -12,6 +12,7 @@ from pdserve.common.transport import CurveClient, new_worker_id
 from pdserve.engine.core.config import EngineConfig
 from kv_transfer.auth import CurveKeys, KVCurve, load_keys
 from kv_transfer.faults import FaultConfig
+from kv_transfer.tiers import KVOffloadConfig
 from pdserve.worker.core_sharing import share_cores
 from pdserve.worker.cpu_cores import apply_grant
 from pdserve.worker.faults import injected_faults
@@ -43,6 +44,7 @@ class WorkerOptions:
     cpu_cores: tuple[int, ...] = ()  # the cores this worker is pinned to
     borrow_cores: tuple[int, ...] = ()  # decode: the prefill worker's cores
     thread_policy: str = "fixed"  # adaptive: the thread governor picks 1 or N threads per step
+    kv_offload: KVOffloadConfig | None = None  # KV tiers below the pool (prefill, colocated)
 
 
 class NodeParts:
@@ -102,9 +104,11 @@ def build_colocated(engine_cfg: EngineConfig, opts: WorkerOptions,
                     parts: NodeParts) -> tuple[Node, list[Callable[[], Any]]]:
     from pdserve.worker.colocated import ColocatedNode
     from pdserve.worker.engine_glue import build_engine
+    from pdserve.worker.kv_tiers import attach_tiers
 
     engine, runner = build_engine(engine_cfg)
-    return ColocatedNode(parts.worker_id, engine, runner, parts.send, parts.metrics), [runner.close]
+    tiers = attach_tiers(opts.kv_offload, engine, parts.metrics)
+    return ColocatedNode(parts.worker_id, engine, runner, parts.send, parts.metrics), [*tiers, runner.close]
 
 
 def kv_keys(opts: WorkerOptions) -> CurveKeys | None:
