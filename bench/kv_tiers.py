@@ -1,0 +1,215 @@
+"""KV tiers: returning-turn TTFT with vs without the host tier; cross-worker and restart.
+
+    .venv/bin/python -m bench.kv_tiers --model shape:125m --runs 3
+
+Three cases, each a ratio measured within one run (median over `--runs`):
+
+- multiturn: `--conversations` conversations of `--turns` turns (each turn sends the
+  whole history, ~`--history-words` words to start, `--turn-words` more per turn)
+  through one colocated `pdserve up` whose pool (`--num-blocks`) holds about a quarter
+  of the working set, once without tiers and once with `--kv-offload-memory`; the
+  turns after the first (all of whose history left the pool) are the returning turns.
+  Ratio: their TTFT p50 without / with the host tier.
+- cross-worker: server A computes a `--prefix-words` prefix; server B, another
+  `pdserve up` on the same host tier that never saw it, serves prefix + a new
+  question. Ratio: B's TTFT on an unseen prefix of the same length / on A's prefix.
+- restart: a server with `--kv-offload-dir` computes a prefix and stops; a new one on
+  the same directory (and an empty host tier) serves it. Ratio: its TTFT cold / warm.
+
+Requests go one at a time (streamed; TTFT = the first content chunk). The answers of
+the tiered and untiered multiturn runs are compared token for token (greedy); the
+script exits 1 when they differ. Keep runs short on a shared machine: the defaults
+take a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bench import harness
+from pdserve.loadgen.launch import pdserve_up
+
+WORDS = ("amber", "basin", "cedar", "delta", "ember", "fjord", "grove", "heron", "inlet", "juniper",
+         "kelp", "lichen", "maple", "nectar", "oasis", "pebble", "quartz", "reef", "sable", "tundra")
+
+
+# The built-in tokenizer's tokens per bench word ("amber12"), rounded up: pools are sized from it.
+TOKENS_PER_WORD = 4
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = harness.parser(__doc__)
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--history-words", type=int, default=250)
+    ap.add_argument("--turn-words", type=int, default=30)
+    ap.add_argument("--prefix-words", type=int, default=600)
+    ap.add_argument("--num-blocks", type=int, default=0, help="pool blocks (0: a quarter of the working set)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--memory", default="2GiB", help="--kv-offload-memory of the tiered servers")
+    return ap.parse_args(argv)
+
+
+def text(seed: int, n: int) -> str:
+    return " ".join(f"{WORDS[(seed * 13 + i * 7) % len(WORDS)]}{seed}" for i in range(n))
+
+
+def first_token_s(base: str, model: str, prompt: str, max_tokens: int) -> tuple[float, str, int]:
+    """(TTFT seconds, the whole answer, prompt tokens) of one streamed greedy completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, out, prompt_tokens = None, [], 0
+    try:
+        resp = urllib.request.urlopen(req, timeout=600)
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{e.code}: {e.read().decode(errors='replace')}") from None
+    with resp as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("choices") and ev["choices"][0].get("text") is not None:
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                out.append(ev["choices"][0]["text"])
+            if ev.get("usage"):
+                prompt_tokens = ev["usage"]["prompt_tokens"]
+    assert ttft is not None, "no token came back"
+    return ttft, "".join(out), prompt_tokens
+
+
+def model_name(base: str) -> str:
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as r:
+        return str(json.load(r)["data"][0]["id"])
+
+
+def written_down(base: str, timeout_s: float = 60.0) -> None:
+    """Until every worker's tier write queue is empty."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{base}/v1/workers", timeout=10) as r:
+            workers = json.load(r)["data"]
+        queued = 0.0
+        for w in workers:
+            with urllib.request.urlopen(f"http://127.0.0.1:{w['metrics_port']}/metrics", timeout=10) as r:
+                for fam in text_string_to_metric_families(r.read().decode()):
+                    queued += sum(s.value for s in fam.samples if s.name == "llm_kv_tier_queued_writes")
+        if queued == 0:
+            return
+        time.sleep(0.05)
+    raise RuntimeError("the tier writer did not drain")
+
+
+def up(args: argparse.Namespace, name: str, *extra: str) -> contextlib.AbstractContextManager[Any]:
+    flags = ["--colocated", "--threads", str(args.threads), "--block-size", str(args.block_size),
+             "--max-model-len", "2048", *extra]
+    return pdserve_up(name, harness.up_args(" ".join(flags), args.model))
+
+
+def multiturn(args: argparse.Namespace, run: int, tiers: tuple[str, ...]) -> tuple[list[float], list[str], int]:
+    """Returning-turn TTFTs, every answer, and the longest prompt (tokens)."""
+    with up(args, "multiturn-tiers" if tiers else "multiturn", "--num-blocks", str(args.num_blocks), *tiers) as s:
+        model = model_name(s.base_url)
+        history = [text(run * 1000 + c, args.history_words) for c in range(args.conversations)]
+        returning, answers, longest = [], [], 0
+        for turn in range(args.turns):
+            for c in range(args.conversations):
+                history[c] += " " + text(run * 1000 + c * 10 + turn + 500, args.turn_words)
+                ttft, answer, n = first_token_s(s.base_url, model, history[c], args.max_tokens)
+                history[c] += answer
+                answers.append(answer)
+                longest = max(longest, n)
+                if turn:
+                    returning.append(ttft)
+        return returning, answers, longest
+
+
+def pair(args: argparse.Namespace, base: str, model: str, warm: str, cold: str) -> tuple[float, float]:
+    """(TTFT of a prompt whose prefix some tier holds, of an unseen one of the same length)."""
+    hit = first_token_s(base, model, warm + " " + text(77, 5), args.max_tokens)[0]
+    miss = first_token_s(base, model, cold + " " + text(78, 5), args.max_tokens)[0]
+    return hit, miss
+
+
+@contextlib.contextmanager
+def tier_dirs() -> Iterator[tuple[Path, Path]]:
+    shm = Path(tempfile.mkdtemp(prefix="pdserve-bench-kv-", dir="/dev/shm"))
+    disk = Path(tempfile.mkdtemp(prefix="pdserve-bench-kv-disk-"))
+    try:
+        yield shm, disk
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+def cross_and_restart(args: argparse.Namespace, run: int) -> tuple[float, float]:
+    """(cross-worker ratio, restart ratio) of one run."""
+    with tier_dirs() as (shm, disk):
+        host = ("--kv-offload-memory", args.memory, "--kv-offload-memory-dir", str(shm))
+        prefix = [text(run * 100 + 90 + i, args.prefix_words) for i in range(4)]
+        with up(args, "worker-a", *host, "--kv-offload-dir", str(disk)) as a, up(args, "worker-b", *host) as b:
+            model = model_name(a.base_url)
+            first_token_s(a.base_url, model, prefix[0], 1)  # A computes it; B never saw it
+            first_token_s(a.base_url, model, prefix[1], 1)
+            written_down(a.base_url)
+            hit, miss = pair(args, b.base_url, model, prefix[0], prefix[2])
+        cross = miss / hit
+        shutil.rmtree(shm)  # the restarted server finds only the disk
+        with up(args, "restarted", *host, "--kv-offload-dir", str(disk)) as r:
+            hit, miss = pair(args, r.base_url, model, prefix[1], prefix[3])
+        return cross, miss / hit
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.num_blocks:  # a quarter of the working set, at least two whole conversations
+        words = args.history_words + args.turns * (args.turn_words + args.max_tokens)
+        longest = -(-words * TOKENS_PER_WORD // args.block_size) + 1
+        args.num_blocks = max(2 * longest, args.conversations * longest // 4)
+    result: dict[str, Any] = {"runs": []}
+    same = True
+    for run in range(args.runs):
+        with tier_dirs() as (shm, _):
+            on = ("--kv-offload-memory", args.memory, "--kv-offload-memory-dir", str(shm))
+            off_ttft, off_answers, longest = multiturn(args, run, ())
+            on_ttft, on_answers, _ = multiturn(args, run, on)
+        same &= off_answers == on_answers
+        cross, restart = cross_and_restart(args, run)
+        row = {"returning_p50_off_ms": 1e3 * statistics.median(off_ttft),
+               "returning_p50_host_ms": 1e3 * statistics.median(on_ttft),
+               "multiturn_ratio": statistics.median(off_ttft) / statistics.median(on_ttft),
+               "cross_worker_ratio": cross, "restart_ratio": restart, "longest_prompt_tokens": longest}
+        result["runs"].append(row)
+        print(f"run {run}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+    for key, target in (("multiturn_ratio", 4.0), ("cross_worker_ratio", 10.0), ("restart_ratio", 10.0)):
+        med = statistics.median(r[key] for r in result["runs"])
+        result[key] = med
+        print(f"VERDICT {key}: {med:.2f}x (target >= {target:g}x) {'PASS' if med >= target else 'FAIL'}")
+    print(f"VERDICT answers identical with and without the host tier: {'PASS' if same else 'FAIL'}")
+    result.update(num_blocks=args.num_blocks, answers_identical=same, args=vars(args))
+    harness.write_json(args.output_json, result)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
