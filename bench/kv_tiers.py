@@ -36,7 +36,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench import harness
 from pdserve.loadgen.launch import pdserve_up
@@ -45,8 +45,8 @@ WORDS = ("amber", "basin", "cedar", "delta", "ember", "fjord", "grove", "heron",
          "kelp", "lichen", "maple", "nectar", "oasis", "pebble", "quartz", "reef", "sable", "tundra")
 
 
-# The built-in tokenizer's tokens per bench word ("amber12"), rounded up: pools are sized from it.
-TOKENS_PER_WORD = 4
+# Tokens per bench word ("amber12") of the built-in tokenizer, rounded up: pools are sized from it.
+TOKENS_PER_WORD = 5
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,7 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="prefixes per cross-worker and restart case")
     ap.add_argument("--memory", default="2GiB", help="--kv-offload-memory of the tiered servers")
+    ap.add_argument("--dtype", default="float32", help="the servers' --dtype (float32: where hit == miss is exact)")
+    ap.add_argument("--verbose", action="store_true", help="print every request")
     return ap.parse_args(argv)
 
 
@@ -69,14 +72,21 @@ def text(seed: int, n: int) -> str:
     return " ".join(f"{WORDS[(seed * 13 + i * 7) % len(WORDS)]}{seed}" for i in range(n))
 
 
-def first_token_s(base: str, model: str, prompt: str, max_tokens: int) -> tuple[float, str, int]:
-    """(TTFT seconds, the whole answer, prompt tokens) of one streamed greedy completion."""
+class Reply(NamedTuple):
+    ttft_s: float
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def first_token_s(base: str, model: str, prompt: str, max_tokens: int) -> Reply:
+    """TTFT, the whole answer and the usage of one streamed greedy completion."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    ttft, out, prompt_tokens = None, [], 0
+    ttft, out, prompt_tokens, cached = None, [], 0, 0
     try:
         resp = urllib.request.urlopen(req, timeout=600)
     except urllib.error.HTTPError as e:
@@ -92,8 +102,9 @@ def first_token_s(base: str, model: str, prompt: str, max_tokens: int) -> tuple[
                 out.append(ev["choices"][0]["text"])
             if ev.get("usage"):
                 prompt_tokens = ev["usage"]["prompt_tokens"]
+                cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     assert ttft is not None, "no token came back"
-    return ttft, "".join(out), prompt_tokens
+    return Reply(ttft, "".join(out), prompt_tokens, cached)
 
 
 def model_name(base: str) -> str:
@@ -122,7 +133,7 @@ def written_down(base: str, timeout_s: float = 60.0) -> None:
 
 def up(args: argparse.Namespace, name: str, *extra: str) -> contextlib.AbstractContextManager[Any]:
     flags = ["--colocated", "--threads", str(args.threads), "--block-size", str(args.block_size),
-             "--max-model-len", "2048", *extra]
+             "--max-model-len", "2048", "--dtype", args.dtype, *extra]
     return pdserve_up(name, harness.up_args(" ".join(flags), args.model))
 
 
@@ -135,20 +146,34 @@ def multiturn(args: argparse.Namespace, run: int, tiers: tuple[str, ...]) -> tup
         for turn in range(args.turns):
             for c in range(args.conversations):
                 history[c] += " " + text(run * 1000 + c * 10 + turn + 500, args.turn_words)
-                ttft, answer, n = first_token_s(s.base_url, model, history[c], args.max_tokens)
-                history[c] += answer
-                answers.append(answer)
-                longest = max(longest, n)
+                reply = first_token_s(s.base_url, model, history[c], args.max_tokens)
+                history[c] += reply.text
+                answers.append(reply.text)
+                longest = max(longest, reply.prompt_tokens)
+                if args.verbose:
+                    print(f"  turn {turn} conv {c}: {reply.prompt_tokens} tokens, {reply.cached_tokens} cached, "
+                          f"TTFT {1e3 * reply.ttft_s:.0f} ms, {reply.text!r}", file=sys.stderr)
                 if turn:
-                    returning.append(ttft)
+                    returning.append(reply.ttft_s)
         return returning, answers, longest
 
 
-def pair(args: argparse.Namespace, base: str, model: str, warm: str, cold: str) -> tuple[float, float]:
-    """(TTFT of a prompt whose prefix some tier holds, of an unseen one of the same length)."""
-    hit = first_token_s(base, model, warm + " " + text(77, 5), args.max_tokens)[0]
-    miss = first_token_s(base, model, cold + " " + text(78, 5), args.max_tokens)[0]
-    return hit, miss
+def pairs(args: argparse.Namespace, base: str, model: str, warm: list[str],
+          cold: list[str]) -> tuple[float, float]:
+    """Median TTFT of prompts whose prefixes some tier holds (`warm`) and of unseen ones of
+    the same length (`cold`), after a short unrelated request (a fresh server's first
+    step pays its warm-up)."""
+    first_token_s(base, model, text(99, 20), 1)
+    hits, misses = [], []
+    for i, (w, c) in enumerate(zip(warm, cold, strict=True)):
+        hit = first_token_s(base, model, w + " " + text(77 + i, 5), args.max_tokens)
+        miss = first_token_s(base, model, c + " " + text(78 + i, 5), args.max_tokens)
+        if args.verbose:
+            print(f"  hit: {hit.cached_tokens}/{hit.prompt_tokens} cached, TTFT {1e3 * hit.ttft_s:.0f} ms; "
+                  f"miss: {miss.cached_tokens}/{miss.prompt_tokens}, {1e3 * miss.ttft_s:.0f} ms", file=sys.stderr)
+        hits.append(hit.ttft_s)
+        misses.append(miss.ttft_s)
+    return statistics.median(hits), statistics.median(misses)
 
 
 @contextlib.contextmanager
@@ -163,20 +188,22 @@ def tier_dirs() -> Iterator[tuple[Path, Path]]:
 
 
 def cross_and_restart(args: argparse.Namespace, run: int) -> tuple[float, float]:
-    """(cross-worker ratio, restart ratio) of one run."""
+    """(cross-worker ratio, restart ratio) of one run, each over `--repeats` prefixes."""
+    n = args.repeats
     with tier_dirs() as (shm, disk):
         host = ("--kv-offload-memory", args.memory, "--kv-offload-memory-dir", str(shm))
-        prefix = [text(run * 100 + 90 + i, args.prefix_words) for i in range(4)]
+        prefix = [text(run * 100 + 90 + i, args.prefix_words) for i in range(4 * n)]
+        cross_warm, restart_warm = prefix[:n], prefix[n:2 * n]
         with up(args, "worker-a", *host, "--kv-offload-dir", str(disk)) as a, up(args, "worker-b", *host) as b:
             model = model_name(a.base_url)
-            first_token_s(a.base_url, model, prefix[0], 1)  # A computes it; B never saw it
-            first_token_s(a.base_url, model, prefix[1], 1)
+            for p in cross_warm + restart_warm:  # A computes them; B never sees them
+                first_token_s(a.base_url, model, p, 1)
             written_down(a.base_url)
-            hit, miss = pair(args, b.base_url, model, prefix[0], prefix[2])
+            hit, miss = pairs(args, b.base_url, model, cross_warm, prefix[2 * n:3 * n])
         cross = miss / hit
         shutil.rmtree(shm)  # the restarted server finds only the disk
         with up(args, "restarted", *host, "--kv-offload-dir", str(disk)) as r:
-            hit, miss = pair(args, r.base_url, model, prefix[1], prefix[3])
+            hit, miss = pairs(args, r.base_url, model, restart_warm, prefix[3 * n:])
         return cross, miss / hit
 
 
