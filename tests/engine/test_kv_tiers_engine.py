@@ -205,3 +205,39 @@ def test_an_unwritable_directory_misses_and_counts_failed_writes(
     snap = cache.snapshot().tiers[0]
     assert snap.write_failures >= 6 and snap.writes == 0 and snap.hits == 0
     assert_idle(engine)
+
+
+def test_a_full_file_system_is_a_counted_write_failure_and_the_text_stays_exact(
+        model_dir: Path, tmp_path: Path, reference: Callable[[list[list[int]]], list[tuple[int, ...]]]) -> None:
+    """In a process whose files may not grow past 4 KiB (RLIMIT_FSIZE: the kernel refuses
+    the write, EFBIG, as a full disk refuses it with ENOSPC), smaller than one block."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    ps = prompts(2, 3 * BS + 1, seed=7)
+    code = textwrap.dedent(f"""
+        import json, resource, signal, torch
+        torch.set_num_threads(1)
+        from tests.engine.test_kv_tiers_engine import make_engine, run, with_tiers
+        from kv_transfer.tiers.files import FileTier
+        from pathlib import Path
+        engine = make_engine(Path({str(model_dir)!r}), num_blocks=8)
+        cache = with_tiers(engine, FileTier("disk", {str(tmp_path / "kv")!r}, 1 << 26))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        got = run(engine, {ps!r} * 2)
+        cache.flush()
+        s = cache.snapshot().tiers[0]
+        print(json.dumps({{"tokens": [list(t) for t, _ in got], "cached": [c for _, c in got],
+                          "failures": s.write_failures, "writes": s.writes, "hits": s.hits}}))
+    """)
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [tuple(t) for t in out["tokens"]] == reference(ps * 2)
+    assert out["failures"] >= 6 and out["writes"] == 0 and out["hits"] == 0
+    assert not list((tmp_path / "kv").rglob("*.tmp"))
