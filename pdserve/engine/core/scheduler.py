@@ -72,6 +72,16 @@ class SchedulerOutput(NamedTuple):
         return sum(c.num_tokens for c in self.chunks)
 
 
+class TierHit(NamedTuple):
+    """Blocks of a prompt found in the KV tiers, after its pool hit: digests and bytes."""
+
+    digests: tuple[bytes, ...]
+    payloads: tuple[np.ndarray, ...]
+
+
+NO_TIER_HIT = TierHit((), ())
+
+
 class ReserveCheck(NamedTuple):
     """Decode admission of one reservation, in blocks (`Scheduler.check_reserve`).
 
@@ -309,9 +319,8 @@ class Scheduler:
                 break
             first_admission = seq.num_computed_tokens == 0 and not bm.has_owner(seq.seq_id)
             prefix = bm.match_prefix(seq.token_ids) if first_admission else NO_HIT
-            tiered: tuple[list[bytes], list[np.ndarray]] = (
-                self._tier_blocks(seq, prefix) if first_admission else ([], []))
-            hit_tokens = prefix.num_tokens + len(tiered[0]) * bm.block_size
+            tiered = self._tier_blocks(seq, prefix) if first_admission else NO_TIER_HIT
+            hit_tokens = prefix.num_tokens + len(tiered.digests) * bm.block_size
             computed = max(seq.num_computed_tokens, hit_tokens)
             num_new = seq.num_tokens - computed
             if num_new > min(budget, self._prefill_cap):
@@ -322,10 +331,10 @@ class Scheduler:
             if alloc is None:
                 break
             copies.extend(alloc.copies)
-            if tiered[0]:
+            if tiered.digests:
                 at = len(prefix.block_ids)
-                ids = tuple(bm.block_table(seq.seq_id)[at:at + len(tiered[0])])
-                loads.append(BlockLoad(ids, tuple(tiered[1]), tuple(tiered[0])))
+                ids = tuple(bm.block_table(seq.seq_id)[at:at + len(tiered.digests)])
+                loads.append(BlockLoad(ids, tiered.payloads, tiered.digests))
                 self.num_tier_tokens_hit += hit_tokens - prefix.num_tokens
             if hit_tokens:
                 self.num_cached_tokens_hit += hit_tokens
@@ -339,21 +348,21 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
-    def _tier_blocks(self, seq: Sequence, prefix: PrefixHit) -> tuple[list[bytes], list[np.ndarray]]:
-        """(digests, payloads) of the blocks after the pool hit that the tiers hold, as
-        far as a hit may reach (never the last token)."""
+    def _tier_blocks(self, seq: Sequence, prefix: PrefixHit) -> TierHit:
+        """The blocks after the pool hit that the tiers hold, as far as a hit may reach
+        (never the last token)."""
         bs = self.block_manager.block_size
         limit = cacheable_blocks(seq.num_tokens, bs) if self.block_manager.enable_prefix_caching else 0
         start = len(prefix.block_ids)
         if self.tiers is None or start >= limit:
-            return [], []
+            return NO_TIER_HIT
         digests: list[bytes] = []
         parent = prefix.block_hashes[-1] if prefix.block_hashes else ROOT_DIGEST
         for i in range(start, limit):
             parent = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
             digests.append(parent)
         payloads = self.tiers.load(digests)
-        return digests[:len(payloads)], list(payloads)
+        return TierHit(tuple(digests[:len(payloads)]), tuple(payloads))
 
     @staticmethod
     def _fit_drafts(seq: Sequence, num_new: int) -> int:
