@@ -166,7 +166,7 @@ def pairs(args: argparse.Namespace, base: str, model: str, warm: list[str],
     """Median TTFT of prompts whose prefixes some tier holds (`warm`) and of unseen ones of
     the same length (`cold`), after a short unrelated request (a fresh server's first
     step pays its warm-up)."""
-    first_token_s(base, model, text(99, 20), 1)
+    first_token_s(base, model, text(999_999, 20), 1)
     hits, misses = [], []
     for i, (w, c) in enumerate(zip(warm, cold, strict=True)):
         hit = first_token_s(base, model, w + " " + text(77 + i, 5), args.max_tokens)
