@@ -17,6 +17,8 @@ Three cases, each a ratio measured within one run (median over `--runs`):
   the same directory (and an empty host tier) serves it. Ratio: its TTFT cold / warm.
 - cross-host: two servers sharing only a Redis (`--kv-remote-url`; Debian's
   redis-server, started here; skipped without it), as the cross-worker case.
+- overhead (`--cases overhead`): prompts that never repeat, tiers (host + disk) on vs
+  off: TTFT and ITL p50 on / off (target <= 1.03).
 
 Requests go one at a time (streamed; TTFT = the first content chunk). The answers of
 the tiered and untiered multiturn runs are compared token for token (greedy); the
@@ -68,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--memory", default="2GiB", help="--kv-offload-memory of the tiered servers")
     ap.add_argument("--dtype", default="float32", help="the servers' --dtype (float32: where hit == miss is exact)")
     ap.add_argument("--verbose", action="store_true", help="print every request")
+    ap.add_argument("--cases", type=lambda t: tuple(t.split(",")), default=("multiturn", "cross", "remote"),
+                    help=f"comma list of {', '.join(CASES)} (default all but overhead)")
     return ap.parse_args(argv)
 
 
@@ -80,6 +84,7 @@ class Reply(NamedTuple):
     text: str
     prompt_tokens: int
     cached_tokens: int
+    itl_s: float  # median gap between content chunks (0 with one chunk)
 
 
 def first_token_s(base: str, model: str, prompt: str, max_tokens: int) -> Reply:
@@ -89,7 +94,7 @@ def first_token_s(base: str, model: str, prompt: str, max_tokens: int) -> Reply:
     req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    ttft, out, prompt_tokens, cached = None, [], 0, 0
+    ttft, out, prompt_tokens, cached, stamps = None, [], 0, 0, []
     try:
         resp = urllib.request.urlopen(req, timeout=600)
     except urllib.error.HTTPError as e:
@@ -102,12 +107,14 @@ def first_token_s(base: str, model: str, prompt: str, max_tokens: int) -> Reply:
             ev = json.loads(line[6:])
             if ev.get("choices") and ev["choices"][0].get("text") is not None:
                 ttft = ttft if ttft is not None else time.perf_counter() - t0
+                stamps.append(time.perf_counter())
                 out.append(ev["choices"][0]["text"])
             if ev.get("usage"):
                 prompt_tokens = ev["usage"]["prompt_tokens"]
                 cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     assert ttft is not None, "no token came back"
-    return Reply(ttft, "".join(out), prompt_tokens, cached)
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return Reply(ttft, "".join(out), prompt_tokens, cached, statistics.median(gaps) if gaps else 0.0)
 
 
 def model_name(base: str) -> str:
@@ -255,6 +262,54 @@ def cross_host(args: argparse.Namespace, run: int) -> float:
     return miss / hit
 
 
+def overhead(args: argparse.Namespace, run: int) -> dict[str, float]:
+    """No reuse at all (every prompt new): TTFT and ITL p50 with the tiers on / off."""
+    n = 2 * args.repeats
+    prompts = [text(run * 100 + 30 + i, args.prefix_words) for i in range(n)]
+    medians: dict[str, tuple[float, float]] = {}
+    with tier_dirs() as (shm, disk):
+        tiers = ("--kv-offload-memory", args.memory, "--kv-offload-memory-dir", str(shm), "--kv-offload-dir",
+                 str(disk))
+        for name, extra in (("off", ()), ("on", tiers)):
+            with up(args, f"overhead-{name}", *extra) as s:
+                model = model_name(s.base_url)
+                first_token_s(s.base_url, model, text(999_999, 20), 1)
+                replies = [first_token_s(s.base_url, model, p, args.max_tokens) for p in prompts]
+            medians[name] = (statistics.median(r.ttft_s for r in replies),
+                             statistics.median(r.itl_s for r in replies))
+    return {"overhead_ttft_on_over_off": medians["on"][0] / medians["off"][0],
+            "overhead_itl_on_over_off": medians["on"][1] / medians["off"][1]}
+
+
+CASES = ("multiturn", "cross", "remote", "overhead")
+TARGETS = {"multiturn_ratio": (4.0, True), "cross_worker_ratio": (10.0, True), "restart_ratio": (10.0, True),
+           "cross_host_redis_ratio": (5.0, True), "overhead_ttft_on_over_off": (1.03, False),
+           "overhead_itl_on_over_off": (1.03, False)}
+
+
+def one_run(args: argparse.Namespace, run: int) -> tuple[dict[str, float], bool]:
+    """One run's figures, and whether the multiturn answers matched (True if not run)."""
+    row: dict[str, float] = {}
+    same = True
+    if "multiturn" in args.cases:
+        with tier_dirs() as (shm, _):
+            on = ("--kv-offload-memory", args.memory, "--kv-offload-memory-dir", str(shm))
+            off_ttft, off_answers, longest = multiturn(args, run, ())
+            on_ttft, on_answers, _ = multiturn(args, run, on)
+        same = off_answers == on_answers
+        row.update(returning_p50_off_ms=1e3 * statistics.median(off_ttft),
+                   returning_p50_host_ms=1e3 * statistics.median(on_ttft),
+                   multiturn_ratio=statistics.median(off_ttft) / statistics.median(on_ttft),
+                   longest_prompt_tokens=longest)
+    if "cross" in args.cases:
+        row["cross_worker_ratio"], row["restart_ratio"] = cross_and_restart(args, run)
+    if "remote" in args.cases and shutil.which("redis-server"):
+        row["cross_host_redis_ratio"] = cross_host(args, run)
+    if "overhead" in args.cases:
+        row.update(overhead(args, run))
+    return row, same
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.num_blocks:  # a quarter of the working set, at least two whole conversations
@@ -264,25 +319,19 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"runs": []}
     same = True
     for run in range(args.runs):
-        with tier_dirs() as (shm, _):
-            on = ("--kv-offload-memory", args.memory, "--kv-offload-memory-dir", str(shm))
-            off_ttft, off_answers, longest = multiturn(args, run, ())
-            on_ttft, on_answers, _ = multiturn(args, run, on)
-        same &= off_answers == on_answers
-        cross, restart = cross_and_restart(args, run)
-        remote = cross_host(args, run) if shutil.which("redis-server") else float("nan")
-        row = {"returning_p50_off_ms": 1e3 * statistics.median(off_ttft),
-               "returning_p50_host_ms": 1e3 * statistics.median(on_ttft),
-               "multiturn_ratio": statistics.median(off_ttft) / statistics.median(on_ttft),
-               "cross_worker_ratio": cross, "restart_ratio": restart, "cross_host_redis_ratio": remote, "longest_prompt_tokens": longest}
+        row, matched = one_run(args, run)
+        same &= matched
         result["runs"].append(row)
-        print(f"run {run}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
-    for key, target in (("multiturn_ratio", 4.0), ("cross_worker_ratio", 10.0), ("restart_ratio", 10.0),
-                        ("cross_host_redis_ratio", 5.0)):
+        print(f"run {run}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
+    for key, (target, higher) in TARGETS.items():
+        if key not in result["runs"][0]:
+            continue
         med = statistics.median(r[key] for r in result["runs"])
         result[key] = med
-        print(f"VERDICT {key}: {med:.2f}x (target >= {target:g}x) {'PASS' if med >= target else 'FAIL'}")
-    print(f"VERDICT answers identical with and without the host tier: {'PASS' if same else 'FAIL'}")
+        ok = med >= target if higher else med <= target
+        print(f"VERDICT {key}: {med:.3f} (target {'>=' if higher else '<='} {target:g}) {'PASS' if ok else 'FAIL'}")
+    if "multiturn" in args.cases:
+        print(f"VERDICT answers identical with and without the host tier: {'PASS' if same else 'FAIL'}")
     result.update(num_blocks=args.num_blocks, answers_identical=same, args=vars(args))
     harness.write_json(args.output_json, result)
     return 0 if same else 1
