@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -42,6 +43,8 @@ from kv_transfer.tiers.record import (
 )
 
 log = logging.getLogger(__name__)
+
+WRITER_NICE = 19  # the writer thread's nice value (lowest priority)
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,10 @@ class TieredKVCache:
 
     # -------------------------------------------------------------------- writer
     def _write_loop(self) -> None:
+        # The writer yields the CPU to the step loop's threads: on a host whose cores the
+        # torch threads fill, a write-down must not slow the steps (Linux: per thread).
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         while True:
             item = self._queue.get()
             try:

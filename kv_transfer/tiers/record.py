@@ -73,7 +73,7 @@ def encode_record(key: bytes, payload: np.ndarray, num_rows: int) -> bytes:
         raise ValueError(f"a tier key is {KEY_BYTES} bytes, got {len(key)}")
     raw = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
     header = _HEADER.pack(MAGIC, key, num_rows, raw.nbytes, frame_checksum(raw, num_rows))
-    return header + raw.tobytes()
+    return b"".join((header, raw.data))  # one copy of the payload
 
 
 def decode_record(data: bytes | memoryview, key: bytes, payload_bytes: int,

@@ -64,3 +64,17 @@ def test_load_stops_at_the_first_missing_block_and_falls_through_bad_records(tmp
     assert cache.flush()
     assert host.get(cache.key(digests[1])) is not None  # ... and was promoted back up
     cache.close()
+
+
+def test_the_writer_thread_runs_at_the_lowest_priority(tmp_path: Path) -> None:
+    import os
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    cache = TieredKVCache(LAYOUT, [FileTier("host", tmp_path, 1 << 30)])
+    assert cache.offer(bytes(32), payload(1)) and cache.flush()  # the writer has started
+    tid = cache._writer.native_id
+    stat = Path(f"/proc/{os.getpid()}/task/{tid}/stat").read_text()
+    nice = int(stat.rsplit(")", 1)[1].split()[16])  # field 19 of proc(5)
+    assert nice == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # only the writer
+    cache.close()
