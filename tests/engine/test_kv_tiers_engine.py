@@ -245,3 +245,28 @@ def test_a_full_file_system_is_a_counted_write_failure_and_the_text_stays_exact(
     assert [tuple(t) for t in out["tokens"]] == reference(ps * 2)
     assert out["failures"] >= 6 and out["writes"] == 0 and out["hits"] == 0
     assert not list((tmp_path / "kv").rglob("*.tmp"))
+
+
+def test_a_tier_hit_followed_by_a_chunked_prefill_and_a_batch_stays_exact(
+        model_dir: Path, tmp_path: Path, reference: Callable[[list[list[int]]], list[tuple[int, ...]]]) -> None:
+    """Blocks from the tier, then the rest of the prompt in 24-token chunks, beside other
+    prompts in the same steps (some hit, some not)."""
+    shared = prompts(1, 3 * BS, seed=8)[0]
+    tails = prompts(4, 3 * BS + 5, seed=9)
+    ps = [shared + t for t in tails]
+    writer = make_engine(model_dir)
+    c1 = with_tiers(writer, FileTier("host", tmp_path / "host", 1 << 26))
+    run(writer, [shared + [1]])
+    c1.close()
+    cfg = EngineConfig(model_dir=str(model_dir), dtype="float32", cache=CacheConfig(block_size=BS, num_blocks=64),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=24))
+    engine = LLMEngine(cfg)
+    c2 = with_tiers(engine, FileTier("host", tmp_path / "host", 1 << 26))
+    results = engine.generate(ps + [tails[0]], GREEDY)  # all admitted together, chunked
+    assert [r.choices[0].token_ids for r in results] == reference(ps + [tails[0]])
+    # The first prompt admitted loads the shared blocks from the tier; the others, admitted
+    # once those are registered, or in the same step, hit the pool or the tier.
+    assert all(r.num_cached_tokens == 3 * BS for r in results[:4]) and results[4].num_cached_tokens == 0
+    assert c2.snapshot().tiers[0].hits >= 3
+    assert_idle(engine)
+    c2.close()
