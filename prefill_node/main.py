@@ -29,13 +29,15 @@ def build_prefill(engine_cfg: EngineConfig, opts: WorkerOptions,
     from pdserve.common.parallel_layout import ParallelLayout
     from pdserve.worker.draft_kv import build_shipper
     from pdserve.worker.engine_glue import build_engine
+    from pdserve.worker.kv_tiers import attach_tiers
     from prefill_node.node import PrefillNode
 
     engine, runner = build_engine(prefill_engine_config(engine_cfg))
+    tiers = attach_tiers(opts.kv_offload, engine, parts.metrics)
     sender = make_sender(runner.layout, pool_array(runner), faults=parts.kv_faults,
                          curve=kv_keys(opts), parallel=ParallelLayout.of(
                              engine_cfg.tensor_parallel_size, engine_cfg.pipeline_parallel_size, runner.layout))
     drafts = build_shipper(engine, parts.metrics, parts.kv_faults, kv_keys(opts))
     node = PrefillNode(parts.worker_id, engine, runner, sender, parts.send, parts.metrics,
                        direct=opts.kv_transport != "tcp", drafts=drafts)
-    return node, [runner.close]
+    return node, [*tiers, runner.close]

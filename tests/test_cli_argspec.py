@@ -63,9 +63,10 @@ def test_every_flag_up_offers_reaches_each_worker_and_round_trips() -> None:
     assert [c[3] for c in cmds] == ["prefill", "decode"]
     prefill, decode = map(_parse_child, cmds)
     for f in offered:
-        assert getattr(decode, f.name) == want[f.name], f.name
+        roles = f.metadata["flag"].roles  # a role-scoped flag reaches only its roles
+        assert getattr(decode, f.name) == (want[f.name] if roles is None or "decode" in roles else f.default), f.name
         expected = {"num_blocks": 5, "speculative_config": None}.get(f.name, want[f.name])  # prefill's own
-        assert getattr(prefill, f.name) == expected, f.name
+        assert getattr(prefill, f.name) == (expected if roles is None or "prefill" in roles else f.default), f.name
     assert decode.gateway == prefill.gateway == (GW,)
     # What the child parsed reproduces the child's command line exactly.
     assert [*cmds[1][:4], *decode.to_argv("decode")] == cmds[1]
@@ -75,11 +76,17 @@ def test_a_worker_args_value_round_trips_through_its_command_line() -> None:
     values = {f.name: _other(f)[1] for f in WorkerArgs.flags()}
     full = WorkerArgs(**values)
     assert all(getattr(full, f.name) != f.default for f in fields(WorkerArgs))
-    parsed = _parse_child(["python", "-m", "pdserve", "decode", *full.to_argv("decode")])
-    assert parsed == full
+    def as_seen_by(role: str) -> WorkerArgs:
+        """`full` with the role-scoped flags of other roles at their defaults."""
+        return replace(full, **{f.name: f.default for f in WorkerArgs.flags()
+                                if f.metadata["flag"].roles is not None and role not in f.metadata["flag"].roles})
+
+    decode = _parse_child(["python", "-m", "pdserve", "decode", *full.to_argv("decode")])
+    assert decode == as_seen_by("decode")
     colocated = _parse_child(["python", "-m", "pdserve", "worker", "--colocated", *full.to_argv("colocated")])
-    # role-scoped flags stay off the colocated worker's command line
-    assert colocated == replace(full, kv_transport="auto", core_share=None, borrow_cores=None)
+    # role-scoped flags stay off the other roles' command lines
+    assert colocated == as_seen_by("colocated")
+    assert as_seen_by("colocated").kv_transport == "auto" and as_seen_by("decode").kv_offload_dir is None
 
 
 def test_defaults_are_not_emitted() -> None:

@@ -36,6 +36,7 @@ from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.worker.cpu_cores import format_cpu_list, parse_cpu_list
 
 P_D = (Role.PREFILL, Role.DECODE)
+TIERED = (Role.PREFILL, Role.COLOCATED)  # the roles that read and write the KV tiers
 GPU_MEMORY_HELP = ("CUDA: fraction of the device's total memory a worker may use (weights, activations and KV "
                    "cache); default ")
 ENGINE_FLAGS = ("dtype", "kv_cache_dtype", "quantization", "lm_head_quantization")  # shared with `generate`
@@ -81,6 +82,17 @@ class WorkerArgs(ArgGroup):
         "spinning threads 10x slower; docs/internals.md, Threads and cores); fixed: always --threads. "
         "Default: adaptive on CPU with more than one thread (or borrowed cores), fixed on CUDA and with "
         "tensor or pipeline parallelism", choices=("adaptive", "fixed"), up=False)
+    kv_offload_memory: str | None = flag(
+        None, "host KV tier: blocks evicted from (and written through) the worker's pool are kept in shared "
+        "memory that every worker on this host reads, e.g. 8GiB", type=byte_size_text, metavar="SIZE", roles=TIERED)
+    kv_offload_memory_dir: str | None = flag(None, "the host tier's shared-memory directory (default "
+                                             "/dev/shm/pdserve-kv-USER)", metavar="DIR", roles=TIERED)
+    kv_offload_dir: str | None = flag(None, "disk KV tier: block files in DIR, kept across restarts, shareable "
+                                      "by the servers of one host", metavar="DIR", roles=TIERED)
+    kv_offload_disk: str | None = flag(None, "the disk tier's bound (default 16GiB; needs --kv-offload-dir)",
+                                       type=byte_size_text, metavar="SIZE", roles=TIERED)
+    kv_remote_url: str | None = flag(None, "remote KV tier shared across hosts: a Redis (pip install "
+                                     "'pdserve[redis]')", metavar="redis://HOST:PORT/DB", roles=TIERED)
     kv_cache_memory: str | None = flag(None, "KV pool bytes, e.g. 256MiB", type=byte_size_text,
                                        up_help="per-worker KV pool bytes, e.g. 256MiB")
     gpu_memory_utilization: float | None = flag(None, GPU_MEMORY_HELP + "0.9", type=memory_fraction, metavar="FRACTION",

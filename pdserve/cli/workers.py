@@ -22,6 +22,7 @@ from pdserve.cli.args import (
     model_dir,
 )
 from pdserve.cli.curve_options import add_insecure_arg, check_worker_exposure
+from pdserve.cli.kv_tier_args import tier_config
 from pdserve.cli.worker_args import WorkerArgs, default_threads
 from pdserve.common import envs
 from pdserve.common.logs import configure_logging
@@ -127,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         pin_process(args.cpu_cores)
     kv_curve = kv_curve_option(args)
     w = WorkerArgs.from_namespace(args)
+    kv_offload = tier_config(args) if args.role != Role.DECODE else None
     from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine.loading.dtype import model_dtype
     from pdserve.engine.runner.memory_budget import DEFAULT_GPU_MEMORY_UTILIZATION
@@ -189,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         cpu_cores=w.cpu_cores or (),
         borrow_cores=w.borrow_cores or (),
         thread_policy=str(args.thread_policy),  # resolved by check_args
+        kv_offload=kv_offload,
     )
     # Prefill and decode workers can switch between the two live (gateway admin call).
     flips = {r: node_builder(r) for r in FLIP_ROLES} if args.role in FLIP_ROLES else None

@@ -26,7 +26,7 @@ import torch
 
 from pdserve.common.logprobs import Logprob
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.engine.core.block_manager import NO_HIT, BlockCopy, BlockManager
+from pdserve.engine.core.block_manager import NO_HIT, BlockManager
 from pdserve.engine.core.config import EngineConfig
 from pdserve.engine.core.outputs import (
     EngineStats,
@@ -42,6 +42,7 @@ from pdserve.engine.core.sequence import Request, SequenceStatus, finish_status
 from pdserve.engine.core.sequence import Sequence as Seq
 from pdserve.engine.grammar.compiler import GrammarCompiler, load_tokenizer
 from pdserve.engine.grammar.masking import any_constrained, constrain, cut_drafts
+from pdserve.engine.pool_blocks import PrefixTiers, TierLink, copy_blocks
 from pdserve.engine.prompt_logprobs import collect_prompt_logprobs
 from pdserve.engine.sampler import Sampler, SampleRow, request_seed
 from pdserve.engine.spec.decoder import SpecDecoder, accepted_prefix
@@ -71,15 +72,13 @@ class LLMEngine:
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
         self.vocab_size = runner.model_config.vocab_size
         self.max_model_len = runner.max_model_len
-        self.block_manager = BlockManager(
-            runner.num_blocks, runner.layout.block_size, config.cache.enable_prefix_caching
-        )
+        self.block_manager = BlockManager(runner.num_blocks, runner.layout.block_size,
+                                          config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.sampler = Sampler()
         eos = sorted(self.eos_token_ids)
-        self.grammar = GrammarCompiler(
-            lambda: load_tokenizer(config.model_dir, self.vocab_size, eos), eos, config.grammar_compile_timeout_s
-        )
+        self.grammar = GrammarCompiler(lambda: load_tokenizer(config.model_dir, self.vocab_size, eos), eos,
+                                       config.grammar_compile_timeout_s)
         self.spec = (SpecDecoder(config.speculative, self.block_manager, self.max_model_len,
                                  draft_proposer(config, runner))
                      if config.speculative is not None else None)
@@ -88,6 +87,12 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self._num_generated = 0
         self._num_steps = 0
+        self.tier_link: TierLink | None = None
+
+    def attach_tiers(self, tiers: PrefixTiers) -> None:
+        """Look up the KV tiers below the pool on admission and write computed blocks down."""
+        self.tier_link = TierLink(tiers, self.runner.pool, self.block_manager)
+        self.scheduler.tiers = tiers
 
     # ---------------------------------------------------------------- requests
     def add_request(
@@ -133,6 +138,8 @@ class LLMEngine:
             return []
         logits = self._execute(batch, layer_hook)
         self.scheduler.mark_computed(batch)
+        if self.tier_link is not None:
+            self.tier_link.write_down(batch.block_loads)
         outputs = self._postprocess(batch, logits)
         if self.spec is not None:
             self.spec.retain(self.scheduler.running)  # a draft model's KV of ended sequences
@@ -326,16 +333,10 @@ class LLMEngine:
     def _execute(
         self, batch: SchedulerOutput, layer_hook: Callable[[int], None] | None
     ) -> torch.Tensor:
-        if batch.block_copies:
-            self._copy_blocks(batch.block_copies)
+        copy_blocks(self.runner.pool, batch.block_copies)
+        if batch.block_loads and self.tier_link is not None:
+            self.tier_link.load(batch.block_loads)
         return self.runner.execute(batch.chunks, layer_hook)
-
-    def _copy_blocks(self, copies: list[BlockCopy]) -> None:
-        """Copy-on-write: duplicate shared blocks (all layers, K and V) before writing."""
-        kv = self.runner.pool.kv
-        src = torch.tensor([c.src for c in copies], dtype=torch.long, device=kv.device)
-        dst = torch.tensor([c.dst for c in copies], dtype=torch.long, device=kv.device)
-        kv[:, :, dst] = kv[:, :, src]
 
     def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         collect_prompt_logprobs(batch.chunks, batch.seqs, logits, self._requests)

@@ -72,9 +72,11 @@ def build_colocated(engine_cfg: EngineConfig, opts: WorkerOptions,
                     parts: NodeParts) -> tuple[Node, list[Callable[[], Any]]]:
     from pdserve.worker.colocated import ColocatedNode
     from pdserve.worker.engine_glue import build_engine
+    from pdserve.worker.kv_tiers import attach_tiers
 
     engine, runner = build_engine(engine_cfg)
-    return ColocatedNode(parts.worker_id, engine, runner, parts.send, parts.metrics), [runner.close]
+    tiers = attach_tiers(opts.kv_offload, engine, parts.metrics)
+    return ColocatedNode(parts.worker_id, engine, runner, parts.send, parts.metrics), [*tiers, runner.close]
 
 
 def kv_keys(opts: WorkerOptions) -> CurveKeys | None:

@@ -47,6 +47,7 @@ class WorkerMetrics:
         self._transfer_bytes = Counter("llm_kv_transfer_bytes", "KV bytes transferred", [*names, "transport"],
                                        registry=r)
         self._labels = labels
+        self.labels = dict(labels)  # role and worker, for collectors that join the registry
         self.transfer_failures = counter("llm_kv_transfer_failures", "Failed KV transfers")
         self.preemptions = counter("llm_preemptions", "Sequences preempted for recompute")
         self.aborts = counter("llm_worker_aborts", "Requests aborted on this worker")

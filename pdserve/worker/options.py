@@ -9,6 +9,7 @@ from typing import Any
 
 from kv_transfer.auth import KVCurve
 from kv_transfer.faults import FaultConfig
+from kv_transfer.tiers import KVOffloadConfig
 from pdserve.common.roles import Role
 from pdserve.common.transport import CurveClient
 from pdserve.engine.core.config import EngineConfig
@@ -35,6 +36,7 @@ class WorkerOptions:
     cpu_cores: tuple[int, ...] = ()  # the cores this worker is pinned to
     borrow_cores: tuple[int, ...] = ()  # decode: the prefill worker's cores
     thread_policy: str = "fixed"  # adaptive: the thread governor picks 1 or N threads per step
+    kv_offload: KVOffloadConfig | None = None  # KV tiers below the pool (prefill, colocated)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))

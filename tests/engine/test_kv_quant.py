@@ -125,7 +125,7 @@ def test_block_copies_carry_their_scales(kind: str) -> None:
     pool, cache = _cache(kind)
     x = torch.randn(BS, KVH, D) * 3
     write_kv(cache, _slots(1, 0, BS), x)
-    pool.kv[:, :, torch.tensor([5])] = pool.kv[:, :, torch.tensor([1])]  # as LLMEngine._copy_blocks
+    pool.kv[:, :, torch.tensor([5])] = pool.kv[:, :, torch.tensor([1])]  # as pdserve.engine.pool_blocks.copy_blocks
     a, b = read_blocks(cache, torch.tensor([1, 5]), torch.float32)
     assert torch.equal(a, b) and bool(cache.scales[5].gt(0).all())
 

@@ -89,6 +89,9 @@ class BlockManager:
         self._hashes: dict[int, list[bytes]] = {}
         # Stored/evicted feed for KV-aware routing; None: nobody listens (`record_events`).
         self.events: CacheEventLog | None = None
+        # (digest, block id) of each block registered since the last drain, for the KV
+        # tiers to copy out (`record_stored`); None: no tiers.
+        self.stored: list[tuple[bytes, int]] | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -128,6 +131,11 @@ class BlockManager:
         if self.events is None:
             self.events = CacheEventLog()
         return self.events
+
+    def record_stored(self) -> None:
+        """Start listing newly registered blocks in `stored` (the engine drains it)."""
+        if self.stored is None:
+            self.stored = []
 
     def ref_count(self, block_id: int) -> int:
         return self._blocks[block_id].ref_count
@@ -224,6 +232,8 @@ class BlockManager:
                 self._cached[h] = block.block_id
                 if self.events is not None:
                     self.events.stored(h)
+                if self.stored is not None:
+                    self.stored.append((h, block.block_id))
 
     def fork(self, parent: int, child: int) -> None:
         """`child` shares all of `parent`'s blocks (full and partial); writes copy later."""

@@ -10,7 +10,9 @@ Life of a request (one `Sequence` per choice):
 2. A step first gives each RUNNING sequence its uncomputed tokens (one decode
    token, or the next chunk of a prefill), then admits WAITING sequences FCFS
    into the leftover token budget, a prefill split into chunks when it does not
-   fit (chunked prefill). Admission looks up the prefix cache first. With chunks
+   fit (chunked prefill). Admission looks up the prefix cache first, then the KV
+   tiers below it for the blocks that follow (`tiers`: each found block is a
+   `BlockLoad` the engine copies in before the step). With chunks
    capped (`long_prefill_token_threshold`), a waiting prompt that fits in one chunk
    gets a step without the longer prompts' chunks, within a bounded wait
    (pdserve/engine/core/prefill_order.py).
@@ -33,11 +35,13 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from pdserve.engine.core.block_manager import NO_HIT, BlockCopy, BlockManager
+from pdserve.common.block_hash import ROOT_DIGEST, block_hash, cacheable_blocks
+from pdserve.engine.core.block_manager import NO_HIT, BlockCopy, BlockManager, PrefixHit
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.core.prefill_order import ShortFirst
 from pdserve.engine.core.runner_types import SeqChunk
 from pdserve.engine.core.sequence import Sequence, SequenceStatus
+from pdserve.engine.tier_api import NO_TIER_HIT, BlockLoad, PrefixTiers, TierHit
 
 
 class ScheduledSeq(NamedTuple):
@@ -53,6 +57,8 @@ class SchedulerOutput(NamedTuple):
     preempted: list[Sequence]
     # Copy-on-write pairs the runner must copy before executing the chunks.
     block_copies: list[BlockCopy]
+    # Blocks from the KV tiers, written into the pool before the chunks run.
+    block_loads: tuple[BlockLoad, ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -129,6 +135,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0
         self.num_cached_tokens_hit = 0
+        self.num_tier_tokens_hit = 0  # of those, loaded from the KV tiers
+        # The KV tiers below the pool (pdserve/engine/pool_blocks.py); None: only the pool.
+        self.tiers: PrefixTiers | None = None
         # Most prefill tokens one sequence may get in a step.
         cap = config.long_prefill_token_threshold
         self._prefill_cap = (cap if cap > 0 and config.enable_chunked_prefill
@@ -192,17 +201,18 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         copies: list[BlockCopy] = []
+        loads: list[BlockLoad] = []
         held = self.short_first.held_back(self.running,
                                           room=len(self.running) < self.config.max_num_seqs)
         budget = self._schedule_running(budget, scheduled, preempted, copies, held)
         # After a preemption there is no room to admit anything new this step.
         if not preempted:
-            self._schedule_waiting(budget, scheduled, copies, held)
+            self._schedule_waiting(budget, scheduled, copies, held, loads)
         chunks = [self._chunk(s.seq, s.num_new_tokens) for s in scheduled]
         for chunk, s in zip(chunks, scheduled, strict=True):
             prompt_end = s.seq.num_prompt_tokens
             self.num_prompt_tokens_computed += max(0, min(chunk.end_pos, prompt_end) - chunk.start_pos)
-        return SchedulerOutput(chunks, [s.seq for s in scheduled], preempted, copies)
+        return SchedulerOutput(chunks, [s.seq for s in scheduled], preempted, copies, tuple(loads))
 
     def mark_computed(self, output: SchedulerOutput) -> None:
         """The runner computed `output`: advance progress and cache full blocks."""
@@ -278,7 +288,8 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(
-        self, budget: int, scheduled: list[ScheduledSeq], copies: list[BlockCopy], held: set[int]
+        self, budget: int, scheduled: list[ScheduledSeq], copies: list[BlockCopy], held: set[int],
+        loads: list[BlockLoad],
     ) -> None:
         """Admit WAITING sequences FCFS from the head. A held-back one is set aside and
         put back at the front in its place, so the queue's order never changes and a
@@ -297,7 +308,9 @@ class Scheduler:
             # prompt_logprobs needs the logits of every prompt position: computed, not cached.
             reads_cache = first_admission and seq.params.prompt_logprobs is None
             prefix = bm.match_prefix(seq.token_ids) if reads_cache else NO_HIT
-            computed = max(seq.num_computed_tokens, prefix.num_tokens)
+            tiered = self._tier_blocks(seq, prefix) if reads_cache else NO_TIER_HIT
+            hit_tokens = prefix.num_tokens + len(tiered.digests) * bm.block_size
+            computed = max(seq.num_computed_tokens, hit_tokens)
             num_new = seq.num_tokens - computed
             if num_new > min(budget, self._prefill_cap):
                 if not self.config.enable_chunked_prefill:
@@ -307,10 +320,15 @@ class Scheduler:
             if alloc is None:
                 break
             copies.extend(alloc.copies)
-            if prefix.num_tokens:
-                self.num_cached_tokens_hit += prefix.num_tokens
+            if tiered.digests:
+                at = len(prefix.block_ids)
+                ids = tuple(bm.block_table(seq.seq_id)[at:at + len(tiered.digests)])
+                loads.append(BlockLoad(ids, tiered.payloads, tiered.digests))
+                self.num_tier_tokens_hit += hit_tokens - prefix.num_tokens
+            if hit_tokens:
+                self.num_cached_tokens_hit += hit_tokens
                 if seq.num_cached_tokens == 0:
-                    seq.num_cached_tokens = min(prefix.num_tokens, seq.num_prompt_tokens)
+                    seq.num_cached_tokens = min(hit_tokens, seq.num_prompt_tokens)
             seq.num_computed_tokens = computed
             self.short_first.dequeued(self.waiting.popleft())
             seq.status = SequenceStatus.RUNNING
@@ -318,6 +336,22 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+
+    def _tier_blocks(self, seq: Sequence, prefix: PrefixHit) -> TierHit:
+        """The blocks after the pool hit that the tiers hold, as far as a hit may reach
+        (never the last token)."""
+        bs = self.block_manager.block_size
+        limit = cacheable_blocks(seq.num_tokens, bs) if self.block_manager.enable_prefix_caching else 0
+        start = len(prefix.block_ids)
+        if self.tiers is None or start >= limit:
+            return NO_TIER_HIT
+        digests: list[bytes] = []
+        parent = prefix.block_hashes[-1] if prefix.block_hashes else ROOT_DIGEST
+        for i in range(start, limit):
+            parent = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            digests.append(parent)
+        payloads = self.tiers.load(digests)
+        return TierHit(tuple(digests[:len(payloads)]), tuple(payloads))
 
     @staticmethod
     def _fit_drafts(seq: Sequence, num_new: int) -> int:

@@ -1,0 +1,340 @@
+"""KV tiers: returning-turn TTFT with vs without the host tier; cross-worker and restart.
+
+    .venv/bin/python -m bench.kv_tiers --model shape:125m --runs 3
+
+Three cases, each a ratio measured within one run (median over `--runs`):
+
+- multiturn: `--conversations` conversations of `--turns` turns (each turn sends the
+  whole history, ~`--history-words` words to start, `--turn-words` more per turn)
+  through one colocated `pdserve up` whose pool (`--num-blocks`) holds about a quarter
+  of the working set, once without tiers and once with `--kv-offload-memory`; the
+  turns after the first (all of whose history left the pool) are the returning turns.
+  Ratio: their TTFT p50 without / with the host tier.
+- cross-worker: server A computes a `--prefix-words` prefix; server B, another
+  `pdserve up` on the same host tier that never saw it, serves prefix + a new
+  question. Ratio: B's TTFT on an unseen prefix of the same length / on A's prefix.
+- restart: a server with `--kv-offload-dir` computes a prefix and stops; a new one on
+  the same directory (and an empty host tier) serves it. Ratio: its TTFT cold / warm.
+- cross-host: two servers sharing only a Redis (`--kv-remote-url`; Debian's
+  redis-server, started here; skipped without it), as the cross-worker case.
+- overhead (`--cases overhead`): prompts that never repeat, tiers (host + disk) on vs
+  off: TTFT and ITL p50 on / off (target <= 1.03).
+
+Requests go one at a time (streamed; TTFT = the first content chunk). The answers of
+the tiered and untiered multiturn runs are compared token for token (greedy); the
+script exits 1 when they differ. Keep runs short on a shared machine: the defaults
+take a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from bench import harness
+from pdserve.loadgen.launch import list_workers, pdserve_up
+
+WORDS = ("amber", "basin", "cedar", "delta", "ember", "fjord", "grove", "heron", "inlet", "juniper",
+         "kelp", "lichen", "maple", "nectar", "oasis", "pebble", "quartz", "reef", "sable", "tundra")
+
+
+# Tokens per bench word ("amber12") of the built-in tokenizer, rounded up: pools are sized from it.
+TOKENS_PER_WORD = 5
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = harness.parser(__doc__)
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--history-words", type=int, default=250)
+    ap.add_argument("--turn-words", type=int, default=30)
+    ap.add_argument("--prefix-words", type=int, default=600)
+    ap.add_argument("--num-blocks", type=int, default=0, help="pool blocks (0: a quarter of the working set)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="prefixes per cross-worker and restart case")
+    ap.add_argument("--memory", default="2GiB", help="--kv-offload-memory of the tiered servers")
+    ap.add_argument("--dtype", default="float32", help="the servers' --dtype (float32: where hit == miss is exact)")
+    ap.add_argument("--verbose", action="store_true", help="print every request")
+    ap.add_argument("--cases", type=lambda t: tuple(t.split(",")), default=("multiturn", "cross", "remote"),
+                    help=f"comma list of {', '.join(CASES)} (default all but overhead)")
+    return ap.parse_args(argv)
+
+
+def text(seed: int, n: int) -> str:
+    return " ".join(f"{WORDS[(seed * 13 + i * 7) % len(WORDS)]}{seed}" for i in range(n))
+
+
+class Reply(NamedTuple):
+    ttft_s: float
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    itl_s: float  # median gap between content chunks (0 with one chunk)
+
+
+def first_token_s(base: str, model: str, prompt: str, max_tokens: int) -> Reply:
+    """TTFT, the whole answer and the usage of one streamed greedy completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, out, prompt_tokens, cached, stamps = None, [], 0, 0, []
+    try:
+        resp = urllib.request.urlopen(req, timeout=600)
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{e.code}: {e.read().decode(errors='replace')}") from None
+    with resp as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("choices") and ev["choices"][0].get("text") is not None:
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                stamps.append(time.perf_counter())
+                out.append(ev["choices"][0]["text"])
+            if ev.get("usage"):
+                prompt_tokens = ev["usage"]["prompt_tokens"]
+                cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert ttft is not None, "no token came back"
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return Reply(ttft, "".join(out), prompt_tokens, cached, statistics.median(gaps) if gaps else 0.0)
+
+
+def model_name(base: str) -> str:
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as r:
+        return str(json.load(r)["data"][0]["id"])
+
+
+def written_down(base: str, timeout_s: float = 60.0) -> None:
+    """Until every worker's tier write queue is empty."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = list_workers(base)
+        queued = 0.0
+        for w in workers:
+            with urllib.request.urlopen(f"http://127.0.0.1:{w['metrics_port']}/metrics", timeout=10) as r:
+                for fam in text_string_to_metric_families(r.read().decode()):
+                    queued += sum(s.value for s in fam.samples if s.name == "llm_kv_tier_queued_writes")
+        if queued == 0:
+            return
+        time.sleep(0.05)
+    raise RuntimeError("the tier writer did not drain")
+
+
+def up(args: argparse.Namespace, name: str, *extra: str) -> contextlib.AbstractContextManager[Any]:
+    flags = ["--colocated", "--threads", str(args.threads), "--block-size", str(args.block_size),
+             "--max-model-len", "2048", "--dtype", args.dtype, *extra]
+    return pdserve_up(name, harness.up_args(" ".join(flags), args.model))
+
+
+def multiturn(args: argparse.Namespace, run: int, tiers: tuple[str, ...]) -> tuple[list[float], list[str], int]:
+    """Returning-turn TTFTs, every answer, and the longest prompt (tokens)."""
+    with up(args, "multiturn-tiers" if tiers else "multiturn", "--num-blocks", str(args.num_blocks), *tiers) as s:
+        model = model_name(s.base_url)
+        history = [text(run * 1000 + c, args.history_words) for c in range(args.conversations)]
+        returning, answers, longest = [], [], 0
+        for turn in range(args.turns):
+            for c in range(args.conversations):
+                history[c] += " " + text(run * 1000 + c * 10 + turn + 500, args.turn_words)
+                reply = first_token_s(s.base_url, model, history[c], args.max_tokens)
+                history[c] += reply.text
+                answers.append(reply.text)
+                longest = max(longest, reply.prompt_tokens)
+                if args.verbose:
+                    print(f"  turn {turn} conv {c}: {reply.prompt_tokens} tokens, {reply.cached_tokens} cached, "
+                          f"TTFT {1e3 * reply.ttft_s:.0f} ms, {reply.text!r}", file=sys.stderr)
+                if turn:
+                    returning.append(reply.ttft_s)
+        return returning, answers, longest
+
+
+def pairs(args: argparse.Namespace, base: str, model: str, warm: list[str],
+          cold: list[str]) -> tuple[float, float]:
+    """Median TTFT of prompts whose prefixes some tier holds (`warm`) and of unseen ones of
+    the same length (`cold`), after a short unrelated request (a fresh server's first
+    step pays its warm-up)."""
+    first_token_s(base, model, text(999_999, 20), 1)
+    hits, misses = [], []
+    for i, (w, c) in enumerate(zip(warm, cold, strict=True)):
+        hit = first_token_s(base, model, w + " " + text(77 + i, 5), args.max_tokens)
+        miss = first_token_s(base, model, c + " " + text(78 + i, 5), args.max_tokens)
+        if args.verbose:
+            print(f"  hit: {hit.cached_tokens}/{hit.prompt_tokens} cached, TTFT {1e3 * hit.ttft_s:.0f} ms; "
+                  f"miss: {miss.cached_tokens}/{miss.prompt_tokens}, {1e3 * miss.ttft_s:.0f} ms", file=sys.stderr)
+        hits.append(hit.ttft_s)
+        misses.append(miss.ttft_s)
+    return statistics.median(hits), statistics.median(misses)
+
+
+@contextlib.contextmanager
+def tier_dirs() -> Iterator[tuple[Path, Path]]:
+    shm = Path(tempfile.mkdtemp(prefix="pdserve-bench-kv-", dir="/dev/shm"))
+    disk = Path(tempfile.mkdtemp(prefix="pdserve-bench-kv-disk-"))
+    try:
+        yield shm, disk
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+def cross_and_restart(args: argparse.Namespace, run: int) -> tuple[float, float]:
+    """(cross-worker ratio, restart ratio) of one run, each over `--repeats` prefixes."""
+    n = args.repeats
+    with tier_dirs() as (shm, disk):
+        host = ("--kv-offload-memory", args.memory, "--kv-offload-memory-dir", str(shm))
+        prefix = [text(run * 100 + 90 + i, args.prefix_words) for i in range(4 * n)]
+        cross_warm, restart_warm = prefix[:n], prefix[n:2 * n]
+        with up(args, "worker-a", *host, "--kv-offload-dir", str(disk)) as a, up(args, "worker-b", *host) as b:
+            model = model_name(a.base_url)
+            for p in cross_warm + restart_warm:  # A computes them; B never sees them
+                first_token_s(a.base_url, model, p, 1)
+            written_down(a.base_url)
+            hit, miss = pairs(args, b.base_url, model, cross_warm, prefix[2 * n:3 * n])
+        cross = miss / hit
+        shutil.rmtree(shm)  # the restarted server finds only the disk
+        with up(args, "restarted", *host, "--kv-offload-dir", str(disk)) as r:
+            hit, miss = pairs(args, r.base_url, model, restart_warm, prefix[3 * n:])
+        return cross, miss / hit
+
+
+@contextlib.contextmanager
+def redis_url(workdir: Path) -> Iterator[str]:
+    """Debian's redis-server on a free loopback port, no persistence, stopped on exit."""
+    from pdserve.loadgen.launch import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+                             "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir),
+                             "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import redis
+
+        client = redis.Redis(port=port)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def cross_host(args: argparse.Namespace, run: int) -> float:
+    """Two servers that share only a Redis (no host or disk tier): the ratio of the
+    second's TTFT on an unseen prefix to that on the first's."""
+    n = args.repeats
+    prefix = [text(run * 100 + 60 + i, args.prefix_words) for i in range(2 * n)]
+    with tempfile.TemporaryDirectory() as work, redis_url(Path(work)) as url:
+        remote = ("--kv-remote-url", url)
+        with up(args, "host-a", *remote) as a, up(args, "host-b", *remote) as b:
+            model = model_name(a.base_url)
+            for p in prefix[:n]:
+                first_token_s(a.base_url, model, p, 1)
+            written_down(a.base_url)
+            hit, miss = pairs(args, b.base_url, model, prefix[:n], prefix[n:])
+    return miss / hit
+
+
+def overhead(args: argparse.Namespace, run: int) -> dict[str, float]:
+    """No reuse at all (every prompt new): TTFT and ITL p50 with the tiers on / off."""
+    n = 2 * args.repeats
+    prompts = [text(run * 100 + 30 + i, args.prefix_words) for i in range(n)]
+    medians: dict[str, tuple[float, float]] = {}
+    with tier_dirs() as (shm, disk):
+        tiers = ("--kv-offload-memory", args.memory, "--kv-offload-memory-dir", str(shm), "--kv-offload-dir",
+                 str(disk))
+        for name, extra in (("off", ()), ("on", tiers)):
+            with up(args, f"overhead-{name}", *extra) as s:
+                model = model_name(s.base_url)
+                first_token_s(s.base_url, model, text(999_999, 20), 1)
+                replies = [first_token_s(s.base_url, model, p, args.max_tokens) for p in prompts]
+            medians[name] = (statistics.median(r.ttft_s for r in replies),
+                             statistics.median(r.itl_s for r in replies))
+    return {"overhead_ttft_on_over_off": medians["on"][0] / medians["off"][0],
+            "overhead_itl_on_over_off": medians["on"][1] / medians["off"][1]}
+
+
+CASES = ("multiturn", "cross", "remote", "overhead")
+TARGETS = {"multiturn_ratio": (4.0, True), "cross_worker_ratio": (10.0, True), "restart_ratio": (10.0, True),
+           "cross_host_redis_ratio": (5.0, True), "overhead_ttft_on_over_off": (1.03, False),
+           "overhead_itl_on_over_off": (1.03, False)}
+
+
+def one_run(args: argparse.Namespace, run: int) -> tuple[dict[str, float], bool]:
+    """One run's figures, and whether the multiturn answers matched (True if not run)."""
+    row: dict[str, float] = {}
+    same = True
+    if "multiturn" in args.cases:
+        with tier_dirs() as (shm, _):
+            on = ("--kv-offload-memory", args.memory, "--kv-offload-memory-dir", str(shm))
+            off_ttft, off_answers, longest = multiturn(args, run, ())
+            on_ttft, on_answers, _ = multiturn(args, run, on)
+        same = off_answers == on_answers
+        row.update(returning_p50_off_ms=1e3 * statistics.median(off_ttft),
+                   returning_p50_host_ms=1e3 * statistics.median(on_ttft),
+                   multiturn_ratio=statistics.median(off_ttft) / statistics.median(on_ttft),
+                   longest_prompt_tokens=longest)
+    if "cross" in args.cases:
+        row["cross_worker_ratio"], row["restart_ratio"] = cross_and_restart(args, run)
+    if "remote" in args.cases and shutil.which("redis-server"):
+        row["cross_host_redis_ratio"] = cross_host(args, run)
+    if "overhead" in args.cases:
+        row.update(overhead(args, run))
+    return row, same
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.num_blocks:  # a quarter of the working set, at least two whole conversations
+        words = args.history_words + args.turns * (args.turn_words + args.max_tokens)
+        longest = -(-words * TOKENS_PER_WORD // args.block_size) + 1
+        args.num_blocks = max(2 * longest, args.conversations * longest // 4)
+    result: dict[str, Any] = {"runs": []}
+    same = True
+    for run in range(args.runs):
+        row, matched = one_run(args, run)
+        same &= matched
+        result["runs"].append(row)
+        print(f"run {run}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
+    for key, (target, higher) in TARGETS.items():
+        if key not in result["runs"][0]:
+            continue
+        med = statistics.median(r[key] for r in result["runs"])
+        result[key] = med
+        ok = med >= target if higher else med <= target
+        print(f"VERDICT {key}: {med:.3f} (target {'>=' if higher else '<='} {target:g}) {'PASS' if ok else 'FAIL'}")
+    if "multiturn" in args.cases:
+        print(f"VERDICT answers identical with and without the host tier: {'PASS' if same else 'FAIL'}")
+    result.update(num_blocks=args.num_blocks, answers_identical=same, args=vars(args))
+    harness.write_json(args.output_json, result)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The tiers below a worker's KV pool, as one store the engine asks (pdserve/engine/pool_blocks.py).
+
+    cache = TieredKVCache(layout, [host, disk, remote])
+    payloads = cache.load(digests)   # the longest leading run found, checked, in order
+    cache.offer(digest, payload)     # returns at once; the writer thread stores it
+
+`load` runs on the engine loop: it asks the tiers in order (host, disk, remote) for
+each block of the chain and stops at the first block none has, so what it returns
+is always a prefix. Every record is decoded against the key it was asked for and the
+pool's block size (tiers/record.py): a corrupt, truncated or foreign record is a
+miss of that tier, counted, and the next tier is asked. A block found below the
+first tier is copied up (promoted) by the writer; a bad record is discarded, so
+the recomputed block replaces it.
+
+`offer` never blocks: the block joins a bounded queue; when the queue is full the
+block is dropped (counted) rather than make a step wait. The writer thread encodes
+each block once and writes it to every tier that lacks it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kv_transfer.tiers.base import KVTier, TierSnapshot
+from kv_transfer.tiers.record import (
+    RecordMiss,
+    block_payload_bytes,
+    block_rows,
+    decode_record,
+    encode_record,
+    tier_key,
+    tier_namespace,
+)
+from pdserve.common.kv_layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+WRITER_NICE = 19  # the writer thread's nice value (lowest priority)
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """The cache's counters: per tier, and of the loads and the write queue."""
+
+    tiers: tuple[TierSnapshot, ...]
+    loads: int  # load() calls that found at least one block
+    loaded_blocks: int
+    load_seconds: float  # total time those loads took
+    dropped_writes: int  # blocks not written down because the queue was full
+    queued_writes: int  # blocks queued or being written
+
+
+class _Write:
+    __slots__ = ("key", "payload", "record", "tiers")
+
+    def __init__(self, key: bytes, payload: np.ndarray | None, record: bytes | None,
+                 tiers: Sequence[KVTier]) -> None:
+        self.key, self.payload, self.record, self.tiers = key, payload, record, tiers
+
+
+class TieredKVCache:
+    """Tiers in lookup order; the writer thread starts with the cache."""
+
+    def __init__(self, layout: KVLayout, tiers: Sequence[KVTier], max_queued: int = 256) -> None:
+        if not tiers:
+            raise ValueError("a tiered KV cache needs at least one tier")
+        self.layout = layout
+        self.tiers = list(tiers)
+        self.namespace = tier_namespace(layout)
+        self.payload_bytes = block_payload_bytes(layout)
+        self.num_rows = block_rows(layout)
+        self._queue: queue.Queue[_Write | None] = queue.Queue(max_queued)
+        self._lock = threading.Lock()
+        self._loads = self._loaded_blocks = self._dropped = 0
+        self._load_seconds = 0.0
+        self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
+        self._writer.start()
+
+    def key(self, digest: bytes) -> bytes:
+        return tier_key(self.namespace, digest)
+
+    # --------------------------------------------------------------- engine loop
+    def load(self, digests: Sequence[bytes]) -> list[np.ndarray]:
+        """Payloads of the longest leading run of `digests` some tier holds, checked."""
+        t0 = time.perf_counter()
+        out: list[np.ndarray] = []
+        for digest in digests:
+            payload = self._load_one(self.key(digest))
+            if payload is None:
+                break
+            out.append(payload)
+        if out:
+            with self._lock:
+                self._loads += 1
+                self._loaded_blocks += len(out)
+                self._load_seconds += time.perf_counter() - t0
+        return out
+
+    def _load_one(self, key: bytes) -> np.ndarray | None:
+        for i, tier in enumerate(self.tiers):
+            record = tier.get(key)
+            if record is None:
+                continue
+            got = decode_record(record, key, self.payload_bytes, self.num_rows)
+            if isinstance(got, RecordMiss):
+                tier.stats.miss(got.reason, f"key {key.hex()[:16]}")
+                tier.discard(key)  # the recomputed block takes its place
+                continue
+            tier.stats.hit(len(record))
+            if i:
+                self._enqueue(_Write(key, None, bytes(record), self.tiers[:i]))
+            return got
+        return None
+
+    def offer(self, digest: bytes, payload: np.ndarray) -> bool:
+        """Queue one computed block (its raw bytes, owned by the cache from now on) for
+        the tiers; False if the queue was full and it was dropped (counted)."""
+        return self._enqueue(_Write(self.key(digest), payload, None, self.tiers))
+
+    def _enqueue(self, item: _Write) -> bool:
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            with self._lock:
+                self._dropped += 1
+            return False
+        return True
+
+    # -------------------------------------------------------------------- writer
+    def _write_loop(self) -> None:
+        # The writer yields the CPU to the step loop's threads: on a host whose cores the
+        # torch threads fill, a write-down must not slow the steps (Linux: per thread).
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(item)
+            except Exception:  # a writer that dies would silently stop all write-down
+                log.exception("KV tier writer: a block was not written")
+            finally:
+                self._queue.task_done()
+
+    def _write(self, item: _Write) -> None:
+        record = item.record
+        for tier in item.tiers:
+            if tier.contains(item.key):
+                continue
+            if record is None:
+                assert item.payload is not None
+                record = encode_record(item.key, item.payload, self.num_rows)
+            tier.put(item.key, record)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued block is written (tests, shutdown); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Write what is queued (up to `timeout_s`), stop the writer, close the tiers."""
+        self.flush(timeout_s)
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=1.0)
+        self._writer.join(timeout=2.0)
+        for tier in self.tiers:
+            tier.close()
+
+    def snapshot(self) -> CacheSnapshot:
+        with self._lock:
+            loads, blocks, secs, dropped = (self._loads, self._loaded_blocks, self._load_seconds,
+                                            self._dropped)
+        return CacheSnapshot(tuple(t.stats.snapshot() for t in self.tiers), loads, blocks, secs,
+                             dropped, self._queue.unfinished_tasks)

@@ -1,0 +1,105 @@
+"""The remote tier: records in a Redis shared by the servers of several hosts
+(`--kv-remote-url redis://HOST:PORT/DB`), as LMCache's Redis backend does.
+
+Keys are `pdserve:kv:<64 hex>`, values whole records (tiers/record.py), so whatever
+Redis returns is checked like any other tier's bytes. The bound is Redis's own
+(`maxmemory` with an LRU policy on the server); every record is also written with a
+TTL so an unbounded server does not keep blocks forever.
+
+Redis down, slow or answering garbage is a miss: commands run with short timeouts,
+and after a failure the tier stays off for `retry_s` (no request waits on a dead
+server twice in a row), then tries again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+from kv_transfer.tiers.base import TierStats
+from kv_transfer.tiers.record import MissReason
+
+PREFIX = b"pdserve:kv:"
+
+
+class RedisTier:
+    """Blocks in the Redis at `url` (needs the `redis` package: pip install pdserve[redis])."""
+
+    name = "remote"
+
+    def __init__(self, url: str, *, timeout_s: float = 0.5, retry_s: float = 5.0,
+                 ttl_s: int = 7 * 24 * 3600) -> None:
+        try:
+            import redis
+        except ImportError as e:  # the CLI checks this before a worker starts
+            raise RuntimeError("--kv-remote-url needs the redis package (pip install 'pdserve[redis]')") from e
+        self.url = url
+        self.stats = TierStats(self.name)
+        self.retry_s = retry_s
+        self.ttl_s = ttl_s
+        self._client: Any = redis.Redis.from_url(url, socket_timeout=timeout_s,
+                                                 socket_connect_timeout=timeout_s)
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    def _up(self) -> bool:
+        with self._lock:
+            return time.monotonic() >= self._down_until
+
+    def _failed(self) -> None:
+        with self._lock:
+            self._down_until = time.monotonic() + self.retry_s
+
+    def get(self, key: bytes) -> bytes | None:
+        if not self._up():
+            self.stats.miss(MissReason.UNAVAILABLE)
+            return None
+        try:
+            value = self._client.get(PREFIX + key.hex().encode())
+        except self._errors as e:
+            self._failed()
+            self.stats.miss(MissReason.UNAVAILABLE, f"{self.url}: {e}")
+            return None
+        if value is None:
+            self.stats.miss(MissReason.ABSENT)
+            return None
+        if not isinstance(value, bytes):
+            self.stats.miss(MissReason.CORRUPT, f"{self.url} returned {type(value).__name__}")
+            return None
+        return value
+
+    def contains(self, key: bytes) -> bool:
+        if not self._up():
+            return False
+        try:
+            return bool(self._client.exists(PREFIX + key.hex().encode()))
+        except self._errors:
+            self._failed()
+            return False
+
+    def discard(self, key: bytes) -> None:
+        if self._up():
+            try:
+                self._client.delete(PREFIX + key.hex().encode())
+            except self._errors:
+                self._failed()
+
+    def put(self, key: bytes, record: bytes) -> bool:
+        if not self._up():
+            self.stats.write_failed(f"{self.url} is unavailable")
+            return False
+        try:
+            self._client.set(PREFIX + key.hex().encode(), record, ex=self.ttl_s)
+        except self._errors as e:
+            self._failed()
+            self.stats.write_failed(f"{self.url}: {e}")
+            return False
+        self.stats.wrote(len(record))
+        return True
+
+    def close(self) -> None:
+        with contextlib.suppress(*self._errors):
+            self._client.close()

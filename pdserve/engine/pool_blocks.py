@@ -1,0 +1,88 @@
+"""Whole-block copies in and out of the KV pool: copy-on-write, and the engine's side
+of the KV tiers below its pool (kv_transfer/tiers is the store).
+
+The scheduler asks `PrefixTiers.load` for the blocks of a new prompt past its pool
+hit and schedules them as `BlockLoad`s: freshly allocated blocks the engine fills
+with the loaded bytes before the step runs, so the rest of the prompt is computed
+on top of them exactly as on top of a pool hit. After a step, every block the
+prefix cache newly registered is copied out of the pool and offered to the tiers
+(`offer_stored`); the copy is the only work the step loop does for a write.
+
+Payloads are one block's raw bytes in the pool's storage order without the block
+axis, [layer, K/V, slot, head, dim] (a quantized layout: [layer, K/V, row bytes]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from pdserve.engine.core.block_manager import BlockCopy, BlockManager
+from pdserve.engine.runner.kv_pool import KVPool
+from pdserve.engine.tier_api import BlockLoad, PrefixTiers
+
+__all__ = ["BlockLoad", "PrefixTiers", "TierLink", "copy_blocks", "offer_stored", "read_blocks",
+           "write_loads"]
+
+
+def copy_blocks(pool: KVPool, copies: Sequence[BlockCopy]) -> None:
+    """Copy-on-write: duplicate shared blocks (all layers, K and V) before writing."""
+    if not copies:
+        return
+    kv = pool.kv
+    src = torch.tensor([c.src for c in copies], dtype=torch.long, device=kv.device)
+    dst = torch.tensor([c.dst for c in copies], dtype=torch.long, device=kv.device)
+    kv[:, :, dst] = kv[:, :, src]
+
+
+def write_loads(pool: KVPool, loads: Sequence[BlockLoad]) -> None:
+    """Copy every load's payloads into its pool blocks (all layers, K and V)."""
+    ids = [b for load in loads for b in load.block_ids]
+    if not ids:
+        return
+    kv = pool.kv
+    raw = np.stack([p for load in loads for p in load.payloads])
+    blocks = torch.from_numpy(raw).view(kv.dtype).view(len(ids), *kv.shape[:2], *kv.shape[3:])
+    dst = torch.tensor(ids, dtype=torch.long, device=kv.device)
+    kv[:, :, dst] = blocks.to(kv.device).movedim(0, 2)
+
+
+def read_blocks(pool: KVPool, block_ids: Sequence[int]) -> list[np.ndarray]:
+    """A copy of each block's bytes (uint8, one payload per block)."""
+    kv = pool.kv
+    idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
+    blocks = kv[:, :, idx].movedim(2, 0).contiguous().cpu()
+    raw = blocks.view(-1).view(torch.uint8).numpy().reshape(len(block_ids), -1)
+    return list(raw)
+
+
+def offer_stored(tiers: PrefixTiers, pool: KVPool, stored: Sequence[tuple[bytes, int]]) -> int:
+    """Offer the newly cached blocks `(digest, block id)` to the tiers; how many were
+    queued (the rest were dropped by a full queue)."""
+    if not stored:
+        return 0
+    payloads = read_blocks(pool, [b for _, b in stored])
+    return sum(tiers.offer(digest, p) for (digest, _), p in zip(stored, payloads, strict=True))
+
+
+class TierLink:
+    """One engine's tie to its tiers: loads in before a step, write-down after it."""
+
+    def __init__(self, tiers: PrefixTiers, pool: KVPool, block_manager: BlockManager) -> None:
+        self.tiers = tiers
+        self.pool = pool
+        block_manager.record_stored()
+        assert block_manager.stored is not None
+        self._stored = block_manager.stored  # drained here after every step
+
+    def load(self, loads: Sequence[BlockLoad]) -> None:
+        write_loads(self.pool, loads)
+
+    def write_down(self, loads: Sequence[BlockLoad]) -> int:
+        """Offer the blocks registered in the step, except those it loaded from the tiers."""
+        loaded = {d for load in loads for d in load.digests}
+        stored = [s for s in self._stored if s[0] not in loaded]
+        self._stored.clear()
+        return offer_stored(self.tiers, self.pool, stored)

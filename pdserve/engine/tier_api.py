@@ -1,0 +1,39 @@
+"""What the torch-free scheduler knows of the KV tiers below the pool: a store it
+asks for a prefix's blocks, and the loads it hands the engine (pdserve/engine/pool_blocks.py
+does the copying). Payloads are opaque byte arrays here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+class PrefixTiers(Protocol):
+    """The store the engine reads and writes (kv_transfer.tiers.TieredKVCache)."""
+
+    def load(self, digests: Sequence[bytes]) -> list[np.ndarray]:
+        """Payloads of the longest leading run of `digests` found, each checked."""
+
+    def offer(self, digest: bytes, payload: np.ndarray) -> bool:
+        """Queue one block for writing without blocking; False if it was dropped."""
+
+
+class BlockLoad(NamedTuple):
+    """Bytes from the tiers for pool blocks `block_ids`, written before the step runs."""
+
+    block_ids: tuple[int, ...]
+    payloads: tuple[np.ndarray, ...]
+    digests: tuple[bytes, ...]  # their prefix digests (already in the tiers: not offered back)
+
+
+class TierHit(NamedTuple):
+    """Blocks of a prompt found in the KV tiers, after its pool hit: digests and bytes."""
+
+    digests: tuple[bytes, ...]
+    payloads: tuple[np.ndarray, ...]
+
+
+NO_TIER_HIT = TierHit((), ())

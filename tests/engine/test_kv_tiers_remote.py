@@ -1,0 +1,97 @@
+"""The remote tier against a real Redis (Debian's redis-server, started here): a block
+one engine wrote is a hit for another engine that shares only the Redis (another
+host), token for token; Redis returning garbage or going down is a counted miss and
+the text stays exact, and a dead server does not make every request wait."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kv_transfer.tiers.cache import TieredKVCache
+from kv_transfer.tiers.remote import PREFIX, RedisTier
+from pdserve.common.block_hash import ROOT_DIGEST, block_hash
+from tests.engine.test_kv_tiers_engine import BS, assert_idle, make_engine, prompts, run, tokens
+from tests.helpers.redis_server import redis_server
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir: Callable[..., Path]) -> Path:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    with redis_server(tmp_path) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Callable[[list[list[int]]], list[tuple[int, ...]]]:
+    engine = make_engine(model_dir)
+    engine.block_manager.enable_prefix_caching = False
+    return lambda ps: tokens(run(engine, ps))
+
+
+def remote_engine(model_dir: Path, url: str) -> tuple[object, TieredKVCache]:
+    engine = make_engine(model_dir)
+    cache = TieredKVCache(engine.runner.layout, [RedisTier(url, retry_s=60.0)])
+    engine.attach_tiers(cache)
+    return engine, cache
+
+
+def test_a_block_written_by_one_engine_is_a_remote_hit_for_another(
+        model_dir: Path, redis_url: str, reference: Callable[[list[list[int]]], list[tuple[int, ...]]]) -> None:
+    ps = prompts(2, 4 * BS + 5, seed=11)
+    a, ca = remote_engine(model_dir, redis_url)
+    run(a, ps)  # type: ignore[arg-type]
+    ca.close()
+    b, cb = remote_engine(model_dir, redis_url)
+    got = run(b, ps)  # type: ignore[arg-type]
+    assert tokens(got) == reference(ps)
+    assert [c for _, c in got] == [4 * BS, 4 * BS]
+    snap = cb.snapshot().tiers[0]
+    assert snap.name == "remote" and snap.hits == 8 and snap.bytes_read > 0
+    assert_idle(b)  # type: ignore[arg-type]
+    cb.close()
+
+
+def test_garbage_from_redis_is_a_corrupt_miss(
+        model_dir: Path, redis_url: str, reference: Callable[[list[list[int]]], list[tuple[int, ...]]]) -> None:
+    import redis
+
+    ps = prompts(1, 3 * BS + 2, seed=12)
+    a, ca = remote_engine(model_dir, redis_url)
+    run(a, ps)  # type: ignore[arg-type]
+    ca.close()
+    first = ca.key(block_hash(ROOT_DIGEST, ps[0][:BS]))
+    redis.Redis.from_url(redis_url).set(PREFIX + first.hex().encode(), b"\x00garbage" * 50)
+    b, cb = remote_engine(model_dir, redis_url)
+    got = run(b, ps)  # type: ignore[arg-type]
+    assert tokens(got) == reference(ps) and got[0][1] == 0
+    assert cb.snapshot().tiers[0].misses.get("corrupt") == 1
+    cb.close()
+
+
+def test_redis_down_is_a_miss_counted_once_per_retry_window(
+        model_dir: Path, tmp_path: Path, reference: Callable[[list[list[int]]], list[tuple[int, ...]]]) -> None:
+    with redis_server(tmp_path) as (url, proc):
+        b, cb = remote_engine(model_dir, url)
+        proc.kill()
+        proc.wait()
+    ps = prompts(3, 3 * BS + 2, seed=13)
+    t0 = time.monotonic()
+    got = run(b, ps)  # type: ignore[arg-type]
+    assert tokens(got) == reference(ps) and all(c == 0 for _, c in got)
+    snap = cb.snapshot().tiers[0]
+    assert snap.misses.get("unavailable", 0) >= 1 and snap.hits == 0
+    # One failed connection opens the retry window; later lookups do not wait on it.
+    assert time.monotonic() - t0 < 30
+    assert cb.flush()
+    assert cb.snapshot().tiers[0].write_failures >= 1
+    cb.close()

@@ -1,0 +1,80 @@
+"""TieredKVCache (kv_transfer/tiers/cache.py): `offer` never waits on a write (a full
+queue drops and counts), lookups stop at the first block no tier has, and a bad
+record in one tier falls through to the next."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kv_transfer.tiers.cache import TieredKVCache
+from kv_transfer.tiers.files import FileTier
+from kv_transfer.tiers.record import block_payload_bytes
+from pdserve.common.kv_layout import KVLayout
+
+LAYOUT = KVLayout("cfg", 2, 2, 8, 4, "float32", weights="w")
+SIZE = block_payload_bytes(LAYOUT)
+
+
+def payload(i: int) -> np.ndarray:
+    return np.full(SIZE, i, np.uint8)
+
+
+class StuckTier(FileTier):
+    """A file tier whose writes wait until released (a disk that stalls)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__("disk", root, 1 << 30)
+        self.release = threading.Event()
+
+    def put(self, key: bytes, record: bytes) -> bool:
+        self.release.wait(60)
+        return super().put(key, record)
+
+
+def test_offer_never_blocks_and_a_full_queue_drops_and_counts(tmp_path: Path) -> None:
+    tier = StuckTier(tmp_path)
+    cache = TieredKVCache(LAYOUT, [tier], max_queued=4)
+    t0 = time.monotonic()
+    results = [cache.offer(bytes([i]) * 32, payload(i)) for i in range(20)]
+    assert time.monotonic() - t0 < 5  # nothing waited on the stalled tier
+    # One may already sit in the writer's hands, 4 more in the queue; the rest dropped.
+    assert 4 <= sum(results) <= 5 and cache.snapshot().dropped_writes == 20 - sum(results)
+    tier.release.set()
+    assert cache.flush()
+    assert tier.stats.snapshot().writes == sum(results)
+    cache.close()
+
+
+def test_load_stops_at_the_first_missing_block_and_falls_through_bad_records(tmp_path: Path) -> None:
+    host, disk = FileTier("host", tmp_path / "h", 1 << 30), FileTier("disk", tmp_path / "d", 1 << 30)
+    cache = TieredKVCache(LAYOUT, [host, disk])
+    digests = [bytes([i]) * 32 for i in range(4)]
+    for i in (0, 1, 3):  # block 2 is nowhere: block 3 must not be served
+        cache.offer(digests[i], payload(i))
+    assert cache.flush()
+    host.path(cache.key(digests[1])).write_bytes(b"junk")  # host's copy of block 1 is bad
+    got = cache.load(digests)
+    assert [int(p[0]) for p in got] == [0, 1]
+    assert host.stats.snapshot().misses == {"truncated": 1, "absent": 1}  # blocks 1 and 2
+    assert disk.stats.snapshot().hits == 1  # block 1 came from the disk tier
+    assert cache.flush()
+    assert host.get(cache.key(digests[1])) is not None  # ... and was promoted back up
+    cache.close()
+
+
+def test_the_writer_thread_runs_at_the_lowest_priority(tmp_path: Path) -> None:
+    import os
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    cache = TieredKVCache(LAYOUT, [FileTier("host", tmp_path, 1 << 30)])
+    assert cache.offer(bytes(32), payload(1)) and cache.flush()  # the writer has started
+    tid = cache._writer.native_id
+    stat = Path(f"/proc/{os.getpid()}/task/{tid}/stat").read_text()
+    nice = int(stat.rsplit(")", 1)[1].split()[16])  # field 19 of proc(5)
+    assert nice == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # only the writer
+    cache.close()
