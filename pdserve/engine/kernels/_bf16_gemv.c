@@ -26,21 +26,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_pd_cpu.h"
+
 #define TARGET __attribute__((target("avx512f,avx512dq,avx512bf16,avx512bw,avx512vl")))
 #define INLINE __attribute__((always_inline)) static inline
 
-#define PD_BF16_GEMV_ROWS 16
+#define PD_BF16_GEMV_ROWS 16 /* rows of one AMX C tile: more run 16 at a time */
 #define ROW_BLOCK 8
 #define MAX_NB 8
-#define PD_OK 0
-#define PD_ERR_LEN 3
-#define PD_ERR_CPU 4
-#define PD_ERR_MEM 5
-
-int pd_bf16_gemv_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
-}
+int pd_bf16_gemv_supported(void) { return pd_cpu_has(PD_NEEDS_AVX512_BF16); }
 
 int pd_bf16_gemv_rows(void) { return PD_BF16_GEMV_ROWS; }
 
@@ -164,9 +158,9 @@ TARGET static void run_block(const uint16_t *x, int64_t M, int64_t ldx, const ui
         channels(x, M, ldx, w, K, n, bias, y, ldy, 1);
 }
 
-/* Channels [0, N) of w into columns [0, N) of y (row stride ldy). */
-TARGET static void gemv_avx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
-                             int64_t N, const uint16_t *bias, uint16_t *y, int64_t ldy, int threads) {
+/* Channels [0, N) of w into columns [0, N) of y (row stride ldy), for up to PANEL rows. */
+TARGET static void gemv_avx_panel(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
+                                  int64_t N, const uint16_t *bias, uint16_t *y, int64_t ldy, int threads) {
     int NB = block_for(M);
     int64_t blocks = (N + NB - 1) / NB;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
@@ -174,6 +168,25 @@ TARGET static void gemv_avx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx
         int64_t n0 = b * NB, nb = N - n0 < NB ? N - n0 : NB;
         run_block(x, M, ldx, w, K, n0, nb, NB, bias, y, ldy);
     }
+}
+
+/* Rows per pass over the weight: as many as keep x's panel (~PANEL_BYTES) in L2, so a
+ * prefill reads each channel block's weights from L1 once per panel, not once per row. */
+#define PANEL_BYTES (256 * 1024)
+
+static int64_t panel_rows(int64_t K) {
+    int64_t rows = PANEL_BYTES / (K * 2) / ROW_BLOCK * ROW_BLOCK;
+    return rows < 2 * ROW_BLOCK ? 2 * ROW_BLOCK : rows;
+}
+
+/* Any number of rows, panel by panel. Every (row, channel) pair has its own accumulator
+ * over the same k steps and lane tree, so a row's bits do not depend on M or the panels. */
+TARGET static void gemv_avx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
+                            int64_t N, const uint16_t *bias, uint16_t *y, int64_t ldy, int threads) {
+    int64_t panel = panel_rows(K);
+    for (int64_t m0 = 0; m0 < M; m0 += panel)
+        gemv_avx_panel(x + m0 * ldx, M - m0 < panel ? M - m0 : panel, K, ldx, w, N, bias, y + m0 * ldy, ldy,
+                       threads);
 }
 
 /* AMX, from AMX_MIN_ROWS rows: the weight is the A operand, loaded in place. A 16-channel
@@ -189,7 +202,6 @@ TARGET static void gemv_avx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx
 #define AMX_MIN_ROWS 1
 #define MEMORY_BARRIER() __asm__ volatile("" ::: "memory") /* GCC's tile intrinsics are asm */
 
-int pd_int8_gemm_amx_supported(void); /* pdserve/engine/kernels/_int8_gemm.c: the CPU has AMX and we may use it */
 
 struct tile_config {
     uint8_t palette, start_row, reserved[14];
@@ -238,8 +250,9 @@ AMX_TARGET static void amx_block(const uint32_t *xt, int64_t M, const uint16_t *
     }
 }
 
-AMX_TARGET static int gemv_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
-                               int64_t N, const uint16_t *bias, uint16_t *y, int threads) {
+/* Up to 16 rows: C is 16 channels x M rows (the decode step's tile, `amx_block`). */
+AMX_TARGET static int gemv_amx_few(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
+                                   int64_t N, const uint16_t *bias, uint16_t *y, int threads) {
     int64_t pairs = (K + 31) / 32 * 16, blocks = N / 16;
     uint32_t *xt = aligned_alloc(64, ((size_t)(pairs * M) * 4 + 63) / 64 * 64);
     if (xt == NULL)
@@ -260,28 +273,173 @@ AMX_TARGET static int gemv_amx(const uint16_t *x, int64_t M, int64_t K, int64_t 
         _tile_release();
     }
     free(xt);
-    if (blocks * 16 < N) /* the last channels: fewer than a tile's 16 rows */
-        gemv_avx(x, M, K, ldx, w + blocks * 16 * K, N - blocks * 16,
-                 bias != NULL ? bias + blocks * 16 : NULL, y + blocks * 16, N, threads);
     return PD_OK;
 }
 
-int pd_bf16_gemv_amx_rows(void) { return pd_int8_gemm_amx_supported() ? AMX_MIN_ROWS : 0; }
+/* Channels [n0, n0 + 16) against a panel of M rows held as 16-row blocks of B (zero
+ * columns past M, `xt` block r at r * pairs * 16): the weight tile comes from L1 for every
+ * block after the first. Each output is the same C element over the same 32-k chunks as
+ * in `amx_block`, so a row's bits do not depend on M. */
+AMX_TARGET static void amx_panel_block(const uint32_t *xt, int64_t M, int64_t pairs, const uint16_t *w,
+                                       int64_t K, int64_t n0, const uint16_t *bias, uint16_t *y, int64_t N) {
+    float c[16][16] __attribute__((aligned(64)));
+    uint16_t a[16][32] __attribute__((aligned(64)));
+    const uint16_t *wr = w + n0 * K;
+    int64_t full = K / 32, tail = K - full * 32;
+    if (tail) {
+        memset(a, 0, sizeof a);
+        for (int i = 0; i < 16; i++)
+            memcpy(a[i], wr + i * K + full * 32, (size_t)tail * 2);
+        MEMORY_BARRIER();
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        const uint32_t *xb = xt + m0 * pairs;
+        _tile_zero(0);
+        for (int64_t ch = 0; ch < full; ch++) {
+            _tile_loadd(1, wr + ch * 32, K * 2);
+            _tile_loadd(2, xb + ch * 16 * 16, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        if (tail) {
+            _tile_loadd(1, a[0], 64);
+            _tile_loadd(2, xb + full * 16 * 16, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, c[0], 64);
+        MEMORY_BARRIER();
+        int64_t mb = M - m0 < 16 ? M - m0 : 16;
+        for (int i = 0; i < 16; i++) {
+            float bv = bias != NULL ? from_bf16(bias[n0 + i]) : 0.0f;
+            for (int64_t m = 0; m < mb; m++)
+                y[(m0 + m) * N + n0 + i] = to_bf16(c[i][m] + bv);
+        }
+    }
+}
 
-/* `path`: 0 the library's choice (AMX from AMX_MIN_ROWS rows where the CPU has it), 1 the
- * AVX-512 dot products, 2 AMX (benchmarks and tests run each). */
-TARGET int pd_bf16_gemv(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
-                        int64_t N, const uint16_t *bias, uint16_t *y, int threads, int path) {
-    static int supported = -1;
-    if (supported < 0)
-        supported = pd_bf16_gemv_supported();
-    if (!supported || (path == 2 && !pd_int8_gemm_amx_supported()))
-        return PD_ERR_CPU;
-    if (M < 1 || M > PD_BF16_GEMV_ROWS || K < 1 || N < 1 || ldx < K || path < 0 || path > 2)
+/* More than 16 rows, in panels whose B (~PANEL_BYTES) stays in L2 across the channel blocks. */
+AMX_TARGET static int gemv_amx_many(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
+                                    int64_t N, const uint16_t *bias, uint16_t *y, int threads) {
+    int64_t pairs = (K + 31) / 32 * 16, blocks = N / 16;
+    int64_t panel = PANEL_BYTES / (pairs * 4) / 16 * 16;
+    panel = panel < 32 ? 32 : panel;
+    panel = panel > M ? (M + 15) / 16 * 16 : panel;
+    uint32_t *xt = aligned_alloc(64, (size_t)(pairs * panel) * 4);
+    if (xt == NULL)
+        return PD_ERR_MEM;
+    for (int64_t p0 = 0; p0 < M; p0 += panel) {
+        int64_t pm = M - p0 < panel ? M - p0 : panel;
+        for (int64_t r = 0; r < (pm + 15) / 16; r++)
+            for (int64_t p = 0; p < pairs; p++)
+                for (int64_t j = 0; j < 16; j++) {
+                    int64_t m = r * 16 + j;
+                    uint32_t lo = 0, hi = 0;
+                    if (m < pm) {
+                        const uint16_t *row = x + (p0 + m) * ldx;
+                        lo = 2 * p < K ? row[2 * p] : 0, hi = 2 * p + 1 < K ? row[2 * p + 1] : 0;
+                    }
+                    xt[(r * pairs + p) * 16 + j] = lo | hi << 16;
+                }
+        MEMORY_BARRIER();
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        {
+            amx_configure(16);
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++)
+                amx_panel_block(xt, pm, pairs, w, K, b * 16, bias, y + p0 * N, N);
+            _tile_release();
+        }
+    }
+    free(xt);
+    return PD_OK;
+}
+
+/* Any number of rows on AMX. The last channels (fewer than a tile's 16) run on the dot
+ * products, for every M alike. */
+AMX_TARGET static int gemv_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
+                               int64_t N, const uint16_t *bias, uint16_t *y, int threads) {
+    int64_t full = N / 16 * 16;
+    if (full > 0) {
+        int rc = M <= PD_BF16_GEMV_ROWS ? gemv_amx_few(x, M, K, ldx, w, N, bias, y, threads)
+                                        : gemv_amx_many(x, M, K, ldx, w, N, bias, y, threads);
+        if (rc != PD_OK)
+            return rc;
+    }
+    if (full < N)
+        gemv_avx(x, M, K, ldx, w + full * K, N - full, bias != NULL ? bias + full : NULL, y + full, N, threads);
+    return PD_OK;
+}
+
+/* Without AVX-512 BF16: the dot products' arithmetic, step for step, in plain float32 (one
+ * of PD_CLONES' AVX-512F / AVX2 / baseline builds; none fuses or reorders). Each lane i of a
+ * 32-k step adds x[2i+1] w[2i+1], then x[2i] w[2i] (exact products, each add rounded to
+ * nearest even, denormals flushed: MXCSR FTZ and DAZ, as `vdpbf16ps` does), and the lanes
+ * are summed by `sum4`'s tree. So this path gives the same bits as the AVX-512 BF16 one
+ * (tests/engine/test_bf16_masks.py), at any M. */
+static inline void emul_step(float *lane, const uint16_t *xr, const uint16_t *wr, int64_t n) {
+    float xe[16], xo[16], we[16], wo[16];
+    for (int i = 0; i < 16; i++) {
+        int64_t k = 2 * i;
+        xe[i] = k < n ? from_bf16(xr[k]) : 0.0f, xo[i] = k + 1 < n ? from_bf16(xr[k + 1]) : 0.0f;
+        we[i] = k < n ? from_bf16(wr[k]) : 0.0f, wo[i] = k + 1 < n ? from_bf16(wr[k + 1]) : 0.0f;
+    }
+    for (int i = 0; i < 16; i++)
+        lane[i] = lane[i] + xo[i] * wo[i];
+    for (int i = 0; i < 16; i++)
+        lane[i] = lane[i] + xe[i] * we[i];
+}
+
+PD_CLONES(void, emul_channel, (const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t K,
+          int64_t n, const uint16_t *bias, uint16_t *y, int64_t ldy),
+          (x, M, ldx, w, K, n, bias, y, ldy)) {
+    const uint16_t *wr = w + n * K;
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *xr = x + m * ldx;
+        float lane[16] = {0};
+        unsigned csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040u); /* FTZ | DAZ for the dot products only */
+        for (int64_t k = 0; k < K; k += 32)
+            emul_step(lane, xr + k, wr + k, K - k < 32 ? K - k : 32);
+        _mm_setcsr(csr);
+        float h[4];
+        for (int j = 0; j < 4; j++)
+            h[j] = (lane[j] + lane[j + 8]) + (lane[j + 4] + lane[j + 12]);
+        float v = ((h[0] + h[1]) + (h[2] + h[3])) + (bias != NULL ? from_bf16(bias[n]) : 0.0f);
+        y[m * ldy + n] = to_bf16(v);
+    }
+}
+
+static void gemv_emul(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
+                      const uint16_t *bias, uint16_t *y, int threads) {
+    int64_t panel = panel_rows(K);
+    for (int64_t m0 = 0; m0 < M; m0 += panel) {
+        int64_t pm = M - m0 < panel ? M - m0 : panel;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t n = 0; n < N; n++)
+            emul_channel(x + m0 * ldx, pm, ldx, w, K, n, bias, y + m0 * N, N);
+    }
+}
+
+int pd_bf16_gemv_amx_rows(void) { return pd_cpu_has(PD_NEEDS_AMX_BF16) ? AMX_MIN_ROWS : 0; }
+
+/* `path`: PD_BF16_AUTO (AMX where the CPU has it, else the AVX-512 BF16 dot products, else
+ * their emulation), or one forced (tests and benchmarks run each). Any M >= 1: every path is
+ * row-invariant, so the route never changes with the row count. */
+int pd_bf16_gemv(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
+                 int64_t N, const uint16_t *bias, uint16_t *y, int threads, int path) {
+    if (M < 1 || K < 1 || N < 1 || ldx < K || path < PD_BF16_AUTO || path > PD_BF16_EMUL)
         return PD_ERR_LEN;
+    if (path == PD_BF16_AUTO)
+        path = pd_cpu_has(PD_NEEDS_AMX_BF16) ? PD_BF16_AMX : pd_cpu_has(PD_NEEDS_AVX512_BF16) ? PD_BF16_AVX
+                                                                                               : PD_BF16_EMUL;
+    if ((path == PD_BF16_AMX && !pd_cpu_has(PD_NEEDS_AMX_BF16))
+        || (path == PD_BF16_AVX && !pd_cpu_has(PD_NEEDS_AVX512_BF16)))
+        return PD_ERR_CPU;
     threads = threads < 1 ? 1 : threads;
-    if (path == 2 || (path == 0 && M >= AMX_MIN_ROWS && pd_int8_gemm_amx_supported()))
+    if (path == PD_BF16_AMX)
         return gemv_amx(x, M, K, ldx, w, N, bias, y, threads);
-    gemv_avx(x, M, K, ldx, w, N, bias, y, N, threads);
+    if (path == PD_BF16_AVX)
+        gemv_avx(x, M, K, ldx, w, N, bias, y, N, threads);
+    else
+        gemv_emul(x, M, K, ldx, w, N, bias, y, threads);
     return PD_OK;
 }
