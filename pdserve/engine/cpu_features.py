@@ -128,10 +128,9 @@ def features_of(flags: Iterable[str]) -> frozenset[str]:
 def masked_flags(flags: Iterable[str], spec: str | None = None) -> frozenset[str]:
     """`flags` less those of every feature the mask (`spec`; None: `PDSERVE_CPU_FEATURES`)
     takes away: what a CPU of the masked kind would list."""
-    have = frozenset(flags)
-    keep = features_of(have) & parse(envs.cpu_features() if spec is None else spec)
-    gone = {x for f in FEATURES if f.name not in keep for x in f.flags}
-    return have - gone
+    allowed = parse(envs.cpu_features() if spec is None else spec)
+    gone = {x for f in FEATURES if f.name not in allowed for x in f.flags}
+    return frozenset(flags) - gone
 
 
 @cache
