@@ -93,6 +93,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "Kernels of pdserve/engine/kernel_table.py no layer may pick, comma-separated names "
             "(e.g. bf16_amx,int4_gemm_amx); the next kernel in the table takes their rows.",
         ),
+        EnvVar(
+            "ONEDNN_MAX_CPU_ISA",
+            "",
+            "oneDNN's own ISA cap (read by torch's oneDNN, not by pdserve's kernels); bench/invariance.py "
+            "reports it, as AVX512_CORE_BF16 makes aten's bf16 matmul run as on a CPU without AMX.",
+        ),
         EnvVar("HF_TOKEN", "", "Hugging Face token for `--model org/name` downloads of gated or private repos."),
         EnvVar("HF_HUB_OFFLINE", "", "1: resolve `--model org/name` from the local Hugging Face cache only."),
         EnvVar("HF_HUB_CACHE", "", "The Hugging Face hub cache (default: <HF_HOME>/hub)."),
@@ -183,6 +189,11 @@ def cpu_features() -> str:
 def disabled_kernels() -> frozenset[str]:
     """`PDSERVE_DISABLED_KERNELS`: the kernel names it lists (comma-separated, blanks dropped)."""
     return frozenset(k.strip() for k in (get("PDSERVE_DISABLED_KERNELS") or "").split(",") if k.strip())
+
+
+def onednn_max_cpu_isa() -> str:
+    """`ONEDNN_MAX_CPU_ISA` as set (empty: oneDNN uses every ISA the CPU has)."""
+    return get("ONEDNN_MAX_CPU_ISA") or ""
 
 
 def hf_token() -> str | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from typing import ClassVar
 
 import torch
 
@@ -162,6 +163,8 @@ class InPlacePagedAttention(TorchPagedAttention):
     SDPA's flash kernel and the chunked log-sum-exp merge give none of that."""
 
     flat_decode = True
+    invariant_prefill: ClassVar[bool] = True
+    """False: prefill chunks take SDPA (not row-invariant; `bench.invariance`'s baseline)."""
 
     def __init__(self, native: NativeAttention) -> None:
         self.native = native
@@ -170,6 +173,8 @@ class InPlacePagedAttention(TorchPagedAttention):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVCacheView, v_cache: KVCacheView,
         p: PrefillSeq,
     ) -> torch.Tensor:
+        if not self.invariant_prefill:
+            return TorchPagedAttention._prefill(q, k, v, k_cache, v_cache, p)
         n = q.shape[0]
         tables = p.block_table.view(1, -1).expand(n, -1).contiguous()
         lens = torch.arange(p.start_pos + 1, p.start_pos + n + 1, dtype=torch.long)

@@ -172,7 +172,7 @@ TARGET static void gemv_avx_panel(const uint16_t *x, int64_t M, int64_t K, int64
 
 /* Rows per pass over the weight: as many as keep x's panel (~PANEL_BYTES) in L2, so a
  * prefill reads each channel block's weights from L1 once per panel, not once per row. */
-#define PANEL_BYTES (256 * 1024)
+#define PANEL_BYTES (96 * 1024)
 
 static int64_t panel_rows(int64_t K) {
     int64_t rows = PANEL_BYTES / (K * 2) / ROW_BLOCK * ROW_BLOCK;
@@ -375,48 +375,77 @@ AMX_TARGET static int gemv_amx(const uint16_t *x, int64_t M, int64_t K, int64_t 
  * nearest even, denormals flushed: MXCSR FTZ and DAZ, as `vdpbf16ps` does), and the lanes
  * are summed by `sum4`'s tree. So this path gives the same bits as the AVX-512 BF16 one
  * (tests/engine/test_bf16_masks.py), at any M. */
-static inline void emul_step(float *lane, const uint16_t *xr, const uint16_t *wr, int64_t n) {
-    float xe[16], xo[16], we[16], wo[16];
+/* One full 32-k step: the bf16 pairs as 32-bit lanes, the low half the even k. */
+static inline void emul_step(float *lane, const uint16_t *xr, const uint16_t *wr) {
+    uint32_t xp[16], wp[16];
+    memcpy(xp, xr, sizeof xp);
+    memcpy(wp, wr, sizeof wp);
     for (int i = 0; i < 16; i++) {
-        int64_t k = 2 * i;
-        xe[i] = k < n ? from_bf16(xr[k]) : 0.0f, xo[i] = k + 1 < n ? from_bf16(xr[k + 1]) : 0.0f;
-        we[i] = k < n ? from_bf16(wr[k]) : 0.0f, wo[i] = k + 1 < n ? from_bf16(wr[k + 1]) : 0.0f;
+        uint32_t xe = xp[i] << 16, xo = xp[i] & 0xFFFF0000u, we = wp[i] << 16, wo = wp[i] & 0xFFFF0000u;
+        float fxe, fxo, fwe, fwo;
+        memcpy(&fxe, &xe, 4), memcpy(&fxo, &xo, 4), memcpy(&fwe, &we, 4), memcpy(&fwo, &wo, 4);
+        lane[i] = (lane[i] + fxo * fwo) + fxe * fwe;
     }
-    for (int i = 0; i < 16; i++)
-        lane[i] = lane[i] + xo[i] * wo[i];
-    for (int i = 0; i < 16; i++)
-        lane[i] = lane[i] + xe[i] * we[i];
 }
 
+/* The K tail (n < 32 k), zeros past it on both sides as the masked loads give. */
+static inline void emul_tail(float *lane, const uint16_t *xr, const uint16_t *wr, int64_t n) {
+    uint16_t x[32] = {0}, w[32] = {0};
+    memcpy(x, xr, (size_t)n * 2);
+    memcpy(w, wr, (size_t)n * 2);
+    emul_step(lane, x, w);
+}
+
+/* Channel n against the panel's M rows (M <= the panel): their lanes with FTZ and DAZ on
+ * (one MXCSR switch per channel), then each row's tree and rounding with it off. */
 PD_CLONES(void, emul_channel, (const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t K,
-          int64_t n, const uint16_t *bias, uint16_t *y, int64_t ldy),
-          (x, M, ldx, w, K, n, bias, y, ldy)) {
+          int64_t n, const uint16_t *bias, uint16_t *y, int64_t ldy, float *lanes),
+          (x, M, ldx, w, K, n, bias, y, ldy, lanes)) {
     const uint16_t *wr = w + n * K;
+    int64_t full = K / 32 * 32;
+    memset(lanes, 0, (size_t)M * 16 * sizeof(float));
+    unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040u); /* FTZ | DAZ, as vdpbf16ps computes */
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *xr = x + m * ldx;
-        float lane[16] = {0};
-        unsigned csr = _mm_getcsr();
-        _mm_setcsr(csr | 0x8040u); /* FTZ | DAZ for the dot products only */
-        for (int64_t k = 0; k < K; k += 32)
-            emul_step(lane, xr + k, wr + k, K - k < 32 ? K - k : 32);
-        _mm_setcsr(csr);
+        float *lane = lanes + m * 16;
+        for (int64_t k = 0; k < full; k += 32)
+            emul_step(lane, xr + k, wr + k);
+        if (full < K)
+            emul_tail(lane, xr + full, wr + full, K - full);
+    }
+    _mm_setcsr(csr);
+    float b = bias != NULL ? from_bf16(bias[n]) : 0.0f;
+    for (int64_t m = 0; m < M; m++) {
+        const float *lane = lanes + m * 16;
         float h[4];
         for (int j = 0; j < 4; j++)
             h[j] = (lane[j] + lane[j + 8]) + (lane[j + 4] + lane[j + 12]);
-        float v = ((h[0] + h[1]) + (h[2] + h[3])) + (bias != NULL ? from_bf16(bias[n]) : 0.0f);
-        y[m * ldy + n] = to_bf16(v);
+        y[m * ldy + n] = to_bf16(((h[0] + h[1]) + (h[2] + h[3])) + b);
     }
 }
 
-static void gemv_emul(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
-                      const uint16_t *bias, uint16_t *y, int threads) {
+static int gemv_emul(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
+                     const uint16_t *bias, uint16_t *y, int threads) {
     int64_t panel = panel_rows(K);
-    for (int64_t m0 = 0; m0 < M; m0 += panel) {
-        int64_t pm = M - m0 < panel ? M - m0 : panel;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-        for (int64_t n = 0; n < N; n++)
-            emul_channel(x + m0 * ldx, pm, ldx, w, K, n, bias, y + m0 * N, N);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+    {
+        float *lanes = malloc((size_t)(panel < M ? panel : M) * 16 * sizeof(float));
+        for (int64_t m0 = 0; m0 < M; m0 += panel) {
+            int64_t pm = M - m0 < panel ? M - m0 : panel;
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < N; n++) {
+                if (lanes == NULL) {
+                    failed = 1;
+                    continue;
+                }
+                emul_channel(x + m0 * ldx, pm, ldx, w, K, n, bias, y + m0 * N, N, lanes);
+            }
+        }
+        free(lanes);
     }
+    return failed ? PD_ERR_MEM : PD_OK;
 }
 
 int pd_bf16_gemv_amx_rows(void) { return pd_cpu_has(PD_NEEDS_AMX_BF16) ? AMX_MIN_ROWS : 0; }
@@ -440,6 +469,6 @@ int pd_bf16_gemv(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uin
     if (path == PD_BF16_AVX)
         gemv_avx(x, M, K, ldx, w, N, bias, y, N, threads);
     else
-        gemv_emul(x, M, K, ldx, w, N, bias, y, threads);
+        return gemv_emul(x, M, K, ldx, w, N, bias, y, threads);
     return PD_OK;
 }
