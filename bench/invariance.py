@@ -24,13 +24,13 @@ the fraction  FLOPs/token x tok/s / GEMM rate  per path (the issue's target: >= 
 
 `PDSERVE_CPU_FEATURES` picks the CPU kind the kernels run as; oneDNN is not masked by it,
 so emulating a CPU without AMX on one with it also needs ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16
-(the script says which it ran with). Keep runs short on a shared machine: every figure is
-a ratio within the run, and the run says it may have been busy.
+(the script says which it ran with). Times are the process's CPU time (one thread), so
+a shared machine's time slicing does not count; its cache and memory contention still
+does. Every figure is a ratio within the run; the run says the machine may have been busy.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -56,11 +56,26 @@ def set_invariant(on: bool) -> None:
 
 
 def prefill_seconds(runner: ModelRunner, prompt: list[int], table: list[int], chunk: int) -> float:
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for start in range(0, len(prompt), chunk):
         end = min(start + chunk, len(prompt))
         runner.execute([SeqChunk(prompt[start:end], start, table, end == len(prompt))])
-    return time.perf_counter() - t0
+    return time.process_time() - t0
+
+
+def decode_seconds(bench: DecodeBench) -> float:
+    """Median CPU seconds per decode step over one run of the bench's steps (its own
+    `run`, timed in process time)."""
+    tokens = [1] * len(bench.tables)
+    times = []
+    for i in range(bench.steps):
+        chunks = [SeqChunk([tok], ctx + i, t, True) for tok, ctx, t in zip(tokens, bench.contexts, bench.tables,
+                                                                            strict=True)]
+        t0 = time.process_time()
+        logits = bench.runner.execute(chunks)
+        tokens = [r.token_id for r in bench.sampler(logits, bench.rows)]
+        times.append(time.process_time() - t0)
+    return statistics.median(times)
 
 
 def interleaved(fns: dict[str, Callable[[], float]], reps: int) -> dict[str, float]:
@@ -85,10 +100,10 @@ def gemm_rate(shapes: list[tuple[int, int]], rows: int, reps: int) -> float:
     flops = sum(2 * rows * w.shape[0] * w.shape[1] for w in ws)
 
     def run() -> float:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for w in ws:
             F.linear(xs[w.shape[1]], w)
-        return time.perf_counter() - t0
+        return time.process_time() - t0
 
     run()
     return flops / statistics.median(run() for _ in range(reps))
@@ -138,7 +153,7 @@ def main() -> None:
         return prefill_seconds(runner, prompt, table, args.chunk)
 
     fns = {f"{name} {path}": on(fn, path == "invariant")
-           for name, fn in (("decode", decode.run), ("prefill", whole), ("chunked", chunked))
+           for name, fn in (("decode", lambda: decode_seconds(decode)), ("prefill", whole), ("chunked", chunked))
            for path in ("invariant", "aten")}
     t = interleaved(fns, args.reps)
     itl = t["decode invariant"] / t["decode aten"]
