@@ -57,9 +57,8 @@ def shape_row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     fns: dict[str, Callable[[], object]] = {"F.linear": lambda: [F.linear(x, w) for w in ws]}
     if bf16_gemv.available():
-        fns["avx"] = lambda: [bf16_gemv.gemv(x, w, None, bf16_gemv.AVX) for w in ws]
-        if bf16_gemv.amx_rows():
-            fns["amx"] = lambda: [bf16_gemv.gemv(x, w, None, bf16_gemv.AMX) for w in ws]
+        for name, path in bf16_gemv.paths().items():  # those this CPU (as masked) runs
+            fns[name] = lambda path=path: [bf16_gemv.gemv(x, w, None, path) for w in ws]
         fns["hook"] = lambda: [bf16_gemv.linear(x, w) for w in ws]
     return {name: t / copies for name, t in _turns(fns, reps).items()}
 

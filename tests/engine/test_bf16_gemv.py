@@ -23,7 +23,6 @@ pytestmark = [
 ]
 # ragged N (not a multiple of 16 or of a channel block) and K (odd, < 32, a 32-tail)
 SHAPES = [(768, 768), (37, 100), (17, 2049), (48, 33), (5, 7)]
-PATHS = {"avx": bf16_gemv.AVX, "amx": bf16_gemv.AMX, "emulated": bf16_gemv.EMUL}
 
 
 def _tensors(n: int, k: int, m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -46,10 +45,7 @@ def _assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Te
 
 
 def _paths() -> Iterator[tuple[str, int]]:
-    for name, code in PATHS.items():
-        if ((code != bf16_gemv.AMX or bf16_gemv.amx_rows() > 0)
-                and (code != bf16_gemv.AVX or "avx512_bf16" in native_kernels.features())):
-            yield name, code
+    yield from bf16_gemv.paths().items()
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
@@ -174,7 +170,8 @@ def test_bench_times_every_path() -> None:
     from bench.bf16_gemv import shape_row
 
     t = shape_row(64, 96, 2, reps=1)
-    assert set(t) == {"F.linear", "avx", "hook"} | ({"amx"} if bf16_gemv.amx_rows() else set())
+    assert set(t) == {"F.linear", "hook", "emulated"} | ({"amx"} if bf16_gemv.amx_rows() else set()) | (
+        {"avx"} if "avx512_bf16" in native_kernels.features() else set())
     assert all(v > 0 for v in t.values())
 
 

@@ -280,8 +280,9 @@ AMX_TARGET static int gemv_amx_few(const uint16_t *x, int64_t M, int64_t K, int6
  * columns past M, `xt` block r at r * pairs * 16): the weight tile comes from L1 for every
  * block after the first. Each output is the same C element over the same 32-k chunks as
  * in `amx_block`, so a row's bits do not depend on M. */
-AMX_TARGET static void amx_panel_block(const uint32_t *xt, int64_t M, int64_t pairs, const uint16_t *w,
-                                       int64_t K, int64_t n0, const uint16_t *bias, uint16_t *y, int64_t N) {
+AMX_TARGET static void amx_panel_block(const uint32_t *xt, int64_t M, int64_t first, int64_t pairs,
+                                       const uint16_t *w, int64_t K, int64_t n0, const uint16_t *bias,
+                                       uint16_t *y, int64_t N) {
     float c[16][16] __attribute__((aligned(64)));
     uint16_t a[16][32] __attribute__((aligned(64)));
     const uint16_t *wr = w + n0 * K;
@@ -292,7 +293,7 @@ AMX_TARGET static void amx_panel_block(const uint32_t *xt, int64_t M, int64_t pa
             memcpy(a[i], wr + i * K + full * 32, (size_t)tail * 2);
         MEMORY_BARRIER();
     }
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    for (int64_t m0 = first; m0 < M; m0 += 16) {
         const uint32_t *xb = xt + m0 * pairs;
         _tile_zero(0);
         for (int64_t ch = 0; ch < full; ch++) {
@@ -314,6 +315,83 @@ AMX_TARGET static void amx_panel_block(const uint32_t *xt, int64_t M, int64_t pa
                 y[(m0 + m) * N + n0 + i] = to_bf16(c[i][m] + bv);
         }
     }
+}
+
+/* C tile `c` (16 channels from n0 x 16 rows from m0, fewer than 16 valid past M) into y. */
+AMX_TARGET static void amx_store(float c[16][16], int64_t M, int64_t m0, const uint16_t *bias, int64_t n0,
+                                 uint16_t *y, int64_t N) {
+    int64_t mb = M - m0 < 16 ? M - m0 : 16;
+    for (int i = 0; i < 16; i++) {
+        float bv = bias != NULL ? from_bf16(bias[n0 + i]) : 0.0f;
+        for (int64_t m = 0; m < mb; m++)
+            y[(m0 + m) * N + n0 + i] = to_bf16(c[i][m] + bv);
+    }
+}
+
+/* Channels [n0, n0 + 32) against the panel's rows 32 at a time: four C tiles (0-3) from two
+ * A (4, 5) and two B (6, 7) per 32-k chunk, each A and B used twice and four independent
+ * sums in flight. Every C element is the one `amx_panel_block` computes (the same chunks in
+ * the same order), so the bits are the same; a last single 16-row block goes to it. */
+AMX_TARGET static void amx_panel_pair(const uint32_t *xt, int64_t M, int64_t pairs, const uint16_t *w, int64_t K,
+                                      int64_t n0, const uint16_t *bias, uint16_t *y, int64_t N) {
+    float c[16][16] __attribute__((aligned(64)));
+    uint16_t a[2][16][32] __attribute__((aligned(64)));
+    const uint16_t *w0 = w + n0 * K, *w1 = w + (n0 + 16) * K;
+    int64_t full = K / 32, tail = K - full * 32, m0 = 0;
+    if (tail) {
+        memset(a, 0, sizeof a);
+        for (int i = 0; i < 16; i++) {
+            memcpy(a[0][i], w0 + i * K + full * 32, (size_t)tail * 2);
+            memcpy(a[1][i], w1 + i * K + full * 32, (size_t)tail * 2);
+        }
+        MEMORY_BARRIER();
+    }
+    for (; m0 + 16 < M; m0 += 32) {
+        const uint32_t *b0 = xt + m0 * pairs, *b1 = xt + (m0 + 16) * pairs;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t ch = 0; ch < full; ch++) {
+            _tile_loadd(4, w0 + ch * 32, K * 2);
+            _tile_loadd(5, w1 + ch * 32, K * 2);
+            _tile_loadd(6, b0 + ch * 256, 64);
+            _tile_loadd(7, b1 + ch * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        if (tail) {
+            _tile_loadd(4, a[0][0], 64);
+            _tile_loadd(5, a[1][0], 64);
+            _tile_loadd(6, b0 + full * 256, 64);
+            _tile_loadd(7, b1 + full * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+#define STORE(t, mm, nn)                  \
+    _tile_stored(t, c[0], 64);            \
+    MEMORY_BARRIER();                     \
+    amx_store(c, M, mm, bias, nn, y, N);
+        STORE(0, m0, n0) STORE(1, m0 + 16, n0) STORE(2, m0, n0 + 16) STORE(3, m0 + 16, n0 + 16)
+#undef STORE
+    }
+    if (m0 < M) {
+        amx_panel_block(xt, M, m0, pairs, w, K, n0, bias, y, N);
+        amx_panel_block(xt, M, m0, pairs, w, K, n0 + 16, bias, y, N);
+    }
+}
+
+AMX_TARGET static void amx_configure_all(void) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++)
+        cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
 }
 
 /* More than 16 rows, in panels whose B (~PANEL_BYTES) stays in L2 across the channel blocks. */
@@ -342,10 +420,14 @@ AMX_TARGET static int gemv_amx_many(const uint16_t *x, int64_t M, int64_t K, int
         MEMORY_BARRIER();
 #pragma omp parallel num_threads(threads) if (threads > 1)
         {
-            amx_configure(16);
+            amx_configure_all();
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++)
-                amx_panel_block(xt, pm, pairs, w, K, b * 16, bias, y + p0 * N, N);
+            for (int64_t b = 0; b < (blocks + 1) / 2; b++) {
+                if (2 * b + 1 < blocks)
+                    amx_panel_pair(xt, pm, pairs, w, K, 2 * b * 16, bias, y + p0 * N, N);
+                else
+                    amx_panel_block(xt, pm, 0, pairs, w, K, 2 * b * 16, bias, y + p0 * N, N);
+            }
             _tile_release();
         }
     }

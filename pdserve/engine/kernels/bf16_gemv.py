@@ -74,6 +74,14 @@ def amx_rows() -> int:
     return 1 if _AVAILABLE and "amx_bf16" in native_kernels.features() else 0
 
 
+def paths() -> dict[str, int]:
+    """The forced paths this CPU, as masked, runs: name -> `gemv` path code."""
+    feats = native_kernels.features()
+    return {name: code for name, code, need in (("avx", AVX, "avx512_bf16"), ("amx", AMX, "amx_bf16"),
+                                                 ("emulated", EMUL, None))
+            if _AVAILABLE and (need is None or need in feats)}
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, path: int = AUTO) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias) on the kernel: bf16 CPU tensors, M >= 1, x's
     columns contiguous (any row stride), weight C-contiguous. ValueError otherwise. AUTO:
