@@ -16,6 +16,7 @@ a 256 MiB float32 buffer): the floor a weight stream cannot beat.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -49,6 +50,10 @@ def read_bandwidth() -> float:
     return buf.numel() * 4 / t / 1e9
 
 
+def _each(x: torch.Tensor, ws: list[torch.Tensor], path: int) -> list[torch.Tensor]:
+    return [bf16_gemv.gemv(x, w, None, path) for w in ws]
+
+
 def shape_row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
     """Seconds per layer call of each variant for `m` rows."""
     g = torch.Generator().manual_seed(n * 31 + k)
@@ -58,7 +63,7 @@ def shape_row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
     fns: dict[str, Callable[[], object]] = {"F.linear": lambda: [F.linear(x, w) for w in ws]}
     if bf16_gemv.available():
         for name, path in bf16_gemv.paths().items():  # those this CPU (as masked) runs
-            fns[name] = lambda path=path: [bf16_gemv.gemv(x, w, None, path) for w in ws]
+            fns[name] = functools.partial(_each, x, ws, path)
         fns["hook"] = lambda: [bf16_gemv.linear(x, w) for w in ws]
     return {name: t / copies for name, t in _turns(fns, reps).items()}
 
