@@ -14,8 +14,8 @@ test: $(STAMP) lint typecheck pytest
 install: $(STAMP)
 
 # torch is pinned here (and in constraints.txt): an unpinned torch pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml setup.py constraints.txt kv_transfer/pool/_hostcopy.c pdserve/engine/kernels/_cpu_kernels.c \
-		pdserve/engine/kernels/_int8_gemm.c pdserve/engine/kernels/_int8_gemv.c pdserve/engine/kernels/_int8_gemm.h
+$(STAMP): pyproject.toml setup.py constraints.txt kv_transfer/pool/_hostcopy.c \
+		$(wildcard pdserve/engine/kernels/*.c pdserve/engine/kernels/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'

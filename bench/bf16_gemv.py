@@ -16,6 +16,7 @@ a 256 MiB float32 buffer): the floor a weight stream cannot beat.
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 
 import torch
@@ -29,6 +30,10 @@ SHAPES = {"qkv": (1280, 768), "o": (768, 768), "gate_up": (4096, 768), "down": (
 LAYERS = 12
 
 
+def _each(x: torch.Tensor, ws: list[torch.Tensor], path: int) -> list[torch.Tensor]:
+    return [bf16_gemv.gemv(x, w, None, path) for w in ws]
+
+
 def shape_row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
     """Seconds per layer call of each variant for `m` rows."""
     g = torch.Generator().manual_seed(n * 31 + k)
@@ -37,9 +42,8 @@ def shape_row(n: int, k: int, m: int, reps: int) -> dict[str, float]:
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     fns: dict[str, Callable[[], object]] = {"F.linear": lambda: [F.linear(x, w) for w in ws]}
     if bf16_gemv.available():
-        fns["avx"] = lambda: [bf16_gemv.gemv(x, w, None, bf16_gemv.AVX) for w in ws]
-        if bf16_gemv.amx_rows():
-            fns["amx"] = lambda: [bf16_gemv.gemv(x, w, None, bf16_gemv.AMX) for w in ws]
+        for name, path in bf16_gemv.paths().items():  # those this CPU (as masked) runs
+            fns[name] = functools.partial(_each, x, ws, path)
         fns["hook"] = lambda: [bf16_gemv.linear(x, w) for w in ws]
     return {name: t / copies for name, t in harness.medians(fns, reps).items()}
 

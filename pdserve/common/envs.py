@@ -80,6 +80,25 @@ ENV_VARS: dict[str, EnvVar] = {
             "0: bf16 CPU linears with few rows (decode) run F.linear instead of the native bf16 GEMV "
             "(pdserve/engine/kernels/_bf16_gemv.c); for A/B timing.",
         ),
+        EnvVar(
+            "PDSERVE_CPU_FEATURES",
+            "",
+            "Run as on a CPU with fewer features (pdserve/engine/kernels/cpu_features.py, docs/determinism.md): a level "
+            "(portable, avx2, avx512, avx512_bf16, amx) and/or features to drop (-amx, -avx512_bf16, ...), "
+            "comma-separated; e.g. -amx runs the AMD EPYC paths on an AMX machine. Empty: this CPU as it is.",
+        ),
+        EnvVar(
+            "PDSERVE_DISABLED_KERNELS",
+            "",
+            "Kernels of pdserve/engine/kernels/table.py no layer may pick, comma-separated names "
+            "(e.g. bf16_amx,int4_gemm_amx); the next kernel in the table takes their rows.",
+        ),
+        EnvVar(
+            "ONEDNN_MAX_CPU_ISA",
+            "",
+            "oneDNN's own ISA cap (read by torch's oneDNN, not by pdserve's kernels); bench/invariance.py "
+            "reports it, as AVX512_CORE_BF16 makes aten's bf16 matmul run as on a CPU without AMX.",
+        ),
         EnvVar("HF_TOKEN", "", "Hugging Face token for `--model org/name` downloads of gated or private repos."),
         EnvVar("HF_HUB_OFFLINE", "", "1: resolve `--model org/name` from the local Hugging Face cache only."),
         EnvVar("HF_HUB_CACHE", "", "The Hugging Face hub cache (default: <HF_HOME>/hub)."),
@@ -160,6 +179,21 @@ def native_kernels() -> bool:
 def bf16_gemv() -> bool:
     """`PDSERVE_BF16_GEMV`: False when set to 0 (default on)."""
     return get("PDSERVE_BF16_GEMV") != "0"
+
+
+def cpu_features() -> str:
+    """`PDSERVE_CPU_FEATURES`: the raw feature-mask spec (pdserve/engine/kernels/cpu_features.py parses it); empty: none."""
+    return (get("PDSERVE_CPU_FEATURES") or "").strip()
+
+
+def disabled_kernels() -> frozenset[str]:
+    """`PDSERVE_DISABLED_KERNELS`: the kernel names it lists (comma-separated, blanks dropped)."""
+    return frozenset(k.strip() for k in (get("PDSERVE_DISABLED_KERNELS") or "").split(",") if k.strip())
+
+
+def onednn_max_cpu_isa() -> str:
+    """`ONEDNN_MAX_CPU_ISA` as set (empty: oneDNN uses every ISA the CPU has)."""
+    return get("ONEDNN_MAX_CPU_ISA") or ""
 
 
 def hf_token() -> str | None:

@@ -24,7 +24,6 @@ pytestmark = [
 ]
 # ragged N (not a multiple of 16 or of a channel block) and K (odd, < 32, a 32-tail)
 SHAPES = [(768, 768), (37, 100), (17, 2049), (48, 33), (5, 7)]
-PATHS = {"avx": bf16_gemv.AVX, "amx": bf16_gemv.AMX}
 
 
 def _tensors(n: int, k: int, m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,9 +46,7 @@ def _assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Te
 
 
 def _paths() -> Iterator[tuple[str, int]]:
-    for name, code in PATHS.items():
-        if code != bf16_gemv.AMX or bf16_gemv.amx_rows() > 0:
-            yield name, code
+    yield from bf16_gemv.paths().items()
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
@@ -87,13 +84,13 @@ def test_row_strided_input_is_read_in_place_and_column_strided_is_refused() -> N
     assert torch.equal(linear(cols, w, None), F.linear(cols, w))  # the hook falls back
 
 
-@pytest.mark.parametrize("bad", ["float32", "rows0", "rows_over", "k_mismatch", "bias_shape", "weight_t"])
+@pytest.mark.parametrize("bad", ["float32", "rows0", "rows0_2d", "k_mismatch", "bias_shape", "weight_t"])
 def test_bad_input_is_a_clear_error(bad: str) -> None:
     x, w, b = _tensors(32, 64, 2)
     args: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] = {
         "float32": (x.float(), w.float(), None),
         "rows0": (x[:0], w, None),
-        "rows_over": (torch.zeros(bf16_gemv.ROWS + 1, 64, dtype=torch.bfloat16), w, None),
+        "rows0_2d": (torch.zeros(0, 64, dtype=torch.bfloat16), w, None),
         "k_mismatch": (x[:, :63], w, None),
         "bias_shape": (x, w, b[:31]),
         "weight_t": (x[:, :32], w.T, None),
@@ -131,18 +128,20 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Counting]:
     bf16_gemv.set_enabled(was)
 
 
-def test_linear_hook_runs_the_kernel_for_bf16_decode_rows_only(counting: _Counting) -> None:
-    r = bf16_gemv.route_rows()  # 16 with AMX, else 2
-    assert r == (bf16_gemv.ROWS if bf16_gemv.amx_rows() else 2)
-    x, w, b = _tensors(256, 128, r + 1)
-    y = linear(x[:r], w, b)
-    assert counting.calls == 1 and torch.equal(y, bf16_gemv.gemv(x[:r], w, b))
+def test_linear_hook_runs_the_kernel_for_every_bf16_row_count(counting: _Counting) -> None:
+    """One table entry for every row count (pdserve/engine/kernels/table.py): decode rows, a prefill
+    chunk and a whole prompt all take the kernel, so no row's bits depend on M."""
+    assert bf16_gemv.kernel() in bf16_gemv.NATIVE and bf16_gemv.PLAN.invariant
+    x, w, b = _tensors(256, 128, 40)
+    for m in (1, 2, 3, 17, 40):
+        calls = counting.calls
+        y = linear(x[:m], w, b)
+        assert counting.calls == calls + 1 and torch.equal(y, bf16_gemv.gemv(x[:m], w, b))
+        assert torch.equal(y[-1], linear(x[m - 1 : m], w, b)[0])
     y3 = linear(x[:2].reshape(1, 2, 128), w, None)  # leading dims are flattened, then restored
-    assert counting.calls == 3 and y3.shape == (1, 2, 256)
-    assert torch.equal(y3.reshape(2, 256), bf16_gemv.gemv(x[:2], w))
+    assert y3.shape == (1, 2, 256) and torch.equal(y3.reshape(2, 256), bf16_gemv.gemv(x[:2], w))
     calls = counting.calls
-    # prefill-sized calls, float32 and autograd keep F.linear, bit for bit
-    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+    # float32 and autograd keep F.linear, bit for bit
     assert torch.equal(linear(x[:2].float(), w.float(), None), F.linear(x[:2].float(), w.float()))
     wg = w.clone().requires_grad_(True)
     assert torch.equal(linear(x[:2], wg, None).detach(), F.linear(x[:2], w))
@@ -172,7 +171,8 @@ def test_bench_times_every_path() -> None:
     from bench.bf16_gemv import shape_row
 
     t = shape_row(64, 96, 2, reps=1)
-    assert set(t) == {"F.linear", "avx", "hook"} | ({"amx"} if bf16_gemv.amx_rows() else set())
+    assert set(t) == {"F.linear", "hook", "emulated"} | ({"amx"} if bf16_gemv.amx_rows() else set()) | (
+        {"avx"} if "avx512_bf16" in native_kernels.features() else set())
     assert all(v > 0 for v in t.values())
 
 
@@ -199,8 +199,8 @@ def test_linear_leaves_what_the_kernel_cannot_take_to_f_linear(counting: _Counti
     assert counting.calls == 0
 
 
-def test_route_rows_is_fixed_at_import(counting: _Counting) -> None:
-    """`route_rows()` returns the route cached at import and does not ask the library again."""
-    r = bf16_gemv.route_rows()
-    assert counting.looked_up["pd_bf16_gemv_amx_rows"] == 0
-    assert r == (bf16_gemv.ROWS if bf16_gemv.amx_rows() else 2)
+def test_route_is_fixed_at_import(counting: _Counting) -> None:
+    """The route is the table's choice cached at import: a call asks the library nothing else."""
+    x, w, _ = _tensors(64, 96, 3)
+    linear(x, w, None)
+    assert set(counting.looked_up) == {"pd_bf16_gemv"}

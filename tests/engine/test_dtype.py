@@ -78,7 +78,8 @@ def test_bad_names_and_devices_are_one_line_errors() -> None:
         EngineConfig(model_dir="m", dtype="fp8")
 
 
-def test_host_cpu_flags_reads_the_flags_line(tmp_path: Path) -> None:
+def test_host_cpu_flags_reads_the_flags_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDSERVE_CPU_FEATURES", raising=False)
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: X\nflags\t\t: fpu avx2 amx_bf16 avx512_bf16\n"
                     "bugs\t\t: spectre\n\nprocessor\t: 1\nflags\t\t: fpu avx2 amx_bf16 avx512_bf16\n")
@@ -87,6 +88,23 @@ def test_host_cpu_flags_reads_the_flags_line(tmp_path: Path) -> None:
     arm = tmp_path / "arm"
     arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
     assert host_cpu_flags(arm) == frozenset()
+
+
+def test_the_feature_mask_resolves_auto_as_the_smaller_cpu_would(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`PDSERVE_CPU_FEATURES` is the capability source `auto` reads (pdserve/engine/kernels/cpu_features.py)."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("flags\t\t: fpu avx2 fma avx512f avx512bw avx512dq avx512vl avx512_bf16 amx_tile amx_bf16\n")
+    monkeypatch.setenv("PDSERVE_CPU_FEATURES", "-amx")
+    flags = host_cpu_flags(info)
+    assert "amx_bf16" not in flags and "avx512_bf16" in flags
+    assert resolve_dtype("auto", None, "cpu", flags) == "bfloat16"
+    for mask in ("avx2", "avx512", "-avx512_bf16", "portable"):
+        monkeypatch.setenv("PDSERVE_CPU_FEATURES", mask)
+        assert resolve_dtype("auto", None, "cpu", host_cpu_flags(info)) == "float32", mask
+    monkeypatch.setenv("PDSERVE_CPU_FEATURES", "avx3")
+    with pytest.raises(ValueError, match="unknown level 'avx3'"):
+        host_cpu_flags(info)
 
 
 def test_model_dtype_reads_the_checkpoint_dtype(tmp_path: Path, tiny_model_dir: Callable[..., Path]) -> None:

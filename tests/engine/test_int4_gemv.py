@@ -101,8 +101,15 @@ def test_nan_in_a_row_reaches_only_that_row() -> None:
     assert y[0].isnan().all() and y[1].isfinite().all()
 
 
-def test_the_layer_runs_the_gemv_up_to_4_rows_and_the_gemm_above(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_layer_runs_the_route_the_kernel_table_gives_each_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMV up to 4 rows; above, the AMX GEMM where this CPU (as masked) has it, else
+    aten's kernel up to 32 rows and unpack + matmul above (pdserve/engine/kernels/table.py)."""
     layer = _layer(128, 256, seed=6)
+    routes = layer.plan(torch.bfloat16)
+    gemm_amx = int4_kernel.available()
+    expected = {1: "int4_gemv", 4: "int4_gemv", 5: "int4_gemm_amx" if gemm_amx else "int4_aten",
+                40: "int4_gemm_amx" if gemm_amx else "int4_dequant"}
+    assert {m: routes.kernel_for(m).name for m in expected} == expected
     calls: list[tuple[str, int]] = []
 
     def spy(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -112,17 +119,22 @@ def test_the_layer_runs_the_gemv_up_to_4_rows_and_the_gemm_above(monkeypatch: py
         return run
 
     gemm = int4_kernel.matmul
-    monkeypatch.setattr(int4_kernel, "gemv", spy("gemv", int4_kernel.gemv))
-    monkeypatch.setattr(int4_kernel, "matmul", spy("gemm", gemm))
+    monkeypatch.setattr(int4_kernel, "gemv", spy("int4_gemv", int4_kernel.gemv))
+    monkeypatch.setattr(int4_kernel, "matmul", spy("int4_gemm_amx", gemm))
     for rows in (1, 2, 3, 4, 5, 16, 40):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         y = layer(x)
         if rows <= 4:
             _assert_within_bound(y, x, _exact_weight(layer))
-        else:  # the layer adds nothing to the kernel's result
+        elif gemm_amx:  # the layer adds nothing to the kernel's result
             assert torch.equal(y, gemm(x, layer.packed, layer.scales_and_zeros, layer.group))
+        else:
+            assert torch.equal(y, torch._weight_int4pack_mm_for_cpu(x, layer.packed, layer.group,
+                                                                     layer.scales_and_zeros)) if rows <= 32 \
+                else torch.equal(y, torch.nn.functional.linear(x, layer.dense_weight(torch.bfloat16)))
     assert INT4_KERNEL_ROWS == 4
-    assert calls == [("gemv", 1), ("gemv", 2), ("gemv", 3), ("gemv", 4), ("gemm", 5), ("gemm", 16), ("gemm", 40)]
+    native = [(routes.kernel_for(m).name, m) for m in (1, 2, 3, 4, 5, 16, 40)]
+    assert calls == [c for c in native if c[0] in ("int4_gemv", "int4_gemm_amx")]
 
 
 def test_gemv_rejects_what_it_cannot_run() -> None:

@@ -4,9 +4,8 @@
 pool per layer per step (read, write, read again) and pads it to its group's
 longest; on a CPU decode step at a batch of 16 that gather moves more bytes than
 the layer's weights. `InPlacePagedAttention` walks each sequence's block table
-in C instead, reading each K/V row once. Prefill chunks still go through the
-torch path (one SDPA call per chunk, where the gather is amortised over the
-chunk's tokens).
+in C instead, reading each K/V row once. Prefill rows take the same kernel, each as
+the decode of its position, so attention is row-invariant (`InPlacePagedAttention`).
 
 The library is optional (pdserve/engine/kernels/native.py): `NATIVE` is None without it,
 and `default_backend` then gives the torch backend.
@@ -18,10 +17,16 @@ from __future__ import annotations
 
 import ctypes
 import math
+from typing import ClassVar
 
 import torch
 
-from pdserve.engine.attention.paged import AttentionBackend, DecodeBatch, TorchPagedAttention
+from pdserve.engine.attention.paged import (
+    AttentionBackend,
+    DecodeBatch,
+    PrefillSeq,
+    TorchPagedAttention,
+)
 from pdserve.engine.kernels import native as native_kernels
 from pdserve.engine.kernels.native import DTYPE_CODES as _DTYPE_CODES
 from pdserve.engine.runner.kv_quant import KVCacheView, QuantizedCache
@@ -154,12 +159,35 @@ NATIVE: NativeAttention | None = (
 
 
 class InPlacePagedAttention(TorchPagedAttention):
-    """Decodes through the native kernel over the pool in place; prefill as the torch backend."""
+    """Decodes and prefill rows through the native kernel over the pool in place.
+
+    A prefill chunk's row i at position start + i is attended exactly as a decode at that
+    position: one query over keys [0, start + i] of the pool (written first, `forward`).
+    Each row then has the same bits whether its context came in one chunk, many, from the
+    prefix cache or was decoded, whatever else shares the step (docs/determinism.md);
+    SDPA's flash kernel and the chunked log-sum-exp merge give none of that."""
 
     flat_decode = True
+    invariant_prefill: ClassVar[bool] = True
+    """False: prefill chunks take SDPA (not row-invariant; `bench.invariance`'s baseline)."""
 
     def __init__(self, native: NativeAttention) -> None:
         self.native = native
+
+    def _prefill(  # type: ignore[override]
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVCacheView, v_cache: KVCacheView,
+        p: PrefillSeq,
+    ) -> torch.Tensor:
+        if not self.invariant_prefill:
+            return TorchPagedAttention._prefill(q, k, v, k_cache, v_cache, p)
+        n = q.shape[0]
+        tables = p.block_table.view(1, -1).expand(n, -1).contiguous()
+        lens = torch.arange(p.start_pos + 1, p.start_pos + n + 1, dtype=torch.long)
+        threads = torch.get_num_threads()
+        if isinstance(k_cache, QuantizedCache) and isinstance(v_cache, QuantizedCache):
+            return self.native.decode_quantized(q, k_cache, v_cache, tables, lens, threads)
+        assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+        return self.native.decode(q, k_cache, v_cache, tables, lens, threads)
 
     def _decode(  # type: ignore[override]
         self, q: torch.Tensor, k_cache: KVCacheView, v_cache: KVCacheView, dec: DecodeBatch

@@ -25,8 +25,7 @@
 #define TARGET __attribute__((target("avx512f,avx512dq,avx512bf16,avx512bw,avx512vl")))
 #define INLINE __attribute__((always_inline)) static inline
 
-#define PD_OK 0
-#define PD_ERR_BLOCK 2
+#include "_pd_cpu.h"
 #define PREFETCH_KEYS 8 /* how far ahead p.V prefetches V rows */
 
 static int enabled = 1;
@@ -37,14 +36,7 @@ int pd_attn_bf16_set(int on) {
     return was;
 }
 
-static int bf16_ok(void) {
-    static int ok = -1;
-    if (ok < 0) {
-        __builtin_cpu_init();
-        ok = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq");
-    }
-    return ok;
-}
+static int bf16_ok(void) { return pd_cpu_has(PD_NEEDS_AVX512_BF16); }
 
 TARGET INLINE __m512 dot(__m512 acc, __m512 a, __m512 b) { /* see _bf16_gemv.c: GCC 12 */
     __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));

@@ -27,10 +27,7 @@
 
 #include "_attn_simd.h"
 
-#define PD_OK 0
-#define PD_ERR_NOMEM 1
-#define PD_ERR_BLOCK 2
-#define PD_ERR_LEN 3
+#include "_pd_cpu.h"
 #define KIND_FP8 0
 #define KIND_INT8 1
 #define PREFETCH_KEYS 8 /* how far ahead p.V prefetches V rows */
@@ -97,9 +94,9 @@ static inline void decode_row(const uint8_t *c, int kind, int64_t D, float *dst)
 }
 
 /* The portable loop. `work`: G*D (queries) + D (a row) + G*D (accumulators) + G*L floats. */
-__attribute__((target_clones("avx2", "default")))
-static void attend_generic(int dtype, int kind, const void *q, const kv_src *s, int64_t L,
-                           int64_t h, int64_t G, int64_t D, float scale, void *out, float *work) {
+PD_CLONES(void, attend_generic, (int dtype, int kind, const void *q, const kv_src *s, int64_t L,
+          int64_t h, int64_t G, int64_t D, float scale, void *out, float *work),
+          (dtype, kind, q, s, L, h, G, D, scale, out, work)) {
     float *qf = work, *row = qf + G * D, *acc = row + D, *sc = acc + G * D;
     for (int64_t i = 0; i < G * D; i++)
         qf[i] = (dtype == 1 ? bf16_to_f32(((const uint16_t *)q)[i]) : ((const float *)q)[i]) * scale;
@@ -303,13 +300,7 @@ TARGET static void attend_simd(int dtype, int kind, const void *q, const kv_src 
 }
 
 static int cpu_level(void) { /* 0: no AVX-512 loop; 1: AVX-512F/BW; 2: and AVX-512 BF16 */
-    static int level = -1;
-    if (level < 0) {
-        __builtin_cpu_init();
-        level = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-        level += level && __builtin_cpu_supports("avx512bf16");
-    }
-    return level;
+    return pd_cpu_has(PD_CPU_AVX512F) + pd_cpu_has(PD_NEEDS_AVX512_BF16);
 }
 
 static int simd_ok(int64_t D) {
@@ -352,7 +343,7 @@ int pd_paged_decode_q8(int dtype, int kind, const void *q, int64_t q_stride, con
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; i++) {
             if (work == NULL) {
-                err = PD_ERR_NOMEM;
+                err = PD_ERR_MEM;
                 continue;
             }
             int64_t b = i / KVH, h = i % KVH;

@@ -1,7 +1,8 @@
-/* The bf16 GEMV / small GEMM for decode (pdserve/engine/kernels/bf16_gemv.py loads it through
+/* The bf16 linear, every row count: its entry point and the AVX-512 BF16 dot products
+ * (pdserve/engine/kernels/_bf16_amx.c and pdserve/engine/kernels/_bf16_emul.c hold the other paths; pdserve/engine/kernels/bf16_gemv.py loads it through
  * pdserve/engine/kernels/native.py; built into pdserve.engine.kernels._cpu_kernels):
  *
- *   y[m, n] = bf16( sum_k x[m, k] * w[n, k] (+ bias[n]) )     1 <= M <= PD_BF16_GEMV_ROWS
+ *   y[m, n] = bf16( sum_k x[m, k] * w[n, k] (+ bias[n]) )     any M >= 1
  *
  * Layouts: x [M, K] bf16 with row stride ldx (elements, unit column stride); w [N, K] bf16
  * C-contiguous, the model's own weight as loaded (no packed copy); bias [N] bf16 or NULL;
@@ -26,33 +27,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_bf16_gemm.h"
+
 #define TARGET __attribute__((target("avx512f,avx512dq,avx512bf16,avx512bw,avx512vl")))
 #define INLINE __attribute__((always_inline)) static inline
 
-#define PD_BF16_GEMV_ROWS 16
-#define ROW_BLOCK 8
 #define MAX_NB 8
-#define PD_OK 0
-#define PD_ERR_LEN 3
-#define PD_ERR_CPU 4
-#define PD_ERR_MEM 5
 
-int pd_bf16_gemv_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
-}
+int pd_bf16_gemv_supported(void) { return pd_cpu_has(PD_NEEDS_AVX512_BF16); }
 
 int pd_bf16_gemv_rows(void) { return PD_BF16_GEMV_ROWS; }
-
-/* float32 -> bf16, round to nearest even (torch's rounding); NaN stays a quiet NaN. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u)
-        return 0x7FC0;
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* acc + the pairwise products of a and b's bf16 pairs. Inline asm: GCC 12 moves every
  * __m512bh cast of a loaded vector through the stack (a store and a reload per use). */
@@ -61,12 +45,6 @@ TARGET INLINE __m512 dot(__m512 acc, __m512 a, __m512 b) {
     return acc;
 }
 
-static inline float from_bf16(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* The lane sums of a, b, c, d, each by the same tree: halves, quarters, then pairs. */
 TARGET INLINE __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -99,7 +77,7 @@ TARGET INLINE void finish(__m512 *acc, const int64_t *rows, const int64_t *cols,
 TARGET INLINE void tile(const uint16_t *x, int64_t ldx, int64_t m0, const uint16_t *w, int64_t K,
                         int64_t n0, const uint16_t *bias, uint16_t *y, int64_t ldy, const int MB,
                         const int NB) {
-    __m512 acc[MAX_NB * ROW_BLOCK];
+    __m512 acc[MAX_NB * PD_BF16_ROW_BLOCK];
     for (int i = 0; i < NB * MB; i++)
         acc[i] = _mm512_setzero_ps();
     const uint16_t *wr = w + n0 * K, *xr = x + m0 * ldx;
@@ -124,7 +102,7 @@ TARGET INLINE void tile(const uint16_t *x, int64_t ldx, int64_t m0, const uint16
             }
         }
     }
-    int64_t rows[MAX_NB * ROW_BLOCK], cols[MAX_NB * ROW_BLOCK];
+    int64_t rows[MAX_NB * PD_BF16_ROW_BLOCK], cols[MAX_NB * PD_BF16_ROW_BLOCK];
     for (int c = 0; c < NB; c++)
         for (int r = 0; r < MB; r++) {
             rows[c * MB + r] = m0 + r;
@@ -133,11 +111,11 @@ TARGET INLINE void tile(const uint16_t *x, int64_t ldx, int64_t m0, const uint16
     finish(acc, rows, cols, NB * MB, bias, y, ldy);
 }
 
-/* Channels [n0, n0 + NB) against every row, in row blocks of at most ROW_BLOCK. */
+/* Channels [n0, n0 + NB) against every row, in row blocks of at most PD_BF16_ROW_BLOCK. */
 TARGET INLINE void channels(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t K,
                             int64_t n0, const uint16_t *bias, uint16_t *y, int64_t ldy, const int NB) {
-    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-        int64_t mb = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
+    for (int64_t m0 = 0; m0 < M; m0 += PD_BF16_ROW_BLOCK) {
+        int64_t mb = M - m0 < PD_BF16_ROW_BLOCK ? M - m0 : PD_BF16_ROW_BLOCK;
         switch (mb) {
 #define ROWS(R) case R: tile(x, ldx, m0, w, K, n0, bias, y, ldy, R, NB); break;
             ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
@@ -164,9 +142,9 @@ TARGET static void run_block(const uint16_t *x, int64_t M, int64_t ldx, const ui
         channels(x, M, ldx, w, K, n, bias, y, ldy, 1);
 }
 
-/* Channels [0, N) of w into columns [0, N) of y (row stride ldy). */
-TARGET static void gemv_avx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
-                             int64_t N, const uint16_t *bias, uint16_t *y, int64_t ldy, int threads) {
+/* Channels [0, N) of w into columns [0, N) of y (row stride ldy), for up to PANEL rows. */
+TARGET static void gemv_avx_panel(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
+                                  int64_t N, const uint16_t *bias, uint16_t *y, int64_t ldy, int threads) {
     int NB = block_for(M);
     int64_t blocks = (N + NB - 1) / NB;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
@@ -176,112 +154,38 @@ TARGET static void gemv_avx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx
     }
 }
 
-/* AMX, from AMX_MIN_ROWS rows: the weight is the A operand, loaded in place. A 16-channel
- * block's next 32 k are 16 weight rows x 64 bytes at stride K: exactly an A tile of the
- * row-major weight. B is x transposed into bf16 pairs (B[p][m] = x[m][2p], x[m][2p + 1]),
- * built once per call, zero past K; C = 16 channels x M rows of float32 sums. One tile
- * multiply per 1 KiB of weights, whatever M is: the step reads weights at memory speed
- * where the dot products above run out of issue slots. A K tail reads its 16 weight rows
- * through a zero-padded copy (a tile load past K would read the next row, or past the
- * end); the last, partial block of channels runs on the dot products.
- * Tile registers: 0 = C, 1 = A, 2 = B. */
-#define AMX_TARGET __attribute__((target("avx512f,avx512dq,avx512bf16,avx512bw,avx512vl,amx-tile,amx-bf16")))
-#define AMX_MIN_ROWS 1
-#define MEMORY_BARRIER() __asm__ volatile("" ::: "memory") /* GCC's tile intrinsics are asm */
 
-int pd_int8_gemm_amx_supported(void); /* pdserve/engine/kernels/_int8_gemm.c: the CPU has AMX and we may use it */
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-AMX_TARGET static void amx_configure(int64_t M) {
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    cfg.rows[0] = 16, cfg.colsb[0] = (uint16_t)(M * 4);
-    cfg.rows[1] = 16, cfg.colsb[1] = 64;
-    cfg.rows[2] = 16, cfg.colsb[2] = (uint16_t)(M * 4);
-    _tile_loadconfig(&cfg);
+/* Any number of rows, panel by panel. Every (row, channel) pair has its own accumulator
+ * over the same k steps and lane tree, so a row's bits do not depend on M or the panels. */
+TARGET void pd_bf16_avx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
+                        int64_t N, const uint16_t *bias, uint16_t *y, int64_t ldy, int threads) {
+    int64_t panel = pd_bf16_panel_rows(K);
+    for (int64_t m0 = 0; m0 < M; m0 += panel)
+        gemv_avx_panel(x + m0 * ldx, M - m0 < panel ? M - m0 : panel, K, ldx, w, N, bias, y + m0 * ldy, ldy,
+                       threads);
 }
 
-/* Channels [n0, n0 + 16) against all M rows; xt is B for every 32 k (16 x M pairs each). */
-AMX_TARGET static void amx_block(const uint32_t *xt, int64_t M, const uint16_t *w, int64_t K, int64_t n0,
-                                 const uint16_t *bias, uint16_t *y, int64_t N) {
-    float c[16][PD_BF16_GEMV_ROWS] __attribute__((aligned(64)));
-    const uint16_t *wr = w + n0 * K;
-    int64_t chunks = (K + 31) / 32, full = K / 32;
-    _tile_zero(0);
-    for (int64_t ch = 0; ch < full; ch++) {
-        _tile_loadd(1, wr + ch * 32, K * 2);
-        _tile_loadd(2, xt + ch * 16 * M, M * 4);
-        _tile_dpbf16ps(0, 1, 2);
-    }
-    if (chunks > full) {
-        uint16_t a[16][32] __attribute__((aligned(64)));
-        memset(a, 0, sizeof a);
-        for (int i = 0; i < 16; i++)
-            memcpy(a[i], wr + i * K + full * 32, (size_t)(K - full * 32) * 2);
-        MEMORY_BARRIER();
-        _tile_loadd(1, a[0], 64);
-        _tile_loadd(2, xt + full * 16 * M, M * 4);
-        _tile_dpbf16ps(0, 1, 2);
-    }
-    _tile_stored(0, c[0], PD_BF16_GEMV_ROWS * 4);
-    MEMORY_BARRIER();
-    for (int i = 0; i < 16; i++) {
-        float b = bias != NULL ? from_bf16(bias[n0 + i]) : 0.0f;
-        for (int64_t m = 0; m < M; m++)
-            y[m * N + n0 + i] = to_bf16(c[i][m] + b);
-    }
-}
+int pd_bf16_gemv_amx_rows(void) { return pd_cpu_has(PD_NEEDS_AMX_BF16) ? 1 : 0; }
 
-AMX_TARGET static int gemv_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
-                               int64_t N, const uint16_t *bias, uint16_t *y, int threads) {
-    int64_t pairs = (K + 31) / 32 * 16, blocks = N / 16;
-    uint32_t *xt = aligned_alloc(64, ((size_t)(pairs * M) * 4 + 63) / 64 * 64);
-    if (xt == NULL)
-        return PD_ERR_MEM;
-    for (int64_t p = 0; p < pairs; p++)
-        for (int64_t m = 0; m < M; m++) {
-            const uint16_t *row = x + m * ldx;
-            uint32_t lo = 2 * p < K ? row[2 * p] : 0, hi = 2 * p + 1 < K ? row[2 * p + 1] : 0;
-            xt[p * M + m] = lo | hi << 16;
-        }
-    MEMORY_BARRIER();
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        amx_configure(M);
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++)
-            amx_block(xt, M, w, K, b * 16, bias, y, N);
-        _tile_release();
-    }
-    free(xt);
-    if (blocks * 16 < N) /* the last channels: fewer than a tile's 16 rows */
-        gemv_avx(x, M, K, ldx, w + blocks * 16 * K, N - blocks * 16,
-                 bias != NULL ? bias + blocks * 16 : NULL, y + blocks * 16, N, threads);
-    return PD_OK;
-}
-
-int pd_bf16_gemv_amx_rows(void) { return pd_int8_gemm_amx_supported() ? AMX_MIN_ROWS : 0; }
-
-/* `path`: 0 the library's choice (AMX from AMX_MIN_ROWS rows where the CPU has it), 1 the
- * AVX-512 dot products, 2 AMX (benchmarks and tests run each). */
-TARGET int pd_bf16_gemv(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
-                        int64_t N, const uint16_t *bias, uint16_t *y, int threads, int path) {
-    static int supported = -1;
-    if (supported < 0)
-        supported = pd_bf16_gemv_supported();
-    if (!supported || (path == 2 && !pd_int8_gemm_amx_supported()))
-        return PD_ERR_CPU;
-    if (M < 1 || M > PD_BF16_GEMV_ROWS || K < 1 || N < 1 || ldx < K || path < 0 || path > 2)
+/* `path`: PD_BF16_AUTO (AMX where the CPU has it, else the AVX-512 BF16 dot products, else
+ * their emulation), or one forced (tests and benchmarks run each). Any M >= 1: every path is
+ * row-invariant, so the route never changes with the row count. */
+int pd_bf16_gemv(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
+                 int64_t N, const uint16_t *bias, uint16_t *y, int threads, int path) {
+    if (M < 1 || K < 1 || N < 1 || ldx < K || path < PD_BF16_AUTO || path > PD_BF16_EMUL)
         return PD_ERR_LEN;
+    if (path == PD_BF16_AUTO)
+        path = pd_cpu_has(PD_NEEDS_AMX_BF16) ? PD_BF16_AMX : pd_cpu_has(PD_NEEDS_AVX512_BF16) ? PD_BF16_AVX
+                                                                                               : PD_BF16_EMUL;
+    if ((path == PD_BF16_AMX && !pd_cpu_has(PD_NEEDS_AMX_BF16))
+        || (path == PD_BF16_AVX && !pd_cpu_has(PD_NEEDS_AVX512_BF16)))
+        return PD_ERR_CPU;
     threads = threads < 1 ? 1 : threads;
-    if (path == 2 || (path == 0 && M >= AMX_MIN_ROWS && pd_int8_gemm_amx_supported()))
-        return gemv_amx(x, M, K, ldx, w, N, bias, y, threads);
-    gemv_avx(x, M, K, ldx, w, N, bias, y, N, threads);
+    if (path == PD_BF16_AMX)
+        return pd_bf16_amx(x, M, K, ldx, w, N, bias, y, threads);
+    if (path == PD_BF16_AVX)
+        pd_bf16_avx(x, M, K, ldx, w, N, bias, y, N, threads);
+    else
+        return pd_bf16_emul(x, M, K, ldx, w, N, bias, y, threads);
     return PD_OK;
 }

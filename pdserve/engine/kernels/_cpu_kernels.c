@@ -36,10 +36,7 @@
 #include "_attn_bf16.h"
 #include "_attn_simd.h"
 
-#define PD_OK 0
-#define PD_ERR_NOMEM 1
-#define PD_ERR_BLOCK 2
-#define PD_ERR_LEN 3
+#include "_pd_cpu.h"
 
 /* float32 -> the nearest bf16, as float32 (a bf16 op's rounding of its result). */
 static inline float rbf(float f) { return bf16_to_f32(f32_to_bf16(f)); }
@@ -58,11 +55,10 @@ static inline void load_row(const void *base, int dtype, int64_t idx, int64_t D,
 /* One (sequence, KV head): the G query heads sharing it attend to its L keys.
  * `work` holds G*D (queries) + D (one K/V row) + G*D (accumulators) + G*L
  * (scores) floats. */
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static int attend(int dtype, const void *q, int64_t q_stride, const void *k, const void *v,
-                  const int64_t *table, int64_t L, int64_t num_blocks, int64_t b, int64_t h,
-                  int64_t G, int64_t KVH, int64_t D, int64_t bs, float scale, void *out,
-                  float *work) {
+PD_CLONES(int, attend, (int dtype, const void *q, int64_t q_stride, const void *k, const void *v,
+          const int64_t *table, int64_t L, int64_t num_blocks, int64_t b, int64_t h, int64_t G,
+          int64_t KVH, int64_t D, int64_t bs, float scale, void *out, float *work),
+          (dtype, q, q_stride, k, v, table, L, num_blocks, b, h, G, KVH, D, bs, scale, out, work)) {
     float *qf = work, *row = qf + G * D, *acc = row + D, *sc = acc + G * D;
     int64_t q0 = (b * KVH * G + h * G) * D;
     if (dtype == 1) { /* pdserve/engine/kernels/_attn_bf16.c where the head size and CPU allow */
@@ -149,7 +145,7 @@ int pd_paged_decode(int dtype, const void *q, int64_t q_stride, const void *k, c
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; i++) {
             if (work == NULL) {
-                err = PD_ERR_NOMEM;
+                err = PD_ERR_MEM;
                 continue;
             }
             int64_t b = i / KVH, h = i % KVH;
@@ -168,9 +164,9 @@ int pd_paged_decode(int dtype, const void *q, int64_t q_stride, const void *k, c
  *   out  = bf16(w * bf16(h * rsqrt(mean(h^2) + eps)))   mean and rsqrt in float32
  * One pass over h per row instead of ~9 torch ops (add, cast, pow, mean, add, rsqrt,
  * mul, cast, mul), each a dispatch and a full pass over the row. */
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static void add_rms_norm_row(uint16_t *h, const uint16_t *delta, const uint16_t *w, int64_t dim,
-                             float eps, uint16_t *out) {
+PD_CLONES(void, add_rms_norm_row, (uint16_t *h, const uint16_t *delta, const uint16_t *w,
+          int64_t dim, float eps, uint16_t *out),
+          (h, delta, w, dim, eps, out)) {
     float ss = 0.0f;
     if (delta != NULL) {
         for (int64_t j = 0; j < dim; j++)
@@ -202,9 +198,9 @@ void pd_add_rms_norm_bf16(uint16_t *h, const uint16_t *delta, const uint16_t *w,
  * row t at x + t * row_stride, head h at + h * D; cos/sin rows [T, D], sin with the
  * rotate_half sign folded in (pdserve/engine/models/rope.py). Rounded as HF's
  * `x * cos + rotate_half(x) * sin` in bf16: each product, then the sum. */
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static void rope_row(uint16_t *x, int64_t nheads, int64_t D, const uint16_t *c,
-                     const uint16_t *s) {
+PD_CLONES(void, rope_row, (uint16_t *x, int64_t nheads, int64_t D, const uint16_t *c,
+          const uint16_t *s),
+          (x, nheads, D, c, s)) {
     int64_t half = D / 2;
     for (int64_t h = 0; h < nheads; h++) {
         uint16_t *p = x + h * D;
@@ -238,9 +234,9 @@ void pd_rope_bf16(uint16_t *x, int64_t T, int64_t row_stride, int64_t nheads, in
  * [64 rows][16 columns] tile of codes (in L1), then each row's 16 values are scaled and
  * stored contiguously (one vector). `group` is a multiple of 16 (checked by the caller).
  * Codes, scales and offsets are finite, so bf16 rounding needs no NaN case. */
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static void int4_block(const uint8_t *packed, const void *sz, int sz_dtype, int64_t nb,
-                       int64_t N, int64_t K, int64_t group, int out_dtype, void *out) {
+PD_CLONES(void, int4_block, (const uint8_t *packed, const void *sz, int sz_dtype, int64_t nb,
+          int64_t N, int64_t K, int64_t group, int out_dtype, void *out),
+          (packed, sz, sz_dtype, nb, N, K, group, out_dtype, out)) {
     const uint8_t *src = packed + nb * K * 32;
     uint8_t tile[64][16];
     for (int64_t k0 = 0; k0 < K; k0 += 16) {

@@ -38,10 +38,7 @@
 #include <omp.h>
 #endif
 
-#define PD_OK 0
-#define PD_ERR_LEN 3
-#define PD_ERR_CPU 4
-#define PD_ERR_MEM 5
+#include "_pd_cpu.h"
 
 #define UNIT 64  /* output channels per work unit: one block of the packed layout */
 #define HALF 32  /* channels per pass of a row block (2 C tiles wide) */
@@ -57,13 +54,8 @@
  * loads and reads after tile stores. */
 #define MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
 
-int pd_int8_gemm_amx_supported(void); /* pdserve/engine/kernels/_int8_gemm.c: AMX present and permitted */
 
-int pd_int4_gemm_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16")
-           && pd_int8_gemm_amx_supported();
-}
+int pd_int4_gemm_supported(void) { return pd_cpu_has(PD_NEEDS_AMX); }
 
 struct tile_config {
     uint8_t palette, start_row, reserved[14];
@@ -298,9 +290,7 @@ INT4_TARGET static int gemm(const struct problem *pr, int threads) {
 int pd_int4_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed,
                       const void *sz, int sz_dtype, int64_t N, int64_t group, uint16_t *y,
                       int num_threads) {
-    static int supported = -1;
-    if (supported < 0)
-        supported = pd_int4_gemm_supported();
+    int supported = pd_int4_gemm_supported();
     if (M < 1 || K < CHUNK || N < 64 || N % 64 != 0 || K % CHUNK != 0 || group < 2
         || group % 2 != 0 || K % group != 0 || (sz_dtype != 0 && sz_dtype != 1))
         return PD_ERR_LEN;

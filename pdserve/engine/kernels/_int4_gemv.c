@@ -28,10 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define PD_OK 0
-#define PD_ERR_LEN 3
-#define PD_ERR_CPU 4
-#define PD_ERR_MEM 5
+#include "_pd_cpu.h"
 
 #define PD_INT4_GEMV_ROWS 4
 #define UNIT 64       /* output channels per block of the packed layout */
@@ -43,11 +40,7 @@
 #define GEMV4_TARGET \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512vnni,avx512bf16")))
 
-int pd_int4_gemv_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vnni")
-           && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
-}
+int pd_int4_gemv_supported(void) { return pd_cpu_has(PD_NEEDS_INT4_GEMV); }
 
 int pd_int4_gemv_rows(void) { return PD_INT4_GEMV_ROWS; }
 
@@ -156,9 +149,7 @@ GEMV4_TARGET static void block(const struct rows_q *r, int64_t M, const uint8_t 
 GEMV4_TARGET int pd_int4_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed,
                                    const void *sz, int sz_dtype, int64_t N, int64_t group, uint16_t *y,
                                    int num_threads) {
-    static int supported = -1;
-    if (supported < 0)
-        supported = pd_int4_gemv_supported();
+    int supported = pd_int4_gemv_supported();
     if (M < 1 || M > PD_INT4_GEMV_ROWS || K < 32 || K % 32 != 0 || N < UNIT || N % UNIT != 0
         || (group != 32 && (group < 64 || group % 64 != 0)) || K % group != 0
         || (sz_dtype != 0 && sz_dtype != 1))

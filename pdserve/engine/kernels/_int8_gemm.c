@@ -33,8 +33,6 @@
 
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #define ROW_BLOCK 16
 #define AMX_ROWS 32 /* rows per pass over a tile's widened codes: two 16-row A/C tile pairs */
@@ -46,11 +44,7 @@
 #define PATH_VNNI 5
 #define PATH_AMX_Q8 6
 
-int pd_int8_gemm_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512vnni");
-}
+int pd_int8_gemm_supported(void) { return pd_cpu_has(PD_NEEDS_INT8); }
 
 /* x[m, k], x[m, k+1] as one 32-bit lane value; the odd tail pairs x[K-1] with 0. */
 static inline int32_t pair(const uint16_t *row, int64_t k, int64_t K) {
@@ -133,19 +127,7 @@ TARGET static void gemm_avx(const uint16_t *x, int64_t M, int64_t K, const int8_
  * once per 32 rows. Past 32 rows, blocks are 32 rows and the ragged last one runs from a
  * zero-padded copy (one tile configuration per call).
  * Tile registers: 0, 1 = C for rows 0-15, 16-31; 2, 3 = A; 4 = B. */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-static int amx_ready(void) {
-    static int ready = -1; /* the permission is per process: asked once */
-    if (ready < 0) {
-        __builtin_cpu_init();
-        ready = __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile")
-                && __builtin_cpu_supports("amx-int8") && __builtin_cpu_supports("avx512vbmi")
-                && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }
-    return ready;
-}
+static int amx_ready(void) { return pd_cpu_has(PD_NEEDS_AMX); } /* _pd_cpu.h asks permission once */
 
 AMX_TARGET void pd_int8_amx_configure(int64_t rows0, int64_t rows1) {
     struct tile_config cfg;
@@ -279,9 +261,7 @@ int pd_int8_gemm_path(int64_t M) { return M < 1 ? PATH_AUTO : choose_path(M); }
 /* `path`: PATH_AUTO (`choose_path`), or one forced (tests and the benchmark run each). */
 int pd_int8_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const int8_t *packed,
                       const float *scales, int64_t N, uint16_t *y, int num_threads, int path) {
-    static int supported = -1;
-    if (supported < 0)
-        supported = pd_int8_gemm_supported();
+    int supported = pd_int8_gemm_supported();
     if (M < 1 || K < 1 || N < 1 || path < PATH_AUTO || path > PATH_AMX_Q8
         || ((path == PATH_AMX_ROWS || path == PATH_AMX_Q8) && M > 16) || (path == PATH_VNNI && M > PD_GEMV_ROWS))
         return PD_ERR_LEN;

@@ -6,12 +6,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define TARGET __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
+#include "_pd_cpu.h"
 
-#define PD_OK 0
-#define PD_ERR_LEN 3
-#define PD_ERR_CPU 4
-#define PD_ERR_MEM 5
+#define TARGET __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
 
 /* Rounds y = bf16(acc * scale) to nearest even and stores its first `valid` channels. */
 TARGET static inline void store_row(uint16_t *dst, __m512 acc, __m512 scale, int64_t valid) {

@@ -1,16 +1,18 @@
-"""The native bf16 GEMV (pdserve/engine/kernels/_bf16_gemv.c) for decode's small-row linears on CPU.
+"""The native bf16 linear (pdserve/engine/kernels/_bf16_gemv.c) on CPU: every row count, one kernel.
 
-`linear` is `F.linear` with one detour: a bf16 CPU call with 1 to `route_rows()` rows (a
-decode step's batch: up to 16 where the CPU has AMX, else 2) runs the native kernel,
-which streams the weight in its own row-major [N, K] layout (no second copy) as AMX A
-tiles (or AVX-512 BF16 dot products), float32 sums and one rounding to bf16; oneDNN's
-matmul reads the same weights at well under the memory speed one core reaches
-(`python -m bench.bf16_gemv` times both per shape and row count). Every
-other call (float32, more rows, CUDA, autograd, an input whose last dimension is strided,
-a CPU without AVX-512 BF16, the library missing or `PDSERVE_NATIVE_KERNELS=0`) is plain
-`F.linear`. `PDSERVE_BF16_GEMV=0` (read once, at import: this is every decode linear's
-path) turns the detour off alone; `set_enabled` does the same in one process (A/B
-benches and tests).
+`linear` is `F.linear` with one detour: a bf16 CPU call runs the kernel pdserve/engine/kernels/table.py
+picked for op `bf16` at import (`kernel()`): AMX tiles where the CPU has AMX-BF16, else
+AVX-512 BF16 dot products (`vdpbf16ps`), else those dot products' arithmetic emulated in
+plain float32 (AVX2 or baseline x86-64; the same bits as the AVX-512 BF16 path). Each
+streams the weight in its own row-major [N, K] layout (no second copy), sums in float32
+and rounds to bf16 once, in an order that does not depend on how many rows share the call,
+the panel they fall in or the thread count: decode's 1-16 rows, a chunk of a prefill and
+a whole prompt give every row the same bits (docs/determinism.md). Every other call
+(float32, CUDA, autograd, an input whose last dimension is strided, the library missing,
+`PDSERVE_NATIVE_KERNELS=0`) is plain `F.linear`; so is every bf16 call where
+`PDSERVE_BF16_GEMV=0` or `PDSERVE_DISABLED_KERNELS` removes the native entries (the table's
+`bf16_aten`, not row-invariant: oneDNN's order changes with M). `python -m bench.bf16_gemv`
+times each path per shape and row count; `python -m bench.invariance` the cost end to end.
 """
 
 from __future__ import annotations
@@ -20,57 +22,70 @@ import torch.nn.functional as F
 
 from pdserve.common import envs
 from pdserve.engine.kernels import native as native_kernels
+from pdserve.engine.kernels import table as kernel_table
+
+AUTO, AVX, AMX, EMUL = 0, 1, 2, 3  # `gemv` paths: pdserve/engine/kernels/_pd_cpu.h's PD_BF16_*
+ROWS = 16
+"""Rows of one AMX C tile (more run 16 at a time); the kernel itself takes any M >= 1."""
+NATIVE = ("bf16_amx", "bf16_avx512", "bf16_emulated")
 
 
 def available() -> bool:
-    """The library has the kernel and this CPU can run it."""
+    """The library has the kernel (it runs on every x86-64 CPU: the emulated path needs nothing)."""
     lib = native_kernels.LIB
-    return lib is not None and hasattr(lib, "pd_bf16_gemv") and bool(lib.pd_bf16_gemv_supported())
+    return lib is not None and hasattr(lib, "pd_bf16_gemv")
 
 
 _AVAILABLE = available()
-ROWS = int(native_kernels.LIB.pd_bf16_gemv_rows()) if _AVAILABLE else 0  # type: ignore[union-attr]
-"""The most rows the kernel takes in one call (0 where it is unavailable)."""
+SPEC = kernel_table.LinearSpec("bf16", "bfloat16")
 
-AVX_ROUTE_ROWS = 2
-"""Without AMX, the dot-product path beats F.linear only at a row or two (bench/bf16_gemv.py)."""
 
-_on = _AVAILABLE and envs.bf16_gemv()
+def _plan() -> kernel_table.Plan:
+    off = envs.disabled_kernels() | (frozenset() if envs.bf16_gemv() else frozenset(NATIVE))
+    return kernel_table.plan(SPEC, disabled=off)
+
+
+PLAN = _plan()
+"""The bf16 routes of this process, decided once (one kernel for every row count unless a
+setting removed the native ones)."""
+_PATH = PLAN.kernel_for(1).path
+_on = _AVAILABLE and _PATH != AUTO
+
+
+def kernel() -> str:
+    """The table entry bf16 CPU linears run (`bf16_aten` where the detour is off)."""
+    return PLAN.kernel_for(1).name if _on else "bf16_aten"
 
 
 def enabled() -> bool:
-    """Whether `linear` routes small bf16 CPU calls to the kernel."""
+    """Whether `linear` routes bf16 CPU calls to the kernel."""
     return _on
 
 
 def set_enabled(on: bool) -> bool:
-    """Turn the kernel route on (where available) or off; returns the previous setting."""
+    """Turn the kernel route on (where the table picked one) or off; returns the previous setting."""
     global _on
-    previous, _on = _on, on and _AVAILABLE
+    previous, _on = _on, on and _AVAILABLE and _PATH != AUTO
     return previous
 
 
-AUTO, AVX, AMX = 0, 1, 2  # `gemv` paths: the library's choice, AVX-512 BF16 dot products, AMX tiles
-
-
 def amx_rows() -> int:
-    """The fewest rows the library runs on AMX tiles (0: this CPU or process has no AMX)."""
-    lib = native_kernels.LIB
-    return int(lib.pd_bf16_gemv_amx_rows()) if lib is not None and _AVAILABLE else 0
+    """The fewest rows the library runs on AMX tiles (0: this CPU, as masked, has no AMX)."""
+    return 1 if _AVAILABLE and "amx_bf16" in native_kernels.features() else 0
 
 
-_ROUTE_ROWS = ROWS if amx_rows() else min(ROWS, AVX_ROUTE_ROWS)
-
-
-def route_rows() -> int:
-    """The most rows `linear` hands the kernel: all it takes on AMX, else AVX_ROUTE_ROWS
-    (fixed for the process: AMX is asked for once, at import)."""
-    return _ROUTE_ROWS
+def paths() -> dict[str, int]:
+    """The forced paths this CPU, as masked, runs: name -> `gemv` path code."""
+    feats = native_kernels.features()
+    return {name: code for name, code, need in (("avx", AVX, "avx512_bf16"), ("amx", AMX, "amx_bf16"),
+                                                 ("emulated", EMUL, None))
+            if _AVAILABLE and (need is None or need in feats)}
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, path: int = AUTO) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias) on the kernel: bf16 CPU tensors, 1 <= M <= ROWS,
-    x's columns contiguous (any row stride), weight C-contiguous. ValueError otherwise."""
+    """x [M, K] @ weight[N, K]^T (+ bias) on the kernel: bf16 CPU tensors, M >= 1, x's
+    columns contiguous (any row stride), weight C-contiguous. ValueError otherwise. AUTO:
+    the library's best path for this CPU as masked (the table's `bf16` entry)."""
     check(x, weight, bias)
     return _run(x, weight, bias, path)
 
@@ -78,7 +93,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 def check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """ValueError unless the kernel can take these operands (`gemv`'s docstring)."""
     if native_kernels.LIB is None or not _AVAILABLE:
-        raise ValueError("the native bf16 GEMV is not available (library missing or no AVX-512 BF16)")
+        raise ValueError("the native bf16 GEMV is not available (library missing)")
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
         raise ValueError("bf16 GEMV takes bfloat16 CPU tensors, got "
@@ -88,8 +103,8 @@ def check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
                          f"{tuple(weight.shape)}")
     m, k = x.shape
     n = weight.shape[0]
-    if not 1 <= m <= ROWS:
-        raise ValueError(f"bf16 GEMV takes 1 to {ROWS} rows, got {m}")
+    if m < 1:
+        raise ValueError(f"bf16 GEMV takes at least one row, got {m}")
     if x.stride(1) != 1 or (m > 1 and x.stride(0) < k) or not weight.is_contiguous():
         raise ValueError("bf16 GEMV needs x's columns and the weight contiguous, got strides "
                          f"{x.stride()} and {weight.stride()}")
@@ -99,7 +114,7 @@ def check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, path: int = AUTO) -> torch.Tensor:
     """The kernel call with no checks: the caller has established everything `gemv` checks
-    (`linear` does on its own route test, once per decode linear)."""
+    (`linear` does on its own route test)."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16)
@@ -117,10 +132,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (_on and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cpu and weight.is_cpu
             and weight.dim() == 2 and not (x.requires_grad or weight.requires_grad)):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if (1 <= x2.shape[0] <= _ROUTE_ROWS and x2.stride(-1) == 1 and x2.stride(0) >= x2.shape[1]
+        if (x2.shape[0] >= 1 and x2.stride(-1) == 1 and (x2.shape[0] == 1 or x2.stride(0) >= x2.shape[1])
                 and x2.shape[1] == weight.shape[1] and weight.is_contiguous()
                 and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_cpu and bias.dim() == 1
                                       and bias.shape[0] == weight.shape[0] and bias.is_contiguous()))):
-            y = _run(x2, weight, bias)
+            y = _run(x2, weight, bias, _PATH)
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)

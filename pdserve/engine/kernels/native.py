@@ -2,7 +2,9 @@
 
 Like kv_transfer's native copy, the library is optional: `pip install` builds it
 (setup.py) when a C compiler is there. `LIB` is None when it is missing or
-`PDSERVE_NATIVE_KERNELS=0`; every caller then takes its torch path. The library
+`PDSERVE_NATIVE_KERNELS=0`; every caller then takes its torch path. At load it gets the
+CPU features this process may use (`PDSERVE_CPU_FEATURES`, pdserve/engine/kernels/cpu_features.py): its
+kernels then run as on a CPU that has only those (pdserve/engine/kernels/_pd_cpu.h). The library
 uses OpenMP and is loaded after torch, so its `libgomp.so.1` resolves to the
 runtime torch already loaded: one thread pool, sized by torch's setting. ctypes
 releases the GIL for each call.
@@ -17,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from pdserve.common import envs
+from pdserve.engine.kernels import cpu_features
 
 P = ctypes.c_void_p
 I64 = ctypes.c_int64
@@ -36,6 +39,10 @@ class Symbol(NamedTuple):
 
 
 SYMBOLS: tuple[Symbol, ...] = (
+    Symbol("pd_cpu_set_mask", (C_INT,), C_INT, required=True),
+    Symbol("pd_cpu_caps", (), C_INT, required=True),
+    Symbol("pd_cpu_detected", (), C_INT, required=True),
+    Symbol("pd_cpu_feature_bit", (C_INT,), C_INT, required=True),
     Symbol("pd_paged_decode", (C_INT, P, I64, P, P, P, I64, P, I64, I64, I64, I64, I64, I64,
                                ctypes.c_float, P, C_INT), C_INT, required=True),
     Symbol("pd_add_rms_norm_bf16", (P, P, P, I64, I64, ctypes.c_float, P, C_INT), None, required=True),
@@ -86,7 +93,30 @@ def _load() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(spec.origin)  # CDLL, not PyDLL: calls release the GIL
     except OSError:
         return None
-    return lib if declare(lib) else None
+    if not declare(lib):
+        return None
+    lib.pd_cpu_set_mask(cpu_features.bits(cpu_features.effective()))
+    return lib
 
 
 LIB: ctypes.CDLL | None = _load()
+"""The library, its CPU mask set once from `PDSERVE_CPU_FEATURES` (pdserve/engine/kernels/cpu_features.py)."""
+
+
+def features() -> frozenset[str]:
+    """The features the library's kernels use now (pdserve/engine/kernels/_pd_cpu.h's caps, as names)."""
+    if LIB is None:
+        return frozenset()
+    caps = int(LIB.pd_cpu_caps())
+    return frozenset(f.name for f in cpu_features.FEATURES if caps & f.bit)
+
+
+def set_features(names: frozenset[str]) -> frozenset[str]:
+    """Narrow (or restore) the library's features to `names` in this process; returns the
+    previous set. Tests and benches that run one kernel under several masks use it; the
+    layers' routes (pdserve/engine/kernels/table.py) are chosen once, at load, from
+    `cpu_features.effective()`."""
+    previous = features()
+    if LIB is not None:
+        LIB.pd_cpu_set_mask(cpu_features.bits(names))
+    return previous

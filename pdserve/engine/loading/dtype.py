@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pdserve.engine.core.config import DTYPE_CHOICES, SERVING_DTYPES, EngineConfig
+from pdserve.engine.kernels import cpu_features
 from pdserve.engine.loading.model_config import ModelConfig
 
 __all__ = ["DTYPE_CHOICES", "SERVING_DTYPES"]
@@ -29,7 +30,7 @@ BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 _ALIASES = {
     "fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
 }
-CPUINFO = Path("/proc/cpuinfo")
+CPUINFO = cpu_features.CPUINFO
 DTYPE_HELP = ("auto (default): bfloat16 on a CPU with native bf16 (AVX-512 BF16 or AMX), "
               "else float32; on CUDA the checkpoint's dtype, float32 as bfloat16")
 
@@ -79,17 +80,11 @@ def _checkpoint(dtype: str | None) -> str:
 
 
 def host_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
-    """The CPU flags of this host from `/proc/cpuinfo` (x86 `flags` line); empty when
+    """The CPU flags of this host from `/proc/cpuinfo` (x86 `flags` line) as
+    `PDSERVE_CPU_FEATURES` leaves them (pdserve/engine/kernels/cpu_features.py, the one capability
+    source: `-avx512_bf16` resolves `auto` as a CPU without it would); empty when
     unreadable (not Linux), which resolves `auto` on CPU to float32."""
-    try:
-        text = cpuinfo.read_text(errors="replace")
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+    return cpu_features.masked_flags(cpu_features.read_flags(cpuinfo))
 
 
 def model_dtype(

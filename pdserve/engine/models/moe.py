@@ -59,7 +59,7 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) for tokens x [T, hidden]."""
-        probs = torch.softmax(F.linear(x, self.router_weight).float(), dim=-1)
+        probs = torch.softmax(linear(x, self.router_weight, None).float(), dim=-1)
         weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)
         if self.moe.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.kernels import native as native_kernels
+from pdserve.engine.kernels import table as kernel_table
 
 AUTO, GEMV, DPBF16, AMX, AMX_ROWS, VNNI, AMX_Q8 = 0, 1, 2, 3, 4, 5, 6  # `matmul` paths (the C PATH_* codes)
 PATHS = {"gemv": GEMV, "dpbf16": DPBF16, "amx": AMX, "amx_rows": AMX_ROWS, "vnni": VNNI, "amx_q8": AMX_Q8}
@@ -55,8 +56,12 @@ _AVAILABLE = available()
 
 
 def packs_for(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether an int8 layer computing in `dtype` on `device` keeps a copy for the kernel."""
-    return _AVAILABLE and dtype == torch.bfloat16 and device.type == "cpu"
+    """Whether an int8 layer computing in `dtype` on `device` keeps a copy for the kernel:
+    where pdserve/engine/kernels/table.py routes its rows to a native int8 entry (all or none)."""
+    if not (_AVAILABLE and dtype == torch.bfloat16 and device.type == "cpu"):
+        return False
+    plan = kernel_table.plan(kernel_table.LinearSpec("int8", "bfloat16", device.type))
+    return all(r.kernel.path != AUTO for r in plan.routes)
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor) -> PackedInt8:

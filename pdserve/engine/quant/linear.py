@@ -44,6 +44,7 @@ from torch import nn
 
 from pdserve.engine.kernels import bf16_gemv
 from pdserve.engine.kernels import native as native_kernels
+from pdserve.engine.kernels import table as kernel_table
 from pdserve.engine.kernels.native import DTYPE_CODES
 from pdserve.engine.quant import int4_kernel, int8_kernel
 from pdserve.engine.quant.formats import INT4_GROUP, ON_THE_FLY, QuantizationError
@@ -51,9 +52,9 @@ from pdserve.engine.quant.pack import Int4Parts, Int8Parts, quantize_int4, quant
 
 _N_ALIGN = 16
 _N_ALIGN_CPU = 64
-INT8_KERNEL_ROWS = 8
-INT4_KERNEL_ROWS = 4  # the native GEMV (else aten's small-M kernel) up to here; the AMX GEMM above
-INT4_DEQUANT_ROWS = 32  # without it (float32, no AMX): aten up to here, then unpack + matmul
+INT8_KERNEL_ROWS = kernel_table.BY_NAME["int8_aten"].max_rows
+INT4_KERNEL_ROWS = kernel_table.BY_NAME["int4_gemv"].max_rows  # the native GEMV up to here; the AMX GEMM above
+INT4_DEQUANT_ROWS = kernel_table.BY_NAME["int4_dequant"].min_rows - 1  # without it: aten up to here, then unpack
 
 
 class Int8Linear(nn.Module):
@@ -70,15 +71,19 @@ class Int8Linear(nn.Module):
         if int8_kernel.packs_for(dtype, device):
             self.native = int8_kernel.pack(parts.q, self.scales)
             self.register_buffer("q", None)
+            # the kernel per row bucket, chosen once (pdserve/engine/kernels/table.py): its C path code
+            self.plan = kernel_table.plan(kernel_table.LinearSpec("int8", "bfloat16", "cpu", *parts.q.shape[::-1]))
         else:
             self.register_buffer("q", parts.q.to(device).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
-            return int8_kernel.matmul(x, self.native)  # decode's call: no reshapes or casts (us each)
+            # decode's call: no reshapes or casts (us each)
+            return int8_kernel.matmul(x, self.native, self.plan.kernel_for(x.shape[0]).path)
         x2 = x.reshape(-1, self.in_features)
         if self.native is not None:
-            y = int8_kernel.matmul(x2.to(torch.bfloat16), self.native).to(x2.dtype)
+            y = int8_kernel.matmul(x2.to(torch.bfloat16), self.native,
+                                   self.plan.kernel_for(x2.shape[0]).path).to(x2.dtype)
         else:
             assert self.q is not None
             if x2.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_ROWS:
@@ -111,6 +116,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=kernel_dtype))
         self.register_buffer("packed", _pack_int4(q.to(device), self.on_cuda))
         self.register_buffer("perm", None if parts.perm is None else parts.perm.to(device))
+        self._plans: dict[torch.dtype, kernel_table.Plan] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -118,22 +124,35 @@ class Int4Linear(nn.Module):
             x2 = x2.index_select(1, self.perm)
         if self.pad_k:
             x2 = F.pad(x2, (0, self.pad_k))
-        rows = x2.shape[0]
         if self.on_cuda:
             y = torch._weight_int4pack_mm(x2.to(torch.bfloat16).contiguous(), self.packed, self.group,
                                           self.scales_and_zeros).to(x.dtype)
-        elif rows <= INT4_KERNEL_ROWS and int4_kernel.gemv_runs(x2, self.scales_and_zeros, self.group):
-            y = int4_kernel.gemv(x2, self.packed, self.scales_and_zeros, self.group)
-        elif rows > INT4_KERNEL_ROWS and int4_kernel.runs(x2, self.scales_and_zeros, self.group):
-            y = int4_kernel.matmul(x2, self.packed, self.scales_and_zeros, self.group)
-        elif rows > INT4_DEQUANT_ROWS and _dequantizes(x2.dtype, self.scales_and_zeros.dtype):
-            y = F.linear(x2, self.dense_weight(x2.dtype))
         else:
-            y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group,
-                                                  self.scales_and_zeros)
+            y = self._cpu(x2)
         if y.shape[-1] != self.out_features:
             y = y[:, : self.out_features]
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def plan(self, dtype: torch.dtype) -> kernel_table.Plan:
+        """This layer's CPU routes for `dtype` activations (pdserve/engine/kernels/table.py), chosen
+        once per activation dtype, at its first call in that dtype."""
+        got = self._plans.get(dtype)
+        if got is None:
+            spec = kernel_table.LinearSpec("int4", str(dtype).removeprefix("torch."), "cpu",
+                                           self.in_features + self.pad_k, self.scales_and_zeros.shape[1],
+                                           self.group)
+            got = self._plans[dtype] = kernel_table.plan(spec)
+        return got
+
+    def _cpu(self, x2: torch.Tensor) -> torch.Tensor:
+        name = self.plan(x2.dtype).kernel_for(x2.shape[0]).name
+        if name == "int4_gemv":
+            return int4_kernel.gemv(x2, self.packed, self.scales_and_zeros, self.group)
+        if name == "int4_gemm_amx":
+            return int4_kernel.matmul(x2, self.packed, self.scales_and_zeros, self.group)
+        if name == "int4_dequant":
+            return F.linear(x2, self.dense_weight(x2.dtype))
+        return torch._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group, self.scales_and_zeros)
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The CPU-packed codes as a dense [N_padded, K_padded] weight of `dtype`
@@ -149,12 +168,6 @@ class Int4Linear(nn.Module):
         if rc != 0:
             raise ValueError(f"int4 weight of shape {tuple(out.shape)} cannot be unpacked (code {rc})")
         return out
-
-
-def _dequantizes(x_dtype: torch.dtype, sz_dtype: torch.dtype) -> bool:
-    lib = native_kernels.LIB
-    return (lib is not None and hasattr(lib, "pd_int4_dequant") and x_dtype in DTYPE_CODES
-            and sz_dtype in DTYPE_CODES)
 
 
 def _pack_int4(q: torch.Tensor, cuda: bool) -> torch.Tensor:
