@@ -20,6 +20,8 @@ class SeqChunk:
     num_draft_tokens: the last this many tokens are speculative drafts (pdserve.engine.spec);
                  with need_logits the runner returns the logits of each of them and
                  of the token before them, in position order.
+    lora_id:     the fingerprint of the LoRA adapter these tokens run under ("": the
+                 base model); rows of different adapters share one step (pdserve.engine.lora).
     """
 
     token_ids: list[int]
@@ -27,6 +29,7 @@ class SeqChunk:
     block_table: list[int]
     need_logits: bool
     num_draft_tokens: int = 0
+    lora_id: str = ""
 
     @property
     def num_logits(self) -> int:

@@ -117,8 +117,11 @@ class Reservation(NamedTuple):
 class Scheduler:
     """Continuous batching at token granularity over one block manager."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 max_loras: int = 0):
         self.config = config
+        # Distinct LoRA adapters among running sequences (they are all in every step).
+        self.max_loras = max_loras
         self.block_manager = block_manager
         # Admission (the engine) rejects requests that could outgrow it and ends a
         # sequence that reaches it, so no chunk ever crosses it.
@@ -208,7 +211,8 @@ class Scheduler:
         """The runner computed `output`: advance progress and cache full blocks."""
         for chunk, seq in zip(output.chunks, output.seqs, strict=True):
             seq.num_computed_tokens = chunk.end_pos - chunk.num_draft_tokens
-            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                                 seq.prefix_root)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End `seq` wherever it is; free its blocks unless it is FINISHED_PREFILLED."""
@@ -287,14 +291,14 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if seq.seq_id in held:
+            if seq.seq_id in held or not self._adapter_fits(seq):
                 skipped.append(self.waiting.popleft())
                 continue
             width = seq.num_choices_when_running
             if self.running and len(self.running) + width > self.config.max_num_seqs:
                 break
             first_admission = seq.num_computed_tokens == 0 and not bm.has_owner(seq.seq_id)
-            prefix = bm.match_prefix(seq.token_ids) if first_admission else NO_HIT
+            prefix = bm.match_prefix(seq.token_ids, seq.prefix_root) if first_admission else NO_HIT
             computed = max(seq.num_computed_tokens, prefix.num_tokens)
             num_new = seq.num_tokens - computed
             if num_new > min(budget, self._prefill_cap):
@@ -316,6 +320,14 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Admitting `seq` keeps the running adapters within `max_loras` (a sequence
+        whose adapter does not fit waits for a running adapter's sequences to end)."""
+        if not seq.lora_id:
+            return True
+        active = {s.lora_id for s in self.running if s.lora_id}
+        return seq.lora_id in active or len(active) < self.max_loras
 
     @staticmethod
     def _fit_drafts(seq: Sequence, num_new: int) -> int:
@@ -342,4 +354,5 @@ class Scheduler:
             block_table=self.block_manager.block_table(seq.seq_id),
             need_logits=end == seq.num_tokens,
             num_draft_tokens=len(drafts),
+            lora_id=seq.lora_id,
         )
