@@ -178,11 +178,12 @@ class ClusterBackend:
         streamed tokens, which stay output to the engine, so the workers continue its
         seeds and penalties exactly; max_tokens still counts them."""
         params, prompt = request.req.params, list(request.req.prompt_token_ids)
+        lora = request.req.lora  # every attempt, recoveries too, runs under the same adapter
         if not any(request.generated):
-            return p.RequestPayload(prompt, params), list(range(params.n))
+            return p.RequestPayload(prompt, params, lora=lora), list(range(params.n))
         choice = next(c for c, fin in enumerate(request.finished) if not fin)
         resume = p.Resume(list(request.generated[choice]), choice)
-        return p.RequestPayload(prompt, replace(params, n=1), resume), [choice]
+        return p.RequestPayload(prompt, replace(params, n=1), resume, lora), [choice]
 
     def _new_attempt(self, request: RequestState) -> Flight:
         """The request's next attempt, registered in the flight table (so that whatever

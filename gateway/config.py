@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.generation_config import SamplingDefaults
 from gateway.backend import PRIORITIES
+from gateway.lora_adapters import GatewayLoraConfig
 from gateway.planner import PlannerSettings
 
 
@@ -88,6 +89,8 @@ class GatewayConfig:
     admin_token: str | None = None
     # --planner: the P:D planner (gateway/planner_loop.py); None: off.
     planner: PlannerSettings | None = None
+    # --enable-lora: LoRA adapters served by name (gateway/lora_adapters.py); None: off.
+    lora: GatewayLoraConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:

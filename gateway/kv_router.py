@@ -56,7 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pdserve.common.block_hash import cacheable_blocks, prefix_block_keys
+from pdserve.common.block_hash import cacheable_blocks, prefix_block_keys, prefix_root
 from pdserve.common.protocol import RequestPayload
 from gateway.backend import FleetSample
 from gateway.kv_index import KvIndex
@@ -111,8 +111,10 @@ class Pick(NamedTuple):
 
 
 def prompt_keys(payload: RequestPayload, block_size: int) -> list[int]:
-    """The block keys of everything the worker prefills: the prompt and any resumed output."""
-    return prefix_block_keys([*payload.prompt_token_ids, *payload.output_token_ids], block_size)
+    """The block keys of everything the worker prefills: the prompt and any resumed output,
+    in the chain of the request's LoRA adapter (so no adapter's blocks count for another)."""
+    root = prefix_root(payload.lora.fingerprint if payload.lora is not None else "")
+    return prefix_block_keys([*payload.prompt_token_ids, *payload.output_token_ids], block_size, root)
 
 
 class KvRouter:

@@ -21,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.common.lora import LoraRef
 from gateway import sse
 from gateway.backend import BackendError, GenerateRequest
 from gateway.chat_template import ChatTemplateError
@@ -144,7 +145,9 @@ class _RequestRun:
         check_content_type(self.request.headers.get("Content-Type", ""))
         raw = await read_body(self.request, config.limits.max_body_bytes)
         body = decode_body(raw, config.limits)
-        return parse_request(self.kind, body, config, self.request.headers.get(PRIORITY_HEADER))
+        loras = self.state.loras
+        return parse_request(self.kind, body, config, self.request.headers.get(PRIORITY_HEADER),
+                             loras if loras is not None else ())
 
     def _tokenize(self, parsed: ParsedRequest) -> list[int]:
         tok = self.state.tokenizer
@@ -162,6 +165,17 @@ class _RequestRun:
         return tok.encode(prompt, add_special_tokens=False)
 
     async def _generate(self, parsed: ParsedRequest, ids: list[int]) -> web.StreamResponse:
+        loras = self.state.loras
+        if loras is None or parsed.model is None or parsed.model not in loras:
+            return await self._generate_as(parsed, ids, None)
+        lora = loras.acquire(parsed.model)  # pinned: it cannot be unloaded while it runs
+        try:
+            return await self._generate_as(parsed, ids, lora)
+        finally:
+            loras.release(parsed.model)
+
+    async def _generate_as(self, parsed: ParsedRequest, ids: list[int], lora: LoraRef | None
+                           ) -> web.StreamResponse:
         state = self.state
         timeout = state.config.request_timeout_s
         greq = GenerateRequest(
@@ -170,6 +184,7 @@ class _RequestRun:
             params=parsed.params,
             priority=parsed.priority,
             deadline=self.arrival + timeout if timeout is not None else None,
+            lora=lora,
         )
         self.gen = gen = Generation(
             state.backend, greq, state.tokenizer, self.timer,
@@ -179,7 +194,7 @@ class _RequestRun:
         )
         shape = parsed.shape
         builder = ResponseBuilder(
-            self.kind, self.rid, state.config.model_name, state.tokenizer, parsed.params.n,
+            self.kind, self.rid, lora.name if lora else state.config.model_name, state.tokenizer, parsed.params.n,
             parsed.params.logprobs is not None,
             parser_factory(shape.tool_mode, shape.tool_name, state.config.tool_call_parser),
             named_tool=shape.tool_mode == "named",

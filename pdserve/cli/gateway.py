@@ -33,6 +33,7 @@ from pdserve.cli.gateway_options import (
     gateway_settings,
     sampling_defaults,
 )
+from pdserve.cli.lora_args import add_lora_args, check_lora_args, gateway_lora_config
 
 # gateway/kv_router.py: ROUTERS (kept out of this module's imports: parsing loads no zmq)
 ROUTERS = ("kv-aware", "least-loaded", "round-robin")
@@ -75,6 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     help="CURVE: the gateway's secret certificate (encrypts the control plane)")
     ap.add_argument("--curve-authorized-keys", default=None,
                     help="CURVE: directory of worker public certificates allowed to connect")
+    add_lora_args(ap, gateway=True, workers=False)
     ap.set_defaults(func=run)
 
 
@@ -85,6 +87,7 @@ def check_args(args: argparse.Namespace) -> int:
         flag = "--curve-authorized-keys" if args.curve_secret_key else "--curve-secret-key"
         raise UsageError(flag, "--curve-secret-key and --curve-authorized-keys go together")
     check_tool_flags(args)
+    check_lora_args(args)
     max_model_len = check_max_model_len(args.max_model_len, check_model(args.model))
     check_served_names(args.served_model_name)
     if args.port:
@@ -132,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         sampling_defaults=defaults,
         drain_timeout_s=args.drain_timeout,
         request_timeout_s=args.request_timeout,
+        lora=gateway_lora_config(args),
     )
     print(f"pdserve control plane on tcp://{args.control_host}:{control_port}", flush=True)
     return run_gateway(config, cluster, Tokenizer.from_model_dir(model))

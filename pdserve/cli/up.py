@@ -46,6 +46,12 @@ from pdserve.cli.gateway_options import (
     check_tool_flags,
     sampling_defaults,
 )
+from pdserve.cli.lora_args import (
+    add_lora_args,
+    check_lora_args,
+    gateway_lora_flags,
+    worker_lora_flags,
+)
 from pdserve.worker.cpu_cores import format_cpu_list, plan_cores
 
 
@@ -123,6 +129,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--local-prefill-threshold", type=non_negative_int, default=0, metavar="TOKENS",
                     help="gateway: prefill on the decode worker when at most this many prompt tokens are uncached")
     ap.add_argument("--ready-timeout", type=positive_float, default=120.0)
+    add_lora_args(ap, gateway=True, workers=True)
     ap.set_defaults(func=run)
 
 
@@ -185,7 +192,7 @@ def _worker_cmds(args: argparse.Namespace, control: str,
         spec = args.speculative_config
         if spec is not None and (role != "prefill" or spec.ships_draft_kv):
             cmd += ["--speculative-config", spec.to_json()]
-        cmds.append(cmd)
+        cmds.append(cmd + worker_lora_flags(args))
     return cmds
 
 
@@ -266,7 +273,7 @@ def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
         cmd += ["--api-key", key]
     for path in args.api_key_file:
         cmd += ["--api-key-file", str(Path(path).resolve())]
-    return cmd
+    return cmd + gateway_lora_flags(args)
 
 
 def _role_names(args: argparse.Namespace) -> list[str]:
@@ -279,6 +286,7 @@ def _role_names(args: argparse.Namespace) -> list[str]:
 def check_args(args: argparse.Namespace) -> None:
     """Everything a child would otherwise fail on, refused before any child starts."""
     check_tool_flags(args)
+    check_lora_args(args)
     config = check_model(args.model)
     check_max_model_len(args.max_model_len, config)
     check_parallel("--prefill-tp", args.prefill_tp, args.prefill_pp, args.device, config)

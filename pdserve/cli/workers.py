@@ -37,6 +37,7 @@ from pdserve.cli.args import (
     positive_float,
     positive_int,
 )
+from pdserve.cli.lora_args import add_lora_args, check_lora_args, worker_lora_config
 from pdserve.worker.cpu_cores import format_cpu_list, parse_cpu_list, pin_process
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     add_kv_cache_dtype_arg(ap)
     add_quantization_arg(ap)
     add_lm_head_quantization_arg(ap)
+    add_lora_args(ap, gateway=False, workers=True)
     ap.add_argument("--spin-wait", action="store_true",
                     help="let OpenMP threads spin briefly between parallel regions (OpenMP's own "
                     "default): ~20%% faster steps when this worker's threads have their cores to "
@@ -160,6 +162,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(flag, "--curve-key and --curve-server-key go together")
     config = check_model(args.model, tokenizer=False)
     check_max_model_len(args.max_model_len, config)
+    check_lora_args(args)
     check_speculative(getattr(args, "speculative_config", None))
     flag = "--pipeline-parallel-size" if args.pipeline_parallel_size > 1 else "--tensor-parallel-size"
     check_parallel(flag, args.tensor_parallel_size, args.pipeline_parallel_size, args.device, config)
@@ -269,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
             speculative=getattr(args, "speculative_config", None),
             cuda_graphs=args.cuda_graphs,
             attention_backend=args.attention_backend,
+            lora=worker_lora_config(args),
         )
     except ValueError as e:
         raise SystemExit(f"pdserve {args.role}: {e}") from None
