@@ -45,8 +45,8 @@ def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
 
 @pytest.fixture(scope="module")
-def lora_reference(model_dir: Path, reference: Reference, adapters: dict[str, Path]) -> dict[tuple[str, str], str]:
-    """The single-process engine's greedy text per (adapter or "", prompt)."""
+def lora_engine(model_dir: Path, reference: Reference, adapters: dict[str, Path]) -> Any:
+    """greedy(adapter or "", prompt, max_tokens): the single-process engine's text."""
     from pdserve.engine.core.config import CacheConfig, EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.lora.config import LoraConfig
@@ -55,18 +55,25 @@ def lora_reference(model_dir: Path, reference: Reference, adapters: dict[str, Pa
                                     cache=CacheConfig(num_blocks=256),
                                     lora=LoraConfig(max_loras=3, max_lora_rank=16)))
     refs: dict[str, LoraRef | None] = {"": None, **{n: lora_ref(n, p) for n, p in adapters.items()}}
-    out = {}
-    for name, ref in refs.items():
-        for prompt in PROMPTS:
-            rid = f"{name}-{prompt}"
-            engine.add_request(rid, reference.completion_ids(prompt),
-                               SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), lora=ref)
-            toks: list[int] = []
-            while engine.has_unfinished():
-                for o in engine.step():
-                    toks.extend(o.outputs[0].token_ids)
-            out[name, prompt] = reference.text(toks)
-    assert len({out[n, PROMPTS[0]] for n in refs}) == len(refs)  # every adapter changes the text
+
+    def greedy(name: str, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+        engine.add_request("r", reference.completion_ids(prompt),
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                           lora=refs[name])
+        toks: list[int] = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                toks.extend(o.outputs[0].token_ids)
+        return reference.text(toks)
+
+    return greedy
+
+
+@pytest.fixture(scope="module")
+def lora_reference(lora_engine: Any, adapters: dict[str, Path]) -> dict[tuple[str, str], str]:
+    """The single-process engine's greedy text per (adapter or "", prompt)."""
+    out = {(n, p): lora_engine(n, p) for n in ["", *adapters] for p in PROMPTS}
+    assert len({out[n, PROMPTS[0]] for n in ["", *adapters]}) == len(adapters) + 1  # each changes the text
     return out
 
 
@@ -246,5 +253,46 @@ def test_one_prefill_one_decode_serve_adapters_exactly(log_dir: Path, reference:
                 want = lora_reference["" if m == reference.model_name else m, PROMPTS[0]]
                 assert _complete(client, m, PROMPTS[0]) == want, m
         c.wait_idle()
+    finally:
+        c.stop()
+
+
+def test_kill_decode_mid_stream_under_adapters_recovers_exactly(
+    log_dir: Path, reference: Reference, adapters: dict[str, Path], lora_engine: Any,
+) -> None:
+    """A decode worker killed with SIGKILL mid-stream: each stream re-prefills under its
+    own adapter on the prefill worker and continues on the other decode worker, exactly."""
+    from tests.e2e.test_exact_recovery import KEY as SEED_KEY
+    from tests.e2e.test_exact_recovery import Stream
+
+    lora = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "16"]
+    c = Cluster(log_dir)
+    try:
+        c.start_gateway("--heartbeat-timeout", "1.5", "--router", "least-loaded", *lora,
+                        "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()),
+                        env={"PDSERVE_GATEWAY_SEED_KEY": SEED_KEY.hex()})
+        c.add_worker("prefill", *lora)
+        victim = c.add_worker("decode", "--num-blocks", "1024", "--enable-fault-injection", *lora,
+                              env={"PDSERVE_FAULTS": "step_delay_s=0.1"})
+        c.add_worker("decode", *lora)
+        c.wait_roles(prefill=1, decode=2)
+        models = [*adapters, reference.model_name]
+        streams = [Stream(c.url, f"lora-kill-{i}", {"model": m, "prompt": f"Stream {i} goes on",
+                                                    "max_tokens": 30, "temperature": 0, "ignore_eos": True})
+                   for i, m in enumerate(models)]
+        for s in streams:
+            s.thread.start()
+        for s in streams:
+            s.wait_chunks(3)
+        held = {w["pid"]: w["inflight_requests"] for w in c.worker_list() if w["role"] == "decode"}
+        assert held[victim.popen.pid] == len(streams), held
+        victim.signal(signal.SIGKILL)
+        for i, (s, m) in enumerate(zip(streams, models, strict=True)):
+            want = lora_engine("" if m == reference.model_name else m, f"Stream {i} goes on", 30)
+            assert s.result() == ([want], ["length"]), m
+        gateway_log = c.gateway.log_path.read_text() if c.gateway else ""
+        assert all(f"recovering {s.rid} " in gateway_log for s in streams)
+        c.wait_roles(prefill=1, decode=1)
+        c.wait_idle(timeout=50)
     finally:
         c.stop()
