@@ -137,10 +137,10 @@ def test_per_module_ranks_and_rslora_scales(lora_model) -> None:
     layer = w.layers[0]
     assert set(layer) == {"qkv", "o", "gate_up", "down"}
     assert layer["qkv"].a.shape == (48, 64) and layer["o"].a.shape == (2, 64)  # rank_pattern o_proj: 2
-    assert layer["o"].scale.unique().tolist() == [32.0 / 2]
+    assert layer["o"].rank_scale.unique().tolist() == [32.0 / 2]
     rs = load_lora(str(adapters["mlp-r8-rslora"]), "y", cfg, 16)
     assert set(rs.layers[1]) == {"gate_up", "down"}
-    assert rs.layers[1]["down"].scale.unique().tolist() == [pytest.approx(16.0 / 8 ** 0.5)]
+    assert rs.layers[1]["down"].rank_scale.unique().tolist() == [pytest.approx(16.0 / 8 ** 0.5)]
     assert rs.target_modules == ("gate_proj", "up_proj", "down_proj")
 
 

@@ -1,10 +1,17 @@
 """One step's LoRA rows: which flat token rows run under which adapter, and the
-segmented low-rank update every targeted linear adds to its base output.
+low-rank update every targeted linear adds to its base output.
 
-Rows are grouped by adapter once per step (S-LoRA / Punica's segmented form); in every
-layer each group's rows take `x @ A.T @ B.T * scale` and add it to the base linear's
-output for those rows only. Base-model rows take nothing, and a step with no adapter
-row builds no batch at all, so the base path is the plain model.
+The step's adapters are stacked per layer and fused linear (`LoraStack`: their A
+matrices concatenated along the rank, their B matrices likewise, each rank column
+tagged with the adapter slot that owns it), so one step with rows of several adapters
+and of the base model takes two matmuls per linear whatever the mix (Punica's
+gathered form, on CPU as one masked GEMM pair):
+
+    out += ((x @ A_all.T) * W) @ B_all.T,   W[t, j] = scale_j if row t's adapter owns column j else 0
+
+A base row's W is all zero, so it gains exactly nothing; a row of adapter k gains
+only its own columns (the others multiply by exact zeros). A step with no adapter row
+builds no batch at all, so the base path is the plain model.
 """
 
 from __future__ import annotations
@@ -15,84 +22,86 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.lora.checkpoint import FusedDelta, LoraWeights
+from pdserve.engine.lora.checkpoint import GROUPS, LoraWeights
 
 
 @dataclass(frozen=True)
-class LoraSegment:
-    """The rows of one adapter: a contiguous run `rows` (a slice) or a gather index."""
+class StackedDelta:
+    a: torch.Tensor  # [R, in]: every adapter's A rows of this linear, in slot order
+    b: torch.Tensor  # [out, R]
+    owner: torch.Tensor  # [R] long: the slot of the adapter each rank column belongs to
+    rank_scale: torch.Tensor  # [R]
 
-    weights: LoraWeights
-    rows: slice | torch.Tensor
+
+class LoraStack:
+    """A set of adapters (slot i = `adapters[i]`) stacked per layer and fused linear;
+    built once per distinct set and reused by every step that runs that set."""
+
+    def __init__(self, adapters: Sequence[LoraWeights]) -> None:
+        self.fingerprints = tuple(w.fingerprint for w in adapters)
+        num_layers = len(adapters[0].layers)
+        self.layers: list[dict[str, StackedDelta]] = []
+        # Layers whose columns have the same owners and scales share one (owner, scale)
+        # pair, so a step builds each row weighting once (`LoraBatch.weights`).
+        shared: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in range(num_layers):
+            groups = {}
+            for g in GROUPS:
+                parts = [(slot, w.layers[i][g]) for slot, w in enumerate(adapters) if g in w.layers[i]]
+                if not parts:
+                    continue
+                owner = torch.cat([torch.full((d.a.shape[0],), s, dtype=torch.long, device=d.a.device)
+                                   for s, d in parts])
+                scale = torch.cat([d.rank_scale for _, d in parts])
+                key = (tuple(owner.tolist()), tuple(scale.tolist()))
+                owner, scale = shared.setdefault(key, (owner, scale))
+                groups[g] = StackedDelta(torch.cat([d.a for _, d in parts]),
+                                         torch.cat([d.b for _, d in parts], dim=1), owner, scale)
+            self.layers.append(groups)
 
 
 class LoraLayer:
-    """The segments of one step, bound to layer `index`: what a layer's linears call."""
+    """The step's rows bound to layer `index`: what a layer's linears call."""
 
-    __slots__ = ("index", "segments")
+    __slots__ = ("batch", "index")
 
-    def __init__(self, segments: Sequence[LoraSegment], index: int) -> None:
-        self.segments = segments
+    def __init__(self, batch: LoraBatch, index: int) -> None:
+        self.batch = batch
         self.index = index
 
     def apply(self, group: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`out` (the base output of fused linear `group` on input `x`) plus each
-        segment's update on its own rows, in place."""
-        for seg in self.segments:
-            d = seg.weights.layers[self.index].get(group)
-            if d is None:
-                continue
-            if isinstance(seg.rows, slice):
-                out[seg.rows] += _delta(d, x[seg.rows])
-            else:
-                out.index_add_(0, seg.rows, _delta(d, x.index_select(0, seg.rows)))
+        """`out` (the base output of fused linear `group` on input `x`) plus each row's
+        own adapter's update, in place."""
+        d = self.batch.stack.layers[self.index].get(group)
+        if d is None:
+            return out
+        out += F.linear(F.linear(x, d.a) * self.batch.weights(d, x.dtype), d.b)
         return out
-
-
-def _delta(d: FusedDelta, x: torch.Tensor) -> torch.Tensor:
-    # The op order of PEFT's Linear: lora_B(lora_A(x)) * scaling.
-    return F.linear(F.linear(x, d.a), d.b) * d.scale
 
 
 class LoraBatch:
     """Per-row adapters of one step (flat rows in the runner's order)."""
 
-    def __init__(self, segments: Sequence[LoraSegment]) -> None:
-        self.segments = tuple(segments)
+    def __init__(self, stack: LoraStack, row_slot: torch.Tensor) -> None:
+        self.stack = stack
+        self.row_slot = row_slot  # [T] long: the row's slot in `stack`, -1 for the base model
+        self._weights: dict[int, torch.Tensor] = {}
+
+    def weights(self, d: StackedDelta, dtype: torch.dtype) -> torch.Tensor:
+        """W [T, R] of `d`'s columns: the column's scale where the row's adapter owns it,
+        else 0 (built once per step for each distinct owner layout)."""
+        w = self._weights.get(id(d.owner))
+        if w is None:
+            w = (self.row_slot[:, None] == d.owner[None, :]).to(dtype) * d.rank_scale
+            self._weights[id(d.owner)] = w
+        return w
 
     def layer(self, index: int) -> LoraLayer:
-        return LoraLayer(self.segments, index)
+        return LoraLayer(self, index)
 
     @classmethod
-    def build(cls, row_ids: Sequence[tuple[str, int]], adapters: dict[str, LoraWeights],
-              device: torch.device) -> LoraBatch | None:
-        """From (adapter fingerprint, row count) runs in row order ("" = the base model);
-        None when no row runs under an adapter."""
-        runs: dict[str, list[tuple[int, int]]] = {}
-        at = 0
-        for fp, n in row_ids:
-            if fp:
-                runs.setdefault(fp, []).append((at, at + n))
-            at += n
-        if not runs:
-            return None
-        segments = []
-        for fp, spans in runs.items():
-            merged = _merge(spans)
-            rows: slice | torch.Tensor
-            if len(merged) == 1:
-                rows = slice(*merged[0])
-            else:
-                rows = torch.cat([torch.arange(s, e) for s, e in merged]).to(device)
-            segments.append(LoraSegment(adapters[fp], rows))
-        return cls(segments)
-
-
-def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out = [spans[0]]
-    for s, e in spans[1:]:
-        if s == out[-1][1]:
-            out[-1] = (out[-1][0], e)
-        else:
-            out.append((s, e))
-    return out
+    def build(cls, runs: Sequence[tuple[str, int]], stack: LoraStack, device: torch.device) -> LoraBatch:
+        """From (adapter fingerprint or "" for the base, row count) runs in row order."""
+        slot = {fp: i for i, fp in enumerate(stack.fingerprints)}
+        ids = [slot[fp] if fp else -1 for fp, n in runs for _ in range(n)]
+        return cls(stack, torch.tensor(ids, dtype=torch.long, device=device))

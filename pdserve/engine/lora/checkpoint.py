@@ -8,9 +8,10 @@ so a refused adapter leaves nothing behind.
 The per-module tensors are then fused the way the model fuses its projections
 (`pdserve.engine.models.llama`: q/k/v into one matmul, gate/up into one): per layer and fused
 linear, A stacked along the rank ([r_q + r_k + r_v, in]) and B block-diagonal
-([out, r_q + r_k + r_v]), with a per-output-column scale, so one low-rank product
-serves the fused output exactly as the separate PEFT layers would (the zero blocks add
-exact zeros).
+([out, r_q + r_k + r_v]), with each rank column's projection scale, so one low-rank
+product serves the fused output as the separate PEFT layers would (the zero blocks add
+exact zeros; the scale is applied to the rank-r intermediate, PEFT applies it to the
+output: the same product, rounded once more or less in another place).
 """
 
 from __future__ import annotations
@@ -28,19 +29,19 @@ GROUPS = ("qkv", "o", "gate_up", "down")
 
 @dataclass(frozen=True)
 class FusedDelta:
-    """The low-rank update of one fused linear: out += (x @ a.T @ b.T) * scale."""
+    """The low-rank update of one fused linear: out += ((x @ a.T) * rank_scale) @ b.T."""
 
     a: torch.Tensor  # [rank, in]
     b: torch.Tensor  # [out, rank], block-diagonal over the fused projections
-    scale: torch.Tensor  # [out], each projection's alpha / r (or / sqrt(r)); 0 where untargeted
+    rank_scale: torch.Tensor  # [rank], its projection's alpha / r (or alpha / sqrt(r))
 
     def to(self, dtype: torch.dtype, device: torch.device) -> FusedDelta:
         return FusedDelta(self.a.to(device, dtype), self.b.to(device, dtype),
-                          self.scale.to(device, dtype))
+                          self.rank_scale.to(device, dtype))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.a, self.b, self.scale))
+        return sum(t.numel() * t.element_size() for t in (self.a, self.b, self.rank_scale))
 
 
 @dataclass(frozen=True)
@@ -94,12 +95,12 @@ def _fuse(parts: list[tuple[ModulePlan, torch.Tensor, torch.Tensor]], dims: Proj
           out: int) -> FusedDelta:
     rank = sum(m.rank for m, _, _ in parts)
     b_all = torch.zeros(out, rank, dtype=torch.float32)
-    scale = torch.zeros(out, dtype=torch.float32)
+    scale = torch.zeros(rank, dtype=torch.float32)
     at = 0
     for m, _, b in parts:
         off, n, _ = dims.module(m.module)
         b_all[off:off + n, at:at + m.rank] = b
-        scale[off:off + n] = m.scale
+        scale[at:at + m.rank] = m.scale
         at += m.rank
     a_all = torch.cat([a for _, a, _ in parts], dim=0).contiguous()
     return FusedDelta(a_all, b_all, scale)

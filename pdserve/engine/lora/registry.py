@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.common.lora import LoraError, LoraRef, adapter_fingerprint
+from pdserve.engine.lora.batch import LoraStack
 from pdserve.engine.lora.checkpoint import LoraWeights, load_lora
 from pdserve.engine.lora.config import LoraConfig
 from pdserve.engine.loading.model_config import ModelConfig
@@ -37,6 +38,9 @@ class LoraCounts:
     cached: int
 
 
+_STACKS = 4
+
+
 class LoraRegistry:
     def __init__(self, config: LoraConfig, model_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -48,6 +52,8 @@ class LoraRegistry:
         self._cpu: OrderedDict[str, LoraWeights] = OrderedDict()
         self._resident: OrderedDict[str, LoraWeights] = OrderedDict()
         self._loads = self._activations = self._evictions = 0
+        # Stacks of recent adapter sets (a decode batch runs the same set step after step).
+        self._stacks: OrderedDict[tuple[str, ...], LoraStack] = OrderedDict()
 
     def register(self, ref: LoraRef) -> None:
         """Make `ref` servable: read and check its files unless already held. LoraError
@@ -75,6 +81,22 @@ class LoraRegistry:
             self._resident.move_to_end(fp)
             out[fp] = w
         return out
+
+    def stack(self, fingerprints: Collection[str]) -> LoraStack:
+        """The step's adapters resident and stacked (`pdserve.engine.lora.batch`)."""
+        key = tuple(sorted(fingerprints))
+        stack = self._stacks.get(key)
+        if stack is None or any(fp not in self._resident for fp in key):
+            weights = self.activate(key)
+            stack = LoraStack([weights[fp] for fp in key])
+            self._stacks[key] = stack
+            while len(self._stacks) > _STACKS:
+                self._stacks.popitem(last=False)
+        else:
+            for fp in key:
+                self._resident.move_to_end(fp)
+        self._stacks.move_to_end(key)
+        return stack
 
     def counts(self) -> LoraCounts:
         return LoraCounts(self._loads, self._activations, self._evictions,
@@ -118,6 +140,8 @@ class LoraRegistry:
             victim = next(f for f in self._resident if f not in keep)
             del self._resident[victim]
             self._evictions += 1
+            for key in [k for k in self._stacks if victim in k]:  # no stack outlives its weights
+                del self._stacks[key]
         weights = host.to(self.dtype, self.device)
         self._resident[fp] = weights
         self._activations += 1

@@ -253,9 +253,9 @@ class ModelRunner:
             return None
         if self.loras is None:
             raise ValueError("a chunk runs under a LoRA adapter, but LoRA is not enabled")
-        adapters = self.loras.activate(fps)
+        stack = self.loras.stack(fps)
         runs = [(chunks[i].lora_id, chunks[i].num_tokens) for i in order]
-        return LoraBatch.build(runs, adapters, self.device)
+        return LoraBatch.build(runs, stack, self.device)
 
     def logits(self, hidden: torch.Tensor, rows: list[int], index: torch.Tensor | None = None
                ) -> torch.Tensor:
