@@ -268,8 +268,10 @@ class LLMEngine:
 
     # --------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
+        loras = getattr(self.runner, "loras", None)  # a parallel runner serves no LoRA
         return engine_stats(self.scheduler, self.block_manager, self._num_generated, self._num_steps,
-                            self.spec.stats() if self.spec is not None else None)
+                            self.spec.stats() if self.spec is not None else None,
+                            loras.held() if loras is not None else ())
 
     # ----------------------------------------------------------------- internals
     def _new_request(
@@ -291,7 +293,7 @@ class LLMEngine:
         if params.structured is not None:
             self.grammar.compile(params.structured)  # compiled (and cached) before it is queued
         if lora is not None:  # read and checked (or refused) before it is queued
-            register_lora(self.runner.loras, lora)
+            register_lora(getattr(self.runner, "loras", None), lora)
         counter = next(self._request_counter)
         seed = params.seed if params.seed is not None else request_seed(self.config.seed, counter)
         seq = Seq(

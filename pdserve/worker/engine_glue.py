@@ -70,7 +70,7 @@ class StatsMirror:
         return NodeLoad(
             queued_prefill_tokens, s.num_free_blocks, s.num_total_blocks, s.num_running,
             s.num_waiting + s.num_waiting_for_kv, s.num_steps,
-            s.num_prompt_tokens_computed + s.num_generated_tokens,
+            s.num_prompt_tokens_computed + s.num_generated_tokens, s.loras,
         )
 
     def _mirror_spec(self, now: SpecStats) -> None:

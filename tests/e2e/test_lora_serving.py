@@ -246,6 +246,12 @@ def test_one_prefill_one_decode_serve_adapters_exactly(log_dir: Path, reference:
         got = _mixed_concurrently(client, [reference.model_name, *names])
         for (m, p, _), text in got.items():
             assert text == lora_reference["" if m == reference.model_name else m, p], (m, p)
+        fps = {lora_ref(n, p).fingerprint for n, p in adapters.items()}
+
+        def both_hold_all() -> bool:  # the heartbeats carry what each worker holds (routing)
+            return all(set(w["lora_fingerprints"]) == fps for w in c.worker_list())
+
+        c._wait(both_hold_all, "both workers holding the three adapters")
         # The same prompt under A, then B, then the base, one after another: every
         # answer is its own adapter's, however warm the prefix caches are.
         for _ in range(2):

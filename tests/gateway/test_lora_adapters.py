@@ -82,3 +82,29 @@ def test_router_keys_are_per_adapter(lora_model) -> None:
     assert base_keys == prefix_block_keys(prompt, 4)
     assert a_keys == prefix_block_keys(prompt, 4, prefix_root(a.fingerprint))
     assert len(set(base_keys) | set(a_keys) | set(b_keys)) == 3 * len(base_keys)
+
+
+def test_requests_go_to_the_worker_holding_their_adapter_until_its_load_outweighs_it(lora_model) -> None:
+    from pdserve.common.protocol import Heartbeat, RegisterWorker
+    from gateway.kv_index import KvIndex
+    from gateway.kv_router import LORA_LOAD_TOKENS, KvRouter, RouterConfig
+    from gateway.registry import WorkerInfo
+
+    _, paths = lora_model
+    ref = lora_ref("a", paths["attn-r4"])
+
+    def worker(wid: str, queued: int, loras: list[str] | None) -> WorkerInfo:
+        w = WorkerInfo(RegisterWorker(wid, "prefill", "h", "", "", "c", 256, 4, 0, 1), 0.0, 0.0)
+        w.load = Heartbeat(wid, queued, 256, 256, 0, 0, loras=loras)
+        return w
+
+    router = KvRouter(RouterConfig("kv-aware", 0), KvIndex())
+    payload = RequestPayload(list(range(1, 30)), SamplingParams(max_tokens=4), None, ref)
+    has, lacks = worker("has", 10, [ref.fingerprint]), worker("lacks", 0, None)
+    pick = router.pick([lacks, has], payload)
+    assert pick is not None and pick.worker is has  # 10 queued tokens < reading the adapter
+    busy = worker("has", LORA_LOAD_TOKENS + 1, [ref.fingerprint])
+    pick = router.pick([lacks, busy], payload)
+    assert pick is not None and pick.worker is lacks  # a hot adapter spreads
+    base = router.pick([lacks, has], RequestPayload(list(range(1, 30)), SamplingParams(max_tokens=4)))
+    assert base is not None and base.worker is lacks  # the base model needs no adapter

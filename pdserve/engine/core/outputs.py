@@ -81,10 +81,11 @@ class EngineStats(NamedTuple):
     num_preemptions: int
     num_steps: int = 0  # scheduler steps taken: stands still only when the step loop does
     spec: SpecStats | None = None  # speculative decoding counters (None: off)
+    loras: tuple[str, ...] = ()  # fingerprints of the LoRA adapters the runner holds
 
 
 def engine_stats(s: Scheduler, bm: BlockManager, num_generated: int, num_steps: int,
-                 spec: SpecStats | None) -> EngineStats:
+                 spec: SpecStats | None, loras: tuple[str, ...] = ()) -> EngineStats:
     """The engine's load figures from its scheduler and block manager."""
     return EngineStats(
         num_running=len(s.running),
@@ -99,6 +100,7 @@ def engine_stats(s: Scheduler, bm: BlockManager, num_generated: int, num_steps: 
         num_preemptions=s.num_preemptions,
         num_steps=num_steps,
         spec=spec,
+        loras=loras,
     )
 
 

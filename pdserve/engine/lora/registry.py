@@ -68,6 +68,10 @@ class LoraRegistry:
     def knows(self, fingerprint: str) -> bool:
         return fingerprint in self._refs
 
+    def held(self) -> tuple[str, ...]:
+        """Fingerprints of the adapters resident or in host memory (no disk read needed)."""
+        return tuple(sorted(set(self._resident) | set(self._cpu)))
+
     def activate(self, fingerprints: Collection[str]) -> dict[str, LoraWeights]:
         """The step's adapters, resident; the least recently used others give way."""
         if len(fingerprints) > self.config.max_loras:
