@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.engine.lora.checkpoint import GROUPS, LoraWeights
+from pdserve.engine.quant.linear import linear
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class LoraLayer:
         d = self.batch.stack.layers[self.index].get(group)
         if d is None:
             return out
-        out += F.linear(F.linear(x, d.a) * self.batch.weights(d, x.dtype), d.b)
+        out += linear(linear(x, d.a, None) * self.batch.weights(d, x.dtype), d.b, None)
         return out
 
 
