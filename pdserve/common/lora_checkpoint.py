@@ -182,3 +182,17 @@ def _read_header(path: str) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise _refuse(path, "adapter_model.safetensors has no tensor header")
     return header
+
+
+def adapter_bytes(dims: ProjectionDims, rank: int, bytes_per_element: int) -> int:
+    """Bytes of one resident adapter at its largest, as the engine holds it: rank `rank`
+    on all seven projections of every layer, fused like the model's linears
+    (pdserve/engine/lora/checkpoint.py: q/k/v A stacked [3r, in] with B block-diagonal
+    [q + 2kv, 3r]; gate/up likewise; plus each rank column's scale)."""
+    h, q, kv, i = dims.hidden, dims.q_size, dims.kv_size, dims.intermediate
+    r = rank
+    per_layer = (3 * r * h + (q + 2 * kv) * 3 * r + 3 * r      # qkv
+                 + r * q + h * r + r                          # o
+                 + 2 * r * h + 2 * i * 2 * r + 2 * r          # gate_up
+                 + r * i + h * r + r)                         # down
+    return dims.num_layers * per_layer * bytes_per_element

@@ -198,3 +198,20 @@ def test_sampled_requests_under_an_adapter_are_reproducible(lora_model) -> None:
         engine.add_request("t", PROMPTS[0], SamplingParams(max_tokens=12, temperature=1.0, seed=7))
         outs.append(run_all(engine))
     assert outs[0] == outs[1] and outs[0]["s"] != outs[0]["t"]
+
+
+def test_plan_counts_the_adapters_the_engine_holds(lora_model, tmp_path: Path) -> None:
+    from bench.lora import write_adapter
+    from pdserve.common.lora_checkpoint import adapter_bytes
+    from pdserve.engine.lora.checkpoint import projection_dims
+    from pdserve.planner.capacity import compute_plan
+
+    base, _ = lora_model
+    cfg = load_config(str(base))
+    full = write_adapter(str(base), tmp_path / "full", 8, seed=0)  # rank 8 on all 7 projections
+    weights = load_lora(str(full), "f", cfg, 8)
+    assert adapter_bytes(projection_dims(cfg), 8, 4) == weights.nbytes  # float32, as loaded
+    plain = compute_plan(base, 1 << 30, 256, dtype="float32")
+    lora = compute_plan(base, 1 << 30, 256, dtype="float32", max_loras=3, max_lora_rank=8)
+    assert lora.lora_bytes == 2 * 3 * weights.nbytes
+    assert plain.kv_budget_bytes - lora.kv_budget_bytes == lora.lora_bytes

@@ -38,7 +38,7 @@ class LoraCounts:
     cached: int
 
 
-_STACKS = 4
+_STACKS = 1  # the current set: a changed set is restacked (its bytes count twice in `pdserve plan`)
 
 
 class LoraRegistry:
