@@ -133,7 +133,8 @@ def up_url(adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
 
 
 def test_up_serves_adapters_colocated(up_url: str, reference: Reference, adapters: dict[str, Path],
-                                      lora_reference: dict[tuple[str, str], str], tmp_path: Path) -> None:
+                                      lora_reference: dict[tuple[str, str], str], tmp_path: Path,
+                                      tiny_model_dir: Any) -> None:
     import openai
 
     client = openai.OpenAI(base_url=up_url, api_key=KEY, max_retries=0)
@@ -164,14 +165,24 @@ def test_up_serves_adapters_colocated(up_url: str, reference: Reference, adapter
         status, err = _post(base, path, body, auth)
         assert status == want_status, (body, err)
         assert words in str(err), (body, err)
+    # An adapter of another base model (hidden 64): its header is self-consistent, so the
+    # gateway serves it; the worker checks it against the model, refuses every request
+    # under it with a 400 naming the shapes, and serves the others.
+    other = make_peft_adapter(tiny_model_dir("llama"), adapters[first].parent / "other-base", ADAPTERS[0])
+    assert _post(base, "/v1/load_lora_adapter", {"lora_name": "other", "lora_path": str(other)}, auth)[0] == 200
+    with pytest.raises(openai.BadRequestError) as bad_req:
+        _complete(client, "other", PROMPTS[0])
+    assert "the model needs" in str(bad_req.value)
+    assert _complete(client, first, PROMPTS[0]) == lora_reference[first, PROMPTS[0]]
+    assert _post(base, "/v1/unload_lora_adapter", {"lora_name": "other"}, auth)[0] == 200
     status, _ = _post(base, "/v1/unload_lora_adapter", {"lora_name": third}, auth)
     assert status == 200
     with pytest.raises(openai.NotFoundError):
         _complete(client, third, PROMPTS[0])
     assert _complete(client, second, PROMPTS[0]) == lora_reference[second, PROMPTS[0]]  # still serving
     metrics = http("GET", f"{base}/metrics")[1]
-    assert metric_value(metrics, "llm_lora_adapter_loads_total") == 1
-    assert metric_value(metrics, "llm_lora_adapter_unloads_total") == 1
+    assert metric_value(metrics, "llm_lora_adapter_loads_total") == 2
+    assert metric_value(metrics, "llm_lora_adapter_unloads_total") == 2
 
 
 def _post(base: str, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
