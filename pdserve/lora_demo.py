@@ -16,6 +16,7 @@ import argparse
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 PIRATE = {"the": "ye", "The": "Ye", "my": "me", "My": "Me", "you": "ye", "You": "Ye", "is": "be",
           "are": "be", "friend": "matey", "friends": "mateys", "yes": "aye", "Yes": "Aye",
@@ -43,8 +44,7 @@ def train(out: Path, steps: int = 300, rank: int = 8, seq_len: int = 128, batch:
     tok = Tokenizer.from_file(str(base / "tokenizer.json"))
     stories = [d.text for d in documents("train") if d.text]
     ids = tok.encode("\n\n".join(piratize(s) for s in stories[:2000])).ids
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(
+    model: Any = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), LoraConfig(
         r=rank, lora_alpha=2 * rank, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
