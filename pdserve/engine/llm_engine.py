@@ -31,7 +31,7 @@ from pdserve.engine.core.block_manager import NO_HIT, BlockCopy, BlockManager
 from pdserve.engine.core.config import EngineConfig
 from pdserve.engine.grammar.compiler import GrammarCompiler, load_tokenizer
 from pdserve.engine.grammar.masking import any_constrained, constrain, cut_drafts
-from pdserve.engine.lora.registry import register_lora
+from pdserve.engine.lora.registry import lora_stats, register_lora
 from pdserve.engine.core.outputs import EngineStats, GenerationResult, RequestOutput, StepDeltas, build_outputs, engine_stats, generation_result
 from pdserve.engine.core.request_checks import check_request
 from pdserve.engine.sampler import Sampler, SampleRow, request_seed
@@ -269,9 +269,10 @@ class LLMEngine:
     # --------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
         loras = getattr(self.runner, "loras", None)  # a parallel runner serves no LoRA
-        return engine_stats(self.scheduler, self.block_manager, self._num_generated, self._num_steps,
+        s = self.scheduler
+        return engine_stats(s, self.block_manager, self._num_generated, self._num_steps,
                             self.spec.stats() if self.spec is not None else None,
-                            loras.held() if loras is not None else ())
+                            lora_stats(loras, s.running, [*s.waiting, *s.waiting_for_kv.values()]) if loras else None)
 
     # ----------------------------------------------------------------- internals
     def _new_request(

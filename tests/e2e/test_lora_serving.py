@@ -26,7 +26,7 @@ import pytest
 from pdserve.common.lora import LoraRef, lora_ref
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.transport import free_port
-from tests.e2e.cluster import DTYPE, ROOT, Cluster, _env, http, metric_value
+from tests.e2e.cluster import DTYPE, ROOT, Cluster, _env, http, metric_value, worker_metrics
 from tests.e2e.conftest import Reference
 from tests.helpers.lora_adapters import AdapterSpec, make_peft_adapter
 
@@ -270,6 +270,11 @@ def test_one_prefill_one_decode_serve_adapters_exactly(log_dir: Path, reference:
                 want = lora_reference["" if m == reference.model_name else m, PROMPTS[0]]
                 assert _complete(client, m, PROMPTS[0]) == want, m
         c.wait_idle()
+        for w in c.worker_list():  # each worker read each adapter once (all three stay resident)
+            text = worker_metrics(w)
+            assert metric_value(text, "llm_lora_adapter_reads") == 3, w["role"]
+            assert metric_value(text, "llm_lora_adapter_evictions") == 0, w["role"]
+            assert "llm_lora_requests_info{" in text
     finally:
         c.stop()
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NamedTuple, cast
 
 from pdserve.common.logprobs import Logprob
+from pdserve.engine.lora.config import LoraStats
 from pdserve.engine.core.sequence import FINISH_REASONS, Request, Sequence
 from pdserve.engine.spec.decoder import SpecStats
 
@@ -81,11 +82,11 @@ class EngineStats(NamedTuple):
     num_preemptions: int
     num_steps: int = 0  # scheduler steps taken: stands still only when the step loop does
     spec: SpecStats | None = None  # speculative decoding counters (None: off)
-    loras: tuple[str, ...] = ()  # fingerprints of the LoRA adapters the runner holds
+    lora: LoraStats | None = None  # --enable-lora: adapters held, running, waiting; loads
 
 
 def engine_stats(s: Scheduler, bm: BlockManager, num_generated: int, num_steps: int,
-                 spec: SpecStats | None, loras: tuple[str, ...] = ()) -> EngineStats:
+                 spec: SpecStats | None, lora: LoraStats | None = None) -> EngineStats:
     """The engine's load figures from its scheduler and block manager."""
     return EngineStats(
         num_running=len(s.running),
@@ -100,7 +101,7 @@ def engine_stats(s: Scheduler, bm: BlockManager, num_generated: int, num_steps: 
         num_preemptions=s.num_preemptions,
         num_steps=num_steps,
         spec=spec,
-        loras=loras,
+        lora=lora,
     )
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -25,3 +26,14 @@ class LoraConfig:
     @property
     def cpu_slots(self) -> int:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+class LoraStats(NamedTuple):
+    """What an engine serving LoRA reports each tick (metrics, heartbeats)."""
+
+    held: tuple[str, ...]  # fingerprints resident or in host memory
+    running: tuple[str, ...]  # adapter names with running sequences
+    waiting: tuple[str, ...]  # adapter names with sequences waiting (or waiting for KV)
+    max_loras: int
+    loads: int  # adapters read from disk so far
+    evictions: int  # adapters dropped from a tier so far

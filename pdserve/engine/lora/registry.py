@@ -15,7 +15,7 @@ evicted from both tiers is read again from its path when a request needs it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +23,9 @@ import torch
 from pdserve.common.lora import LoraError, LoraRef, adapter_fingerprint
 from pdserve.engine.lora.batch import LoraStack
 from pdserve.engine.lora.checkpoint import LoraWeights, load_lora
-from pdserve.engine.lora.config import LoraConfig
+from pdserve.engine.lora.config import LoraConfig, LoraStats
 from pdserve.engine.loading.model_config import ModelConfig
+from pdserve.engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -157,3 +158,13 @@ def register_lora(registry: LoraRegistry | None, ref: LoraRef) -> None:
     if registry is None:
         raise LoraError(f"LoRA adapter {ref.name!r}: LoRA is not enabled (--enable-lora)")
     registry.register(ref)
+
+
+def lora_stats(registry: LoraRegistry, running: Iterable[Sequence], waiting: Iterable[Sequence]) -> LoraStats:
+    """The registry's figures and the adapters of the running and the waiting sequences."""
+    def names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+        return tuple(sorted({s.lora.name for s in seqs if s.lora is not None}))
+
+    c = registry.counts()
+    return LoraStats(registry.held(), names(running), names(waiting), registry.config.max_loras,
+                     c.loads, c.evictions)
