@@ -4,10 +4,21 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test install lint typecheck pytest loop clean
+.PHONY: up test install lint typecheck pytest loop clean lora-demo up-lora
 
 up: $(STAMP)
 	$(BIN)/pdserve up
+
+# The LoRA demo: train a pirate-style adapter for the built-in model (~1-3 min on a CPU),
+# then serve it beside the base model ("model": "pirate").
+LORA_DEMO := lora-demo/pirate
+$(LORA_DEMO)/adapter_model.safetensors: $(STAMP) pdserve/builtin/lora_demo.py
+	$(BIN)/python -m pdserve.builtin.lora_demo $(LORA_DEMO)
+
+lora-demo: $(LORA_DEMO)/adapter_model.safetensors
+
+up-lora: lora-demo
+	$(BIN)/pdserve up --enable-lora --lora-modules pirate=$(LORA_DEMO)
 
 test: $(STAMP) lint typecheck pytest
 

@@ -119,7 +119,7 @@ class DecodeNode(EngineNode):
 
         def enter(req: p.RequestPayload) -> Reservation:
             return self.engine.reserve_remote(rid, req.prompt_token_ids, req.params, req.output_token_ids,
-                                              req.choice_index, reuse_prefix=True)
+                                              req.choice_index, reuse_prefix=True, lora=req.lora)
 
         admitted = self.admit(msg, enter)
         if admitted is None:
@@ -146,7 +146,7 @@ class DecodeNode(EngineNode):
 
         def enter(req: p.RequestPayload) -> None:
             self.engine.add_request(rid, req.prompt_token_ids, req.params, output_token_ids=req.output_token_ids,
-                                    choice_index=req.choice_index)
+                                    choice_index=req.choice_index, lora=req.lora)
 
         if self.admit(msg, enter) is None:
             return

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from pdserve.common.logprobs import Logprob, TopLogprob
+from pdserve.common.lora import LoraRef
 from pdserve.common.protocol import TokenDelta
 from pdserve.common.sampling_params import SamplingParams
 
@@ -60,6 +61,7 @@ class GenerateRequest:
     params: SamplingParams
     priority: str = "interactive"  # one of PRIORITIES
     deadline: float | None = None  # time.monotonic() deadline; None = no deadline
+    lora: LoraRef | None = None  # the LoRA adapter it runs under; None: the base model
 
 
 class BackendErrorKind(enum.Enum):

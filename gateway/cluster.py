@@ -176,13 +176,13 @@ class ClusterBackend:
         Before any token streamed: the whole request. Afterwards each unfinished choice
         resumes on its own (n=1, one after another): the prompt plus a `Resume` with its
         streamed tokens, which stay output to the engine, so the workers continue its
-        seeds and penalties exactly; max_tokens still counts them."""
-        params, prompt = request.req.params, list(request.req.prompt_token_ids)
+        seeds and penalties exactly; max_tokens still counts them. Each under its LoRA adapter."""
+        params, prompt, lora = request.req.params, list(request.req.prompt_token_ids), request.req.lora
         if not any(request.generated):
-            return p.RequestPayload(prompt, params), list(range(params.n))
+            return p.RequestPayload(prompt, params, None, lora), list(range(params.n))
         choice = next(c for c, fin in enumerate(request.finished) if not fin)
         resume = p.Resume(list(request.generated[choice]), choice)
-        return p.RequestPayload(prompt, replace(params, n=1), resume), [choice]
+        return p.RequestPayload(prompt, replace(params, n=1), resume, lora), [choice]
 
     def _new_attempt(self, request: RequestState) -> Flight:
         """The request's next attempt, registered in the flight table (so that whatever

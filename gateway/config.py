@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.backend import PRIORITIES
+from gateway.lora_adapters import GatewayLoraConfig
 from gateway.planner import PlannerSettings
 from pdserve.common.generation_config import SamplingDefaults
 
@@ -128,6 +129,9 @@ class GatewayConfig:
     # --responses-store-size: stored /v1/responses kept for previous_response_id
     # (least recently used evicted first; 0: nothing is stored).
     responses_store_size: int = 1024
+
+    # --enable-lora: LoRA adapters served by name (gateway/lora_adapters.py); None: off.
+    lora: GatewayLoraConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:

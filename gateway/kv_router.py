@@ -23,6 +23,12 @@ ones they hold and pin), the one of least
 ties to more free blocks, then the worker id. With no room anywhere, or another
 router, the decode worker with the most free KV (gateway/router.py: `pick_decode`).
 
+A request under a LoRA adapter: its block keys start from the adapter's root (only a
+prefix cached under that adapter is a hit), and a worker that does not hold the adapter
+(`Heartbeat.loras`) costs LORA_LOAD_TOKENS more (LORA_LOAD_BLOCKS on the decode side):
+an adapter's requests gather on the workers that have it until their load outweighs
+the read, then spread.
+
 Local prefill (`local_prefill_threshold` > 0, any router): when the decode worker
 chosen for a disaggregated request would have to compute at most that many of the
 prompt's tokens itself (its own prefix cache counted), it runs the whole request
@@ -60,7 +66,7 @@ from gateway.backend import FleetSample
 from gateway.kv_index import KvIndex
 from gateway.registry import WorkerInfo
 from gateway.router import blocks_needed, pick_colocated, pick_decode, pick_prefill
-from pdserve.common.block_hash import cacheable_blocks, prefix_block_keys
+from pdserve.common.block_hash import cacheable_blocks, prefix_block_keys, prefix_root
 from pdserve.common.protocol import RequestPayload
 from pdserve.common.roles import Role
 
@@ -70,6 +76,9 @@ RUNNING_SEQ_TOKENS = 16
 # What one running sequence weighs against a block shipped to a decode worker: each
 # slows every decode step there, a shipped block costs one copy once.
 DECODE_RUNNING_SEQ_BLOCKS = 4
+# What reading a LoRA adapter a worker lacks weighs against prompt tokens / blocks.
+LORA_LOAD_TOKENS = 64
+LORA_LOAD_BLOCKS = 4
 # A prompt of up to this many times the local-prefill threshold runs on the decode worker
 # when every prefill worker has this many times its uncached tokens queued.
 BUSY_LOCAL_FACTOR = 4
@@ -112,8 +121,17 @@ class Pick(NamedTuple):
 
 
 def prompt_keys(payload: RequestPayload, block_size: int) -> list[int]:
-    """The block keys of everything the worker prefills: the prompt and any resumed output."""
-    return prefix_block_keys([*payload.prompt_token_ids, *payload.output_token_ids], block_size)
+    """The block keys of everything the worker prefills: the prompt and any resumed output,
+    in the chain of the request's LoRA adapter (so no adapter's blocks count for another)."""
+    root = prefix_root(payload.lora.fingerprint if payload.lora is not None else "")
+    return prefix_block_keys([*payload.prompt_token_ids, *payload.output_token_ids], block_size, root)
+
+
+def lacks_lora(w: WorkerInfo, payload: RequestPayload) -> bool:
+    """The request runs under an adapter the worker does not hold."""
+    lora = payload.lora
+    held = w.load.loras if w.load is not None else None
+    return lora is not None and lora.fingerprint not in (held or ())
 
 
 class KvRouter:
@@ -140,7 +158,8 @@ class KvRouter:
             assert best is not None
             w, reason = best, "least_loaded"
         else:
-            w = min(pool, key=lambda w: (self.cost(w, payload.num_tokens, hits[w.worker_id] * block_size),
+            w = min(pool, key=lambda w: (self.cost(w, payload.num_tokens, hits[w.worker_id] * block_size)
+                                         + lacks_lora(w, payload) * LORA_LOAD_TOKENS,
                                          len(w.inflight), w.worker_id))
             reason = self._kv_reason(hits[w.worker_id], max(hits.values()))
         self.decisions[reason] += 1
@@ -171,7 +190,8 @@ class KvRouter:
         roomy = [w for w in pool if w.free_blocks >= need - hits[w.worker_id]]
         if not roomy:
             return pick_decode(pool)
-        best = min(roomy, key=lambda w: (self.decode_cost(w, need, hits[w.worker_id]), -w.free_blocks, w.worker_id))
+        best = min(roomy, key=lambda w: (self.decode_cost(w, need, hits[w.worker_id])
+                                         + lacks_lora(w, payload) * LORA_LOAD_BLOCKS, -w.free_blocks, w.worker_id))
         if count and hits[best.worker_id]:
             self.decisions["decode_prefix_hit"] += 1
         return best

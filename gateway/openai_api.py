@@ -42,6 +42,7 @@ from gateway.validation import (
     decode_body,
     parse_request,
 )
+from pdserve.common.lora import LoraRef
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -164,7 +165,9 @@ class RequestRun:
         check_content_type(self.request.headers.get("Content-Type", ""))
         raw = await read_body(self.request, config.limits.max_body_bytes, config.connections.body_timeout_s)
         body = decode_body(raw, config.limits)
-        return parse_request(self.kind, body, config, self.request.headers.get(PRIORITY_HEADER))
+        loras = self.state.loras
+        return parse_request(self.kind, body, config, self.request.headers.get(PRIORITY_HEADER),
+                             loras if loras is not None else ())
 
     async def _tokenize(self, parsed: ParsedRequest) -> tuple[ParsedRequest, list[int]]:
         """Cheap checks on the loop, the template and tokenizer in the prompt pool."""
@@ -177,6 +180,17 @@ class RequestRun:
         return parsed, enc.ids
 
     async def _generate(self, parsed: ParsedRequest, ids: list[int]) -> web.StreamResponse:
+        loras = self.state.loras
+        if loras is None or parsed.model is None or parsed.model not in loras:
+            return await self._generate_as(parsed, ids, None)
+        lora = loras.acquire(parsed.model)  # pinned: it cannot be unloaded while it runs
+        try:
+            return await self._generate_as(parsed, ids, lora)
+        finally:
+            loras.release(parsed.model)
+
+    async def _generate_as(self, parsed: ParsedRequest, ids: list[int], lora: LoraRef | None
+                           ) -> web.StreamResponse:
         state = self.state
         timeout = state.config.request_timeout_s
         greq = GenerateRequest(
@@ -185,6 +199,7 @@ class RequestRun:
             params=parsed.params,
             priority=parsed.priority,
             deadline=self.arrival + timeout if timeout is not None else None,
+            lora=lora,
         )
         self.gen = gen = Generation(
             state.backend, greq, state.tokenizer, self.timer,
@@ -194,7 +209,7 @@ class RequestRun:
         )
         shape = parsed.shape
         builder = ResponseBuilder(
-            self.kind, self.rid, state.config.model_name, state.tokenizer, parsed.params.n,
+            self.kind, self.rid, lora.name if lora else state.config.model_name, state.tokenizer, parsed.params.n,
             parsed.params.logprobs is not None,
             parser_factory(shape.tool_mode, shape.tool_name, state.config.tool_call_parser, shape.parallel),
             named_tool=shape.tool_mode == "named",

@@ -129,6 +129,7 @@ class WorkerInfo:
             "steps": load.steps if load else 0,
             "last_heartbeat_age_s": round(now - self.last_seen, 3),
             "gauges": dict(load.gauges) if load else {},
+            "lora_fingerprints": list(load.loras or []) if load else [],
         }
 
 

@@ -10,7 +10,8 @@ it until SIGTERM/SIGINT, then drains: `/ready` and new generation requests answe
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /v1/models/{model}, POST /v1/responses and GET/DELETE /v1/responses/{id}
 (gateway/responses/), POST /tokenize, POST /detokenize, GET /v1/workers, GET /health,
-GET /ready, GET /metrics, POST /admin/workers/{id}/role (gateway/admin_roles.py).
+GET /ready, GET /metrics, POST /admin/workers/{id}/role (gateway/admin_roles.py),
+POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter (gateway/lora_api.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from gateway.backend import GenerationBackend
 from gateway.config import GatewayConfig
 from gateway.connections import GatewayRunner
 from gateway.errors import APIError
+from gateway.lora_adapters import LoraAdapters
+from gateway.lora_api import adapter_cards, install_lora
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import REQUEST_ID_HEADER, chat_completions, completions
 from gateway.planner_loop import install_roles
@@ -136,12 +139,16 @@ def _model_card(request: web.Request, name: str) -> dict[str, Any]:
 async def list_models(request: web.Request) -> web.Response:
     """Every served name, the primary one first (as vLLM lists --served-model-name)."""
     names = request.app[STATE].config.served_model_names
-    return _json({"object": "list", "data": [_model_card(request, n) for n in names]})
+    cards = [_model_card(request, n) for n in names] + adapter_cards(request)
+    return _json({"object": "list", "data": cards})
 
 
 async def get_model(request: web.Request) -> web.Response:
     config = request.app[STATE].config
     name = request.match_info["model"]
+    for card in adapter_cards(request):
+        if card["id"] == name:
+            return _json(card)
     if name not in config.served_model_names:
         raise APIError(404, f"The model '{name[:64]}' does not exist.", param="model", code="model_not_found")
     return _json(_model_card(request, name))
@@ -164,6 +171,7 @@ def build_app(config: GatewayConfig, backend: GenerationBackend, tokenizer: Toke
     app[STATE] = GatewayState(
         config=config, backend=backend, tokenizer=tokenizer, admission=admission,
         metrics=GatewayMetrics(admission, backend), prompts=prompts,
+        loras=LoraAdapters(config.lora, config.served_model_names) if config.lora is not None else None,
     )
     app[_CREATED] = int(time.time())
     app.router.add_post("/v1/completions", completions)
@@ -178,6 +186,7 @@ def build_app(config: GatewayConfig, backend: GenerationBackend, tokenizer: Toke
     app.router.add_get("/metrics", metrics)
     install_roles(app)  # POST /admin/workers/{id}/role, flip metrics, the planner
     install_responses(app)  # the Responses API and its bounded store
+    install_lora(app)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter, adapter metrics
 
     async def start_backend(_: web.Application) -> None:
         await backend.start()

@@ -10,6 +10,7 @@ from aiohttp import web
 from gateway.admission import AdmissionController
 from gateway.backend import GenerationBackend
 from gateway.config import GatewayConfig
+from gateway.lora_adapters import LoraAdapters
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_pool import PromptPool
 from gateway.tokenizer import Tokenizer
@@ -23,6 +24,7 @@ class GatewayState:
     admission: AdmissionController
     metrics: GatewayMetrics
     prompts: PromptPool
+    loras: LoraAdapters | None = None  # --enable-lora: the adapters served by name
     draining: bool = False
     active: int = 0  # generation requests being handled (queued, running or streaming)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)

@@ -16,7 +16,7 @@ non-default value would silently change the meaning of the request (echo, logit_
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -80,6 +80,7 @@ class ParsedRequest:
     include_stop_str: bool = False
     shape: OutputShape = OutputShape()  # structured output and tools
     echo: bool = False  # completions: the prompt leads the text (and its logprobs the logprobs)
+    model: str | None = None  # as requested: the served name, an alias or a LoRA adapter
 
     @property
     def prompt_param(self) -> str:
@@ -125,12 +126,14 @@ def _reject_constant(name: str) -> Any:
 
 
 def parse_request(
-    kind: str, body: Mapping[str, Any], config: GatewayConfig, header_priority: str | None = None
+    kind: str, body: Mapping[str, Any], config: GatewayConfig, header_priority: str | None = None,
+    adapters: Container[str] = (),
 ) -> ParsedRequest:
-    """Validate a decoded body of the `kind` endpoint. Raises APIError."""
+    """Validate a decoded body of the `kind` endpoint (`adapters`: the LoRA adapter
+    names a request's model may also be). Raises APIError."""
     limits = config.limits
     _check_fields(kind, body)
-    check_model(body.get("model"), config)
+    check_model(body.get("model"), config, adapters)
     prompt_text, prompt_ids, messages = None, None, None
     if kind == CHAT:
         messages = parse_messages(body.get("messages"), limits)
@@ -157,14 +160,16 @@ def parse_request(
         include_stop_str=bool_field(body, "include_stop_str_in_output", False),
         shape=shape,
         echo=bool(bool_field(body, "echo", False)),
+        model=body.get("model"),
     )
 
 
-def check_model(model: Any, config: GatewayConfig) -> None:
-    """A request's `model`: absent, the served name or one of its aliases; else a 404."""
+def check_model(model: Any, config: GatewayConfig, adapters: Container[str] = ()) -> None:
+    """A request's `model`: absent, the served name, one of its aliases or a served LoRA
+    adapter; else a 404."""
     if model is not None and not isinstance(model, str):
         raise invalid("model", "model must be a string", "invalid_type")
-    if model is not None and model not in config.served_model_names:
+    if model is not None and model not in config.served_model_names and model not in adapters:
         raise APIError(
             404, f"The model {excerpt(model)} does not exist.", param="model", code="model_not_found", reason="invalid"
         )

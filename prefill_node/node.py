@@ -33,6 +33,7 @@ import torch
 
 from kv_transfer.api import KVSender, TransferState
 from pdserve.common import protocol as p
+from pdserve.common.block_hash import prefix_root
 from pdserve.common.logs import request_fields
 from pdserve.common.roles import Role
 from pdserve.common.transport import host_id
@@ -133,12 +134,14 @@ class PrefillNode(EngineNode):
     def _add(self, msg: p.PrefillRequest) -> None:
         def enter(req: p.RequestPayload) -> None:
             self.engine.add_request(msg.request_id, req.prompt_token_ids, req.params, prefill_only=True,
-                                    output_token_ids=req.output_token_ids, choice_index=req.choice_index)
+                                    output_token_ids=req.output_token_ids, choice_index=req.choice_index,
+                                    lora=req.lora)
 
         if self.admit(msg, enter) is None:
             return
+        root = prefix_root(msg.payload.lora.fingerprint if msg.payload.lora else "")
         cached = self.engine.block_manager.match_prefix([*msg.payload.prompt_token_ids,
-                                                         *msg.payload.output_token_ids]).num_tokens
+                                                         *msg.payload.output_token_ids], root).num_tokens
         self._jobs[msg.request_id] = _Job(msg, time.monotonic(), cached_tokens=cached)
         self.accepted(msg.request_id, f"{msg.payload.num_tokens} prompt tokens", prefill=True)
 

@@ -47,3 +47,15 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="session")
+def lora_model(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+               ) -> tuple[Path, dict[str, Path]]:
+    """(the tiny llama, {name: PEFT adapter dir}) for `tests.helpers.lora_adapters.THREE_ADAPTERS`,
+    made once per session by the real `peft` (do not modify the directories)."""
+    from tests.helpers.lora_adapters import THREE_ADAPTERS, make_peft_adapter
+
+    base = tiny_model_dir("llama")
+    root = tmp_path_factory.mktemp("lora")
+    return base, {s.name: make_peft_adapter(base, root / s.name, s) for s in THREE_ADAPTERS}

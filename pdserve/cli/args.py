@@ -230,10 +230,15 @@ DOWNLOAD_DIR_HELP = "with a repo id: the Hugging Face cache to use (default: $HF
 def resolve_model_arg(args: argparse.Namespace) -> None:
     """Replace a repo id in `args.model` by its local snapshot directory (see pdserve/cli/hub.py);
     `args.repo_id` keeps the id (None for a directory), the name the gateway serves it as."""
-    if getattr(args, "model", None) is None or not hasattr(args, "revision"):
-        return
     from pdserve.cli.hub import HubError, HubSource, is_repo_id, resolve_model
 
+    try:  # LoRA adapters given as repo ids resolve the same way (at their main revision)
+        args.lora_modules = [(n, resolve_model(p, HubSource(None, getattr(args, "download_dir", None))))
+                             for n, p in getattr(args, "lora_modules", None) or []]
+    except HubError as e:
+        raise UsageError("--lora-modules", str(e)) from None
+    if getattr(args, "model", None) is None or not hasattr(args, "revision"):
+        return
     args.repo_id = str(args.model) if is_repo_id(str(args.model)) else None
     try:
         args.model = resolve_model(str(args.model), HubSource(args.revision, args.download_dir))

@@ -27,6 +27,7 @@ from pdserve.cli.gateway_options import (
     gateway_settings,
     sampling_defaults,
 )
+from pdserve.cli.lora_args import add_lora_args, check_lora_args, gateway_lora_config
 from pdserve.common import envs
 from pdserve.common.logs import configure_logging
 
@@ -37,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap = sub.add_parser("gateway", help="run the HTTP gateway and worker registry")
     GatewayArgs.add_to(ap)
     add_insecure_arg(ap)
+    add_lora_args(ap, gateway=True, workers=False)
     ap.set_defaults(func=run)
 
 
@@ -48,6 +50,7 @@ def check_args(args: argparse.Namespace) -> int:
         raise UsageError(flag, "--curve-secret-key and --curve-authorized-keys go together")
     check_gateway_exposure(args)
     check_tool_flags(args)
+    check_lora_args(args)
     max_model_len = check_max_model_len(args.max_model_len, check_model(args.model))
     check_served_names(args.served_model_name)
     if args.port:
@@ -98,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         sampling_defaults=defaults,
         drain_timeout_s=args.drain_timeout,
         request_timeout_s=args.request_timeout,
+        lora=gateway_lora_config(args),
     )
     print(f"pdserve control plane on tcp://{args.control_host}:{control_port}", flush=True)
     return run_gateway(config, cluster, Tokenizer.from_model_dir(model))

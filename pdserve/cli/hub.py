@@ -28,6 +28,7 @@ ALLOW_PATTERNS = (
     "special_tokens_map.json",
     "chat_template.jinja",
     "chat_template.json",
+    "adapter_config.json",  # a PEFT LoRA adapter (`--lora-modules name=org/adapter`)
 )
 
 # `org/name` as the Hub spells ids: letters, digits, `-`, `_`, `.`; no `..`.

@@ -70,6 +70,9 @@ def register(subparsers: Any) -> None:
                    "full requests")
     p.add_argument("--devices-per-node", type=positive_int, default=8,
                    help="with --devices: the largest tensor-parallel group (TP inside a node)")
+    p.add_argument("--max-loras", type=positive_int, default=0,
+                   help="with --enable-lora: count this many resident LoRA adapters (0: none)")
+    p.add_argument("--max-lora-rank", type=positive_int, default=16, help="their rank (all 7 projections)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     add_simulate_args(p)
     p.set_defaults(func=run)
@@ -99,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
             gpu_hourly_cost=args.gpu_hourly_cost,
             throughput=args.throughput,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
         )
     except PlanError as e:
         print(f"pdserve plan: {e}", file=sys.stderr)

@@ -23,6 +23,7 @@ from pdserve.cli.args import (
 )
 from pdserve.cli.curve_options import add_insecure_arg, check_worker_exposure
 from pdserve.cli.kv_tier_args import tier_config
+from pdserve.cli.lora_args import add_lora_args, check_lora_args, worker_lora_config
 from pdserve.cli.worker_args import WorkerArgs, default_threads
 from pdserve.common import envs
 from pdserve.common.logs import configure_logging
@@ -40,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         ap = sub.add_parser(command, help=f"run a {role} worker")
         WorkerArgs.add_to(ap)
         add_insecure_arg(ap)
+        add_lora_args(ap, gateway=False, workers=True)
         if command == "worker":
             ap.add_argument("--colocated", action="store_true", required=True,
                             help="prefill and decode in one process")
@@ -54,6 +56,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_worker_exposure(args)
     config = check_model(args.model, tokenizer=False)
     check_max_model_len(args.max_model_len, config)
+    check_lora_args(args)
     check_speculative(getattr(args, "speculative_config", None))
     flag = "--pipeline-parallel-size" if args.pipeline_parallel_size > 1 else "--tensor-parallel-size"
     check_parallel(flag, args.tensor_parallel_size, args.pipeline_parallel_size, args.device, config)
@@ -164,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
             speculative=w.speculative_config,
             cuda_graphs=w.cuda_graphs,
             attention_backend=w.attention_backend,
+            lora=worker_lora_config(args),
         )
     except ValueError as e:
         raise SystemExit(f"pdserve {args.role}: {e}") from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.common.lora import LoraRef
 from pdserve.common.sampling_params import SamplingParams
 
 
@@ -23,11 +24,14 @@ class Resume:
 @dataclass(frozen=True)
 class RequestPayload:
     """A request as every worker receives it, in `DecodeReserve`, `PrefillRequest` and
-    `RunRequest`: the prompt, typed sampling params and, for a recovery, the resume point."""
+    `RunRequest`: the prompt, typed sampling params, for a recovery the resume point, and
+    the LoRA adapter it runs under (None: the base model), identity and fingerprint, so
+    prefill, decode and a recovery all apply the same weights."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
     resume: Resume | None = None
+    lora: LoraRef | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

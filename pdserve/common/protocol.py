@@ -119,6 +119,7 @@ class Heartbeat(Message):
     steps: int = 0
     received: list[str] | None = None
     seq: int = 0  # numbers the worker's heartbeats from 1: a gap means one was lost
+    loras: list[str] | None = None  # fingerprints of the LoRA adapters it holds (routing)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from pdserve.common.logprobs import Logprob
+from pdserve.common.lora import LoraRef
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.block_manager import NO_HIT, BlockManager
 from pdserve.engine.core.config import EngineConfig
@@ -34,6 +35,7 @@ from pdserve.engine.core.outputs import (
     RequestOutput,
     StepDeltas,
     build_outputs,
+    engine_stats,
     generation_result,
 )
 from pdserve.engine.core.request_checks import check_request
@@ -42,6 +44,7 @@ from pdserve.engine.core.sequence import Request, SequenceStatus, finish_status
 from pdserve.engine.core.sequence import Sequence as Seq
 from pdserve.engine.grammar.compiler import GrammarCompiler, load_tokenizer
 from pdserve.engine.grammar.masking import any_constrained, constrain, cut_drafts
+from pdserve.engine.lora.registry import lora_stats, register_lora
 from pdserve.engine.pool_blocks import PrefixTiers, TierLink, copy_blocks
 from pdserve.engine.prompt_logprobs import collect_prompt_logprobs
 from pdserve.engine.sampler import Sampler, SampleRow, request_seed
@@ -72,9 +75,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(runner.model_config.eos_token_ids)
         self.vocab_size = runner.model_config.vocab_size
         self.max_model_len = runner.max_model_len
-        self.block_manager = BlockManager(runner.num_blocks, runner.layout.block_size,
-                                          config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.block_manager = BlockManager(
+            runner.num_blocks, runner.layout.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
+                                   config.lora.max_loras if config.lora else 0)
         self.sampler = Sampler()
         eos = sorted(self.eos_token_ids)
         self.grammar = GrammarCompiler(lambda: load_tokenizer(config.model_dir, self.vocab_size, eos), eos,
@@ -103,9 +108,10 @@ class LLMEngine:
         *,
         prefill_only: bool = False,
         output_token_ids: Sequence[int] = (),
-        choice_index: int = 0,
+        choice_index: int = 0, lora: LoraRef | None = None,
     ) -> None:
-        """Queue a request; ValueError if it can never fit (length, KV capacity, budget).
+        """Queue a request; ValueError if it can never fit (length, KV capacity, budget),
+        LoraError if its adapter `lora` (None: the base model) cannot be served.
 
         `output_token_ids` resumes a sequence (n=1) that already generated these tokens
         elsewhere (recovery): they are prefilled with the prompt, count toward
@@ -113,7 +119,8 @@ class LLMEngine:
         `choice_index` (n=1 only) continues choice c of an n>1 request: its seeds are
         drawn from (seed, c, index) and its outputs carry index c.
         """
-        req = self._new_request(request_id, prompt_token_ids, params, prefill_only, output_token_ids, choice_index)
+        req = self._new_request(request_id, prompt_token_ids, params, prefill_only, output_token_ids,
+                                choice_index, lora)
         self.scheduler.add(req.seqs[0])
 
     def step(self, layer_hook: Callable[[int], None] | None = None) -> list[RequestOutput]:
@@ -220,7 +227,7 @@ class LLMEngine:
         params: SamplingParams,
         output_token_ids: Sequence[int] = (),
         choice_index: int = 0,
-        reuse_prefix: bool = False,
+        reuse_prefix: bool = False, lora: LoraRef | None = None,
     ) -> Reservation:
         """Allocate blocks for the prompt's KV (WAITING_FOR_KV) if decode admission
         (`Scheduler.check_reserve`) grants it; a refusal reserves nothing.
@@ -230,10 +237,11 @@ class LLMEngine:
         engine's prefix cache already holds are pinned instead (`cached_blocks`), and
         only the rest are reserved for the transfer (suffix-only handoff).
         """
-        req = self._new_request(request_id, prompt_token_ids, params, False, output_token_ids, choice_index)
+        req = self._new_request(request_id, prompt_token_ids, params, False, output_token_ids,
+                                choice_index, lora)
         seq = req.seqs[0]
         check = self.scheduler.check_reserve(seq)
-        hit = self.block_manager.match_prefix(seq.token_ids) if reuse_prefix else NO_HIT
+        hit = self.block_manager.match_prefix(seq.token_ids, seq.prefix_root) if reuse_prefix else NO_HIT
         if not check.ok or self.block_manager.allocate_slots(seq.seq_id, seq.num_tokens, hit.num_tokens, hit) is None:
             del self._requests[request_id]
             return Reservation([], check)
@@ -258,7 +266,8 @@ class LLMEngine:
         if len(first_token_ids) != req.params.n:
             raise ValueError(f"need {req.params.n} first tokens, got {len(first_token_ids)}")
         parent.num_computed_tokens = parent.num_tokens
-        self.block_manager.cache_full_blocks(parent.seq_id, parent.token_ids, parent.num_computed_tokens)
+        self.block_manager.cache_full_blocks(parent.seq_id, parent.token_ids, parent.num_computed_tokens,
+                                             parent.prefix_root)
         self._fork_choices(parent)
         lps = list(first_logprobs) if first_logprobs is not None else [None] * len(req.seqs)
         live = []
@@ -277,21 +286,11 @@ class LLMEngine:
 
     # --------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
-        s, bm = self.scheduler, self.block_manager
-        return EngineStats(
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
-            num_waiting_for_kv=len(s.waiting_for_kv),
-            num_free_blocks=bm.num_free_blocks,
-            num_total_blocks=bm.num_allocatable,
-            kv_usage=bm.usage,
-            num_prompt_tokens_computed=s.num_prompt_tokens_computed,
-            num_cached_tokens_hit=s.num_cached_tokens_hit,
-            num_generated_tokens=self._num_generated,
-            num_preemptions=s.num_preemptions,
-            num_steps=self._num_steps,
-            spec=self.spec.stats() if self.spec is not None else None,
-        )
+        loras = getattr(self.runner, "loras", None)  # a parallel runner serves no LoRA
+        s = self.scheduler
+        return engine_stats(s, self.block_manager, self._num_generated, self._num_steps,
+                            self.spec.stats() if self.spec is not None else None,
+                            lora_stats(loras, s.running, [*s.waiting, *s.waiting_for_kv.values()]) if loras else None)
 
     # ----------------------------------------------------------------- internals
     def _new_request(
@@ -300,8 +299,7 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         prefill_only: bool,
-        output_token_ids: Sequence[int] = (),
-        choice_index: int = 0,
+        output_token_ids: Sequence[int] = (), choice_index: int = 0, lora: LoraRef | None = None,
     ) -> Request:
         params.validate()
         if request_id in self._requests:
@@ -313,6 +311,8 @@ class LLMEngine:
                       scheduler=self.config.scheduler)
         if params.structured is not None:
             self.grammar.compile(params.structured)  # compiled (and cached) before it is queued
+        if lora is not None:  # read and checked (or refused) before it is queued
+            register_lora(getattr(self.runner, "loras", None), lora)
         counter = next(self._request_counter)
         seed = params.seed if params.seed is not None else request_seed(self.config.seed, counter)
         seq = Seq(
@@ -325,6 +325,7 @@ class LLMEngine:
             output_token_ids=outputs,
             pending_forks=params.n - 1,
             prefill_only=prefill_only,
+            lora=lora,
         )
         req = Request(request_id, prompt, params, prefill_only, [seq])
         self._requests[request_id] = req

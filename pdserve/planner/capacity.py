@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from pdserve.common.kv_layout import DTYPE_BYTES
+from pdserve.common.lora_checkpoint import ProjectionDims, adapter_bytes
 from pdserve.engine.loading.dtype import host_cpu_flags, resolve_dtype
 from pdserve.engine.loading.model_config import ModelConfig, ModelConfigError
 from pdserve.engine.quant.formats import (
@@ -227,6 +228,9 @@ class CapacityPlan:
     throughput: float | None = None  # output tokens/s the cost is stated at
     cost_per_million_tokens: float | None = None
     lm_head_quantization: str = "none"  # none | int8 (`served_lm_head`)
+    # --enable-lora: max_loras resident adapters of max_lora_rank on all 7 projections,
+    # counted twice (the registry's stacked copy of the step's set, pdserve/engine/lora/batch.py).
+    lora_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -248,6 +252,8 @@ def compute_plan(
     kv_cache_dtype: str = "auto",
     gpu_hourly_cost: float | None = None,
     throughput: float | None = None,
+    max_loras: int = 0,
+    max_lora_rank: int = 16,
 ) -> CapacityPlan:
     """The capacity figures for one model on one device (see the module docstring).
 
@@ -283,7 +289,9 @@ def compute_plan(
     request_tokens = -(-max_model_len // block_size) * block_size  # whole blocks
     per_request = request_tokens * kv_per_token
     overhead = int(device_memory * overhead_fraction)
-    budget = max(0, device_memory - overhead - w_bytes)
+    dims = ProjectionDims(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.num_layers)
+    lora = 2 * max_loras * adapter_bytes(dims, max_lora_rank, DTYPE_BYTES[dt])
+    budget = max(0, device_memory - overhead - w_bytes - lora)
     conc_bytes = None if concurrency is None else concurrency * per_request
     cost = None
     if gpu_hourly_cost is not None and throughput is not None:
@@ -324,6 +332,7 @@ def compute_plan(
         gpu_hourly_cost=gpu_hourly_cost,
         throughput=throughput,
         cost_per_million_tokens=cost,
+        lora_bytes=lora,
     )
 
 
@@ -354,7 +363,9 @@ def format_plan(p: CapacityPlan) -> str:
             f"overhead ({p.overhead_fraction:.0%})",
             f"{_b(p.overhead_bytes)}: activations, graphs, fragmentation, runtime",
         ),
-        ("KV budget", f"{_b(p.kv_budget_bytes)} = device - weights - overhead"),
+        *([("LoRA adapters", _b(p.lora_bytes))] if p.lora_bytes else []),
+        ("KV budget", f"{_b(p.kv_budget_bytes)} = device - weights - overhead"
+         + (" - LoRA adapters" if p.lora_bytes else "")),
         ("token budget", f"{p.token_budget:,} tokens"),
         ("max concurrency", f"{p.max_concurrency:,} requests at {p.max_model_len:,} tokens"),
     ]

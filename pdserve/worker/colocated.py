@@ -47,7 +47,8 @@ class ColocatedNode(EngineNode):
     def _add(self, msg: p.RunRequest) -> None:
         def enter(req: p.RequestPayload) -> None:
             self.engine.add_request(msg.request_id, req.prompt_token_ids, req.params,
-                                    output_token_ids=req.output_token_ids, choice_index=req.choice_index)
+                                    output_token_ids=req.output_token_ids, choice_index=req.choice_index,
+                                    lora=req.lora)
 
         if self.admit(msg, enter) is None:
             return

@@ -69,10 +69,13 @@ class StatsMirror:
         m.set_preemptions(s.num_preemptions)
         if s.spec is not None and s.spec != self._spec:
             self._mirror_spec(s.spec)
+        if s.lora is not None:
+            m.set_lora(s.lora)
         return NodeLoad(
             queued_prefill_tokens, s.num_free_blocks, s.num_total_blocks, s.num_running,
             s.num_waiting + s.num_waiting_for_kv, s.num_steps,
             s.num_prompt_tokens_computed + s.num_generated_tokens,
+            s.lora.held if s.lora is not None else (),
         )
 
     def _mirror_spec(self, now: SpecStats) -> None:

@@ -9,6 +9,7 @@ so the gateway can re-export the fleet.
 from __future__ import annotations
 
 import threading
+import time
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pdserve.common.roles import Role
+from pdserve.engine.lora.config import LoraStats
 from pdserve.worker.metrics_http import DEFAULT_TIMEOUT_S, BoundedHTTPServer
 from pdserve.worker.node_api import NodeLoad
 
@@ -85,6 +87,12 @@ class WorkerMetrics:
             "llm_thread_switches", "Thread-count changes the governor made (--thread-policy adaptive), "
             "by reason: contention, probe_won, recovered", [*names, "reason"], registry=r)
         self.role_flips = counter("llm_role_flips", "Live role flips this worker made (its role label is the new role)")
+        self._lora_info = Gauge("llm_lora_requests_info", "LoRA adapters of running and waiting sequences "
+                                "(vLLM's vllm:lora_requests_info; value: the time it was set)",
+                                [*names, "running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
+        self.lora_loads = gauge("llm_lora_adapter_reads", "LoRA adapters read from disk by this worker")
+        self.lora_evictions = gauge("llm_lora_adapter_evictions", "LoRA adapters evicted from a tier")
+        self._lora_key: tuple[str, str, str] | None = None
 
     def set_info(self, quantization: str, kv_cache_dtype: str, dtype: str, lm_head: str = "none") -> None:
         """Once, when the node's engine exists: `llm_worker_info{quantization=...} 1`."""
@@ -105,6 +113,17 @@ class WorkerMetrics:
         if total > self._last_preemptions:
             self.preemptions.inc(total - self._last_preemptions)
             self._last_preemptions = total
+
+    def set_lora(self, s: LoraStats) -> None:
+        """The adapters of running and waiting sequences (one sample, re-set on change)."""
+        key = (",".join(s.running), ",".join(s.waiting), str(s.max_loras))
+        if key != self._lora_key:
+            self._lora_info.clear()
+            self._lora_info.labels(**self._labels, running_lora_adapters=key[0], waiting_lora_adapters=key[1],
+                                   max_lora=key[2]).set(time.time())
+            self._lora_key = key
+        self.lora_loads.set(s.loads)
+        self.lora_evictions.set(s.evictions)
 
     def set_load(self, load: NodeLoad) -> None:
         self.free_blocks.set(load.free_blocks)

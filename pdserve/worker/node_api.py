@@ -30,6 +30,7 @@ class NodeLoad(NamedTuple):
     waiting_seqs: int
     steps: int = 0  # engine steps so far: the gateway's progress check (Heartbeat.steps)
     tokens: int = 0  # tokens computed so far (prompt + generated): a step's size is the difference
+    loras: tuple[str, ...] = ()  # fingerprints of the LoRA adapters held (Heartbeat.loras)
 
 
 class Node(Protocol):

@@ -258,4 +258,4 @@ class WorkerRuntime:
         load, report = snap.load, cursor.next_report(snap.arrivals)
         return p.Heartbeat(self.config.worker_id, load.queued_prefill_tokens, load.free_blocks, load.total_blocks,
                            load.running_seqs, load.waiting_seqs, gauges=dict(snap.gauges), steps=load.steps,
-                           received=report.received, seq=report.seq)
+                           received=report.received, seq=report.seq, loras=list(load.loras) or None)

@@ -94,3 +94,21 @@ def test_missing_id_offline_exits_2_with_one_line(tmp_path: Path) -> None:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pdserve up: error: argument --model:"), proc.stderr
     assert "acme/absent" in lines[0]
+
+
+def test_lora_modules_given_as_repo_ids_resolve_like_the_model(offline_cache: Path, tmp_path: Path) -> None:
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 4}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"x")
+    snap = add_to_cache(offline_cache, "acme/pirate-lora", adapter)
+    args = build_parser().parse_args(["up", "--enable-lora", "--lora-modules", "p=acme/pirate-lora",
+                                      f"q={adapter}"])
+    resolve_model_arg(args)
+    assert args.lora_modules == [("p", str(snap)), ("q", str(adapter))]
+    assert (snap / "adapter_config.json").is_file()
+    assert any(fnmatch.fnmatch("adapter_config.json", p) for p in ALLOW_PATTERNS)
+    missing = build_parser().parse_args(["up", "--enable-lora", "--lora-modules", "p=acme/none"])
+    with pytest.raises(UsageError) as e:
+        resolve_model_arg(missing)
+    assert e.value.flag == "--lora-modules"

@@ -140,8 +140,9 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._blocks[block_id].ref_count
 
-    def match_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
-        """Cached full blocks at the start of `token_ids`.
+    def match_prefix(self, token_ids: Sequence[int], root: bytes = ROOT_DIGEST) -> PrefixHit:
+        """Cached full blocks at the start of `token_ids`, the chain starting at `root`
+        (`pdserve.common.block_hash.prefix_root`: the base model's or a LoRA adapter's).
 
         Never covers the last token: its logits are needed, so it must be computed.
         Looking up has no side effects; pass the hit to `allocate_slots`.
@@ -151,7 +152,7 @@ class BlockManager:
         bs = self.block_size
         ids: list[int] = []
         hashes: list[bytes] = []
-        parent = ROOT_DIGEST
+        parent = root
         for i in range((len(token_ids) - 1) // bs):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk)
@@ -209,9 +210,11 @@ class BlockManager:
         return SlotAllocation(tuple(new), tuple(copies))
 
     def cache_full_blocks(
-        self, owner: int, token_ids: Sequence[int], num_computed_tokens: int
+        self, owner: int, token_ids: Sequence[int], num_computed_tokens: int,
+        root: bytes = ROOT_DIGEST,
     ) -> None:
-        """Register the owner's newly full, computed blocks in the prefix cache."""
+        """Register the owner's newly full, computed blocks in the prefix cache, the
+        chain starting at `root` (as in `match_prefix`)."""
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(owner)
@@ -222,7 +225,7 @@ class BlockManager:
         num_full = min(num_computed_tokens // bs, len(table))
         for i in range(len(hashes), num_full):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(hashes[-1] if hashes else ROOT_DIGEST, chunk)
+            h = block_hash(hashes[-1] if hashes else root, chunk)
             hashes.append(h)
             block = self._blocks[table[i]]
             # An identical block already cached elsewhere stays the canonical one.

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.kv_layout import normalize_kv_cache_dtype
 from pdserve.engine.attention.backend_choice import ATTENTION_BACKENDS
+from pdserve.engine.lora.config import LoraConfig
 from pdserve.engine.quant.formats import LM_HEAD_CHOICES, QUANTIZATION_CHOICES
 from pdserve.engine.spec.config import SpeculativeConfig
 
@@ -96,6 +97,8 @@ class EngineConfig:
     # auto | torch | triton | flashinfer (pdserve.engine.attention.backend_choice); checked against the
     # device and installed packages when the runner picks its backend.
     attention_backend: str = "auto"
+    # LoRA adapters served on this model (`--enable-lora`, pdserve.engine.lora); None: off.
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

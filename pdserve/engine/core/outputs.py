@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, cast
+from typing import TYPE_CHECKING, Literal, NamedTuple, cast
 
 from pdserve.common.logprobs import Logprob
 from pdserve.engine.core.sequence import FINISH_REASONS, Request, Sequence
+from pdserve.engine.lora.config import LoraStats
 from pdserve.engine.spec.decoder import SpecStats
+
+if TYPE_CHECKING:
+    from pdserve.engine.core.block_manager import BlockManager
+    from pdserve.engine.core.scheduler import Scheduler
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -80,6 +85,27 @@ class EngineStats(NamedTuple):
     num_preemptions: int
     num_steps: int = 0  # scheduler steps taken: stands still only when the step loop does
     spec: SpecStats | None = None  # speculative decoding counters (None: off)
+    lora: LoraStats | None = None  # --enable-lora: adapters held, running, waiting; loads
+
+
+def engine_stats(s: Scheduler, bm: BlockManager, num_generated: int, num_steps: int,
+                 spec: SpecStats | None, lora: LoraStats | None = None) -> EngineStats:
+    """The engine's load figures from its scheduler and block manager."""
+    return EngineStats(
+        num_running=len(s.running),
+        num_waiting=len(s.waiting),
+        num_waiting_for_kv=len(s.waiting_for_kv),
+        num_free_blocks=bm.num_free_blocks,
+        num_total_blocks=bm.num_allocatable,
+        kv_usage=bm.usage,
+        num_prompt_tokens_computed=s.num_prompt_tokens_computed,
+        num_cached_tokens_hit=s.num_cached_tokens_hit,
+        num_generated_tokens=num_generated,
+        num_preemptions=s.num_preemptions,
+        num_steps=num_steps,
+        spec=spec,
+        lora=lora,
+    )
 
 
 @dataclass

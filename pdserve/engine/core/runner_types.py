@@ -23,6 +23,8 @@ class SeqChunk:
     prompt_logits: return the logits of every token of this chunk, in position order
                  (prompt logprobs); never with drafts. With need_logits the last row is
                  also the one sampled from.
+    lora_id:     the fingerprint of the LoRA adapter these tokens run under ("": the
+                 base model); rows of different adapters share one step (pdserve.engine.lora).
     """
 
     token_ids: list[int]
@@ -31,6 +33,7 @@ class SeqChunk:
     need_logits: bool
     num_draft_tokens: int = 0
     prompt_logits: bool = False
+    lora_id: str = ""
 
     @property
     def num_logits(self) -> int:

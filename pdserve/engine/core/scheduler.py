@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from pdserve.common.block_hash import ROOT_DIGEST, block_hash, cacheable_blocks
+from pdserve.common.block_hash import block_hash, cacheable_blocks
 from pdserve.engine.core.block_manager import NO_HIT, BlockCopy, BlockManager, PrefixHit
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.core.prefill_order import ShortFirst
@@ -123,8 +123,11 @@ class Reservation(NamedTuple):
 class Scheduler:
     """Continuous batching at token granularity over one block manager."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 max_loras: int = 0):
         self.config = config
+        # Distinct LoRA adapters among running sequences (they are all in every step).
+        self.max_loras = max_loras
         self.block_manager = block_manager
         # Admission (the engine) rejects requests that could outgrow it and ends a
         # sequence that reaches it, so no chunk ever crosses it.
@@ -218,7 +221,8 @@ class Scheduler:
         """The runner computed `output`: advance progress and cache full blocks."""
         for chunk, seq in zip(output.chunks, output.seqs, strict=True):
             seq.num_computed_tokens = chunk.end_pos - chunk.num_draft_tokens
-            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                                 seq.prefix_root)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End `seq` wherever it is; free its blocks unless it is FINISHED_PREFILLED."""
@@ -298,7 +302,7 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if seq.seq_id in held:
+            if seq.seq_id in held or not self._adapter_fits(seq):
                 skipped.append(self.waiting.popleft())
                 continue
             width = seq.num_choices_when_running
@@ -307,7 +311,7 @@ class Scheduler:
             first_admission = seq.num_computed_tokens == 0 and not bm.has_owner(seq.seq_id)
             # prompt_logprobs needs the logits of every prompt position: computed, not cached.
             reads_cache = first_admission and seq.params.prompt_logprobs is None
-            prefix = bm.match_prefix(seq.token_ids) if reads_cache else NO_HIT
+            prefix = bm.match_prefix(seq.token_ids, seq.prefix_root) if reads_cache else NO_HIT
             tiered = self._tier_blocks(seq, prefix) if reads_cache else NO_TIER_HIT
             hit_tokens = prefix.num_tokens + len(tiered.digests) * bm.block_size
             computed = max(seq.num_computed_tokens, hit_tokens)
@@ -346,12 +350,20 @@ class Scheduler:
         if self.tiers is None or start >= limit:
             return NO_TIER_HIT
         digests: list[bytes] = []
-        parent = prefix.block_hashes[-1] if prefix.block_hashes else ROOT_DIGEST
+        parent = prefix.block_hashes[-1] if prefix.block_hashes else seq.prefix_root
         for i in range(start, limit):
             parent = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
             digests.append(parent)
         payloads = self.tiers.load(digests)
         return TierHit(tuple(digests[:len(payloads)]), tuple(payloads))
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Admitting `seq` keeps the running adapters within `max_loras` (a sequence
+        whose adapter does not fit waits for a running adapter's sequences to end)."""
+        if not seq.lora_id:
+            return True
+        active = {s.lora_id for s in self.running if s.lora_id}
+        return seq.lora_id in active or len(active) < self.max_loras
 
     @staticmethod
     def _fit_drafts(seq: Sequence, num_new: int) -> int:
@@ -380,4 +392,5 @@ class Scheduler:
             num_draft_tokens=len(drafts),
             # Prompt logprobs: every row of a chunk that reaches into the prompt.
             prompt_logits=seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens and not drafts,
+            lora_id=seq.lora_id,
         )

@@ -11,7 +11,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pdserve.common.block_hash import prefix_root
 from pdserve.common.logprobs import Logprob
+from pdserve.common.lora import LoraRef
 from pdserve.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -70,6 +72,8 @@ class Sequence:
     # Draft tokens this step verifies after the last token (pdserve.engine.spec); not part of
     # token_ids until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter every token of this sequence is computed under; None: the base.
+    lora: LoraRef | None = None
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +87,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def lora_id(self) -> str:
+        """The adapter's fingerprint ("" for the base model): what the runner keys it by."""
+        return self.lora.fingerprint if self.lora is not None else ""
+
+    @property
+    def prefix_root(self) -> bytes:
+        """Where this sequence's prefix-cache chain starts (its adapter's own root)."""
+        return prefix_root(self.lora_id)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -128,6 +142,7 @@ class Sequence:
             status=self.status,
             prefill_only=self.prefill_only,
             num_cached_tokens=self.num_cached_tokens,
+            lora=self.lora,
         )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,9 @@ from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.engine.models.rope import RopeTables, apply_rope
 from pdserve.engine.quant.linear import linear
 from pdserve.engine.runner.kv_quant import KVCacheView
+
+if TYPE_CHECKING:
+    from pdserve.engine.lora.batch import LoraBatch, LoraLayer
 
 # Decoder linears by parameter name: what weight quantization replaces (pdserve/engine/quant).
 LINEAR_WEIGHTS = ("self_attn.qkv_weight", "self_attn.o_weight", "mlp.gate_up_weight", "mlp.down_weight")
@@ -87,10 +90,13 @@ class Attention(nn.Module):
         v_cache: KVCacheView,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        lora: LoraLayer | None = None,
     ) -> torch.Tensor:
         c = self.cfg
         t = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        if lora is not None:
+            qkv = lora.apply("qkv", x, qkv)
         if self.q_norm is not None and self.k_norm is not None:
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = apply_rope(self.q_norm(q.reshape(t, c.num_heads, c.head_dim)), cos, sin)
@@ -105,7 +111,9 @@ class Attention(nn.Module):
             v = qkv[:, c.q_size + c.kv_size :]
         v = v.reshape(t, c.num_kv_heads, c.head_dim)
         out = backend.forward(q, k, v, k_cache, v_cache, meta)
-        return linear(out, self.o_weight, self.o_bias)
+        if lora is None:
+            return linear(out, self.o_weight, self.o_bias)
+        return lora.apply("o", out, linear(out, self.o_weight, self.o_bias))
 
 
 class MLP(nn.Module):
@@ -122,10 +130,14 @@ class MLP(nn.Module):
             _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.mlp_bias else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraLayer | None = None) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
+        if lora is not None:
+            gate_up = lora.apply("gate_up", x, gate_up)
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        act = F.silu(gate) * up
+        down = linear(act, self.down_weight, self.down_bias)
+        return down if lora is None else lora.apply("down", act, down)
 
 
 class DecoderLayer(nn.Module):
@@ -179,14 +191,17 @@ class LlamaForCausalLM(nn.Module):
         kv_layers: Sequence[tuple[KVCacheView, KVCacheView]],
         backend: AttentionBackend,
         layer_hook: Callable[[int], None] | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden], for flat tokens [T].
 
         `kv_layers[i]` is layer i's (K, V) pool view; `layer_hook(i)` runs once
-        layer i's K/V for every token of the step is in the pool.
+        layer i's K/V for every token of the step is in the pool. `lora`: the rows
+        that run under LoRA adapters (pdserve.engine.lora); None: every row is the base model.
         """
         h = F.embedding(input_ids, self.embed_tokens)
-        return self.run_layers(h, positions, meta, kv_layers, backend, layer_hook, final_norm=True)
+        return self.run_layers(h, positions, meta, kv_layers, backend, layer_hook, final_norm=True,
+                               lora=lora)
 
     def run_layers(
         self,
@@ -198,6 +213,7 @@ class LlamaForCausalLM(nn.Module):
         layer_hook: Callable[[int], None] | None = None,
         first_layer: int = 0,
         final_norm: bool = False,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """The decoder layers over the residual stream `h`: the final norm's output with
         `final_norm`, else the residual stream after the last layer (a pipeline stage,
@@ -210,11 +226,13 @@ class LlamaForCausalLM(nn.Module):
         x = layers[0].input_layernorm(h)
         for i, layer in enumerate(layers):
             k_cache, v_cache = kv_layers[i]
-            attn_out = self.reduce(layer.self_attn(x, cos, sin, k_cache, v_cache, meta, backend))
+            ll = lora.layer(first_layer + i) if lora is not None else None
+            attn_out = self.reduce(layer.self_attn(x, cos, sin, k_cache, v_cache, meta, backend, ll))
             if layer_hook is not None:
                 layer_hook(first_layer + i)
             h, x = layer.post_attention_layernorm.add_forward(h, attn_out)
-            h, x = norms[i].add_forward(h, self.reduce(layer.mlp(x)))
+            mlp_out = layer.mlp(x) if ll is None else layer.mlp(x, ll)
+            h, x = norms[i].add_forward(h, self.reduce(mlp_out))
         return x if final_norm else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ from pdserve.engine.core.runner_types import SeqChunk
 from pdserve.engine.loading.dtype import resolved_config
 from pdserve.engine.loading.loader import load_config, load_model_with, weights_fingerprint
 from pdserve.engine.loading.model_config import ModelConfig, kv_layout
+from pdserve.engine.lora.batch import LoraBatch
+from pdserve.engine.lora.registry import LoraRegistry
 from pdserve.engine.parallel.plan import TPShard
 from pdserve.engine.parallel.shared_pool import head_slice
 from pdserve.engine.quant.formats import served_lm_head, served_quantization
@@ -67,6 +69,8 @@ class StepInputs(NamedTuple):
     logit_rows: list[int]  # row of each need_logits chunk's last token, in chunk order
     # `logit_rows` on the device, staged with the rest (CUDA); None: built by `logits`
     logit_index: torch.Tensor | None = None
+    # The rows that run under LoRA adapters (pdserve.engine.lora); None: all of them the base.
+    lora: LoraBatch | None = None
 
 
 class ModelRunner:
@@ -138,6 +142,15 @@ class ModelRunner:
                                                quantized_kv=self.layout.quantized)
         self._stager = PinnedStager(self.device) if self.device.type == "cuda" else None
         self._graphs = self._capture_graphs(sharded=shard is not None)
+        self.loras = self._lora_registry(shard)
+
+    def _lora_registry(self, shard: TPShard | None) -> LoraRegistry | None:
+        if self.config.lora is None:
+            return None
+        if shard is not None or self.model_config.moe is not None:
+            raise ValueError("--enable-lora serves dense models on one rank only (no tensor or "
+                             "pipeline parallel, no MoE)")
+        return LoraRegistry(self.config.lora, self.model_config, self.dtype, self.device)
 
     def _capture_graphs(self, sharded: bool) -> DecodeGraphs | None:
         """Decode graphs per `pdserve.engine.runner.cuda_graphs` where this runner allows them; asked for
@@ -220,12 +233,14 @@ class ModelRunner:
         if not chunks:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32)
         self._check(chunks)
-        if self._graphs is not None and layer_hook is None and not any(c.prompt_logits for c in chunks):
+        if (self._graphs is not None and layer_hook is None
+                and not any(c.prompt_logits or c.lora_id for c in chunks)):
             replayed = self._graphs.run(chunks)  # None: not a step a graph covers
             if replayed is not None:
                 return replayed
         step = self.step_inputs(chunks)
-        hidden = self.model(step.input_ids, step.positions, step.meta, self._kv_layers, self.backend, layer_hook)
+        hidden = self.model(step.input_ids, step.positions, step.meta, self._kv_layers, self.backend, layer_hook,
+                            lora=step.lora)
         return self.logits(hidden, step.logit_rows, step.logit_index)
 
     def step_inputs(self, chunks: Sequence[SeqChunk]) -> StepInputs:
@@ -251,7 +266,18 @@ class ModelRunner:
             staged = stage_metadata(input_ids, pos, meta, self._stager,
                                     torch.tensor(rows, dtype=torch.long) if rows else None)
             input_ids, pos, meta, index = staged
-        return StepInputs(input_ids, pos, meta, rows, index)
+        return StepInputs(input_ids, pos, meta, rows, index, self._lora_batch(chunks, order))
+
+    def _lora_batch(self, chunks: Sequence[SeqChunk], order: Sequence[int]) -> LoraBatch | None:
+        """The step's adapter rows, each adapter made resident; None for a base-only step."""
+        fps = {c.lora_id for c in chunks if c.lora_id}
+        if not fps:
+            return None
+        if self.loras is None:
+            raise ValueError("a chunk runs under a LoRA adapter, but LoRA is not enabled")
+        stack = self.loras.stack(fps)
+        runs = [(chunks[i].lora_id, chunks[i].num_tokens) for i in order]
+        return LoraBatch.build(runs, stack, self.device)
 
     def logits(self, hidden: torch.Tensor, rows: list[int], index: torch.Tensor | None = None
                ) -> torch.Tensor:

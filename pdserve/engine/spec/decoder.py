@@ -154,7 +154,7 @@ class SpecDecoder:
             return
         bm = self.block_manager
         seq.num_computed_tokens += accepted
-        bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.prefix_root)
         bm.trim(seq.seq_id, seq.num_computed_tokens)
 
     def _record(self, num_drafts: int, accepted: int) -> None:
