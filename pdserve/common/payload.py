@@ -23,11 +23,15 @@ class Resume:
 @dataclass(frozen=True)
 class RequestPayload:
     """A request as every worker receives it, in `DecodeReserve`, `PrefillRequest` and
-    `RunRequest`: the prompt, typed sampling params and, for a recovery, the resume point."""
+    `RunRequest`: the prompt, typed sampling params, for a recovery the resume point, and
+    the trace context when the request is traced."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
     resume: Resume | None = None
+    # W3C trace context of the gateway span this work belongs to (pdserve/common/tracing.py);
+    # None when the request is not traced. A message from a peer without the field parses.
+    traceparent: str | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

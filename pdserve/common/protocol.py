@@ -34,6 +34,7 @@ from pdserve.common.payload import (
     RequestPayload as RequestPayload,  # re-exported: the messages carry it
 )
 from pdserve.common.payload import Resume as Resume
+from pdserve.common.tracing import valid_traceparent
 
 MAGIC = "pdsv"
 VERSION = 1
@@ -372,6 +373,10 @@ def decode(data: bytes) -> Message:
         raise ProtocolError(f"unknown role {msg.role[:20]!r}")
     if isinstance(msg, Heartbeat) and msg.received is not None and len(msg.received) > MAX_RECEIVED:
         raise ProtocolError(f"heartbeat lists {len(msg.received)} received requests (at most {MAX_RECEIVED})")
+    payload = getattr(msg, "payload", None)
+    if isinstance(payload, RequestPayload) and payload.traceparent is not None \
+            and not valid_traceparent(payload.traceparent):
+        raise ProtocolError(f"{tag}: payload.traceparent is not a W3C traceparent")
     if isinstance(msg, SwitchRole) and msg.role not in FLIP_ROLES:
         raise ProtocolError(f"cannot switch to role {msg.role[:20]!r}")
     return msg
