@@ -60,6 +60,7 @@ class GenerateRequest:
     params: SamplingParams
     priority: str = "interactive"  # one of PRIORITIES
     deadline: float | None = None  # time.monotonic() deadline; None = no deadline
+    traceparent: str | None = None  # the request's gateway span (W3C); None: not traced
 
 
 class BackendErrorKind(enum.Enum):

@@ -30,6 +30,7 @@ from gateway.generation import ChoiceUpdate, Generation
 from gateway.state import STATE, GatewayState
 from gateway.timing import RequestTimer
 from gateway.tool_calls import parser_factory
+from gateway.tracing import RequestSpan
 from gateway.validation import (
     CHAT,
     COMPLETION,
@@ -97,6 +98,10 @@ class _RequestRun:
         self.parsed: ParsedRequest | None = None
         self.prompt_len = 0
         self.gen: Generation | None = None
+        self.queue_s: float | None = None
+        tracer = self.state.tracer  # None unless --otlp-traces-endpoint: then one span per request
+        self.trace = None if tracer is None else RequestSpan.start(
+            tracer, request.headers, kind, request.path, self.state.config.model_name, self.rid)
 
     async def serve(self) -> web.StreamResponse:
         self.state.enter()
@@ -135,6 +140,7 @@ class _RequestRun:
             admission = await state.admission.acquire(parsed.priority)
         try:
             state.metrics.queue_wait.labels(priority=parsed.priority).observe(admission.wait_s)
+            self.queue_s = admission.wait_s
             return await self._generate(parsed, ids)
         finally:
             state.admission.release()
@@ -170,6 +176,7 @@ class _RequestRun:
             params=parsed.params,
             priority=parsed.priority,
             deadline=self.arrival + timeout if timeout is not None else None,
+            traceparent=self.trace.traceparent if self.trace is not None else None,
         )
         self.gen = gen = Generation(
             state.backend, greq, state.tokenizer, self.timer,
@@ -285,3 +292,19 @@ class _RequestRun:
                           finish_reasons=[s.finish_reasons.get(i) for i in range(n)])
         record["timings"] = {k: round(v, 6) for k, v in timings.items()}
         log.info(json.dumps(record, separators=(",", ":")))
+        if self.trace is not None:
+            self._end_span(timings["e2e"])
+
+    def _end_span(self, e2e_s: float) -> None:
+        assert self.trace is not None
+        parsed, s = self.parsed, (self.gen.stats if self.gen is not None else None)
+        if parsed is not None:
+            p = parsed.params
+            self.trace.parsed(self.state.config.model_name, p.max_tokens, p.n, p.temperature, p.top_p,
+                              parsed.stream, self.prompt_len)
+        n = parsed.params.n if parsed is not None else 1
+        ttft = s.first_token_at - self.timer.start if s is not None and s.first_token_at is not None else None
+        self.trace.end(self.status, self.error, s.completion_tokens if s is not None else None,
+                       s.cached_tokens if s is not None else 0,
+                       [s.finish_reasons.get(i) for i in range(n)] if s is not None else [],
+                       ttft, self.queue_s, e2e_s)

@@ -12,6 +12,7 @@ from gateway.backend import GenerationBackend
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.tokenizer import Tokenizer
+from pdserve.common.tracing import Tracer
 
 
 @dataclass
@@ -21,6 +22,7 @@ class GatewayState:
     tokenizer: Tokenizer
     admission: AdmissionController
     metrics: GatewayMetrics
+    tracer: Tracer | None = None  # --otlp-traces-endpoint: spans of each request (gateway/tracing.py)
     draining: bool = False
     active: int = 0  # generation requests being handled (queued, running or streaming)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)

@@ -70,6 +70,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--drain-timeout", type=positive_float, default=30.0)
     ap.add_argument("--max-in-flight", type=positive_int, default=256, help="requests inside the backend at once")
     ap.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
+    ap.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help="OpenTelemetry: export this process's spans to this OTLP collector (vLLM's flag; "
+                    "default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing); protocol, headers, "
+                    "service name and sampler from the standard OTEL_* variables. Needs pdserve[otel]")
     add_gateway_options(ap)
     ap.add_argument("--curve-secret-key", default=None,
                     help="CURVE: the gateway's secret certificate (encrypts the control plane)")
@@ -100,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway.config import GatewayConfig
     from gateway.server import run_gateway
     from gateway.tokenizer import Tokenizer
+    from pdserve.common.tracing import make_tracer
     from pdserve.common.transport import CurveServer, free_port
 
     max_model_len = check_args(args)
@@ -112,12 +117,13 @@ def run(args: argparse.Namespace) -> int:
     model = model_dir(args.model)
     control_port = args.control_port or free_port(args.control_host)
     try:
+        tracer = make_tracer(args.otlp_traces_endpoint, "gateway")
         cluster = ClusterBackend(ClusterConfig(
             control_host=args.control_host, control_port=control_port,
             heartbeat_timeout_s=args.heartbeat_timeout, stall_timeout_s=args.stall_timeout,
             max_recoveries=args.max_recoveries, curve=curve, seed_key=envs.gateway_seed_key(),
             router=args.router, local_prefill_threshold=args.local_prefill_threshold,
-        ))
+        ), tracer)
     except ValueError as e:
         raise SystemExit(f"pdserve gateway: {e}") from None
     names = args.served_model_name or [getattr(args, "repo_id", None) or model.name]
@@ -134,4 +140,4 @@ def run(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
     )
     print(f"pdserve control plane on tcp://{args.control_host}:{control_port}", flush=True)
-    return run_gateway(config, cluster, Tokenizer.from_model_dir(model))
+    return run_gateway(config, cluster, Tokenizer.from_model_dir(model), tracer)

@@ -122,6 +122,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap.add_argument("--router", choices=ROUTERS, default="kv-aware", help="gateway: how a prompt's worker is picked")
     ap.add_argument("--local-prefill-threshold", type=non_negative_int, default=0, metavar="TOKENS",
                     help="gateway: prefill on the decode worker when at most this many prompt tokens are uncached")
+    ap.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help="gateway and workers: export OpenTelemetry spans to this OTLP collector "
+                         "(the OTEL_* variables pass to every process)")
     ap.add_argument("--ready-timeout", type=positive_float, default=120.0)
     ap.set_defaults(func=run)
 
@@ -182,6 +185,8 @@ def _worker_cmds(args: argparse.Namespace, control: str,
             cmd += ["--no-prefix-caching"]
         if args.grammar_compile_timeout:
             cmd += ["--grammar-compile-timeout", str(args.grammar_compile_timeout)]
+        if args.otlp_traces_endpoint:
+            cmd += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
         spec = args.speculative_config
         if spec is not None and (role != "prefill" or spec.ships_draft_kv):
             cmd += ["--speculative-config", spec.to_json()]
@@ -262,6 +267,8 @@ def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
         cmd += ["--enable-auto-tool-choice"]
     if args.tool_call_parser:
         cmd += ["--tool-call-parser", args.tool_call_parser]
+    if args.otlp_traces_endpoint:
+        cmd += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     for key in args.api_key:
         cmd += ["--api-key", key]
     for path in args.api_key_file:

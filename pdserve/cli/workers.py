@@ -132,6 +132,10 @@ def add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-transport", default="auto", choices=("auto", "tcp", "shm"),
                     help="auto: shared memory (CPU) or CUDA IPC (GPU) with same-host peers, tcp "
                     "otherwise; tcp: always tcp (a GPU pool through pinned host staging)")
+    ap.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help="OpenTelemetry: export this process's spans to this OTLP collector (vLLM's flag; "
+                    "default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing); protocol, headers, "
+                    "service name and sampler from the standard OTEL_* variables. Needs pdserve[otel]")
     ap.add_argument("--enable-fault-injection", action="store_true",
                     help="tests only: inject the faults PDSERVE_FAULTS and PDSERVE_KV_FAULTS ask for "
                     "(ignored without this flag); logs a WARNING")
@@ -169,7 +173,18 @@ def check_args(args: argparse.Namespace) -> None:
         check_listen("--kv-port", args.kv_host, args.kv_port)
     check_core_args(args)
     check_gpu_args(args)
+    check_tracing(args.otlp_traces_endpoint)
     args.thread_policy = thread_policy(args)
+
+
+def check_tracing(endpoint: str | None) -> None:
+    """Bad OTEL_* variables stop the process before it loads a model."""
+    from pdserve.common.tracing import TracingConfig
+
+    try:
+        TracingConfig.resolve(endpoint)
+    except ValueError as e:
+        raise UsageError("--otlp-traces-endpoint", str(e)) from None
 
 
 def thread_policy(args: argparse.Namespace) -> str:
@@ -297,6 +312,7 @@ def run(args: argparse.Namespace) -> int:
         cpu_cores=tuple(args.cpu_cores or ()),
         borrow_cores=tuple(args.borrow_cores or ()),
         thread_policy=args.thread_policy,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     # Prefill and decode workers can switch between the two live (gateway admin call).
     flips = {r: node_builder(r) for r in ("prefill", "decode")} if args.role != "colocated" else None

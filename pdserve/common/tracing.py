@@ -81,7 +81,7 @@ class TracingConfig:
         try:
             ratio = float(arg) if arg is not None else 1.0
         except ValueError:
-            raise ValueError(f"OTEL_TRACES_SAMPLER_ARG must be a number, not {arg[:20]!r}") from None
+            raise ValueError(f"OTEL_TRACES_SAMPLER_ARG must be a number, not {str(arg)[:20]!r}") from None
         return cls(endpoint, envs.otlp_traces_protocol(), envs.otlp_traces_headers(),
                    envs.otel_service_name(), sampler, ratio)
 
@@ -209,11 +209,15 @@ def _sampler(config: TracingConfig) -> Any:
 def _exporter(config: TracingConfig) -> Any:
     headers = dict(config.headers) or None
     if config.protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
 
         insecure = config.endpoint.startswith("http://") or "://" not in config.endpoint
         return GrpcExporter(endpoint=config.endpoint, insecure=insecure, headers=headers)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpExporter,
+    )
 
     return HttpExporter(endpoint=config.export_url, headers=headers)
 

@@ -138,7 +138,7 @@ def test_an_older_workers_heartbeat_parses_without_a_received_list() -> None:
 @pytest.mark.parametrize("tag", ["prefill", "decode_reserve", "run"])
 def test_an_older_gateways_request_parses_without_a_traceparent(tag: str) -> None:
     """A gateway from before tracing sends payloads without the field: untraced work."""
-    msg = next(m for m in SAMPLES if m.TAG == tag and getattr(m, "payload", None) is TRACED)
+    msg = next(m for m in SAMPLES if tag == m.TAG and getattr(m, "payload", None) is TRACED)
     body = p.encode_fields(msg)
     del body["payload"]["traceparent"]
     old = p.decode(_frame(tag, body))
