@@ -40,6 +40,7 @@ from pdserve.cli.args import (
     positive_int,
 )
 from pdserve.cli.gateway import ROUTERS
+from pdserve.cli.workers import check_tracing
 from pdserve.cli.gateway_options import (
     api_keys,
     check_served_names,
@@ -296,6 +297,7 @@ def check_args(args: argparse.Namespace) -> None:
     api_keys(args)  # every --api-key-file readable and not empty
     check_listen("--port", args.host, args.port)
     core_plan(args)  # --cpu-affinity on: the threads must fit
+    check_tracing(args.otlp_traces_endpoint)  # bad OTEL_* variables, before any child starts
     gpu_flags(args, 1)  # the GPU flags need a CUDA --device
 
 

@@ -66,6 +66,7 @@ class OtlpReceiver:
     def __init__(self) -> None:
         self.spans: list[ReceivedSpan] = []
         self.exports = 0
+        self.headers: list[dict[str, str]] = []  # of each export request
         self._cond = threading.Condition()
         receiver = self
 
@@ -82,6 +83,7 @@ class OtlpReceiver:
                 with receiver._cond:
                     receiver.spans.extend(spans)
                     receiver.exports += 1
+                    receiver.headers.append({k.lower(): v for k, v in self.headers.items()})
                     receiver._cond.notify_all()
                 out = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
