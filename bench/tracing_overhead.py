@@ -1,0 +1,153 @@
+"""What OpenTelemetry tracing costs: ITL p50 and c16 tok/s, traced at 100% vs untraced.
+
+Two 1P+1D stacks (bench/stack.py) serve the same model side by side: one untraced, one
+with `--otlp-traces-endpoint` on the gateway and both workers, sampling every request
+(`OTEL_TRACES_SAMPLER=always_on`, each request sent with a sampled `traceparent`) and
+exporting over OTLP/HTTP to a sink in this process that reads and acknowledges every
+export (so the exporters' serialization and HTTP posts are paid; a collector's own work
+is not). The measurements take turns in interleaved rounds (bench/harness.py: `rounds`,
+alternating), so a shared machine's drift falls on both; only the ratios of this run are
+reported.
+
+- ITL p50: one greedy stream of `--tokens` tokens; the median gap between its chunks.
+- c16 tok/s: `--concurrency` streams at once; completion tokens over the wall time.
+
+Target (issue 35): traced >= 0.98x untraced tok/s and <= 1.02x ITL p50.
+    python -m bench.tracing_overhead [--rounds 5] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import statistics
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from bench import harness
+from bench.client import at_once, served_model
+from bench.stack import StackConfig, serving_stack
+
+
+class Sink:
+    """An OTLP/HTTP endpoint that reads each export and answers 200 (counts them)."""
+
+    def __init__(self) -> None:
+        self.exports = 0
+        self.bytes = 0
+        sink = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                sink.exports += 1
+                sink.bytes += len(body)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+
+
+def stream_gaps(url: str, model: str, prompt: str, max_tokens: int, traced: bool) -> tuple[list[float], int]:
+    """One greedy stream: the gaps between its text chunks (s) and its completion tokens."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"Content-Type": "application/json"}
+    if traced:
+        headers["traceparent"] = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), headers)
+    stamps, tokens = [], 0
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+            if any(c.get("text") for c in event.get("choices") or []):
+                stamps.append(time.perf_counter())
+    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)], tokens
+
+
+def itl_p50(url: str, model: str, tokens: int, traced: bool) -> float:
+    gaps, _ = stream_gaps(url, model, "The little robot walked", tokens, traced)
+    return statistics.median(gaps)
+
+
+def tok_per_s(url: str, model: str, tokens: int, concurrency: int, traced: bool) -> float:
+    counts: list[int] = []
+
+    def one(i: int) -> None:
+        counts.append(stream_gaps(url, model, f"Story {i}: once upon a time", tokens, traced)[1])
+
+    t0 = time.perf_counter()
+    at_once(one, range(concurrency))
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+@contextmanager
+def stacks(model: str, threads: int, sink: Sink) -> Iterator[dict[str, str]]:
+    base = StackConfig(model, "cpu", "auto", threads, None, 2048, 300.0)
+    traced = dataclasses.replace(base, extra_args=("--otlp-traces-endpoint", sink.endpoint))
+    with ExitStack() as stack:
+        yield {"off": stack.enter_context(serving_stack(base)), "on": stack.enter_context(serving_stack(traced))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.parser(__doc__)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=64, help="completion tokens per stream")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    args = ap.parse_args(argv)
+    # Children inherit these; only the traced stack has an endpoint to use them with.
+    os.environ.update(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf", OTEL_TRACES_SAMPLER="always_on",
+                      OTEL_BSP_SCHEDULE_DELAY="500")
+    sink = Sink()
+    print(harness.machine_line(), flush=True)
+    with stacks(harness.model_dir(args.model), args.threads, sink) as urls:
+        model = served_model(urls["off"])
+        itl = harness.rounds({k: (lambda u=u, k=k: itl_p50(u, model, args.tokens, k == "on"))
+                              for k, u in urls.items()}, args.rounds, warmup=1, alternate=True)
+        tps = harness.rounds({k: (lambda u=u, k=k: tok_per_s(u, model, args.tokens, args.concurrency, k == "on"))
+                              for k, u in urls.items()}, args.rounds, warmup=1, alternate=True)
+    exports = sink.exports
+    result: dict[str, Any] = {"rounds": args.rounds, "tokens": args.tokens, "concurrency": args.concurrency,
+                              "exports": exports, "export_bytes": sink.bytes}
+    for name, runs in (("itl_p50_s", itl), (f"c{args.concurrency}_tok_s", tps)):
+        off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
+        result[name] = {"off": off, "on": on, "ratio": on / off,
+                        "per_round_ratio": [b / a for a, b in zip(runs["off"], runs["on"], strict=True)]}
+        print(f"{name:>12}: off {off:.4g}  on {on:.4g}  on/off {on / off:.3f}  per round "
+              f"{' '.join(f'{r:.3f}' for r in result[name]['per_round_ratio'])}")
+    print(f"spans exported: {exports} OTLP requests, {sink.bytes} bytes (tracing on at 100% sampling)")
+    ok_itl = result["itl_p50_s"]["ratio"] <= 1.02
+    ok_tps = result[f"c{args.concurrency}_tok_s"]["ratio"] >= 0.98
+    print(f"VERDICT tracing overhead: ITL p50 x{result['itl_p50_s']['ratio']:.3f} (target <= 1.02): "
+          f"{'PASS' if ok_itl else 'MISS'}; c{args.concurrency} tok/s x"
+          f"{result[f'c{args.concurrency}_tok_s']['ratio']:.3f} (target >= 0.98): {'PASS' if ok_tps else 'MISS'}")
+    if exports == 0:
+        raise SystemExit("the traced stack exported nothing: the comparison measured no tracing")
+    harness.write_json(args.output_json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
