@@ -19,6 +19,7 @@ Target (issue 35): traced >= 0.98x untraced tok/s and <= 1.02x ITL p50.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import secrets
@@ -124,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     print(harness.machine_line(), flush=True)
     with stacks(harness.model_dir(args.model), args.threads, sink) as urls:
         model = served_model(urls["off"])
-        itl = harness.rounds({k: (lambda u=u, k=k: itl_p50(u, model, args.tokens, k == "on"))
+        itl = harness.rounds({k: functools.partial(itl_p50, u, model, args.tokens, k == "on")
                               for k, u in urls.items()}, args.rounds, warmup=1, alternate=True)
-        tps = harness.rounds({k: (lambda u=u, k=k: tok_per_s(u, model, args.tokens, args.concurrency, k == "on"))
+        tps = harness.rounds({k: functools.partial(tok_per_s, u, model, args.tokens, args.concurrency, k == "on")
                               for k, u in urls.items()}, args.rounds, warmup=1, alternate=True)
     exports = sink.exports
     result: dict[str, Any] = {"rounds": args.rounds, "tokens": args.tokens, "concurrency": args.concurrency,
