@@ -40,13 +40,13 @@ from pdserve.cli.args import (
     positive_int,
 )
 from pdserve.cli.gateway import ROUTERS
-from pdserve.cli.workers import check_tracing
 from pdserve.cli.gateway_options import (
     api_keys,
     check_served_names,
     check_tool_flags,
     sampling_defaults,
 )
+from pdserve.cli.workers import check_tracing
 from pdserve.worker.cpu_cores import format_cpu_list, plan_cores
 
 
@@ -286,6 +286,7 @@ def _role_names(args: argparse.Namespace) -> list[str]:
 
 def check_args(args: argparse.Namespace) -> None:
     """Everything a child would otherwise fail on, refused before any child starts."""
+    check_tracing(args.otlp_traces_endpoint)  # the OTEL_* variables every child reads
     check_tool_flags(args)
     config = check_model(args.model)
     check_max_model_len(args.max_model_len, config)
@@ -297,7 +298,6 @@ def check_args(args: argparse.Namespace) -> None:
     api_keys(args)  # every --api-key-file readable and not empty
     check_listen("--port", args.host, args.port)
     core_plan(args)  # --cpu-affinity on: the threads must fit
-    check_tracing(args.otlp_traces_endpoint)  # bad OTEL_* variables, before any child starts
     gpu_flags(args, 1)  # the GPU flags need a CUDA --device
 
 
