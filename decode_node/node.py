@@ -110,7 +110,7 @@ class DecodeNode(EngineNode):
             if inc is not None and inc.transfer_id == msg.transfer_id:
                 inc.first_tokens, inc.first_logprobs = list(msg.token_ids), list(msg.logprobs)
                 inc.first_at = time.monotonic()
-                self.traces.mark(msg.request_id, "first_token_in")
+                self.traces.event(msg.request_id, "first_token", {"pdserve.first_tokens": len(msg.token_ids)})
         elif isinstance(msg, p.Abort):
             for rid in msg.request_ids:
                 self._abort(rid)

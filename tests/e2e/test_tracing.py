@@ -34,13 +34,13 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 def traced_cluster(log_dir: Path, receiver: OtlpReceiver, roles: dict[str, int],
-                   *gateway_extra: str) -> Cluster:
+                   *gateway_extra: str, worker_extra: tuple[str, ...] = ()) -> Cluster:
     c = Cluster(log_dir)
     flag = ["--otlp-traces-endpoint", receiver.endpoint]
     c.start_gateway(*flag, *gateway_extra, env=ENV, wait=False)
     for role, n in roles.items():
         for _ in range(n):
-            c.add_worker(role, *flag, env=ENV)
+            c.add_worker(role, *flag, *worker_extra, env=ENV)
     c.wait_gateway()
     c.wait_roles(**{("colocated" if r == "worker" else r): n for r, n in roles.items()})
     return c
@@ -82,7 +82,10 @@ def has(*names: str) -> Any:
 
 def test_1p1d_chat_trace_continues_the_callers_span(log_dir: Path, receiver: OtlpReceiver,
                                                      reference: Reference) -> None:
-    c = traced_cluster(log_dir, receiver, {"prefill": 1, "decode": 1})
+    # n-gram speculation on the decode worker (a prefill worker ignores it): its span
+    # reports the tokens each step emitted.
+    c = traced_cluster(log_dir, receiver, {"prefill": 1, "decode": 1}, worker_extra=(
+        "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})))
     try:
         trace_id, caller_span, tp = caller_context()
         body = {"model": reference.model_name, "max_tokens": 12, "temperature": 0,
@@ -127,7 +130,11 @@ def test_1p1d_chat_trace_continues_the_callers_span(log_dir: Path, receiver: Otl
         assert kv.attributes["pdserve.kv.bytes"] > 0 and kv.attributes["pdserve.kv.seconds"] >= 0
         assert kv.attributes["pdserve.kv.target_worker"] == workers["decode"]
         # The first token is the prefill worker's: decode produced the rest.
-        assert decode.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"] - 1
+        d = decode.attributes
+        assert d["gen_ai.usage.output_tokens"] == usage["completion_tokens"] - 1
+        assert d["pdserve.spec.accepted_tokens"] == d["gen_ai.usage.output_tokens"] - d["pdserve.steps"] >= 0
+        assert d["pdserve.spec.tokens_per_step"] == d["gen_ai.usage.output_tokens"] / d["pdserve.steps"]
+        assert decode.events["first_token"]["pdserve.first_tokens"] == 1
         assert one(spans, "decode.generate").parent_id == decode.span_id
         assert all(server.start_ns <= s.start_ns and s.end_ns <= server.end_ns for s in spans if s is not server)
     finally:
