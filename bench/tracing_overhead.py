@@ -103,6 +103,47 @@ def tok_per_s(url: str, model: str, tokens: int, concurrency: int, traced: bool)
     return sum(counts) / (time.perf_counter() - t0)
 
 
+def span_cpu_s(endpoint: str, tokens: int, reps: int = 200) -> float:
+    """CPU seconds of all the span work one traced 1P+1D request costs, summed over the
+    three processes (the gateway's request and attempt spans, the prefill worker's and the
+    decode worker's `WorkerTraces` with one chunk per request and `tokens` steps), with the
+    SDK exporting to the sink: what the end-to-end ratios above cannot resolve on a
+    shared machine, measured directly: this process's CPU time (every thread, the
+    exporters' encoding and posts included, up to their final flush) over `reps` requests."""
+    from gateway.tracing import AttemptSpan, RequestSpan
+    from pdserve.common.payload import RequestPayload
+    from pdserve.common.sampling_params import SamplingParams
+    from pdserve.common.tracing import Tracer, TracingConfig
+    from pdserve.engine.core.outputs import CompletionOutput, RequestOutput
+    from pdserve.worker.tracing import Child, WorkerTraces
+
+    config = TracingConfig(endpoint, "http/protobuf")
+    gw, tracer = Tracer(config, "gateway"), Tracer(config, "decode")
+    outs = [RequestOutput("r", (CompletionOutput(0, (7,), None, None),), False, 16, 0)]
+    t0 = time.process_time()
+    for i in range(reps):
+        req = RequestSpan.start(gw, {"traceparent": f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"},
+                                "completion", "/v1/completions", "m", str(i))
+        attempt = AttemptSpan(gw, req.traceparent or "", 1, 0)
+        attempt.routed("disaggregated", "prefill", "p", 0, "kv")
+        payload = RequestPayload(list(range(16)), SamplingParams(max_tokens=tokens), traceparent=attempt.traceparent)
+        for name, steps in (("prefill", 1), ("decode", tokens)):
+            traces = WorkerTraces(tracer, name)
+            traces.begin("r", payload, name)
+            for mark in ("scheduled", "kv_complete", "ready", "first_step"):
+                traces.mark("r", mark)
+            for _ in range(steps):
+                traces.outputs(outs)
+            traces.end("r", (Child("a", "start", "scheduled"), Child("b", "ready", "first_step"),
+                             Child("c", "first_step", "end")))
+        attempt.end(None, 0)
+        req.parsed("m", tokens, 1, 0.0, 1.0, True, 16)
+        req.end(200, None, tokens, 0, ["length"], 0.01, 0.0, 0.1)
+    gw.shutdown()
+    tracer.shutdown()
+    return (time.process_time() - t0) / reps
+
+
 @contextmanager
 def stacks(model: str, threads: int, sink: Sink) -> Iterator[dict[str, str]]:
     base = StackConfig(model, "cpu", "auto", threads, None, 2048, 300.0)
@@ -130,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         tps = harness.rounds({k: functools.partial(tok_per_s, u, model, args.tokens, args.concurrency, k == "on")
                               for k, u in urls.items()}, args.rounds, warmup=1, alternate=True)
     exports = sink.exports
+    span_s = span_cpu_s(sink.endpoint, args.tokens)
     result: dict[str, Any] = {"rounds": args.rounds, "tokens": args.tokens, "concurrency": args.concurrency,
                               "exports": exports, "export_bytes": sink.bytes}
     for name, runs in (("itl_p50_s", itl), (f"c{args.concurrency}_tok_s", tps)):
@@ -139,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>12}: off {off:.4g}  on {on:.4g}  on/off {on / off:.3f}  per round "
               f"{' '.join(f'{r:.3f}' for r in result[name]['per_round_ratio'])}")
     print(f"spans exported: {exports} OTLP requests, {sink.bytes} bytes (tracing on at 100% sampling)")
+    # Each request's span work, against the CPU time a request is given at the untraced c16 rate.
+    req_s = args.tokens / result[f"c{args.concurrency}_tok_s"]["off"]  # wall seconds per request's share
+    result["span_cpu_s_per_request"] = span_s
+    result["span_cpu_share"] = span_s / req_s
+    print(f"span work per traced request (3 processes, CPU): {span_s * 1e6:.0f} us = "
+          f"{100 * span_s / req_s:.2f}% of a request's share of the untraced c{args.concurrency} wall time")
     ok_itl = result["itl_p50_s"]["ratio"] <= 1.02
     ok_tps = result[f"c{args.concurrency}_tok_s"]["ratio"] >= 0.98
     print(f"VERDICT tracing overhead: ITL p50 x{result['itl_p50_s']['ratio']:.3f} (target <= 1.02): "
