@@ -21,10 +21,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import multiprocessing
 import os
 import secrets
 import statistics
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -37,33 +37,52 @@ from bench.client import at_once, served_model
 from bench.stack import StackConfig, serving_stack
 
 
+def _serve_sink(port: Any, exports: Any, size: Any) -> None:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            with exports.get_lock():
+                exports.value += 1
+                size.value += len(body)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port.value = server.server_address[1]
+    server.serve_forever()
+
+
 class Sink:
-    """An OTLP/HTTP endpoint that reads each export and answers 200 (counts them)."""
+    """An OTLP/HTTP endpoint that reads each export and answers 200 (counts them), in a
+    process of its own: in the client's, its parsing would slow the client's streams."""
 
     def __init__(self) -> None:
-        self.exports = 0
-        self.bytes = 0
-        sink = self
+        ctx = multiprocessing.get_context("spawn")
+        self._port, self._exports, self._bytes = ctx.Value("i", 0), ctx.Value("l", 0), ctx.Value("l", 0)
+        self._proc = ctx.Process(target=_serve_sink, args=(self._port, self._exports, self._bytes), daemon=True)
+        self._proc.start()
+        deadline = time.monotonic() + 60
+        while not self._port.value:
+            if time.monotonic() > deadline or not self._proc.is_alive():
+                raise SystemExit("the OTLP sink did not start")
+            time.sleep(0.05)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                sink.exports += 1
-                sink.bytes += len(body)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+    @property
+    def exports(self) -> int:
+        return int(self._exports.value)
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    @property
+    def bytes(self) -> int:
+        return int(self._bytes.value)
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        return f"http://127.0.0.1:{self._port.value}/v1/traces"
 
 
 def stream_gaps(url: str, model: str, prompt: str, max_tokens: int, traced: bool) -> tuple[list[float], int]:
