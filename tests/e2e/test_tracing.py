@@ -34,13 +34,14 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 def traced_cluster(log_dir: Path, receiver: OtlpReceiver, roles: dict[str, int],
-                   *gateway_extra: str, worker_extra: tuple[str, ...] = ()) -> Cluster:
+                   *gateway_extra: str, worker_extra: tuple[str, ...] = (),
+                   worker_env: dict[str, str] | None = None) -> Cluster:
     c = Cluster(log_dir)
     flag = ["--otlp-traces-endpoint", receiver.endpoint]
     c.start_gateway(*flag, *gateway_extra, env=ENV, wait=False)
     for role, n in roles.items():
         for _ in range(n):
-            c.add_worker(role, *flag, *worker_extra, env=ENV)
+            c.add_worker(role, *flag, *worker_extra, env={**ENV, **(worker_env or {})})
     c.wait_gateway()
     c.wait_roles(**{("colocated" if r == "worker" else r): n for r, n in roles.items()})
     return c
@@ -186,7 +187,9 @@ def stream(url: str, body: dict[str, Any], traceparent: str, progress: list[int]
 
 def test_a_decode_worker_killed_mid_stream_shows_as_a_second_attempt(
         log_dir: Path, receiver: OtlpReceiver, reference: Reference) -> None:
-    c = traced_cluster(log_dir, receiver, {"prefill": 1, "decode": 2}, "--heartbeat-timeout", "1.5")
+    # Slow steps (20 ms) keep the 160-token stream running for seconds: the kill lands mid-stream.
+    c = traced_cluster(log_dir, receiver, {"prefill": 1, "decode": 2}, "--heartbeat-timeout", "1.5",
+                       worker_extra=("--enable-fault-injection",), worker_env={"PDSERVE_FAULTS": "step_delay_s=0.02"})
     try:
         trace_id, caller_span, tp = caller_context()
         body = {"model": reference.model_name, "prompt": "A long story begins", "max_tokens": 160,
