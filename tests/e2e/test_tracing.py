@@ -138,6 +138,18 @@ def test_1p1d_chat_trace_continues_the_callers_span(log_dir: Path, receiver: Otl
         assert decode.events["first_token"]["pdserve.first_tokens"] == 1
         assert one(spans, "decode.generate").parent_id == decode.span_id
         assert all(server.start_ns <= s.start_ns and s.end_ns <= server.end_ns for s in spans if s is not server)
+
+        # The same prompt again: both workers' prefix caches hold its full blocks now.
+        again_id, _, again_tp = caller_context()
+        again = post(f"{c.url}/v1/chat/completions", body, again_tp)
+        receiver.wait_for(lambda _: has("prefill", "decode", "kv_transfer")(receiver.trace(again_id)), what="again")
+        spans = receiver.trace(again_id)
+        hit = one(spans, "prefill").attributes["pdserve.prefix_cache.hit_tokens"]
+        assert hit == again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert sum(ch.attributes["pdserve.chunk.tokens"] for ch in by_name(spans, "prefill.chunk")) \
+            == usage["prompt_tokens"] - hit
+        held = one(spans, "decode").attributes["pdserve.prefix_cache.hit_blocks"]
+        assert held > 0 and one(spans, "kv_transfer").attributes["pdserve.kv.skip_blocks"] == held
     finally:
         c.stop()
 
