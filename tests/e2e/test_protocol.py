@@ -147,6 +147,14 @@ def test_an_older_gateways_request_parses_without_a_traceparent(tag: str) -> Non
     assert p.decode(p.encode(msg)).payload.traceparent == TP  # type: ignore[attr-defined]
 
 
+def test_an_untraced_request_is_what_an_older_worker_parses() -> None:
+    """Unset optional fields are left off the wire, so a worker from before tracing (whose
+    codec refuses unknown fields) still takes an untraced request from a newer gateway."""
+    body = p.encode_fields(p.PrefillRequest("r#1", PAYLOAD))
+    assert "traceparent" not in body["payload"] and "resume" not in body["payload"]
+    assert p.decode(_frame("prefill", body)) == p.PrefillRequest("r#1", PAYLOAD)
+
+
 @pytest.mark.parametrize("bad", ["", "x", TP.upper(), "01" + TP[2:], TP[:-1], TP + "0",
                                  "00-" + "0" * 32 + TP[35:], TP[:36] + "0" * 16 + TP[52:]])
 def test_a_malformed_traceparent_is_a_protocol_error(bad: str) -> None:
