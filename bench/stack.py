@@ -27,12 +27,13 @@ class StackConfig:
     kv_cache_memory: str | None  # per worker; None: the worker's default
     max_num_batched_tokens: int
     ready_timeout_s: float
+    extra_args: tuple[str, ...] = ()  # appended to every process's command line
 
 
 def stack_commands(cfg: StackConfig, port: int, control_port: int) -> list[list[str]]:
     """Gateway, prefill worker, decode worker: the commands `pdserve up` runs."""
     gateway = [*pdserve_command(), "gateway", "--port", str(port), "--control-port", str(control_port),
-               "--model", cfg.model_dir]
+               "--model", cfg.model_dir, *cfg.extra_args]
     workers = []
     for role in ("prefill", "decode"):
         cmd = [*pdserve_command(), role, "--gateway", f"tcp://127.0.0.1:{control_port}",
@@ -40,7 +41,7 @@ def stack_commands(cfg: StackConfig, port: int, control_port: int) -> list[list[
                "--threads", str(cfg.threads), "--kv-transport", "auto",
                "--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
         cmd += ["--kv-cache-memory", cfg.kv_cache_memory] if cfg.kv_cache_memory else []
-        workers.append(cmd)
+        workers.append([*cmd, *cfg.extra_args])
     return [gateway, *workers]
 
 

@@ -33,7 +33,8 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
                                      engine_cfg.tensor_parallel_size, engine_cfg.pipeline_parallel_size,
                                      runner.layout))
         drafts = build_receipts(engine, parts.metrics, parts.kv_faults, curve, opts.kv_host)
-        return DecodeNode(parts.worker_id, engine, runner, receiver, parts.send, parts.metrics, kv_shm, drafts)
+        return DecodeNode(parts.worker_id, engine, runner, receiver, parts.send, parts.metrics, kv_shm, drafts,
+                          parts.traces)
 
     on_cuda = engine_cfg.device.startswith("cuda")
     transport = receiver_transport(opts.kv_transport, on_cuda)

@@ -43,6 +43,7 @@ from pdserve.worker.engine_glue import wire_deltas
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.node_api import NodeLoad, NodeRegistration, Sender
 from pdserve.worker.node_base import EngineNode, node_registration
+from pdserve.worker.tracing import Child, WorkerTraces
 from pdserve.worker.transfers import FAILED_STATES, RESERVATION_LEASE_S, TRANSFER_LEASE_S, Transfers
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,8 @@ class DecodeNode(EngineNode):
 
     def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, receiver: KVReceiver,
                  send: Sender, metrics: WorkerMetrics, kv_shm: str = "",
-                 drafts: DraftReceipts | None = None) -> None:
-        super().__init__(worker_id, engine, runner, send, metrics)
+                 drafts: DraftReceipts | None = None, traces: WorkerTraces | None = None) -> None:
+        super().__init__(worker_id, engine, runner, send, metrics, traces)
         self.drafts = drafts  # draft_kv=prefill: draft KV arrives with the target's
         self.receiver = receiver
         self.kv_shm = kv_shm
@@ -110,6 +111,7 @@ class DecodeNode(EngineNode):
             if inc is not None and inc.transfer_id == msg.transfer_id:
                 inc.first_tokens, inc.first_logprobs = list(msg.token_ids), list(msg.logprobs)
                 inc.first_at = time.monotonic()
+                self.traces.event(msg.request_id, "first_token", {"pdserve.first_tokens": len(msg.token_ids)})
         elif isinstance(msg, p.Abort):
             for rid in msg.request_ids:
                 self._abort(rid)
@@ -135,6 +137,9 @@ class DecodeNode(EngineNode):
             msg.transfer_id, rid, self.engine.seq_id(rid),
             [*msg.payload.prompt_token_ids, *msg.payload.output_token_ids], TRANSFER_LEASE_S)
         self._incoming[rid] = _Incoming(msg.transfer_id, time.monotonic(), len(blocks))
+        self.traces.begin(rid, msg.payload, "decode")
+        self.traces.set(rid, {"pdserve.kv.blocks": len(blocks), "pdserve.prefix_cache.hit_blocks":
+                              reservation.cached_blocks})
         self.metrics.blocks_reused.inc(reservation.cached_blocks)
         self.accepted(rid, f"{len(blocks)} blocks reserved, {reservation.cached_blocks} held", prefill=False)
         self.send(p.ReserveResult(rid, msg.transfer_id, list(blocks), cached_blocks=reservation.cached_blocks,
@@ -152,6 +157,9 @@ class DecodeNode(EngineNode):
             return
         self._running.add(rid)
         self._timing[rid] = _Stages(0.0, time.monotonic())
+        self.traces.begin(rid, msg.payload, "decode")
+        self.traces.set(rid, {"pdserve.local_prefill": True})
+        self.traces.mark(rid, "ready")
         self.metrics.local_prefills.inc()
         self.accepted(rid, f"{msg.payload.num_tokens} prompt tokens, prefilled locally", prefill=True)
 
@@ -159,6 +167,7 @@ class DecodeNode(EngineNode):
         inc = self._incoming.pop(rid, None)
         if inc is not None or rid in self._running:
             log.debug("decode request %s aborted", rid, extra=request_fields(rid))
+            self.traces.drop(rid, "aborted")
         if inc is not None:
             self.metrics.aborts.inc()
             self.transfers.cancel(inc.transfer_id, rid)
@@ -186,7 +195,10 @@ class DecodeNode(EngineNode):
             stages = self._timing.get(rid)
             if stages is not None and not stages.first_step_at:
                 stages.first_step_at = started
+                self.traces.mark(rid, "first_step")
         outputs = self.engine.step()
+        if self.traces:
+            self.traces.outputs(outputs)
         finished: dict[str, dict[str, float]] = {}
         for out in outputs:
             if out.finished and out.request_id in self._running:
@@ -204,7 +216,17 @@ class DecodeNode(EngineNode):
         """The request's stage timings (kv_transfer, decode_queue, decode) for its finishing delta."""
         log.debug("decode request %s finished", rid, extra=request_fields(rid))
         stages = self._timing.pop(rid, None)
+        self._end_trace(rid)
         return stages.timings(time.monotonic()) if stages is not None else {}
+
+    def _end_trace(self, rid: str) -> None:
+        if rid not in self.traces:
+            return
+        if self.engine.spec is not None:
+            self.traces.set(rid, {"pdserve.spec.enabled": True})
+        self.traces.end(rid, (Child("decode.kv_wait", "start", "kv_complete"),
+                              Child("decode.queue", "ready", "first_step"),
+                              Child("decode.generate", "first_step", "end")))
 
     def _admit_arrived(self) -> bool:
         admitted = False
@@ -212,6 +234,7 @@ class DecodeNode(EngineNode):
             state = self.receiver.poll(inc.transfer_id)
             if state == TransferState.COMPLETE and not inc.complete_at:
                 inc.complete_at = time.monotonic()
+                self.traces.mark(rid, "kv_complete")
             if state in FAILED_STATES:
                 self._transfer_failed(rid, inc, state)
             elif state == TransferState.COMPLETE and inc.first_tokens is not None:
@@ -220,6 +243,7 @@ class DecodeNode(EngineNode):
                 # The receiver's own kind: a same-host sender uses it, a remote one tcp frames.
                 self.transfers.completed(inc.reserved_at, self.receiver.address, inc.num_blocks)
                 out = self.engine.start_remote(rid, inc.first_tokens, first_logprobs(inc.first_logprobs))
+                self.traces.mark(rid, "ready")
                 if self.drafts is not None:
                     self.drafts.admit(inc.transfer_id, running=not out.finished)
                 if not out.finished:
@@ -229,6 +253,7 @@ class DecodeNode(EngineNode):
                     self._timing[rid] = _Stages(max(0.0, inc.complete_at - inc.first_at), max(inc.complete_at, inc.first_at))
                 else:
                     log.debug("decode request %s finished", rid, extra=request_fields(rid))
+                    self._end_trace(rid)
                 admitted = True
         return admitted
 
@@ -238,6 +263,7 @@ class DecodeNode(EngineNode):
 
     def _transfer_failed(self, rid: str, inc: _Incoming, state: TransferState) -> None:
         del self._incoming[rid]
+        self.traces.drop(rid, f"kv transfer {state.name.lower()}")
         self._end_draft(inc.transfer_id)
         self.receiver.forget(inc.transfer_id)
         self.engine.abort(rid)

@@ -62,6 +62,7 @@ class GenerateRequest:
     priority: str = "interactive"  # one of PRIORITIES
     deadline: float | None = None  # time.monotonic() deadline; None = no deadline
     lora: LoraRef | None = None  # the LoRA adapter it runs under; None: the base model
+    traceparent: str | None = None  # the request's gateway span (W3C); None: not traced
 
 
 class BackendErrorKind(enum.Enum):

@@ -70,7 +70,9 @@ from gateway.flights import Attempt, Flight, FlightTable, RequestState, WorkerLo
 from gateway.kv_router import KvRouter, Pick
 from gateway.registry import WorkerInfo, WorkerRegistry
 from gateway.router import blocks_needed
+from gateway.tracing import AttemptSpan
 from pdserve.common import protocol as p
+from pdserve.common.tracing import Tracer
 from pdserve.common.transport import new_id
 
 log = logging.getLogger(__name__)
@@ -99,8 +101,9 @@ class ClusterBackend:
     """The `GenerationBackend` over real workers: a control plane, a flight table, and
     the request flow between them."""
 
-    def __init__(self, config: ClusterConfig | None = None) -> None:
+    def __init__(self, config: ClusterConfig | None = None, tracer: Tracer | None = None) -> None:
         self.config = config or ClusterConfig()
+        self.tracer = tracer  # a traced request's attempts get spans (gateway/tracing.py)
         self.flights = FlightTable()
         self.control = ControlPlane(self.config, self.flights)
         self.router = KvRouter(self.config.router_config, self.control.kv_index)
@@ -150,6 +153,7 @@ class ClusterBackend:
                         yield delta
                     self._end_attempt(flight, abort=False)  # one choice of several is done
                 except _AttemptFailed as e:
+                    self._trace_failed(flight, e.reason)
                     self._recover_or_raise(request, flight, e.reason)
                 except _ReserveRefused:
                     self._end_attempt(flight, abort=True)  # the prefill stops now, not a failure
@@ -189,7 +193,13 @@ class ClusterBackend:
         happens next, `_end_attempt` finds and aborts it)."""
         request.attempts += 1
         payload, choices = self._attempt_inputs(request)
+        span = None
+        if self.tracer is not None and request.req.traceparent is not None:
+            span = AttemptSpan(self.tracer, request.req.traceparent, request.attempts,
+                               len(payload.resume.output_token_ids) if payload.resume else 0)
+            payload = replace(payload, traceparent=span.traceparent)
         flight = Flight(request, Attempt(f"{request.req.request_id}#{request.attempts}", payload, choices))
+        flight.attempt.span = span
         self.flights.add(flight)
         return flight
 
@@ -214,6 +224,10 @@ class ClusterBackend:
     def _run_on(self, a: Attempt, pick: Pick, blocks: int = 0) -> None:
         """The whole request on one worker: colocated, or a decode worker prefilling locally."""
         a.route = pick.route
+        if a.span is not None:
+            mode = "colocated" if pick.worker.role == "colocated" else "local_prefill"
+            a.span.routed(mode, pick.worker.role, pick.worker.worker_id, pick.route.predicted_blocks
+                          * pick.route.block_size, pick.route.reason)
         self._assign(a, pick.worker, pick.route.uncached_tokens, blocks=blocks)
         self._send(pick.worker.worker_id, p.RunRequest(a.wid, a.payload))
 
@@ -237,6 +251,9 @@ class ClusterBackend:
         if pick is None:
             raise BackendError(BackendErrorKind.NO_WORKERS, "no prefill worker registered", retry_after=1.0)
         prefill, a.route = pick.worker, pick.route
+        if a.span is not None:
+            a.span.routed("disaggregated", "prefill", prefill.worker_id,
+                          pick.route.predicted_blocks * pick.route.block_size, pick.route.reason)
         self._assign(a, prefill, pick.route.uncached_tokens)
         a.prefill_id = prefill.worker_id
         self._send(prefill.worker_id, p.PrefillRequest(a.wid, a.payload))
@@ -248,6 +265,8 @@ class ClusterBackend:
             raise BackendError(BackendErrorKind.NO_WORKERS, "no decode worker registered", retry_after=1.0)
         a.transfer_id = new_id("xfer")
         a.decode_id = decode.worker_id
+        if a.span is not None:
+            a.span.routed("disaggregated", "decode", decode.worker_id, 0, "")
         self._assign(a, decode, 0, blocks=blocks_needed(a.payload.num_tokens, decode.reg.block_size))
         self._send(decode.worker_id, p.DecodeReserve(a.wid, a.transfer_id, a.payload))
 
@@ -384,15 +403,25 @@ class ClusterBackend:
 
     def _prompt_done(self, a: Attempt, cached_tokens: int) -> None:
         """The prompt is computed: its cache report checks the KV index; no longer queued load."""
+        if a.cached_tokens is None:
+            a.cached_tokens = cached_tokens
         self.router.observe(a.route, cached_tokens)
         w = self.registry.get(a.route.worker_id) if a.route is not None else None
         if w is not None:
             w.settle(a.wid)
 
+    @staticmethod
+    def _trace_failed(flight: Flight | None, reason: str) -> None:
+        if flight is not None and flight.attempt.span is not None:
+            flight.attempt.failure = reason
+
     def _end_attempt(self, flight: Flight | None, abort: bool) -> None:
         if flight is None:
             return
         a = flight.attempt
+        if a.span is not None:
+            a.span.end(a.failure, a.cached_tokens)
+            a.span = None
         for wid in list(a.workers):
             if abort:
                 self._send(wid, p.Abort([a.wid], "aborted"))

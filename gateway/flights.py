@@ -18,6 +18,7 @@ from typing import Any
 from gateway.backend import GenerateRequest
 from gateway.kv_router import Route
 from gateway.registry import WorkerInfo
+from gateway.tracing import AttemptSpan
 from pdserve.common import protocol as p
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,9 @@ class Attempt:
     first: p.FirstToken | None = None  # held until the reservation, then StartDecode
     reserve_deadline: float = 0.0
     route: Route | None = None  # where its prompt is computed, and the KV index's prediction
+    span: AttemptSpan | None = None  # a traced request's attempt (gateway/tracing.py)
+    failure: str | None = None  # why it failed, for its span
+    cached_tokens: int | None = None  # what its prompt's worker found cached (first report)
 
     @property
     def reserving(self) -> bool:

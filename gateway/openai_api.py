@@ -33,6 +33,7 @@ from gateway.prompts import check_prompt_chars, encode_request, prompt_chars
 from gateway.state import STATE, GatewayState
 from gateway.timing import RequestTimer
 from gateway.tool_calls import parser_factory
+from gateway.tracing import RequestSpan
 from gateway.validation import (
     CHAT,
     COMPLETION,
@@ -91,6 +92,10 @@ class RequestRun:
         self.prompt_len = 0
         self.gen: Generation | None = None
         self.resp: web.StreamResponse | None = None  # a stream's response, once started
+        self.queue_s: float | None = None
+        tracer = self.state.tracer  # None unless --otlp-traces-endpoint: then one span per request
+        self.trace = None if tracer is None else RequestSpan.start(
+            tracer, request.headers, kind, request.path, self.state.config.model_name, self.rid)
 
     async def serve(self) -> web.StreamResponse:
         self.state.enter()
@@ -128,6 +133,7 @@ class RequestRun:
             admission = await state.admission.acquire(parsed.priority)
         try:
             state.metrics.queue_wait.labels(priority=parsed.priority).observe(admission.wait_s)
+            self.queue_s = admission.wait_s
             bound = self._response_bound()
             if bound is None:
                 return await self._generate(parsed, ids)
@@ -200,6 +206,7 @@ class RequestRun:
             priority=parsed.priority,
             deadline=self.arrival + timeout if timeout is not None else None,
             lora=lora,
+            traceparent=self.trace.traceparent if self.trace is not None else None,
         )
         self.gen = gen = Generation(
             state.backend, greq, state.tokenizer, self.timer,
@@ -322,3 +329,19 @@ class RequestRun:
                           finish_reasons=[s.finish_reasons.get(i) for i in range(n)])
         record["timings"] = {k: round(v, 6) for k, v in timings.items()}
         log.info(json.dumps(record, separators=(",", ":")))
+        if self.trace is not None:
+            self._end_span(timings["e2e"])
+
+    def _end_span(self, e2e_s: float) -> None:
+        assert self.trace is not None
+        parsed, s = self.parsed, (self.gen.stats if self.gen is not None else None)
+        if parsed is not None:
+            p = parsed.params
+            self.trace.parsed(self.state.config.model_name, p.max_tokens, p.n, p.temperature, p.top_p,
+                              parsed.stream, self.prompt_len)
+        n = parsed.params.n if parsed is not None else 1
+        ttft = s.first_token_at - self.timer.start if s is not None and s.first_token_at is not None else None
+        self.trace.end(self.status, self.error, s.completion_tokens if s is not None else None,
+                       s.cached_tokens if s is not None else 0,
+                       [s.finish_reasons.get(i) for i in range(n)] if s is not None else [],
+                       ttft, self.queue_s, e2e_s)

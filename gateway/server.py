@@ -44,6 +44,7 @@ from gateway.responses.handler import install_responses
 from gateway.state import STATE, GatewayState
 from gateway.tokenize_api import detokenize, tokenize
 from gateway.tokenizer import Tokenizer
+from pdserve.common.tracing import Tracer
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -163,14 +164,16 @@ async def list_workers(request: web.Request) -> web.Response:
 _CREATED: web.AppKey[int] = web.AppKey("pdserve_created", int)
 
 
-def build_app(config: GatewayConfig, backend: GenerationBackend, tokenizer: Tokenizer) -> web.Application:
-    """The gateway app. The backend is started on app startup and closed on cleanup."""
+def build_app(config: GatewayConfig, backend: GenerationBackend, tokenizer: Tokenizer,
+              tracer: Tracer | None = None) -> web.Application:
+    """The gateway app. The backend is started on app startup and closed on cleanup;
+    with a tracer every generation request gets a span (gateway/tracing.py)."""
     app = web.Application(middlewares=[error_middleware, header_limit_middleware, auth_middleware])
     admission = AdmissionController(config.admission)
     prompts = PromptPool(config.tokenizer_threads, config.tokenizer_queue, config.admission.retry_after_s)
     app[STATE] = GatewayState(
         config=config, backend=backend, tokenizer=tokenizer, admission=admission,
-        metrics=GatewayMetrics(admission, backend), prompts=prompts,
+        metrics=GatewayMetrics(admission, backend), prompts=prompts, tracer=tracer,
         loras=LoraAdapters(config.lora, config.served_model_names) if config.lora is not None else None,
     )
     app[_CREATED] = int(time.time())
@@ -194,6 +197,8 @@ def build_app(config: GatewayConfig, backend: GenerationBackend, tokenizer: Toke
     async def close_backend(_: web.Application) -> None:
         await backend.close()
         prompts.close()
+        if tracer is not None:
+            tracer.shutdown()  # exports the spans still queued
 
     app.on_startup.append(start_backend)
     app.on_cleanup.append(close_backend)
@@ -226,10 +231,11 @@ async def serve_gateway(
     backend: GenerationBackend,
     tokenizer: Tokenizer,
     stop: asyncio.Event | None = None,
+    tracer: Tracer | None = None,
 ) -> int:
     """Serve until `stop` is set (or SIGTERM/SIGINT), drain, clean up; return the exit code."""
     stop = stop or asyncio.Event()
-    app = build_app(config, backend, tokenizer)
+    app = build_app(config, backend, tokenizer, tracer)
     runner = make_runner(app, config)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
@@ -266,9 +272,10 @@ def warn_if_exposed(config: GatewayConfig) -> None:
         }))
 
 
-def run_gateway(config: GatewayConfig, backend: GenerationBackend, tokenizer: Tokenizer) -> int:
+def run_gateway(config: GatewayConfig, backend: GenerationBackend, tokenizer: Tokenizer,
+                tracer: Tracer | None = None) -> int:
     """Blocking entry point for `pdserve gateway`: uvloop when available; returns the exit code."""
-    coro = serve_gateway(config, backend, tokenizer)
+    coro = serve_gateway(config, backend, tokenizer, tracer=tracer)
     try:
         import uvloop
     except ImportError:

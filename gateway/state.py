@@ -14,6 +14,7 @@ from gateway.lora_adapters import LoraAdapters
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_pool import PromptPool
 from gateway.tokenizer import Tokenizer
+from pdserve.common.tracing import Tracer
 
 
 @dataclass
@@ -25,6 +26,7 @@ class GatewayState:
     metrics: GatewayMetrics
     prompts: PromptPool
     loras: LoraAdapters | None = None  # --enable-lora: the adapters served by name
+    tracer: Tracer | None = None  # --otlp-traces-endpoint: spans of each request (gateway/tracing.py)
     draining: bool = False
     active: int = 0  # generation requests being handled (queued, running or streaming)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)

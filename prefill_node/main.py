@@ -39,5 +39,5 @@ def build_prefill(engine_cfg: EngineConfig, opts: WorkerOptions,
                              engine_cfg.tensor_parallel_size, engine_cfg.pipeline_parallel_size, runner.layout))
     drafts = build_shipper(engine, parts.metrics, parts.kv_faults, kv_keys(opts))
     node = PrefillNode(parts.worker_id, engine, runner, sender, parts.send, parts.metrics,
-                       direct=opts.kv_transport != "tcp", drafts=drafts)
+                       direct=opts.kv_transport != "tcp", drafts=drafts, traces=parts.traces)
     return node, [*tiers, runner.close]

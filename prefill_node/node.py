@@ -36,7 +36,8 @@ from pdserve.common import protocol as p
 from pdserve.common.block_hash import prefix_root
 from pdserve.common.logs import request_fields
 from pdserve.common.roles import Role
-from pdserve.common.transport import host_id
+from pdserve.common.tracing import now_ns
+from pdserve.common.transport import host_id, transport_kind
 from pdserve.engine.core.outputs import RequestOutput
 from pdserve.engine.core.scheduler import SchedulerOutput
 from pdserve.engine.llm_engine import LLMEngine
@@ -45,6 +46,7 @@ from pdserve.worker.draft_kv import DraftShipper, Shipped
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.node_api import NodeLoad, Sender
 from pdserve.worker.node_base import EngineNode
+from pdserve.worker.tracing import Child, WorkerTraces
 from pdserve.worker.transfers import FAILED_STATES, TRANSFER_LEASE_S, Transfers
 
 log = logging.getLogger(__name__)
@@ -93,8 +95,9 @@ class PrefillNode(EngineNode):
 
     def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, sender: KVSender,
                  send: Sender, metrics: WorkerMetrics, layerwise: bool = True,
-                 direct: bool = True, drafts: DraftShipper | None = None) -> None:
-        super().__init__(worker_id, engine, runner, send, metrics)
+                 direct: bool = True, drafts: DraftShipper | None = None,
+                 traces: WorkerTraces | None = None) -> None:
+        super().__init__(worker_id, engine, runner, send, metrics, traces)
         self.drafts = drafts  # draft_kv=prefill: the draft's KV ships with the target's
         self.direct = direct  # --kv-transport allows shm / CUDA IPC with same-host peers
         # Push each layer's KV while the next layer computes (when the target is known in time).
@@ -143,6 +146,7 @@ class PrefillNode(EngineNode):
         cached = self.engine.block_manager.match_prefix([*msg.payload.prompt_token_ids,
                                                          *msg.payload.output_token_ids], root).num_tokens
         self._jobs[msg.request_id] = _Job(msg, time.monotonic(), cached_tokens=cached)
+        self.traces.begin(msg.request_id, msg.payload, "prefill")
         self.accepted(msg.request_id, f"{msg.payload.num_tokens} prompt tokens", prefill=True)
 
     def _abort(self, rid: str) -> None:
@@ -151,6 +155,7 @@ class PrefillNode(EngineNode):
             return
         log.debug("prefill request %s aborted", rid, extra=request_fields(rid))
         self.metrics.aborts.inc()
+        self.traces.drop(rid, "aborted")
         if job.transfer_started_at and job.target is not None:
             self.transfers.cancel(job.target.transfer_id, rid)
             self._end_draft(job)
@@ -165,10 +170,12 @@ class PrefillNode(EngineNode):
             self.drafts.reap()
         worked = self._poll_transfers()
         if self.engine.has_unfinished():
-            started = time.monotonic()
+            started, started_ns = time.monotonic(), now_ns() if self.traces else 0
             batch = self.engine.schedule()
             outputs = self.engine.execute(batch, self._layer_sends(batch))
             self._mark_scheduled(started, {seq.request_id for seq in batch.seqs})
+            if self.traces:
+                self.traces.step(batch, started_ns, outputs)
             for out in outputs:
                 if out.finished and out.request_id in self._jobs:
                     self._prefilled(self._jobs[out.request_id], out)
@@ -185,6 +192,11 @@ class PrefillNode(EngineNode):
     def _prefilled(self, job: _Job, out: RequestOutput) -> None:
         job.prefilled = out.prefilled
         job.prefilled_at = time.monotonic()
+        if job.msg.request_id in self.traces:
+            self.traces.set(job.msg.request_id, {
+                "pdserve.prefix_cache.hit_tokens": out.num_cached_tokens,
+                "gen_ai.latency.time_in_queue": (job.scheduled_at or job.arrived_at) - job.arrived_at,
+                "pdserve.prefill.compute_s": job.prefilled_at - (job.scheduled_at or job.arrived_at)})
         choices = sorted(out.outputs, key=lambda c: c.index)
         self.send(p.FirstToken(
             job.msg.request_id, job.target.transfer_id if job.target else "",
@@ -273,9 +285,16 @@ class PrefillNode(EngineNode):
         assert target is not None
         skip = target.skip_blocks  # decode holds the prompt's first blocks: only the rest travel
         src = list(src_blocks)[skip : skip + len(target.dst_block_ids)]
-        self.sender.begin(target.transfer_id, job.msg.request_id, peer_address(target, self.direct), src,
+        peer = peer_address(target, self.direct)
+        self.sender.begin(target.transfer_id, job.msg.request_id, peer, src,
                           list(target.dst_block_ids), TRANSFER_LEASE_S)
         job.transfer_started_at = time.monotonic()
+        if job.msg.request_id in self.traces:
+            self.traces.mark(job.msg.request_id, "transfer_start")
+            self.traces.set(job.msg.request_id, {"pdserve.kv.transport": transport_kind(peer),
+                                                 "pdserve.kv.blocks": len(src), "pdserve.kv.skip_blocks": skip,
+                                                 "pdserve.kv.bytes": len(src) * self.transfers.block_bytes,
+                                                 "pdserve.kv.target_worker": target.target_worker})
 
     def _finish_without_decode(self, job: _Job) -> None:
         """Every choice ended at its first token: no decode needs the KV. A layer-wise
@@ -286,6 +305,7 @@ class PrefillNode(EngineNode):
             return
         assert job.target is not None
         self._jobs.pop(job.msg.request_id, None)
+        self.traces.drop(job.msg.request_id, "finished at first token")
         self.transfers.cancel(job.target.transfer_id, job.msg.request_id)
 
     def _poll_transfers(self) -> bool:
@@ -305,11 +325,13 @@ class PrefillNode(EngineNode):
             if state == TransferState.COMPLETE and self._draft_pending(job):
                 continue
             if state == TransferState.COMPLETE:
+                self.traces.mark(job.msg.request_id, "transfer_done")
                 self.transfers.completed(job.transfer_started_at, peer_address(job.target, self.direct),
                                          len(job.target.dst_block_ids))
                 self._finish(job)
                 changed = True
             elif state in FAILED_STATES:
+                self.traces.set(job.msg.request_id, {"pdserve.kv.state": state.name.lower()})
                 self._finish(job)
                 self.send(self.transfers.failed(job.msg.request_id, tid, state))
                 changed = True
@@ -318,12 +340,23 @@ class PrefillNode(EngineNode):
     def _finish(self, job: _Job) -> None:
         """Blocks are released only here: after COMPLETE, failure, or no transfer needed."""
         self._jobs.pop(job.msg.request_id, None)
+        self._end_trace(job.msg.request_id)
         log.debug("prefill request %s finished", job.msg.request_id, extra=request_fields(job.msg.request_id))
         if job.transfer_started_at and job.target is not None:
             self.sender.forget(job.target.transfer_id)
         self._end_draft(job)
         if job.prefilled:
             self.engine.release(job.msg.request_id)
+
+    def _end_trace(self, rid: str) -> None:
+        if rid not in self.traces:
+            return
+        kv = self.traces.take(rid, "pdserve.kv.")  # the transfer's attributes go on its own span
+        kv_s = self.traces.seconds(rid, "transfer_start", "transfer_done")
+        if kv_s is not None:
+            kv["pdserve.kv.seconds"] = kv_s
+        self.traces.end(rid, (Child("prefill.queue", "start", "scheduled"),
+                              Child("kv_transfer", "transfer_start", "transfer_done", kv)))
 
     def load(self) -> NodeLoad:
         # Work, not prompt length: the gateway weighs it against a prefix hit (gateway/kv_router.py).

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.builtin.lora_demo import piratize
 from pdserve.cli import build_parser
 from pdserve.cli.args import UsageError
 from pdserve.cli.lora_args import check_lora_args, gateway_lora_config, worker_lora_config
 from pdserve.cli.up import _gateway_cmd, _worker_cmds
-from pdserve.builtin.lora_demo import piratize
 
 
 def test_up_forwards_the_lora_flags(tmp_path: Path) -> None:

@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway.config import GatewayConfig
     from gateway.server import run_gateway
     from gateway.tokenizer import Tokenizer
+    from pdserve.common.tracing import make_tracer
     from pdserve.common.transport import CurveServer, free_port
 
     max_model_len = check_args(args)
@@ -81,12 +82,13 @@ def run(args: argparse.Namespace) -> int:
     model = model_dir(args.model)
     control_port = args.control_port or free_port(args.control_host)
     try:
+        tracer = make_tracer(args.otlp_traces_endpoint, "gateway")
         cluster = ClusterBackend(ClusterConfig(
             control_host=args.control_host, control_port=control_port,
             heartbeat_timeout_s=args.heartbeat_timeout, stall_timeout_s=args.stall_timeout,
             max_recoveries=args.max_recoveries, curve=curve, seed_key=envs.gateway_seed_key(),
             router=args.router, local_prefill_threshold=args.local_prefill_threshold,
-        ))
+        ), tracer)
     except ValueError as e:
         raise SystemExit(f"pdserve gateway: {e}") from None
     names = args.served_model_name or [getattr(args, "repo_id", None) or model.name]
@@ -104,4 +106,4 @@ def run(args: argparse.Namespace) -> int:
         lora=gateway_lora_config(args),
     )
     print(f"pdserve control plane on tcp://{args.control_host}:{control_port}", flush=True)
-    return run_gateway(config, cluster, Tokenizer.from_model_dir(model))
+    return run_gateway(config, cluster, Tokenizer.from_model_dir(model), tracer)

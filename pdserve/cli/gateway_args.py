@@ -146,6 +146,12 @@ class GatewayArgs(ArgGroup):
     responses_store_size: int | None = flag(
         None, "stored /v1/responses kept for previous_response_id, least recently used evicted first "
         "(default 1024; 0: store nothing)", type=non_negative_int, metavar="N", up=False, group=LIMITS)
+    otlp_traces_endpoint: str | None = flag(
+        None, "OpenTelemetry: export this process's spans to this OTLP collector (vLLM's flag; default: "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing); protocol, headers, service name and sampler from "
+        "the standard OTEL_* variables. Needs pdserve[otel]", metavar="URL",
+        up_help="gateway and workers: export OpenTelemetry spans to this OTLP collector (the OTEL_* variables "
+        "pass to every process)")
     curve_secret_key: str | None = flag(None, "CURVE: the gateway's secret certificate (encrypts the control "
                                         "plane)", up=False)
     curve_authorized_keys: str | None = flag(None, "CURVE: directory of worker public certificates allowed to "

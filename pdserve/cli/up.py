@@ -53,6 +53,7 @@ from pdserve.worker.cpu_cores import plan_cores
 
 if TYPE_CHECKING:
     from pdserve.cli.cluster_keys import ClusterKeys
+from pdserve.cli.workers import check_tracing
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -203,6 +204,7 @@ def _role_names(args: argparse.Namespace) -> list[str]:
 
 def check_args(args: argparse.Namespace) -> None:
     """Everything a child would otherwise fail on, refused before any child starts."""
+    check_tracing(args.otlp_traces_endpoint)  # the OTEL_* variables every child reads
     check_tool_flags(args)
     check_lora_args(args)
     config = check_model(args.model)

@@ -93,6 +93,12 @@ class WorkerArgs(ArgGroup):
                                        type=byte_size_text, metavar="SIZE", roles=TIERED)
     kv_remote_url: str | None = flag(None, "remote KV tier shared across hosts: a Redis (pip install "
                                      "'pdserve[redis]')", metavar="redis://HOST:PORT/DB", roles=TIERED)
+    otlp_traces_endpoint: str | None = flag(
+        None, "OpenTelemetry: export this process's spans to this OTLP collector (vLLM's flag; default: "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing); protocol, headers, service name and sampler from "
+        "the standard OTEL_* variables. Needs pdserve[otel]", metavar="URL",
+        up_help="gateway and workers: export OpenTelemetry spans to this OTLP collector (the OTEL_* variables "
+        "pass to every process)")
     kv_cache_memory: str | None = flag(None, "KV pool bytes, e.g. 256MiB", type=byte_size_text,
                                        up_help="per-worker KV pool bytes, e.g. 256MiB")
     gpu_memory_utilization: float | None = flag(None, GPU_MEMORY_HELP + "0.9", type=memory_fraction, metavar="FRACTION",

@@ -66,7 +66,18 @@ def check_args(args: argparse.Namespace) -> None:
         check_listen("--kv-port", args.kv_host, args.kv_port)
     check_core_args(args)
     check_gpu_args(args)
+    check_tracing(args.otlp_traces_endpoint)
     args.thread_policy = thread_policy(args)
+
+
+def check_tracing(endpoint: str | None) -> None:
+    """Bad OTEL_* variables stop the process before it loads a model."""
+    from pdserve.common.tracing import TracingConfig
+
+    try:
+        TracingConfig.resolve(endpoint)
+    except ValueError as e:
+        raise UsageError("--otlp-traces-endpoint", str(e)) from None
 
 
 def thread_policy(args: argparse.Namespace) -> str:
@@ -196,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         borrow_cores=w.borrow_cores or (),
         thread_policy=str(args.thread_policy),  # resolved by check_args
         kv_offload=kv_offload,
+        otlp_traces_endpoint=w.otlp_traces_endpoint,
     )
     # Prefill and decode workers can switch between the two live (gateway admin call).
     flips = {r: node_builder(r) for r in FLIP_ROLES} if args.role in FLIP_ROLES else None

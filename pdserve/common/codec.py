@@ -29,9 +29,13 @@ class WireError(ValueError):
 
 
 def to_wire(value: Any) -> Any:
-    """Msgpack-native data for a dataclass value (tuples become lists)."""
+    """Msgpack-native data for a dataclass value (tuples become lists). A field that is
+    None and defaults to None is left out: decoding restores it, and a peer from before
+    the field existed still parses the message (new optional fields stay compatible both
+    ways while unset)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: to_wire(v) for f in dataclasses.fields(value)
+                if (v := getattr(value, f.name)) is not None or f.default is not None}
     if isinstance(value, (list, tuple)):
         return [to_wire(v) for v in value]
     if isinstance(value, dict):

@@ -99,6 +99,18 @@ ENV_VARS: dict[str, EnvVar] = {
             "oneDNN's own ISA cap (read by torch's oneDNN, not by pdserve's kernels); bench/invariance.py "
             "reports it, as AVX512_CORE_BF16 makes aten's bf16 matmul run as on a CPU without AMX.",
         ),
+        EnvVar("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "",
+               "OTLP traces endpoint when --otlp-traces-endpoint is not given; empty: tracing off."),
+        EnvVar("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc",
+               "OTLP traces protocol: grpc (vLLM's default) or http/protobuf."),
+        EnvVar("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "",
+               "Headers on every OTLP export, `key=value,...` (values URL-encoded), e.g. an API key."),
+        EnvVar("OTEL_SERVICE_NAME", "pdserve",
+               "service.name prefix of pdserve's spans; each process adds its role (pdserve-gateway, ...)."),
+        EnvVar("OTEL_TRACES_SAMPLER", "parentbased_always_on",
+               "always_on | always_off | traceidratio | parentbased_always_on | parentbased_always_off | "
+               "parentbased_traceidratio (the gateway decides; workers follow the traceparent)."),
+        EnvVar("OTEL_TRACES_SAMPLER_ARG", "", "The ratio (0..1) of the traceidratio samplers (default 1)."),
         EnvVar("HF_TOKEN", "", "Hugging Face token for `--model org/name` downloads of gated or private repos."),
         EnvVar("HF_HUB_OFFLINE", "", "1: resolve `--model org/name` from the local Hugging Face cache only."),
         EnvVar("HF_HUB_CACHE", "", "The Hugging Face hub cache (default: <HF_HOME>/hub)."),
@@ -212,3 +224,40 @@ def hf_cache_dir() -> Path:
     if cache:
         return Path(cache).expanduser()
     return Path(get("HF_HOME") or "~/.cache/huggingface").expanduser() / "hub"
+
+
+def otlp_traces_endpoint() -> str | None:
+    """`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, None when unset (tracing off)."""
+    return (get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or "").strip() or None
+
+
+def otlp_traces_protocol() -> str:
+    """`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, lower-cased (default grpc)."""
+    return (get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or "grpc").strip().lower()
+
+
+def otlp_traces_headers() -> tuple[tuple[str, str], ...]:
+    """`OTEL_EXPORTER_OTLP_TRACES_HEADERS` as (key, value) pairs (values URL-decoded);
+    ValueError on an entry without `=`."""
+    from urllib.parse import unquote
+
+    pairs = []
+    for item in (get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"OTEL_EXPORTER_OTLP_TRACES_HEADERS: {item.strip()[:40]!r} is not key=value")
+        pairs.append((key.strip().lower(), unquote(value.strip())))
+    return tuple(pairs)
+
+
+def otel_service_name() -> str:
+    """`OTEL_SERVICE_NAME` (default pdserve): the prefix of each process's service.name."""
+    return (get("OTEL_SERVICE_NAME") or "pdserve").strip()
+
+
+def otel_traces_sampler() -> tuple[str, str | None]:
+    """`OTEL_TRACES_SAMPLER` (lower-cased) and `OTEL_TRACES_SAMPLER_ARG` (None when unset)."""
+    name = (get("OTEL_TRACES_SAMPLER") or "parentbased_always_on").strip().lower()
+    return name, (get("OTEL_TRACES_SAMPLER_ARG") or "").strip() or None

@@ -26,12 +26,16 @@ class RequestPayload:
     """A request as every worker receives it, in `DecodeReserve`, `PrefillRequest` and
     `RunRequest`: the prompt, typed sampling params, for a recovery the resume point, and
     the LoRA adapter it runs under (None: the base model), identity and fingerprint, so
-    prefill, decode and a recovery all apply the same weights."""
+    prefill, decode and a recovery all apply the same weights; and the trace context when
+    the request is traced."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
     resume: Resume | None = None
     lora: LoraRef | None = None
+    # W3C trace context of the gateway span this work belongs to (pdserve/common/tracing.py);
+    # None when the request is not traced. A message from a peer without the field parses.
+    traceparent: str | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -39,6 +39,7 @@ from pdserve.common.roles import (
 )
 from pdserve.common.roles import ROLES as ROLES
 from pdserve.common.roles import Role as Role  # re-exported: RegisterWorker and SwitchRole carry it
+from pdserve.common.tracing import valid_traceparent
 
 MAGIC = "pdsv"
 VERSION = 1
@@ -386,6 +387,10 @@ def decode(data: bytes) -> Message:
         raise ProtocolError(f"{tag}: {type(e).__name__}") from None
     if isinstance(msg, Heartbeat) and msg.received is not None and len(msg.received) > MAX_RECEIVED:
         raise ProtocolError(f"heartbeat lists {len(msg.received)} received requests (at most {MAX_RECEIVED})")
+    payload = getattr(msg, "payload", None)
+    if isinstance(payload, RequestPayload) and payload.traceparent is not None \
+            and not valid_traceparent(payload.traceparent):
+        raise ProtocolError(f"{tag}: payload.traceparent is not a W3C traceparent")
     if isinstance(msg, SwitchRole) and msg.role not in FLIP_ROLES:
         raise ProtocolError(f"cannot switch to role {msg.role.value!r}")
     return msg

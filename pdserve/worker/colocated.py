@@ -15,12 +15,14 @@ import logging
 from pdserve.common import protocol as p
 from pdserve.common.logs import request_fields
 from pdserve.common.roles import Role
+from pdserve.common.tracing import now_ns
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.worker.engine_glue import wire_deltas
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.node_api import NodeLoad, Sender
 from pdserve.worker.node_base import EngineNode
+from pdserve.worker.tracing import Child, WorkerTraces
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +31,8 @@ class ColocatedNode(EngineNode):
     role = Role.COLOCATED
 
     def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, send: Sender,
-                 metrics: WorkerMetrics) -> None:
-        super().__init__(worker_id, engine, runner, send, metrics)
+                 metrics: WorkerMetrics, traces: WorkerTraces | None = None) -> None:
+        super().__init__(worker_id, engine, runner, send, metrics, traces)
         self._live: set[str] = set()
 
     def handle(self, msg: p.Message) -> None:
@@ -43,6 +45,7 @@ class ColocatedNode(EngineNode):
                     self.engine.abort(rid)
                     self._live.discard(rid)
                     self.metrics.aborts.inc()
+                    self.traces.drop(rid, "aborted")
 
     def _add(self, msg: p.RunRequest) -> None:
         def enter(req: p.RequestPayload) -> None:
@@ -53,15 +56,25 @@ class ColocatedNode(EngineNode):
         if self.admit(msg, enter) is None:
             return
         self._live.add(msg.request_id)
+        self.traces.begin(msg.request_id, msg.payload, "colocated")
         self.accepted(msg.request_id, f"{msg.payload.num_tokens} prompt tokens", prefill=True)
 
     def step(self) -> bool:
         if not self.engine.has_unfinished():
             return False
-        outputs = self.engine.step()
+        if self.traces:
+            started = now_ns()
+            batch = self.engine.schedule()
+            outputs = self.engine.execute(batch)
+            self.traces.step(batch, started, outputs)
+        else:
+            outputs = self.engine.step()
         for out in outputs:
             if out.finished and out.request_id in self._live:
                 self._live.discard(out.request_id)
+                self.traces.set(out.request_id, {"pdserve.prefix_cache.hit_tokens": out.num_cached_tokens})
+                self.traces.end(out.request_id, (Child("colocated.queue", "start", "scheduled"),
+                                                 Child("colocated.generate", "first_token", "end")))
                 log.debug("colocated request %s finished", out.request_id, extra=request_fields(out.request_id))
         deltas = wire_deltas(outputs)
         if deltas:
@@ -78,4 +91,5 @@ class ColocatedNode(EngineNode):
     def close(self) -> None:
         for rid in list(self._live):
             self.engine.abort(rid)
+            self.traces.drop(rid, "worker closed")
         self._live.clear()

@@ -12,6 +12,7 @@ from typing import Any
 
 from kv_transfer.auth import CurveKeys, load_keys
 from pdserve.common.roles import Role
+from pdserve.common.tracing import make_tracer
 from pdserve.common.transport import new_worker_id
 from pdserve.engine.core.config import EngineConfig
 from pdserve.worker.core_sharing import share_cores
@@ -40,11 +41,12 @@ def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder
     rt_cfg = RuntimeConfig(opts.gateways, worker_id, opts.metrics_host, opts.metrics_port, opts.heartbeat_s,
                            curve=opts.curve)
     faults = injected_faults(opts.fault_injection)
+    tracer = make_tracer(opts.otlp_traces_endpoint, opts.role, worker_id)
 
     def parts_for(role: Role) -> NodeParts:
         metrics = WorkerMetrics(role, worker_id)
         metrics.torch_threads.set(engine_cfg.num_threads or 0)  # a governed node keeps it current
-        return NodeParts(worker_id, channel, metrics, faults.kv)
+        return NodeParts(worker_id, channel, metrics, faults.kv, tracer)
 
     governor = governor_for(engine_cfg.num_threads or 1) if opts.thread_policy == "adaptive" else None
 
@@ -65,6 +67,8 @@ def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder
         return runtime.run(node)
     finally:
         switcher.close()
+        if tracer is not None:
+            tracer.shutdown()  # exports the spans still queued
         log.debug("cleanup done")
 
 
@@ -76,7 +80,8 @@ def build_colocated(engine_cfg: EngineConfig, opts: WorkerOptions,
 
     engine, runner = build_engine(engine_cfg)
     tiers = attach_tiers(opts.kv_offload, engine, parts.metrics)
-    return ColocatedNode(parts.worker_id, engine, runner, parts.send, parts.metrics), [*tiers, runner.close]
+    node = ColocatedNode(parts.worker_id, engine, runner, parts.send, parts.metrics, parts.traces)
+    return node, [*tiers, runner.close]
 
 
 def kv_keys(opts: WorkerOptions) -> CurveKeys | None:

@@ -22,6 +22,7 @@ from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.worker.engine_glue import StatsMirror
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.node_api import NodeRegistration, Sender
+from pdserve.worker.tracing import WorkerTraces
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,10 @@ class EngineNode:
     role = ""
 
     def __init__(self, worker_id: str, engine: LLMEngine, runner: ModelRunner, send: Sender,
-                 metrics: WorkerMetrics) -> None:
+                 metrics: WorkerMetrics, traces: WorkerTraces | None = None) -> None:
         self.worker_id = worker_id
+        # Spans of traced requests (pdserve/worker/tracing.py); empty, hence false, when off.
+        self.traces = traces if traces is not None else WorkerTraces(None, worker_id)
         self.engine = engine
         self.runner = runner
         self.send = send

@@ -11,11 +11,13 @@ from kv_transfer.auth import KVCurve
 from kv_transfer.faults import FaultConfig
 from kv_transfer.tiers import KVOffloadConfig
 from pdserve.common.roles import Role
+from pdserve.common.tracing import Tracer
 from pdserve.common.transport import CurveClient
 from pdserve.engine.core.config import EngineConfig
 from pdserve.worker.gateways import GatewayLinks
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.node_api import Node
+from pdserve.worker.tracing import WorkerTraces
 
 
 @dataclass(frozen=True)
@@ -37,21 +39,24 @@ class WorkerOptions:
     borrow_cores: tuple[int, ...] = ()  # decode: the prefill worker's cores
     thread_policy: str = "fixed"  # adaptive: the thread governor picks 1 or N threads per step
     kv_offload: KVOffloadConfig | None = None  # KV tiers below the pool (prefill, colocated)
+    otlp_traces_endpoint: str | None = None  # None: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
 
 
 class NodeParts:
-    """What a role builder gets: the worker's id, its reply channel, its metrics and the
-    KV faults its sender or receiver injects (none unless fault injection is on)."""
+    """What a role builder gets: the worker's id, its reply channel, its metrics, the
+    KV faults its sender or receiver injects (none unless fault injection is on) and
+    the spans of its traced requests (`traces`; inert unless tracing is on)."""
 
     def __init__(self, worker_id: str, channel: GatewayLinks, metrics: WorkerMetrics,
-                 kv_faults: FaultConfig) -> None:
+                 kv_faults: FaultConfig, tracer: Tracer | None = None) -> None:
         self.worker_id = worker_id
         self.send = channel.send
         self.metrics = metrics
         self.kv_faults = kv_faults
+        self.traces = WorkerTraces(tracer, worker_id)  # empty and inert without a tracer
 
 
 # (engine config, options, parts) -> (node, cleanup callables run after the node closes)

@@ -16,6 +16,8 @@ from pdserve.common.sampling_params import SamplingParams
 
 PAYLOAD = p.RequestPayload([1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=(7,)))
 RESUMED = p.RequestPayload([1, 2], SamplingParams(n=1, seed=3), p.Resume([8, 9], choice_index=1))
+TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+TRACED = p.RequestPayload([1, 2, 3], SamplingParams(max_tokens=4), traceparent=TP)
 LP = Logprob(9, -0.5, (TopLogprob(9, -0.5), TopLogprob(4, -1.25)))
 
 SAMPLES: list[p.Message] = [
@@ -45,6 +47,9 @@ SAMPLES: list[p.Message] = [
     p.KvSnapshotRequest("p-1"),
     p.Heartbeat("d-1", 0, 400, 511, 0, 2, steps=5, received=["r#1", "r#2"], seq=7),
     p.Heartbeat("d-1", 0, 400, 511, 0, 0, received=[], seq=1),
+    p.PrefillRequest("r#1", TRACED),
+    p.DecodeReserve("r#1", "x1", TRACED),
+    p.RunRequest("r#1", TRACED),
 ]
 
 
@@ -128,6 +133,35 @@ def test_an_older_workers_heartbeat_parses_without_a_received_list() -> None:
     assert isinstance(hb, p.Heartbeat) and (hb.received, hb.seq, hb.steps) == (None, 0, 1234)
     full = p.decode(_frame("heartbeat", _body(SAMPLES[2], received=["r"] * p.MAX_RECEIVED, seq=3)))
     assert isinstance(full, p.Heartbeat) and len(full.received or []) == p.MAX_RECEIVED
+
+
+@pytest.mark.parametrize("tag", ["prefill", "decode_reserve", "run"])
+def test_an_older_gateways_request_parses_without_a_traceparent(tag: str) -> None:
+    """A gateway from before tracing sends payloads without the field: untraced work."""
+    msg = next(m for m in SAMPLES if tag == m.TAG and getattr(m, "payload", None) is TRACED)
+    body = p.encode_fields(msg)
+    del body["payload"]["traceparent"]
+    old = p.decode(_frame(tag, body))
+    assert old.payload.traceparent is None  # type: ignore[attr-defined]
+    assert old.payload.prompt_token_ids == [1, 2, 3]  # type: ignore[attr-defined]
+    assert p.decode(p.encode(msg)).payload.traceparent == TP  # type: ignore[attr-defined]
+
+
+def test_an_untraced_request_is_what_an_older_worker_parses() -> None:
+    """Unset optional fields are left off the wire, so a worker from before tracing (whose
+    codec refuses unknown fields) still takes an untraced request from a newer gateway."""
+    body = p.encode_fields(p.PrefillRequest("r#1", PAYLOAD))
+    assert "traceparent" not in body["payload"] and "resume" not in body["payload"]
+    assert p.decode(_frame("prefill", body)) == p.PrefillRequest("r#1", PAYLOAD)
+
+
+@pytest.mark.parametrize("bad", ["", "x", TP.upper(), "01" + TP[2:], TP[:-1], TP + "0",
+                                 "00-" + "0" * 32 + TP[35:], TP[:36] + "0" * 16 + TP[52:]])
+def test_a_malformed_traceparent_is_a_protocol_error(bad: str) -> None:
+    body = p.encode_fields(p.RunRequest("r#1", TRACED))
+    body["payload"]["traceparent"] = bad
+    with pytest.raises(p.ProtocolError, match="traceparent"):
+        p.decode(_frame("run", body))
 
 
 def test_oversized_frame_rejected_before_unpacking() -> None:

@@ -137,3 +137,29 @@ def test_up_gives_the_prefill_worker_the_draft_only_when_it_ships_its_kv() -> No
     pre, dec = spec_of("prefill")
     assert pre == dec and pre is not None and json.loads(pre)["draft_kv"] == "prefill"
     assert spec_of("decode")[0] is None  # the decode worker prefills the draft: prefill needs none
+
+
+def test_up_passes_the_traces_endpoint_to_the_gateway_and_every_worker() -> None:
+    from pdserve.cli.up import _gateway_cmd
+
+    url = "http://collector:4318/v1/traces"
+    args = build_parser().parse_args(["up", "--prefill", "2", "--otlp-traces-endpoint", url])
+    for cmd in [_gateway_cmd(args, 5555), *_worker_cmds(args, "tcp://127.0.0.1:5555")]:
+        assert cmd[cmd.index("--otlp-traces-endpoint") + 1] == url
+        assert build_parser().parse_args(cmd[3:]).otlp_traces_endpoint == url  # each child parses it
+    plain = build_parser().parse_args(["up"])
+    assert all("--otlp-traces-endpoint" not in c for c in [_gateway_cmd(plain, 1), *_worker_cmds(plain, "tcp://x:1")])
+
+
+def test_up_refuses_a_bad_otel_variable_before_starting_anything() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root), "OTEL_TRACES_SAMPLER": "sometimes",
+           "PDSERVE_HOME": str(Path.home() / ".cache" / "pdserve")}
+    done = subprocess.run([sys.executable, "-m", "pdserve", "up", "--otlp-traces-endpoint", "http://c:4317"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-1000:]
+    assert "--otlp-traces-endpoint" in done.stderr and "OTEL_TRACES_SAMPLER" in done.stderr
