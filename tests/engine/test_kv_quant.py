@@ -79,17 +79,19 @@ def test_round_trip_within_the_codes_precision(kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_scale_grows_and_the_block_is_requantized(kind: str) -> None:
     _, cache = _cache(kind)
-    small = torch.randn(2, KVH, D)
+    g = torch.Generator().manual_seed(3)
+    small = torch.randn(2, KVH, D, generator=g)
     write_kv(cache, _slots(3, 0, 2), small)  # slots 0, 1 of block 3
     before = cache.scales[3].clone()
-    big = torch.randn(1, KVH, D) * 50
+    big = torch.randn(1, KVH, D, generator=g) * 50
     write_kv(cache, _slots(3, 2, 1), big)  # slot 2: the scale must grow
     assert bool((cache.scales[3] > before).all())
     got = read_blocks(cache, torch.tensor([3]), torch.float32)[0]
     amax = float(big.abs().max())
     # The earlier tokens are still right under the new scale (not their old codes
-    # read with it, which would make them ~50x too large).
-    assert (got[:2] - small).abs().max() <= _tol(kind, amax)
+    # read with it, which would make them ~50x too large): their codes were rounded
+    # under the old scale, then re-rounded under the new one.
+    assert (got[:2] - small).abs().max() <= _tol(kind, amax) + _tol(kind, float(small.abs().max()))
     assert (got[2:3] - big).abs().max() <= _tol(kind, amax)
     # A smaller token afterwards leaves the scale alone.
     grown = cache.scales[3].clone()
