@@ -21,7 +21,7 @@ GW = "tcp://127.0.0.1:5555"
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
 # Texts tried in turn for a field's value other than its default; each field takes the first its type parses.
 CANDIDATES = ("3", "5", "0.25", "cuda", "64MiB", "bfloat16", "fp8", "0-1", "127.0.0.2", "tcp://127.0.0.1:7001",
-              "/tmp/pdserve-x", NGRAM)
+              "/tmp/pdserve-x", "pirate=/tmp/pdserve-lora", NGRAM)
 # Set by `up` for each child (or never offered): `up` defines its own flags of these names.
 UP_OWN = {"model", "revision", "download_dir", "threads", "thread_policy"}
 
@@ -143,7 +143,8 @@ def test_every_gateway_flag_up_offers_reaches_the_gateway_and_round_trips(tmp_pa
     keys = tmp_path / "keys"
     argv[argv.index("--api-key-file") + 1] = str(keys)  # made absolute for the child
     argv[argv.index("--generation-config") + 1] = str(tmp_path)
-    want.update(api_key_file=(str(keys),), generation_config=str(tmp_path))
+    argv[argv.index("--lora-dir") + 1] = str(tmp_path / "adapters")
+    want.update(api_key_file=(str(keys),), generation_config=str(tmp_path), lora_dir=str(tmp_path / "adapters"))
     cmd = _gateway_cmd(build_parser().parse_args(["up", *argv]), 5555)
     parsed = GatewayArgs.from_namespace(build_parser().parse_args(cmd[3:]))
     assert {name: getattr(parsed, name) for name in want} == want

@@ -27,7 +27,7 @@ from pdserve.cli.gateway_options import (
     gateway_settings,
     sampling_defaults,
 )
-from pdserve.cli.lora_args import add_lora_args, check_lora_args, gateway_lora_config
+from pdserve.cli.lora_args import check_lora_args, gateway_lora_config
 from pdserve.common import envs
 from pdserve.common.logs import configure_logging
 
@@ -38,7 +38,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ap = sub.add_parser("gateway", help="run the HTTP gateway and worker registry")
     GatewayArgs.add_to(ap)
     add_insecure_arg(ap)
-    add_lora_args(ap, gateway=True, workers=False)
     ap.set_defaults(func=run)
 
 

@@ -20,6 +20,7 @@ from pdserve.cli.args import (
 )
 from pdserve.cli.args import host as host_name  # the field `host` shadows the name in the class
 from pdserve.cli.argspec import ArgGroup, flag
+from pdserve.cli.lora_args import lora_module
 
 # gateway/kv_router.py: ROUTERS (kept out of this module's imports: parsing loads no zmq)
 ROUTERS = ("kv-aware", "least-loaded", "round-robin")
@@ -146,6 +147,15 @@ class GatewayArgs(ArgGroup):
     responses_store_size: int | None = flag(
         None, "stored /v1/responses kept for previous_response_id, least recently used evicted first "
         "(default 1024; 0: store nothing)", type=non_negative_int, metavar="N", up=False, group=LIMITS)
+    enable_lora: bool = flag(False, "serve LoRA adapters on the base model", action="store_true")
+    max_loras: int = flag(1, "LoRA adapters resident per worker, so at most this many in one step",
+                          type=positive_int)
+    max_lora_rank: int = flag(16, "largest LoRA rank served", type=positive_int)
+    lora_modules: tuple[tuple[str, str], ...] = flag(
+        (), 'PEFT adapters served from the start; a request selects one with "model": NAME', nargs="+",
+        type=lora_module, metavar="NAME=PATH", render=lambda m: f"{m[0]}={m[1]}")
+    lora_dir: str | None = flag(None, "POST /v1/load_lora_adapter only loads adapters under this directory",
+                                metavar="DIR")
     otlp_traces_endpoint: str | None = flag(
         None, "OpenTelemetry: export this process's spans to this OTLP collector (vLLM's flag; default: "
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing); protocol, headers, service name and sampler from "

@@ -41,12 +41,7 @@ from pdserve.cli.gateway_options import (
     check_tool_flags,
     sampling_defaults,
 )
-from pdserve.cli.lora_args import (
-    add_lora_args,
-    check_lora_args,
-    gateway_lora_flags,
-    worker_lora_flags,
-)
+from pdserve.cli.lora_args import check_lora_args
 from pdserve.cli.worker_args import WorkerArgs
 from pdserve.common.roles import Role
 from pdserve.worker.cpu_cores import plan_cores
@@ -93,7 +88,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     # and every gateway flag it offers; one both take (--max-model-len) is registered once
     GatewayArgs.add_to(ap, up=True, skip=frozenset(f.name for f in WorkerArgs.flags(up=True)))
     ap.add_argument("--ready-timeout", type=positive_float, default=120.0)
-    add_lora_args(ap, gateway=True, workers=True)
     ap.set_defaults(func=run)
 
 
@@ -130,7 +124,7 @@ def _worker_cmds(args: argparse.Namespace, control: str,
                         num_blocks=(args.prefill_num_blocks if role == Role.PREFILL else None) or args.num_blocks,
                         speculative_config=None if role == Role.PREFILL and spec and not spec.ships_draft_kv else spec)
         command = ["worker", "--colocated"] if role == Role.COLOCATED else [role.value]
-        cmds.append([*_pdserve(), *command, *child.to_argv(role), *worker_lora_flags(args)])
+        cmds.append([*_pdserve(), *command, *child.to_argv(role)])
     return cmds
 
 
@@ -193,8 +187,10 @@ def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
     gateway = GatewayArgs.from_namespace(
         args, up=True, port=args.port, control_port=control_port, model=args.model and str(Path(args.model)),
         served_model_name=names and tuple(names), api_key_file=tuple(str(Path(f).resolve()) for f in args.api_key_file),
-        generation_config=mode if mode in ("auto", "vllm") else str(Path(mode).resolve()))
-    return [*_pdserve(), "gateway", *gateway.to_argv(), *gateway_lora_flags(args)]
+        generation_config=mode if mode in ("auto", "vllm") else str(Path(mode).resolve()),
+        lora_modules=tuple((n, str(Path(p).resolve())) for n, p in args.lora_modules),
+        lora_dir=args.lora_dir and str(Path(args.lora_dir).resolve()))
+    return [*_pdserve(), "gateway", *gateway.to_argv()]
 
 
 def _role_names(args: argparse.Namespace) -> list[str]:

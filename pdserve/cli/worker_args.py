@@ -93,6 +93,12 @@ class WorkerArgs(ArgGroup):
                                        type=byte_size_text, metavar="SIZE", roles=TIERED)
     kv_remote_url: str | None = flag(None, "remote KV tier shared across hosts: a Redis (pip install "
                                      "'pdserve[redis]')", metavar="redis://HOST:PORT/DB", roles=TIERED)
+    enable_lora: bool = flag(False, "serve LoRA adapters on the base model", action="store_true")
+    max_loras: int = flag(1, "LoRA adapters resident per worker, so at most this many in one step",
+                          type=positive_int)
+    max_lora_rank: int = flag(16, "largest LoRA rank served", type=positive_int)
+    max_cpu_loras: int | None = flag(None, "LoRA adapters kept in host memory per worker (LRU; default: "
+                                     "--max-loras)", type=positive_int)
     otlp_traces_endpoint: str | None = flag(
         None, "OpenTelemetry: export this process's spans to this OTLP collector (vLLM's flag; default: "
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing); protocol, headers, service name and sampler from "

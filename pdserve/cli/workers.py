@@ -23,7 +23,7 @@ from pdserve.cli.args import (
 )
 from pdserve.cli.curve_options import add_insecure_arg, check_worker_exposure
 from pdserve.cli.kv_tier_args import tier_config
-from pdserve.cli.lora_args import add_lora_args, check_lora_args, worker_lora_config
+from pdserve.cli.lora_args import check_lora_args, worker_lora_config
 from pdserve.cli.worker_args import WorkerArgs, default_threads
 from pdserve.common import envs
 from pdserve.common.logs import configure_logging
@@ -41,7 +41,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         ap = sub.add_parser(command, help=f"run a {role} worker")
         WorkerArgs.add_to(ap)
         add_insecure_arg(ap)
-        add_lora_args(ap, gateway=False, workers=True)
         if command == "worker":
             ap.add_argument("--colocated", action="store_true", required=True,
                             help="prefill and decode in one process")
