@@ -244,7 +244,9 @@ class RequestRun:
         s = self.gen.stats
         return usage(self.prompt_len, s.completion_tokens, s.cached_tokens)
 
-    async def _collect(self, builder: ResponseBuilder, first: ChoiceUpdate | None) -> web.Response:
+    async def _gather(self, builder: ResponseBuilder, first: ChoiceUpdate | None) -> None:
+        """Every update of a non-streamed generation into `builder`; a backend failure
+        becomes the API error."""
         assert self.gen is not None
         if first is not None:
             builder.add(first)
@@ -253,6 +255,9 @@ class RequestRun:
                 builder.add(update)
         except BackendError as e:
             raise from_backend(e, self.state.config.admission.retry_after_s) from None
+
+    async def _collect(self, builder: ResponseBuilder, first: ChoiceUpdate | None) -> web.Response:
+        await self._gather(builder, first)
         with self.timer.measure("respond"):
             body = json.dumps(builder.final(self._usage())).encode()
             headers = {REQUEST_ID_HEADER: self.rid}

@@ -100,13 +100,7 @@ class _ResponsesRun(RequestRun):
 
     async def _collect(self, builder: ResponseBuilder, first: ChoiceUpdate | None) -> web.Response:
         assert self.gen is not None and self.shell is not None
-        if first is not None:
-            builder.add(first)
-        try:
-            async for update in self.gen.rest():
-                builder.add(update)
-        except BackendError as e:
-            raise from_backend(e, self.state.config.admission.retry_after_s) from None
+        await self._gather(builder, first)
         with self.timer.measure("respond"):
             s = self.gen.stats
             choice = builder.final({})["choices"][0]
