@@ -15,10 +15,7 @@ and sockets (docs/security.md):
 from __future__ import annotations
 
 import os
-import signal
 import stat
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,10 +27,10 @@ import zmq
 import zmq.auth
 
 from kv_transfer.auth import split_address
-from pdserve.common.transport import free_port
 from tests.e2e import peers
-from tests.e2e.cluster import ADMIN, DTYPE, ROOT, Cluster, _env, http
+from tests.e2e.cluster import ADMIN, DTYPE, Cluster, http
 from tests.e2e.conftest import Reference
+from tests.e2e.up_process import pdserve_up
 
 SECRET_PROMPTS = [f"Note {i}: my secret password is" for i in range(3)]
 OVERSIZE = 64 << 20  # twice the control plane's 32 MiB cap
@@ -55,31 +52,13 @@ class Up:
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    port = free_port()
     log = tmp_path_factory.mktemp("up_auth") / "up.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--num-blocks", "256",
-             "--threads", "1", "--dtype", DTYPE],
-            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=out, start_new_session=True,
-        )
     key_dir: Path | None = None
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()  # blocks until ready (or exit)
-        assert line.startswith("pdserve ready at "), f"{line!r}\n{log.read_text()[-3000:]}"
-        gateway = next(pid for pid in peers.children(proc.pid) if "gateway" in peers.cmdline(pid))
+    with pdserve_up(log, "--num-blocks", "256", "--threads", "1", "--dtype", DTYPE) as served:
+        gateway = next(pid for pid in peers.children(served.pid) if "gateway" in peers.cmdline(pid))
         args = peers.cmdline(gateway)
         key_dir = Path(peers.flag(args, "--curve-secret-key")).parent
-        yield Up(line.split()[-1], proc.pid, f"tcp://127.0.0.1:{peers.flag(args, '--control-port')}", key_dir)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            rc = proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
-        assert rc == 0, log.read_text()[-3000:]
+        yield Up(served.url, served.pid, f"tcp://127.0.0.1:{peers.flag(args, '--control-port')}", key_dir)
     assert key_dir is not None and not key_dir.exists(), "up left its keys behind"
 
 

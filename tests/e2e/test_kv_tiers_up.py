@@ -10,9 +10,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -21,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from pdserve.common.transport import free_port
-from tests.e2e.cluster import ADMIN, DTYPE, ROOT, _env, http
+from tests.e2e.cluster import ADMIN, DTYPE, http
 from tests.e2e.conftest import Reference
+from tests.e2e.up_process import pdserve_up
 from tests.helpers.redis_server import redis_server
 
 BLOCK = 8
@@ -40,24 +37,9 @@ def prompt(i: int) -> str:
 @contextlib.contextmanager
 def up(log: Path, *extra: str, kill: bool = False) -> Iterator[str]:
     """`pdserve up` with small pools; its URL. `kill`: end it with SIGKILL (no flush)."""
-    port = free_port()
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--num-blocks", POOL_BLOCKS,
-             "--threads", "1", "--block-size", str(BLOCK), "--dtype", DTYPE, "--max-model-len", "512",
-             *extra], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=out, start_new_session=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        assert line.startswith("pdserve ready at "), f"{line!r}\n{log.read_text()[-3000:]}"
-        yield line.split()[-1]
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with pdserve_up(log, "--num-blocks", POOL_BLOCKS, "--threads", "1", "--block-size", str(BLOCK), "--dtype", DTYPE,
+                    "--max-model-len", "512", *extra, kill=kill) as served:
+        yield served.url
 
 
 def complete(url: str, text: str) -> tuple[str, int]:

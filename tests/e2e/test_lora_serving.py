@@ -11,11 +11,8 @@ unknown names get clear OpenAI-shaped errors and the server keeps serving.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,9 +22,9 @@ import pytest
 
 from pdserve.common.lora import LoraRef, lora_ref
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.transport import free_port
-from tests.e2e.cluster import DTYPE, ROOT, Cluster, _env, http, metric_value, worker_metrics
+from tests.e2e.cluster import DTYPE, Cluster, http, metric_value, worker_metrics
 from tests.e2e.conftest import Reference
+from tests.e2e.up_process import pdserve_up
 from tests.helpers.lora_adapters import AdapterSpec, make_peft_adapter
 
 KEY = "sk-lora-test-key"
@@ -106,30 +103,13 @@ def _mixed_concurrently(client: Any, models: list[str], rounds: int = 2) -> dict
 
 @pytest.fixture(scope="module")
 def up_url(adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
     log = tmp_path_factory.mktemp("up-lora") / "up.log"
     first, second = list(adapters)[:2]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "up", "--colocated", "--port", str(port), "--num-blocks", "256",
-             "--threads", "1", "--dtype", DTYPE, "--api-key", KEY, "--enable-lora", "--max-loras", "2",
-             "--max-cpu-loras", "3", "--max-lora-rank", "16", "--lora-dir", str(adapters[first].parent),
-             "--lora-modules", f"{first}={adapters[first]}", f"{second}={adapters[second]}"],
-            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=out, start_new_session=True,
-        )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        assert line.startswith("pdserve ready at "), f"{line!r}\n{log.read_text()[-3000:]}"
-        yield line.split()[-1]
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            rc = proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
-        assert rc == 0, log.read_text()[-3000:]
+    with pdserve_up(log, "--colocated", "--num-blocks", "256", "--threads", "1", "--dtype", DTYPE, "--api-key", KEY,
+                    "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "3", "--max-lora-rank", "16",
+                    "--lora-dir", str(adapters[first].parent),
+                    "--lora-modules", f"{first}={adapters[first]}", f"{second}={adapters[second]}") as up:
+        yield up.url
 
 
 def test_up_serves_adapters_colocated(up_url: str, reference: Reference, adapters: dict[str, Path],

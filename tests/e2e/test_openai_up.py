@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from pdserve.common.transport import free_port
-from tests.e2e.cluster import ADMIN, DTYPE, ROOT, _env, http
+from tests.e2e.cluster import ADMIN, DTYPE, http
 from tests.e2e.conftest import Reference
+from tests.e2e.up_process import pdserve_up
 
 # Not the model's own limit (2048) nor the default block size (16): `up` must pass them on.
 MAX_MODEL_LEN = 1000
@@ -22,34 +19,17 @@ BLOCK_SIZE = 8
 
 @pytest.fixture(scope="module")
 def up_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
     log = tmp_path_factory.mktemp("up") / "up.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--num-blocks", "256", "--threads", "1",
-             "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE), "--dtype", DTYPE],
-            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=out, start_new_session=True,
-        )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()  # blocks until ready (or exit)
-        assert line.startswith("pdserve ready at "), f"{line!r}\n{log.read_text()[-3000:]}"
-        yield line.split()[-1]
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            rc = proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
-        assert rc == 0, log.read_text()[-3000:]
-        leftover = ["?"]
-        for _ in range(100):  # helpers (e.g. multiprocessing's resource tracker) exit shortly after
-            leftover = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
-            if not leftover:
-                break
-            time.sleep(0.1)
-        assert leftover == [], "pdserve up left processes behind"
+    with pdserve_up(log, "--num-blocks", "256", "--threads", "1", "--max-model-len", str(MAX_MODEL_LEN),
+                    "--block-size", str(BLOCK_SIZE), "--dtype", DTYPE) as up:
+        yield up.url
+    leftover = ["?"]  # up exited 0; its process group must be empty too
+    for _ in range(100):  # helpers (e.g. multiprocessing's resource tracker) exit shortly after
+        leftover = subprocess.run(["pgrep", "-g", str(up.pid)], capture_output=True, text=True).stdout.split()
+        if not leftover:
+            break
+        time.sleep(0.1)
+    assert leftover == [], "pdserve up left processes behind"
 
 
 def test_openai_client_against_up(up_url: str, reference: Reference) -> None:
