@@ -1,7 +1,7 @@
 """`prompt_logprobs` (vLLM's) and `echo` + `logprobs` through real processes: for llama,
-qwen2 and mistral checkpoints served colocated and 1P+1D (the prefill worker computes
+qwen2 and mistral checkpoints served colocated, 1P+1D and 1P+2D (the prefill worker computes
 them and ships them with the first token), every prompt token's logprob and top-n equal
-transformers' float32 log-softmax within 1e-4, colocated equals 1P+1D, a prompt the
+transformers' float32 log-softmax within 1e-4, colocated equals 1P+1D equals 1P+2D, a prompt the
 prefix cache already holds gives the same values, and the generated tokens are those
 of the request without them; chat requests report them on the response. Bad values are
 a 400 naming the parameter."""
@@ -42,23 +42,24 @@ def _check(entries: list[Any], want: torch.Tensor, prompt: list[int]) -> None:
             assert abs(lp - float(ref[tok])) <= ATOL, (pos, tok)
 
 
-def _cluster(log_dir: Path, model: Path, colocated: bool) -> Cluster:
+LAYOUTS = {"colocated": {"colocated": 1}, "1p1d": {"prefill": 1, "decode": 1}, "1p2d": {"prefill": 1, "decode": 2}}
+
+
+def _cluster(log_dir: Path, model: Path, layout: str) -> Cluster:
     log_dir.mkdir(parents=True, exist_ok=True)
     c = Cluster(log_dir)
     c.start_gateway("--model", str(model), wait=False)
-    if colocated:
-        c.add_worker("worker", "--model", str(model))
-    else:
-        c.add_worker("prefill", "--model", str(model))
-        c.add_worker("decode", "--model", str(model))
+    for role, n in LAYOUTS[layout].items():
+        for _ in range(n):
+            c.add_worker("worker" if role == "colocated" else role, "--model", str(model))
     c.wait_gateway()
-    c.wait_roles(**({"colocated": 1} if colocated else {"prefill": 1, "decode": 1}))
+    c.wait_roles(**LAYOUTS[layout])
     return c
 
 
 @pytest.fixture(scope="module")
 def builtin(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = _cluster(tmp_path_factory.mktemp("builtin-1p1d"), model_dir, colocated=False)
+    c = _cluster(tmp_path_factory.mktemp("builtin-1p1d"), model_dir, "1p1d")
     try:
         yield c
     finally:
@@ -66,7 +67,7 @@ def builtin(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
-def test_prompt_logprobs_colocated_equal_1p1d_equal_transformers(
+def test_prompt_logprobs_colocated_equal_1p1d_equal_1p2d_equal_transformers(
     tiny_model_dir: Callable[..., Path], model_dir: Path, tmp_path: Path, family: str,
 ) -> None:
     d = _servable(tiny_model_dir(family), model_dir, tmp_path / family)
@@ -74,8 +75,8 @@ def test_prompt_logprobs_colocated_equal_1p1d_equal_transformers(
     want = _hf_logprobs(d, prompt)
     body = {"model": d.name, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     answers = {}
-    for colocated in (True, False):
-        c = _cluster(tmp_path / f"{family}-{colocated}", d, colocated)
+    for layout in LAYOUTS:
+        c = _cluster(tmp_path / f"{family}-{layout}", d, layout)
         try:
             status, plain = http("POST", f"{c.url}/v1/completions", body)  # fills the prefix cache
             assert status == 200, plain
@@ -91,12 +92,12 @@ def test_prompt_logprobs_colocated_equal_1p1d_equal_transformers(
             assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(prompt) + 4
             for pos in range(1, len(prompt)):
                 assert abs(lp["token_logprobs"][pos] - float(want[pos - 1][prompt[pos]])) <= ATOL
-            answers[colocated] = (choice["prompt_logprobs"], lp["token_logprobs"])
+            answers[layout] = (choice["prompt_logprobs"], lp["token_logprobs"])
             for w in c.wait_idle():  # every KV block came back
                 assert w["free_blocks"] == w["total_blocks"]
         finally:
             c.stop()
-    assert answers[True] == answers[False]  # colocated = 1P+1D, bit for bit
+    assert answers["colocated"] == answers["1p1d"] == answers["1p2d"]  # bit for bit
 
 
 def test_chat_and_streamed_completion_report_prompt_logprobs(builtin: Cluster, model_dir: Path) -> None:
