@@ -39,9 +39,17 @@ def limit_incoming(sock: zmq.Socket[Any], max_message_bytes: int) -> None:
 
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port free right now on `host` (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
+    """`n` distinct TCP ports free right now on `host`: all held open while the OS picks, so
+    two calls in a row cannot be handed the same port (as two `free_port()` calls can)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def host_id() -> str:

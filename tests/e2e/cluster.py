@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.cli import cluster_keys
-from pdserve.common.transport import free_port
+from pdserve.common.transport import free_ports
 from pdserve.engine.loading.dtype import host_cpu_flags, resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -232,13 +232,18 @@ class CountedStreams:
 @dataclass
 class Cluster:
     log_dir: Path
-    port: int = field(default_factory=free_port)
-    control_port: int = field(default_factory=free_port)
+    port: int = 0  # 0: a free port (HTTP and control distinct, picked together)
+    control_port: int = 0
     gateway: Proc | None = None
     workers: list[Proc] = field(default_factory=list)
     curve: bool = True  # the suite's CURVE keys on the gateway and its workers
     admin_token: str = ADMIN_TOKEN
     _n: int = 0
+
+    def __post_init__(self) -> None:
+        http_port, control_port = free_ports(2)
+        self.port = self.port or http_port
+        self.control_port = self.control_port or control_port
 
     @property
     def url(self) -> str:
