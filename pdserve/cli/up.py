@@ -218,14 +218,15 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.cli import cluster_keys
-    from pdserve.common.transport import free_port
+    from pdserve.common.transport import free_ports
 
     check_args(args)
     # Keys for this `up`'s own processes only: its control and KV planes refuse any
     # other peer. Their paths, never the keys, go on the children's command lines.
     keys = cluster_keys.create_private()
     try:
-        return _run(args, keys, free_port())
+        # The gateway's --port is not bound yet: the OS could hand it out as the control port.
+        return _run(args, keys, next(p for p in free_ports(2) if p != args.port))
     finally:
         cluster_keys.remove(keys)
 

@@ -190,21 +190,33 @@ def gateway_flips(g: Cluster, from_role: str, to_role: str) -> float:
 
 
 def flip_across(asker: Cluster, other: Cluster, ref: Reference, target: str, role: str, tag: str) -> None:
-    """Streams on both gateways, more while `other` holds none on `target`; once it does,
+    """Streams through `other` until `target` has taken one on (its accepted-requests
+    counter moved: a condition that stays true, where a prefill's few milliseconds of
+    in-flight are a race to catch), then more on both gateways, and while those run
     flip `target` through `asker`. Every stream on either gateway completes with the
     engine's tokens, and `other` learns the new role (listed, counted, not draining)."""
     old_role = by_id(other, target)["role"]
     counted = gateway_flips(other, old_role, role)
+    accepted = metric_value(worker_metrics(by_id(other, target)), "llm_worker_requests_total")
     prompts: list[str] = []
     with cf.ThreadPoolExecutor(16) as pool:
         futures: list[cf.Future[str]] = []
-        while not by_id(other, target)["inflight_requests"]:
-            assert len(prompts) < 48, f"{target} never held a stream of the other gateway"
-            for g in (other, other, other, asker):  # overlapping on `other`: they spread over its pool
-                prompts.append(f"{tag} {len(prompts)}: " + "tell me more " * (len(prompts) % 4))
-                futures.append(pool.submit(stream_text, g, ref, prompts[-1]))
+
+        def submit(g: Cluster) -> None:
+            prompts.append(f"{tag} {len(prompts)}: " + "tell me more " * (len(prompts) % 4))
+            futures.append(pool.submit(stream_text, g, ref, prompts[-1]))
+
+        def taken_on() -> bool:
+            return metric_value(worker_metrics(by_id(other, target)), "llm_worker_requests_total") > accepted
+
+        while not taken_on():
+            assert len(prompts) < 48, f"{target} never took a stream of the other gateway"
+            for _ in range(4):  # round-robin over two prefill workers, or the most free KV: target's
+                submit(other)
             with contextlib.suppress(AssertionError):
-                other._wait(lambda: by_id(other, target)["inflight_requests"] > 0, "a stream on the target", 1)
+                other._wait(taken_on, "the target taking a stream", 30)
+        for g in (other, other, other, asker) * 2:  # in flight across the flip
+            submit(g)
         status, body = admin(asker, target, {"role": role})
         assert status == 202, body
         got = [f.result(timeout=120) for f in futures]
