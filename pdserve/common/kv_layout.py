@@ -68,6 +68,9 @@ class KVLayout:
     # The draft model's own layout hash when its KV ships with this pool's (draft_kv=prefill):
     # then a prefill and a decode worker with different drafts cannot pair.
     draft: str = ""
+    # The kernel families its bf16/int8/int4 arithmetic routes to (pdserve/engine/kernels/numerics.py):
+    # AMX and non-AMX workers compute bf16 in different orders, so their KV does not mix.
+    numerics: str = ""
 
     @property
     def bytes_per_element(self) -> int:
@@ -128,5 +131,6 @@ class KVLayout:
             "order=layer,kv,block,slot,head,dim",
             *((f"lm_head={self.lm_head}",) if self.lm_head != "none" else ()),
             *((f"draft={self.draft}",) if self.draft else ()),
+            *((f"numerics={self.numerics}",) if self.numerics else ()),
         ))
         return hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -45,3 +45,32 @@ def test_checkpoint_dtype_quantization_and_block_size_mismatches_are_refused_at_
         assert not _refused(c, "same")
     finally:
         c.stop()
+
+
+def test_a_worker_whose_kernels_give_other_bits_is_refused(log_dir: Path, model_dir: Path) -> None:
+    """int8 at bf16, one worker per CPU kind this host can run as (`PDSERVE_CPU_FEATURES`):
+    a kind whose kernels differ from the registered worker's (pdserve/engine/kernels/numerics.py;
+    VNNI int8 vs aten under `avx2`, AMX vs AVX-512 BF16 under `-amx` on an AMX host) is
+    refused, one whose kernels give the same bits joins."""
+    from pdserve.engine.kernels import cpu_features, table
+    from pdserve.engine.kernels.numerics import numerics
+
+    args = ("--model", str(model_dir), "--dtype", "bfloat16", "--quantization", "int8")
+    native = numerics("cpu", "bfloat16", "int8", features=table.available_features())
+    kinds = {"as-avx2": "avx2", "as-no-amx": "-amx", "as-native": ""}
+    differs = {wid: numerics("cpu", "bfloat16", "int8",
+                             features=table.available_features() & cpu_features.parse(mask)) != native
+               for wid, mask in kinds.items()}
+    assert not differs["as-native"]  # (and on a host with AVX-512 VNNI, as-avx2 differs)
+    c = Cluster(log_dir)
+    try:
+        c.start_gateway(wait=False)
+        c.add_worker("prefill", *args, "--worker-id", "base")
+        c.wait_roles(prefill=1)
+        for wid, mask in kinds.items():
+            c.add_worker("decode", *args, "--worker-id", wid, env={"PDSERVE_CPU_FEATURES": mask})
+        c._wait(lambda: all(_refused(c, w) for w, d in differs.items() if d), "every other kind refused")
+        joined = {w["id"] for w in c.wait_roles(prefill=1, decode=sum(not d for d in differs.values()))}
+        assert joined == {"base"} | {w for w, d in differs.items() if not d}
+    finally:
+        c.stop()

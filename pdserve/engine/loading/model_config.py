@@ -20,6 +20,7 @@ from pdserve.common.generation_config import (
     token_ids,
 )
 from pdserve.common.kv_layout import KVLayout, kv_dtype_for
+from pdserve.engine.kernels.numerics import numerics
 from pdserve.engine.loading.moe_config import (
     MOE_ARCHITECTURES,
     MoEConfig,
@@ -275,12 +276,13 @@ def _cfg_eos(value: Any) -> tuple[int, ...]:
 
 def kv_layout(model_config: ModelConfig, block_size: int, dtype: str, weights: str,
               kv_cache_dtype: str = "auto", quantization: str | None = None,
-              lm_head: str = "none") -> KVLayout:
+              lm_head: str = "none", device_type: str = "cpu") -> KVLayout:
     """The KV pool layout for this model run in `dtype` with weights fingerprint `weights`
     (`pdserve.engine.loading.loader.weights_fingerprint`) and weight `quantization` (the served scheme,
     `pdserve.engine.quant.formats.served_quantization`; None: the checkpoint's) and LM head
     quantization `lm_head` (`served_lm_head`); allocates nothing.
     The KV cache is kept in the compute dtype unless `kv_cache_dtype` names a quantized one."""
+    scheme = model_config.quantization if quantization is None else quantization
     return KVLayout(
         model_id=model_config.model_id,
         num_layers=model_config.num_layers,
@@ -290,6 +292,7 @@ def kv_layout(model_config: ModelConfig, block_size: int, dtype: str, weights: s
         dtype=kv_dtype_for(kv_cache_dtype, dtype),
         weights=weights,
         compute_dtype=dtype,
-        quantization=model_config.quantization if quantization is None else quantization,
+        quantization=scheme,
         lm_head=lm_head,
+        numerics=numerics(device_type, dtype, scheme, lm_head),
     )

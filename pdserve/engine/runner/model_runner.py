@@ -116,7 +116,7 @@ class ModelRunner:
         self.lm_head_quantization = served_lm_head(config.lm_head_quantization, self.quantization)
         self.layout: KVLayout = self._with_draft(kv_layout(
             self.model_config, self.block_size, config.dtype, weights, config.kv_cache_dtype,
-            self.quantization, self.lm_head_quantization), config)
+            self.quantization, self.lm_head_quantization, self.device.type), config)
         if layout is not None and layout != self.layout:
             raise ValueError(f"layout {layout} does not belong to this config ({self.layout})")
         if kv_buffer is not None:
@@ -184,7 +184,8 @@ class ModelRunner:
         scheme = served_quantization(config.quantization, model_config.prequant)
         return cls._with_draft(kv_layout(model_config, config.cache.block_size, config.dtype,
                                     weights_fingerprint(config.model_dir).digest, config.kv_cache_dtype,
-                                    scheme, served_lm_head(config.lm_head_quantization, scheme)),
+                                    scheme, served_lm_head(config.lm_head_quantization, scheme),
+                                    torch.device(config.device).type),
                           config)
 
     @classmethod

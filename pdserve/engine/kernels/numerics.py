@@ -1,0 +1,47 @@
+"""Which kernels a worker's low-precision arithmetic comes from, named for the KV layout's
+compatibility hash (pdserve/common/kv_layout.py, docs/determinism.md).
+
+A bf16 row's bits are the same on every row count, chunk and worker of one CPU kind, but
+not between kinds: AMX tiles sum a dot product in another order than `vdpbf16ps` does. A
+prefill worker on an AMX host and a decode worker on an AMD EPYC would each give answers
+right within bf16 rounding, but their pair would give neither's, and a stream recovered
+from one on the other would change mid-way. So the kernels a worker's bf16, int8 and int4
+layers route to are part of what two pools must share to exchange blocks; kernels that
+give the same bits share a name (`bf16_emulated` computes `vdpbf16ps` step for step,
+tests/engine/test_cpu_masks.py). float32 runs aten's kernels on every kind and is left out,
+as is a GPU (one device kind per pool there)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pdserve.engine.kernels import table
+
+# Kernels whose results are bit-identical: one name in the hash.
+SAME_BITS = {"bf16_emulated": "bf16_avx512"}
+INT4_SCHEMES = ("int4", "awq", "gptq")
+
+
+def _spec(op: str, act_dtype: str) -> table.LinearSpec:
+    """A layer of a typical size: the routes depend on the op, the dtype and the host, and
+    on a shape only past limits no model's projections reach."""
+    return table.LinearSpec(op, act_dtype, "cpu", 4096, 4096, 128 if op == "int4" else 0)
+
+
+def numerics(device_type: str, dtype: str, quantization: str = "none", lm_head: str = "none",
+             features: Iterable[str] | None = None) -> str:
+    """The kernel families of a worker computing in `dtype` on `device_type` with weight
+    `quantization` and LM head `lm_head`, on a CPU with `features` (None: this process's,
+    `PDSERVE_CPU_FEATURES` applied): "" where they cannot differ between CPU kinds."""
+    if device_type != "cpu" or dtype not in ("bfloat16", "float16"):
+        return ""
+    ops = ["bf16"]
+    if quantization == "int8" or lm_head == "int8":
+        ops.append("int8")
+    if quantization in INT4_SCHEMES:
+        ops.append("int4")
+    parts = []
+    for op in ops:
+        names = {SAME_BITS.get(r.kernel.name, r.kernel.name) for r in table.plan(_spec(op, dtype), features).routes}
+        parts.append(f"{op}:{'+'.join(sorted(names))}")
+    return ",".join(parts)
