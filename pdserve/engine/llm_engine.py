@@ -27,7 +27,7 @@ import torch
 from pdserve.common.logprobs import Logprob
 from pdserve.common.lora import LoraRef
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.engine.core.block_manager import NO_HIT, BlockManager
+from pdserve.engine.core.block_manager import NO_HIT, BlockManager, PrefixHit
 from pdserve.engine.core.config import EngineConfig
 from pdserve.engine.core.outputs import (
     EngineStats,
@@ -45,7 +45,7 @@ from pdserve.engine.core.sequence import Sequence as Seq
 from pdserve.engine.grammar.compiler import GrammarCompiler, load_tokenizer
 from pdserve.engine.grammar.masking import any_constrained, constrain, cut_drafts
 from pdserve.engine.lora.registry import lora_stats, register_lora
-from pdserve.engine.pool_blocks import PrefixTiers, TierLink, copy_blocks
+from pdserve.engine.pool_blocks import BlockLoad, PrefixTiers, TierLink, copy_blocks
 from pdserve.engine.prompt_logprobs import collect_prompt_logprobs
 from pdserve.engine.sampler import Sampler, SampleRow, request_seed
 from pdserve.engine.spec.decoder import SpecDecoder, accepted_prefix
@@ -146,7 +146,7 @@ class LLMEngine:
         logits = self._execute(batch, layer_hook)
         self.scheduler.mark_computed(batch)
         if self.tier_link is not None:
-            self.tier_link.write_down(batch.block_loads)
+            self.tier_link.write_down()
         outputs = self._postprocess(batch, logits)
         if self.spec is not None:
             self.spec.retain(self.scheduler.running)  # a draft model's KV of ended sequences
@@ -246,8 +246,25 @@ class LLMEngine:
             del self._requests[request_id]
             return Reservation([], check)
         self.scheduler.add_waiting_for_kv(seq)
-        cached = len(hit.block_ids)
+        cached = len(hit.block_ids) + (self._load_reserved(seq, hit) if reuse_prefix else 0)
         return Reservation(self.block_manager.block_table(seq.seq_id)[cached:], check, cached)
+
+    def _load_reserved(self, seq: Seq, hit: PrefixHit) -> int:
+        """Fill the reserved blocks right after the pool hit `hit` from the KV tiers, as far
+        as they hold the prompt, and register them (their KV is final); how many. They are
+        held like the pool hit: the transfer brings only the blocks after them."""
+        if self.tier_link is None:
+            return 0
+        tiered = self.scheduler.tier_blocks(seq, hit)
+        if not tiered.digests:
+            return 0
+        at = len(hit.block_ids)
+        ids = tuple(self.block_manager.block_table(seq.seq_id)[at:at + len(tiered.digests)])
+        self.tier_link.load([BlockLoad(ids, tiered.payloads, tiered.digests)])
+        num = at + len(ids)
+        self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, num * self.block_manager.block_size,
+                                             seq.prefix_root)
+        return len(ids)
 
     def start_remote(
         self,

@@ -1,9 +1,11 @@
 """A worker's KV tiers (kv_transfer/tiers): built for the node's pool, attached to its
 engine, exported in its Prometheus metrics, flushed and closed with the node.
 
-Prefill and colocated workers read and write the tiers; a decode worker takes its
-KV from the prefill worker's handoff and does not use them. Tensor- and
-pipeline-parallel workers do not either (each rank holds only part of a block).
+Every role reads and writes the tiers: prefill and colocated workers on admission
+(pdserve/engine/core/scheduler.py), a decode worker when it reserves a prompt's blocks
+(its reused prefix may come from the tiers: `LLMEngine.reserve_remote`), and each writes
+down the blocks it registers. Tensor- and pipeline-parallel workers do not use them
+(each rank holds only part of a block).
 """
 
 from __future__ import annotations

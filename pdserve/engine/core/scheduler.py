@@ -312,7 +312,7 @@ class Scheduler:
             # prompt_logprobs needs the logits of every prompt position: computed, not cached.
             reads_cache = first_admission and seq.params.prompt_logprobs is None
             prefix = bm.match_prefix(seq.token_ids, seq.prefix_root) if reads_cache else NO_HIT
-            tiered = self._tier_blocks(seq, prefix) if reads_cache else NO_TIER_HIT
+            tiered = self.tier_blocks(seq, prefix) if reads_cache else NO_TIER_HIT
             hit_tokens = prefix.num_tokens + len(tiered.digests) * bm.block_size
             computed = max(seq.num_computed_tokens, hit_tokens)
             num_new = seq.num_tokens - computed
@@ -341,9 +341,10 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
-    def _tier_blocks(self, seq: Sequence, prefix: PrefixHit) -> TierHit:
+    def tier_blocks(self, seq: Sequence, prefix: PrefixHit) -> TierHit:
         """The blocks after the pool hit that the tiers hold, as far as a hit may reach
-        (never the last token)."""
+        (never the last token). Admission asks, and so does a decode reservation
+        (`LLMEngine.reserve_remote`: its reused prefix may come from the tiers too)."""
         bs = self.block_manager.block_size
         limit = cacheable_blocks(seq.num_tokens, bs) if self.block_manager.enable_prefix_caching else 0
         start = len(prefix.block_ids)

@@ -1,0 +1,122 @@
+"""A decode engine's suffix-only handoff takes its reused prefix from the KV tiers too
+(`LLMEngine.reserve_remote`, reuse_prefix): the blocks its pool lacks but a tier holds
+are loaded into the reservation and held, the transfer brings only the rest, and the
+decoded tokens equal the single-engine reference exactly (float32, tiny Llama)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kv_transfer.tiers.cache import TieredKVCache
+from kv_transfer.tiers.files import FileTier
+from pdserve.engine.llm_engine import LLMEngine
+from tests.engine.test_kv_tiers_engine import (
+    BS,
+    GREEDY,
+    assert_idle,
+    make_engine,
+    prompts,
+    with_tiers,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir: Callable[..., Path]) -> Path:
+    return tiny_model_dir("llama")
+
+
+def reference_tokens(model_dir: Path, prompt: list[int]) -> tuple[int, ...]:
+    engine = make_engine(model_dir)
+    engine.block_manager.enable_prefix_caching = False
+    return engine.generate([prompt], GREEDY)[0].choices[0].token_ids
+
+
+def hand_off(decode: LLMEngine, rid: str, prompt: list[int]) -> tuple[tuple[int, ...], int]:
+    """A prefill engine (no tiers) computes `prompt`; `decode` reserves it with prefix
+    reuse and receives only the blocks past the ones it holds. (tokens, blocks held)."""
+    prefill = make_engine(Path(decode.config.model_dir))
+    prefill.add_request(rid, prompt, GREEDY, prefill_only=True)
+    reservation = decode.reserve_remote(rid, prompt, GREEDY, reuse_prefix=True)
+    assert reservation.ok
+    first: list[int] = []
+    while prefill.has_unfinished():
+        for out in prefill.step():
+            first = [out.outputs[0].token_ids[0]]
+    held = prefill.held_blocks(rid)
+    shipped = held[reservation.cached_blocks:]  # what the prefill worker sends
+    assert len(shipped) == len(reservation.block_ids)
+    src, dst = prefill.runner.pool.kv, decode.runner.pool.kv
+    dst[:, :, torch.tensor(reservation.block_ids)] = src[:, :, torch.tensor(shipped)]
+    prefill.release(rid)
+    decode.start_remote(rid, first)
+    got = list(first)
+    while decode.has_unfinished():
+        for out in decode.step():
+            got += out.outputs[0].token_ids
+    assert_idle(prefill)
+    return tuple(got), reservation.cached_blocks
+
+
+def written_tier(model_dir: Path, root: Path, ps: list[list[int]]) -> None:
+    """A colocated engine serves `ps`, writing their blocks to the host tier at `root`."""
+    writer = make_engine(model_dir)
+    cache = with_tiers(writer, FileTier("host", root, 1 << 26))
+    for p in ps:
+        writer.generate([p], GREEDY)
+    cache.close()
+
+
+def test_the_reused_prefix_comes_from_the_pool_then_the_tier_and_decodes_exactly(
+        model_dir: Path, tmp_path: Path) -> None:
+    base = prompts(1, 5 * BS + 3, seed=11)[0]
+    written_tier(model_dir, tmp_path / "host", [base])
+    turn = base + prompts(1, 2 * BS + 5, seed=12)[0]  # the conversation comes back, longer
+    decode = make_engine(model_dir, num_blocks=48)
+    # Its pool already holds base's first two blocks (an earlier, shorter request) ...
+    assert hand_off(decode, "short", base[:2 * BS + 1])[1] == 0
+    cache: TieredKVCache = with_tiers(decode, FileTier("host", tmp_path / "host", 1 << 26))
+    # ... the tier the next three, the transfer brings the rest.
+    got, held = hand_off(decode, "turn", turn)
+    assert held == 5
+    assert got == reference_tokens(model_dir, turn)
+    snap = cache.snapshot()
+    assert snap.tiers[0].hits == 3 and snap.loaded_blocks == 3
+    assert_idle(decode)
+    cache.close()
+
+
+def test_tier_blocks_of_an_aborted_reservation_stay_cached_and_nothing_leaks(
+        model_dir: Path, tmp_path: Path) -> None:
+    base = prompts(1, 4 * BS + 2, seed=13)[0]
+    written_tier(model_dir, tmp_path / "host", [base])
+    decode = make_engine(model_dir, num_blocks=32)
+    cache = with_tiers(decode, FileTier("host", tmp_path / "host", 1 << 26))
+    first = decode.reserve_remote("a", base, GREEDY, reuse_prefix=True)
+    assert first.cached_blocks == 4 and len(first.block_ids) == 1
+    assert decode.abort("a")
+    assert_idle(decode)
+    # The loaded blocks were registered: the next reservation pins them from the pool.
+    got, held = hand_off(decode, "b", base)
+    assert held == 4 and cache.snapshot().tiers[0].hits == 4
+    assert got == reference_tokens(model_dir, base)
+    assert_idle(decode)
+    cache.close()
+
+
+def test_without_prefix_reuse_the_tiers_are_not_asked(model_dir: Path, tmp_path: Path) -> None:
+    base = prompts(1, 3 * BS + 1, seed=14)[0]
+    written_tier(model_dir, tmp_path / "host", [base])
+    decode = make_engine(model_dir, num_blocks=32)
+    cache = with_tiers(decode, FileTier("host", tmp_path / "host", 1 << 26))
+    whole = decode.reserve_remote("a", base, GREEDY)  # recovery re-prefills: every block ships
+    assert whole.cached_blocks == 0 and len(whole.block_ids) == 4
+    assert cache.snapshot().tiers[0].hits == 0
+    assert decode.abort("a")
+    assert_idle(decode)
+    cache.close()
