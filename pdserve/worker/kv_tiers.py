@@ -18,6 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 from prometheus_client.registry import Collector
 
 from kv_transfer.tiers import CacheSnapshot, KVOffloadConfig, TieredKVCache, build_tier_cache
+from kv_transfer.tiers.record import HEADER_BYTES
+from pdserve.common.protocol import KvTierInfo
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.worker.metrics import WorkerMetrics
 
@@ -88,6 +90,15 @@ class TierCollector(Collector):
                                    labels=names)
         queued.add_metric(values, snap.queued_writes)
         yield queued
+
+
+def tier_infos(engine: LLMEngine) -> tuple[KvTierInfo, ...]:
+    """The engine's tiers as its registration names them (gateway/kv_tiers.py)."""
+    cache = tier_cache_of(engine)
+    if cache is None:
+        return ()
+    record = HEADER_BYTES + cache.payload_bytes
+    return tuple(KvTierInfo(t.name, t.location, t.capacity // record) for t in cache.tiers)
 
 
 def tier_cache_of(engine: LLMEngine) -> TieredKVCache | None:
