@@ -2,9 +2,10 @@
 
 A request's life here:
 1. `DecodeReserve`: the engine pins the prompt's leading blocks its prefix
-   cache holds, reserves blocks for the rest (WAITING_FOR_KV), and the KV
-   receiver expects the transfer into exactly those blocks; their ids and the
-   number held go back to the gateway (`ReserveResult`: suffix-only handoff).
+   cache holds, fills the next ones its KV tiers hold (loaded now, on this loop),
+   reserves blocks for the rest (WAITING_FOR_KV), and the KV receiver expects the
+   transfer into exactly those blocks; their ids and the number held go back to
+   the gateway (`ReserveResult`: suffix-only handoff).
    Admission keeps room for the running streams' growth
    (`pdserve.engine.core.scheduler.ReserveCheck`), so a request never evicts one; a refusal
    reserves nothing and says why, and the gateway retries it.

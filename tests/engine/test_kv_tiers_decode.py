@@ -13,6 +13,7 @@ import torch
 
 from kv_transfer.tiers.cache import TieredKVCache
 from kv_transfer.tiers.files import FileTier
+from pdserve.common.block_hash import ROOT_DIGEST, block_hash
 from pdserve.engine.llm_engine import LLMEngine
 from tests.engine.test_kv_tiers_engine import (
     BS,
@@ -63,6 +64,15 @@ def hand_off(decode: LLMEngine, rid: str, prompt: list[int]) -> tuple[tuple[int,
     return tuple(got), reservation.cached_blocks
 
 
+def chain(tokens: list[int], bs: int) -> list[bytes]:
+    """The prefix digests of every full block of `tokens`."""
+    out, parent = [], ROOT_DIGEST
+    for i in range(len(tokens) // bs):
+        parent = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+        out.append(parent)
+    return out
+
+
 def written_tier(model_dir: Path, root: Path, ps: list[list[int]]) -> None:
     """A colocated engine serves `ps`, writing their blocks to the host tier at `root`."""
     writer = make_engine(model_dir)
@@ -87,6 +97,13 @@ def test_the_reused_prefix_comes_from_the_pool_then_the_tier_and_decodes_exactly
     assert got == reference_tokens(model_dir, turn)
     snap = cache.snapshot()
     assert snap.tiers[0].hits == 3 and snap.loaded_blocks == 3
+    # What it registered is written down too: the received suffix and the block its own
+    # tokens filled (the next turn's prompt), never the blocks it loaded.
+    assert cache.flush()
+    tier = cache.tiers[0]
+    digests = chain([*turn, *got], BS)
+    assert all(tier.contains(cache.key(d)) for d in digests)
+    assert tier.stats.writes == len(digests) - 5  # its 5 held blocks were there already
     assert_idle(decode)
     cache.close()
 
