@@ -1,7 +1,9 @@
 """A decode engine's suffix-only handoff takes its reused prefix from the KV tiers too
 (`LLMEngine.reserve_remote`, reuse_prefix): the blocks its pool lacks but a tier holds
-are loaded into the reservation and held, the transfer brings only the rest, and the
-decoded tokens equal the single-engine reference exactly (float32, tiny Llama)."""
+are held at once and read off the loop while the prefill engine computes the rest
+(pdserve/engine/tier_fill.py), the transfer brings only the rest, and the decoded
+tokens equal the single-engine reference exactly (float32, tiny Llama). A block gone
+bad between the reservation and the read fails the fill, never the KV."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from kv_transfer.tiers.cache import TieredKVCache
 from kv_transfer.tiers.files import FileTier
 from pdserve.common.block_hash import ROOT_DIGEST, block_hash
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.tier_fill import FillState
 from tests.engine.test_kv_tiers_engine import (
     BS,
     GREEDY,
@@ -55,6 +58,8 @@ def hand_off(decode: LLMEngine, rid: str, prompt: list[int]) -> tuple[tuple[int,
     src, dst = prefill.runner.pool.kv, decode.runner.pool.kv
     dst[:, :, torch.tensor(reservation.block_ids)] = src[:, :, torch.tensor(shipped)]
     prefill.release(rid)
+    if decode.tier_fills is not None:  # as the decode node polls `tier_fill` before admitting
+        assert decode.tier_fills.wait(rid) in (FillState.DONE, FillState.NONE)
     decode.start_remote(rid, first)
     got = list(first)
     while decode.has_unfinished():
@@ -108,7 +113,7 @@ def test_the_reused_prefix_comes_from_the_pool_then_the_tier_and_decodes_exactly
     cache.close()
 
 
-def test_tier_blocks_of_an_aborted_reservation_stay_cached_and_nothing_leaks(
+def test_a_reservation_aborted_while_its_tier_blocks_are_read_leaks_nothing(
         model_dir: Path, tmp_path: Path) -> None:
     base = prompts(1, 4 * BS + 2, seed=13)[0]
     written_tier(model_dir, tmp_path / "host", [base])
@@ -116,11 +121,45 @@ def test_tier_blocks_of_an_aborted_reservation_stay_cached_and_nothing_leaks(
     cache = with_tiers(decode, FileTier("host", tmp_path / "host", 1 << 26))
     first = decode.reserve_remote("a", base, GREEDY, reuse_prefix=True)
     assert first.cached_blocks == 4 and len(first.block_ids) == 1
+    with pytest.raises(ValueError, match="not in yet"):
+        decode.start_remote("a", [1])  # never admitted before its tier blocks are in
     assert decode.abort("a")
+    assert decode.tier_fill("a") is FillState.NONE
     assert_idle(decode)
-    # The loaded blocks were registered: the next reservation pins them from the pool.
-    got, held = hand_off(decode, "b", base)
-    assert held == 4 and cache.snapshot().tiers[0].hits == 4
+    got, held = hand_off(decode, "b", base)  # nothing of the aborted read reached the pool
+    assert held == 4
+    assert got == reference_tokens(model_dir, base)
+    assert_idle(decode)
+    cache.close()
+
+
+def test_a_block_gone_bad_before_it_is_read_fails_the_fill_not_the_kv(
+        model_dir: Path, tmp_path: Path) -> None:
+    base = prompts(1, 4 * BS + 2, seed=15)[0]
+    written_tier(model_dir, tmp_path / "host", [base])
+    decode = make_engine(model_dir, num_blocks=32)
+    tier = FileTier("host", tmp_path / "host", 1 << 26)
+    cache = with_tiers(decode, tier)
+    # Block 2 is damaged after the check that it exists: the read finds it corrupt.
+    real_present = cache.present
+
+    def present_then_damage(digests: list[bytes]) -> int:
+        n = real_present(digests)
+        path = tier.path(cache.key(digests[2]))
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0xFF
+        path.write_bytes(bytes(data))
+        return n
+
+    cache.present = present_then_damage  # type: ignore[method-assign]
+    assert decode.reserve_remote("a", base, GREEDY, reuse_prefix=True).cached_blocks == 4
+    assert decode.tier_fills is not None and decode.tier_fills.wait("a") is FillState.FAILED
+    assert cache.snapshot().tiers[0].misses == {"corrupt": 1}
+    assert decode.abort("a")  # the node aborts it and the gateway retries the request
+    assert_idle(decode)
+    cache.present = real_present  # type: ignore[method-assign]
+    got, held = hand_off(decode, "b", base)  # the retry: the bad block was discarded
+    assert held == 2
     assert got == reference_tokens(model_dir, base)
     assert_idle(decode)
     cache.close()

@@ -343,20 +343,25 @@ class Scheduler:
 
     def tier_blocks(self, seq: Sequence, prefix: PrefixHit) -> TierHit:
         """The blocks after the pool hit that the tiers hold, as far as a hit may reach
-        (never the last token). Admission asks, and so does a decode reservation
-        (`LLMEngine.reserve_remote`: its reused prefix may come from the tiers too)."""
+        (never the last token)."""
+        digests = self.tier_digests(seq, prefix)
+        if self.tiers is None or not digests:
+            return NO_TIER_HIT
+        payloads = self.tiers.load(digests)
+        return TierHit(tuple(digests[:len(payloads)]), tuple(payloads))
+
+    def tier_digests(self, seq: Sequence, prefix: PrefixHit) -> list[bytes]:
+        """The digests of the blocks after the pool hit a tier hit may cover (admission
+        loads them; a decode reservation, `LLMEngine.reserve_remote`, reads them off the loop)."""
         bs = self.block_manager.block_size
         limit = cacheable_blocks(seq.num_tokens, bs) if self.block_manager.enable_prefix_caching else 0
         start = len(prefix.block_ids)
-        if self.tiers is None or start >= limit:
-            return NO_TIER_HIT
         digests: list[bytes] = []
         parent = prefix.block_hashes[-1] if prefix.block_hashes else seq.prefix_root
         for i in range(start, limit):
             parent = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
             digests.append(parent)
-        payloads = self.tiers.load(digests)
-        return TierHit(tuple(digests[:len(payloads)]), tuple(payloads))
+        return digests
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         """Admitting `seq` keeps the running adapters within `max_loras` (a sequence
