@@ -9,7 +9,9 @@ Three cases, each a ratio measured within one run (median over `--runs`):
   through one colocated `pdserve up` whose pool (`--num-blocks`) holds about a quarter
   of the working set, once without tiers and once with `--kv-offload-memory`; the
   turns after the first (all of whose history left the pool) are the returning turns.
-  Ratio: their TTFT p50 without / with the host tier.
+  Ratio: their TTFT p50 without / with the host tier. `--layout 1p1d`: one prefill and
+  one decode worker instead (each `--threads`, each pool `--num-blocks`); the decode
+  worker's host-tier hits (its reused prefixes) are reported too.
 - cross-worker: server A computes a `--prefix-words` prefix; server B, another
   `pdserve up` on the same host tier that never saw it, serves prefix + a new
   question. Ratio: B's TTFT on an unseen prefix of the same length / on A's prefix.
@@ -70,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--memory", default="2GiB", help="--kv-offload-memory of the tiered servers")
     ap.add_argument("--dtype", default="float32", help="the servers' --dtype (float32: where hit == miss is exact)")
     ap.add_argument("--verbose", action="store_true", help="print every request")
+    ap.add_argument("--layout", choices=("colocated", "1p1d"), default="colocated",
+                    help="the multiturn servers: one colocated worker, or 1 prefill + 1 decode")
     ap.add_argument("--cases", type=lambda t: tuple(t.split(",")), default=("multiturn", "cross", "remote"),
                     help=f"comma list of {', '.join(CASES)} (default all but overhead)")
     return ap.parse_args(argv)
@@ -122,33 +126,48 @@ def model_name(base: str) -> str:
         return str(json.load(r)["data"][0]["id"])
 
 
-def written_down(base: str, timeout_s: float = 60.0) -> None:
-    """Until every worker's tier write queue is empty."""
+def worker_metric(base: str, name: str, role: str = "") -> float:
+    """Sum of `name` over the workers (of `role`, if given)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    total = 0.0
+    for w in list_workers(base):
+        if role and w["role"] != role:
+            continue
+        with urllib.request.urlopen(f"http://127.0.0.1:{w['metrics_port']}/metrics", timeout=10) as r:
+            for fam in text_string_to_metric_families(r.read().decode()):
+                total += sum(s.value for s in fam.samples if s.name == name)
+    return total
+
+
+def written_down(base: str, timeout_s: float = 60.0) -> None:
+    """Until every worker's tier write queue is empty."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        workers = list_workers(base)
-        queued = 0.0
-        for w in workers:
-            with urllib.request.urlopen(f"http://127.0.0.1:{w['metrics_port']}/metrics", timeout=10) as r:
-                for fam in text_string_to_metric_families(r.read().decode()):
-                    queued += sum(s.value for s in fam.samples if s.name == "llm_kv_tier_queued_writes")
-        if queued == 0:
+        if worker_metric(base, "llm_kv_tier_queued_writes") == 0:
             return
         time.sleep(0.05)
     raise RuntimeError("the tier writer did not drain")
 
 
-def up(args: argparse.Namespace, name: str, *extra: str) -> contextlib.AbstractContextManager[Any]:
-    flags = ["--colocated", "--threads", str(args.threads), "--block-size", str(args.block_size),
+def up(args: argparse.Namespace, name: str, *extra: str, layout: str = "colocated") -> contextlib.AbstractContextManager[Any]:
+    roles = ["--colocated"] if layout == "colocated" else ["--prefill", "1", "--decode", "1"]
+    flags = [*roles, "--threads", str(args.threads), "--block-size", str(args.block_size),
              "--max-model-len", "2048", "--dtype", args.dtype, *extra]
     return pdserve_up(name, harness.up_args(" ".join(flags), args.model))
 
 
-def multiturn(args: argparse.Namespace, run: int, tiers: tuple[str, ...]) -> tuple[list[float], list[str], int]:
+class Multiturn(NamedTuple):
+    returning_ttft_s: list[float]
+    answers: list[str]
+    longest_prompt: int  # tokens
+    decode_tier_hits: float  # blocks the decode worker's reservations took from the tiers (1p1d)
+
+
+def multiturn(args: argparse.Namespace, run: int, tiers: tuple[str, ...]) -> Multiturn:
     """Returning-turn TTFTs, every answer, and the longest prompt (tokens)."""
-    with up(args, "multiturn-tiers" if tiers else "multiturn", "--num-blocks", str(args.num_blocks), *tiers) as s:
+    with up(args, "multiturn-tiers" if tiers else "multiturn", "--num-blocks", str(args.num_blocks), *tiers,
+            layout=args.layout) as s:
         model = model_name(s.base_url)
         history = [text(run * 1000 + c, args.history_words) for c in range(args.conversations)]
         returning, answers, longest = [], [], 0
@@ -164,7 +183,8 @@ def multiturn(args: argparse.Namespace, run: int, tiers: tuple[str, ...]) -> tup
                           f"TTFT {1e3 * reply.ttft_s:.0f} ms, {reply.text!r}", file=sys.stderr)
                 if turn:
                     returning.append(reply.ttft_s)
-        return returning, answers, longest
+        hits = worker_metric(s.base_url, "llm_kv_tier_hits_total", "decode") if args.layout == "1p1d" else 0.0
+        return Multiturn(returning, answers, longest, hits)
 
 
 def pairs(args: argparse.Namespace, base: str, model: str, warm: list[str],
@@ -293,13 +313,14 @@ def one_run(args: argparse.Namespace, run: int) -> tuple[dict[str, float], bool]
     if "multiturn" in args.cases:
         with tier_dirs() as (shm, _):
             on = ("--kv-offload-memory", args.memory, "--kv-offload-memory-dir", str(shm))
-            off_ttft, off_answers, longest = multiturn(args, run, ())
-            on_ttft, on_answers, _ = multiturn(args, run, on)
-        same = off_answers == on_answers
-        row.update(returning_p50_off_ms=1e3 * statistics.median(off_ttft),
-                   returning_p50_host_ms=1e3 * statistics.median(on_ttft),
-                   multiturn_ratio=statistics.median(off_ttft) / statistics.median(on_ttft),
-                   longest_prompt_tokens=longest)
+            off, tiered = multiturn(args, run, ()), multiturn(args, run, on)
+        same = off.answers == tiered.answers
+        row.update(returning_p50_off_ms=1e3 * statistics.median(off.returning_ttft_s),
+                   returning_p50_host_ms=1e3 * statistics.median(tiered.returning_ttft_s),
+                   multiturn_ratio=statistics.median(off.returning_ttft_s) / statistics.median(tiered.returning_ttft_s),
+                   longest_prompt_tokens=off.longest_prompt)
+        if args.layout == "1p1d":
+            row["decode_tier_hit_blocks"] = tiered.decode_tier_hits
     if "cross" in args.cases:
         row["cross_worker_ratio"], row["restart_ratio"] = cross_and_restart(args, run)
     if "remote" in args.cases and shutil.which("redis-server"):

@@ -1,5 +1,6 @@
 """Build a decode worker's node: the KV pool (shared memory, CUDA or plain), the
-engine on top of it, the KV receiver and the node."""
+engine on top of it (with the KV tiers below its pool, if any), the KV receiver and
+the node."""
 
 from __future__ import annotations
 
@@ -19,14 +20,17 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
     from pdserve.engine.runner.model_runner import ModelRunner
     from pdserve.worker.draft_kv import build_receipts
     from pdserve.worker.engine_glue import build_engine
+    from pdserve.worker.kv_tiers import attach_tiers
 
     layout = ModelRunner.layout_for(engine_cfg)
     curve = kv_keys(opts)
+    tiers: list[Callable[[], Any]] = []  # flush and close the KV tiers first
 
     def node(kv_buffer: Any, pool: Any, transport: str, kv_shm: str = "") -> DecodeNode:
         """The engine over `kv_buffer` (None: its own pool), a receiver for `pool` (None:
         the engine's pool) over `transport`, and the node."""
         engine, runner = build_engine(engine_cfg, kv_buffer=kv_buffer, layout=layout, pool_name=kv_shm)
+        tiers.extend(attach_tiers(opts.kv_offload, engine, parts.metrics))  # the reused prefix's source too
         receiver = make_receiver(runner.layout, pool_array(runner) if pool is None else pool, transport,
                                  host=opts.kv_host, port=opts.kv_port, faults=parts.kv_faults,
                                  curve=curve, parallel=ParallelLayout.of(
@@ -40,7 +44,7 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
     transport = receiver_transport(opts.kv_transport, on_cuda)
     if transport == "tcp":  # the engine's own pool; on CUDA, frames land through host staging
         plain = node(None, None, "tcp")
-        return plain, [plain.runner.close]
+        return plain, [*tiers, plain.runner.close]
     num_blocks = engine_cfg.cache.num_blocks or ModelRunner.num_blocks_for_bytes(
         layout, engine_cfg.cache.kv_cache_memory or default_kv_bytes(engine_cfg)
     )
@@ -51,13 +55,13 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
 
         cuda_pool = create_cuda_pool(layout, num_blocks, cuda_index(engine_cfg.device))
         on_gpu = node(tensor_from_array(cuda_pool.array, layout.dtype), cuda_pool, transport)
-        return on_gpu, [on_gpu.runner.close]
+        return on_gpu, [*tiers, on_gpu.runner.close]
     from kv_transfer.pool.shm import create_shm_pool
 
     shm_pool = create_shm_pool(layout, num_blocks)  # sweeps segments of dead workers first
     try:
         shared = node(shm_pool.array, shm_pool, transport, shm_pool.descriptor.name)
-        return shared, [shared.runner.close, shm_pool.unlink]
+        return shared, [*tiers, shared.runner.close, shm_pool.unlink]
     except BaseException:
         shm_pool.unlink()  # the cleanup list never reaches the caller
         raise

@@ -2,15 +2,18 @@
 
 A request's life here:
 1. `DecodeReserve`: the engine pins the prompt's leading blocks its prefix
-   cache holds, reserves blocks for the rest (WAITING_FOR_KV), and the KV
-   receiver expects the transfer into exactly those blocks; their ids and the
-   number held go back to the gateway (`ReserveResult`: suffix-only handoff).
+   cache holds, holds the next ones its KV tiers have (read off the loop while the
+   prefill worker computes the rest: pdserve/engine/tier_fill.py), reserves blocks
+   for the rest (WAITING_FOR_KV), and the KV receiver expects the transfer into
+   exactly those blocks; their ids and the number held go back to the gateway
+   (`ReserveResult`: suffix-only handoff).
    Admission keeps room for the running streams' growth
    (`pdserve.engine.core.scheduler.ReserveCheck`), so a request never evicts one; a refusal
    reserves nothing and says why, and the gateway retries it.
 2. `StartDecode` brings the first token(s) sampled by the prefill worker.
-3. When the transfer is COMPLETE (every block verified) and the first tokens
-   are known, the engine admits the sequence (`start_remote`, RUNNING).
+3. When the transfer is COMPLETE (every block verified), the tier blocks are in
+   and the first tokens are known, the engine admits the sequence (`start_remote`,
+   RUNNING); a tier block that could not be read fails the request, retryable.
    With draft_kv=prefill the draft pool's blocks are reserved too; admission never
    waits for their transfer: COMPLETE by then or within a few decode steps, they are
    the sequence's draft KV (pdserve/worker/draft_kv.py), else the draft is prefilled here and
@@ -38,6 +41,7 @@ from pdserve.common.roles import Role
 from pdserve.engine.core.scheduler import Reservation
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner.model_runner import ModelRunner
+from pdserve.engine.tier_fill import FillState
 from pdserve.worker.draft_kv import DraftReceipts
 from pdserve.worker.engine_glue import wire_deltas
 from pdserve.worker.metrics import WorkerMetrics
@@ -238,6 +242,12 @@ class DecodeNode(EngineNode):
             if state in FAILED_STATES:
                 self._transfer_failed(rid, inc, state)
             elif state == TransferState.COMPLETE and inc.first_tokens is not None:
+                fill = self.engine.tier_fill(rid)  # the held blocks from the KV tiers
+                if fill is FillState.PENDING:
+                    continue
+                if fill is FillState.FAILED:
+                    self._tier_fill_failed(rid, inc)
+                    continue
                 del self._incoming[rid]
                 self.receiver.forget(inc.transfer_id)
                 # The receiver's own kind: a same-host sender uses it, a remote one tcp frames.
@@ -260,6 +270,18 @@ class DecodeNode(EngineNode):
     def _end_draft(self, transfer_id: str) -> None:
         if self.drafts is not None:
             self.drafts.end(transfer_id)
+
+    def _tier_fill_failed(self, rid: str, inc: _Incoming) -> None:
+        """A block the tiers had at reservation was gone or bad when read (counted as the
+        tier's miss): the request is retried, and the retry finds it a miss."""
+        del self._incoming[rid]
+        self.traces.drop(rid, "kv tier load failed")
+        self._end_draft(inc.transfer_id)
+        self.receiver.forget(inc.transfer_id)
+        self.engine.abort(rid)
+        log.info("decode request %s: a KV tier block promised at reservation was not readable; retried",
+                 rid, extra=request_fields(rid))
+        self.send(p.RequestFailed(rid, "kv tier load failed", retryable=True, transfer_id=inc.transfer_id))
 
     def _transfer_failed(self, rid: str, inc: _Incoming, state: TransferState) -> None:
         del self._incoming[rid]

@@ -227,6 +227,7 @@ class ControlPlane:
                     key = (old.role, msg.role)
                     self.role_flips[key] = self.role_flips.get(key, 0) + 1
                 self.kv_index.reset_worker(msg.worker_id, now)
+                self.kv_index.tiers.attach(msg.worker_id, msg.host_id, msg.compat_hash, msg.kv_tiers or [])
             else:
                 log.warning("refused worker %s: %s", sender, reason)
             self.send(sender, p.RegisterAck(msg.worker_id, accepted, reason))

@@ -15,6 +15,9 @@ one. Each worker's batches are numbered; the index applies batch `seq + 1` after
    `resend_s` until one arrives; batches meanwhile are ignored.
 3. A worker that leaves (expired, deregistered, restarted under a new id) is dropped.
 
+What the workers' KV tiers hold is kept beside it (`tiers`, gateway/kv_tiers.py): every
+stored key a registered worker reports, in order or not, is credited to its tiers too.
+
 The index also self-corrects from what workers report back: `cached_tokens` below
 the prediction removes the blocks the worker no longer has, above it adds the ones it
 has (`KvRouter.observe`). Several gateways keep their own index from the same
@@ -27,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from gateway.kv_tiers import TierIndex
 from pdserve.common.protocol import KvEvents
 
 
@@ -44,6 +48,7 @@ class KvIndex:
         self.resend_s = resend_s
         self._holders: dict[int, set[str]] = {}
         self._workers: dict[str, _WorkerBlocks] = {}
+        self.tiers = TierIndex()  # the control plane attaches each worker's tiers
 
     # --- membership ----------------------------------------------------------
 
@@ -54,6 +59,7 @@ class KvIndex:
         self._workers[worker_id] = _WorkerBlocks(asked_at=now)
 
     def drop_worker(self, worker_id: str) -> None:
+        self.tiers.detach(worker_id)
         w = self._workers.pop(worker_id, None)
         if w is not None:
             self._discard(worker_id, w.keys)
@@ -65,6 +71,7 @@ class KvIndex:
         w = self._workers.get(ev.worker_id)
         if w is None:
             return False  # not registered here: its registration brings a snapshot
+        self.tiers.stored(ev.worker_id, ev.stored)  # written down, whatever the batch's order
         if ev.snapshot:
             self._discard(ev.worker_id, w.keys - set(ev.stored))
             self._add(ev.worker_id, ev.stored)

@@ -4,13 +4,18 @@ the per-request choice to prefill on the decode worker itself.
 `kv-aware` (the default) picks the prefill worker (or, with only colocated workers,
 the worker) of least cost, where
 
-    cost(w) = uncached prompt tokens on w + queued prefill tokens on w
+    cost(w) = uncached prompt tokens on w + what loading w's tier blocks costs
+              + queued prefill tokens on w
               (+ RUNNING_SEQ_TOKENS per running sequence, colocated workers only)
 
-`uncached` is the prompt's length minus the tokens w's prefix cache would serve: the
-prompt's leading blocks the KV index (gateway/kv_index.py) says w holds, never the
-last token (pdserve/common/block_hash.py: `cacheable_blocks`). Ties go to fewer requests in
-flight, then the worker id. `least-loaded` is the cache-blind rule of
+`uncached` is the prompt's length minus the tokens w finds: the prompt's leading blocks
+the KV index (gateway/kv_index.py) says w's pool holds, then those the KV tiers w is
+attached to hold (gateway/kv_tiers.py: a host tier is every same-host worker's, so a
+prefix another worker of the host wrote down counts for w too), never the last token
+(pdserve/common/block_hash.py: `cacheable_blocks`). A tier block costs a fraction of
+computing it (`TIER_TOKEN_COST`: host < disk < remote), so the cost of getting a
+prefix orders the workers: own pool < host tier < disk < remote < recompute. Ties go
+to fewer requests in flight, then the worker id. `least-loaded` is the cache-blind rule of
 gateway/router.py; `round-robin` takes the pool in turn.
 
 The decode worker of a disaggregated request (kv-aware, several decode workers): of
@@ -18,7 +23,11 @@ those with room for the blocks they would reserve (the prompt's, less the leadin
 ones they hold and pin), the one of least
 
     decode_cost(w) = prompt blocks w lacks (the blocks the prefill worker ships)
+                     + what loading the blocks its tiers hold costs
                      + DECODE_RUNNING_SEQ_BLOCKS per sequence running on w
+
+(a decode worker's reused prefix may come from its tiers: pdserve/engine/llm_engine.py,
+`reserve_remote`; those blocks need free blocks to land in, pool hits do not)
 
 ties to more free blocks, then the worker id. With no room anywhere, or another
 router, the decode worker with the most free KV (gateway/router.py: `pick_decode`).
@@ -40,11 +49,13 @@ would then dwarf the prompt's own compute, and the cap bounds the stall it adds 
 the decode worker's streams.
 
 Each decision is counted by reason: `prefix_hit` (kv-aware, the chosen worker holds
-the longest prefix of the prompt any worker holds), `shorter_prefix` (kv-aware, it holds
-part of the prompt but another worker holds more: the load outweighed the longer hit),
-`load` (kv-aware, it holds none), `least_loaded`, `round_robin`,
-`local_prefill`, `local_prefill_busy`, and for reservations on decode workers `decode_prefix_hit` (kv-aware
-chose one that holds part of the prompt; other decode choices count nothing). The tokens each worker's cache actually served (`cached_tokens`
+the longest prefix of the prompt any worker holds, in its pool), `tier_hit` (the same,
+part of it from its tiers), `shorter_prefix` (kv-aware, it holds part of the prompt but
+another worker holds more: the load outweighed the longer hit), `load` (kv-aware, it
+holds none), `least_loaded`, `round_robin`, `local_prefill`, `local_prefill_busy`, and
+for reservations on decode workers `decode_prefix_hit` / `decode_tier_hit` (kv-aware
+chose one that holds part of the prompt, in its pool only / partly in its tiers; other
+decode choices count nothing). The tokens each worker's cache actually served (`cached_tokens`
 reported back) are counted per worker and correct the index.
 
 Queued load is work, not prompt length: a request routed to a worker weighs there (until
@@ -64,6 +75,7 @@ from typing import NamedTuple
 
 from gateway.backend import FleetSample
 from gateway.kv_index import KvIndex
+from gateway.kv_tiers import PrefixReach
 from gateway.registry import WorkerInfo
 from gateway.router import blocks_needed, pick_colocated, pick_decode, pick_prefill
 from pdserve.common.block_hash import cacheable_blocks, prefix_block_keys, prefix_root
@@ -102,12 +114,17 @@ class Route:
 
     worker_id: str
     keys: list[int]  # the prompt's full-block keys
-    predicted_blocks: int  # leading blocks the index said the worker holds (cacheable only)
+    predicted_blocks: int  # leading blocks the index said the worker finds, pool then tiers (cacheable only)
     block_size: int
     reason: str
     prompt_tokens: int = 0  # a worker reports at most this many cached (resumed output is not prompt)
     observed: bool = False  # the worker's cached_tokens came back
     num_tokens: int = 0  # everything the worker computes or finds cached: prompt and resumed output
+    pool_blocks: int = -1  # of `predicted_blocks`, in its pool (-1: all of them)
+
+    @property
+    def in_pool(self) -> int:
+        return self.predicted_blocks if self.pool_blocks < 0 else self.pool_blocks
 
     @property
     def uncached_tokens(self) -> int:
@@ -148,7 +165,7 @@ class KvRouter:
             return None
         block_size = pool[0].reg.block_size
         keys = prompt_keys(payload, block_size)
-        hits = self._hit_blocks(keys, pool, payload.num_tokens)
+        reach = self._reach(keys, pool, payload.num_tokens)
         kind = self.config.kind
         if kind == "round-robin":
             w, reason = sorted(pool, key=lambda w: w.worker_id)[next(self._turn) % len(pool)], "round_robin"
@@ -158,25 +175,31 @@ class KvRouter:
             assert best is not None
             w, reason = best, "least_loaded"
         else:
-            w = min(pool, key=lambda w: (self.cost(w, payload.num_tokens, hits[w.worker_id] * block_size)
-                                         + lacks_lora(w, payload) * LORA_LOAD_TOKENS,
-                                         len(w.inflight), w.worker_id))
-            reason = self._kv_reason(hits[w.worker_id], max(hits.values()))
+            def cost(w: WorkerInfo) -> float:
+                r = reach[w.worker_id]
+                return (self.cost(w, payload.num_tokens, r.total * block_size, r.fetch_blocks() * block_size)
+                        + lacks_lora(w, payload) * LORA_LOAD_TOKENS)
+
+            w = min(pool, key=lambda w: (cost(w), len(w.inflight), w.worker_id))
+            reason = self._kv_reason(reach[w.worker_id], max(r.total for r in reach.values()))
         self.decisions[reason] += 1
-        return Pick(w, Route(w.worker_id, keys, hits[w.worker_id], block_size, reason,
-                             len(payload.prompt_token_ids), num_tokens=payload.num_tokens))
+        r = reach[w.worker_id]
+        return Pick(w, Route(w.worker_id, keys, r.total, block_size, reason, len(payload.prompt_token_ids),
+                             num_tokens=payload.num_tokens, pool_blocks=r.pool))
 
     @staticmethod
-    def _kv_reason(chosen_blocks: int, best_blocks: int) -> str:
-        if not chosen_blocks:
+    def _kv_reason(chosen: PrefixReach, best_blocks: int) -> str:
+        if not chosen.total:
             return "load"
-        return "prefix_hit" if chosen_blocks >= best_blocks else "shorter_prefix"
+        if chosen.total < best_blocks:
+            return "shorter_prefix"
+        return "tier_hit" if chosen.tiered else "prefix_hit"
 
     @staticmethod
-    def cost(w: WorkerInfo, num_tokens: int, cached_tokens: int) -> int:
-        """Uncached prompt tokens + queued load (the module docstring's formula)."""
+    def cost(w: WorkerInfo, num_tokens: int, cached_tokens: int, fetch_tokens: float = 0.0) -> float:
+        """Uncached prompt tokens + the tier loads + queued load (the module docstring's formula)."""
         load = w.queued_tokens + (RUNNING_SEQ_TOKENS * w.running if w.role == Role.COLOCATED else 0)
-        return num_tokens - cached_tokens + load
+        return num_tokens - cached_tokens + fetch_tokens + load
 
     def pick_decode(self, pool: Sequence[WorkerInfo], payload: RequestPayload,
                     count: bool = True) -> WorkerInfo | None:
@@ -186,20 +209,26 @@ class KvRouter:
             return pick_decode(pool)
         block_size = pool[0].reg.block_size
         need = blocks_needed(payload.num_tokens, block_size)
-        hits = self._hit_blocks(prompt_keys(payload, block_size), pool, payload.num_tokens)
-        roomy = [w for w in pool if w.free_blocks >= need - hits[w.worker_id]]
+        reach = self._reach(prompt_keys(payload, block_size), pool, payload.num_tokens)
+        roomy = [w for w in pool if w.free_blocks >= need - reach[w.worker_id].pool]  # tier blocks land in free ones
         if not roomy:
             return pick_decode(pool)
-        best = min(roomy, key=lambda w: (self.decode_cost(w, need, hits[w.worker_id])
-                                         + lacks_lora(w, payload) * LORA_LOAD_BLOCKS, -w.free_blocks, w.worker_id))
-        if count and hits[best.worker_id]:
-            self.decisions["decode_prefix_hit"] += 1
+
+        def cost(w: WorkerInfo) -> float:
+            r = reach[w.worker_id]
+            return (self.decode_cost(w, need, r.total, r.fetch_blocks())
+                    + lacks_lora(w, payload) * LORA_LOAD_BLOCKS)
+
+        best = min(roomy, key=lambda w: (cost(w), -w.free_blocks, w.worker_id))
+        r = reach[best.worker_id]
+        if count and r.total:
+            self.decisions["decode_tier_hit" if r.tiered else "decode_prefix_hit"] += 1
         return best
 
     @staticmethod
-    def decode_cost(w: WorkerInfo, prompt_blocks: int, held_blocks: int) -> int:
-        """Blocks to ship + running load (the module docstring's formula)."""
-        return prompt_blocks - held_blocks + DECODE_RUNNING_SEQ_BLOCKS * w.running
+    def decode_cost(w: WorkerInfo, prompt_blocks: int, held_blocks: int, fetch_blocks: float = 0.0) -> float:
+        """Blocks to ship + the tier loads + running load (the module docstring's formula)."""
+        return prompt_blocks - held_blocks + fetch_blocks + DECODE_RUNNING_SEQ_BLOCKS * w.running
 
     def local_prefill(self, decode: WorkerInfo, payload: RequestPayload,
                       prefill_pool: Sequence[WorkerInfo] = ()) -> Route | None:
@@ -212,7 +241,8 @@ class KvRouter:
         if threshold <= 0 or payload.num_tokens > cap + self._max_cacheable(decode, payload):
             return None  # cannot be within the cap even with every block cached
         keys = prompt_keys(payload, decode.reg.block_size)
-        hit = self._hit_blocks(keys, [decode], payload.num_tokens)[decode.worker_id]
+        reach = self._reach(keys, [decode], payload.num_tokens)[decode.worker_id]
+        hit = reach.total  # tier blocks are loaded, not computed
         uncached = payload.num_tokens - hit * decode.reg.block_size
         if uncached <= threshold:
             reason = "local_prefill"
@@ -222,7 +252,7 @@ class KvRouter:
             return None
         self.decisions[reason] += 1
         return Route(decode.worker_id, keys, hit, decode.reg.block_size, reason,
-                     len(payload.prompt_token_ids), num_tokens=payload.num_tokens)
+                     len(payload.prompt_token_ids), num_tokens=payload.num_tokens, pool_blocks=reach.pool)
 
     def observe(self, route: Route | None, cached_tokens: int) -> None:
         """The worker's own count of cached prompt tokens (first report of an attempt):
@@ -233,7 +263,10 @@ class KvRouter:
         self.cached_tokens[route.worker_id] += cached_tokens
         got = cached_tokens // route.block_size
         if got < route.predicted_blocks and cached_tokens < route.prompt_tokens:  # evicted meanwhile
-            self.index.remove(route.worker_id, route.keys[got:route.predicted_blocks])
+            if got < route.in_pool:  # the pool fell short: where the tiers start is not known
+                self.index.remove(route.worker_id, route.keys[got:route.in_pool])
+            else:  # the pool held its part, the tiers not all of theirs
+                self.index.tiers.discard(route.worker_id, route.keys[got:route.predicted_blocks])
         elif got > route.predicted_blocks:
             self.index.add(route.worker_id, route.keys[:got])
 
@@ -247,9 +280,11 @@ class KvRouter:
                             "(cumulative)", {"worker": w}, float(n)) for w, n in sorted(self.cached_tokens.items())]
         return out
 
-    def _hit_blocks(self, keys: list[int], pool: Sequence[WorkerInfo], num_tokens: int) -> dict[str, int]:
+    def _reach(self, keys: list[int], pool: Sequence[WorkerInfo], num_tokens: int) -> dict[str, PrefixReach]:
+        """Per worker, the prompt's leading blocks in its pool, then in its tiers."""
         usable = keys[: cacheable_blocks(num_tokens, pool[0].reg.block_size)]
-        return self.index.overlaps(usable, [w.worker_id for w in pool])
+        hits = self.index.overlaps(usable, [w.worker_id for w in pool])
+        return {wid: self.index.tiers.reach(wid, usable, n) for wid, n in hits.items()}
 
     @staticmethod
     def _max_cacheable(w: WorkerInfo, payload: RequestPayload) -> int:

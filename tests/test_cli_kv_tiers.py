@@ -1,4 +1,4 @@
-"""The KV tier flags: `up` passes them to prefill and colocated workers (never decode),
+"""The KV tier flags: `up` passes them to every worker (prefill, decode, colocated),
 a worker builds the config they name, and contradictory ones are refused in one line
 by a real `python -m pdserve` process."""
 
@@ -21,14 +21,12 @@ TIERS = ["--kv-offload-memory", "1GiB", "--kv-offload-memory-dir", "/dev/shm/x",
 
 
 @pytest.mark.parametrize("layout", [[], ["--colocated", "--workers", "2"]])
-def test_up_passes_the_tier_flags_to_prefill_and_colocated_workers_only(layout: list[str]) -> None:
+def test_up_passes_the_tier_flags_to_every_worker(layout: list[str]) -> None:
     args = build_parser().parse_args(["up", *TIERS, *layout])
-    for cmd in _worker_cmds(args, "tcp://127.0.0.1:5555"):
-        parsed = build_parser().parse_args(cmd[3:])
-        cfg = tier_config(parsed)
-        if cmd[3] == "decode":
-            assert "--kv-offload-memory" not in cmd and "--kv-remote-url" not in cmd
-            continue
+    cmds = _worker_cmds(args, "tcp://127.0.0.1:5555")
+    assert {c[3] for c in cmds} == ({"worker"} if layout else {"prefill", "decode"})
+    for cmd in cmds:
+        cfg = tier_config(build_parser().parse_args(cmd[3:]))
         assert cfg is not None
         assert (cfg.memory_bytes, cfg.memory_dir, cfg.disk_dir, cfg.disk_bytes, cfg.remote_url) == (
             1 << 30, "/dev/shm/x", "/tmp/kv", 2 << 30, "redis://127.0.0.1:6379/0")

@@ -24,6 +24,8 @@ class KVTier(Protocol):
     """One tier. Thread-safe: the engine loop reads while the writer thread writes."""
 
     name: str  # host | disk | remote: the metric label
+    location: str  # what names the store to the router: a directory, a server (no credentials)
+    capacity: int  # bytes it holds at most; 0: the store's own bound
     stats: TierStats
 
     def get(self, key: bytes) -> bytes | None:

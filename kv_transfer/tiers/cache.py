@@ -12,6 +12,11 @@ miss of that tier, counted, and the next tier is asked. A block found below the
 first tier is copied up (promoted) by the writer; a bad record is discarded, so
 the recomputed block replaces it.
 
+`present` (which leading blocks some tier has, by a cheap existence check) and
+`load_async` (the same `load` on the loader thread) let a decode reservation promise
+the blocks at once and read them while the prefill worker computes the rest
+(pdserve/engine/tier_fill.py); a block that is gone or bad by then is a failed load.
+
 `offer` never blocks: the block joins a bounded queue; when the queue is full the
 block is dropped (counted) rather than make a step wait. The writer thread encodes
 each block once and writes it to every tier that lacks it.
@@ -19,6 +24,7 @@ each block once and writes it to every tier that lacks it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -84,6 +90,7 @@ class TieredKVCache:
         self._load_seconds = 0.0
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-tier-loader")
 
     def key(self, digest: bytes) -> bytes:
         return tier_key(self.namespace, digest)
@@ -104,6 +111,18 @@ class TieredKVCache:
                 self._loaded_blocks += len(out)
                 self._load_seconds += time.perf_counter() - t0
         return out
+
+    def present(self, digests: Sequence[bytes]) -> int:
+        """How many leading `digests` some tier holds (an existence check, not a read)."""
+        for n, digest in enumerate(digests):
+            key = self.key(digest)
+            if not any(tier.contains(key) for tier in self.tiers):
+                return n
+        return len(digests)
+
+    def load_async(self, digests: Sequence[bytes]) -> concurrent.futures.Future[list[np.ndarray]]:
+        """`load(digests)` on the loader thread."""
+        return self._loader.submit(self.load, list(digests))
 
     def _load_one(self, key: bytes) -> np.ndarray | None:
         for i, tier in enumerate(self.tiers):
@@ -174,6 +193,7 @@ class TieredKVCache:
     def close(self, timeout_s: float = 10.0) -> None:
         """Write what is queued (up to `timeout_s`), stop the writer, close the tiers."""
         self.flush(timeout_s)
+        self._loader.shutdown(wait=True, cancel_futures=True)
         with contextlib.suppress(queue.Full):
             self._queue.put(None, timeout=1.0)
         self._writer.join(timeout=2.0)

@@ -46,6 +46,7 @@ class FileTier:
             raise ValueError(f"the {name} tier needs a positive size, got {capacity}")
         self.name = name
         self.root = Path(root)
+        self.location = os.path.realpath(self.root)
         self.capacity = capacity
         self.stats = TierStats(name)
         self._estimate = 0

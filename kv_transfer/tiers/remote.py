@@ -24,6 +24,13 @@ from kv_transfer.tiers.record import MissReason
 PREFIX = b"pdserve:kv:"
 
 
+def server_name(url: str) -> str:
+    """`url` without its credentials: redis://user:secret@h:6379/0 -> redis://h:6379/0."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    return f"{scheme}{sep}{netloc.rpartition('@')[2]}{slash}{path}"
+
+
 class RedisTier:
     """Blocks in the Redis at `url` (needs the `redis` package: pip install pdserve[redis])."""
 
@@ -36,6 +43,8 @@ class RedisTier:
         except ImportError as e:  # the CLI checks this before a worker starts
             raise RuntimeError("--kv-remote-url needs the redis package (pip install 'pdserve[redis]')") from e
         self.url = url
+        self.location = server_name(url)
+        self.capacity = 0  # Redis's maxmemory
         self.stats = TierStats(self.name)
         self.retry_s = retry_s
         self.ttl_s = ttl_s

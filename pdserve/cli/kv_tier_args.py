@@ -1,5 +1,5 @@
-"""`--kv-offload-*` and `--kv-remote-url` (fields of `WorkerArgs`, prefill and colocated
-workers): the KV tiers below a worker's pool, checked into a `KVOffloadConfig`."""
+"""`--kv-offload-*` and `--kv-remote-url` (fields of `WorkerArgs`, every worker role):
+the KV tiers below a worker's pool, checked into a `KVOffloadConfig`."""
 
 from __future__ import annotations
 

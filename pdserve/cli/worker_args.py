@@ -36,7 +36,6 @@ from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.worker.cpu_cores import format_cpu_list, parse_cpu_list
 
 P_D = (Role.PREFILL, Role.DECODE)
-TIERED = (Role.PREFILL, Role.COLOCATED)  # the roles that read and write the KV tiers
 GPU_MEMORY_HELP = ("CUDA: fraction of the device's total memory a worker may use (weights, activations and KV "
                    "cache); default ")
 ENGINE_FLAGS = ("dtype", "kv_cache_dtype", "quantization", "lm_head_quantization")  # shared with `generate`
@@ -84,15 +83,15 @@ class WorkerArgs(ArgGroup):
         "tensor or pipeline parallelism", choices=("adaptive", "fixed"), up=False)
     kv_offload_memory: str | None = flag(
         None, "host KV tier: blocks evicted from (and written through) the worker's pool are kept in shared "
-        "memory that every worker on this host reads, e.g. 8GiB", type=byte_size_text, metavar="SIZE", roles=TIERED)
+        "memory that every worker on this host reads, e.g. 8GiB", type=byte_size_text, metavar="SIZE")
     kv_offload_memory_dir: str | None = flag(None, "the host tier's shared-memory directory (default "
-                                             "/dev/shm/pdserve-kv-USER)", metavar="DIR", roles=TIERED)
+                                             "/dev/shm/pdserve-kv-USER)", metavar="DIR")
     kv_offload_dir: str | None = flag(None, "disk KV tier: block files in DIR, kept across restarts, shareable "
-                                      "by the servers of one host", metavar="DIR", roles=TIERED)
+                                      "by the servers of one host", metavar="DIR")
     kv_offload_disk: str | None = flag(None, "the disk tier's bound (default 16GiB; needs --kv-offload-dir)",
-                                       type=byte_size_text, metavar="SIZE", roles=TIERED)
+                                       type=byte_size_text, metavar="SIZE")
     kv_remote_url: str | None = flag(None, "remote KV tier shared across hosts: a Redis (pip install "
-                                     "'pdserve[redis]')", metavar="redis://HOST:PORT/DB", roles=TIERED)
+                                     "'pdserve[redis]')", metavar="redis://HOST:PORT/DB")
     enable_lora: bool = flag(False, "serve LoRA adapters on the base model", action="store_true")
     max_loras: int = flag(1, "LoRA adapters resident per worker, so at most this many in one step",
                           type=positive_int)

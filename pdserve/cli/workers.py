@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         pin_process(args.cpu_cores)
     kv_curve = kv_curve_option(args)
     w = WorkerArgs.from_namespace(args)
-    kv_offload = tier_config(args) if args.role != Role.DECODE else None
+    kv_offload = tier_config(args)
     from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine.loading.dtype import model_dtype
     from pdserve.engine.runner.memory_budget import DEFAULT_GPU_MEMORY_UTILIZATION

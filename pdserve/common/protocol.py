@@ -64,6 +64,16 @@ class Message:
 
 
 @dataclass(frozen=True)
+class KvTierInfo:
+    """A KV tier below a worker's pool (kv_transfer/tiers), as the KV-aware router sees it
+    (gateway/kv_tiers.py): workers naming the same tier share what is stored in it."""
+
+    kind: str  # host | disk | remote (the order a worker asks them)
+    location: str  # a file tier's directory (per host_id), a remote tier's server (no credentials)
+    capacity_blocks: int = 0  # blocks it holds at most; 0: unknown (the server's own bound)
+
+
+@dataclass(frozen=True)
 class RegisterWorker(Message):
     """Worker -> gateway, once at start (and again if the gateway forgot it)."""
 
@@ -81,6 +91,7 @@ class RegisterWorker(Message):
     quantization: str = "none"  # weight quantization served: none | int8 | int4 | awq | gptq
     kv_cache_dtype: str = ""  # the KV pool's element dtype
     lm_head_quantization: str = "none"  # the LM head's weights: none | int8
+    kv_tiers: list[KvTierInfo] | None = None  # the KV tiers it reads and writes (None: none)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))

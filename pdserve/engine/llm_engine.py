@@ -27,7 +27,7 @@ import torch
 from pdserve.common.logprobs import Logprob
 from pdserve.common.lora import LoraRef
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.engine.core.block_manager import NO_HIT, BlockManager
+from pdserve.engine.core.block_manager import NO_HIT, BlockManager, PrefixHit
 from pdserve.engine.core.config import EngineConfig
 from pdserve.engine.core.outputs import (
     EngineStats,
@@ -50,6 +50,7 @@ from pdserve.engine.prompt_logprobs import collect_prompt_logprobs
 from pdserve.engine.sampler import Sampler, SampleRow, request_seed
 from pdserve.engine.spec.decoder import SpecDecoder, accepted_prefix
 from pdserve.engine.spec.draft_model import draft_proposer
+from pdserve.engine.tier_fill import FillState, TierFills
 
 if TYPE_CHECKING:
     from pdserve.engine.runner.model_runner import ModelRunner
@@ -93,10 +94,12 @@ class LLMEngine:
         self._num_generated = 0
         self._num_steps = 0
         self.tier_link: TierLink | None = None
+        self.tier_fills: TierFills | None = None  # decode reservations' blocks being read
 
     def attach_tiers(self, tiers: PrefixTiers) -> None:
         """Look up the KV tiers below the pool on admission and write computed blocks down."""
         self.tier_link = TierLink(tiers, self.runner.pool, self.block_manager)
+        self.tier_fills = TierFills(self.tier_link)
         self.scheduler.tiers = tiers
 
     # ---------------------------------------------------------------- requests
@@ -146,7 +149,7 @@ class LLMEngine:
         logits = self._execute(batch, layer_hook)
         self.scheduler.mark_computed(batch)
         if self.tier_link is not None:
-            self.tier_link.write_down(batch.block_loads)
+            self.tier_link.write_down()
         outputs = self._postprocess(batch, logits)
         if self.spec is not None:
             self.spec.retain(self.scheduler.running)  # a draft model's KV of ended sequences
@@ -169,6 +172,8 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        if self.tier_fills is not None:
+            self.tier_fills.drop(request_id)
         for seq in req.seqs:
             if seq.status is SequenceStatus.FINISHED_PREFILLED:
                 self.scheduler.release(seq)
@@ -246,8 +251,26 @@ class LLMEngine:
             del self._requests[request_id]
             return Reservation([], check)
         self.scheduler.add_waiting_for_kv(seq)
-        cached = len(hit.block_ids)
+        cached = len(hit.block_ids) + (self._fill_reserved(request_id, seq, hit) if reuse_prefix else 0)
         return Reservation(self.block_manager.block_table(seq.seq_id)[cached:], check, cached)
+
+    def _fill_reserved(self, request_id: str, seq: Seq, hit: PrefixHit) -> int:
+        """How many reserved blocks right after the pool hit `hit` the KV tiers hold; they
+        are held like the pool hit (the transfer brings only the blocks after them) and
+        read off the loop meanwhile (pdserve/engine/tier_fill.py: `tier_fill`)."""
+        if self.tier_fills is None:
+            return 0
+        digests = self.scheduler.tier_digests(seq, hit)
+        n = self.tier_fills.present(digests) if digests else 0
+        if n:
+            at = len(hit.block_ids)
+            self.tier_fills.start(request_id, self.block_manager.block_table(seq.seq_id)[at:at + n], digests[:n])
+        return n
+
+    def tier_fill(self, request_id: str) -> FillState:
+        """Whether a reservation's blocks from the KV tiers are in (poll until not PENDING
+        before `start_remote`; FAILED: abort it and retry the request)."""
+        return self.tier_fills.state(request_id) if self.tier_fills is not None else FillState.NONE
 
     def start_remote(
         self,
@@ -263,6 +286,8 @@ class LLMEngine:
         parent = req.seqs[0]
         if parent.status is not SequenceStatus.WAITING_FOR_KV:
             raise ValueError(f"request {request_id!r} is not waiting for KV")
+        if self.tier_fills is not None and self.tier_fills.pending(request_id):
+            raise ValueError(f"request {request_id!r}: its blocks from the KV tiers are not in yet")
         if len(first_token_ids) != req.params.n:
             raise ValueError(f"need {req.params.n} first tokens, got {len(first_token_ids)}")
         parent.num_computed_tokens = parent.num_tokens

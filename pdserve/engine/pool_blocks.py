@@ -68,7 +68,11 @@ def offer_stored(tiers: PrefixTiers, pool: KVPool, stored: Sequence[tuple[bytes,
 
 
 class TierLink:
-    """One engine's tie to its tiers: loads in before a step, write-down after it."""
+    """One engine's tie to its tiers: loads into the pool, write-down after each step.
+
+    A block loaded from the tiers is registered in the prefix cache like a computed one,
+    but never offered back: `load` remembers its digest until the next `write_down`
+    (a load before a step, or a decode reservation's at any time before one)."""
 
     def __init__(self, tiers: PrefixTiers, pool: KVPool, block_manager: BlockManager) -> None:
         self.tiers = tiers
@@ -76,13 +80,15 @@ class TierLink:
         block_manager.record_stored()
         assert block_manager.stored is not None
         self._stored = block_manager.stored  # drained here after every step
+        self._loaded: set[bytes] = set()
 
     def load(self, loads: Sequence[BlockLoad]) -> None:
         write_loads(self.pool, loads)
+        self._loaded.update(d for load in loads for d in load.digests)
 
-    def write_down(self, loads: Sequence[BlockLoad]) -> int:
-        """Offer the blocks registered in the step, except those it loaded from the tiers."""
-        loaded = {d for load in loads for d in load.digests}
-        stored = [s for s in self._stored if s[0] not in loaded]
+    def write_down(self) -> int:
+        """Offer the blocks registered since the last call, except those loaded from the tiers."""
+        stored = [s for s in self._stored if s[0] not in self._loaded]
         self._stored.clear()
+        self._loaded.clear()
         return offer_stored(self.tiers, self.pool, stored)

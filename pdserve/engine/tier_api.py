@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import numpy as np
 
 
@@ -19,6 +21,12 @@ class PrefixTiers(Protocol):
 
     def offer(self, digest: bytes, payload: np.ndarray) -> bool:
         """Queue one block for writing without blocking; False if it was dropped."""
+
+    def present(self, digests: Sequence[bytes]) -> int:
+        """How many leading `digests` some tier holds (an existence check, not a read)."""
+
+    def load_async(self, digests: Sequence[bytes]) -> Future[list[np.ndarray]]:
+        """`load(digests)` off the calling thread."""
 
 
 class BlockLoad(NamedTuple):

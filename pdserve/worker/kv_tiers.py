@@ -1,9 +1,11 @@
 """A worker's KV tiers (kv_transfer/tiers): built for the node's pool, attached to its
 engine, exported in its Prometheus metrics, flushed and closed with the node.
 
-Prefill and colocated workers read and write the tiers; a decode worker takes its
-KV from the prefill worker's handoff and does not use them. Tensor- and
-pipeline-parallel workers do not either (each rank holds only part of a block).
+Every role reads and writes the tiers: prefill and colocated workers on admission
+(pdserve/engine/core/scheduler.py), a decode worker when it reserves a prompt's blocks
+(its reused prefix may come from the tiers: `LLMEngine.reserve_remote`), and each writes
+down the blocks it registers. Tensor- and pipeline-parallel workers do not use them
+(each rank holds only part of a block).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 from prometheus_client.registry import Collector
 
 from kv_transfer.tiers import CacheSnapshot, KVOffloadConfig, TieredKVCache, build_tier_cache
+from kv_transfer.tiers.record import HEADER_BYTES
+from pdserve.common.protocol import KvTierInfo
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.worker.metrics import WorkerMetrics
 
@@ -86,6 +90,15 @@ class TierCollector(Collector):
                                    labels=names)
         queued.add_metric(values, snap.queued_writes)
         yield queued
+
+
+def tier_infos(engine: LLMEngine) -> tuple[KvTierInfo, ...]:
+    """The engine's tiers as its registration names them (gateway/kv_tiers.py)."""
+    cache = tier_cache_of(engine)
+    if cache is None:
+        return ()
+    record = HEADER_BYTES + cache.payload_bytes
+    return tuple(KvTierInfo(t.name, t.location, t.capacity // record) for t in cache.tiers)
 
 
 def tier_cache_of(engine: LLMEngine) -> TieredKVCache | None:

@@ -20,6 +20,7 @@ class NodeRegistration(NamedTuple):
     quantization: str = "none"
     kv_cache_dtype: str = ""
     lm_head_quantization: str = "none"
+    kv_tiers: tuple[p.KvTierInfo, ...] = ()  # the KV tiers below its pool (the router's view)
 
 
 class NodeLoad(NamedTuple):

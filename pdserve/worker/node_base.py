@@ -20,6 +20,7 @@ from pdserve.engine.core.cache_events import CacheEvents
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.worker.engine_glue import StatsMirror
+from pdserve.worker.kv_tiers import tier_infos
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.node_api import NodeRegistration, Sender
 from pdserve.worker.tracing import WorkerTraces
@@ -43,7 +44,7 @@ def node_registration(engine: LLMEngine, layout: KVLayout, kv_address: str = "",
     """What a node tells the gateway: its pool, and where its KV receiver is (decode)."""
     total = engine.stats().num_total_blocks
     return NodeRegistration(kv_address, kv_shm, layout.compat_hash, total, layout.block_size,
-                            layout.quantization, layout.dtype, layout.lm_head)
+                            layout.quantization, layout.dtype, layout.lm_head, tier_infos(engine))
 
 
 class EngineNode:

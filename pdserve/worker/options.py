@@ -38,7 +38,7 @@ class WorkerOptions:
     cpu_cores: tuple[int, ...] = ()  # the cores this worker is pinned to
     borrow_cores: tuple[int, ...] = ()  # decode: the prefill worker's cores
     thread_policy: str = "fixed"  # adaptive: the thread governor picks 1 or N threads per step
-    kv_offload: KVOffloadConfig | None = None  # KV tiers below the pool (prefill, colocated)
+    kv_offload: KVOffloadConfig | None = None  # KV tiers below the pool (every role)
     otlp_traces_endpoint: str | None = None  # None: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing
 
     def __post_init__(self) -> None:

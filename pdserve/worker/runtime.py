@@ -218,7 +218,7 @@ class WorkerRuntime:
             self.config.worker_id, node.role, host_id(), reg.kv_address, reg.kv_shm,
             reg.compat_hash, reg.total_blocks, reg.block_size, metrics_port, os.getpid(),
             quantization=reg.quantization, kv_cache_dtype=reg.kv_cache_dtype,
-            lm_head_quantization=reg.lm_head_quantization,
+            lm_head_quantization=reg.lm_head_quantization, kv_tiers=list(reg.kv_tiers) or None,
         ))
         self.channel.send_to(gateway, self.cache.snapshot(node))  # what the gateway's KV index starts from
 

@@ -154,3 +154,19 @@ def test_a_corrupt_block_file_and_a_dead_redis_are_counted_misses(
             assert complete(url, prompt(5)) == (expected[5], 0)
             assert tier_metric(url, "llm_kv_tier_misses_total", tier="disk", reason="corrupt") == 1
             assert tier_metric(url, "llm_kv_tier_misses_total", tier="remote", reason="unavailable") >= 1
+
+
+def test_1p1d_decode_worker_takes_a_returning_prompt_from_the_host_tier(
+        tmp_path: Path, shm_dir: Path, expected: dict[int, str]) -> None:
+    tiers = ("--kv-offload-memory", "64MiB", "--kv-offload-memory-dir", str(shm_dir))
+    with up(tmp_path / "up1.log", "--prefill", "1", "--decode", "1", *tiers) as url:
+        for i in range(6):  # both pools (24 blocks each) evict the first prompts
+            assert complete(url, prompt(i)) == (expected[i], 0)
+        wait_for(lambda: written_down(url, "host"), "write-down")
+        assert tier_metric(url, "llm_kv_tier_hits_total", role="decode") == 0
+        tiered, cached = complete(url, prompt(0))
+        assert tiered == expected[0] and cached >= 10 * BLOCK  # the prefill worker's hit
+        # The decode worker reserved only the suffix: its reused prefix came from the host tier.
+        assert tier_metric(url, "llm_kv_tier_hits_total", tier="host", role="decode") >= cached // BLOCK
+    with up(tmp_path / "up2.log", "--prefill", "1", "--decode", "1") as url:  # no tiers
+        assert complete(url, prompt(0)) == (tiered, 0)

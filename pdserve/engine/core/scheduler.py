@@ -312,7 +312,7 @@ class Scheduler:
             # prompt_logprobs needs the logits of every prompt position: computed, not cached.
             reads_cache = first_admission and seq.params.prompt_logprobs is None
             prefix = bm.match_prefix(seq.token_ids, seq.prefix_root) if reads_cache else NO_HIT
-            tiered = self._tier_blocks(seq, prefix) if reads_cache else NO_TIER_HIT
+            tiered = self.tier_blocks(seq, prefix) if reads_cache else NO_TIER_HIT
             hit_tokens = prefix.num_tokens + len(tiered.digests) * bm.block_size
             computed = max(seq.num_computed_tokens, hit_tokens)
             num_new = seq.num_tokens - computed
@@ -341,21 +341,27 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
-    def _tier_blocks(self, seq: Sequence, prefix: PrefixHit) -> TierHit:
+    def tier_blocks(self, seq: Sequence, prefix: PrefixHit) -> TierHit:
         """The blocks after the pool hit that the tiers hold, as far as a hit may reach
         (never the last token)."""
+        digests = self.tier_digests(seq, prefix)
+        if self.tiers is None or not digests:
+            return NO_TIER_HIT
+        payloads = self.tiers.load(digests)
+        return TierHit(tuple(digests[:len(payloads)]), tuple(payloads))
+
+    def tier_digests(self, seq: Sequence, prefix: PrefixHit) -> list[bytes]:
+        """The digests of the blocks after the pool hit a tier hit may cover (admission
+        loads them; a decode reservation, `LLMEngine.reserve_remote`, reads them off the loop)."""
         bs = self.block_manager.block_size
         limit = cacheable_blocks(seq.num_tokens, bs) if self.block_manager.enable_prefix_caching else 0
         start = len(prefix.block_ids)
-        if self.tiers is None or start >= limit:
-            return NO_TIER_HIT
         digests: list[bytes] = []
         parent = prefix.block_hashes[-1] if prefix.block_hashes else seq.prefix_root
         for i in range(start, limit):
             parent = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
             digests.append(parent)
-        payloads = self.tiers.load(digests)
-        return TierHit(tuple(digests[:len(payloads)]), tuple(payloads))
+        return digests
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         """Admitting `seq` keeps the running adapters within `max_loras` (a sequence
