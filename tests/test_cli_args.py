@@ -83,6 +83,8 @@ CASES: dict[str, Case] = {
     "up-api-key-file-missing": Case(
         lambda d, p: ["up", "--model", str(d.good), "--api-key-file", "/nonexistent/keys"],
         "argument --api-key-file"),
+    "up-api-key-with-a-comma": Case(  # PDSERVE_API_KEYS, how up passes it on, is comma-separated
+        lambda d, p: ["up", "--model", str(d.good), "--api-key", "sk-a,b"], "argument --api-key"),
     "up-ready-timeout-nan": Case(lambda d, p: ["up", "--ready-timeout", "nan"], "argument --ready-timeout"),
     "up-kv-cache-memory-0": Case(lambda d, p: ["up", "--kv-cache-memory", "0"], "argument --kv-cache-memory"),
     # The other subcommands.

@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.request
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, NamedTuple
 
 HELD_LINES = 1000  # stderr lines kept per child until the cluster is ready
@@ -42,8 +42,11 @@ class Child:
         self._reader.start()
 
     @classmethod
-    def start(cls, name: str, cmd: Sequence[str], stdout: int | None = None) -> Child:
-        return cls(name, subprocess.Popen(list(cmd), stdout=stdout, stderr=subprocess.PIPE))
+    def start(cls, name: str, cmd: Sequence[str], stdout: int | None = None,
+              env: Mapping[str, str] | None = None) -> Child:
+        """`env`: the child's whole environment (None: this process's)."""
+        return cls(name, subprocess.Popen(list(cmd), stdout=stdout, stderr=subprocess.PIPE,
+                                          env=dict(env) if env is not None else None))
 
     def _pump(self) -> None:
         stream: IO[bytes] | None = self.proc.stderr
