@@ -1,8 +1,11 @@
 """`pdserve up`: a gateway plus N prefill + M decode workers (or colocated workers)
 as separate processes on this machine. Checks every argument and the model
 before starting anything; prints the URL once ready, or exits non-zero at once
-with the one-line reason of a process that failed to start. Ctrl-C or SIGTERM
-stops the workers (they drain and deregister), then the gateway.
+with the one-line reason of a process that failed to start. Once it is ready, a
+worker that exits (a crash, a kill -9) is started again with the same command line,
+at most 3 times a minute each (then `up` stops), while the gateway recovers its
+streams on the workers left; the gateway exiting stops `up`. Ctrl-C or SIGTERM stops
+the workers (they drain and deregister), then the gateway.
 
 Every `up` makes fresh CURVE key pairs for its processes (pdserve/cli/cluster_keys.py,
 a private directory removed when it stops), so its control plane and KV plane admit
@@ -23,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.cli import supervise
 from pdserve.cli.args import (
     UsageError,
     add_model_arg,
@@ -256,8 +260,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, keys: ClusterKeys, control_port: int) -> int:
-    from pdserve.cli import supervise
-
     control = f"tcp://127.0.0.1:{control_port}"
     stop = {"now": False}
 
@@ -269,8 +271,9 @@ def _run(args: argparse.Namespace, keys: ClusterKeys, control_port: int) -> int:
     share_file = new_share_file() if borrows_cores(args) else None
     gateway = supervise.Child.start("gateway", [*_gateway_cmd(args, control_port), *keys.gateway_flags()],
                                     stdout=subprocess.DEVNULL, env=gateway_env(args))
-    workers = [supervise.Child.start(name, [*cmd, *keys.worker_flags()]) for name, cmd in
-               zip(_role_names(args), _worker_cmds(args, control, share_file), strict=True)]
+    names = _role_names(args)
+    cmds = [[*cmd, *keys.worker_flags()] for cmd in _worker_cmds(args, control, share_file)]
+    workers = [supervise.Child.start(name, cmd) for name, cmd in zip(names, cmds, strict=True)]
     children = [gateway, *workers]
     url = f"http://{args.host}:{args.port}"
     try:
@@ -284,11 +287,14 @@ def _run(args: argparse.Namespace, keys: ClusterKeys, control_port: int) -> int:
         for c in children:
             c.forward()
         print(f"pdserve ready at {url}/v1", flush=True)
+        restarts = supervise.RestartBudget()
         while not stop["now"]:
-            failed = next((c for c in children if c.exited()), None)
-            if failed is not None:
-                print(f"pdserve up: {failed.exit_reason()}; stopping", file=sys.stderr)
+            if gateway.exited():
+                print(f"pdserve up: {gateway.exit_reason()}; stopping", file=sys.stderr)
                 return 1
+            for i, w in enumerate(workers):
+                if w.exited() and not _restart(workers, i, cmds[i], restarts):
+                    return 1
             time.sleep(0.2)
         return 0
     finally:
@@ -296,6 +302,22 @@ def _run(args: argparse.Namespace, keys: ClusterKeys, control_port: int) -> int:
         supervise.stop([gateway])
         if share_file is not None:
             os.unlink(share_file)
+
+
+def _restart(workers: list[supervise.Child], i: int, cmd: list[str], restarts: supervise.RestartBudget) -> bool:
+    """A worker that exited after the cluster was ready is started again with the same
+    command line (the gateway re-routes its requests meanwhile); False, and `up` stops,
+    once it has failed `RestartBudget.max_restarts` times within the budget's window."""
+    old = workers[i]
+    reason = old.exit_reason()
+    if not restarts.allow(old.name):
+        print(f"pdserve up: {reason}; it exited {restarts.max_restarts + 1} times within "
+              f"{restarts.window_s:g} s, stopping", file=sys.stderr)
+        return False
+    print(f"pdserve up: {reason}; restarting it", file=sys.stderr)
+    workers[i] = supervise.Child.start(old.name, cmd)
+    workers[i].forward()
+    return True
 
 
 def new_share_file() -> str:
