@@ -121,6 +121,7 @@ class Load:
         self.normal = 0
         self.errors: collections.Counter[str] = collections.Counter()
         self.attacks: collections.Counter[str] = collections.Counter()
+        self.messages: dict[str, str] = {}  # the first error message of each attack outcome
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._regex_n = itertools.count(150)
@@ -152,8 +153,11 @@ class Load:
 
     def _post(self, kind: str, body: dict[str, Any]) -> None:
         status, out = http("POST", f"{self.up.url}/v1/completions", {"model": self.model, **body}, timeout=120)
-        code = out.get("error", {}).get("code") if isinstance(out, dict) and status != 200 else None
-        self._count(self.attacks, f"{kind} {status}" + (f" {code}" if code else ""))
+        error = out.get("error", {}) if isinstance(out, dict) and status != 200 else {}
+        key = f"{kind} {status}" + (f" {error.get('code')}" if error.get("code") else "")
+        self._count(self.attacks, key)
+        with self._lock:
+            self.messages.setdefault(key, str(error.get("message", ""))[:160])
 
     def _regex(self) -> None:
         while not self.stop.is_set():
@@ -259,7 +263,8 @@ def main() -> None:
         result = {
             "machine": machine_line(), "minutes": args.minutes, "decode_workers": args.decode,
             "killed_decode_pid": killed, "normal_requests": load.normal, "normal_errors": dict(load.errors),
-            "attacks": dict(sorted(load.attacks.items())), "kv_idle_at_end": idle,
+            "attacks": dict(sorted(load.attacks.items())),
+            "attack_messages": {k: v for k, v in sorted(load.messages.items()) if v}, "kv_idle_at_end": idle,
             "workers_at_end": [{k: w[k] for k in ("role", "pid", "free_blocks", "total_blocks")} for w in workers],
             "gateway_rss_start_mib": rss0 / MIB, "gateway_rss_end_mib": rss1 / MIB,
         }
