@@ -9,7 +9,10 @@ A request's life here:
    (`ReserveResult`: suffix-only handoff).
    Admission keeps room for the running streams' growth
    (`pdserve.engine.core.scheduler.ReserveCheck`), so a request never evicts one; a refusal
-   reserves nothing and says why, and the gateway retries it.
+   reserves nothing and says why, and the gateway retries it. A request whose
+   grammar is not compiled yet is held, with no block, and reserved once it is
+   (a grammar that does not compile in time is refused, not retryable), so the
+   compile never runs on the step loop.
 2. `StartDecode` brings the first token(s) sampled by the prefill worker.
 3. When the transfer is COMPLETE (every block verified), the tier blocks are in
    and the first tokens are known, the engine admits the sequence (`start_remote`,
@@ -94,6 +97,8 @@ class DecodeNode(EngineNode):
         self.kv_shm = kv_shm
         self._incoming: dict[str, _Incoming] = {}
         self._running: set[str] = set()
+        # Reservations whose grammar still compiles (message, first ask): no block yet.
+        self._held: dict[str, tuple[p.DecodeReserve, float]] = {}
         # Stage timings of running requests, reported on their finishing deltas.
         self._timing: dict[str, _Stages] = {}
         # Cancelled transfers whose writer may still be active: blocks are freed once terminal.
@@ -122,6 +127,8 @@ class DecodeNode(EngineNode):
 
     def _reserve(self, msg: p.DecodeReserve) -> None:
         rid = msg.request_id
+        if not self._grammar_ready(msg):
+            return
 
         def enter(req: p.RequestPayload) -> Reservation:
             return self.engine.reserve_remote(rid, req.prompt_token_ids, req.params, req.output_token_ids,
@@ -149,6 +156,25 @@ class DecodeNode(EngineNode):
         self.send(p.ReserveResult(rid, msg.transfer_id, list(blocks), cached_blocks=reservation.cached_blocks,
                                   draft=draft))
 
+    def _grammar_ready(self, msg: p.DecodeReserve) -> bool:
+        """False while the request's grammar compiles: the reservation is held, with no
+        block, and retried every step (`_retry_held`); a grammar that fails, or outlives
+        --grammar-compile-timeout from the first ask, is refused here and now."""
+        rid = msg.request_id
+        _, since = self._held.pop(rid, (msg, time.monotonic()))
+        try:
+            if self.engine.grammar_ready(msg.payload.params, since):
+                return True
+        except ValueError as e:  # GrammarCompileError: its message names the parameter
+            self.send(p.RequestFailed(rid, f"invalid request: {e}", retryable=False))
+            return False
+        self._held[rid] = (msg, since)
+        return False
+
+    def _retry_held(self) -> None:
+        for msg, _ in list(self._held.values()):
+            self._reserve(msg)
+
     def _run_local(self, msg: p.RunRequest) -> None:
         """Prefill the request here as well (no KV transfer): it runs from its first step."""
         rid = msg.request_id
@@ -168,6 +194,7 @@ class DecodeNode(EngineNode):
         self.accepted(rid, f"{msg.payload.num_tokens} prompt tokens, prefilled locally", prefill=True)
 
     def _abort(self, rid: str) -> None:
+        self._held.pop(rid, None)
         inc = self._incoming.pop(rid, None)
         if inc is not None or rid in self._running:
             log.debug("decode request %s aborted", rid, extra=request_fields(rid))
@@ -191,6 +218,7 @@ class DecodeNode(EngineNode):
         if self.drafts is not None:
             self.drafts.reap()
             self.drafts.poll()
+        self._retry_held()
         admitted = self._admit_arrived()
         if not self._running:
             return admitted
@@ -200,7 +228,12 @@ class DecodeNode(EngineNode):
             if stages is not None and not stages.first_step_at:
                 stages.first_step_at = started
                 self.traces.mark(rid, "first_step")
-        outputs = self.engine.step()
+        batch = self.engine.schedule()  # queues the local runs whose grammar compiled meanwhile
+        outputs = self.engine.execute(batch)
+        for rid in self.refuse_failed():
+            self._running.discard(rid)
+            self._timing.pop(rid, None)
+            self.traces.drop(rid, "grammar not compiled")
         if self.traces:
             self.traces.outputs(outputs)
         finished: dict[str, dict[str, float]] = {}
@@ -214,7 +247,7 @@ class DecodeNode(EngineNode):
                   for d in wire_deltas(outputs)]
         if deltas:
             self.send(p.TokenBatch(self.worker_id, deltas))
-        return True
+        return admitted or not batch.is_empty  # local runs whose grammar compiles: idle until it lands
 
     def _finished(self, rid: str) -> dict[str, float]:
         """The request's stage timings (kv_transfer, decode_queue, decode) for its finishing delta."""
@@ -298,10 +331,11 @@ class DecodeNode(EngineNode):
         return self.stats.update(self.engine.stats(), queued)
 
     def busy(self) -> bool:
-        return bool(self._incoming or self._running) or self.transfers.cancelling() or (
+        return bool(self._incoming or self._running or self._held) or self.transfers.cancelling() or (
             self.drafts is not None and self.drafts.cancelling())
 
     def close(self) -> None:
+        self._held.clear()
         for rid in list(self._incoming) + list(self._running):
             self._abort(rid)
         self.receiver.close()

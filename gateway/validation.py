@@ -340,16 +340,17 @@ def _sampling(kind: str, body: Mapping[str, Any], config: GatewayConfig, max_tok
         raise invalid(e.param, str(e)) from None
 
 
-def _stop_token_ids(value: Any, limits: RequestLimits) -> tuple[int, ...]:
-    """Distinct ids, sorted: at most `max_stop_token_ids` of them in the request."""
+def _stop_token_ids(value: Any, limits: RequestLimits) -> frozenset[int]:
+    """The distinct ids: at most `max_stop_token_ids` of them in the request (counted
+    before deduplication, so the cap bounds the request's size too)."""
     if value is None:
-        return ()
+        return frozenset()
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
         raise invalid("stop_token_ids", "stop_token_ids must be an array of token ids", "invalid_type")
     if len(value) > limits.max_stop_token_ids:
         raise invalid("stop_token_ids", f"at most {limits.max_stop_token_ids} stop_token_ids are allowed",
                       "too_many_stop_token_ids")
-    return tuple(sorted(set(value)))
+    return frozenset(value)
 
 
 def _user(body: Mapping[str, Any], limits: RequestLimits) -> str | None:

@@ -2,7 +2,9 @@
 
 A request's life here:
 1. `PrefillRequest` arrives (while the decode worker reserves blocks); the
-   engine queues it prefill-only (WAITING).
+   engine queues it prefill-only (WAITING), or, while its grammar compiles,
+   holds it off the scheduler with no block (WAITING_FOR_GRAMMAR; a grammar that
+   does not compile in time is refused, not retryable).
 2. Engine steps prefill it in chunks (prefix cache included) and sample the
    first token of every choice; the request then holds its blocks
    (FINISHED_PREFILLED).
@@ -179,7 +181,10 @@ class PrefillNode(EngineNode):
             for out in outputs:
                 if out.finished and out.request_id in self._jobs:
                     self._prefilled(self._jobs[out.request_id], out)
-            worked = True
+            for rid in self.refuse_failed():
+                self._jobs.pop(rid, None)
+                self.traces.drop(rid, "grammar not compiled")
+            worked = worked or not batch.is_empty  # a grammar compiling: idle until it lands
         return worked
 
     def _mark_scheduled(self, step_started: float, scheduled: set[str]) -> None:

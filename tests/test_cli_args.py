@@ -83,6 +83,8 @@ CASES: dict[str, Case] = {
     "up-api-key-file-missing": Case(
         lambda d, p: ["up", "--model", str(d.good), "--api-key-file", "/nonexistent/keys"],
         "argument --api-key-file"),
+    "up-api-key-with-a-comma": Case(  # PDSERVE_API_KEYS, how up passes it on, is comma-separated
+        lambda d, p: ["up", "--model", str(d.good), "--api-key", "sk-a,b"], "argument --api-key"),
     "up-ready-timeout-nan": Case(lambda d, p: ["up", "--ready-timeout", "nan"], "argument --ready-timeout"),
     "up-kv-cache-memory-0": Case(lambda d, p: ["up", "--kv-cache-memory", "0"], "argument --kv-cache-memory"),
     # The other subcommands.
@@ -332,3 +334,13 @@ def test_a_stop_asked_for_during_start_up_is_clean_not_a_failure() -> None:
         assert started == Readiness(False, "stopped before the cluster was ready", stopped=True)
     finally:
         stop([alive])
+
+
+def test_a_worker_is_restarted_at_most_three_times_a_minute() -> None:
+    from pdserve.cli.supervise import RestartBudget
+
+    budget = RestartBudget(max_restarts=3, window_s=60.0)
+    assert [budget.allow("decode worker 1", now=t) for t in (0.0, 1.0, 2.0, 3.0)] == [True, True, True, False]
+    assert budget.allow("decode worker 2", now=3.0)  # counted per worker
+    assert budget.allow("decode worker 1", now=60.5)  # the first restart is out of the window
+    assert not budget.allow("decode worker 1", now=60.6)

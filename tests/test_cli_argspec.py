@@ -133,7 +133,7 @@ def test_a_field_alone_adds_the_flag_to_the_worker_commands_and_to_up(monkeypatc
 
 def test_every_gateway_flag_up_offers_reaches_the_gateway_and_round_trips(tmp_path: Path) -> None:
     from pdserve.cli.gateway_args import GatewayArgs
-    from pdserve.cli.up import _gateway_cmd
+    from pdserve.cli.up import _gateway_cmd, gateway_env
 
     argv: list[str] = []
     want: dict[str, Any] = {}
@@ -143,10 +143,16 @@ def test_every_gateway_flag_up_offers_reaches_the_gateway_and_round_trips(tmp_pa
     keys = tmp_path / "keys"
     argv[argv.index("--api-key-file") + 1] = str(keys)  # made absolute for the child
     argv[argv.index("--generation-config") + 1] = str(tmp_path)
+    argv[argv.index("--api-key") + 1] = "sk-only-in-the-environment"
     argv[argv.index("--lora-dir") + 1] = str(tmp_path / "adapters")
     want.update(api_key_file=(str(keys),), generation_config=str(tmp_path), lora_dir=str(tmp_path / "adapters"))
-    cmd = _gateway_cmd(build_parser().parse_args(["up", *argv]), 5555)
+    up_args = build_parser().parse_args(["up", *argv])
+    cmd = _gateway_cmd(up_args, 5555)
     parsed = GatewayArgs.from_namespace(build_parser().parse_args(cmd[3:]))
+    # --api-key travels by the gateway's environment, never its command line (docs/security.md).
+    want.pop("api_key")
+    assert "--api-key" not in cmd and "sk-only-in-the-environment" not in cmd
+    assert gateway_env(up_args)["PDSERVE_API_KEYS"].split(",")[-1] == "sk-only-in-the-environment"
     assert {name: getattr(parsed, name) for name in want} == want
     assert parsed.control_port == 5555 and parsed.port == GatewayArgs().port
     assert [*cmd[:4], *parsed.to_argv()] == cmd  # what the child parsed reproduces its command line

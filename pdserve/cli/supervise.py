@@ -7,7 +7,9 @@ a traceback followed by a timeout.
 2. `wait_ready` polls the children and the gateway's `/ready`: the first child
    to exit ends the wait with its one-line reason, so a failed start never hangs.
 3. `Child.forward` flushes what was held and forwards later lines as they come.
-4. `stop` sends SIGTERM, waits, then kills what is left.
+4. A worker that exits once the cluster is ready is restarted within a
+   `RestartBudget` (pdserve/cli/up.py).
+5. `stop` sends SIGTERM, waits, then kills what is left.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import threading
 import time
 import urllib.request
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, NamedTuple
 
 HELD_LINES = 1000  # stderr lines kept per child until the cluster is ready
@@ -42,8 +44,11 @@ class Child:
         self._reader.start()
 
     @classmethod
-    def start(cls, name: str, cmd: Sequence[str], stdout: int | None = None) -> Child:
-        return cls(name, subprocess.Popen(list(cmd), stdout=stdout, stderr=subprocess.PIPE))
+    def start(cls, name: str, cmd: Sequence[str], stdout: int | None = None,
+              env: Mapping[str, str] | None = None) -> Child:
+        """`env`: the child's whole environment (None: this process's)."""
+        return cls(name, subprocess.Popen(list(cmd), stdout=stdout, stderr=subprocess.PIPE,
+                                          env=dict(env) if env is not None else None))
 
     def _pump(self) -> None:
         stream: IO[bytes] | None = self.proc.stderr
@@ -110,6 +115,26 @@ def wait_ready(url: str, children: Sequence[Child], timeout_s: float,
             pass
         time.sleep(0.2)
     return Readiness(False, f"the cluster did not become ready within {timeout_s:g}s")
+
+
+class RestartBudget:
+    """At most `max_restarts` restarts of one child within `window_s` seconds: a child
+    that keeps dying (a crash loop) is not restarted forever."""
+
+    def __init__(self, max_restarts: int = 3, window_s: float = 60.0) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self._at: dict[str, deque[float]] = {}
+
+    def allow(self, name: str, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        recent = self._at.setdefault(name, deque())
+        while recent and now - recent[0] > self.window_s:
+            recent.popleft()
+        if len(recent) >= self.max_restarts:
+            return False
+        recent.append(now)
+        return True
 
 
 def stop(children: Sequence[Child], timeout_s: float = 20.0) -> None:

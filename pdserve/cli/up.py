@@ -1,12 +1,17 @@
 """`pdserve up`: a gateway plus N prefill + M decode workers (or colocated workers)
 as separate processes on this machine. Checks every argument and the model
 before starting anything; prints the URL once ready, or exits non-zero at once
-with the one-line reason of a process that failed to start. Ctrl-C or SIGTERM
-stops the workers (they drain and deregister), then the gateway.
+with the one-line reason of a process that failed to start. Once it is ready, a
+worker that exits (a crash, a kill -9) is started again with the same command line,
+at most 3 times a minute each (then `up` stops), while the gateway recovers its
+streams on the workers left; the gateway exiting stops `up`. Ctrl-C or SIGTERM stops
+the workers (they drain and deregister), then the gateway.
 
 Every `up` makes fresh CURVE key pairs for its processes (pdserve/cli/cluster_keys.py,
 a private directory removed when it stops), so its control plane and KV plane admit
-no peer but its own workers.
+no peer but its own workers. Secrets never go on a child's command line (which
+every user of the host can read): the key pairs by path, `--api-key`s by the
+gateway's environment (`PDSERVE_API_KEYS`, readable by this user only).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.cli import supervise
 from pdserve.cli.args import (
     UsageError,
     add_model_arg,
@@ -43,6 +49,7 @@ from pdserve.cli.gateway_options import (
 )
 from pdserve.cli.lora_args import check_lora_args
 from pdserve.cli.worker_args import WorkerArgs
+from pdserve.common import envs
 from pdserve.common.roles import Role
 from pdserve.worker.cpu_cores import plan_cores
 
@@ -186,11 +193,32 @@ def _gateway_cmd(args: argparse.Namespace, control_port: int) -> list[str]:
     mode = args.generation_config  # a repo id is served by its name, not by its snapshot directory's
     gateway = GatewayArgs.from_namespace(
         args, up=True, port=args.port, control_port=control_port, model=args.model and str(Path(args.model)),
-        served_model_name=names and tuple(names), api_key_file=tuple(str(Path(f).resolve()) for f in args.api_key_file),
+        served_model_name=names and tuple(names), api_key=(),  # by the environment: `gateway_env`
+        api_key_file=tuple(str(Path(f).resolve()) for f in args.api_key_file),
         generation_config=mode if mode in ("auto", "vllm") else str(Path(mode).resolve()),
         lora_modules=tuple((n, str(Path(p).resolve())) for n, p in args.lora_modules),
         lora_dir=args.lora_dir and str(Path(args.lora_dir).resolve()))
     return [*_pdserve(), "gateway", *gateway.to_argv()]
+
+
+def gateway_env(args: argparse.Namespace) -> dict[str, str]:
+    """The gateway child's environment: ours, with every `--api-key` added to
+    PDSERVE_API_KEYS (after the ones already there), never on its command line."""
+    env = dict(os.environ)
+    if args.api_key:
+        env["PDSERVE_API_KEYS"] = ",".join(dict.fromkeys([*envs.api_keys(), *args.api_key]))
+    return env
+
+
+def check_api_keys(args: argparse.Namespace) -> None:
+    """Every --api-key-file readable and not empty; no --api-key the environment cannot carry."""
+    api_keys(args)
+    if any("," in k or k != k.strip() for k in args.api_key):
+        raise UsageError("--api-key", "a key with a comma or surrounding blanks cannot be passed on; "
+                                      "use --api-key-file")
+    if args.api_key:
+        print("pdserve up: --api-key is visible in this process's command line to every user of the host; "
+              "prefer --api-key-file or PDSERVE_API_KEYS (the gateway gets it by its environment)", file=sys.stderr)
 
 
 def _role_names(args: argparse.Namespace) -> list[str]:
@@ -210,7 +238,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_served_names(args.served_model_name)
     check_speculative(args.speculative_config)
     sampling_defaults(args.generation_config, model_dir(args.model))
-    api_keys(args)  # every --api-key-file readable and not empty
+    check_api_keys(args)
     check_listen("--port", args.host, args.port)
     core_plan(args)  # --cpu-affinity on: the threads must fit
     gpu_settings(args, 1)  # the GPU flags need a CUDA --device
@@ -232,8 +260,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, keys: ClusterKeys, control_port: int) -> int:
-    from pdserve.cli import supervise
-
     control = f"tcp://127.0.0.1:{control_port}"
     stop = {"now": False}
 
@@ -244,9 +270,10 @@ def _run(args: argparse.Namespace, keys: ClusterKeys, control_port: int) -> int:
     signal.signal(signal.SIGINT, on_signal)
     share_file = new_share_file() if borrows_cores(args) else None
     gateway = supervise.Child.start("gateway", [*_gateway_cmd(args, control_port), *keys.gateway_flags()],
-                                    stdout=subprocess.DEVNULL)
-    workers = [supervise.Child.start(name, [*cmd, *keys.worker_flags()]) for name, cmd in
-               zip(_role_names(args), _worker_cmds(args, control, share_file), strict=True)]
+                                    stdout=subprocess.DEVNULL, env=gateway_env(args))
+    names = _role_names(args)
+    cmds = [[*cmd, *keys.worker_flags()] for cmd in _worker_cmds(args, control, share_file)]
+    workers = [supervise.Child.start(name, cmd) for name, cmd in zip(names, cmds, strict=True)]
     children = [gateway, *workers]
     url = f"http://{args.host}:{args.port}"
     try:
@@ -260,11 +287,14 @@ def _run(args: argparse.Namespace, keys: ClusterKeys, control_port: int) -> int:
         for c in children:
             c.forward()
         print(f"pdserve ready at {url}/v1", flush=True)
+        restarts = supervise.RestartBudget()
         while not stop["now"]:
-            failed = next((c for c in children if c.exited()), None)
-            if failed is not None:
-                print(f"pdserve up: {failed.exit_reason()}; stopping", file=sys.stderr)
+            if gateway.exited():
+                print(f"pdserve up: {gateway.exit_reason()}; stopping", file=sys.stderr)
                 return 1
+            for i, w in enumerate(workers):
+                if w.exited() and not _restart(workers, i, cmds[i], restarts):
+                    return 1
             time.sleep(0.2)
         return 0
     finally:
@@ -272,6 +302,22 @@ def _run(args: argparse.Namespace, keys: ClusterKeys, control_port: int) -> int:
         supervise.stop([gateway])
         if share_file is not None:
             os.unlink(share_file)
+
+
+def _restart(workers: list[supervise.Child], i: int, cmd: list[str], restarts: supervise.RestartBudget) -> bool:
+    """A worker that exited after the cluster was ready is started again with the same
+    command line (the gateway re-routes its requests meanwhile); False, and `up` stops,
+    once it has failed `RestartBudget.max_restarts` times within the budget's window."""
+    old = workers[i]
+    reason = old.exit_reason()
+    if not restarts.allow(old.name):
+        print(f"pdserve up: {reason}; it exited {restarts.max_restarts + 1} times within "
+              f"{restarts.window_s:g} s, stopping", file=sys.stderr)
+        return False
+    print(f"pdserve up: {reason}; restarting it", file=sys.stderr)
+    workers[i] = supervise.Child.start(old.name, cmd)
+    workers[i].forward()
+    return True
 
 
 def new_share_file() -> str:

@@ -7,7 +7,8 @@ or missing fields, a wrong type at any depth, and map keys that are not strings
 raise `WireError` naming the path; nothing else is ever raised for bad input.
 
 Supported annotations: str, int, float, bool, None, a `str` enum (as its value), `X | None`, `list[X]`,
-`tuple[X, ...]`, `dict[str, X]` and dataclasses built of these. There is no `Any`:
+`tuple[X, ...]`, `frozenset[X]` (a sorted list on the wire), `dict[str, X]` and dataclasses
+built of these. There is no `Any`:
 every leaf has a type.
 """
 
@@ -38,6 +39,8 @@ def to_wire(value: Any) -> Any:
                 if (v := getattr(value, f.name)) is not None or f.default is not None}
     if isinstance(value, (list, tuple)):
         return [to_wire(v) for v in value]
+    if isinstance(value, frozenset):
+        return [to_wire(v) for v in sorted(value)]
     if isinstance(value, dict):
         return {k: to_wire(v) for k, v in value.items()}
     if isinstance(value, enum.Enum):
@@ -139,6 +142,8 @@ def converter(tp: Any) -> Convert:
         if len(args) != 2 or args[1] is not Ellipsis:
             raise TypeError(f"only tuple[X, ...] travels, not {tp!r}")
         return _sequence(converter(args[0]), tuple)
+    if origin is frozenset:
+        return _sequence(converter(args[0]), frozenset)
     if origin is dict:
         if args[0] is not str:
             raise TypeError(f"only str-keyed dicts travel, not {tp!r}")

@@ -6,7 +6,7 @@ them, and msgpack-friendly so they cross process boundaries as a dict.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdserve.common.structured import StructuredOutput, StructuredOutputError
@@ -31,7 +31,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # A set: the engine checks every sampled token against it (the gateway caps its size).
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs of each sampled token; None = off
     # vLLM's prompt_logprobs: the logprob of each prompt token after the first, and the
@@ -43,6 +44,10 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     # False: never draft for this request, whatever --speculative-config says.
     speculative: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stop_token_ids, frozenset):  # any iterable of ids is accepted
+            object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -80,7 +85,7 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["stop_token_ids"] = list(self.stop_token_ids)
+        d["stop_token_ids"] = sorted(self.stop_token_ids)
         return d
 
     @classmethod
@@ -89,7 +94,7 @@ class SamplingParams:
         if set(d) - set(known):
             raise SamplingParamsError(sorted(set(d) - set(known))[0], "unknown sampling field")
         if "stop_token_ids" in known:
-            known["stop_token_ids"] = tuple(int(t) for t in known["stop_token_ids"])
+            known["stop_token_ids"] = frozenset(int(t) for t in known["stop_token_ids"])
         if isinstance(known.get("structured"), dict):
             known["structured"] = StructuredOutput(**known["structured"])
         return cls(**known).validate()

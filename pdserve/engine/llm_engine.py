@@ -14,11 +14,20 @@ The same engine serves three roles:
   and push each layer's KV from `layer_hook` while the next layer computes;
 - decode node: `reserve_remote` allocates blocks the prefill KV is written into,
   `start_remote` marks the prompt computed elsewhere and decodes from token 1.
+
+A structured-output request whose grammar is not compiled yet never waits on the
+step loop: `add_request` starts the compile (pdserve/engine/grammar/compiler.py) and
+holds the request WAITING_FOR_GRAMMAR, outside the scheduler and holding no block;
+each `schedule` queues the ones whose grammar landed and gives up on those whose
+compile failed or outlived `grammar_compile_timeout_s` (`take_failed` hands them to
+the caller). `reserve_remote` takes only requests whose grammar is ready
+(`grammar_ready`): a decode node holds the reservation until it is.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -31,6 +40,7 @@ from pdserve.engine.core.block_manager import NO_HIT, BlockManager, PrefixHit
 from pdserve.engine.core.config import EngineConfig
 from pdserve.engine.core.outputs import (
     EngineStats,
+    FailedRequest,
     GenerationResult,
     RequestOutput,
     StepDeltas,
@@ -42,8 +52,14 @@ from pdserve.engine.core.request_checks import check_request
 from pdserve.engine.core.scheduler import Reservation, Scheduler, SchedulerOutput
 from pdserve.engine.core.sequence import Request, SequenceStatus, finish_status
 from pdserve.engine.core.sequence import Sequence as Seq
-from pdserve.engine.grammar.compiler import GrammarCompiler, load_tokenizer
+from pdserve.engine.grammar.compiler import (
+    CompiledGrammar,
+    GrammarCompileError,
+    GrammarCompiler,
+    load_tokenizer,
+)
 from pdserve.engine.grammar.masking import any_constrained, constrain, cut_drafts
+from pdserve.engine.grammar.pending import CompilingRequests
 from pdserve.engine.lora.registry import lora_stats, register_lora
 from pdserve.engine.pool_blocks import PrefixTiers, TierLink, copy_blocks
 from pdserve.engine.prompt_logprobs import collect_prompt_logprobs
@@ -61,6 +77,10 @@ class PrefillDone(NamedTuple):
 
     request_id: str
     block_ids: list[int]
+
+
+class GrammarNotReady(RuntimeError):
+    """`reserve_remote` of a request whose grammar still compiles (ask `grammar_ready` first)."""
 
 
 class LLMEngine:
@@ -89,6 +109,8 @@ class LLMEngine:
                                  draft_proposer(config, runner))
                      if config.speculative is not None else None)
         self._requests: dict[str, Request] = {}
+        self._compiling = CompilingRequests()  # WAITING_FOR_GRAMMAR: off the scheduler
+        self._failed: list[FailedRequest] = []
         self._seq_ids = itertools.count()
         self._request_counter = itertools.count()
         self._num_generated = 0
@@ -124,7 +146,11 @@ class LLMEngine:
         """
         req = self._new_request(request_id, prompt_token_ids, params, prefill_only, output_token_ids,
                                 choice_index, lora)
-        self.scheduler.add(req.seqs[0])
+        seq = req.seqs[0]
+        if params.structured is not None and seq.compiled_grammar is None:
+            self._compiling.hold(seq)  # queued by `schedule` once compiled
+        else:
+            self.scheduler.add(seq)
 
     def step(self, layer_hook: Callable[[int], None] | None = None) -> list[RequestOutput]:
         """Run one scheduler step; return what each touched request gained."""
@@ -134,6 +160,8 @@ class LLMEngine:
         """First half of `step`: pick this step's batch (blocks are allocated now).
 
         Pass it to `execute` before anything else touches the engine."""
+        if self._compiling:
+            self._admit_compiled()
         self._num_steps += 1
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, len(self.scheduler.running))
@@ -174,6 +202,8 @@ class LLMEngine:
             return False
         if self.tier_fills is not None:
             self.tier_fills.drop(request_id)
+        if self._compiling.drop(request_id):  # never queued, holds nothing
+            return True
         for seq in req.seqs:
             if seq.status is SequenceStatus.FINISHED_PREFILLED:
                 self.scheduler.release(seq)
@@ -185,7 +215,25 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """Anything queued, running, awaiting KV, or waiting for its grammar."""
+        return self.scheduler.num_unfinished > 0 or bool(self._compiling)
+
+    @property
+    def num_compiling(self) -> int:
+        """Requests WAITING_FOR_GRAMMAR: held off the scheduler until their grammar compiles."""
+        return len(self._compiling)
+
+    def take_failed(self) -> list[FailedRequest]:
+        """The requests given up on since the last call (their grammar did not compile, or
+        not within the compile timeout); the engine no longer knows them."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def grammar_ready(self, params: SamplingParams, since: float) -> bool:
+        """Whether `params`' grammar is compiled (True without one); False while it
+        compiles (the first call starts it) and `since` is within the compile timeout;
+        GrammarCompileError (a ValueError) when it failed or ran out of time."""
+        return params.structured is None or self.grammar.poll(params.structured, since) is not None
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
@@ -197,7 +245,15 @@ class LLMEngine:
             self.add_request(rid, prompt, p)
         reqs = {rid: self._requests[rid] for rid in ids}
         while any(not r.finished for r in reqs.values()):
-            self.step()
+            batch = self.schedule()
+            if batch.is_empty and self._compiling:
+                self.grammar.wait(0.05)  # nothing else to run until a grammar lands
+            self.execute(batch)
+            for failed in self.take_failed():
+                if failed.request_id in reqs:
+                    for rid in ids:
+                        self.abort(rid)
+                    raise GrammarCompileError(failed.param, failed.reason)
         return [generation_result(reqs[rid]) for rid in ids]
 
     def seq_id(self, request_id: str) -> int:
@@ -241,10 +297,15 @@ class LLMEngine:
         with the prompt's, as in `add_request`. `reuse_prefix`: leading blocks this
         engine's prefix cache already holds are pinned instead (`cached_blocks`), and
         only the rest are reserved for the transfer (suffix-only handoff).
+        A structured-output request whose grammar is not compiled yet is refused with
+        GrammarNotReady, reserving nothing: call once `grammar_ready` says it is.
         """
         req = self._new_request(request_id, prompt_token_ids, params, False, output_token_ids,
                                 choice_index, lora)
         seq = req.seqs[0]
+        if params.structured is not None and seq.compiled_grammar is None:
+            del self._requests[request_id]
+            raise GrammarNotReady(f"request {request_id!r}: its grammar is still compiling")
         check = self.scheduler.check_reserve(seq)
         hit = self.block_manager.match_prefix(seq.token_ids, seq.prefix_root) if reuse_prefix else NO_HIT
         if not check.ok or self.block_manager.allocate_slots(seq.seq_id, seq.num_tokens, hit.num_tokens, hit) is None:
@@ -334,8 +395,10 @@ class LLMEngine:
         check_request(prompt, outputs, params, choice_index, vocab_size=self.vocab_size,
                       max_model_len=self.max_model_len, blocks=self.block_manager,
                       scheduler=self.config.scheduler)
+        # Compiled before it is queued: now if cached, else `add_request` holds it until it is.
+        compiled: CompiledGrammar | None = None
         if params.structured is not None:
-            self.grammar.compile(params.structured)  # compiled (and cached) before it is queued
+            compiled = self.grammar.poll(params.structured, time.monotonic())
         if lora is not None:  # read and checked (or refused) before it is queued
             register_lora(getattr(self.runner, "loras", None), lora)
         counter = next(self._request_counter)
@@ -350,11 +413,21 @@ class LLMEngine:
             output_token_ids=outputs,
             pending_forks=params.n - 1,
             prefill_only=prefill_only,
+            compiled_grammar=compiled,
             lora=lora,
         )
         req = Request(request_id, prompt, params, prefill_only, [seq])
         self._requests[request_id] = req
         return req
+
+    def _admit_compiled(self) -> None:
+        """Queue the held requests whose grammar landed; give up on those it failed."""
+        landed = self._compiling.poll(self.grammar)
+        for seq in landed.ready:
+            self.scheduler.add(seq)
+        for failed in landed.failed:
+            del self._requests[failed.request_id]
+        self._failed += landed.failed
 
     def _execute(
         self, batch: SchedulerOutput, layer_hook: Callable[[int], None] | None

@@ -3,6 +3,9 @@ into decode steps. The baseline disaggregation must beat.
 
 A request's life here:
 1. `RunRequest` arrives: the engine queues it (WAITING).
+   A structured-output request whose grammar is not compiled yet waits for it
+   off the scheduler (WAITING_FOR_GRAMMAR), holding nothing; a grammar that does
+   not compile in time is refused (`RequestFailed`, not retryable).
 2. Engine steps prefill it in chunks alongside running decodes (RUNNING).
 3. Every step's new tokens go to the gateway as one `TokenBatch`.
 4. It finishes (stop/length) or an `Abort` removes it; its blocks return.
@@ -62,13 +65,14 @@ class ColocatedNode(EngineNode):
     def step(self) -> bool:
         if not self.engine.has_unfinished():
             return False
+        started = now_ns() if self.traces else 0
+        batch = self.engine.schedule()  # queues the requests whose grammar compiled meanwhile
+        outputs = self.engine.execute(batch)
         if self.traces:
-            started = now_ns()
-            batch = self.engine.schedule()
-            outputs = self.engine.execute(batch)
             self.traces.step(batch, started, outputs)
-        else:
-            outputs = self.engine.step()
+        for rid in self.refuse_failed():
+            self._live.discard(rid)
+            self.traces.drop(rid, "grammar not compiled")
         for out in outputs:
             if out.finished and out.request_id in self._live:
                 self._live.discard(out.request_id)
@@ -79,7 +83,7 @@ class ColocatedNode(EngineNode):
         deltas = wire_deltas(outputs)
         if deltas:
             self.send(p.TokenBatch(self.worker_id, deltas))
-        return True
+        return not batch.is_empty  # only requests whose grammar compiles: idle until it lands
 
     def load(self) -> NodeLoad:
         queued = sum(seq.num_uncomputed_tokens for seq in list(self.engine.scheduler.waiting))

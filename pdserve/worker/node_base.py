@@ -87,6 +87,18 @@ class EngineNode:
             self.send(p.RequestFailed(msg.request_id, f"invalid request: {e}", retryable=False))
             return None
 
+    def refuse_failed(self) -> list[str]:
+        """Answer the requests the engine gave up on before running them (a grammar that
+        did not compile, or not within --grammar-compile-timeout) like bad input: a
+        non-retryable `RequestFailed` each (a 400 at the gateway). They held no block.
+        Returns their ids, for the node to forget."""
+        failed = self.engine.take_failed()
+        for f in failed:
+            log.debug("%s request %s refused: %s", self.role, f.request_id, f.reason,
+                      extra=request_fields(f.request_id))
+            self.send(p.RequestFailed(f.request_id, f"invalid request: {f.reason}", retryable=False))
+        return [f.request_id for f in failed]
+
     def accepted(self, request_id: str, detail: str, *, prefill: bool) -> None:
         """Count and log a request this node took on (`prefill`: it computes the prompt)."""
         log.debug("%s request %s accepted: %s", self.role, request_id, detail, extra=request_fields(request_id))

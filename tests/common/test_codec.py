@@ -81,3 +81,32 @@ def test_arbitrary_data_either_decodes_or_raises_wire_error(body: dict) -> None:
     except WireError:
         return
     assert from_wire(Tree, to_wire(tree)) == tree
+
+
+@dataclass(frozen=True)
+class Ids:
+    ids: frozenset[int] = frozenset()
+
+
+def test_a_frozenset_travels_as_a_sorted_list_and_comes_back_a_set() -> None:
+    wire = to_wire(Ids(frozenset({9, 3, 7})))
+    assert wire == {"ids": [3, 7, 9]}
+    back = from_wire(Ids, wire)
+    assert isinstance(back.ids, frozenset) and back.ids == {3, 7, 9}
+    with pytest.raises(WireError, match=r"Ids.ids\[1\] is not int"):
+        from_wire(Ids, {"ids": [1, "x"]})
+
+
+def test_stop_token_ids_are_a_set_on_every_side() -> None:
+    """The engine checks each sampled token against them: a set, however they were given."""
+    from pdserve.common import protocol as p
+    from pdserve.common.sampling_params import SamplingParams
+
+    params = SamplingParams(stop_token_ids=[9, 3, 9])  # type: ignore[arg-type]
+    assert isinstance(params.stop_token_ids, frozenset) and params.stop_token_ids == {3, 9}
+    assert params.to_dict()["stop_token_ids"] == [3, 9]
+    assert SamplingParams.from_dict(params.to_dict()).stop_token_ids == frozenset({3, 9})
+    msg = p.RunRequest("r", p.RequestPayload([1], params))
+    back = p.decode(p.encode(msg))
+    assert isinstance(back, p.RunRequest) and isinstance(back.payload.params.stop_token_ids, frozenset)
+    assert back.payload.params == params

@@ -14,7 +14,7 @@ from pdserve.common.draft_kv import DraftBlocks
 from pdserve.common.logprobs import Logprob, TopLogprob
 from pdserve.common.sampling_params import SamplingParams
 
-PAYLOAD = p.RequestPayload([1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=(7,)))
+PAYLOAD = p.RequestPayload([1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=frozenset({7})))
 RESUMED = p.RequestPayload([1, 2], SamplingParams(n=1, seed=3), p.Resume([8, 9], choice_index=1))
 TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 TRACED = p.RequestPayload([1, 2, 3], SamplingParams(max_tokens=4), traceparent=TP)
@@ -62,7 +62,7 @@ def test_leaves_decode_to_their_types() -> None:
     """Typed to the leaves: params, resume points and logprobs come back as dataclasses."""
     msg = p.decode(p.encode(p.PrefillRequest("r#1", RESUMED)))
     assert isinstance(msg, p.PrefillRequest) and isinstance(msg.payload.params, SamplingParams)
-    assert msg.payload.params.stop_token_ids == () and msg.payload.output_token_ids == [8, 9]
+    assert msg.payload.params.stop_token_ids == frozenset() and msg.payload.output_token_ids == [8, 9]
     assert msg.payload.choice_index == 1 and msg.payload.num_tokens == 4
     first = p.decode(p.encode(p.FirstToken("r", "x", [9], [None], [LP])))
     assert isinstance(first, p.FirstToken) and first.logprobs[0] == LP

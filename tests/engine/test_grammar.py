@@ -147,6 +147,8 @@ def test_prefill_to_decode_handoff_replays_the_first_token_once(model_dir: Path,
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         rid = f"r{i}"
         prefill.add_request(rid, prompt, p, prefill_only=True)
+        assert p.structured is not None
+        decode.grammar.compile(p.structured)  # what a decode node waits for (grammar_ready) before reserving
         reserved = decode.reserve_remote(rid, prompt, p).block_ids
         firsts: list[int] = []
         while prefill.has_unfinished():

@@ -149,7 +149,7 @@ def _seq(params: SamplingParams, prefill_only: bool = False) -> Sequence:
 
 def test_finish_status_stop_ids_eos_and_length() -> None:
     eos = frozenset({2})
-    s = _seq(SamplingParams(max_tokens=3, stop_token_ids=(9,)))
+    s = _seq(SamplingParams(max_tokens=3, stop_token_ids=frozenset({9})))
     s.append_token(5)
     assert finish_status(s, eos, 100) is None
     s.append_token(9)

@@ -68,7 +68,7 @@ def test_stop_token_ids_are_capped_and_deduplicated(gw: GatewayThread, backend: 
     status, out = completion(gw, prompt="hi", stop_token_ids=list(range(65)))
     assert status == 400 and error_code(out) == "too_many_stop_token_ids"
     status, _ = completion(gw, prompt="hi", stop_token_ids=[9, 3, 9, 3, 7])
-    assert status == 200 and backend.requests[-1].params.stop_token_ids == (3, 7, 9)
+    assert status == 200 and backend.requests[-1].params.stop_token_ids == frozenset({3, 7, 9})
 
 
 def test_user_is_capped_and_logged_truncated(gw: GatewayThread, caplog: pytest.LogCaptureFixture) -> None:

@@ -70,6 +70,15 @@ class GenerationResult:
         return self.choices[0].token_ids
 
 
+class FailedRequest(NamedTuple):
+    """A request the engine gave up on before running it (its grammar did not compile in
+    time, or at all); it holds nothing. The caller answers it (a non-retryable error)."""
+
+    request_id: str
+    reason: str
+    param: str = ""  # the request field that set the constraint
+
+
 class EngineStats(NamedTuple):
     """Load figures for heartbeats and metrics."""
 

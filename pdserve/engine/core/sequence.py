@@ -17,10 +17,14 @@ from pdserve.common.lora import LoraRef
 from pdserve.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pdserve.engine.grammar.compiler import CompiledGrammar
     from pdserve.engine.grammar.matcher import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
+    # Its grammar still compiles (in the compile pool): held by the engine, unseen by the
+    # scheduler and holding no block, until the compile lands (then WAITING) or fails.
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
     WAITING = "waiting"  # queued for (re)prefill; also where a preempted sequence returns
     WAITING_FOR_KV = "waiting_for_kv"  # decode node: blocks reserved, KV still arriving
     RUNNING = "running"
@@ -69,6 +73,8 @@ class Sequence:
     # Structured outputs: the grammar state, built on first use by replaying the output
     # (pdserve/engine/grammar/masking.py); a fork builds its own.
     grammar: GrammarMatcher | None = field(default=None, repr=False)
+    # The compiled constraint, set when the request is queued (its matcher is built from it).
+    compiled_grammar: CompiledGrammar | None = field(default=None, repr=False)
     # Draft tokens this step verifies after the last token (pdserve.engine.spec); not part of
     # token_ids until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
@@ -142,6 +148,7 @@ class Sequence:
             status=self.status,
             prefill_only=self.prefill_only,
             num_cached_tokens=self.num_cached_tokens,
+            compiled_grammar=self.compiled_grammar,
             lora=self.lora,
         )
 

@@ -1,12 +1,16 @@
 """Compiling a `StructuredOutput` against the model's tokenizer, once per constraint.
 
-`GrammarCompiler.compile(c)` returns a `CompiledGrammar` (a template matcher that each
-sequence copies), from an LRU cache keyed by the constraint's hash. Compiling runs on
-a small thread pool and the engine loop waits for it at most `timeout_s`: a constraint
-that takes longer is refused with `GrammarCompileError` (the request gets a 400 naming
-its parameter) and the loop goes on, so one pathological schema costs the worker at most
-that long, once. A compile that outlives its wait keeps running in the pool and is
-cached when it lands, so a retry can hit; a cache hit costs nothing.
+`GrammarCompiler.poll(c, since)` never blocks: it starts the compile on a small thread
+pool (the first call) and returns the `CompiledGrammar` (a template matcher that each
+sequence copies) once it is ready, None while it is still compiling, and raises
+`GrammarCompileError` (the request gets a 400 naming its parameter) when the constraint
+is invalid, its compile failed, or `timeout_s` has passed since `since` (when that
+request first asked). The engine keeps such a request in a compiling state its
+scheduler never sees and polls it between steps (pdserve/engine/llm_engine.py), so a
+pathological schema costs the step loop nothing. A compile that outlives a request's
+wait keeps running in the pool and is cached when it lands, so a retry can hit; a
+compile that failed is remembered (bounded), so resending it costs nothing either.
+`compile(c)` is the blocking form (tests, tools).
 
 "Compiled" includes the grammar's first mask: llguidance builds its lexer lazily, so a
 pathological pattern (`(a{200}){1000}`: fifteen bytes) costs its time on the first mask,
@@ -14,12 +18,17 @@ which would otherwise fall inside an engine step. The first mask is computed in 
 under the same timeout, and every sequence's matcher starts from it. `PARSER_LIMITS`
 bounds what llguidance may spend building regexes and per step; a grammar that exceeds
 them at run time puts its matcher in the error state, which allows only EOS, and the
-sequence ends.
+sequence ends. The pool's threads run at a lower CPU priority than the step loop
+(`COMPILE_NICENESS`), so compiles in flight slow other requests' tokens little even
+when the cores are few.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,6 +37,8 @@ from typing import Any
 from pdserve.common.structured import StructuredOutput, StructuredOutputError, check
 
 CACHE_SIZE = 256
+FAILED_CACHE_SIZE = 256  # constraints whose compile failed: refused again without compiling
+COMPILE_NICENESS = 10  # the compile threads' nice value above the step loop's (Linux: per thread)
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 # llguidance's parser limits (its defaults in comments): regex construction fuel (1M,
 # ~50k/ms: the knob that stops `(a{N}){1000}`), lexer fuel per mask (200k, ~14k/ms),
@@ -68,49 +79,88 @@ def load_tokenizer(model_dir: str, vocab_size: int, eos_token_ids: Sequence[int]
 
 
 class GrammarCompiler:
-    """Compiles and caches grammars for one model; safe to call from the engine loop only."""
+    """Compiles and caches grammars for one model; call it from the engine loop only."""
 
     def __init__(self, tokenizer_factory: Callable[[], Any], eos_token_ids: Sequence[int],
                  timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, cache_size: int = CACHE_SIZE,
                  build: Callable[[Any, str], Any] | None = None) -> None:
         self._tokenizer_factory = tokenizer_factory
         self._tokenizer: Any = None
+        self._tokenizer_lock = threading.Lock()  # the pool's threads build it once, on first use
         self.eos_token_ids = tuple(eos_token_ids)
         self.timeout_s = timeout_s
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
+        self._failed: OrderedDict[str, str] = OrderedDict()  # key -> why (bounded)
         self._pending: dict[str, cf.Future[Any]] = {}
         self._build = build or _build_matcher
-        self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
+        self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile",
+                                           initializer=_lower_priority)
         self.num_compiled = 0
         self.num_hits = 0
 
-    def compile(self, c: StructuredOutput) -> CompiledGrammar:
-        """The compiled grammar of `c`, or GrammarCompileError naming `c.param`."""
+    def poll(self, c: StructuredOutput, since: float) -> CompiledGrammar | None:
+        """The compiled grammar of `c` if it is ready, None while it compiles and `since`
+        (time.monotonic() of the caller's first ask) is under `timeout_s` ago; otherwise
+        GrammarCompileError naming `c.param`. The first call starts the compile."""
         key = c.key
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
             self.num_hits += 1
             return hit
-        try:
-            grammar = check(c)  # a grammar error is reported without compiling anything
-        except StructuredOutputError as e:
-            raise GrammarCompileError(e.param, str(e)) from None
+        if key in self._failed:
+            raise GrammarCompileError(c.param, self._failed[key])
         future = self._pending.get(key)
         if future is None:
-            tokenizer = self._tok()
-            future = self._pool.submit(self._build, tokenizer, grammar)
+            try:
+                grammar = check(c)  # a grammar error is reported without compiling anything
+            except StructuredOutputError as e:
+                raise GrammarCompileError(e.param, str(e)) from None
+            future = self._pool.submit(self._build_with_tokenizer, grammar)
             self._pending[key] = future
-        try:
-            template = future.result(timeout=self.timeout_s)
-        except cf.TimeoutError:
+        if future.done():
+            return self._land(c, future)
+        if time.monotonic() - since >= self.timeout_s:
             raise GrammarCompileError(
                 c.param, f"{c.param} could not be compiled within {self.timeout_s:g} s "
-                "(--grammar-compile-timeout)") from None
+                "(--grammar-compile-timeout)")
+        return None
+
+    def compile(self, c: StructuredOutput) -> CompiledGrammar:
+        """`poll` waiting up to `timeout_s` (blocking: never from the step loop)."""
+        since = time.monotonic()
+        while (compiled := self.poll(c, since)) is None:
+            cf.wait([self._pending[c.key]], timeout=max(0.0, since + self.timeout_s - time.monotonic()))
+        return compiled
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until some compile in flight lands or `timeout_s` passes (for a caller
+        with nothing else to do)."""
+        if self._pending:
+            cf.wait(list(self._pending.values()), timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _land(self, c: StructuredOutput, future: cf.Future[Any]) -> CompiledGrammar:
+        key = c.key
         del self._pending[key]
+        try:
+            template = future.result()
+        except GrammarCompileError as e:
+            self._remember_failure(key, str(e))
+            raise GrammarCompileError(c.param, str(e)) from None
+        except Exception as e:  # noqa: BLE001 - the grammar library's own errors: a refusal, never a crash
+            self._remember_failure(key, f"{c.param} could not be compiled ({type(e).__name__})")
+            raise GrammarCompileError(c.param, self._failed[key]) from None
         if template.is_error():
-            raise GrammarCompileError(c.param, f"invalid {c.param}: {template.get_error()[:300]}")
+            self._remember_failure(key, f"invalid {c.param}: {template.get_error()[:300]}")
+            raise GrammarCompileError(c.param, self._failed[key])
         compiled = CompiledGrammar(key, template, self.eos_token_ids)
         self._cache[key] = compiled
         self.num_compiled += 1
@@ -118,13 +168,33 @@ class GrammarCompiler:
             self._cache.popitem(last=False)
         return compiled
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def _remember_failure(self, key: str, why: str) -> None:
+        self._failed[key] = why
+        while len(self._failed) > FAILED_CACHE_SIZE:
+            self._failed.popitem(last=False)
+
+    def _build_with_tokenizer(self, grammar: str) -> Any:
+        """In the pool: the tokenizer (built once: reading tokenizer.json is slow) and the matcher."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._tokenizer_factory()
+        return self._build(self._tokenizer, grammar)
 
     def _tok(self) -> Any:
-        if self._tokenizer is None:
-            self._tokenizer = self._tokenizer_factory()
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._tokenizer_factory()
         return self._tokenizer
+
+
+def _lower_priority() -> None:
+    """The compile thread's initializer: below the step loop's CPU priority (Linux applies a
+    thread id's nice value to that thread alone; elsewhere, or when refused, nothing changes)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICENESS)
+    except (AttributeError, OSError):
+        pass
 
 
 class _Template:

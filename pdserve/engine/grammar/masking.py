@@ -24,8 +24,9 @@ def matcher_for(seq: Sequence, compiler: GrammarCompiler) -> GrammarMatcher:
     """The sequence's matcher, built on first use and synced to its output so far."""
     c = seq.params.structured
     assert c is not None
-    if seq.grammar is None:
-        seq.grammar = GrammarMatcher(compiler.compile(c))
+    if seq.grammar is None:  # compiled before the request was queued; the cache only as a fallback
+        compiled = seq.compiled_grammar if seq.compiled_grammar is not None else compiler.compile(c)
+        seq.grammar = GrammarMatcher(compiled)
     seq.grammar.sync(seq.output_token_ids)
     return seq.grammar
 
