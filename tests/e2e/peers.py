@@ -155,7 +155,7 @@ class FakeWorkers:
                 wid = f"{role}-evil-{n}"
                 peer = Peer(self._ctx, control, wid.encode(), curve)
                 peer.send(p.encode(p.RegisterWorker(
-                    worker_id=wid, role=role, host_id="evil",
+                    worker_id=wid, role=p.Role(role), host_id="evil",
                     kv_address="tcp://127.0.0.1:9" if role == "decode" else "", kv_shm="",
                     compat_hash=compat_hash, total_blocks=HUGE, block_size=block_size,
                     metrics_port=1, pid=1)))
