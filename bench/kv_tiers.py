@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -146,7 +147,7 @@ def written_down(base: str, timeout_s: float = 60.0) -> None:
 def up(args: argparse.Namespace, name: str, *extra: str) -> contextlib.AbstractContextManager[Any]:
     flags = ["--colocated", "--threads", str(args.threads), "--block-size", str(args.block_size),
              "--max-model-len", "2048", "--dtype", args.dtype, *extra]
-    return pdserve_up(name, harness.up_args(" ".join(flags), args.model))
+    return pdserve_up(name, harness.up_args(shlex.join(flags), args.model))  # a JSON flag keeps its quotes
 
 
 def multiturn(args: argparse.Namespace, run: int, tiers: tuple[str, ...]) -> tuple[list[float], list[str], int]:
