@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--memory", default="2GiB", help="--kv-offload-memory of the tiered servers")
     ap.add_argument("--dtype", default="float32", help="the servers' --dtype (float32: where hit == miss is exact)")
     ap.add_argument("--verbose", action="store_true", help="print every request")
+    ap.add_argument("--thread-policy", default="auto", choices=("auto", "adaptive", "fixed"),
+                    help="the servers' --thread-policy (fixed: no per-server governor state to differ)")
     ap.add_argument("--cases", type=lambda t: tuple(t.split(",")), default=("multiturn", "cross", "remote"),
                     help=f"comma list of {', '.join(CASES)} (default all but overhead)")
     return ap.parse_args(argv)
@@ -146,7 +148,7 @@ def written_down(base: str, timeout_s: float = 60.0) -> None:
 
 def up(args: argparse.Namespace, name: str, *extra: str) -> contextlib.AbstractContextManager[Any]:
     flags = ["--colocated", "--threads", str(args.threads), "--block-size", str(args.block_size),
-             "--max-model-len", "2048", "--dtype", args.dtype, *extra]
+             "--max-model-len", "2048", "--dtype", args.dtype, "--thread-policy", args.thread_policy, *extra]
     return pdserve_up(name, harness.up_args(shlex.join(flags), args.model))  # a JSON flag keeps its quotes
 
 

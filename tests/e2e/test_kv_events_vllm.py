@@ -17,7 +17,7 @@ import zmq
 
 from pdserve.common.block_hash import prefix_block_keys
 from pdserve.common.transport import free_port
-from tests.e2e.cluster import Cluster, http
+from tests.e2e.cluster import Cluster, http, metric_value, worker_metrics
 from tests.e2e.conftest import Reference
 
 BLOCK = 16
@@ -121,5 +121,8 @@ def test_a_request_publishes_its_prompt_blocks_then_their_eviction(
         assert all(e[2] == "GPU" for e in sub.events("BlockRemoved"))
         seqs = [s for s, _ in sub.batches]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs  # one after another, no gap
+        metrics = worker_metrics(c.worker_list()[0])
+        assert metric_value(metrics, "llm_kv_events_published_batches_total") >= seqs[-1] + 1
+        assert metric_value(metrics, "llm_kv_events_dropped_batches_total") == 0
     finally:
         sub.sock.close()
