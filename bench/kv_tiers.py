@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--memory", default="2GiB", help="--kv-offload-memory of the tiered servers")
     ap.add_argument("--dtype", default="float32", help="the servers' --dtype (float32: where hit == miss is exact)")
     ap.add_argument("--verbose", action="store_true", help="print every request")
+    ap.add_argument("--control", action="store_true", help="overhead: no tiers anywhere: the second server "
+                    "is an A/A control (its ratio is the machine's noise), the third has only the KV events")
     ap.add_argument("--thread-policy", default="auto", choices=("auto", "adaptive", "fixed"),
                     help="the servers' --thread-policy (fixed: no per-server governor state to differ)")
     ap.add_argument("--cases", type=lambda t: tuple(t.split(",")), default=("multiturn", "cross", "remote"),
@@ -281,6 +283,8 @@ def overhead(args: argparse.Namespace, run: int) -> dict[str, float]:
                     "--kv-offload-dir", str(disk))
         events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{free_port()}"})
         arms = {"off": (), "tiers": tiers(), "events": (*tiers(), "--kv-events-config", events)}
+        if args.control:  # "tiers" = an A/A twin of "off" (noise floor); "events" = KV events alone
+            arms = {"off": (), "tiers": (), "events": ("--kv-events-config", events)}
         servers = {name: stack.enter_context(up(args, f"overhead-{name}", *extra)) for name, extra in arms.items()}
         stack.enter_context(subscribed(json.loads(events)["endpoint"]))
         model = model_name(servers["off"].base_url)
