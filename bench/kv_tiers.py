@@ -285,18 +285,22 @@ def overhead(args: argparse.Namespace, run: int) -> dict[str, float]:
         arms = {"off": (), "tiers": tiers(), "events": (*tiers(), "--kv-events-config", events)}
         if args.control:  # "tiers" = an A/A twin of "off" (noise floor); "events" = KV events alone
             arms = {"off": (), "tiers": (), "events": ("--kv-events-config", events)}
-        servers = {name: stack.enter_context(up(args, f"overhead-{name}", *extra)) for name, extra in arms.items()}
+        # Run r starts (and first asks) the servers rotated by r: no arm keeps the same start
+        # position, whose effect on a busy machine was as large as the one measured.
+        names = list(arms)
+        order = names[run % len(names):] + names[: run % len(names)]
+        servers = {name: stack.enter_context(up(args, f"overhead-{name}", *arms[name])) for name in order}
         stack.enter_context(subscribed(json.loads(events)["endpoint"]))
         model = model_name(servers["off"].base_url)
-        left = {name: iter(prompts) for name in arms}
+        left = {name: iter(prompts) for name in order}
 
         def request(name: str) -> Callable[[], Reply]:
             return lambda: first_token_s(servers[name].base_url, model, next(left[name]), args.max_tokens)
-        replies = harness.rounds({name: request(name) for name in arms}, args.repeats, warmup=1, alternate=True)
+        replies = harness.rounds({name: request(name) for name in order}, args.repeats, warmup=1, alternate=True)
     itl = {k: statistics.median(r.itl_s for r in v) for k, v in replies.items()}
     rate = {k: statistics.median(r.prompt_tokens / r.ttft_s for r in v) for k, v in replies.items()}
     if args.verbose:
-        for k in arms:
+        for k in names:
             print(f"  {k}: ITL p50 {itl[k] * 1e3:.1f} ms, prefill {rate[k]:.0f} tok/s", flush=True)
     return {"overhead_itl_tiers_over_off": itl["tiers"] / itl["off"],
             "overhead_prefill_tiers_over_off": rate["tiers"] / rate["off"],
