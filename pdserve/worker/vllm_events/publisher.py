@@ -145,10 +145,15 @@ class KVEventPublisher:
 
     def _send(self, batch: _Batch) -> None:
         payload = encode_batch(batch.ts, batch.events, batch.block_size)
-        self._pub.send_multipart((self._topic, seq_frame(batch.seq), payload), copy=False)
         self._buffer.append((batch.seq, payload))
-        with self._lock:
+        with self._lock:  # counted before it leaves: a subscriber that got it sees the count
             self._published += 1
+        try:
+            self._pub.send_multipart((self._topic, seq_frame(batch.seq), payload), copy=False)
+        except zmq.ZMQError:
+            with self._lock:
+                self._published -= 1
+            raise
 
     def _serve_replays(self) -> None:
         assert self._replay is not None
@@ -162,9 +167,9 @@ class KVEventPublisher:
                 if seq >= start:
                     self._replay.send_multipart((client, b"", seq_frame(seq), payload))
                     sent += 1
-            self._replay.send_multipart((client, b"", END_SEQ, b""))
-            with self._lock:
+            with self._lock:  # counted before the end marker: whoever saw it sees the count
                 self._replayed += sent
+            self._replay.send_multipart((client, b"", END_SEQ, b""))
 
 
 def _attach(sock: zmq.Socket[Any], endpoint: str) -> str:
