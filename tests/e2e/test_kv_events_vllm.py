@@ -1,7 +1,8 @@
 """A real worker publishes its pool's block events as vLLM does (`--kv-events-config`):
 a ZeroMQ SUB in the test, decoding with plain msgpack in vLLM's layout, sees the blocks
 of a request's prompt stored (their chained keys, parent, token ids), then removed when
-other prompts evict them, in batches numbered one after another."""
+other prompts evict them, in batches numbered one after another; the replay endpoint then
+resends the whole stream from 0, which starts with `AllBlocksCleared`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import zmq
 
 from pdserve.common.block_hash import prefix_block_keys
-from pdserve.common.transport import free_port
+from pdserve.common.transport import free_ports
 from tests.e2e.cluster import Cluster, http, metric_value, worker_metrics
 from tests.e2e.conftest import Reference
 
@@ -59,15 +60,15 @@ class Subscriber:
 
 
 @pytest.fixture()
-def worker(log_dir: Path) -> Iterator[tuple[Cluster, str]]:
+def worker(log_dir: Path) -> Iterator[tuple[Cluster, str, str]]:
     c = Cluster(log_dir)
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    config = {"enable_kv_cache_events": True, "endpoint": endpoint, "topic": "pd"}
+    endpoint, replay = (f"tcp://127.0.0.1:{port}" for port in free_ports(2))
+    config = {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay, "topic": "pd"}
     try:
         c.start_gateway()
         c.add_worker("worker", "--num-blocks", str(NUM_BLOCKS), "--kv-events-config", json.dumps(config))
         c.wait_roles(colocated=1)
-        yield c, endpoint
+        yield c, endpoint, replay
     finally:
         c.stop()
 
@@ -79,8 +80,8 @@ def complete(c: Cluster, model: str, prompt: str) -> None:
 
 
 def test_a_request_publishes_its_prompt_blocks_then_their_eviction(
-        worker: tuple[Cluster, str], reference: Reference) -> None:
-    c, endpoint = worker
+        worker: tuple[Cluster, str, str], reference: Reference) -> None:
+    c, endpoint, replay = worker
     sub = Subscriber(endpoint)
     try:
         # A SUB that has just connected misses what is sent before its subscription reaches
@@ -124,5 +125,28 @@ def test_a_request_publishes_its_prompt_blocks_then_their_eviction(
         metrics = worker_metrics(c.worker_list()[0])
         assert metric_value(metrics, "llm_kv_events_published_batches_total") >= seqs[-1] + 1
         assert metric_value(metrics, "llm_kv_events_dropped_batches_total") == 0
+        replayed = replay_from(replay, 0)
+        assert replayed[0] == (0, [["AllBlocksCleared"]])  # a worker starts its stream with a clear
+        assert [seq for seq, _ in replayed] == list(range(len(replayed)))
+        assert dict(replayed).items() >= dict(sub.batches).items()  # what the SUB got, resent as it was
     finally:
         sub.sock.close()
+
+
+def replay_from(endpoint: str, start: int) -> list[tuple[int, list[Any]]]:
+    """vLLM's replay protocol: the start sequence number after REQ's empty delimiter (a
+    DEALER, which may read the many replies), answered by (seq, payload) pairs, then -1."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    out: list[tuple[int, list[Any]]] = []
+    try:
+        sock.send_multipart((b"", start.to_bytes(8, "big")))
+        while True:
+            assert sock.poll(20_000), "the replay endpoint did not answer"
+            _, seq, payload = sock.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                return out
+            out.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1]))
+    finally:
+        sock.close()
