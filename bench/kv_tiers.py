@@ -19,8 +19,10 @@ Three cases, each a ratio measured within one run (median over `--runs`):
   the same directory (and an empty host tier) serves it. Ratio: its TTFT cold / warm.
 - cross-host: two servers sharing only a Redis (`--kv-remote-url`; Debian's
   redis-server, started here; skipped without it), as the cross-worker case.
-- overhead (`--cases overhead`): prompts that never repeat, tiers (host + disk) on vs
-  off: TTFT and ITL p50 on / off (target <= 1.03).
+- overhead (`--cases overhead`): prompts that never repeat, three servers side by side
+  taking turns: no tiers; host + disk tiers; tiers and `--kv-events-config` (a SUB
+  reading). ITL p50 on / off (target <= 1.03) and prefill tok/s (prompt tokens / TTFT)
+  on / off (target >= 0.97), each over `--repeats` prompts after one warm-up.
 
 Requests go one at a time (streamed; TTFT = the first content chunk). The answers of
 the tiered and untiered multiturn runs are compared token for token (greedy); the
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -41,11 +44,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from bench import harness
+from pdserve.common.transport import free_port
 from pdserve.loadgen.launch import list_workers, pdserve_up
 
 WORDS = ("amber", "basin", "cedar", "delta", "ember", "fjord", "grove", "heron", "inlet", "juniper",
@@ -74,6 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verbose", action="store_true", help="print every request")
     ap.add_argument("--layout", choices=("colocated", "1p1d"), default="colocated",
                     help="the multiturn servers: one colocated worker, or 1 prefill + 1 decode")
+    ap.add_argument("--control", action="store_true", help="overhead: no tiers anywhere: the second server "
+                    "is an A/A control (its ratio is the machine's noise), the third has only the KV events")
+    ap.add_argument("--thread-policy", default="auto", choices=("auto", "adaptive", "fixed"),
+                    help="the servers' --thread-policy (fixed: no per-server governor state to differ)")
     ap.add_argument("--cases", type=lambda t: tuple(t.split(",")), default=("multiturn", "cross", "remote"),
                     help=f"comma list of {', '.join(CASES)} (default all but overhead)")
     return ap.parse_args(argv)
@@ -153,8 +161,8 @@ def written_down(base: str, timeout_s: float = 60.0) -> None:
 def up(args: argparse.Namespace, name: str, *extra: str, layout: str = "colocated") -> contextlib.AbstractContextManager[Any]:
     roles = ["--colocated"] if layout == "colocated" else ["--prefill", "1", "--decode", "1"]
     flags = [*roles, "--threads", str(args.threads), "--block-size", str(args.block_size),
-             "--max-model-len", "2048", "--dtype", args.dtype, *extra]
-    return pdserve_up(name, harness.up_args(" ".join(flags), args.model))
+             "--max-model-len", "2048", "--dtype", args.dtype, "--thread-policy", args.thread_policy, *extra]
+    return pdserve_up(name, harness.up_args(shlex.join(flags), args.model))  # a JSON flag keeps its quotes
 
 
 class Multiturn(NamedTuple):
@@ -282,28 +290,76 @@ def cross_host(args: argparse.Namespace, run: int) -> float:
 
 
 def overhead(args: argparse.Namespace, run: int) -> dict[str, float]:
-    """No reuse at all (every prompt new): TTFT and ITL p50 with the tiers on / off."""
-    n = 2 * args.repeats
-    prompts = [text(run * 100 + 30 + i, args.prefix_words) for i in range(n)]
-    medians: dict[str, tuple[float, float]] = {}
-    with tier_dirs() as (shm, disk):
-        tiers = ("--kv-offload-memory", args.memory, "--kv-offload-memory-dir", str(shm), "--kv-offload-dir",
-                 str(disk))
-        for name, extra in (("off", ()), ("on", tiers)):
-            with up(args, f"overhead-{name}", *extra) as s:
-                model = model_name(s.base_url)
-                first_token_s(s.base_url, model, text(999_999, 20), 1)
-                replies = [first_token_s(s.base_url, model, p, args.max_tokens) for p in prompts]
-            medians[name] = (statistics.median(r.ttft_s for r in replies),
-                             statistics.median(r.itl_s for r in replies))
-    return {"overhead_ttft_on_over_off": medians["on"][0] / medians["off"][0],
-            "overhead_itl_on_over_off": medians["on"][1] / medians["off"][1]}
+    """No reuse at all (every prompt new to every server): ITL p50 and prefill tok/s
+    (prompt tokens / TTFT) with the tiers on, and with the tiers and the vLLM-format KV
+    events on (a subscriber reading them), over the same with neither. The servers run
+    side by side and take turns, request by request (harness.rounds, alternating), so the
+    drift of a shared machine falls on all of them alike."""
+    prompts = [text(run * 1000 + 30 + i, args.prefix_words) for i in range(args.repeats + 1)]
+    with contextlib.ExitStack() as stack:
+        def tiers() -> tuple[str, ...]:
+            shm, disk = stack.enter_context(tier_dirs())  # each server its own: no reuse across them
+            return ("--kv-offload-memory", args.memory, "--kv-offload-memory-dir", str(shm),
+                    "--kv-offload-dir", str(disk))
+        events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{free_port()}"})
+        arms = {"off": (), "tiers": tiers(), "events": (*tiers(), "--kv-events-config", events)}
+        if args.control:  # "tiers" = an A/A twin of "off" (noise floor); "events" = KV events alone
+            arms = {"off": (), "tiers": (), "events": ("--kv-events-config", events)}
+        # Run r starts (and first asks) the servers rotated by r: no arm keeps the same start
+        # position, whose effect on a busy machine was as large as the one measured.
+        names = list(arms)
+        order = names[run % len(names):] + names[: run % len(names)]
+        servers = {name: stack.enter_context(up(args, f"overhead-{name}", *arms[name])) for name in order}
+        stack.enter_context(subscribed(json.loads(events)["endpoint"]))
+        model = model_name(servers["off"].base_url)
+        left = {name: iter(prompts) for name in order}
+
+        def request(name: str) -> Callable[[], Reply]:
+            return lambda: first_token_s(servers[name].base_url, model, next(left[name]), args.max_tokens)
+        replies = harness.rounds({name: request(name) for name in order}, args.repeats, warmup=1, alternate=True)
+    itl = {k: statistics.median(r.itl_s for r in v) for k, v in replies.items()}
+    rate = {k: statistics.median(r.prompt_tokens / r.ttft_s for r in v) for k, v in replies.items()}
+    if args.verbose:
+        for k in names:
+            print(f"  {k}: ITL p50 {itl[k] * 1e3:.1f} ms, prefill {rate[k]:.0f} tok/s", flush=True)
+    return {"overhead_itl_tiers_over_off": itl["tiers"] / itl["off"],
+            "overhead_prefill_tiers_over_off": rate["tiers"] / rate["off"],
+            "overhead_itl_events_over_off": itl["events"] / itl["off"],
+            "overhead_prefill_events_over_off": rate["events"] / rate["off"]}
+
+
+@contextlib.contextmanager
+def subscribed(endpoint: str) -> Iterator[None]:
+    """A ZeroMQ SUB reading the KV events from a thread, as an external router would."""
+    import threading
+
+    import zmq
+
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            if sock.poll(100):
+                sock.recv_multipart()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        reader.join(timeout=5)
+        sock.close()
 
 
 CASES = ("multiturn", "cross", "remote", "overhead")
 TARGETS = {"multiturn_ratio": (4.0, True), "cross_worker_ratio": (10.0, True), "restart_ratio": (10.0, True),
-           "cross_host_redis_ratio": (5.0, True), "overhead_ttft_on_over_off": (1.03, False),
-           "overhead_itl_on_over_off": (1.03, False)}
+           "cross_host_redis_ratio": (5.0, True),
+           "overhead_itl_tiers_over_off": (1.03, False), "overhead_prefill_tiers_over_off": (0.97, True),
+           "overhead_itl_events_over_off": (1.03, False), "overhead_prefill_events_over_off": (0.97, True)}
 
 
 def one_run(args: argparse.Namespace, run: int) -> tuple[dict[str, float], bool]:

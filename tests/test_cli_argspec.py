@@ -19,9 +19,10 @@ from pdserve.cli.worker_args import WorkerArgs
 
 GW = "tcp://127.0.0.1:5555"
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+EVENTS = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:7100", "topic": "kv"})
 # Texts tried in turn for a field's value other than its default; each field takes the first its type parses.
 CANDIDATES = ("3", "5", "0.25", "cuda", "64MiB", "bfloat16", "fp8", "0-1", "127.0.0.2", "tcp://127.0.0.1:7001",
-              "/tmp/pdserve-x", "pirate=/tmp/pdserve-lora", NGRAM)
+              "/tmp/pdserve-x", "pirate=/tmp/pdserve-lora", NGRAM, EVENTS)
 # Set by `up` for each child (or never offered): `up` defines its own flags of these names.
 UP_OWN = {"model", "revision", "download_dir", "threads", "thread_policy"}
 
@@ -64,7 +65,9 @@ def test_every_flag_up_offers_reaches_each_worker_and_round_trips() -> None:
     prefill, decode = map(_parse_child, cmds)
     for f in offered:
         roles = f.metadata["flag"].roles  # a role-scoped flag reaches only its roles
-        assert getattr(decode, f.name) == (want[f.name] if roles is None or "decode" in roles else f.default), f.name
+        # the second worker publishes its KV events on the next port (vLLM's rule for a second rank)
+        own = want[f.name].for_worker(1) if f.name == "kv_events_config" else want[f.name]
+        assert getattr(decode, f.name) == (own if roles is None or "decode" in roles else f.default), f.name
         expected = {"num_blocks": 5, "speculative_config": None}.get(f.name, want[f.name])  # prefill's own
         assert getattr(prefill, f.name) == (expected if roles is None or "prefill" in roles else f.default), f.name
     assert decode.gateway == prefill.gateway == (GW,)

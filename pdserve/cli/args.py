@@ -26,6 +26,7 @@ from pdserve.common.kv_layout import normalize_kv_cache_dtype
 from pdserve.engine.loading.dtype import normalize_dtype
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.planner.capacity import PlanError, parse_size
+from pdserve.worker.vllm_events.config import KVEventsConfig
 
 T = TypeVar("T")
 
@@ -194,6 +195,7 @@ def checked(parse: Callable[[str], T]) -> Callable[[str], T]:
 dtype = checked(normalize_dtype)  # auto, float32, float16, bfloat16 (also fp32, fp16, half, bf16)
 kv_cache_dtype = checked(normalize_kv_cache_dtype)  # auto, fp8 (= fp8_e4m3), fp8_e4m3 or int8, normalized
 speculative_config = checked(SpeculativeConfig.from_json)  # vLLM's --speculative-config JSON
+kv_events_config = checked(KVEventsConfig.from_json)  # vLLM's --kv-events-config JSON
 
 
 def check_speculative(spec: SpeculativeConfig | None) -> None:

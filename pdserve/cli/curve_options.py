@@ -76,6 +76,21 @@ def check_worker_exposure(args: argparse.Namespace) -> None:
         warn_insecure("worker control and KV planes", where)
 
 
+def check_kv_events_exposure(args: argparse.Namespace) -> None:
+    """Refuse a `--kv-events-config` endpoint off loopback unless `--insecure`, CURVE keys
+    or not: vLLM's event stream has no CURVE (its consumers speak none), and it carries
+    the token ids of users' prompts."""
+    config = args.kv_events_config
+    exposed = config.exposed if config is not None else []
+    if exposed and not args.insecure:
+        raise UsageError("--kv-events-config", f"endpoint {exposed[0]} is not loopback and the KV events "
+                         "stream has no CURVE (it carries prompts' token ids): use tcp://127.0.0.1:PORT or "
+                         "ipc://PATH, or --insecure on a trusted network")
+    if exposed:
+        log.warning("--insecure: the KV events (prompts' token ids) are published without authentication "
+                    "on %s (docs/security.md)", ", ".join(exposed))
+
+
 def warn_insecure(what: str, where: str) -> None:
     log.warning("--insecure: the %s on %s run without CURVE: any peer that reaches them can pose as a "
                 "worker or a gateway and read or answer users' prompts (docs/security.md)", what, where)

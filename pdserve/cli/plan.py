@@ -1,8 +1,9 @@
 """`pdserve plan`: will this model, at this context length, fit on this device?
 
 Prints the capacity arithmetic of `pdserve.planner.capacity` (weights, KV per token and per
-request, token budget, max concurrency, and with a GPU price the cost per 1M output
-tokens) from the model's own config.json. With `--simulate PROFILE`: the predicted
+request, token budget, max concurrency; with a GPU price the cost per 1M output tokens;
+with `--kv-offload-memory/--kv-offload-disk/--kv-remote-memory` the blocks and prefix
+tokens each KV tier holds) from the model's own config.json. With `--simulate PROFILE`: the predicted
 TTFT, ITL and goodput of each P:D split for a workload (pdserve/cli/plan_simulate.py).
 """
 
@@ -73,6 +74,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-loras", type=positive_int, default=0,
                    help="with --enable-lora: count this many resident LoRA adapters (0: none)")
     p.add_argument("--max-lora-rank", type=positive_int, default=16, help="their rank (all 7 projections)")
+    p.add_argument("--kv-offload-memory", type=_size, default=None, metavar="SIZE",
+                   help="account a host KV tier of this size (a worker's --kv-offload-memory)")
+    p.add_argument("--kv-offload-disk", type=_size, default=None, metavar="SIZE",
+                   help="account a disk KV tier of this size (a worker's --kv-offload-disk)")
+    p.add_argument("--kv-remote-memory", type=_size, default=None, metavar="SIZE",
+                   help="account a remote (Redis) KV tier with this much memory for the model's blocks "
+                   "(the server's maxmemory bounds it)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     add_simulate_args(p)
     p.set_defaults(func=run)
@@ -104,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
             throughput=args.throughput,
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
+            tier_bytes={name: size for name, size in (("host", args.kv_offload_memory),
+                                                      ("disk", args.kv_offload_disk),
+                                                      ("remote", args.kv_remote_memory)) if size},
         )
     except PlanError as e:
         print(f"pdserve plan: {e}", file=sys.stderr)

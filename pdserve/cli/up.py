@@ -125,9 +125,11 @@ def _worker_cmds(args: argparse.Namespace, control: str,
         thread_policy=None if args.thread_policy == "auto" else args.thread_policy, **gpu_settings(args, len(roles)))
     spec = args.speculative_config
     cmds = []
-    for role, n, cores in zip(roles, counts, core_settings(args, roles, share_file), strict=True):
+    events = base.kv_events_config
+    for i, (role, n, cores) in enumerate(zip(roles, counts, core_settings(args, roles, share_file), strict=True)):
         tp, pp = _parallel(args, role)
         child = replace(base, threads=n, tensor_parallel_size=tp, pipeline_parallel_size=pp, **cores,
+                        kv_events_config=events.for_worker(i) if events is not None else None,
                         num_blocks=(args.prefill_num_blocks if role == Role.PREFILL else None) or args.num_blocks,
                         speculative_config=None if role == Role.PREFILL and spec and not spec.ships_draft_kv else spec)
         command = ["worker", "--colocated"] if role == Role.COLOCATED else [role.value]
@@ -237,6 +239,10 @@ def check_args(args: argparse.Namespace) -> None:
     check_parallel("--decode-tp", args.decode_tp, args.decode_pp, args.device, config)
     check_served_names(args.served_model_name)
     check_speculative(args.speculative_config)
+    events = args.kv_events_config
+    if events is not None and events.exposed:
+        raise UsageError("--kv-events-config", f"`pdserve up` publishes KV events on loopback or ipc only, not "
+                         f"{events.exposed[0]}; start the workers by hand (with --insecure) for that")
     sampling_defaults(args.generation_config, model_dir(args.model))
     check_api_keys(args)
     check_listen("--port", args.host, args.port)

@@ -19,6 +19,7 @@ from pdserve.cli.args import (
     fraction,
     host,
     kv_cache_dtype,
+    kv_events_config,
     memory_fraction,
     non_negative_int,
     port_or_zero,
@@ -34,6 +35,7 @@ from pdserve.engine.loading.dtype import DTYPE_HELP
 from pdserve.engine.quant.formats import LM_HEAD_CHOICES, QUANTIZATION_CHOICES
 from pdserve.engine.spec.config import SpeculativeConfig
 from pdserve.worker.cpu_cores import format_cpu_list, parse_cpu_list
+from pdserve.worker.vllm_events.config import KVEventsConfig
 
 P_D = (Role.PREFILL, Role.DECODE)
 GPU_MEMORY_HELP = ("CUDA: fraction of the device's total memory a worker may use (weights, activations and KV "
@@ -175,3 +177,12 @@ class WorkerArgs(ArgGroup):
         'draft) or "prefill" (the prefill worker runs the draft too and ships its KV; give the same config to '
         'both). Output is identical with it on or off', type=speculative_config, metavar="JSON",
         render=SpeculativeConfig.to_json)
+    kv_events_config: KVEventsConfig | None = flag(
+        None, 'publish the KV pool\'s block stored/removed/cleared events as vLLM does, for external KV-aware '
+        'routers (llm-d, Dynamo): vLLM\'s JSON, {"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://127.0.0.1:5557", "replay_endpoint": null, "buffer_steps": 10000, "hwm": 100000, '
+        '"max_queue_size": 100000, "topic": ""}; ZeroMQ PUB + msgpack. The endpoint defaults to loopback; '
+        'one off loopback needs --insecure (the stream has no CURVE)', type=kv_events_config, metavar="JSON",
+        render=KVEventsConfig.to_json,
+        up_help='every worker publishes vLLM-format KV events (vLLM\'s JSON, as for a worker); worker i binds '
+        'the endpoint\'s port + i (vLLM\'s rule for data-parallel ranks); loopback or ipc only')

@@ -21,7 +21,11 @@ from pdserve.cli.args import (
     check_speculative,
     model_dir,
 )
-from pdserve.cli.curve_options import add_insecure_arg, check_worker_exposure
+from pdserve.cli.curve_options import (
+    add_insecure_arg,
+    check_kv_events_exposure,
+    check_worker_exposure,
+)
 from pdserve.cli.kv_tier_args import tier_config
 from pdserve.cli.lora_args import check_lora_args, worker_lora_config
 from pdserve.cli.worker_args import WorkerArgs, default_threads
@@ -53,6 +57,7 @@ def check_args(args: argparse.Namespace) -> None:
         flag = "--curve-server-key" if args.curve_key else "--curve-key"
         raise UsageError(flag, "--curve-key and --curve-server-key go together")
     check_worker_exposure(args)
+    check_kv_events_exposure(args)
     config = check_model(args.model, tokenizer=False)
     check_max_model_len(args.max_model_len, config)
     check_lora_args(args)
@@ -207,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         thread_policy=str(args.thread_policy),  # resolved by check_args
         kv_offload=kv_offload,
         otlp_traces_endpoint=w.otlp_traces_endpoint,
+        kv_events=w.kv_events_config,
     )
     # Prefill and decode workers can switch between the two live (gateway admin call).
     flips = {r: node_builder(r) for r in FLIP_ROLES} if args.role in FLIP_ROLES else None

@@ -22,7 +22,9 @@ when present, the safetensors headers (for an exact parameter count). The figure
 - token budget = KV budget // KV bytes per token; max concurrency = KV budget //
   KV per request;
 - cost per 1M output tokens = GPU hourly cost / (3,600 x output tokens/s) x 10^6
-  (`--gpu-hourly-cost` with `--throughput`).
+  (`--gpu-hourly-cost` with `--throughput`);
+- per KV tier below the pool (host, disk, remote: `pdserve.planner.tiers`): its bound,
+  the bytes of one stored block, and the blocks and prefix tokens it holds.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from pdserve.engine.quant.formats import (
     served_lm_head,
     served_quantization,
 )
+from pdserve.planner.tiers import TIER_NAMES, TierCapacity, format_tier, record_bytes, tier_capacity
 
 DEFAULT_OVERHEAD_FRACTION = 0.10
 # `--kv-cache-dtype` values plan takes beyond the serving dtypes: one byte an element.
@@ -231,6 +234,7 @@ class CapacityPlan:
     # --enable-lora: max_loras resident adapters of max_lora_rank on all 7 projections,
     # counted twice (the registry's stacked copy of the step's set, pdserve/engine/lora/batch.py).
     lora_bytes: int = 0
+    tiers: tuple[TierCapacity, ...] = ()  # the KV tiers asked about, host, disk, remote order
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -254,13 +258,15 @@ def compute_plan(
     throughput: float | None = None,
     max_loras: int = 0,
     max_lora_rank: int = 16,
+    tier_bytes: dict[str, int] | None = None,
 ) -> CapacityPlan:
     """The capacity figures for one model on one device (see the module docstring).
 
     `dtype` resolves against the checkpoint, `device` and `cpu_flags` (None: this
     host's) exactly as a worker started with the same flags resolves it; `quantization`
     as a worker's `--quantization` (an AWQ/GPTQ checkpoint plans as stored), and
-    `lm_head_quantization` as its `--lm-head-quantization`."""
+    `lm_head_quantization` as its `--lm-head-quantization`. `tier_bytes`: the bound of
+    each KV tier to account (host, disk, remote -> bytes)."""
     d = Path(model_dir)
     cfg = read_model_config(d)
     try:
@@ -293,6 +299,14 @@ def compute_plan(
     lora = 2 * max_loras * adapter_bytes(dims, max_lora_rank, DTYPE_BYTES[dt])
     budget = max(0, device_memory - overhead - w_bytes - lora)
     conc_bytes = None if concurrency is None else concurrency * per_request
+    unknown = sorted(set(tier_bytes or {}) - set(TIER_NAMES))
+    if unknown or any(v <= 0 for v in (tier_bytes or {}).values()):
+        raise PlanError(f"KV tiers are {', '.join(TIER_NAMES)}, each with a positive size; got {tier_bytes}")
+    block_record = record_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, _KV_BYTES[kv_dt], block_size,
+                                quantized=kv_dt in ("fp8", "fp8_e4m3", "int8"))
+    pool_tokens = budget // kv_per_token
+    tiers = tuple(tier_capacity(name, (tier_bytes or {})[name], block_record, block_size, pool_tokens)
+                  for name in TIER_NAMES if name in (tier_bytes or {}))
     cost = None
     if gpu_hourly_cost is not None and throughput is not None:
         if gpu_hourly_cost < 0 or throughput <= 0:
@@ -324,7 +338,7 @@ def compute_plan(
         overhead_fraction=overhead_fraction,
         overhead_bytes=overhead,
         kv_budget_bytes=budget,
-        token_budget=budget // kv_per_token,
+        token_budget=pool_tokens,
         max_concurrency=budget // per_request,
         concurrency=concurrency,
         concurrency_kv_bytes=conc_bytes,
@@ -333,6 +347,7 @@ def compute_plan(
         throughput=throughput,
         cost_per_million_tokens=cost,
         lora_bytes=lora,
+        tiers=tiers,
     )
 
 
@@ -368,6 +383,7 @@ def format_plan(p: CapacityPlan) -> str:
          + (" - LoRA adapters" if p.lora_bytes else "")),
         ("token budget", f"{p.token_budget:,} tokens"),
         ("max concurrency", f"{p.max_concurrency:,} requests at {p.max_model_len:,} tokens"),
+        *(format_tier(t, _b(t.bytes)) for t in p.tiers),
     ]
     if p.concurrency is not None and p.concurrency_kv_bytes is not None:
         verdict = "fits" if p.fits else "does NOT fit"

@@ -39,7 +39,7 @@ def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder
     worker_id = opts.worker_id or new_worker_id(opts.role)
     channel = GatewayLinks(opts.gateways, worker_id, opts.curve)
     rt_cfg = RuntimeConfig(opts.gateways, worker_id, opts.metrics_host, opts.metrics_port, opts.heartbeat_s,
-                           curve=opts.curve)
+                           curve=opts.curve, kv_events=opts.kv_events)
     faults = injected_faults(opts.fault_injection)
     tracer = make_tracer(opts.otlp_traces_endpoint, opts.role, worker_id)
 

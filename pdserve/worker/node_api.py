@@ -8,6 +8,7 @@ from typing import NamedTuple, Protocol
 
 from pdserve.common import protocol as p
 from pdserve.common.roles import Role
+from pdserve.engine.core.block_events import BlockEventLog
 from pdserve.engine.core.cache_events import CacheEvents
 
 
@@ -61,6 +62,11 @@ class Node(Protocol):
         """Every prefix-cache block's key (pdserve/common/block_hash.py), for a snapshot."""
         ...
 
+    def block_event_log(self) -> BlockEventLog:
+        """Start recording the pool's ordered block events (the vLLM-format KV events);
+        the log the main loop drains after every tick."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -92,6 +98,9 @@ class NodeWrapper:
 
     def cached_keys(self) -> list[int]:
         return self.node.cached_keys()
+
+    def block_event_log(self) -> BlockEventLog:
+        return self.node.block_event_log()
 
     def close(self) -> None:
         self.node.close()

@@ -16,6 +16,7 @@ from typing import Generic, TypeVar
 from pdserve.common import protocol as p
 from pdserve.common.kv_layout import KVLayout
 from pdserve.common.logs import request_fields
+from pdserve.engine.core.block_events import BlockEventLog
 from pdserve.engine.core.cache_events import CacheEvents
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner.model_runner import ModelRunner
@@ -71,6 +72,9 @@ class EngineNode:
 
     def cached_keys(self) -> list[int]:
         return self.engine.block_manager.cached_keys()
+
+    def block_event_log(self) -> BlockEventLog:
+        return self.engine.block_manager.record_block_events()
 
     def registration(self) -> NodeRegistration:
         """The node's pool; no KV receiver."""

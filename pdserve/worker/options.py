@@ -18,6 +18,7 @@ from pdserve.worker.gateways import GatewayLinks
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.node_api import Node
 from pdserve.worker.tracing import WorkerTraces
+from pdserve.worker.vllm_events.config import KVEventsConfig
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class WorkerOptions:
     thread_policy: str = "fixed"  # adaptive: the thread governor picks 1 or N threads per step
     kv_offload: KVOffloadConfig | None = None  # KV tiers below the pool (every role)
     otlp_traces_endpoint: str | None = None  # None: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing
+    kv_events: KVEventsConfig | None = None  # vLLM-format KV events (pdserve/worker/vllm_events/)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))

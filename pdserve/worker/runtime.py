@@ -22,7 +22,9 @@ every replica; see `pdserve.worker.gateways`) the worker registers and heartbeat
 each on its own channel, reports its total load to each, and sends every reply
 back on the channel its request came from. After every tick it also broadcasts the
 prefix-cache blocks stored and evicted (`KvEvents`, pdserve/worker/kv_events.py) for the
-gateways' KV-aware routing.
+gateways' KV-aware routing. With `--kv-events-config` it also hands the tick's ordered
+block events to the vLLM-format publisher (pdserve/worker/vllm_events/), which sends
+them from its own thread: the step loop never waits on a subscriber.
 
 `SwitchRole` flips the worker's role live (pdserve/worker/role_switch.py): drain, rebuild
 the node for the other role, register again.
@@ -46,6 +48,7 @@ from typing import Any
 from pdserve.common import protocol as p
 from pdserve.common.roles import Role
 from pdserve.common.transport import LOOPBACK, CurveClient, WorkerChannel, host_id, transport_kind
+from pdserve.engine.core.block_events import AllCleared, BlockEventLog
 from pdserve.worker.arrivals import ArrivalCursor, ArrivalLog, Arrivals
 from pdserve.worker.faults import FaultInjector, WorkerFaults
 from pdserve.worker.gateways import GatewayLinks
@@ -53,6 +56,8 @@ from pdserve.worker.kv_events import CachePublisher
 from pdserve.worker.metrics import MetricsServer, WorkerMetrics
 from pdserve.worker.node_api import Node, NodeLoad
 from pdserve.worker.role_switch import RoleSwitcher, misrouted
+from pdserve.worker.vllm_events.config import KVEventsConfig
+from pdserve.worker.vllm_events.publisher import KVEventPublisher, PublisherCollector
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,7 @@ class RuntimeConfig:
     idle_wait_ms: int = 5
     stall_s: float = 60.0  # loop silent this long: stop heartbeating
     curve: CurveClient | None = None
+    kv_events: KVEventsConfig | None = None  # vLLM-format KV events (None or disabled: none)
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,11 @@ class WorkerRuntime:
         self._snapshot: LoadSnapshot | None = None  # replaced (never mutated) by the main loop
         self.cache = CachePublisher(config.worker_id)
         self._arrivals = ArrivalLog()
+        events = config.kv_events
+        # Bound here, so a busy endpoint fails the worker's start.
+        self.events = KVEventPublisher(events) if events is not None and events.enabled else None
+        self._block_log: BlockEventLog | None = None
+        self._events_registry: Any = None  # the metrics registry that exports the publisher's counters
 
     def request_stop(self, *_: Any) -> None:
         self._stop_requested = True
@@ -105,6 +116,7 @@ class WorkerRuntime:
         server = MetricsServer(self.metrics, self.config.metrics_host, self.config.metrics_port,
                                health=lambda: not self._stop_requested)
         server.start()
+        self._follow_block_events(node)
         self._publish(node)
         self._follow_gateways(node, server.port)
         hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
@@ -127,6 +139,8 @@ class WorkerRuntime:
             node.close()
             log.debug("stopping: metrics server")
             server.close()
+            if self.events is not None:
+                self.events.close()
             self.channel.close()
             log.debug("stopped")
         return 0
@@ -159,7 +173,19 @@ class WorkerRuntime:
         if self.switcher.metrics is not None:  # the new role's metrics (role label)
             self.metrics = self._server.metrics = self.switcher.metrics
             self.metrics.role_flips.inc(self.switcher.flips)
+        self._follow_block_events(node)
         return self._register_all(node, metrics_port)
+
+    def _follow_block_events(self, node: Node) -> None:
+        """Record the (new) node's block events, starting from an empty pool: subscribers
+        are told to forget what this endpoint held before (a restart, a role flip)."""
+        if self.events is None:
+            return
+        self._block_log = node.block_event_log()
+        self.events.publish([AllCleared(), *self._block_log.drain()], self._block_log.block_size)
+        if self.metrics.registry is not self._events_registry:  # a flip brings the new role's metrics
+            self.metrics.registry.register(PublisherCollector(self.events, self.metrics.labels))
+            self._events_registry = self.metrics.registry
 
     def _register_all(self, node: Node, metrics_port: int) -> Node:
         self._publish(node)
@@ -198,6 +224,9 @@ class WorkerRuntime:
         batch = self.cache.next_batch(node)
         if batch is not None:
             self.channel.broadcast(batch)
+        if self._block_log is not None and self._block_log.events:
+            assert self.events is not None
+            self.events.publish(self._block_log.drain(), self._block_log.block_size)
         self._last_tick = time.monotonic()
         if not worked:
             self.channel.wait(self.config.idle_wait_ms)

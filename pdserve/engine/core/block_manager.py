@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 from pdserve.common.block_hash import ROOT_DIGEST, block_hash, block_key
 from pdserve.common.kv_layout import NULL_BLOCK
+from pdserve.engine.core.block_events import BlockEventLog
 from pdserve.engine.core.cache_events import CacheEventLog
 
 __all__ = ["ROOT_DIGEST", "BlockManager", "block_hash"]
@@ -89,6 +90,9 @@ class BlockManager:
         self._hashes: dict[int, list[bytes]] = {}
         # Stored/evicted feed for KV-aware routing; None: nobody listens (`record_events`).
         self.events: CacheEventLog | None = None
+        # The same changes in order, with parents and token ids, for the KV events a
+        # worker publishes in vLLM's format; None: nobody listens (`record_block_events`).
+        self.block_events: BlockEventLog | None = None
         # (digest, block id) of each block registered since the last drain, for the KV
         # tiers to copy out (`record_stored`); None: no tiers.
         self.stored: list[tuple[bytes, int]] | None = None
@@ -131,6 +135,12 @@ class BlockManager:
         if self.events is None:
             self.events = CacheEventLog()
         return self.events
+
+    def record_block_events(self) -> BlockEventLog:
+        """Start recording ordered stored/removed/cleared events (drained every tick)."""
+        if self.block_events is None:
+            self.block_events = BlockEventLog(self.block_size)
+        return self.block_events
 
     def record_stored(self) -> None:
         """Start listing newly registered blocks in `stored` (the engine drains it)."""
@@ -225,7 +235,8 @@ class BlockManager:
         num_full = min(num_computed_tokens // bs, len(table))
         for i in range(len(hashes), num_full):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(hashes[-1] if hashes else root, chunk)
+            parent = hashes[-1] if hashes else root
+            h = block_hash(parent, chunk)
             hashes.append(h)
             block = self._blocks[table[i]]
             # An identical block already cached elsewhere stays the canonical one.
@@ -235,6 +246,8 @@ class BlockManager:
                 self._cached[h] = block.block_id
                 if self.events is not None:
                     self.events.stored(h)
+                if self.block_events is not None:
+                    self.block_events.stored(h, parent, chunk, root)
                 if self.stored is not None:
                     self.stored.append((h, block.block_id))
 
@@ -282,6 +295,8 @@ class BlockManager:
         self._cached.clear()
         if self.events is not None:
             self.events.cleared()
+        if self.block_events is not None:
+            self.block_events.cleared()
 
     # ---------------------------------------------------------------- internals
     def _acquire(self, block_id: int) -> None:
@@ -309,6 +324,8 @@ class BlockManager:
                 del self._cached[block.block_hash]
                 if self.events is not None:
                     self.events.evicted(block.block_hash)
+                if self.block_events is not None:
+                    self.block_events.removed(block.block_hash)
             block.block_hash = None
             block.token_ids = ()
         self._blocks[block_id].ref_count = 1
