@@ -12,6 +12,17 @@ gathered form, on CPU as one masked GEMM pair):
 A base row's W is all zero, so it gains exactly nothing; a row of adapter k gains
 only its own columns (the others multiply by exact zeros). A step with no adapter row
 builds no batch at all, so the base path is the plain model.
+
+Row invariance at bf16 (docs/determinism.md): the shrink's column j is one dot product
+over the input (its own accumulator in every bf16 kernel, whatever N and j's place in
+it), but the expand sums over all R columns, and the kernels sum K in 32-k steps, each
+lane of a step in its own accumulator, lanes summed by one fixed tree. So in a bf16
+stack each adapter's block starts at a multiple of `ALIGN` and is padded with zero rows
+of A and zero columns of B to a multiple of it: a row's own columns then fill the same
+lanes of the same k steps whichever adapters share the stack, the other steps add exact
+zeros to accumulators that start at +0, and the row's bits are those of its adapter
+alone (and the stacked N stays a multiple of 16, so AMX never hands a column to its
+AVX-512 tail). float32 (aten's order is not row-invariant anyway) is not padded.
 """
 
 from __future__ import annotations
@@ -21,8 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.lora.checkpoint import GROUPS, LoraWeights
+from pdserve.engine.lora.checkpoint import GROUPS, FusedDelta, LoraWeights
 from pdserve.engine.quant.linear import linear
+
+ALIGN = 32
+"""The bf16 kernels' k step (pdserve/engine/kernels/_bf16_gemv.c, _bf16_emul.c, _bf16_amx.c): a bf16
+stack's per-adapter block of rank columns starts at, and spans, a multiple of it."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +62,7 @@ class LoraStack:
         for i in range(num_layers):
             groups = {}
             for g in GROUPS:
-                parts = [(slot, w.layers[i][g]) for slot, w in enumerate(adapters) if g in w.layers[i]]
+                parts = [(slot, _padded(w.layers[i][g])) for slot, w in enumerate(adapters) if g in w.layers[i]]
                 if not parts:
                     continue
                 owner = torch.cat([torch.full((d.a.shape[0],), s, dtype=torch.long, device=d.a.device)
@@ -58,6 +73,17 @@ class LoraStack:
                 groups[g] = StackedDelta(torch.cat([d.a for _, d in parts]),
                                          torch.cat([d.b for _, d in parts], dim=1), owner, scale)
             self.layers.append(groups)
+
+
+def _padded(d: FusedDelta) -> FusedDelta:
+    """`d` with its rank padded to a multiple of `ALIGN` (zero A rows, zero B columns,
+    zero scales) when it is bf16; as it is otherwise."""
+    pad = -d.a.shape[0] % ALIGN if d.a.dtype == torch.bfloat16 else 0
+    if not pad:
+        return d
+    return FusedDelta(torch.cat([d.a, d.a.new_zeros(pad, d.a.shape[1])]),
+                      torch.cat([d.b, d.b.new_zeros(d.b.shape[0], pad)], dim=1).contiguous(),
+                      torch.cat([d.rank_scale, d.rank_scale.new_zeros(pad)]))
 
 
 class LoraLayer:
