@@ -18,9 +18,12 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.common.lora import LoraError, LoraRef, lora_ref
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loading.loader import load_config
 from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.engine.lora.checkpoint import load_lora
+from pdserve.engine.lora.config import LoraConfig
 from tests.engine.test_lora_peft import PROMPTS, greedy, lora_engine, run_all
 from tests.helpers.lora_adapters import peft_greedy, peft_model
 from tests.helpers.quant_checkpoints import write_dequantized
@@ -128,6 +131,20 @@ def test_lora_needs_enable_lora(lora_model) -> None:
     with pytest.raises(LoraError, match="LoRA is not enabled"):
         engine.add_request("x", PROMPTS[1], greedy(), lora=lora_ref("a", adapters["attn-r4"]))
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_lora_with_tensor_or_pipeline_parallel_is_refused_before_any_rank_starts(lora_model, layout) -> None:
+    base, _ = lora_model
+    with pytest.raises(ValueError, match="--enable-lora serves dense models on one rank only"):
+        EngineConfig(model_dir=str(base), lora=LoraConfig(), **layout)
+
+
+def test_lora_on_a_moe_model_is_refused(tiny_model_dir) -> None:
+    moe = tiny_model_dir("mixtral")
+    with pytest.raises(ValueError, match=r"--enable-lora serves dense models on one rank only .*no MoE"):
+        LLMEngine(EngineConfig(model_dir=str(moe), dtype="float32", lora=LoraConfig()))
+    LLMEngine(EngineConfig(model_dir=str(moe), dtype="float32"))  # the same model serves without LoRA
 
 
 def test_per_module_ranks_and_rslora_scales(lora_model) -> None:
