@@ -151,6 +151,8 @@ class LLMEngine:
         outputs = self._postprocess(batch, logits)
         if self.spec is not None:
             self.spec.retain(self.scheduler.running)  # a draft model's KV of ended sequences
+        if self.loras is not None and self.loras.over_bound():  # adapters kept for requests now ended
+            self.loras.trim(self.live_loras())
         return outputs
 
     def completing_prefills(self, batch: SchedulerOutput) -> list[PrefillDone]:

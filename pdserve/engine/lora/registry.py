@@ -10,7 +10,8 @@ pdserve/worker/lora_loading.py): `read(ref)` touches no registry state, so it ru
 thread, and `install(ref, weights)` keeps the result between two steps. Host copies are
 held in the compute dtype, so making one resident on the CPU converts nothing. The host
 LRU never drops an adapter that a queued or running request still needs (`keep`): it
-may exceed `max_cpu_loras` by those until they end, rather than read one again on the loop.
+may exceed `max_cpu_loras` by those until they end (the engine trims it after each step),
+rather than read one again on the loop.
 
 An adapter is keyed by its weights fingerprint (`pdserve/common/lora.py`), never by its name:
 two requests that name the same adapter but reach the runner with different files are
@@ -93,6 +94,17 @@ class LoraRegistry:
         self._cache(weights, keep)
         self._refs[ref.fingerprint] = ref
 
+    def over_bound(self) -> bool:
+        """More adapters in host memory than `max_cpu_loras` (kept for queued requests)."""
+        return len(self._cpu) > self.config.cpu_slots
+
+    def trim(self, keep: Collection[str]) -> None:
+        """Back within `max_cpu_loras`, least recently used first, keeping `keep`."""
+        spare = [fp for fp in self._cpu if fp not in keep]
+        while len(self._cpu) > self.config.cpu_slots and spare:
+            del self._cpu[spare.pop(0)]
+            self._evictions += 1
+
     def holds(self, fingerprint: str) -> bool:
         """Resident or in host memory: a request under it needs no read."""
         return fingerprint in self._cpu or fingerprint in self._resident
@@ -145,10 +157,7 @@ class LoraRegistry:
     def _cache(self, weights: LoraWeights, keep: Collection[str] = ()) -> None:
         self._cpu[weights.fingerprint] = weights
         self._cpu.move_to_end(weights.fingerprint)
-        spare = [fp for fp in self._cpu if fp not in keep and fp != weights.fingerprint]
-        while len(self._cpu) > self.config.cpu_slots and spare:
-            del self._cpu[spare.pop(0)]
-            self._evictions += 1
+        self.trim({*keep, weights.fingerprint})
 
     def _touch(self, fp: str) -> None:
         for tier in (self._cpu, self._resident):
