@@ -45,6 +45,7 @@ def _p(xs: list[float], q: float) -> float:
 
 def build(model: str, threads: int, max_loras: int, rank: int) -> tuple[Any, Any]:
     """(the loader-wrapped colocated node, its sent messages)."""
+    from pdserve.common.roles import Role
     from pdserve.engine.core.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.lora.config import LoraConfig
@@ -56,7 +57,7 @@ def build(model: str, threads: int, max_loras: int, rank: int) -> tuple[Any, Any
                                     lora=LoraConfig(max_loras=max_loras, max_lora_rank=rank,
                                                     max_cpu_loras=4 * max_loras)))
     out: list[Any] = []
-    node = ColocatedNode("bench", engine, engine.runner, out.append, WorkerMetrics("colocated", "bench"))
+    node = ColocatedNode("bench", engine, engine.runner, out.append, WorkerMetrics(Role.COLOCATED, "bench"))
     return LoraLoadingNode(node), out
 
 
@@ -119,11 +120,11 @@ def main() -> None:
             node.inner.engine.loras.register(ref)
         vocab = node.inner.engine.vocab_size
         every = max(1, args.output_len // (args.loads + 2))
-        rounds = []
+        rounds: list[dict[str, Any]] = []
         for r in range(args.rounds):
             rng = random.Random(r)
             order = PHASES[r % 3:] + PHASES[: r % 3]
-            got = {}
+            got: dict[str, dict[str, float]] = {}
             for k, name in enumerate(order):
                 prompts = [[rng.randrange(5, vocab) for _ in range(args.prompt_len)] for _ in range(args.streams)]
                 late = [adapter(f"r{r}-{name}-{i}", 1000 * (r + 1) + 10 * k + i) for i in range(args.loads)]
@@ -135,8 +136,8 @@ def main() -> None:
                                             for n in PHASES)
                   + f"; runtime/held p99 {ratio:.3f}", flush=True)
         node.close()
-    ratio = statistics.median(x["ratio_p99"] for x in rounds)
-    on_loop = statistics.median(x["on_loop_ratio_p99"] for x in rounds)
+    ratio = statistics.median(float(x["ratio_p99"]) for x in rounds)
+    on_loop = statistics.median(float(x["on_loop_ratio_p99"]) for x in rounds)
     print(f"median runtime-load / held ITL p99: {ratio:.3f} (on-loop read: {on_loop:.3f}); {args.streams} streams "
           f"over {args.adapters} adapters of rank {args.rank}, {args.loads} loads per phase; target <= 1.20")
     harness.write_json(args.output_json, {"rounds": rounds, "median_ratio_p99": ratio,

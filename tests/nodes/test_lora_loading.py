@@ -22,6 +22,7 @@ import pytest
 
 from pdserve.common import protocol as p
 from pdserve.common.lora import LoraRef, lora_ref
+from pdserve.common.roles import Role
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.lora.checkpoint import LoraWeights
 from pdserve.engine.lora.loader import LoraLoader
@@ -54,7 +55,7 @@ class Node:
     def __init__(self, base: Path, gated: bool = True) -> None:
         self.engine = lora_engine(base, max_loras=2)
         self.out: list[p.Message] = []
-        inner = ColocatedNode("c", self.engine, self.engine.runner, self.out.append, WorkerMetrics("colocated", "c"))
+        inner = ColocatedNode("c", self.engine, self.engine.runner, self.out.append, WorkerMetrics(Role.COLOCATED, "c"))
         assert self.engine.loras is not None
         self.gate = Gate(self.engine.loras.read)
         wrapped = lora_loading(inner) if not gated else LoraLoadingNode(inner, LoraLoader(self.gate))
