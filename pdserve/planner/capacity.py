@@ -230,7 +230,7 @@ class CapacityPlan:
     lm_head_quantization: str = "none"  # none | int8 (`served_lm_head`)
     # --enable-lora: max_loras resident adapters of max_lora_rank on all 7 projections,
     # counted twice (the registry's stacked copy of the step's set, pdserve/engine/lora/batch.py;
-    # at bf16 each block of it padded to 32 rank columns).
+    # at bf16 each block of it padded to at most 32 rank columns).
     lora_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -291,7 +291,7 @@ def compute_plan(
     per_request = request_tokens * kv_per_token
     overhead = int(device_memory * overhead_fraction)
     dims = ProjectionDims(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.num_layers)
-    stack_align = 32 if dt == "bfloat16" else 1  # a bf16 stack pads each block (pdserve/engine/lora/batch.py)
+    stack_align = 32 if dt == "bfloat16" else 1  # a bf16 stack pads each block, at most to 32 (lora/batch.py)
     lora = max_loras * (adapter_bytes(dims, max_lora_rank, DTYPE_BYTES[dt])
                         + adapter_bytes(dims, max_lora_rank, DTYPE_BYTES[dt], stack_align))
     budget = max(0, device_memory - overhead - w_bytes - lora)

@@ -236,10 +236,12 @@ def test_plan_counts_the_adapters_the_engine_holds(lora_model, tmp_path: Path) -
     lora = compute_plan(base, 1 << 30, 256, dtype="float32", max_loras=3, max_lora_rank=8)
     assert lora.lora_bytes == 2 * 3 * weights.nbytes
     assert plain.kv_budget_bytes - lora.kv_budget_bytes == lora.lora_bytes
-    # bf16: the step's stacked copy pads each adapter's fused rank to 32 columns.
-    from pdserve.engine.lora.batch import LoraStack
+    # bf16: the step's stacked copy pads each adapter's fused rank (to 4 columns, 32 on AMX):
+    # the plan counts the most it can be.
+    from pdserve.engine.lora.batch import MAX_ALIGN, LoraStack
     bf16 = weights.to(torch.bfloat16, torch.device("cpu"))
     stacked = sum(d.a.nbytes + d.b.nbytes + d.rank_scale.nbytes for layer in LoraStack([bf16]).layers
                   for d in layer.values())
+    most = adapter_bytes(projection_dims(cfg), 8, 2, MAX_ALIGN)
     plan = compute_plan(base, 1 << 30, 256, dtype="bfloat16", max_loras=3, max_lora_rank=8)
-    assert plan.lora_bytes == 3 * (bf16.nbytes + stacked) and stacked > bf16.nbytes
+    assert plan.lora_bytes == 3 * (bf16.nbytes + most) and bf16.nbytes <= stacked <= most

@@ -15,14 +15,17 @@ builds no batch at all, so the base path is the plain model.
 
 Row invariance at bf16 (docs/determinism.md): the shrink's column j is one dot product
 over the input (its own accumulator in every bf16 kernel, whatever N and j's place in
-it), but the expand sums over all R columns, and the kernels sum K in 32-k steps, each
-lane of a step in its own accumulator, lanes summed by one fixed tree. So in a bf16
-stack each adapter's block starts at a multiple of `ALIGN` and is padded with zero rows
-of A and zero columns of B to a multiple of it: a row's own columns then fill the same
-lanes of the same k steps whichever adapters share the stack, the other steps add exact
-zeros to accumulators that start at +0, and the row's bits are those of its adapter
-alone (and the stacked N stays a multiple of 16, so AMX never hands a column to its
-AVX-512 tail). float32 (aten's order is not row-invariant anyway) is not padded.
+it), but the expand sums over all R columns. The AVX-512 BF16 kernel (and its emulation)
+sums K in 32-k steps, column c into lane (c mod 32) / 2 of its step, each lane its own
+accumulator, the 16 lanes then summed by one fixed tree; moving a block by 4 columns
+(2 lanes) turns that tree into the same sums with operands swapped, which float addition
+does not notice, and a lane shared with nobody else's columns adds exact zeros to an
+accumulator that starts at +0. So in a bf16 stack each adapter's block starts at, and
+is padded with zero A rows and zero B columns to, a multiple of `stack_align()` (4; 32
+on AMX, whose tiles sum each 32-k chunk in their own order and whose N must stay a
+multiple of 16): a row's bits are those of its adapter alone, whichever adapters share
+the step and in which order. float32 (aten's order is not row-invariant anyway) is not
+padded.
 """
 
 from __future__ import annotations
@@ -32,12 +35,20 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.kernels import bf16_gemv
 from pdserve.engine.lora.checkpoint import GROUPS, FusedDelta, LoraWeights
 from pdserve.engine.quant.linear import linear
 
-ALIGN = 32
-"""The bf16 kernels' k step (pdserve/engine/kernels/_bf16_gemv.c, _bf16_emul.c, _bf16_amx.c): a bf16
-stack's per-adapter block of rank columns starts at, and spans, a multiple of it."""
+MAX_ALIGN = 32
+"""The most `stack_align` pads to (AMX: the k step of pdserve/engine/kernels/_bf16_amx.c)."""
+
+
+def stack_align(dtype: torch.dtype) -> int:
+    """What each adapter's block of rank columns in a stack of `dtype` starts at and spans
+    a multiple of (module docstring): 1 where no row-invariant kernel runs it."""
+    if dtype != torch.bfloat16 or not bf16_gemv.enabled():
+        return 1
+    return MAX_ALIGN if bf16_gemv.kernel() == "bf16_amx" else 4
 
 
 @dataclass(frozen=True)
@@ -76,9 +87,9 @@ class LoraStack:
 
 
 def _padded(d: FusedDelta) -> FusedDelta:
-    """`d` with its rank padded to a multiple of `ALIGN` (zero A rows, zero B columns,
-    zero scales) when it is bf16; as it is otherwise."""
-    pad = -d.a.shape[0] % ALIGN if d.a.dtype == torch.bfloat16 else 0
+    """`d` with its rank padded to a multiple of `stack_align` (zero A rows, zero B
+    columns, zero scales)."""
+    pad = -d.a.shape[0] % stack_align(d.a.dtype)
     if not pad:
         return d
     return FusedDelta(torch.cat([d.a, d.a.new_zeros(pad, d.a.shape[1])]),
