@@ -21,8 +21,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from pdserve.engine.kernels import cpu_features
+from pdserve.engine.kernels import cpu_features, lora_expand
+from pdserve.engine.kernels import native as native_kernels
 from tests.engine.test_lora_peft import PROMPTS
 from tests.helpers.lora_adapters import THREE_ADAPTERS, AdapterSpec, make_peft_adapter
 
@@ -69,3 +71,37 @@ def test_adapter_rows_have_the_same_bits_alone_and_in_a_mixed_batch(odd_adapters
                             if rid not in same}
     for rid, *_ in requests:
         assert len(alone[rid]["tokens"]) == 16 and alone[rid]["prompt"] is not None
+
+
+@pytest.mark.skipif(not lora_expand.available(), reason="the native library lacks the LoRA expand")
+@pytest.mark.parametrize("mask", [m for m in MASKS if m != "native"] + ["native"])
+def test_the_expand_kernel_sums_each_rows_own_columns_in_order(mask: str) -> None:
+    """pdserve/engine/kernels/_lora_expand.c equals its definition step for step (float32
+    accumulation over the row's columns in ascending order, rounded to bf16, then added to
+    `out` and rounded again), leaves base rows untouched, and refuses bad ranges."""
+    feats = native_kernels.features() if mask == "native" else cpu_features.effective(mask) & native_kernels.features()
+    previous = native_kernels.set_features(feats)
+    try:
+        g = torch.Generator().manual_seed(3)
+        rows, rank, n = 37, 29, 200  # odd sizes: partial channel blocks
+        h = torch.randn(rows, rank, generator=g).bfloat16()
+        bt = (torch.randn(rank, n, generator=g) * 4).bfloat16()
+        out = torch.randn(rows, n, generator=g).bfloat16()
+        lo = torch.tensor([(t * 7) % 20 if t % 5 else 0 for t in range(rows)], dtype=torch.int32)
+        hi = torch.where(torch.arange(rows) % 5 == 0, lo, torch.clamp(lo + 3 + torch.arange(rows) % 9, max=rank))
+        hi = hi.to(torch.int32).contiguous()
+        want = out.clone()
+        for t in range(rows):
+            if hi[t] > lo[t]:
+                acc = torch.zeros(n)
+                for j in range(int(lo[t]), int(hi[t])):
+                    acc = acc + h[t, j].float() * bt[j].float()
+                want[t] = (out[t].float() + acc.bfloat16().float()).bfloat16()
+        got = out.clone()
+        lora_expand.expand(h, bt, lo, hi, got)
+        assert torch.equal(got, want)
+        assert torch.equal(got[::5], out[::5])  # base rows (lo == hi) untouched
+        with pytest.raises(ValueError, match="code 3"):
+            lora_expand.expand(h, bt, lo, torch.full((rows,), rank + 1, dtype=torch.int32), got)
+    finally:
+        native_kernels.set_features(previous)
