@@ -54,19 +54,28 @@ class LoraAdapters:
 
     def load(self, name: str, path: str, *, check_dir: bool = True) -> LoraRef:
         """Serve the PEFT adapter at `path` as `name`; LoraError saying why not."""
+        return self.add(self.check(name, path, check_dir=check_dir))
+
+    def check(self, name: str, path: str, *, check_dir: bool = True) -> LoraRef:
+        """The reference of the adapter at `path` as `name`, its files checked and
+        fingerprinted; LoraError saying why not. Reads the files and changes nothing, so
+        the HTTP handler runs it on a thread, off the event loop (`add` then serves it)."""
         if not name or len(name) > 256:
             raise LoraError("lora_name must be a non-empty string of at most 256 characters")
         if name in self._reserved:
             raise LoraError(f"lora_name {name!r} is the base model's name")
-        if name in self._refs:
-            raise LoraError(f"LoRA adapter {name!r} is already loaded")
         if check_dir and self.config.allowed_dir is not None:
             root = Path(self.config.allowed_dir).resolve()
             if not Path(path).resolve().is_relative_to(root):
                 raise LoraError(f"lora_path {path!r} is outside the allowed directory")
         plan_adapter(path, self.config.max_lora_rank)
-        ref = lora_ref(name, path)
-        self._refs[name] = ref
+        return lora_ref(name, path)
+
+    def add(self, ref: LoraRef) -> LoraRef:
+        """Serve `ref` (from `check`); LoraError when its name is taken meanwhile."""
+        if ref.name in self._refs:
+            raise LoraError(f"LoRA adapter {ref.name!r} is already loaded")
+        self._refs[ref.name] = ref
         return ref
 
     def unload(self, name: str) -> None:

@@ -14,6 +14,7 @@ all in OpenAI's error shape; the gateway keeps serving the others. Without
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterable
@@ -64,8 +65,12 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     if name in loras:
         raise APIError(409, f"The lora adapter '{name[:64]}' has already been loaded.",
                        param="lora_name", code="conflict")
-    try:
-        loras.load(name, body["lora_path"])
+    try:  # the files are read and hashed on a thread: the streams keep flowing meanwhile
+        ref = await asyncio.to_thread(loras.check, name, body["lora_path"])
+        if name in loras:
+            raise APIError(409, f"The lora adapter '{name[:64]}' has already been loaded.",
+                           param="lora_name", code="conflict")
+        loras.add(ref)
     except LoraError as e:
         raise APIError(400, str(e), param="lora_path", code="invalid_lora") from None
     request.app[_COUNTS]["loads"] += 1

@@ -184,15 +184,20 @@ def _read_header(path: str) -> dict[str, Any]:
     return header
 
 
-def adapter_bytes(dims: ProjectionDims, rank: int, bytes_per_element: int) -> int:
+def adapter_bytes(dims: ProjectionDims, rank: int, bytes_per_element: int, align: int = 1) -> int:
     """Bytes of one resident adapter at its largest, as the engine holds it: rank `rank`
     on all seven projections of every layer, fused like the model's linears
     (pdserve/engine/lora/checkpoint.py: q/k/v A stacked [3r, in] with B block-diagonal
-    [q + 2kv, 3r]; gate/up likewise; plus each rank column's scale)."""
+    [q + 2kv, 3r]; gate/up likewise; plus each rank column's scale). `align`: each fused
+    rank padded to a multiple of it (a bf16 step's stacked copy, pdserve/engine/lora/batch.py)."""
     h, q, kv, i = dims.hidden, dims.q_size, dims.kv_size, dims.intermediate
-    r = rank
-    per_layer = (3 * r * h + (q + 2 * kv) * 3 * r + 3 * r      # qkv
-                 + r * q + h * r + r                          # o
-                 + 2 * r * h + 2 * i * 2 * r + 2 * r          # gate_up
-                 + r * i + h * r + r)                         # down
+
+    def padded(r: int) -> int:
+        return -(-r // align) * align
+
+    r3, r1, r2 = padded(3 * rank), padded(rank), padded(2 * rank)
+    per_layer = (r3 * h + (q + 2 * kv) * r3 + r3      # qkv
+                 + r1 * q + h * r1 + r1               # o
+                 + r2 * h + 2 * i * r2 + r2           # gate_up
+                 + r1 * i + h * r1 + r1)              # down
     return dims.num_layers * per_layer * bytes_per_element

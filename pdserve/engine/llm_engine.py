@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from pdserve.common.logprobs import Logprob
-from pdserve.common.lora import LoraRef
+from pdserve.common.lora import LoraError, LoraRef
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.block_manager import NO_HIT, BlockManager, PrefixHit
 from pdserve.engine.core.config import EngineConfig
@@ -60,7 +60,8 @@ from pdserve.engine.grammar.compiler import (
 )
 from pdserve.engine.grammar.masking import any_constrained, constrain, cut_drafts
 from pdserve.engine.grammar.pending import CompilingRequests
-from pdserve.engine.lora.registry import lora_stats, register_lora
+from pdserve.engine.lora.checkpoint import LoraWeights
+from pdserve.engine.lora.registry import LoraRegistry, lora_stats, register_lora
 from pdserve.engine.pool_blocks import PrefixTiers, TierLink, copy_blocks
 from pdserve.engine.prompt_logprobs import collect_prompt_logprobs
 from pdserve.engine.sampler import Sampler, SampleRow, request_seed
@@ -181,6 +182,8 @@ class LLMEngine:
         outputs = self._postprocess(batch, logits)
         if self.spec is not None:
             self.spec.retain(self.scheduler.running)  # a draft model's KV of ended sequences
+        if self.loras is not None and self.loras.over_bound():  # adapters kept for requests now ended
+            self.loras.trim(self.live_loras())
         return outputs
 
     def completing_prefills(self, batch: SchedulerOutput) -> list[PrefillDone]:
@@ -370,9 +373,26 @@ class LLMEngine:
             del self._requests[request_id]
         return out
 
+    # ---------------------------------------------------------------------- LoRA
+    @property
+    def loras(self) -> LoraRegistry | None:
+        """The runner's adapters (None: no LoRA, or a parallel runner, which serves none)."""
+        return getattr(self.runner, "loras", None)
+
+    def live_loras(self) -> set[str]:
+        """Fingerprints of the adapters of every sequence queued or running."""
+        s = self.scheduler
+        return {q.lora_id for q in (*s.running, *s.waiting, *s.waiting_for_kv.values()) if q.lora_id}
+
+    def install_lora(self, ref: LoraRef, weights: LoraWeights) -> None:
+        """Keep an adapter read off the loop (`LoraRegistry.read`), between two steps."""
+        if self.loras is None:
+            raise LoraError(f"LoRA adapter {ref.name!r}: LoRA is not enabled (--enable-lora)")
+        self.loras.install(ref, weights, self.live_loras())
+
     # --------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
-        loras = getattr(self.runner, "loras", None)  # a parallel runner serves no LoRA
+        loras = self.loras
         s = self.scheduler
         return engine_stats(s, self.block_manager, self._num_generated, self._num_steps,
                             self.spec.stats() if self.spec is not None else None,
@@ -400,7 +420,7 @@ class LLMEngine:
         if params.structured is not None:
             compiled = self.grammar.poll(params.structured, time.monotonic())
         if lora is not None:  # read and checked (or refused) before it is queued
-            register_lora(getattr(self.runner, "loras", None), lora)
+            register_lora(self.loras, lora, self.live_loras())
         counter = next(self._request_counter)
         seed = params.seed if params.seed is not None else request_seed(self.config.seed, counter)
         seq = Seq(

@@ -232,7 +232,8 @@ class CapacityPlan:
     cost_per_million_tokens: float | None = None
     lm_head_quantization: str = "none"  # none | int8 (`served_lm_head`)
     # --enable-lora: max_loras resident adapters of max_lora_rank on all 7 projections,
-    # counted twice (the registry's stacked copy of the step's set, pdserve/engine/lora/batch.py).
+    # counted twice (the registry's stacked copy of the step's set, pdserve/engine/lora/batch.py;
+    # at bf16 each block of it padded to at most 32 rank columns).
     lora_bytes: int = 0
     tiers: tuple[TierCapacity, ...] = ()  # the KV tiers asked about, host, disk, remote order
 
@@ -296,7 +297,9 @@ def compute_plan(
     per_request = request_tokens * kv_per_token
     overhead = int(device_memory * overhead_fraction)
     dims = ProjectionDims(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.num_layers)
-    lora = 2 * max_loras * adapter_bytes(dims, max_lora_rank, DTYPE_BYTES[dt])
+    stack_align = 32 if dt == "bfloat16" else 1  # a bf16 stack pads each block, at most to 32 (lora/batch.py)
+    lora = max_loras * (adapter_bytes(dims, max_lora_rank, DTYPE_BYTES[dt])
+                        + adapter_bytes(dims, max_lora_rank, DTYPE_BYTES[dt], stack_align))
     budget = max(0, device_memory - overhead - w_bytes - lora)
     conc_bytes = None if concurrency is None else concurrency * per_request
     unknown = sorted(set(tier_bytes or {}) - set(TIER_NAMES))

@@ -91,6 +91,9 @@ class RoleSwitcher:
         parts = self.parts_for(role)
         node, cleanup = self.builders[role](self.engine_cfg, replace(self.opts, role=role), parts)
         self.metrics = parts.metrics
+        from pdserve.worker.lora_loading import lora_loading
+
+        node = lora_loading(node)  # adapters read off the loop (imported here: it needs the engine)
         if self.wrap is not None:
             node = self.wrap(node, parts.metrics)
         self._cleanup = list(cleanup)

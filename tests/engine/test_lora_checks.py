@@ -3,7 +3,8 @@
 Every malformed or incompatible adapter is a `LoraError` that names the problem, and
 nothing of it stays behind (no request queued, nothing registered, the next good
 request still served). `max_loras` bounds the adapters of one step, `max_cpu_loras`
-the host LRU; an adapter evicted from both is read again and still exact.
+the host LRU (beyond it only while queued requests need the adapters); an adapter
+evicted from both is read again and still exact.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.common.lora import LoraError, LoraRef, lora_ref
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.core.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loading.loader import load_config
 from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.engine.lora.checkpoint import load_lora
+from pdserve.engine.lora.config import LoraConfig
 from tests.engine.test_lora_peft import PROMPTS, greedy, lora_engine, run_all
 from tests.helpers.lora_adapters import peft_greedy, peft_model
 from tests.helpers.quant_checkpoints import write_dequantized
@@ -130,6 +134,20 @@ def test_lora_needs_enable_lora(lora_model) -> None:
     assert not engine.has_unfinished()
 
 
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_lora_with_tensor_or_pipeline_parallel_is_refused_before_any_rank_starts(lora_model, layout) -> None:
+    base, _ = lora_model
+    with pytest.raises(ValueError, match="--enable-lora serves dense models on one rank only"):
+        EngineConfig(model_dir=str(base), lora=LoraConfig(), **layout)
+
+
+def test_lora_on_a_moe_model_is_refused(tiny_model_dir) -> None:
+    moe = tiny_model_dir("mixtral")
+    with pytest.raises(ValueError, match=r"--enable-lora serves dense models on one rank only .*no MoE"):
+        LLMEngine(EngineConfig(model_dir=str(moe), dtype="float32", lora=LoraConfig()))
+    LLMEngine(EngineConfig(model_dir=str(moe), dtype="float32"))  # the same model serves without LoRA
+
+
 def test_per_module_ranks_and_rslora_scales(lora_model) -> None:
     base, adapters = lora_model
     cfg: ModelConfig = load_config(str(base))
@@ -161,9 +179,12 @@ def test_max_loras_bounds_each_step_and_the_lru_reloads_exactly(lora_model) -> N
         got = run_all(engine, per_step)
         assert {k: got[f"{rep}-{k}"] for k in alone} == alone
         assert max(per_step) <= 2  # one adapter and the base at most
+        # While all three were queued, the host LRU kept them (no read again mid-round);
+        # once they ended it is back within max_cpu_loras.
+        assert engine.runner.loras.counts().cached == 2
     c = engine.runner.loras.counts()
     assert c.resident == 1 and c.cached == 2
-    assert c.loads > 3  # the third adapter fell out of the host LRU and was read again
+    assert c.loads > 3  # adapters that fell out of the host LRU between rounds were read again
     assert c.evictions > 0
 
 
@@ -215,3 +236,12 @@ def test_plan_counts_the_adapters_the_engine_holds(lora_model, tmp_path: Path) -
     lora = compute_plan(base, 1 << 30, 256, dtype="float32", max_loras=3, max_lora_rank=8)
     assert lora.lora_bytes == 2 * 3 * weights.nbytes
     assert plain.kv_budget_bytes - lora.kv_budget_bytes == lora.lora_bytes
+    # bf16: the step's stacked copy pads each adapter's fused rank (to 4 columns, 32 on AMX):
+    # the plan counts the most it can be.
+    from pdserve.engine.lora.batch import MAX_ALIGN, LoraStack
+    bf16 = weights.to(torch.bfloat16, torch.device("cpu"))
+    stacked = sum(d.a.nbytes + d.b.nbytes + d.rank_scale.nbytes for layer in LoraStack([bf16]).layers
+                  for d in layer.values())
+    most = adapter_bytes(projection_dims(cfg), 8, 2, MAX_ALIGN)
+    plan = compute_plan(base, 1 << 30, 256, dtype="bfloat16", max_loras=3, max_lora_rank=8)
+    assert plan.lora_bytes == 3 * (bf16.nbytes + most) and bf16.nbytes <= stacked <= most

@@ -111,6 +111,10 @@ class EngineConfig:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}")
+        if self.lora is not None and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
+            raise ValueError("--enable-lora serves dense models on one rank only (no tensor or pipeline "
+                             f"parallel), got tensor_parallel_size {self.tensor_parallel_size} and "
+                             f"pipeline_parallel_size {self.pipeline_parallel_size}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
         normalize_kv_cache_dtype(self.kv_cache_dtype)  # ValueError naming the choices

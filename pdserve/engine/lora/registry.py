@@ -5,6 +5,14 @@ checked adapters in host memory behind them.
     registry.register(ref)        # read + check the files (LoraError: nothing kept)
     weights = registry.activate({fp1, fp2})   # make a step's adapters resident
 
+A worker reads an adapter off its loop instead (pdserve/engine/lora/loader.py,
+pdserve/worker/lora_loading.py): `read(ref)` touches no registry state, so it runs on a
+thread, and `install(ref, weights)` keeps the result between two steps. Host copies are
+held in the compute dtype, so making one resident on the CPU converts nothing. The host
+LRU never drops an adapter that a queued or running request still needs (`keep`): it
+may exceed `max_cpu_loras` by those until they end (the engine trims it after each step),
+rather than read one again on the loop.
+
 An adapter is keyed by its weights fingerprint (`pdserve/common/lora.py`), never by its name:
 two requests that name the same adapter but reach the runner with different files are
 different adapters. `register` refuses files whose fingerprint is not the one the
@@ -56,15 +64,50 @@ class LoraRegistry:
         # Stacks of recent adapter sets (a decode batch runs the same set step after step).
         self._stacks: OrderedDict[tuple[str, ...], LoraStack] = OrderedDict()
 
-    def register(self, ref: LoraRef) -> None:
+    def register(self, ref: LoraRef, keep: Collection[str] = ()) -> None:
         """Make `ref` servable: read and check its files unless already held. LoraError
         (nothing kept) when they are malformed, too big, or not the fingerprinted ones."""
-        if ref.fingerprint in self._cpu or ref.fingerprint in self._resident:
+        if self.holds(ref.fingerprint):
             self._refs.setdefault(ref.fingerprint, ref)
             self._touch(ref.fingerprint)
             return
-        self._cache(self._read(ref))
+        self.install(ref, self.read(ref), keep)
+
+    def read(self, ref: LoraRef) -> LoraWeights:
+        """`ref`'s files read, checked and converted to the compute dtype, in host memory;
+        LoraError when they cannot be served. Reads no registry state and changes none, so
+        it may run on any thread."""
+        actual = adapter_fingerprint(ref.path)
+        if actual != ref.fingerprint:
+            raise LoraError(f"LoRA adapter {ref.name!r} at {ref.path!r} has fingerprint "
+                            f"{actual[:16]}…, the request expects {ref.fingerprint[:16]}… "
+                            f"(its files changed)")
+        weights = load_lora(ref.path, actual, self.model_config, self.config.max_lora_rank)
+        return weights.to(self.dtype, torch.device("cpu"))
+
+    def install(self, ref: LoraRef, weights: LoraWeights, keep: Collection[str] = ()) -> None:
+        """Hold `weights` (`read(ref)`'s result) in host memory; the least recently used
+        others not in `keep` give way."""
+        if weights.fingerprint != ref.fingerprint:
+            raise ValueError(f"weights {weights.fingerprint[:16]}… are not adapter {ref.name!r}")
+        self._loads += 1
+        self._cache(weights, keep)
         self._refs[ref.fingerprint] = ref
+
+    def over_bound(self) -> bool:
+        """More adapters in host memory than `max_cpu_loras` (kept for queued requests)."""
+        return len(self._cpu) > self.config.cpu_slots
+
+    def trim(self, keep: Collection[str]) -> None:
+        """Back within `max_cpu_loras`, least recently used first, keeping `keep`."""
+        spare = [fp for fp in self._cpu if fp not in keep]
+        while len(self._cpu) > self.config.cpu_slots and spare:
+            del self._cpu[spare.pop(0)]
+            self._evictions += 1
+
+    def holds(self, fingerprint: str) -> bool:
+        """Resident or in host memory: a request under it needs no read."""
+        return fingerprint in self._cpu or fingerprint in self._resident
 
     def knows(self, fingerprint: str) -> bool:
         return fingerprint in self._refs
@@ -111,22 +154,10 @@ class LoraRegistry:
         return sum(w.nbytes for w in self._resident.values())
 
     # ----------------------------------------------------------------- internals
-    def _read(self, ref: LoraRef) -> LoraWeights:
-        actual = adapter_fingerprint(ref.path)
-        if actual != ref.fingerprint:
-            raise LoraError(f"LoRA adapter {ref.name!r} at {ref.path!r} has fingerprint "
-                            f"{actual[:16]}…, the request expects {ref.fingerprint[:16]}… "
-                            f"(its files changed)")
-        weights = load_lora(ref.path, actual, self.model_config, self.config.max_lora_rank)
-        self._loads += 1
-        return weights
-
-    def _cache(self, weights: LoraWeights) -> None:
+    def _cache(self, weights: LoraWeights, keep: Collection[str] = ()) -> None:
         self._cpu[weights.fingerprint] = weights
         self._cpu.move_to_end(weights.fingerprint)
-        while len(self._cpu) > self.config.cpu_slots:
-            self._cpu.popitem(last=False)
-            self._evictions += 1
+        self.trim({*keep, weights.fingerprint})
 
     def _touch(self, fp: str) -> None:
         for tier in (self._cpu, self._resident):
@@ -139,8 +170,9 @@ class LoraRegistry:
             ref = self._refs.get(fp)
             if ref is None:
                 raise KeyError(f"LoRA adapter {fp[:16]}… was never registered")
-            host = self._read(ref)
-            self._cache(host)
+            host = self.read(ref)  # evicted from both tiers since it was registered
+            self._loads += 1
+            self._cache(host, keep)
         while len(self._resident) >= self.config.max_loras:
             victim = next(f for f in self._resident if f not in keep)
             del self._resident[victim]
@@ -153,11 +185,11 @@ class LoraRegistry:
         return weights
 
 
-def register_lora(registry: LoraRegistry | None, ref: LoraRef) -> None:
-    """`registry.register(ref)`; a LoraError when this runner serves no LoRA at all."""
+def register_lora(registry: LoraRegistry | None, ref: LoraRef, keep: Collection[str] = ()) -> None:
+    """`registry.register(ref, keep)`; a LoraError when this runner serves no LoRA at all."""
     if registry is None:
         raise LoraError(f"LoRA adapter {ref.name!r}: LoRA is not enabled (--enable-lora)")
-    registry.register(ref)
+    registry.register(ref, keep)
 
 
 def lora_stats(registry: LoraRegistry, running: Iterable[Sequence], waiting: Iterable[Sequence]) -> LoraStats:
