@@ -25,7 +25,7 @@ setup(
             sources=["pdserve/engine/kernels/_cpu_caps.c", "pdserve/engine/kernels/_cpu_kernels.c", "pdserve/engine/kernels/_int8_gemm.c", "pdserve/engine/kernels/_int8_gemv.c",
                      "pdserve/engine/kernels/_int8_vnni.c", "pdserve/engine/kernels/_int8_amx_rows.c", "pdserve/engine/kernels/_int8_amx_q8.c",
                      "pdserve/engine/kernels/_int4_gemm.c", "pdserve/engine/kernels/_int4_gemv.c", "pdserve/engine/kernels/_bf16_gemv.c", "pdserve/engine/kernels/_bf16_amx.c",
-                     "pdserve/engine/kernels/_bf16_emul.c", "pdserve/engine/kernels/_attn_bf16.c",
+                     "pdserve/engine/kernels/_bf16_emul.c", "pdserve/engine/kernels/_bf16_tiles.c", "pdserve/engine/kernels/_attn_bf16.c",
                      "pdserve/engine/kernels/_attn_q8.c"],
             depends=["pdserve/engine/kernels/_pd_cpu.h", "pdserve/engine/kernels/_bf16_gemm.h", "pdserve/engine/kernels/_int8_gemm.h", "pdserve/engine/kernels/_act_q16.h", "pdserve/engine/kernels/_attn_bf16.h", "pdserve/engine/kernels/_attn_simd.h"],
             extra_compile_args=["-O3", "-fopenmp"],

@@ -57,6 +57,7 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("pd_bf16_gemv_rows", (), C_INT),
     Symbol("pd_bf16_gemv_amx_rows", (), C_INT),
     Symbol("pd_attn_bf16_set", (C_INT,), C_INT),
+    Symbol("pd_bf16_tiles_set", (C_INT,), C_INT),
     Symbol("pd_paged_decode_q8", (C_INT, C_INT, P, I64, P, P, P, P, I64, I64, I64, P, I64, P, I64,
                                   I64, I64, I64, I64, I64, ctypes.c_float, P, C_INT), C_INT),
     Symbol("pd_attn_q8_simd_set", (C_INT,), C_INT),
