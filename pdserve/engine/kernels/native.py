@@ -45,6 +45,8 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("pd_cpu_feature_bit", (C_INT,), C_INT, required=True),
     Symbol("pd_paged_decode", (C_INT, P, I64, P, P, P, I64, P, I64, I64, I64, I64, I64, I64,
                                ctypes.c_float, P, C_INT), C_INT, required=True),
+    Symbol("pd_paged_prefill", (C_INT, P, I64, P, P, P, I64, I64, I64, I64, I64, I64, I64, I64,
+                                ctypes.c_float, P, C_INT), C_INT),
     Symbol("pd_add_rms_norm_bf16", (P, P, P, I64, I64, ctypes.c_float, P, C_INT), None, required=True),
     Symbol("pd_rope_bf16", (P, I64, I64, I64, I64, P, P, C_INT), None, required=True),
     Symbol("pd_int4_dequant", (P, P, C_INT, I64, I64, I64, C_INT, P, C_INT), C_INT),
