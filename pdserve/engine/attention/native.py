@@ -201,6 +201,9 @@ class InPlacePagedAttention(TorchPagedAttention):
     flat_decode = True
     invariant_prefill: ClassVar[bool] = True
     """False: prefill chunks take SDPA (not row-invariant; `bench.invariance`'s baseline)."""
+    row_tiles: ClassVar[bool] = True
+    """False: each prefill row runs as its own decode call (the same bits; `bench.invariance`'s
+    "untiled" run, the route before the row tiles)."""
 
     def __init__(self, native: NativeAttention) -> None:
         self.native = native
@@ -212,7 +215,8 @@ class InPlacePagedAttention(TorchPagedAttention):
         if not self.invariant_prefill:
             return TorchPagedAttention._prefill(q, k, v, k_cache, v_cache, p)
         threads = torch.get_num_threads()
-        if self.native.prefills and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor):
+        if self.row_tiles and self.native.prefills and isinstance(k_cache, torch.Tensor) \
+                and isinstance(v_cache, torch.Tensor):
             return self.native.prefill(q, k_cache, v_cache, p.block_table, p.start_pos, threads)
         n = q.shape[0]  # a quantized pool (or an older library): one decode per row
         tables = p.block_table.view(1, -1).expand(n, -1).contiguous()
