@@ -35,7 +35,7 @@
 
 #define TM 4 /* rows of a register tile (16 % TM == 0: the epilogue sums 16 or 8 at a time) */
 #define TN 6 /* channels of a register tile */
-#define TILE_L2_BYTES (384 * 1024) /* a channel block's weights */
+#define TILE_L2_BYTES (192 * 1024) /* a channel block's weights */
 
 TARGET INLINE __m512 dot(__m512 acc, __m512 a, __m512 b) { /* see _bf16_gemv.c: GCC 12 */
     __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
