@@ -1,5 +1,5 @@
 /* Shared by the bf16 linear's three paths (pdserve/engine/kernels/_bf16_gemv.c: the AVX-512 BF16 dot
- * products and the entry point; pdserve/engine/kernels/_bf16_amx.c: AMX tiles; pdserve/engine/kernels/_bf16_emul.c: the dot
+ * products and the entry point, pdserve/engine/kernels/_bf16_tiles.c: their prefill tiles; pdserve/engine/kernels/_bf16_amx.c: AMX tiles; pdserve/engine/kernels/_bf16_emul.c: the dot
  * products' arithmetic in plain float32): roundings, the row panel, each path's entry. */
 #ifndef PD_BF16_GEMM_H
 #define PD_BF16_GEMM_H
