@@ -20,9 +20,10 @@
  * bias added in float32 and the result rounded to bf16 once (nearest even): a row's
  * output does not depend on how many rows share the call, or on the thread count.
  * Channel blocks are spread over OpenMP threads (torch's pool, see _cpu_kernels.c).
- * From PD_BF16_TILE_ROWS rows (a prefill) `pd_bf16_avx` runs pdserve/engine/kernels/_bf16_tiles.c's
- * 4 x 6 register tiles over an L2-sized channel block instead: the same per-(row, channel)
- * k order, lane tree and rounding, so the same bits at ~1.6x the rate at 1,500 rows.
+ * From PD_BF16_TILE_ROWS rows (a prefill, a batched decode) `pd_bf16_avx` runs
+ * pdserve/engine/kernels/_bf16_tiles.c's 4 x 6 register tiles over an L2-sized channel block instead: the same per-(row, channel)
+ * k order, lane tree and rounding, so the same bits at ~1.6x the rate at 1,500 rows
+ * (~1.2-1.35x at 4-12 rows).
  * Needs AVX-512 BF16, checked at run time (`pd_bf16_gemv_supported`).
  */
 #include <immintrin.h>

@@ -1,6 +1,6 @@
-/* The AVX-512 BF16 linear for many rows (prefill): register tiles of TM rows x TN channels
- * over a block of channels held in L2 (pdserve/engine/kernels/_bf16_gemv.c's `pd_bf16_avx`
- * calls it from PD_BF16_TILE_ROWS rows up; the same file runs decode's few rows and this
+/* The AVX-512 BF16 linear from 4 rows (a prefill, a batched decode): register tiles of TM
+ * rows x TN channels over a block of channels held in L2 (pdserve/engine/kernels/_bf16_gemv.c's `pd_bf16_avx`
+ * calls it from PD_BF16_TILE_ROWS rows up; the same file runs calls of 1-3 rows and this
  * file's edges).
  *
  * The bits are the dot products' (_bf16_gemv.c), whatever the rows: output (m, n) has its
