@@ -14,10 +14,13 @@ pdserve/engine/kernels/table.py, and prefill attention through the paged kernel,
 pdserve/engine/attention/native.py) and on the fastest non-invariant one (aten's oneDNN matmul
 for every linear, SDPA for prefill attention; decode attention is the paged kernel in
 both). It prints invariant / non-invariant per figure (the issue's target: cost at most
-5%, i.e. ITL ratio <= 1.05 and tok/s ratio >= 0.95).
+5%, i.e. ITL ratio <= 1.05 and tok/s ratio >= 0.95). Prefill also runs "untiled": the
+invariant path without its prefill tiles (the AVX-512 BF16 linear's 4 x 6 register tiles,
+pdserve/engine/kernels/_bf16_tiles.c; attention's row tiles, pd_paged_prefill), i.e. every row
+as a decode runs it, the same bits: tiled / untiled is the tiles' gain, in the same run.
 
 Then the limit: aten's 1-thread bf16 GEMM rate over the model's linear shapes at
-`--prompt-len` rows (GFLOP/s), the model FLOPs per prompt token counted from the config
+`--prompt-len` rows (GFLOP/s; timed in turn with the prefill runs, median of `--reps`), the model FLOPs per prompt token counted from the config
 (2 x the linear weights per layer, plus causal attention's 4 x heads x head_dim x the mean
 context, times the layers; the LM head runs on one row per prompt and is left out), and
 the fraction  FLOPs/token x tok/s / GEMM rate  per path (the issue's target: >= 0.75).
@@ -49,10 +52,14 @@ from pdserve.engine.kernels import native as native_kernels
 from pdserve.engine.runner.model_runner import ModelRunner
 
 
-def set_invariant(on: bool) -> None:
-    """The invariant path (default) or the fastest non-invariant one, for this process."""
+def set_invariant(on: bool, tiled: bool = True) -> None:
+    """The invariant path (default) or the fastest non-invariant one, for this process;
+    `tiled=False`: the invariant path without its prefill tiles (the linears' 4 x 6 register
+    tiles, attention's row tiles): every row as a decode would run it, the same bits."""
     bf16_gemv.set_enabled(on)
+    bf16_gemv.set_tiles(tiled)
     InPlacePagedAttention.invariant_prefill = on
+    InPlacePagedAttention.row_tiles = tiled
 
 
 def prefill_seconds(runner: ModelRunner, prompt: list[int], table: list[int], chunk: int) -> float:
@@ -93,8 +100,10 @@ def linear_shapes(runner: ModelRunner) -> list[tuple[int, int]]:
     return [tuple(p.shape) for n, p in layer.named_parameters() if p.dim() == 2]  # type: ignore[misc]
 
 
-def gemm_rate(shapes: list[tuple[int, int]], rows: int, reps: int) -> float:
-    """aten's bf16 GEMM rate over `shapes` at `rows` rows, FLOP/s (median of `reps`)."""
+def gemm_seconds(shapes: list[tuple[int, int]], rows: int) -> tuple[Callable[[], float], int]:
+    """A run of aten's bf16 GEMM over `shapes` at `rows` rows (returns its CPU seconds), and
+    its FLOPs. `main` interleaves it with the prefill runs, so the limit and the prefill
+    meet the same background load."""
     xs = {k: torch.randn(rows, k).bfloat16() for _, k in shapes}
     ws = [(torch.randn(n, k) * 0.05).bfloat16() for n, k in shapes]
     flops = sum(2 * rows * w.shape[0] * w.shape[1] for w in ws)
@@ -106,7 +115,7 @@ def gemm_rate(shapes: list[tuple[int, int]], rows: int, reps: int) -> float:
         return time.process_time() - t0
 
     run()
-    return flops / statistics.median(run() for _ in range(reps))
+    return run, flops
 
 
 def flops_per_token(runner: ModelRunner, shapes: list[tuple[int, int]], prompt_len: int) -> float:
@@ -137,9 +146,9 @@ def main() -> None:
     prompt = torch.randint(3, runner.model_config.vocab_size, (args.prompt_len,),
                            generator=torch.Generator().manual_seed(1)).tolist()
 
-    def on(fn: Callable[[], float], invariant: bool) -> Callable[[], float]:
+    def on(fn: Callable[[], float], path: str) -> Callable[[], float]:
         def run() -> float:
-            set_invariant(invariant)
+            set_invariant(path != "aten", tiled=path != "untiled")
             try:
                 return fn()
             finally:
@@ -152,15 +161,16 @@ def main() -> None:
     def chunked() -> float:
         return prefill_seconds(runner, prompt, table, args.chunk)
 
-    fns = {f"{name} {path}": on(fn, path == "invariant")
+    fns = {f"{name} {path}": on(fn, path)
            for name, fn in (("decode", lambda: decode_seconds(decode)), ("prefill", whole), ("chunked", chunked))
-           for path in ("invariant", "aten")}
+           for path in ("invariant", "aten", "untiled") if name != "decode" or path != "untiled"}
+    shapes = linear_shapes(runner)
+    fns["gemm"], gemm_flops = gemm_seconds(shapes, args.prompt_len)
     t = interleaved(fns, args.reps)
     itl = t["decode invariant"] / t["decode aten"]
     print(f"decode ITL at batch {args.batch}: invariant {1e3 * t['decode invariant']:.2f} ms, "
           f"aten {1e3 * t['decode aten']:.2f} ms, ratio {itl:.3f} (target <= 1.05)")
-    shapes = linear_shapes(runner)
-    rate = gemm_rate(shapes, args.prompt_len, args.reps)
+    rate = gemm_flops / t["gemm"]
     per_token = flops_per_token(runner, shapes, args.prompt_len)
     result = {"decode_itl_ratio": itl, "gemm_gflops": rate / 1e9, "features": sorted(feats)}
     for name, label in (("prefill", f"{args.prompt_len} tokens in one chunk"),
@@ -169,8 +179,12 @@ def main() -> None:
         print(f"prefill, {label}: invariant {inv:.0f} tok/s, aten {base:.0f} tok/s, ratio {inv / base:.3f} "
               f"(target >= 0.95); of the GEMM limit: invariant {per_token * inv / rate:.2f}, "
               f"aten {per_token * base / rate:.2f} (target >= 0.75)")
+        untiled = args.prompt_len / t[f"{name} untiled"]
+        print(f"  before the prefill tiles (same bits): {untiled:.0f} tok/s, fraction {per_token * untiled / rate:.2f}; "
+              f"tiled / untiled {inv / untiled:.3f}")
         result[f"{name}_ratio"] = inv / base
         result[f"{name}_limit_fraction"] = per_token * inv / rate
+        result[f"{name}_tiled_over_untiled"] = inv / untiled
     print(f"aten 1-thread bf16 GEMM at {args.prompt_len} rows over the layer's linears: {rate / 1e9:.0f} GFLOP/s; "
           f"model {per_token / 1e6:.0f} MFLOP per prompt token")
     harness.write_json(args.output_json, result)

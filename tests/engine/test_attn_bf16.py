@@ -104,3 +104,32 @@ def test_long_context_softmax_is_stable(native: NativeAttention) -> None:
     out = native.decode(q, k, v, tables, lens, 1)
     assert bool(torch.isfinite(out).all())
     torch.testing.assert_close(out.double(), _reference(q, k, v, tables, lens), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"kvh{s[0]}-h{s[1]}-d{s[2]}")
+@pytest.mark.parametrize("loop", ["fast", "generic"])
+def test_prefill_rows_are_the_bits_of_the_decode_at_their_position(
+        native: NativeAttention, shape: tuple[int, int, int], loop: str, request: pytest.FixtureRequest) -> None:
+    """`prefill` attends a few consecutive rows per work item (_attn_bf16.c's row tiles, up to
+    6 (row, head) pairs per p.V pass): each row has the bits of a decode at its position, for
+    any start (a prefix-cache hit) and row count (tiles of 4 with ragged ends), thread count,
+    and on the generic loop (head size 96, or the fast loop switched off)."""
+    if loop == "generic":
+        request.getfixturevalue("generic_loop")
+    kvh, heads, d = shape
+    q, k, v, tables, _ = _case([340], kvh, heads, d, seed=2)
+    rows = (torch.randn(340, heads, d, generator=torch.Generator().manual_seed(4)) * 2).bfloat16()
+    table = tables[0]
+    for start, n in ((0, 1), (0, 23), (5, 6), (17, 40), (300, 40), (0, 340)):
+        q = rows[start : start + n]
+        got = native.prefill(q, k, v, table, start, 1)
+        decodes = native.decode(q, k, v, table.view(1, -1).expand(n, -1).contiguous(),
+                                torch.arange(start + 1, start + n + 1), 1)
+        assert torch.equal(got.view(torch.int16), decodes.view(torch.int16)), (start, n)
+        assert torch.equal(native.prefill(q, k, v, table, start, 2), got), (start, n)
+    with pytest.raises(ValueError, match="bad context length"):
+        native.prefill(rows[:30], k, v, table[:1], 0, 1)  # 30 rows need 2 blocks
+    bad = table.clone()
+    bad[1] = NBLOCKS
+    with pytest.raises(ValueError, match="block id outside the pool"):
+        native.prefill(rows[:20], k, v, bad, 0, 1)

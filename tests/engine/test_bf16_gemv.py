@@ -71,6 +71,36 @@ def test_default_path_is_batch_invariant_and_thread_count_invariant() -> None:
     assert torch.equal(bf16_gemv.gemv(x, w, b), alone)
 
 
+@pytest.mark.skipif("avx" not in bf16_gemv.paths(), reason="the prefill tiles need AVX-512 BF16")
+@pytest.mark.parametrize("shape", [(37, 100), (13, 2049), (768, 768), (7, 31)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_prefill_tiles_are_the_bits_of_the_decode_tiles_and_the_emulation(shape: tuple[int, int]) -> None:
+    """From TILE_ROWS rows the AVX-512 BF16 path runs 4 x 6 register tiles (_bf16_tiles.c), with
+    ragged edges (M % 4, N % 6, a K tail) on the decode tiles: every M gives each row the bits
+    of the decode tiles (tiles off), of the float32 emulation and of that row alone."""
+    n, k = shape
+    x, w, b = _tensors(n, k, 70, seed=3)
+    strided = torch.cat([x, x], dim=1)[:, :k]  # rows ldx = 2k apart, read in place
+    alone = torch.cat([bf16_gemv.gemv(x[i : i + 1], w, b, bf16_gemv.AVX) for i in range(70)])
+    was = bf16_gemv.set_tiles(False)
+    try:
+        untiled = bf16_gemv.gemv(x, w, b, bf16_gemv.AVX)
+    finally:
+        bf16_gemv.set_tiles(was)
+    assert was and torch.equal(untiled, alone)
+    for m in (*range(1, 25), 31, 33, 47, 64, 70):
+        for bias in (None, b):
+            y = bf16_gemv.gemv(x[:m], w, bias, bf16_gemv.AVX)
+            assert torch.equal(y, bf16_gemv.gemv(x[:m], w, bias, bf16_gemv.EMUL)), (m, bias is None)
+            if bias is not None:
+                assert torch.equal(y, alone[:m]), m
+                assert torch.equal(bf16_gemv.gemv(strided[:m], w, bias, bf16_gemv.AVX), y), m
+    special = x.clone()
+    special[5, 0], special[6, 1], special[7, :2] = float("nan"), float("inf"), 1e-39  # NaN, inf, denormal
+    special[8] = -0.0  # a -0.0 sum: + 0.0 (no bias) makes it +0.0 on every path
+    assert torch.equal(bf16_gemv.gemv(special, w, None, bf16_gemv.AVX).view(torch.int16),
+                       bf16_gemv.gemv(special, w, None, bf16_gemv.EMUL).view(torch.int16))
+
+
 def test_row_strided_input_is_read_in_place_and_column_strided_is_refused() -> None:
     big = torch.randn(4, 2 * 300).to(torch.bfloat16)
     w = (torch.randn(40, 300) * 0.05).to(torch.bfloat16)

@@ -42,6 +42,7 @@ class NativeAttention:
         self._lib = lib
         # A library built before pdserve/engine/kernels/_attn_q8.c leaves a quantized pool to the torch path.
         self.reads_quantized = hasattr(lib, "pd_paged_decode_q8")
+        self.prefills = hasattr(lib, "pd_paged_prefill")
 
     def decode(
         self,
@@ -70,6 +71,35 @@ class NativeAttention:
         )
         if rc:
             raise ValueError(f"paged decode attention refused its input: {_ERRORS.get(rc, rc)}")
+        return out
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        start: int,
+        num_threads: int,
+    ) -> torch.Tensor:
+        """One sequence's prefill rows q [n, H, D] at positions start .. start + n - 1 of
+        `block_table` [max_blocks] int64, row i attending keys [0, start + i] of the pool:
+        each row's output has the bits `decode` gives it at its position (the kernel shares
+        only the loads between a few consecutive rows, pdserve/engine/kernels/_attn_bf16.c).
+        ValueError as `decode`."""
+        n, h, d = q.shape
+        nblocks, bs, kvh, kd = k_cache.shape
+        table = block_table.view(1, -1)
+        last = torch.tensor([start + n], dtype=torch.long)
+        _check(q[-1:], k_cache, v_cache, table, last, 1, d, kd)  # the longest row: every other fits too
+        out = torch.empty(n, h * d, dtype=q.dtype)
+        rc = self._lib.pd_paged_prefill(
+            _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            table.data_ptr(), table.shape[1], start, n, h, kvh, d, bs, nblocks, 1.0 / math.sqrt(d),
+            out.data_ptr(), num_threads,
+        )
+        if rc:
+            raise ValueError(f"paged prefill attention refused its input: {_ERRORS.get(rc, rc)}")
         return out
 
     def decode_quantized(
@@ -162,7 +192,8 @@ class InPlacePagedAttention(TorchPagedAttention):
     """Decodes and prefill rows through the native kernel over the pool in place.
 
     A prefill chunk's row i at position start + i is attended exactly as a decode at that
-    position: one query over keys [0, start + i] of the pool (written first, `forward`).
+    position: one query over keys [0, start + i] of the pool (written first, `forward`),
+    a few consecutive rows per kernel work item sharing the K/V loads (`NativeAttention.prefill`).
     Each row then has the same bits whether its context came in one chunk, many, from the
     prefix cache or was decoded, whatever else shares the step (docs/determinism.md);
     SDPA's flash kernel and the chunked log-sum-exp merge give none of that."""
@@ -170,6 +201,9 @@ class InPlacePagedAttention(TorchPagedAttention):
     flat_decode = True
     invariant_prefill: ClassVar[bool] = True
     """False: prefill chunks take SDPA (not row-invariant; `bench.invariance`'s baseline)."""
+    row_tiles: ClassVar[bool] = True
+    """False: each prefill row runs as its own decode call (the same bits; `bench.invariance`'s
+    "untiled" run, the route before the row tiles)."""
 
     def __init__(self, native: NativeAttention) -> None:
         self.native = native
@@ -180,10 +214,13 @@ class InPlacePagedAttention(TorchPagedAttention):
     ) -> torch.Tensor:
         if not self.invariant_prefill:
             return TorchPagedAttention._prefill(q, k, v, k_cache, v_cache, p)
-        n = q.shape[0]
+        threads = torch.get_num_threads()
+        if self.row_tiles and self.native.prefills and isinstance(k_cache, torch.Tensor) \
+                and isinstance(v_cache, torch.Tensor):
+            return self.native.prefill(q, k_cache, v_cache, p.block_table, p.start_pos, threads)
+        n = q.shape[0]  # a quantized pool (or an older library): one decode per row
         tables = p.block_table.view(1, -1).expand(n, -1).contiguous()
         lens = torch.arange(p.start_pos + 1, p.start_pos + n + 1, dtype=torch.long)
-        threads = torch.get_num_threads()
         if isinstance(k_cache, QuantizedCache) and isinstance(v_cache, QuantizedCache):
             return self.native.decode_quantized(q, k_cache, v_cache, tables, lens, threads)
         assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)

@@ -12,6 +12,15 @@ int pd_attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, cons
                    int64_t L, int64_t num_blocks, int64_t h, int64_t G, int64_t KVH, int64_t D,
                    int64_t bs, float scale, uint16_t *out, float *sc);
 
+/* R consecutive query rows of one sequence (a prefill: row r at q + r * q_stride, its output
+ * at out + r * out_stride, both at KV head h's first query head) attending its first L0 + r
+ * keys, each row with the bits pd_attend_bf16 gives it alone; sc: R * G * (L0 + R - 1)
+ * floats. PD_ATTN_UNHANDLED as pd_attend_bf16. */
+int pd_attend_bf16_rows(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
+                        const int64_t *table, int64_t L0, int64_t R, int64_t num_blocks, int64_t h, int64_t G,
+                        int64_t KVH, int64_t D, int64_t bs, float scale, uint16_t *out, int64_t out_stride,
+                        float *sc);
+
 /* Turns the loop on (default) or off for the process (A/B benchmarks and tests); returns
  * the previous setting. */
 int pd_attn_bf16_set(int on);

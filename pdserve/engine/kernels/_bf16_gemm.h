@@ -1,5 +1,5 @@
 /* Shared by the bf16 linear's three paths (pdserve/engine/kernels/_bf16_gemv.c: the AVX-512 BF16 dot
- * products and the entry point; pdserve/engine/kernels/_bf16_amx.c: AMX tiles; pdserve/engine/kernels/_bf16_emul.c: the dot
+ * products and the entry point, pdserve/engine/kernels/_bf16_tiles.c: their prefill tiles; pdserve/engine/kernels/_bf16_amx.c: AMX tiles; pdserve/engine/kernels/_bf16_emul.c: the dot
  * products' arithmetic in plain float32): roundings, the row panel, each path's entry. */
 #ifndef PD_BF16_GEMM_H
 #define PD_BF16_GEMM_H
@@ -11,6 +11,8 @@
 
 #define PD_BF16_GEMV_ROWS 16 /* rows of one AMX C tile: more run 16 at a time */
 #define PD_BF16_ROW_BLOCK 8  /* rows per register block of the dot products */
+#define PD_BF16_TILE_ROWS 4 /* from these rows on (a tile's), the dot products run in _bf16_tiles.c's
+                             * tiles: ~0.75-0.85x the GEMV's time already at 4-12 rows */
 
 /* float32 -> bf16, round to nearest even (torch's rounding); NaN stays a quiet NaN. */
 static inline uint16_t to_bf16(float f) {
@@ -43,6 +45,13 @@ static inline int64_t pd_bf16_panel_rows(int64_t K) {
  * each checks nothing (pd_bf16_gemv does) and needs its CPU features (the caller asks). */
 void pd_bf16_avx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
                  const uint16_t *bias, uint16_t *y, int64_t ldy, int threads);
+/* The tiles on (default) or off for the process (A/B benchmarks and tests: off, every M runs
+ * the decode tiles); returns the previous setting. The bits are the same either way. */
+int pd_bf16_tiles_set(int on);
+void pd_bf16_avx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
+                       const uint16_t *bias, uint16_t *y, int64_t ldy, int threads);
+void pd_bf16_avx_rows(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t K, int64_t n0,
+                      int64_t n1, const uint16_t *bias, uint16_t *y, int64_t ldy);
 int pd_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
                 const uint16_t *bias, uint16_t *y, int threads);
 int pd_bf16_emul(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,

@@ -158,6 +158,55 @@ int pd_paged_decode(int dtype, const void *q, int64_t q_stride, const void *k, c
     return err;
 }
 
+#define PREFILL_ROWS 4 /* query rows a prefill work item attends together (_attn_bf16.c) */
+
+/* Prefill attention for one sequence: its n query rows q [n, H, D] (rows q_stride apart)
+ * at positions start .. start + n - 1 of the block table (table_len ids), row i attending
+ * keys [0, start + i] of the pool (already written), into out [n, H, D]. Each row has the
+ * bits of pd_paged_decode at its position, whatever n, start or the thread count: work
+ * items are (PREFILL_ROWS consecutive rows, KV head), each row computed in its own order
+ * (_attn_bf16.c's row tiles share only the loads; elsewhere `attend`, row by row). */
+int pd_paged_prefill(int dtype, const void *q, int64_t q_stride, const void *k, const void *v,
+                     const int64_t *table, int64_t table_len, int64_t start, int64_t n, int64_t H,
+                     int64_t KVH, int64_t D, int64_t bs, int64_t num_blocks, float scale, void *out,
+                     int num_threads) {
+    if (KVH <= 0 || H % KVH || D <= 0 || bs <= 0 || start < 0 || n < 1 || start + n > table_len * bs)
+        return PD_ERR_LEN;
+    int64_t G = H / KVH, tiles = (n + PREFILL_ROWS - 1) / PREFILL_ROWS, items = tiles * KVH, max_len = start + n;
+    int threads = num_threads < 1 ? 1 : num_threads;
+    if (threads > items)
+        threads = (int)items;
+    int64_t scratch = 2 * G * D + D + G * max_len;
+    if (PREFILL_ROWS * G * max_len > scratch)
+        scratch = PREFILL_ROWS * G * max_len;
+    int err = PD_OK;
+#pragma omp parallel num_threads(threads) reduction(max : err)
+    {
+        float *work = malloc((size_t)scratch * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < items; i++) {
+            if (work == NULL) {
+                err = PD_ERR_MEM;
+                continue;
+            }
+            int64_t r0 = i / KVH * PREFILL_ROWS, h = i % KVH, rows = n - r0 < PREFILL_ROWS ? n - r0 : PREFILL_ROWS;
+            int rc = PD_ATTN_UNHANDLED;
+            if (dtype == 1)
+                rc = pd_attend_bf16_rows((const uint16_t *)q + r0 * q_stride + h * G * D, q_stride, k, v, table,
+                                         start + r0 + 1, rows, num_blocks, h, G, KVH, D, bs, scale,
+                                         (uint16_t *)out + (r0 * H + h * G) * D, H * D, work);
+            for (int64_t r = r0; rc == PD_ATTN_UNHANDLED && r < r0 + rows; r++) {
+                int row_rc = attend(dtype, q, q_stride, k, v, table, start + r + 1, num_blocks, r, h, G, KVH, D,
+                                    bs, scale, out, work);
+                err = row_rc > err ? row_rc : err;
+            }
+            err = rc > err ? rc : err;
+        }
+        free(work);
+    }
+    return err;
+}
+
 /* The residual add fused with the next RMSNorm, bfloat16 in and out, rounded where
  * Hugging Face's Llama rounds (so bf16 output stays within its HF tolerance):
  *   h   <- bf16(h + delta)                       (in place; delta NULL: h as it is)

@@ -2,7 +2,8 @@
 
 `linear` is `F.linear` with one detour: a bf16 CPU call runs the kernel pdserve/engine/kernels/table.py
 picked for op `bf16` at import (`kernel()`): AMX tiles where the CPU has AMX-BF16, else
-AVX-512 BF16 dot products (`vdpbf16ps`), else those dot products' arithmetic emulated in
+AVX-512 BF16 dot products (`vdpbf16ps`; from 4 rows on in register tiles of 4 rows x 6
+channels, the same bits), else those dot products' arithmetic emulated in
 plain float32 (AVX2 or baseline x86-64; the same bits as the AVX-512 BF16 path). Each
 streams the weight in its own row-major [N, K] layout (no second copy), sums in float32
 and rounds to bf16 once, in an order that does not depend on how many rows share the call,
@@ -27,6 +28,8 @@ from pdserve.engine.kernels import table as kernel_table
 AUTO, AVX, AMX, EMUL = 0, 1, 2, 3  # `gemv` paths: pdserve/engine/kernels/_pd_cpu.h's PD_BF16_*
 ROWS = 16
 """Rows of one AMX C tile (more run 16 at a time); the kernel itself takes any M >= 1."""
+TILE_ROWS = 4
+"""From these rows on the AVX-512 BF16 path runs its register tiles (_bf16_gemm.h's PD_BF16_TILE_ROWS)."""
 NATIVE = ("bf16_amx", "bf16_avx512", "bf16_emulated")
 
 
@@ -67,6 +70,16 @@ def set_enabled(on: bool) -> bool:
     global _on
     previous, _on = _on, on and _AVAILABLE and _PATH != AUTO
     return previous
+
+
+def set_tiles(on: bool) -> bool:
+    """The AVX-512 BF16 path's register tiles (pdserve/engine/kernels/_bf16_tiles.c, from
+    TILE_ROWS rows) on (default) or off, where every row count runs the decode tiles; the
+    bits are the same either way (A/B benchmarks and tests). Returns the previous setting."""
+    lib = native_kernels.LIB
+    if lib is None or not hasattr(lib, "pd_bf16_tiles_set"):
+        return False
+    return bool(lib.pd_bf16_tiles_set(int(on)))
 
 
 def amx_rows() -> int:
