@@ -20,7 +20,6 @@ from pdserve.common.generation_config import (
     token_ids,
 )
 from pdserve.common.kv_layout import KVLayout, kv_dtype_for
-from pdserve.engine.kernels.numerics import numerics
 from pdserve.engine.loading.moe_config import (
     MOE_ARCHITECTURES,
     MoEConfig,
@@ -276,7 +275,7 @@ def _cfg_eos(value: Any) -> tuple[int, ...]:
 
 def kv_layout(model_config: ModelConfig, block_size: int, dtype: str, weights: str,
               kv_cache_dtype: str = "auto", quantization: str | None = None,
-              lm_head: str = "none", device_type: str = "cpu") -> KVLayout:
+              lm_head: str = "none", numerics: str = "") -> KVLayout:
     """The KV pool layout for this model run in `dtype` with weights fingerprint `weights`
     (`pdserve.engine.loading.loader.weights_fingerprint`) and weight `quantization` (the served scheme,
     `pdserve.engine.quant.formats.served_quantization`; None: the checkpoint's) and LM head
@@ -294,5 +293,5 @@ def kv_layout(model_config: ModelConfig, block_size: int, dtype: str, weights: s
         compute_dtype=dtype,
         quantization=scheme,
         lm_head=lm_head,
-        numerics=numerics(device_type, dtype, scheme, lm_head),
+        numerics=numerics,
     )

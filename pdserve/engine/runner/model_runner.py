@@ -26,6 +26,7 @@ from pdserve.engine.attention.paged import (
 )
 from pdserve.engine.core.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from pdserve.engine.core.runner_types import SeqChunk
+from pdserve.engine.kernels.numerics import numerics
 from pdserve.engine.loading.dtype import resolved_config
 from pdserve.engine.loading.loader import load_config, load_model_with, weights_fingerprint
 from pdserve.engine.loading.model_config import ModelConfig, kv_layout
@@ -116,7 +117,8 @@ class ModelRunner:
         self.lm_head_quantization = served_lm_head(config.lm_head_quantization, self.quantization)
         self.layout: KVLayout = self._with_draft(kv_layout(
             self.model_config, self.block_size, config.dtype, weights, config.kv_cache_dtype,
-            self.quantization, self.lm_head_quantization, self.device.type), config)
+            self.quantization, self.lm_head_quantization,
+            numerics(self.device.type, config.dtype, self.quantization, self.lm_head_quantization)), config)
         if layout is not None and layout != self.layout:
             raise ValueError(f"layout {layout} does not belong to this config ({self.layout})")
         if kv_buffer is not None:
@@ -182,10 +184,11 @@ class ModelRunner:
         config = resolved_config(config)
         model_config = load_config(config.model_dir)
         scheme = served_quantization(config.quantization, model_config.prequant)
+        lm_head = served_lm_head(config.lm_head_quantization, scheme)
         return cls._with_draft(kv_layout(model_config, config.cache.block_size, config.dtype,
                                     weights_fingerprint(config.model_dir).digest, config.kv_cache_dtype,
-                                    scheme, served_lm_head(config.lm_head_quantization, scheme),
-                                    torch.device(config.device).type),
+                                    scheme, lm_head, numerics(torch.device(config.device).type, config.dtype,
+                                                              scheme, lm_head)),
                           config)
 
     @classmethod
