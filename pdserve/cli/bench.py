@@ -78,6 +78,8 @@ def register(subparsers: Any) -> None:
     e.add_argument("--api-key", default=None, help="visible in the process list: prefer --api-key-file")
     e.add_argument("--api-key-file", default=None, metavar="FILE", help="the key: the file's first key line")
     e.add_argument("--model", default=None, help="default: first id from GET /v1/models")
+    e.add_argument("--models", default=None, metavar="ID,ID,...",
+                   help="ids the requests take in turn, e.g. LoRA adapter names (instead of --model)")
     e.add_argument("--request-timeout", type=positive_float, default=600.0, help="seconds per request")
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos: true")
@@ -155,6 +157,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             endpoint=Endpoint(args.endpoint),
             api_key=_api_key(args),
             model=args.model,
+            models=tuple(m for m in (args.models or "").split(",") if m),
             request_timeout_s=args.request_timeout,
             ignore_eos=not args.no_ignore_eos,
             temperature=args.temperature,

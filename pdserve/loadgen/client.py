@@ -35,7 +35,10 @@ def auth_headers(cfg: EndpointConfig) -> dict[str, str]:
 
 
 async def resolve_model(session: aiohttp.ClientSession, cfg: EndpointConfig) -> str:
-    """`cfg.model`, or else the first model listed by GET /v1/models."""
+    """`cfg.models` joined by commas, `cfg.model`, or else the first model listed by
+    GET /v1/models."""
+    if cfg.models:
+        return ",".join(cfg.models)
     if cfg.model:
         return cfg.model
     url = cfg.base_url.rstrip("/") + "/v1/models"
@@ -80,14 +83,19 @@ class StreamingClient:
         self.session = session
         self.cfg = cfg
         self.model = model
+        # `cfg.models` in turn, one a request (warm-up requests included), else `model`.
+        self.models = cfg.models or (model,)
+        self._turn = 0
         self.counter = counter
         self.url = cfg.base_url.rstrip("/") + cfg.endpoint.path
         self._run_id = uuid.uuid4().hex[:8]
         self._sent = 0
 
     def payload(self, spec: RequestSpec) -> dict[str, Any]:
+        model = self.models[self._turn % len(self.models)]
+        self._turn += 1
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": model,
             "max_tokens": spec.max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},

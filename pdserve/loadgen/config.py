@@ -45,6 +45,9 @@ class EndpointConfig:
     endpoint: Endpoint = Endpoint.COMPLETIONS
     api_key: str | None = None
     model: str | None = None  # None: the first id listed by GET /v1/models
+    # Ids the requests take in turn (e.g. LoRA adapter names, each a `"model"`); when
+    # set, `model` is unused.
+    models: tuple[str, ...] = ()
     request_timeout_s: float = 600.0
     ignore_eos: bool = True
     temperature: float = 0.0

@@ -90,6 +90,9 @@ def test_cli_single_run_png_and_bad_args(
     args = ["bench", "--base-url", fake_server.url, "--num-requests", "2", "--output-len", "3"]
     assert main([*args, "--no-progress", "--output-png", str(png)]) == 0
     assert png.read_bytes().startswith(PNG_MAGIC)
+    fake_server.requests.clear()
+    assert main([*args, "--no-progress", "--models", "a0,a1"]) == 0
+    assert sorted(r["model"] for r in fake_server.requests) == ["a0", "a1"]
     assert main([*args, "--slo", "speed=3"]) == 2
     assert main([*args, "--workload", "dataset"]) == 2
     assert "needs --dataset" in capsys.readouterr().err

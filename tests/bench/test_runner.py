@@ -100,6 +100,17 @@ def test_chat_endpoint_api_key_and_failures(fake_server: FakeOpenAIServer, tmp_p
     assert run_benchmark(wrong).runs[0].summary["failures"] == {"http_401": 5}
 
 
+def test_requests_take_the_models_in_turn(fake_server: FakeOpenAIServer) -> None:
+    """`models` (e.g. LoRA adapter names): warm-up and measured requests cycle through
+    them, each model as often as the others; `model` is then unused."""
+    models = ("a0", "a1", "a2", "a3")
+    ep = EndpointConfig(base_url=fake_server.url, model="base", models=models, request_timeout_s=10)
+    result = run_benchmark(config(fake_server, concurrency=4, warmup=4, num_requests=8, endpoint=ep))
+    assert result.model == "a0,a1,a2,a3" and result.runs[0].summary["completed"] == 8
+    sent = sorted(r["model"] for r in fake_server.requests)
+    assert sent == sorted(models * 3)  # 12 requests: 4 warm-up + 8 measured
+
+
 def test_poisson_arrivals(fake_server: FakeOpenAIServer) -> None:
     fake_server.behaviour.ttft_s, fake_server.behaviour.itl_s = 0.01, 0.005
     t0 = time.perf_counter()
