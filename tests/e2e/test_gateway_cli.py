@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.cli import build_parser
 from pdserve.cli.gateway_options import gateway_settings
-from pdserve.cli.up import _gateway_cmd
+from pdserve.cli.up import _gateway_cmd, gateway_env
 from tests.e2e.cluster import Cluster, http, start
 
 KEY = "sk-test-right-key"
@@ -166,9 +166,10 @@ def test_up_forwards_api_key_and_stall_timeout_flags(tmp_path: Path) -> None:
     )
     cmd = _gateway_cmd(args, 5555)
     assert cmd[cmd.index("--stall-timeout") + 1] == "7.0"
-    assert cmd[cmd.index("gateway") :].count("--api-key") == 2
     assert cmd[cmd.index("--api-key-file") + 1] == str(keys.resolve())
-    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--api-key"] == ["sk-a", "sk-b"]
+    # The keys themselves travel by the gateway's environment, never its argv (issue 36).
+    assert "--api-key" not in cmd and not any("sk-a" in a or "sk-b" in a for a in cmd)
+    assert gateway_env(args)["PDSERVE_API_KEYS"].split(",")[-2:] == ["sk-a", "sk-b"]
 
 
 @pytest.mark.parametrize(("argv", "env", "message"), [
