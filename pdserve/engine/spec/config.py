@@ -14,9 +14,9 @@ running batch holds more sequences than this. Unknown keys are errors.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+
+from pdserve.common.json_flags import json_object, to_json
 
 METHODS = ("ngram", "draft_model")
 DRAFT_KV_PLACEMENTS = ("decode", "prefill")
@@ -77,22 +77,12 @@ class SpeculativeConfig:
 
     def to_json(self) -> str:
         """The JSON `from_json` reads back (for handing the config to a child process)."""
-        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)
-                           if getattr(self, f.name) is not None})
+        return to_json(self)
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         """Parse `--speculative-config`; ValueError with one line naming what is wrong."""
-        try:
-            raw: Any = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"not valid JSON ({e.msg})") from None
-        if not isinstance(raw, dict):
-            raise ValueError("must be a JSON object")
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(raw) - set(known))
-        if unknown:
-            raise ValueError(f"unknown key {unknown[0]!r}")
+        raw = json_object(text, cls)
         for key in ("method", "num_speculative_tokens"):
             if key not in raw:
                 raise ValueError(f"missing key {key!r}")

@@ -19,10 +19,10 @@ An endpoint off loopback (a wildcard, another host) needs the worker's `--insecu
 from __future__ import annotations
 
 import ipaddress
-import json
 import re
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass, replace
+
+from pdserve.common.json_flags import json_object, to_json
 
 PUBLISHERS = ("null", "zmq")
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
@@ -75,22 +75,12 @@ class KVEventsConfig:
 
     def to_json(self) -> str:
         """The JSON `from_json` reads back (for handing the config to a child process)."""
-        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)
-                           if getattr(self, f.name) is not None})
+        return to_json(self)
 
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
         """Parse `--kv-events-config`; ValueError with one line naming what is wrong."""
-        try:
-            raw: Any = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"not valid JSON ({e.msg})") from None
-        if not isinstance(raw, dict):
-            raise ValueError("must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown key {unknown[0]!r}")
+        raw = json_object(text, cls)
         for key, value in raw.items():
             want: type = bool if key == "enable_kv_cache_events" else (
                 int if key in ("buffer_steps", "hwm", "max_queue_size") else str)
