@@ -47,6 +47,7 @@ from kv_transfer.tiers.record import (
     tier_namespace,
 )
 from pdserve.common.kv_layout import KVLayout
+from pdserve.common.queues import drained
 
 log = logging.getLogger(__name__)
 
@@ -183,12 +184,7 @@ class TieredKVCache:
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued block is written (tests, shutdown); False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
+        return drained(self._queue, timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Write what is queued (up to `timeout_s`), stop the writer, close the tiers."""

@@ -33,6 +33,7 @@ import zmq
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from pdserve.common.queues import drained
 from pdserve.engine.core.block_events import BlockEvent
 from pdserve.worker.vllm_events.config import KVEventsConfig, binds
 from pdserve.worker.vllm_events.wire import END_SEQ, encode_batch, seq_frame
@@ -107,12 +108,7 @@ class KVEventPublisher:
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued batch is sent (tests, shutdown); False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
+        return drained(self._queue, timeout_s)
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Send what is queued (up to `timeout_s`), stop the thread, close the sockets."""
