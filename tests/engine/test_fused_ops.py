@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.kernels import fused_ops
+from pdserve.engine.kernels import cpu_features, fused_ops
 from pdserve.engine.kernels import native as native_kernels
 from pdserve.engine.models.llama import RMSNorm
 from pdserve.engine.models.rope import RopeTables, apply_rope
@@ -68,3 +68,63 @@ def test_bf16_rope_in_place_equals_the_torch_rotation(tokens: int) -> None:
     assert torch.equal(q, want[:, :12]) and torch.equal(k, want[:, 12:])
     assert q.data_ptr() == x.data_ptr()  # rotated in place in the projection's output
     assert torch.equal(x[:, 16 * 64 :], qkv[:, 16 * 64 :])  # v untouched
+
+
+def _gate_up(rows: int, inter: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).bfloat16()
+    # The edges of silu's range and of bf16: NaN, infinities, signed zeros, denormals,
+    # the clamp of exp's argument (|g| ~ 87..89) and values far past it.
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40,
+                            86.9, 87.1, -88.9, -89.5, 1e30, -1e30, 3.0e38, -3.0e38, 0.5]).bfloat16()
+    gate_up[0, : special.numel()] = special
+    gate_up[-1, inter: inter + special.numel()] = special.flip(0)
+    return gate_up
+
+
+def _torch_silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    gate, up = gate_up.split([inter, inter], dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize(("rows", "inter"), [(1, 2048), (7, 100), (300, 1376)])
+def test_bf16_silu_mul_rounds_where_the_torch_ops_round(rows: int, inter: int) -> None:
+    """silu(gate) * up rounded as torch's two bf16 ops round: within one bf16 ulp of the
+    torch ops (their exp is not ours), nearly always the same bits, and the same NaNs."""
+    assert native_kernels.LIB is not None
+    gate_up = _gate_up(rows, inter, rows)
+    got, want = fused_ops.silu_mul(gate_up, inter), _torch_silu_mul(gate_up, inter)
+    assert got.shape == (rows, inter) and got.dtype == torch.bfloat16
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    g, w = got.float()[finite], want.float()[finite]
+    ulp = torch.maximum(w.abs(), torch.tensor(2.0**-126)) * 2.0**-7
+    assert bool(((g - w).abs() <= ulp).all() | (g == w).all())
+    assert (g != w).float().mean().item() < 1e-3
+
+
+def test_bf16_silu_mul_has_the_same_bits_on_every_cpu_kind_and_for_every_row() -> None:
+    """The AVX-512 loop and the scalar one (AVX2 and baseline clones) give the same bits,
+    and a row's activation is the same alone and in any batch."""
+    assert native_kernels.LIB is not None
+    inter = 1000  # not a multiple of 16: the vector loop's masked tail
+    gate_up = _gate_up(37, inter, 3)
+    host = native_kernels.features()
+    want = fused_ops.silu_mul(gate_up, inter)
+    for row in (0, 5, 36):
+        alone = fused_ops.silu_mul(gate_up[row: row + 1].clone(), inter)
+        assert torch.equal(alone.view(torch.int16), want[row: row + 1].view(torch.int16))
+    for kind in ("avx2", "portable"):
+        previous = native_kernels.set_features(cpu_features.effective(kind) & host)
+        try:
+            assert torch.equal(fused_ops.silu_mul(gate_up, inter).view(torch.int16), want.view(torch.int16)), kind
+        finally:
+            native_kernels.set_features(previous)
+
+
+def test_silu_mul_off_the_native_path_is_the_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate_up = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(fused_ops.silu_mul(gate_up, 32), _torch_silu_mul(gate_up, 32))  # float32
+    monkeypatch.setattr(native_kernels, "LIB", None)
+    b = gate_up.bfloat16()
+    assert torch.equal(fused_ops.silu_mul(b, 32), _torch_silu_mul(b, 32))

@@ -243,6 +243,126 @@ void pd_add_rms_norm_bf16(uint16_t *h, const uint16_t *delta, const uint16_t *w,
                          out + r * dim);
 }
 
+/* exp(x) in float32 for x in [-87, 89] (the caller clamps): x = n ln2 + r, |r| <= ln2/2,
+ * exp(r) by its degree-6 Taylor polynomial (error under 2 ulp), times 2^n built in the
+ * exponent bits. Plain multiplies and adds (no FMA in any clone, see PD_CLONES), so every
+ * clone and every lane of a vector loop give the same bits. */
+#pragma GCC push_options
+/* No trapping math: lets GCC turn the selects below into vector blends. It allows no
+ * reassociation or contraction, so the bits stay those of the scalar code. */
+#pragma GCC optimize("no-trapping-math")
+static inline float pd_expf(float x) {
+    const float shift = 0x1.8p23f; /* adding it rounds to an integer (|x log2 e| < 2^22) */
+    float t = x * 1.44269504088896341f + shift;
+    float n = t - shift;
+    float r = x - n * 0.693145751953125f; /* ln 2's high part: n * it is exact */
+    r = r - n * 1.428606765330187e-06f;  /* ln 2's low part */
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* One row of the MLP's activation, bfloat16: out[j] = bf16(bf16(silu(g[j])) * u[j]), where
+ * torch's `F.silu(gate) * up` rounds (silu's result, then the product; a product of two
+ * bf16 values is exact in float32, so it is rounded once). silu(g) = g / (1 + exp(-g)),
+ * -g clamped to [-87, 89]: exp(-g) is then 1 + tiny or overflows to inf exactly where
+ * the true value does for float32 (silu(-inf) is NaN, as torch's). Elementwise: a row's
+ * bits never depend on its neighbours. */
+PD_CLONES(void, silu_mul_row, (const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *out),
+          (g, u, n, out)) {
+    /* Written without branches (selects only), so that it vectorizes; f32_to_bf16's
+     * rounding spelled out per lane. */
+    for (int64_t j = 0; j < n; j++) {
+        uint32_t gb = (uint32_t)g[j] << 16, ub = (uint32_t)u[j] << 16;
+        float x, y;
+        memcpy(&x, &gb, sizeof x);
+        memcpy(&y, &ub, sizeof y);
+        float m = -x;
+        m = m < -87.0f ? -87.0f : m;
+        m = m > 89.0f ? 89.0f : m;
+        float s = x / (1.0f + pd_expf(m));
+        uint32_t sb;
+        memcpy(&sb, &s, sizeof sb);
+        uint32_t sr = (sb + 0x7fffu + ((sb >> 16) & 1u)) & 0xffff0000u;
+        sb = (sb & 0x7fffffffu) > 0x7f800000u ? (sb | 0x400000u) & 0xffff0000u : sr;
+        memcpy(&s, &sb, sizeof s);
+        float p = s * y;
+        uint32_t pb;
+        memcpy(&pb, &p, sizeof pb);
+        uint32_t pr = (pb + 0x7fffu + ((pb >> 16) & 1u)) >> 16;
+        out[j] = (uint16_t)((pb & 0x7fffffffu) > 0x7f800000u ? (pb >> 16) | 0x40u : pr);
+    }
+}
+
+#pragma GCC pop_options
+
+/* silu_mul_row's arithmetic, 16 lanes at a time (lanes past `n` masked off): the same
+ * operations in the same order, so the same bits. */
+#define PD_AVX512_BW __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define PD_AVX512_BW_INLINE PD_AVX512_BW __attribute__((always_inline)) static inline
+
+PD_AVX512_BW_INLINE __m512 pd_bf16x16(const uint16_t *p, __mmask16 k) {
+    __m256i h = _mm256_maskz_loadu_epi16(k, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* float32 -> bf16 bits in the low half of each lane, rounded as f32_to_bf16. */
+PD_AVX512_BW_INLINE __m512i pd_round_bf16x16(__m512 f) {
+    __m512i b = _mm512_castps_si512(f);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    __m512i q = _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
+    return _mm512_mask_mov_epi32(r, nan, q);
+}
+
+PD_AVX512_BW static void silu_mul_row16(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *out) {
+    const __m512 shift = _mm512_set1_ps(0x1.8p23f);
+    const float c[7] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+    for (int64_t j = 0; j < n; j += 16) {
+        __mmask16 k = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+        __m512 x = pd_bf16x16(g + j, k);
+        __m512 m = _mm512_sub_ps(_mm512_setzero_ps(), x);
+        m = _mm512_max_ps(m, _mm512_set1_ps(-87.0f)); /* NaN: any finite m; x / ... stays NaN */
+        m = _mm512_min_ps(m, _mm512_set1_ps(89.0f));
+        __m512 t = _mm512_add_ps(_mm512_mul_ps(m, _mm512_set1_ps(1.44269504088896341f)), shift);
+        __m512 nn = _mm512_sub_ps(t, shift);
+        __m512 r = _mm512_sub_ps(m, _mm512_mul_ps(nn, _mm512_set1_ps(0.693145751953125f)));
+        r = _mm512_sub_ps(r, _mm512_mul_ps(nn, _mm512_set1_ps(1.428606765330187e-06f)));
+        __m512 p = _mm512_set1_ps(c[0]);
+        for (int i = 1; i < 7; i++)
+            p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c[i]));
+        __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(nn), _mm512_set1_epi32(127)), 23);
+        __m512 ex = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+        __m512 sg = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), ex));
+        __m512i sb = _mm512_slli_epi32(pd_round_bf16x16(sg), 16);
+        __m512 prod = _mm512_mul_ps(_mm512_castsi512_ps(sb), pd_bf16x16(u + j, k));
+        _mm256_mask_storeu_epi16(out + j, k, _mm512_cvtepi32_epi16(pd_round_bf16x16(prod)));
+    }
+}
+
+/* act [rows, inter] = silu(gate) * up of gate_up [rows, 2 inter] (gate first, as the fused
+ * gate/up projection lays them out; rows `stride` elements apart), bfloat16. */
+void pd_silu_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t inter, int64_t stride,
+                      uint16_t *out, int num_threads) {
+    int threads = rows * inter < (1 << 16) || num_threads < 1 ? 1 : num_threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        if (pd_cpu_has(PD_CPU_AVX512F))
+            silu_mul_row16(gate_up + r * stride, gate_up + r * stride + inter, inter, out + r * inter);
+        else
+            silu_mul_row(gate_up + r * stride, gate_up + r * stride + inter, inter, out + r * inter);
+}
+
 /* Rotary embedding in place on the first `nheads` heads of each row of x (bf16):
  * row t at x + t * row_stride, head h at + h * D; cos/sin rows [T, D], sin with the
  * rotate_half sign folded in (pdserve/engine/models/rope.py). Rounded as HF's

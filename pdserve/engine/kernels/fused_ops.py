@@ -1,10 +1,14 @@
-"""bf16 CPU fast paths of two model ops, in one native pass each (pdserve/engine/kernels/_cpu_kernels.c).
+"""bf16 CPU fast paths of three model ops, in one native pass each (pdserve/engine/kernels/_cpu_kernels.c).
 
-`add_rms_norm(h, delta, weight, eps, norm)` returns `(h + delta, norm(h + delta))` and
-`rope_qk(qkv, ...)` rotates the q and k heads of the fused qkv projection, both rounded
-where Hugging Face's Llama rounds in bf16 (each bf16 op's result). On CPU bf16 with the
-library built they work in place (`h`, `qkv`); anywhere else (float32 included, so
-float32 stays bit-identical to HF) they run the torch ops the model always ran.
+`add_rms_norm(h, delta, weight, eps, norm)` returns `(h + delta, norm(h + delta))`,
+`rope_qk(qkv, ...)` rotates the q and k heads of the fused qkv projection, and
+`silu_mul(gate_up, inter)` is the MLP's `silu(gate) * up`, each rounded where Hugging
+Face's Llama rounds in bf16 (each bf16 op's result). On CPU bf16 with the library built
+they run natively (`add_rms_norm` and `rope_qk` in place); anywhere else (float32
+included, so float32 stays bit-identical to HF) they run the torch ops the model always ran.
+The native silu has an exp of its own, the same bits on every CPU and in every lane,
+so a row's activation never depends on the batch (torch's vectorized and scalar exp can
+differ in the last bit).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from pdserve.engine.kernels import native as native_kernels
 
@@ -56,3 +61,15 @@ def rope_qk(
     qk = qkv[:, : nrot * head_dim].unflatten(1, (nrot, head_dim))
     q, k = qk.split([num_heads, num_kv_heads], dim=1)
     return q, k
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """silu(gate) * up for `gate_up` [T, 2 * inter] (gate first), [T, inter]."""
+    lib = native_kernels.LIB
+    if lib is None or not _native(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] != 2 * inter:
+        gate, up = gate_up.split([inter, inter], dim=-1)
+        return F.silu(gate) * up
+    out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)
+    lib.pd_silu_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], inter, gate_up.shape[1], out.data_ptr(),
+                         torch.get_num_threads())
+    return out

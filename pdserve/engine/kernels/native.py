@@ -49,6 +49,7 @@ SYMBOLS: tuple[Symbol, ...] = (
                                 ctypes.c_float, P, C_INT), C_INT),
     Symbol("pd_add_rms_norm_bf16", (P, P, P, I64, I64, ctypes.c_float, P, C_INT), None, required=True),
     Symbol("pd_rope_bf16", (P, I64, I64, I64, I64, P, P, C_INT), None, required=True),
+    Symbol("pd_silu_mul_bf16", (P, I64, I64, I64, P, C_INT), None, required=True),
     Symbol("pd_int4_dequant", (P, P, C_INT, I64, I64, I64, C_INT, P, C_INT), C_INT),
     Symbol("pd_int8_gemm_bf16", (P, I64, I64, P, P, I64, P, C_INT, C_INT), C_INT),
     Symbol("pd_int8_gemm_supported", (), C_INT),

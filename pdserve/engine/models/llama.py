@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention.paged import AttentionBackend, AttentionMetadata
-from pdserve.engine.kernels.fused_ops import add_rms_norm, rope_qk
+from pdserve.engine.kernels.fused_ops import add_rms_norm, rope_qk, silu_mul
 from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.engine.models.rope import RopeTables, apply_rope
 from pdserve.engine.quant.linear import linear
@@ -134,8 +134,7 @@ class MLP(nn.Module):
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
         if lora is not None:
             gate_up = lora.apply("gate_up", x, gate_up)
-        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
-        act = F.silu(gate) * up
+        act = silu_mul(gate_up, self.inter)
         down = linear(act, self.down_weight, self.down_bias)
         return down if lora is None else lora.apply("down", act, down)
 

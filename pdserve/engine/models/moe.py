@@ -19,9 +19,9 @@ a token's experts).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.kernels.fused_ops import silu_mul
 from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.engine.loading.moe_config import MoEConfig
 from pdserve.engine.models.llama import LlamaForCausalLM, WeightSpec, _param
@@ -41,8 +41,7 @@ class Expert(nn.Module):
         self.down_weight = _param(hidden, inter, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight, None).split([self.inter, self.inter], dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight, None)
+        return linear(silu_mul(linear(x, self.gate_up_weight, None), self.inter), self.down_weight, None)
 
 
 class SparseMoE(nn.Module):
