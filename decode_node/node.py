@@ -41,7 +41,7 @@ from pdserve.common import protocol as p
 from pdserve.common.logprobs import Logprob
 from pdserve.common.logs import request_fields
 from pdserve.common.roles import Role
-from pdserve.engine.core.scheduler import Reservation
+from pdserve.engine.core.reservation import Reservation
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.tier_fill import FillState

@@ -49,7 +49,8 @@ from pdserve.engine.core.outputs import (
     generation_result,
 )
 from pdserve.engine.core.request_checks import check_request
-from pdserve.engine.core.scheduler import Reservation, Scheduler, SchedulerOutput
+from pdserve.engine.core.reservation import Reservation
+from pdserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.core.sequence import Request, SequenceStatus, finish_status
 from pdserve.engine.core.sequence import Sequence as Seq
 from pdserve.engine.grammar.compiler import (
