@@ -41,7 +41,7 @@ from pdserve.common import protocol as p
 from pdserve.common.logprobs import Logprob
 from pdserve.common.logs import request_fields
 from pdserve.common.roles import Role
-from pdserve.engine.core.scheduler import Reservation
+from pdserve.engine.core.reservation import Reservation
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.engine.tier_fill import FillState
@@ -325,7 +325,8 @@ class DecodeNode(EngineNode):
         self.send(self.transfers.failed(rid, inc.transfer_id, state))
 
     def load(self) -> NodeLoad:
-        queued = sum(seq.num_uncomputed_tokens for seq in list(self.engine.scheduler.waiting))  # local prefills
+        s = self.engine.scheduler  # local prefills, queued or reading their prefix from the tiers
+        queued = sum(seq.num_uncomputed_tokens for seq in s.waiting) + s.tier_reads.uncomputed_tokens
         if self.drafts is not None:
             self.drafts.publish()
         return self.stats.update(self.engine.stats(), queued)

@@ -35,8 +35,10 @@ class KVTier(Protocol):
         """Store `record` under `key` (evicting as the bound needs); False if it could
         not be written (counted). Writing a key another writer stored is harmless."""
 
-    def contains(self, key: bytes) -> bool:
-        """Whether `key` is stored (a cheap check before a write)."""
+    def contains(self, key: bytes, lookup: bool = False) -> bool:
+        """Whether `key` is stored: a cheap check before a write, or (`lookup`) the
+        existence check that promises a block before it is read (`TieredKVCache.present`),
+        where a tier that cannot be asked counts an unavailable miss, as `get` does."""
 
     def discard(self, key: bytes) -> None:
         """Drop what is stored under `key` (a bad record, so a sound one can replace it)."""

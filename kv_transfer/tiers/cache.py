@@ -4,18 +4,20 @@
     payloads = cache.load(digests)   # the longest leading run found, checked, in order
     cache.offer(digest, payload)     # returns at once; the writer thread stores it
 
-`load` runs on the engine loop: it asks the tiers in order (host, disk, remote) for
-each block of the chain and stops at the first block none has, so what it returns
-is always a prefix. Every record is decoded against the key it was asked for and the
-pool's block size (tiers/record.py): a corrupt, truncated or foreign record is a
-miss of that tier, counted, and the next tier is asked. A block found below the
-first tier is copied up (promoted) by the writer; a bad record is discarded, so
-the recomputed block replaces it.
+`load` asks the tiers in order (host, disk, remote) for each block of the chain and
+stops at the first block none has, so what it returns is always a prefix. Every record
+is decoded against the key it was asked for and the pool's block size
+(tiers/record.py): a corrupt, truncated or foreign record is a miss of that tier,
+counted, and the next tier is asked. A block found below the first tier is copied up
+(promoted) by the writer; a bad record is discarded, so the recomputed block replaces
+it.
 
-`present` (which leading blocks some tier has, by a cheap existence check) and
-`load_async` (the same `load` on the loader thread) let a decode reservation promise
-the blocks at once and read them while the prefill worker computes the rest
-(pdserve/engine/tier_fill.py); a block that is gone or bad by then is a failed load.
+The engine never calls `load` on its step loop: `present` (which leading blocks some
+tier has, by a cheap existence check; a tier that cannot be asked, such as Redis down,
+counts an unavailable miss) and `load_async` (the same `load` on the loader thread) let
+an admission or a decode reservation promise the blocks at once and read them while
+the loop steps on (pdserve/engine/tier_fill.py); a block that is gone or bad by then
+ends the run that is returned (counted as that tier's miss: absent, corrupt, ...).
 
 `offer` never blocks: the block joins a bounded queue; when the queue is full the
 block is dropped (counted) rather than make a step wait. The writer thread encodes
@@ -64,6 +66,7 @@ class CacheSnapshot:
     load_seconds: float  # total time those loads took
     dropped_writes: int  # blocks not written down because the queue was full
     queued_writes: int  # blocks queued or being written
+    load_timeouts: int = 0  # loads the engine stopped waiting for (`timed_out`): recomputed
 
 
 class _Write:
@@ -87,7 +90,7 @@ class TieredKVCache:
         self.num_rows = block_rows(layout)
         self._queue: queue.Queue[_Write | None] = queue.Queue(max_queued)
         self._lock = threading.Lock()
-        self._loads = self._loaded_blocks = self._dropped = 0
+        self._loads = self._loaded_blocks = self._dropped = self._timeouts = 0
         self._load_seconds = 0.0
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
@@ -96,7 +99,7 @@ class TieredKVCache:
     def key(self, digest: bytes) -> bytes:
         return tier_key(self.namespace, digest)
 
-    # --------------------------------------------------------------- engine loop
+    # ------------------------------------------------------- engine (and loader)
     def load(self, digests: Sequence[bytes]) -> list[np.ndarray]:
         """Payloads of the longest leading run of `digests` some tier holds, checked."""
         t0 = time.perf_counter()
@@ -117,13 +120,19 @@ class TieredKVCache:
         """How many leading `digests` some tier holds (an existence check, not a read)."""
         for n, digest in enumerate(digests):
             key = self.key(digest)
-            if not any(tier.contains(key) for tier in self.tiers):
+            if not any(tier.contains(key, lookup=True) for tier in self.tiers):
                 return n
         return len(digests)
 
     def load_async(self, digests: Sequence[bytes]) -> concurrent.futures.Future[list[np.ndarray]]:
         """`load(digests)` on the loader thread."""
         return self._loader.submit(self.load, list(digests))
+
+    def timed_out(self, digests: Sequence[bytes]) -> None:
+        """The engine gave up waiting for a `load_async` of `digests` (counted; the loader
+        thread's late result is ignored and its blocks are recomputed)."""
+        with self._lock:
+            self._timeouts += 1
 
     def _load_one(self, key: bytes) -> np.ndarray | None:
         for i, tier in enumerate(self.tiers):
@@ -198,7 +207,7 @@ class TieredKVCache:
 
     def snapshot(self) -> CacheSnapshot:
         with self._lock:
-            loads, blocks, secs, dropped = (self._loads, self._loaded_blocks, self._load_seconds,
-                                            self._dropped)
+            loads, blocks, secs, dropped, timeouts = (self._loads, self._loaded_blocks,
+                                                      self._load_seconds, self._dropped, self._timeouts)
         return CacheSnapshot(tuple(t.stats.snapshot() for t in self.tiers), loads, blocks, secs,
-                             dropped, self._queue.unfinished_tasks)
+                             dropped, self._queue.unfinished_tasks, timeouts)

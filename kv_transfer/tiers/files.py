@@ -77,8 +77,17 @@ class FileTier:
             os.utime(p)  # recently used: evicted last
         return data
 
-    def contains(self, key: bytes) -> bool:
-        return self.path(key).exists()
+    def contains(self, key: bytes, lookup: bool = False) -> bool:
+        p = self.path(key)
+        try:
+            os.stat(p)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            if lookup:
+                self.stats.miss(MissReason.UNAVAILABLE, f"{p}: {e}")
+            return False
+        return True
 
     def discard(self, key: bytes) -> None:
         with contextlib.suppress(OSError):

@@ -80,13 +80,17 @@ class RedisTier:
             return None
         return value
 
-    def contains(self, key: bytes) -> bool:
+    def contains(self, key: bytes, lookup: bool = False) -> bool:
         if not self._up():
+            if lookup:
+                self.stats.miss(MissReason.UNAVAILABLE)
             return False
         try:
             return bool(self._client.exists(PREFIX + key.hex().encode()))
-        except self._errors:
+        except self._errors as e:
             self._failed()
+            if lookup:
+                self.stats.miss(MissReason.UNAVAILABLE, f"{self.url}: {e}")
             return False
 
     def discard(self, key: bytes) -> None:

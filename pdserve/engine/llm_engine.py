@@ -22,6 +22,13 @@ each `schedule` queues the ones whose grammar landed and gives up on those whose
 compile failed or outlived `grammar_compile_timeout_s` (`take_failed` hands them to
 the caller). `reserve_remote` takes only requests whose grammar is ready
 (`grammar_ready`): a decode node holds the reservation until it is.
+
+With KV tiers attached, nothing reads a tier on the step loop: a prompt whose
+blocks after its pool hit a tier holds is parked by the scheduler while the tiers'
+loader thread reads them (`tier_reads`, pdserve/engine/core/tier_reads.py); each
+`schedule` first hands the scheduler the reads that landed and, after it, starts
+the reads it asked for. A decode reservation's tier blocks are read the same way
+(`tier_fills`, `tier_fill`).
 """
 
 from __future__ import annotations
@@ -49,7 +56,8 @@ from pdserve.engine.core.outputs import (
     generation_result,
 )
 from pdserve.engine.core.request_checks import check_request
-from pdserve.engine.core.scheduler import Reservation, Scheduler, SchedulerOutput
+from pdserve.engine.core.reservation import Reservation
+from pdserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.core.sequence import Request, SequenceStatus, finish_status
 from pdserve.engine.core.sequence import Sequence as Seq
 from pdserve.engine.grammar.compiler import (
@@ -67,7 +75,7 @@ from pdserve.engine.prompt_logprobs import collect_prompt_logprobs
 from pdserve.engine.sampler import Sampler, SampleRow, request_seed
 from pdserve.engine.spec.decoder import SpecDecoder, accepted_prefix
 from pdserve.engine.spec.draft_model import draft_proposer
-from pdserve.engine.tier_fill import FillState, TierFills
+from pdserve.engine.tier_fill import READ_TIMEOUT_S, FillState, TierFills
 
 if TYPE_CHECKING:
     from pdserve.engine.runner.model_runner import ModelRunner
@@ -117,12 +125,15 @@ class LLMEngine:
         self._num_generated = 0
         self._num_steps = 0
         self.tier_link: TierLink | None = None
-        self.tier_fills: TierFills | None = None  # decode reservations' blocks being read
+        self.tier_fills: TierFills[str] | None = None  # decode reservations' blocks, by request id
+        self.tier_reads: TierFills[int] | None = None  # parked admissions' blocks, by seq id
 
-    def attach_tiers(self, tiers: PrefixTiers) -> None:
-        """Look up the KV tiers below the pool on admission and write computed blocks down."""
+    def attach_tiers(self, tiers: PrefixTiers, read_timeout_s: float = READ_TIMEOUT_S) -> None:
+        """Read the KV tiers below the pool on admission (off the loop) and write computed
+        blocks down; a read not landed within `read_timeout_s` is given up (recomputed)."""
         self.tier_link = TierLink(tiers, self.runner.pool, self.block_manager)
-        self.tier_fills = TierFills(self.tier_link)
+        self.tier_fills = TierFills(self.tier_link, read_timeout_s)
+        self.tier_reads = TierFills(self.tier_link, read_timeout_s)
         self.scheduler.tiers = tiers
 
     # ---------------------------------------------------------------- requests
@@ -167,7 +178,14 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, len(self.scheduler.running))
             cut_drafts(self.scheduler.running, self.grammar)  # at the first token a grammar rejects
-        return self.scheduler.schedule()
+        if self.tier_reads is not None and self.scheduler.tier_reads:
+            self._land_tier_reads(self.tier_reads)
+        batch = self.scheduler.schedule()
+        if batch.tier_reads:
+            assert self.tier_reads is not None
+            for read in batch.tier_reads:  # read while this step (and the next ones) run
+                self.tier_reads.start(read.seq_id, read.block_ids, read.digests)
+        return batch
 
     def execute(
         self, batch: SchedulerOutput, layer_hook: Callable[[int], None] | None = None
@@ -208,6 +226,8 @@ class LLMEngine:
         if self._compiling.drop(request_id):  # never queued, holds nothing
             return True
         for seq in req.seqs:
+            if self.tier_reads is not None:
+                self.tier_reads.drop(seq.seq_id)  # a read still running never reaches the pool
             if seq.status is SequenceStatus.FINISHED_PREFILLED:
                 self.scheduler.release(seq)
                 seq.status = SequenceStatus.FINISHED_ABORTED
@@ -251,6 +271,8 @@ class LLMEngine:
             batch = self.schedule()
             if batch.is_empty and self._compiling:
                 self.grammar.wait(0.05)  # nothing else to run until a grammar lands
+            elif batch.is_empty and self.tier_reads is not None and self.scheduler.tier_reads:
+                self.tier_reads.wait_any(0.05)  # nothing else to run until a tier read lands
             self.execute(batch)
             for failed in self.take_failed():
                 if failed.request_id in reqs:
@@ -439,6 +461,17 @@ class LLMEngine:
         req = Request(request_id, prompt, params, prefill_only, [seq])
         self._requests[request_id] = req
         return req
+
+    def _land_tier_reads(self, fills: TierFills[int]) -> None:
+        """Hand the scheduler the parked sequences whose tier read ended: the blocks read
+        and checked (all, or the leading run before one that failed or timed out)."""
+        landed = []
+        for seq in self.scheduler.tier_reads.seqs:
+            got = fills.take(seq.seq_id)
+            if got.state is not FillState.PENDING:
+                landed.append((seq.seq_id, got.load))
+        if landed:
+            self.scheduler.land_tier_reads(landed)
 
     def _admit_compiled(self) -> None:
         """Queue the held requests whose grammar landed; give up on those it failed."""

@@ -1,10 +1,12 @@
 """Whole-block copies in and out of the KV pool: copy-on-write, and the engine's side
 of the KV tiers below its pool (kv_transfer/tiers is the store).
 
-The scheduler asks `PrefixTiers.load` for the blocks of a new prompt past its pool
-hit and schedules them as `BlockLoad`s: freshly allocated blocks the engine fills
-with the loaded bytes before the step runs, so the rest of the prompt is computed
-on top of them exactly as on top of a pool hit. After a step, every block the
+The scheduler asks `PrefixTiers.present` which blocks of a new prompt past its pool
+hit the tiers hold, allocates them and parks the prompt while the tiers' loader
+thread reads them (pdserve/engine/tier_fill.py); the bytes that landed come back in
+the step that admits it as `BlockLoad`s: the engine writes them into those blocks
+before the step runs (`TierLink.load`), so the rest of the prompt is computed on top
+of them exactly as on top of a pool hit. After a step, every block the
 prefix cache newly registered is copied out of the pool and offered to the tiers
 (`offer_stored`); the copy is the only work the step loop does for a write.
 

@@ -1,6 +1,7 @@
-"""What the torch-free scheduler knows of the KV tiers below the pool: a store it
-asks for a prefix's blocks, and the loads it hands the engine (pdserve/engine/pool_blocks.py
-does the copying). Payloads are opaque byte arrays here."""
+"""What the torch-free scheduler knows of the KV tiers below the pool: a store it asks
+which blocks of a prefix it holds, the reads it asks the engine to start, and the loads
+it hands the engine (pdserve/engine/pool_blocks.py does the copying). Payloads are opaque
+byte arrays here."""
 
 from __future__ import annotations
 
@@ -28,6 +29,18 @@ class PrefixTiers(Protocol):
     def load_async(self, digests: Sequence[bytes]) -> Future[list[np.ndarray]]:
         """`load(digests)` off the calling thread."""
 
+    def timed_out(self, digests: Sequence[bytes]) -> None:
+        """The caller gave up waiting for a `load_async(digests)` (counted)."""
+
+
+class TierRead(NamedTuple):
+    """A read the scheduler asks for on admission: sequence `seq_id`'s blocks `block_ids`
+    (allocated, not yet written) are to get the bytes the tiers hold under `digests`."""
+
+    seq_id: int
+    block_ids: tuple[int, ...]
+    digests: tuple[bytes, ...]
+
 
 class BlockLoad(NamedTuple):
     """Bytes from the tiers for pool blocks `block_ids`, written before the step runs."""
@@ -37,11 +50,4 @@ class BlockLoad(NamedTuple):
     digests: tuple[bytes, ...]  # their prefix digests (already in the tiers: not offered back)
 
 
-class TierHit(NamedTuple):
-    """Blocks of a prompt found in the KV tiers, after its pool hit: digests and bytes."""
-
-    digests: tuple[bytes, ...]
-    payloads: tuple[np.ndarray, ...]
-
-
-NO_TIER_HIT = TierHit((), ())
+NO_LOAD = BlockLoad((), (), ())

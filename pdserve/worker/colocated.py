@@ -86,7 +86,8 @@ class ColocatedNode(EngineNode):
         return not batch.is_empty  # only requests whose grammar compiles: idle until it lands
 
     def load(self) -> NodeLoad:
-        queued = sum(seq.num_uncomputed_tokens for seq in list(self.engine.scheduler.waiting))
+        s = self.engine.scheduler
+        queued = sum(seq.num_uncomputed_tokens for seq in s.waiting) + s.tier_reads.uncomputed_tokens
         return self.stats.update(self.engine.stats(), queued)
 
     def busy(self) -> bool:

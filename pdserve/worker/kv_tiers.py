@@ -1,10 +1,11 @@
 """A worker's KV tiers (kv_transfer/tiers): built for the node's pool, attached to its
 engine, exported in its Prometheus metrics, flushed and closed with the node.
 
-Every role reads and writes the tiers: prefill and colocated workers on admission
-(pdserve/engine/core/scheduler.py), a decode worker when it reserves a prompt's blocks
+Every role reads and writes the tiers, never on its step loop: prefill and colocated
+workers on admission (a prompt is parked while the loader thread reads its blocks:
+pdserve/engine/core/tier_reads.py), a decode worker when it reserves a prompt's blocks
 (its reused prefix may come from the tiers: `LLMEngine.reserve_remote`), and each writes
-down the blocks it registers. Tensor- and pipeline-parallel workers do not use them
+down the blocks it registers (the writer thread). Tensor- and pipeline-parallel workers do not use them
 (each rank holds only part of a block).
 """
 
@@ -90,6 +91,10 @@ class TierCollector(Collector):
                                    labels=names)
         queued.add_metric(values, snap.queued_writes)
         yield queued
+        timeouts = CounterMetricFamily("llm_kv_tier_load_timeouts", "Loads from the KV tiers not landed in "
+                                       "time: given up, their blocks recomputed", labels=names)
+        timeouts.add_metric(values, snap.load_timeouts)
+        yield timeouts
 
 
 def tier_infos(engine: LLMEngine) -> tuple[KvTierInfo, ...]:

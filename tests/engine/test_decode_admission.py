@@ -19,7 +19,8 @@ import torch
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.core.scheduler import ReserveCheck, Scheduler
+from pdserve.engine.core.reservation import ReserveCheck
+from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.core.sequence import Sequence, SequenceStatus
 from pdserve.engine.llm_engine import LLMEngine
 

@@ -14,7 +14,15 @@ import pytest
 from kv_transfer.tiers.cache import TieredKVCache
 from kv_transfer.tiers.remote import PREFIX, RedisTier
 from pdserve.common.block_hash import ROOT_DIGEST, block_hash
-from tests.engine.test_kv_tiers_engine import BS, assert_idle, make_engine, prompts, run, tokens
+from tests.engine.test_kv_tiers_engine import (
+    BS,
+    GREEDY,
+    assert_idle,
+    make_engine,
+    prompts,
+    run,
+    tokens,
+)
 from tests.helpers.redis_server import redis_server
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -94,4 +102,41 @@ def test_redis_down_is_a_miss_counted_once_per_retry_window(
     assert time.monotonic() - t0 < 30
     assert cb.flush()
     assert cb.snapshot().tiers[0].write_failures >= 1
+    cb.close()
+
+
+def test_redis_going_down_while_a_read_waits_is_an_unavailable_miss_and_a_recompute(
+        model_dir: Path, tmp_path: Path, reference: Callable[[list[list[int]]], list[tuple[int, ...]]]) -> None:
+    """The blocks exist when the prompt is admitted (the existence check passes), the
+    server dies while the read is held off the loop: the read finds nothing, the prompt
+    is recomputed whole, exact, and the miss is counted."""
+    from tests.engine.test_kv_tiers_async import GATE_S, GatedTier
+
+    ps = prompts(1, 3 * BS + 2, seed=14)
+    with redis_server(tmp_path) as (url, proc):
+        a, ca = remote_engine(model_dir, url)
+        run(a, ps)  # type: ignore[arg-type]
+        ca.close()
+        b = make_engine(model_dir)
+        tier = GatedTier(RedisTier(url, retry_s=60.0))
+        cb = TieredKVCache(b.runner.layout, [tier])
+        b.attach_tiers(cb)
+        b.add_request("r", ps[0], GREEDY)
+        b.step()  # parked: the read waits at the gate
+        assert tier.reading.wait(GATE_S)
+        proc.kill()
+        proc.wait()
+        tier.gate.set()
+        got = []
+        while b.has_unfinished():
+            outs = b.step()
+            if not outs and b.tier_reads is not None:
+                b.tier_reads.wait_any(GATE_S)
+            for out in outs:
+                got += out.outputs[0].token_ids
+                cached = out.num_cached_tokens
+    assert tuple(got) == reference(ps)[0] and cached == 0
+    snap = cb.snapshot().tiers[0]
+    assert snap.misses.get("unavailable") == 1 and snap.hits == 0
+    assert_idle(b)
     cb.close()

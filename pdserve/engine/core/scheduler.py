@@ -10,10 +10,14 @@ Life of a request (one `Sequence` per choice):
 2. A step first gives each RUNNING sequence its uncomputed tokens (one decode
    token, or the next chunk of a prefill), then admits WAITING sequences FCFS
    into the leftover token budget, a prefill split into chunks when it does not
-   fit (chunked prefill). Admission looks up the prefix cache first, then the KV
-   tiers below it for the blocks that follow (`tiers`: each found block is a
-   `BlockLoad` the engine copies in before the step). With chunks
-   capped (`long_prefill_token_threshold`), a waiting prompt that fits in one chunk
+   fit (chunked prefill). Admission looks up the prefix cache first, then asks
+   the KV tiers below it (`tiers`) which of the blocks that follow they hold, an
+   existence check: such a sequence takes its blocks and is parked WAITING_FOR_KV
+   while the engine reads them off the loop (a `TierRead`), the others stepping on;
+   when the read lands it is back at the front of WAITING, and the step that admits
+   it carries the bytes as a `BlockLoad` the engine copies in before the chunks run
+   (pdserve/engine/core/tier_reads.py). With chunks capped
+   (`long_prefill_token_threshold`), a waiting prompt that fits in one chunk
    gets a step without the longer prompts' chunks, within a bounded wait
    (pdserve/engine/core/prefill_order.py).
 3. Blocks are allocated as tokens are scheduled. When none are left the
@@ -39,9 +43,11 @@ from pdserve.common.block_hash import block_hash, cacheable_blocks
 from pdserve.engine.core.block_manager import NO_HIT, BlockCopy, BlockManager, PrefixHit
 from pdserve.engine.core.config import SchedulerConfig
 from pdserve.engine.core.prefill_order import ShortFirst
+from pdserve.engine.core.reservation import ReserveCheck
 from pdserve.engine.core.runner_types import SeqChunk
 from pdserve.engine.core.sequence import Sequence, SequenceStatus
-from pdserve.engine.tier_api import NO_TIER_HIT, BlockLoad, PrefixTiers, TierHit
+from pdserve.engine.core.tier_reads import TierReads
+from pdserve.engine.tier_api import BlockLoad, PrefixTiers, TierRead
 
 
 class ScheduledSeq(NamedTuple):
@@ -59,6 +65,8 @@ class SchedulerOutput(NamedTuple):
     block_copies: list[BlockCopy]
     # Blocks from the KV tiers, written into the pool before the chunks run.
     block_loads: tuple[BlockLoad, ...] = ()
+    # Reads of the KV tiers for the sequences this step parked, for the engine to start.
+    tier_reads: tuple[TierRead, ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -67,57 +75,6 @@ class SchedulerOutput(NamedTuple):
     @property
     def num_batched_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
-
-
-class ReserveCheck(NamedTuple):
-    """Decode admission of one reservation, in blocks (`Scheduler.check_reserve`).
-
-    Granted when the prompt's blocks fit and, unless the worker is idle, the
-    blocks left free afterwards still cover the growth of every live stream (the
-    new one included) over its next `reserve_decode_tokens` tokens, capped by its
-    max_tokens, plus the watermark. Like SGLang's decode prealloc queue with
-    reserved decode tokens and vLLM's `watermark`: a request that does not pass
-    waits (the decode worker refuses, the gateway retries on the decode pool)
-    instead of taking blocks running streams need and forcing their recompute.
-    With max_tokens within `reserve_decode_tokens` no decode step ever preempts;
-    longer streams may still outgrow the pool after their first
-    `reserve_decode_tokens` tokens.
-    """
-
-    prompt_blocks: int  # blocks the reservation takes now
-    free_blocks: int  # free before it (free cached blocks included)
-    growth_blocks: int  # more blocks the live streams and this one may need
-    watermark_blocks: int
-    idle: bool  # no other stream is running, queued or awaiting its KV
-
-    @property
-    def ok(self) -> bool:
-        if self.prompt_blocks > self.free_blocks:
-            return False
-        return self.idle or self.free_blocks - self.prompt_blocks >= self.growth_blocks + self.watermark_blocks
-
-    @property
-    def reason(self) -> str:
-        """Why it was refused, in blocks ("" when granted)."""
-        if self.ok:
-            return ""
-        return (f"not enough free KV blocks: {self.free_blocks} free, the prompt needs "
-                f"{self.prompt_blocks}, running streams keep {self.growth_blocks} to grow "
-                f"+ {self.watermark_blocks} watermark")
-
-
-class Reservation(NamedTuple):
-    """A decode reservation: the blocks granted for the KV to arrive in (empty when
-    refused) and why; `cached_blocks`: leading blocks of the prompt already held here
-    (pinned, not part of `block_ids`: suffix-only handoff)."""
-
-    block_ids: list[int]
-    check: ReserveCheck
-    cached_blocks: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.block_ids)
 
 
 class Scheduler:
@@ -141,6 +98,8 @@ class Scheduler:
         self.num_tier_tokens_hit = 0  # of those, loaded from the KV tiers
         # The KV tiers below the pool (pdserve/engine/pool_blocks.py); None: only the pool.
         self.tiers: PrefixTiers | None = None
+        # Sequences parked (in `waiting_for_kv`) while their tier blocks are read.
+        self.tier_reads = TierReads(block_manager.block_size)
         # Most prefill tokens one sequence may get in a step.
         cap = config.long_prefill_token_threshold
         self._prefill_cap = (cap if cap > 0 and config.enable_chunked_prefill
@@ -205,17 +164,32 @@ class Scheduler:
         preempted: list[Sequence] = []
         copies: list[BlockCopy] = []
         loads: list[BlockLoad] = []
+        reads: list[TierRead] = []
         held = self.short_first.held_back(self.running,
                                           room=len(self.running) < self.config.max_num_seqs)
         budget = self._schedule_running(budget, scheduled, preempted, copies, held)
         # After a preemption there is no room to admit anything new this step.
         if not preempted:
-            self._schedule_waiting(budget, scheduled, copies, held, loads)
+            self._schedule_waiting(budget, scheduled, copies, held, loads, reads)
         chunks = [self._chunk(s.seq, s.num_new_tokens) for s in scheduled]
         for chunk, s in zip(chunks, scheduled, strict=True):
             prompt_end = s.seq.num_prompt_tokens
             self.num_prompt_tokens_computed += max(0, min(chunk.end_pos, prompt_end) - chunk.start_pos)
-        return SchedulerOutput(chunks, [s.seq for s in scheduled], preempted, copies, tuple(loads))
+        return SchedulerOutput(chunks, [s.seq for s in scheduled], preempted, copies, tuple(loads),
+                               tuple(reads))
+
+    def land_tier_reads(self, landed: list[tuple[int, BlockLoad]]) -> None:
+        """The engine's reads for these parked sequences ended, each `(seq id, load)`
+        with the leading blocks that arrived whole (fewer than asked: the rest is
+        recomputed). They go back to the front of WAITING, in the order they came."""
+        back = [r for seq_id, load in landed if (r := self.tier_reads.land(seq_id, load)) is not None]
+        for r in back:
+            self.waiting_for_kv.pop(r.seq.seq_id, None)
+            r.seq.num_computed_tokens = r.hit_tokens
+            self._count_hit(r.seq, r.hit_tokens, r.tier_tokens)
+            r.seq.status = SequenceStatus.WAITING
+            self.short_first.queued(r.seq)
+        self.waiting.extendleft(reversed([r.seq for r in back]))
 
     def mark_computed(self, output: SchedulerOutput) -> None:
         """The runner computed `output`: advance progress and cache full blocks."""
@@ -233,6 +207,7 @@ class Scheduler:
             self.short_first.dequeued(seq)
         else:
             self.waiting_for_kv.pop(seq.seq_id, None)
+        self.tier_reads.forget(seq.seq_id)
         if status is not SequenceStatus.FINISHED_PREFILLED:
             self.block_manager.free(seq.seq_id)
         self.short_first.forget(seq.seq_id)
@@ -293,11 +268,12 @@ class Scheduler:
 
     def _schedule_waiting(
         self, budget: int, scheduled: list[ScheduledSeq], copies: list[BlockCopy], held: set[int],
-        loads: list[BlockLoad],
+        loads: list[BlockLoad], reads: list[TierRead],
     ) -> None:
         """Admit WAITING sequences FCFS from the head. A held-back one is set aside and
         put back at the front in its place, so the queue's order never changes and a
-        step costs O(admitted + held), not O(len(waiting))."""
+        step costs O(admitted + held), not O(len(waiting)). One whose next blocks the
+        KV tiers hold is parked instead (`_park`): it takes no budget this step."""
         bm = self.block_manager
         skipped: list[Sequence] = []
         while self.waiting and budget > 0:
@@ -306,15 +282,19 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             width = seq.num_choices_when_running
-            if self.running and len(self.running) + width > self.config.max_num_seqs:
+            live = len(self.running) + len(self.tier_reads)  # a parked sequence runs next
+            if live and live + width > self.config.max_num_seqs:
                 break
             first_admission = seq.num_computed_tokens == 0 and not bm.has_owner(seq.seq_id)
             # prompt_logprobs needs the logits of every prompt position: computed, not cached.
             reads_cache = first_admission and seq.params.prompt_logprobs is None
             prefix = bm.match_prefix(seq.token_ids, seq.prefix_root) if reads_cache else NO_HIT
-            tiered = self.tier_blocks(seq, prefix) if reads_cache else NO_TIER_HIT
-            hit_tokens = prefix.num_tokens + len(tiered.digests) * bm.block_size
-            computed = max(seq.num_computed_tokens, hit_tokens)
+            in_tiers = self._in_tiers(seq, prefix) if reads_cache else []
+            if in_tiers:
+                if not self._park(seq, prefix, in_tiers, reads):
+                    break
+                continue
+            computed = max(seq.num_computed_tokens, prefix.num_tokens)
             num_new = seq.num_tokens - computed
             if num_new > min(budget, self._prefill_cap):
                 if not self.config.enable_chunked_prefill:
@@ -324,15 +304,11 @@ class Scheduler:
             if alloc is None:
                 break
             copies.extend(alloc.copies)
-            if tiered.digests:
-                at = len(prefix.block_ids)
-                ids = tuple(bm.block_table(seq.seq_id)[at:at + len(tiered.digests)])
-                loads.append(BlockLoad(ids, tiered.payloads, tiered.digests))
-                self.num_tier_tokens_hit += hit_tokens - prefix.num_tokens
-            if hit_tokens:
-                self.num_cached_tokens_hit += hit_tokens
-                if seq.num_cached_tokens == 0:
-                    seq.num_cached_tokens = min(hit_tokens, seq.num_prompt_tokens)
+            load = self.tier_reads.take_load(seq.seq_id)  # a landed tier read's bytes
+            if load is not None:
+                loads.append(load)
+            if prefix.num_tokens:
+                self._count_hit(seq, prefix.num_tokens, 0)
             seq.num_computed_tokens = computed
             self.short_first.dequeued(self.waiting.popleft())
             seq.status = SequenceStatus.RUNNING
@@ -341,18 +317,45 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
-    def tier_blocks(self, seq: Sequence, prefix: PrefixHit) -> TierHit:
-        """The blocks after the pool hit that the tiers hold, as far as a hit may reach
-        (never the last token)."""
-        digests = self.tier_digests(seq, prefix)
-        if self.tiers is None or not digests:
-            return NO_TIER_HIT
-        payloads = self.tiers.load(digests)
-        return TierHit(tuple(digests[:len(payloads)]), tuple(payloads))
+    def _park(self, seq: Sequence, prefix: PrefixHit, digests: list[bytes], reads: list[TierRead]) -> bool:
+        """Take the blocks of `seq`'s pool hit and of the `digests` the tiers hold, and
+        park it WAITING_FOR_KV until the engine's read of them lands (`land_tier_reads`);
+        False (nothing changed) if the pool has no room for them."""
+        bm = self.block_manager
+        end = prefix.num_tokens + len(digests) * bm.block_size
+        if bm.allocate_slots(seq.seq_id, end, prefix.num_tokens, prefix) is None:
+            return False
+        read = TierRead(seq.seq_id, tuple(bm.block_table(seq.seq_id)[len(prefix.block_ids):]), tuple(digests))
+        seq.num_computed_tokens = prefix.num_tokens
+        self.short_first.dequeued(self.waiting.popleft())
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        self.waiting_for_kv[seq.seq_id] = seq
+        self.tier_reads.park(seq, read, prefix.num_tokens)
+        reads.append(read)
+        return True
+
+    def _count_hit(self, seq: Sequence, hit_tokens: int, tier_tokens: int) -> None:
+        """Prefix-cache accounting of an admission whose first `hit_tokens` were not
+        computed here, `tier_tokens` of them read from the KV tiers."""
+        if not hit_tokens:
+            return
+        self.num_cached_tokens_hit += hit_tokens
+        self.num_tier_tokens_hit += tier_tokens
+        if seq.num_cached_tokens == 0:
+            seq.num_cached_tokens = min(hit_tokens, seq.num_prompt_tokens)
+
+    def _in_tiers(self, seq: Sequence, prefix: PrefixHit) -> list[bytes]:
+        """The digests of the blocks after the pool hit that some tier holds (an existence
+        check, no read), as far as a hit may reach (never the last token)."""
+        digests = self.tier_digests(seq, prefix) if self.tiers is not None else []
+        if not digests:
+            return []
+        assert self.tiers is not None
+        return digests[:self.tiers.present(digests)]
 
     def tier_digests(self, seq: Sequence, prefix: PrefixHit) -> list[bytes]:
-        """The digests of the blocks after the pool hit a tier hit may cover (admission
-        loads them; a decode reservation, `LLMEngine.reserve_remote`, reads them off the loop)."""
+        """The digests of the blocks after the pool hit a tier hit may cover (admission and
+        a decode reservation, `LLMEngine.reserve_remote`, read them off the loop)."""
         bs = self.block_manager.block_size
         limit = cacheable_blocks(seq.num_tokens, bs) if self.block_manager.enable_prefix_caching else 0
         start = len(prefix.block_ids)

@@ -26,7 +26,9 @@ class SequenceStatus(enum.Enum):
     # scheduler and holding no block, until the compile lands (then WAITING) or fails.
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"
     WAITING = "waiting"  # queued for (re)prefill; also where a preempted sequence returns
-    WAITING_FOR_KV = "waiting_for_kv"  # decode node: blocks reserved, KV still arriving
+    # Blocks allocated, their KV still arriving: on a decode node from the prefill worker
+    # (and the KV tiers); on any node, a prompt's prefix read from the KV tiers.
+    WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     FINISHED_STOPPED = "finished_stopped"  # stop token or eos
     FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len
