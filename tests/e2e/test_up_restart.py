@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 from tests.e2e import peers
-from tests.e2e.cluster import ADMIN, DTYPE, http, sse
+from tests.e2e.cluster import ADMIN, DTYPE, http, sse, wait_for
 from tests.e2e.conftest import Reference
 from tests.e2e.up_process import pdserve_up
 
@@ -22,18 +21,11 @@ def _workers(url: str) -> list[dict]:
     return list(body["data"])
 
 
-def _wait(cond: object, what: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
 def test_a_killed_decode_worker_is_restarted_and_serving_goes_on(tmp_path: Path, reference: Reference) -> None:
     log = tmp_path / "up.log"
     with pdserve_up(log, "--decode", "2", "--num-blocks", "128", "--threads", "1", "--dtype", DTYPE) as served:
-        _wait(lambda: sorted(w["role"] for w in _workers(served.url)) == ["decode", "decode", "prefill"],
-              "three workers registered")
+        wait_for(lambda: sorted(w["role"] for w in _workers(served.url)) == ["decode", "decode", "prefill"],
+                 "three workers registered", 90)
         before = {w["pid"] for w in _workers(served.url) if w["role"] == "decode"}
         victim = next(pid for pid in peers.children(served.pid) if pid in before)
         os.kill(victim, signal.SIGKILL)
@@ -45,7 +37,7 @@ def test_a_killed_decode_worker_is_restarted_and_serving_goes_on(tmp_path: Path,
             pids = {w["pid"] for w in _workers(served.url) if w["role"] == "decode"}
             return len(pids) == 2 and victim not in pids
 
-        _wait(replaced, "the killed decode worker replaced")
-        _wait(lambda: all(w["free_blocks"] == w["total_blocks"] for w in _workers(served.url)), "idle KV")
+        wait_for(replaced, "the killed decode worker replaced", 90)
+        wait_for(lambda: all(w["free_blocks"] == w["total_blocks"] for w in _workers(served.url)), "idle KV", 90)
     text = log.read_text()
     assert "was killed by signal 9" in text and "restarting it" in text, text[-2000:]
