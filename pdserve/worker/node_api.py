@@ -28,7 +28,7 @@ class NodeLoad(NamedTuple):
     free_blocks: int
     total_blocks: int
     running_seqs: int
-    waiting_seqs: int
+    waiting_seqs: int  # queued, awaiting KV, or waiting for a grammar to compile
     steps: int = 0  # engine steps so far: the gateway's progress check (Heartbeat.steps)
     tokens: int = 0  # tokens computed so far (prompt + generated): a step's size is the difference
     loras: tuple[str, ...] = ()  # fingerprints of the LoRA adapters held (Heartbeat.loras)
