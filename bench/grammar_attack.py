@@ -28,7 +28,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.harness import machine_line, parser, verdict, write_json
+from bench.client import at_once
+from bench.harness import background, machine_line, parser, verdict, write_json
 from tests.e2e.cluster import Cluster, http
 
 FIRST_N = 150  # the first attack regex's repeat count; each later one adds 1
@@ -47,30 +48,19 @@ def stream_itls(url: str, body: dict[str, Any]) -> list[float]:
 
 
 class Attackers:
-    """`n` threads, each sending pathological-regex requests one after another until stopped."""
+    """Pathological-regex requests one after another until `stop` (`run`, one per thread)."""
 
-    def __init__(self, url: str, model: str, n: int, counter: itertools.count[int]) -> None:
+    def __init__(self, url: str, model: str, counter: itertools.count[int]) -> None:
         self.url, self.model, self.counter = url, model, counter
         self.stop = threading.Event()
         self.statuses: list[int] = []
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
 
-    def _run(self) -> None:
+    def run(self) -> None:
         while not self.stop.is_set():
             regex = f"(a{{{next(self.counter)}}}){{1000}}"
             status, _ = http("POST", self.url, {"model": self.model, "prompt": "attack", "max_tokens": 8,
                                                 "structured_outputs": {"regex": regex}}, timeout=120)
             self.statuses.append(status)
-
-    def __enter__(self) -> Attackers:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=120)
 
 
 def p99(xs: list[float]) -> float:
@@ -83,11 +73,7 @@ def phase(url: str, model: str, streams: int, tokens: int) -> list[float]:
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": tokens, "temperature": 0,
             "ignore_eos": True}
     out: list[list[float]] = [[] for _ in range(streams)]
-    threads = [threading.Thread(target=lambda i=i: out[i].extend(stream_itls(url, body))) for i in range(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    at_once(lambda i: out[i].extend(stream_itls(url, body)), range(streams))
     return [x for xs in out for x in xs]
 
 
@@ -113,7 +99,8 @@ def main() -> None:
         for rep in range(args.reps):
             b_all = phase(url, model, args.streams, args.tokens)
             b = statistics.median(b_all)
-            with Attackers(url, model, args.attackers, counter) as attackers:
+            attackers = Attackers(url, model, counter)
+            with background([attackers.run] * args.attackers, attackers.stop):
                 deadline = time.monotonic() + 60
                 while len(attackers.statuses) < 1 and time.monotonic() < deadline:
                     time.sleep(0.05)  # bench only: let the first compiles start before measuring

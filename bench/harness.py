@@ -1,7 +1,8 @@
 """What the bench scripts share: their common command-line flags, the model and
 tokenizer they fall back to, the `pdserve up` arguments they pass, the engine they
 measure against, how they time (interleaved medians after a warm-up, phase laps, device
-timing), the lines and tables they report with, and the result JSON they write.
+timing), the load they keep running in background threads, the lines and tables they
+report with, and the result JSON they write.
 
 Every script runs as a module from the repository root (`python -m bench.NAME`),
 so nothing edits `sys.path`. torch is imported only when an engine is built.
@@ -18,6 +19,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -145,6 +147,22 @@ def write_json(path: str | None, result: dict[str, Any]) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
+
+
+@contextlib.contextmanager
+def background(targets: Sequence[Callable[[], object]], stop: threading.Event, join_s: float = 120.0) -> Iterator[None]:
+    """Each target in a daemon thread of its own while the `with` block runs (load beside
+    what the block measures); every target loops until `stop` is set, which leaving the
+    block does, and then each thread is joined (at most `join_s` s)."""
+    threads = [threading.Thread(target=t, daemon=True) for t in targets]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=join_s)
 
 
 # --- timing: every bench module times through these --------------------------------------

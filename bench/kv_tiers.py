@@ -345,13 +345,10 @@ def subscribed(endpoint: str) -> Iterator[None]:
         while not stop.is_set():
             if sock.poll(100):
                 sock.recv_multipart()
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
     try:
-        yield
+        with harness.background([read], stop, join_s=5):
+            yield
     finally:
-        stop.set()
-        reader.join(timeout=5)
         sock.close()
 
 

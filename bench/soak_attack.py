@@ -40,10 +40,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.harness import machine_line, parser, write_json
+from bench.harness import background, machine_line, parser, write_json
 from bench.slow_clients import MIB, dribbler, rss_bytes
 from pdserve.common.transport import free_port
 from tests.e2e import peers
@@ -125,19 +126,11 @@ class Load:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._regex_n = itertools.count(150)
-        targets = [self._normal] * args.concurrency + [self._regex] * 2 + [self._big_prompt, self._stop_ids,
-                                                                            self._stalled, self._slow]
-        self.threads = [threading.Thread(target=t, daemon=True) for t in targets]
 
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=180)
+    def targets(self) -> list[Callable[[], None]]:
+        """What the load's threads run, one each."""
+        return [self._normal] * self.args.concurrency + [self._regex] * 2 + [
+            self._big_prompt, self._stop_ids, self._stalled, self._slow]
 
     def _count(self, counter: collections.Counter[str], key: str) -> None:
         with self._lock:
@@ -252,7 +245,8 @@ def main() -> None:
         rss0 = rss_bytes(gateway)
         t0 = time.monotonic()
         killed = 0
-        with Load(up, model, args) as load:
+        load = Load(up, model, args)
+        with background(load.targets(), load.stop, join_s=180):
             while time.monotonic() - t0 < args.minutes * 60:
                 if not killed and time.monotonic() - t0 >= kill_at * 60:
                     killed = kill_a_decode_worker(up)

@@ -329,7 +329,7 @@ class DecodeNode(EngineNode):
         queued = sum(seq.num_uncomputed_tokens for seq in s.waiting) + s.tier_reads.uncomputed_tokens
         if self.drafts is not None:
             self.drafts.publish()
-        return self.stats.update(self.engine.stats(), queued)
+        return self.stats.update(self.engine.stats(), queued, held=len(self._held))
 
     def busy(self) -> bool:
         return bool(self._incoming or self._running or self._held) or self.transfers.cancelling() or (

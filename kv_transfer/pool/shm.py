@@ -11,7 +11,8 @@ Only the creator unlinks the segment; an attacher only unmaps it (attaching via
 does not own when the attaching process exits). A creator killed with -9
 cannot unlink; the next pool or liveness lock created on the host sweeps such
 segments and lock files (`sweep_stale_segments`: our own name pattern, dead
-creator pid only).
+creator pid only), and `pdserve up` removes those of a worker it saw die
+(`remove_segments_of`) before it starts the replacement.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import re
 import secrets
 import weakref
+from collections.abc import Callable
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -160,11 +162,23 @@ def _pid_alive(pid: int) -> bool:
 
 
 def sweep_stale_segments(shm_dir: str = _DEV_SHM) -> list[str]:
-    """Unlink pool segments (`pdkv_<pid>_<hex>`) whose creator process is gone; return their names.
+    """Unlink pool segments (`pdkv_<pid>_<hex>`) and liveness locks whose creator process
+    is gone; return their names.
 
     A live pid keeps its segment, even if the pid was reused by an unrelated
     process: a leaked segment is cheaper than unlinking one a live worker owns.
     Names of any other pattern are never touched."""
+    return _sweep(shm_dir, lambda pid: not _pid_alive(pid))
+
+
+def remove_segments_of(pid: int, shm_dir: str = _DEV_SHM) -> list[str]:
+    """`sweep_stale_segments` for one dead process only: the pool segments and liveness
+    locks `pid` created (a worker killed with -9 cannot unlink them); none while it lives."""
+    return _sweep(shm_dir, lambda creator: creator == pid and not _pid_alive(pid))
+
+
+def _sweep(shm_dir: str, dead: Callable[[int], bool]) -> list[str]:
+    """Unlink our names in `shm_dir` whose creator pid `dead` says is gone."""
     try:
         names = os.listdir(shm_dir)
     except OSError:
@@ -172,7 +186,7 @@ def sweep_stale_segments(shm_dir: str = _DEV_SHM) -> list[str]:
     removed = []
     for name in names:
         m = _NAME.match(name)
-        if m is None or _pid_alive(int(m.group(1))):
+        if m is None or not dead(int(m.group(1))):
             continue
         try:
             os.unlink(os.path.join(shm_dir, name))

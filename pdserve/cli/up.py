@@ -313,8 +313,13 @@ def _run(args: argparse.Namespace, keys: ClusterKeys, control_port: int) -> int:
 def _restart(workers: list[supervise.Child], i: int, cmd: list[str], restarts: supervise.RestartBudget) -> bool:
     """A worker that exited after the cluster was ready is started again with the same
     command line (the gateway re-routes its requests meanwhile); False, and `up` stops,
-    once it has failed `RestartBudget.max_restarts` times within the budget's window."""
+    once it has failed `RestartBudget.max_restarts` times within the budget's window.
+    First the shared-memory KV pool and locks it left (killed, it could not unlink
+    them) are removed, so that its pool's memory is free before the replacement's."""
+    from kv_transfer.pool.shm import remove_segments_of
+
     old = workers[i]
+    remove_segments_of(old.proc.pid)
     reason = old.exit_reason()
     if not restarts.allow(old.name):
         print(f"pdserve up: {reason}; it exited {restarts.max_restarts + 1} times within "

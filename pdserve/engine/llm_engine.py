@@ -418,7 +418,8 @@ class LLMEngine:
         s = self.scheduler
         return engine_stats(s, self.block_manager, self._num_generated, self._num_steps,
                             self.spec.stats() if self.spec is not None else None,
-                            lora_stats(loras, s.running, [*s.waiting, *s.waiting_for_kv.values()]) if loras else None)
+                            lora_stats(loras, s.running, [*s.waiting, *s.waiting_for_kv.values()]) if loras else None,
+                            self.num_compiling)
 
     # ----------------------------------------------------------------- internals
     def _new_request(

@@ -58,7 +58,9 @@ class StatsMirror:
         self._generated = 0
         self._spec = SpecStats(0, 0, 0, ())
 
-    def update(self, s: EngineStats, queued_prefill_tokens: int = 0) -> NodeLoad:
+    def update(self, s: EngineStats, queued_prefill_tokens: int = 0, held: int = 0) -> NodeLoad:
+        """The node's load; `held`: requests the node keeps outside the engine (a decode
+        reservation whose grammar compiles), waiting like those the engine holds."""
         m = self.metrics
         if s.num_prompt_tokens_computed > self._prompt:
             m.prefill_tokens.inc(s.num_prompt_tokens_computed - self._prompt)
@@ -73,7 +75,7 @@ class StatsMirror:
             m.set_lora(s.lora)
         return NodeLoad(
             queued_prefill_tokens, s.num_free_blocks, s.num_total_blocks, s.num_running,
-            s.num_waiting + s.num_waiting_for_kv, s.num_steps,
+            s.num_waiting + s.num_waiting_for_kv + s.num_waiting_for_grammar + held, s.num_steps,
             s.num_prompt_tokens_computed + s.num_generated_tokens,
             s.lora.held if s.lora is not None else (),
         )

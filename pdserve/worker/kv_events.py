@@ -1,7 +1,8 @@
 """Publishing the node's prefix-cache events to the gateways (KV-aware routing).
 
-After every tick the runtime drains the engine's `CacheEventLog` (pdserve/engine/core/cache_events.py)
-and broadcasts one `KvEvents` batch to every gateway it is linked with, numbered by
+After every tick the runtime drains the engine's ordered block event log, nets it per key
+(`CacheEvents.netted`, pdserve/engine/core/cache_events.py) and broadcasts one `KvEvents`
+batch to every gateway it is linked with, numbered by
 `seq` (1, 2, ...; nothing is sent for an empty tick). A gateway that registers the
 worker gets a snapshot (`snapshot=True`: the whole cache as of the last batch number),
 and so does one that saw a gap and asked (`KvSnapshotRequest`). A batch marked reset
@@ -12,7 +13,11 @@ snapshot taken between two batches is consistent with the next one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pdserve.common import protocol as p
+from pdserve.engine.core.block_events import BlockEvent
+from pdserve.engine.core.cache_events import CacheEvents
 from pdserve.worker.node_api import Node
 
 
@@ -23,9 +28,9 @@ class CachePublisher:
         self.worker_id = worker_id
         self.seq = 0
 
-    def next_batch(self, node: Node) -> p.KvEvents | None:
-        """This tick's batch for every gateway; None when nothing changed."""
-        events = node.cache_events()
+    def next_batch(self, node: Node, tick: Sequence[BlockEvent]) -> p.KvEvents | None:
+        """The batch for every gateway of a tick's block events; None when nothing changed."""
+        events = CacheEvents.netted(tick)
         if events.empty:
             return None
         self.seq += 1

@@ -9,7 +9,6 @@ from typing import NamedTuple, Protocol
 from pdserve.common import protocol as p
 from pdserve.common.roles import Role
 from pdserve.engine.core.block_events import BlockEventLog
-from pdserve.engine.core.cache_events import CacheEvents
 
 
 class NodeRegistration(NamedTuple):
@@ -29,7 +28,7 @@ class NodeLoad(NamedTuple):
     free_blocks: int
     total_blocks: int
     running_seqs: int
-    waiting_seqs: int
+    waiting_seqs: int  # queued, awaiting KV, or waiting for a grammar to compile
     steps: int = 0  # engine steps so far: the gateway's progress check (Heartbeat.steps)
     tokens: int = 0  # tokens computed so far (prompt + generated): a step's size is the difference
     loras: tuple[str, ...] = ()  # fingerprints of the LoRA adapters held (Heartbeat.loras)
@@ -54,17 +53,14 @@ class Node(Protocol):
         """True while the node holds requests (draining waits for False)."""
         ...
 
-    def cache_events(self) -> CacheEvents:
-        """Prefix-cache blocks stored and evicted since the last call (main loop only)."""
-        ...
-
     def cached_keys(self) -> list[int]:
         """Every prefix-cache block's key (pdserve/common/block_hash.py), for a snapshot."""
         ...
 
     def block_event_log(self) -> BlockEventLog:
-        """Start recording the pool's ordered block events (the vLLM-format KV events);
-        the log the main loop drains after every tick."""
+        """The pool's ordered block events (pdserve/engine/core/block_events.py): the main
+        loop drains the log after every tick and gives the batch to both feeds, the
+        gateways' KV index and the vLLM-format KV events."""
         ...
 
     def close(self) -> None: ...
@@ -92,9 +88,6 @@ class NodeWrapper:
 
     def busy(self) -> bool:
         return self.node.busy()
-
-    def cache_events(self) -> CacheEvents:
-        return self.node.cache_events()
 
     def cached_keys(self) -> list[int]:
         return self.node.cached_keys()

@@ -17,7 +17,6 @@ from pdserve.common import protocol as p
 from pdserve.common.kv_layout import KVLayout
 from pdserve.common.logs import request_fields
 from pdserve.engine.core.block_events import BlockEventLog
-from pdserve.engine.core.cache_events import CacheEvents
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.worker.engine_glue import StatsMirror
@@ -63,18 +62,15 @@ class EngineNode:
         self.send = send
         self.metrics = metrics
         self.stats = StatsMirror(metrics)
-        self._cache_log = engine.block_manager.record_events()  # the gateways' KV index feed
+        self._events = engine.block_manager.record_events()  # both KV event feeds read it
         metrics.set_info(runner.layout.quantization, runner.layout.dtype, runner.layout.weight_dtype,
                          runner.layout.lm_head)
-
-    def cache_events(self) -> CacheEvents:
-        return self._cache_log.drain()
 
     def cached_keys(self) -> list[int]:
         return self.engine.block_manager.cached_keys()
 
     def block_event_log(self) -> BlockEventLog:
-        return self.engine.block_manager.record_block_events()
+        return self._events
 
     def registration(self) -> NodeRegistration:
         """The node's pool; no KV receiver."""

@@ -48,7 +48,7 @@ from typing import Any
 from pdserve.common import protocol as p
 from pdserve.common.roles import Role
 from pdserve.common.transport import LOOPBACK, CurveClient, WorkerChannel, host_id, transport_kind
-from pdserve.engine.core.block_events import AllCleared, BlockEventLog
+from pdserve.engine.core.block_events import AllCleared
 from pdserve.worker.arrivals import ArrivalCursor, ArrivalLog, Arrivals
 from pdserve.worker.faults import FaultInjector, WorkerFaults
 from pdserve.worker.gateways import GatewayLinks
@@ -104,7 +104,6 @@ class WorkerRuntime:
         events = config.kv_events
         # Bound here, so a busy endpoint fails the worker's start.
         self.events = KVEventPublisher(events) if events is not None and events.enabled else None
-        self._block_log: BlockEventLog | None = None
         self._events_registry: Any = None  # the metrics registry that exports the publisher's counters
 
     def request_stop(self, *_: Any) -> None:
@@ -177,12 +176,11 @@ class WorkerRuntime:
         return self._register_all(node, metrics_port)
 
     def _follow_block_events(self, node: Node) -> None:
-        """Record the (new) node's block events, starting from an empty pool: subscribers
+        """Publish the (new) node's block events, starting from an empty pool: subscribers
         are told to forget what this endpoint held before (a restart, a role flip)."""
         if self.events is None:
             return
-        self._block_log = node.block_event_log()
-        self.events.publish([AllCleared(), *self._block_log.drain()], self._block_log.block_size)
+        self.events.publish([AllCleared()], node.block_event_log().block_size)
         if self.metrics.registry is not self._events_registry:  # a flip brings the new role's metrics
             self.metrics.registry.register(PublisherCollector(self.events, self.metrics.labels))
             self._events_registry = self.metrics.registry
@@ -221,15 +219,21 @@ class WorkerRuntime:
         worked = node.step()
         self.faults.after_step(worked)
         self._publish(node)
-        batch = self.cache.next_batch(node)
-        if batch is not None:
-            self.channel.broadcast(batch)
-        if self._block_log is not None and self._block_log.events:
-            assert self.events is not None
-            self.events.publish(self._block_log.drain(), self._block_log.block_size)
+        self._publish_block_events(node)
         self._last_tick = time.monotonic()
         if not worked:
             self.channel.wait(self.config.idle_wait_ms)
+
+    def _publish_block_events(self, node: Node) -> None:
+        """The tick's block events, in order, to both feeds: netted to the gateways' KV
+        index, as they are to vLLM-format subscribers."""
+        log = node.block_event_log()
+        events = log.drain()
+        batch = self.cache.next_batch(node, events)
+        if batch is not None:
+            self.channel.broadcast(batch)
+        if self.events is not None and events:
+            self.events.publish(events, log.block_size)
 
     def _follow_gateways(self, node: Node, metrics_port: int) -> None:
         """Register with gateways that appeared (not while draining); abort the requests

@@ -7,6 +7,7 @@ import argparse
 import ast
 import importlib
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -93,3 +94,22 @@ def test_engine_wave_times_the_prefill_and_the_decode_apart(
     assert_idle(engine)
     again = harness.engine_wave(engine, wave[:1], params, tag="again")  # no warm-up; new ids
     assert (again.decode_steps, again.decode_tokens) == (4, 4)
+
+
+def test_background_runs_its_targets_for_the_block_and_stops_them_when_it_is_left() -> None:
+    stop, started = threading.Event(), threading.Semaphore(0)
+    runs: list[int] = []
+
+    def target(i: int) -> None:
+        started.release()
+        while not stop.wait(0.01):
+            pass
+        runs.append(i)
+
+    with pytest.raises(RuntimeError, match="the block failed"), harness.background(
+            [lambda i=i: target(i) for i in range(3)], stop):
+        for _ in range(3):
+            assert started.acquire(timeout=30), "a target never started"
+        assert not stop.is_set() and runs == []
+        raise RuntimeError("the block failed")  # leaving by an exception stops them too
+    assert stop.is_set() and sorted(runs) == [0, 1, 2]  # every thread ended before the block was left

@@ -10,6 +10,7 @@ whose gateways all hold them; a command that names its own `--curve-*` flags, an
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -20,10 +21,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pdserve.cli import cluster_keys
 from pdserve.common.transport import free_ports
@@ -149,6 +150,45 @@ def start(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None 
 
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+T = TypeVar("T")
+# What a wait is for, in its failure: a string, or a callable giving the state when it gave up.
+Detail = str | Callable[[], object]
+
+
+def _give_up(deadline: float, timeout: float, what: Detail, last: object) -> None:
+    if time.monotonic() >= deadline:
+        detail = what() if callable(what) else what
+        raise AssertionError(f"timed out after {timeout}s waiting for {detail} (last: {last!r})")
+
+
+def wait_for(cond: Callable[[], T], what: Detail, timeout: float = 60.0, interval: float = 0.1,
+             step: Callable[[], object] | None = None, tolerate: tuple[type[Exception], ...] = ()) -> T:
+    """Poll `cond` until it gives something truthy, and return that: the process tests'
+    one poll loop (they wait on a condition, never on a sleep). Between two polls, `step`
+    (pump a socket, refresh a link) and a sleep of `interval` s; an exception of a
+    `tolerate` type counts as "not yet". After `timeout` s, an AssertionError naming
+    `what` and the last result."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            last: object = (got := cond())
+            if got:
+                return got
+        except tolerate as e:
+            last = e
+        _give_up(deadline, timeout, what, last)
+        if step is not None:
+            step()
+        time.sleep(interval)
+
+
+async def wait_for_async(cond: Callable[[], object], what: Detail, timeout: float = 60.0,
+                         interval: float = 0.1) -> None:
+    """`wait_for` inside an event loop: it sleeps with asyncio, so the loop runs meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        _give_up(deadline, timeout, what, False)
+        await asyncio.sleep(interval)
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 60.0,
@@ -219,10 +259,10 @@ class CountedStreams:
         return "".join(text)
 
     def wait_under_way(self, chunks: int = 3, timeout: float = 60.0) -> None:
-        """Until every stream has received `chunks` chunks (or `timeout`)."""
-        deadline = time.monotonic() + timeout
-        while min(self.progress) < chunks and time.monotonic() < deadline:
-            time.sleep(0.01)
+        """Until every stream has received `chunks` chunks (or `timeout`: a stream may end
+        sooner, which the caller finds out)."""
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: self.least() >= chunks, "streams under way", timeout, 0.01)
 
     def least(self) -> int:
         with self._lock:
@@ -300,17 +340,19 @@ class Cluster:
         self._wait(idle, "idle KV on every worker", timeout)
         return self.worker_list()
 
-    def _wait(self, cond: Any, what: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.gateway is not None and not self.gateway.alive():
-                raise AssertionError(f"gateway exited:\n{self.gateway.log()}")
-            with contextlib.suppress(OSError, AssertionError):
-                if cond():
-                    return
-            time.sleep(0.1)
-        logs = "\n".join(f"--- {p.name}\n{p.log()}" for p in [*self.workers, *([self.gateway] if self.gateway else [])])
-        raise AssertionError(f"timed out waiting for {what}\n{logs}")
+    def _wait(self, cond: Callable[[], object], what: str, timeout: float = 60.0) -> None:
+        """`wait_for` that fails at once if the gateway exits, and with every log."""
+
+        def detail() -> str:
+            procs = [*self.workers, *([self.gateway] if self.gateway else [])]
+            return "\n".join([what, *(f"--- {p.name}\n{p.log()}" for p in procs)])
+
+        self._gateway_alive()
+        wait_for(cond, detail, timeout, step=self._gateway_alive, tolerate=(OSError, AssertionError))
+
+    def _gateway_alive(self) -> None:
+        if self.gateway is not None and not self.gateway.alive():
+            raise AssertionError(f"gateway exited:\n{self.gateway.log()}")
 
     def stop(self) -> None:
         """Every worker at once (each exit is mostly waiting: one after another, a

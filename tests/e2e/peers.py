@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from pdserve.common import protocol as p
+from tests.e2e.cluster import wait_for
 
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -171,10 +171,8 @@ class FakeWorkers:
                 peer.send(p.encode(p.Heartbeat(wid, 0, HUGE, HUGE, 0, 0)))
 
     def wait_refused(self, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not all(f.handshake_failed() for f in self.peers):
-            assert time.monotonic() < deadline, [f.events for f in self.peers]
-            time.sleep(0.1)
+        wait_for(lambda: all(f.handshake_failed() for f in self.peers), lambda: [f.events for f in self.peers],
+                 timeout_s)
 
     def assert_got_nothing(self) -> None:
         for f in self.peers:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ import zmq.auth
 
 from kv_transfer.auth import split_address
 from tests.e2e import peers
-from tests.e2e.cluster import ADMIN, DTYPE, Cluster, http
+from tests.e2e.cluster import ADMIN, DTYPE, Cluster, http, wait_for
 from tests.e2e.conftest import Reference
 from tests.e2e.up_process import pdserve_up
 
@@ -104,10 +103,8 @@ def test_every_internal_port_refuses_an_unauthenticated_handshake(up: Up) -> Non
         probes = [peers.Peer(ctx, e) for e in endpoints]
         for probe in probes:
             probe.send(b"hello?")
-        deadline = time.monotonic() + 30
-        while not all(pr.handshake_failed() for pr in probes):
-            assert time.monotonic() < deadline, {e: pr.events for e, pr in zip(endpoints, probes, strict=True)}
-            time.sleep(0.1)
+        wait_for(lambda: all(pr.handshake_failed() for pr in probes),
+                 lambda: {e: pr.events for e, pr in zip(endpoints, probes, strict=True)}, 30)
         assert not any(pr.handshake_succeeded() or pr.received() for pr in probes)
     finally:
         ctx.destroy(linger=0)
@@ -135,19 +132,15 @@ def test_an_oversize_control_frame_is_dropped_by_the_socket(log_dir: Path) -> No
         ctx: zmq.Context[Any] = zmq.Context()
         try:
             peer = peers.Peer(ctx, c.control, b"big-sender")
-            deadline = time.monotonic() + 30
-            while not peer.handshake_succeeded():
-                assert time.monotonic() < deadline, peer.events
-                time.sleep(0.05)
+            wait_for(peer.handshake_succeeded, lambda: peer.events, 30, 0.05)
             before = peers.rss_peak_bytes(pid)
             frame = zmq.Frame(bytes(OVERSIZE))
             for _ in range(OVERSIZE_FRAMES):
                 peer.sock.send(frame, copy=False)
             # The gateway's socket drops the connection at the frame's size header; the
             # DEALER reconnects and sends the next one, dropped the same way.
-            while peer.events.count(zmq.EVENT_DISCONNECTED) < OVERSIZE_FRAMES:
-                assert time.monotonic() < deadline + 60, peer.events
-                peer.pump_events(200)
+            wait_for(lambda: peer.events.count(zmq.EVENT_DISCONNECTED) >= OVERSIZE_FRAMES, lambda: peer.events,
+                     90, 0, step=lambda: peer.pump_events(200))
         finally:
             ctx.destroy(linger=0)
         assert peers.rss_peak_bytes(pid) - before < OVERSIZE // 2
@@ -158,13 +151,6 @@ def test_an_oversize_control_frame_is_dropped_by_the_socket(log_dir: Path) -> No
 
 def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def _wait(cond: Any, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
 
 
 def test_3000_kv_hellos_naming_a_lock_leave_the_decode_worker_bounded(log_dir: Path, reference: Reference) -> None:
@@ -198,9 +184,9 @@ def test_3000_kv_hellos_naming_a_lock_leave_the_decode_worker_bounded(log_dir: P
                 assert s.poll(20_000), "no HelloAck"
                 s.recv()
                 s.close()
-        _wait(lambda: _fds(pid) - baseline <= DEFAULT_CAPACITY + 16, "the peers' descriptors closed")
+        wait_for(lambda: _fds(pid) - baseline <= DEFAULT_CAPACITY + 16, "the peers' descriptors closed")
         lock.close()  # the peer goes for good
-        _wait(lambda: _fds(pid) - baseline <= 16, "the liveness descriptors released")
+        wait_for(lambda: _fds(pid) - baseline <= 16, "the liveness descriptors released")
         status, out = http("POST", f"{c.url}/v1/completions",
                            {"model": reference.model_name, "prompt": "after the flood", "max_tokens": 4,
                             "temperature": 0})

@@ -5,12 +5,11 @@ is idle (it borrows them through --core-share), serving requests meanwhile."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 from pdserve.worker.core_sharing import create_share_file
 from pdserve.worker.cpu_cores import format_cpu_list, parse_cpu_list
-from tests.e2e.cluster import Cluster, http, worker_metrics
+from tests.e2e.cluster import Cluster, http, wait_for, worker_metrics
 from tests.e2e.conftest import Reference
 
 
@@ -33,14 +32,11 @@ def torch_threads(text: str) -> float:
 
 
 def wait_allowed(pid: int, want: set[int], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    seen: list[set[int]] = []
-    while time.monotonic() < deadline:
+    def on_want() -> bool:
         seen = threads_allowed(pid)
-        if seen and all(s == want for s in seen):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"threads of {pid} on {seen}, want all on {want}")
+        return bool(seen) and all(s == want for s in seen)
+
+    wait_for(on_want, lambda: f"threads of {pid} all on {want}, not {threads_allowed(pid)}", timeout, 0.05)
 
 
 def test_pinned_workers_and_a_decode_worker_borrowing_idle_prefill_cores(

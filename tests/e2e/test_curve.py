@@ -3,12 +3,11 @@ with an unknown key is refused (and the refusal is logged)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import zmq.auth
 
-from tests.e2e.cluster import Cluster, http
+from tests.e2e.cluster import Cluster, http, wait_for
 from tests.e2e.conftest import Reference
 
 
@@ -35,11 +34,9 @@ def test_curve_authorized_worker_serves_and_unknown_key_is_refused(log_dir: Path
         status, out = http("POST", f"{c.url}/v1/completions",
                            {"model": reference.model_name, "prompt": "secure", "max_tokens": 6, "temperature": 0})
         assert status == 200 and out["choices"][0]["text"] == want
-        deadline = time.monotonic() + 30
-        assert c.gateway is not None
-        while "control plane refused a peer" not in c.gateway.log():
-            assert time.monotonic() < deadline, c.gateway.log()
-            time.sleep(0.2)
+        gateway = c.gateway
+        assert gateway is not None
+        wait_for(lambda: "control plane refused a peer" in gateway.log(), gateway.log, 30, 0.2)
         assert [w["role"] for w in c.worker_list()] == ["colocated"]  # neither decode got in
     finally:
         c.stop()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import time
 from pathlib import Path
 
 from gateway.backend import GenerateRequest
@@ -22,6 +21,7 @@ from tests.e2e.cluster import (
     remove_leaked_shm,
     sse,
     start,
+    wait_for_async,
     worker_metrics,
 )
 from tests.e2e.conftest import Reference
@@ -95,10 +95,7 @@ async def _refused_then_reserved(log_dir: Path, reference: Reference) -> None:
         # 5 usable blocks of 16 tokens = 80 tokens.
         procs.append(start("decode", ["decode", "--gateway", be.control_address, "--threads", "1",
                                       "--num-blocks", "6", "--dtype", DTYPE], log_dir))
-        deadline = time.monotonic() + 90
-        while not be.ready().ready:
-            assert time.monotonic() < deadline, [pr.log() for pr in procs]
-            await asyncio.sleep(0.05)
+        await wait_for_async(lambda: be.ready().ready, lambda: [pr.log() for pr in procs], 90, 0.05)
         roles = {w["role"]: w for w in be.workers()}
         ids_a = reference.completion_ids("A long stream that fills the decode pool")
         ids_b = reference.completion_ids("A short one")
@@ -135,10 +132,8 @@ async def _refused_then_reserved(log_dir: Path, reference: Reference) -> None:
         middle = b_msgs[3:-3]
         assert middle and set(middle) == {("decode", "DecodeReserve", "b#2")}, b_msgs
 
-        deadline = time.monotonic() + 30
-        while not all(w["free_blocks"] == w["total_blocks"] and w["inflight_requests"] == 0 for w in be.workers()):
-            assert time.monotonic() < deadline, be.workers()
-            await asyncio.sleep(0.1)
+        await wait_for_async(lambda: all(w["free_blocks"] == w["total_blocks"] and w["inflight_requests"] == 0
+                                         for w in be.workers()), be.workers, 30)
         decode_metrics = worker_metrics(roles["decode"])
         assert metric_value(decode_metrics, "llm_preemptions_total") == 0
         refusals = sum(1 for w, m in sent if isinstance(m, p.DecodeReserve) and m.request_id.startswith("b#")) - 1

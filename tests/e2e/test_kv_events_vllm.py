@@ -7,7 +7,6 @@ resends the whole stream from 0, which starts with `AllBlocksCleared`."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import zmq
 
 from pdserve.common.block_hash import prefix_block_keys
 from pdserve.common.transport import free_ports
-from tests.e2e.cluster import Cluster, http, metric_value, worker_metrics
+from tests.e2e.cluster import Cluster, http, metric_value, wait_for, worker_metrics
 from tests.e2e.conftest import Reference
 
 BLOCK = 16
@@ -53,10 +52,7 @@ class Subscriber:
         return [e for _, evs in self.batches for e in evs if e[0] == tag]
 
     def until(self, cond: Any, what: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}; got {self.batches}"
-            self.drain(200)
+        wait_for(cond, lambda: f"{what}; got {self.batches}", timeout, 0, step=lambda: self.drain(200))
 
 
 @pytest.fixture()

@@ -10,15 +10,13 @@ import contextlib
 import os
 import secrets
 import shutil
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.e2e.cluster import ADMIN, DTYPE, http
+from tests.e2e.cluster import ADMIN, DTYPE, http, wait_for
 from tests.e2e.conftest import Reference
 from tests.e2e.up_process import pdserve_up
 from tests.helpers.redis_server import redis_server
@@ -72,13 +70,6 @@ def written_down(url: str, tier: str) -> bool:
     """The tier took writes and the worker's write queue is empty."""
     return (tier_metric(url, "llm_kv_tier_written_bytes_total", tier=tier) > 0
             and tier_metric(url, "llm_kv_tier_queued_writes") == 0)
-
-
-def wait_for(cond: Any, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 @pytest.fixture()

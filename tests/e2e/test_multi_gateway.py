@@ -4,7 +4,6 @@ gateway a request came from, and losing one gateway leaves the other serving."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import zmq
 from pdserve.common import protocol as p
 from pdserve.common.transport import free_port
 from pdserve.worker.gateways import GatewayLinks, parse_gateway, resolve
-from tests.e2e.cluster import Cluster, Proc, http, start
+from tests.e2e.cluster import Cluster, Proc, http, start, wait_for
 from tests.e2e.conftest import Reference
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "Hello, my name is"]
@@ -128,10 +127,7 @@ def test_links_follow_dns_and_route_replies_to_their_origin() -> None:
         added, _ = links.refresh()
         assert added == [g1.address]
         answer.add(g2.ip)
-        deadline = time.monotonic() + 5
-        while g2.address not in links.addresses and time.monotonic() < deadline:
-            links.refresh()
-            time.sleep(0.01)
+        wait_for(lambda: g2.address in links.addresses, "g2 linked", 5, 0.01, step=links.refresh)
         assert set(links.addresses) == {g1.address, g2.address}
 
         links.broadcast(p.Deregister("decode-1", final=False))  # both ROUTERs now know the identity
@@ -157,11 +153,9 @@ def test_links_follow_dns_and_route_replies_to_their_origin() -> None:
         assert ids1 == ["r1", "r9"] and ids2 == ["r2", "r9"]  # unknown origin: every gateway
 
         answer.discard(g2.ip)  # g2 leaves DNS: kept for the grace period, then closed
-        deadline = time.monotonic() + 5
         orphaned: list[str] = []
-        while g2.address in links.addresses and time.monotonic() < deadline:
-            orphaned += links.refresh()[1]
-            time.sleep(0.02)
+        wait_for(lambda: g2.address not in links.addresses, "g2 closed", 5, 0.02,
+                 step=lambda: orphaned.extend(links.refresh()[1]))
         assert links.addresses == (g1.address,) and orphaned == ["r2"]
     finally:
         links.close()

@@ -8,7 +8,6 @@ yields equal the undisturbed run exactly, and that all KV comes back."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ from gateway.backend import GenerateRequest
 from gateway.cluster import ClusterBackend, ClusterConfig
 from gateway.flights import WorkerLost
 from pdserve.common.sampling_params import SamplingParams
-from tests.e2e.cluster import WORKER_BLOCKS, Proc, remove_leaked_shm, start
+from tests.e2e.cluster import WORKER_BLOCKS, Proc, remove_leaked_shm, start, wait_for_async
 from tests.e2e.conftest import Reference
 
 DELAYS = (0.0, 0.001, 0.003, 0.006, 0.01, 0.02, 0.04, 0.08)
@@ -58,10 +57,7 @@ async def _scenario(log_dir: Path, reference: Reference) -> None:
         for role in ("prefill", "decode"):
             procs.append(start(role, [role, "--gateway", be.control_address, "--threads", "1",
                                       "--num-blocks", WORKER_BLOCKS], log_dir))
-        deadline = time.monotonic() + 90
-        while not be.ready().ready:
-            assert time.monotonic() < deadline, [p.log() for p in procs]
-            await asyncio.sleep(0.05)
+        await wait_for_async(lambda: be.ready().ready, lambda: [p.log() for p in procs], 90, 0.05)
         ids = reference.completion_ids("Recovery at every point of the request")
         greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         want = reference.generate(ids, max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -89,11 +85,9 @@ async def _scenario(log_dir: Path, reference: Reference) -> None:
 
         # A transfer cancelled mid-write frees its blocks only when it is terminal (at
         # worst its 30 s lease), never while a writer may still be active.
-        deadline = time.monotonic() + 45
-        while not all(w["free_blocks"] == w["total_blocks"] and w["inflight_requests"] == 0 for w in be.workers()):
-            state = [(w["id"], w["free_blocks"], w["total_blocks"], w["inflight_requests"]) for w in be.workers()]
-            assert time.monotonic() < deadline, state
-            await asyncio.sleep(0.1)
+        await wait_for_async(
+            lambda: all(w["free_blocks"] == w["total_blocks"] and w["inflight_requests"] == 0 for w in be.workers()),
+            lambda: [(w["id"], w["free_blocks"], w["total_blocks"], w["inflight_requests"]) for w in be.workers()], 45)
     finally:
         for p in procs:
             p.stop()

@@ -8,14 +8,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.cluster import Cluster, CountedStreams, http
+from tests.e2e.cluster import Cluster, CountedStreams, http, wait_for
 from tests.e2e.conftest import Reference
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land", "1, 2, 3, 4,"]
@@ -145,10 +144,7 @@ def test_kill9_of_a_decode_rank_takes_the_worker_out_and_streams_recover(
         texts = [f.result(timeout=120) for f in futures]
     assert killed_at < LONG, "streams finished before the kill: the test proved nothing"
     # No half-alive group: every other rank follows rank 0 out (each watches its parent).
-    deadline = time.monotonic() + 30
-    while not all(_gone(pid) for pid in ranks) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert all(_gone(pid) for pid in ranks), [p for p in ranks if not _gone(p)]
+    wait_for(lambda: all(_gone(pid) for pid in ranks), lambda: [p for p in ranks if not _gone(p)], 30, 0.05)
     for i, text in enumerate(texts):
         want = reference.generate(reference.completion_ids(prompts[i]), max_tokens=LONG, ignore_eos=True,
                                   **{"temperature": 0.0, **STREAM_PARAMS[i]})[0]

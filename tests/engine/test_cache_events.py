@@ -1,7 +1,8 @@
-"""The block manager's prefix-cache feed (pdserve/engine/core/cache_events.py) and the hash it shares
-with the gateway (pdserve/common/block_hash.py): the gateway's KV index replays the feed, so at
-every drain the replayed set must equal the cache, and the gateway's own chain of a
-prompt must name exactly the blocks the engine cached for it."""
+"""The block manager's prefix-cache feed (its ordered event log netted per key,
+pdserve/engine/core/cache_events.py) and the hash it shares with the gateway
+(pdserve/common/block_hash.py): the gateway's KV index replays the feed, so at every drain
+the replayed set must equal the cache, and the gateway's own chain of a prompt must name
+exactly the blocks the engine cached for it."""
 
 from __future__ import annotations
 
@@ -14,10 +15,15 @@ import pytest
 import pdserve.common.block_hash as shared_hash
 from pdserve.common.block_hash import ROOT_DIGEST, block_key, cacheable_blocks, prefix_block_keys
 from pdserve.engine.core import block_manager as bm_module
+from pdserve.engine.core.block_events import AllCleared, BlockEventLog, BlocksStored
 from pdserve.engine.core.block_manager import BlockManager
-from pdserve.engine.core.cache_events import CacheEventLog
+from pdserve.engine.core.cache_events import CacheEvents
 
 BS = 4
+
+
+def _drain(log: BlockEventLog) -> CacheEvents:
+    return CacheEvents.netted(log.drain())
 
 
 def _run(bm: BlockManager, owner: int, tokens: list[int]) -> None:
@@ -61,14 +67,14 @@ def test_stored_then_evicted_blocks_are_reported_once_with_their_final_state() -
     log = bm.record_events()
     a = list(range(8))
     _run(bm, 1, a)
-    ev = log.drain()
+    ev = _drain(log)
     assert (sorted(ev.stored), ev.evicted, ev.reset) == (sorted(prefix_block_keys(a, BS)), [], False)
-    assert log.drain().empty
+    assert _drain(log).empty
     bm.free(1)
-    assert log.drain().empty  # freed blocks stay cached
+    assert _drain(log).empty  # freed blocks stay cached
     b = list(range(50, 66))  # needs all 4 blocks: both of a's are evicted
     _run(bm, 2, b)
-    ev = log.drain()
+    ev = _drain(log)
     assert sorted(ev.evicted) == sorted(prefix_block_keys(a, BS))
     assert sorted(ev.stored) == sorted(prefix_block_keys(b, BS))
     bm.free(2)
@@ -76,7 +82,7 @@ def test_stored_then_evicted_blocks_are_reported_once_with_their_final_state() -
     _run(bm, 3, a)
     bm.free(3)
     _run(bm, 4, list(range(70, 86)))
-    ev = log.drain()
+    ev = _drain(log)
     assert not set(ev.stored) & set(prefix_block_keys(a, BS))
     assert set(prefix_block_keys(a, BS)) <= set(ev.evicted)
 
@@ -86,24 +92,25 @@ def test_a_cleared_cache_or_an_overfull_log_asks_for_a_snapshot() -> None:
     log = bm.record_events()
     _run(bm, 1, list(range(12)))
     bm.reset_prefix_cache()
-    assert log.drain() == ([], [], True)
-    small = CacheEventLog(max_pending=2)
-    for i in range(3):
-        small.stored(bytes([i]) * 32)
-    assert small.drain().reset
-    assert small.drain().empty
+    assert _drain(log) == ([], [], True)
+    three = [BlocksStored([bytes([i]) * 32], None, [i], ROOT_DIGEST) for i in range(3)]
+    assert not CacheEvents.netted(three[:2], max_pending=2).reset
+    assert CacheEvents.netted(three, max_pending=2) == ([], [], True)
+    assert _drain(log).empty
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_replaying_the_feed_gives_the_cache_after_every_drain(seed: int) -> None:
     """Random prompts sharing prefixes, frees in random order, evictions under pressure:
-    a reader that applies each batch (evicted, then stored) always holds exactly the
-    block manager's cached keys."""
+    a reader that applies each netted batch (evicted, then stored), and one that applies
+    the same drain's ordered events one by one (the vLLM-format feed), always hold exactly
+    the block manager's cached keys."""
     rng = random.Random(seed)
     bm = BlockManager(12, BS)
     log = bm.record_events()
     stems = [[rng.randrange(1000) for _ in range(12)] for _ in range(3)]
     replica: set[int] = set()
+    ordered: set[int] = set()
     live: list[int] = []
     for owner in range(60):
         if live and (rng.random() < 0.5 or bm.num_free_blocks < 5):
@@ -115,9 +122,13 @@ def test_replaying_the_feed_gives_the_cache_after_every_drain(seed: int) -> None
                 bm.cache_full_blocks(owner, prompt, len(prompt))
                 live.append(owner)
         if rng.random() < 0.4:
-            ev = log.drain()
+            events = log.drain()
+            ev = CacheEvents.netted(events)
             assert not ev.reset
             replica -= set(ev.evicted)
             replica |= set(ev.stored)
-            assert replica == set(bm.cached_keys())
+            for e in events:
+                keys = {block_key(d) for d in e.digests} if not isinstance(e, AllCleared) else set()
+                ordered = ordered | keys if isinstance(e, BlocksStored) else ordered - keys
+            assert replica == ordered == set(bm.cached_keys())
             assert bm.check_integrity()

@@ -14,7 +14,7 @@ import pytest
 
 from kv_transfer import make_sender
 from kv_transfer.pool.blocks import numpy_dtype
-from kv_transfer.pool.shm import create_shm_pool, sweep_stale_segments
+from kv_transfer.pool.shm import create_shm_pool, remove_segments_of, sweep_stale_segments
 from kv_transfer.sender.sender import Sender
 from tests.kv_transfer.harness import TINY
 
@@ -133,3 +133,16 @@ def test_the_next_sender_sweeps_lock_files_of_killed_processes() -> None:
         sender.close()
         for path in (stale, live):
             path.unlink(missing_ok=True)
+
+
+def test_removing_one_dead_workers_segments_leaves_every_other(tmp_path: Path) -> None:
+    """What `pdserve up` runs for a worker it saw die (pdserve/cli/up.py `_restart`)."""
+    victim, other_dead, live = _dead_pid(), _dead_pid(), os.getpid()
+    gone = [_name(victim), f"pdkvlive_{victim}_{secrets.token_hex(6)}"]
+    keep = [_name(other_dead), _name(live), f"pdkv_{victim}_xyz", f"psm_{victim}"]
+    for name in [*gone, *keep]:
+        (tmp_path / name).write_bytes(b"x")
+    assert sorted(remove_segments_of(victim, str(tmp_path))) == sorted(gone)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep)
+    assert remove_segments_of(live, str(tmp_path)) == []  # a live process's are never touched
+    assert remove_segments_of(victim, str(tmp_path / "absent")) == []

@@ -130,3 +130,29 @@ def test_a_colocated_node_runs_others_while_a_grammar_compiles(model_dir: Path, 
            "the grammar request never ran")
     assert not _failed(colo.out) and not colo.node.busy()
     assert_idle(colo.engine)
+
+
+def test_a_request_waiting_for_its_grammar_counts_in_every_nodes_load(pair: Pair, model_dir: Path,
+                                                                      gate: Gate) -> None:
+    """The load a node heartbeats (the gateway's router reads `running_seqs + waiting_seqs`)
+    counts a request whose grammar still compiles: a node holding only such requests does
+    not look idle. Held in the engine (prefill, colocated) or as a decode reservation."""
+    colo = Colocated(model_dir)
+    payload = p.RequestPayload(PROMPT, PARAMS)
+    cases: list[tuple[Any, Any, p.Message]] = [
+        (pair.prefill, pair.pe, p.PrefillRequest("r", payload)),
+        (pair.decode, pair.de, p.DecodeReserve("r", "t", payload)),
+        (colo.node, colo.engine, p.RunRequest("r", payload)),
+    ]
+    for node, engine, msg in cases:
+        gate_engine(engine, gate)
+        assert node.load().waiting_seqs == 0, node.role
+        node.handle(msg)
+        node.step()
+        load = node.load()
+        assert (load.running_seqs, load.waiting_seqs) == (0, 1), (node.role, load)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_allocatable  # no block yet
+        node.handle(p.Abort(["r"], "test"))
+        pair.settle()
+        assert node.load().waiting_seqs == 0 and not node.busy(), node.role
+        assert_idle(engine)

@@ -15,6 +15,8 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from tests.e2e.cluster import wait_for
+
 MODEL = "pdserve-tiny-llama"
 
 
@@ -52,19 +54,8 @@ def bucket_bounds(text: str, name: str) -> list[float]:
 
 
 def wait_until(cond: Callable[[], Any], what: str, timeout: float = 20.0, interval: float = 0.1) -> Any:
-    """Poll `cond` until it returns a truthy value; fail with `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = cond()
-        except (OSError, AssertionError, ValueError) as e:
-            last = e
-        else:
-            if last:
-                return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+    """`wait_for` (tests/e2e/cluster.py) through an endpoint that may not answer yet."""
+    return wait_for(cond, what, timeout, interval, tolerate=(OSError, AssertionError, ValueError))
 
 
 @dataclass

@@ -11,12 +11,36 @@ import threading
 import zmq
 
 from pdserve.common import protocol as p
+from pdserve.common.block_hash import ROOT_DIGEST
 from pdserve.common.transport import free_port
-from pdserve.engine.core.cache_events import CacheEvents
+from pdserve.engine.core.block_events import (
+    AllCleared,
+    BlockEvent,
+    BlockEventLog,
+    BlocksRemoved,
+    BlocksStored,
+)
 from pdserve.worker.gateways import GatewayLinks
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.runtime import RuntimeConfig, WorkerRuntime
 from tests.worker.test_runtime_snapshot import ScriptedNode, run_in_main_thread
+
+
+def _digest(key: int) -> bytes:
+    """A block digest whose control-plane key (`block_key`) is `key`."""
+    return (key << 1).to_bytes(8, "big") + bytes(24)
+
+
+class LockedLog(BlockEventLog):
+    """A block event log the test thread appends to while the runtime drains it."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        super().__init__(16)
+        self.lock = lock
+
+    def drain(self) -> list[BlockEvent]:
+        with self.lock:
+            return super().drain()
 
 
 class CachingNode(ScriptedNode):
@@ -25,20 +49,16 @@ class CachingNode(ScriptedNode):
     def __init__(self) -> None:
         super().__init__()
         self.lock = threading.Lock()
-        self.pending: list[CacheEvents] = []
+        self.log = LockedLog(self.lock)
         self.keys: list[int] = []
-
-    def cache_events(self) -> CacheEvents:
-        with self.lock:
-            return self.pending.pop(0) if self.pending else CacheEvents([], [])
 
     def cached_keys(self) -> list[int]:
         with self.lock:
             return list(self.keys)
 
-    def change(self, events: CacheEvents, keys: list[int]) -> None:
+    def change(self, events: list[BlockEvent], keys: list[int]) -> None:
         with self.lock:
-            self.pending.append(events)
+            self.log.events.extend(events)
             self.keys = keys
 
 
@@ -65,13 +85,15 @@ def test_snapshot_on_register_then_numbered_batches_and_snapshots_on_request() -
 
     def body() -> None:
         assert _next_kv(sock) == p.KvEvents("cache-test", 0, [7], snapshot=True)
-        node.change(CacheEvents([8, 9], []), [7, 8, 9])
+        node.change([BlocksStored([_digest(8), _digest(9)], None, list(range(32)), ROOT_DIGEST)], [7, 8, 9])
         assert _next_kv(sock) == p.KvEvents("cache-test", 1, [8, 9], [])
-        node.change(CacheEvents([], [7]), [8, 9])
-        assert _next_kv(sock) == p.KvEvents("cache-test", 2, [], [7])
+        # one tick's changes netted per key: 6, stored and removed again, goes out as removed
+        node.change([BlocksRemoved([_digest(7)]), BlocksStored([_digest(6)], None, [0] * 16, ROOT_DIGEST),
+                     BlocksRemoved([_digest(6)])], [8, 9])
+        assert _next_kv(sock) == p.KvEvents("cache-test", 2, [], [7, 6])
         sock.send_multipart([b"cache-test", p.encode(p.KvSnapshotRequest("cache-test"))])
         assert _next_kv(sock) == p.KvEvents("cache-test", 2, [8, 9], snapshot=True)
-        node.change(CacheEvents([], [], reset=True), [])
+        node.change([AllCleared()], [])
         assert _next_kv(sock) == p.KvEvents("cache-test", 3, [], snapshot=True)
 
     try:

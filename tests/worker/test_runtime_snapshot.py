@@ -14,7 +14,7 @@ import zmq
 from pdserve.common import protocol as p
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.transport import free_port
-from pdserve.engine.core.cache_events import CacheEvents
+from pdserve.engine.core.block_events import BlockEventLog
 from pdserve.worker.gateways import GatewayLinks
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.node_api import NodeLoad, NodeRegistration
@@ -35,6 +35,7 @@ class ScriptedNode:
         self.steps = 0
         self.load_threads: set[str] = set()
         self.stepped = threading.Condition()
+        self.log = BlockEventLog(16)
 
     def registration(self) -> NodeRegistration:
         return NodeRegistration("", "", "compat", TOTAL, 16)
@@ -61,8 +62,8 @@ class ScriptedNode:
     def busy(self) -> bool:
         return False
 
-    def cache_events(self) -> CacheEvents:
-        return CacheEvents([], [])
+    def block_event_log(self) -> BlockEventLog:
+        return self.log
 
     def cached_keys(self) -> list[int]:
         return []

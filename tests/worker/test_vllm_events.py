@@ -53,7 +53,7 @@ def test_exposure_binding_and_per_worker_offsets() -> None:
 
 def test_block_manager_logs_runs_of_blocks_with_parents_tokens_and_evictions() -> None:
     bm = BlockManager(num_blocks=4, block_size=BS)  # 3 usable blocks
-    log = bm.record_block_events()
+    log = bm.record_events()
     prompt = list(range(100, 109))  # 2 full blocks + 1 token
     bm.allocate_slots(1, len(prompt), 0)
     bm.cache_full_blocks(1, prompt, 4)  # block 0 computed first (chunked prefill) ...
@@ -101,7 +101,7 @@ def test_frames_decode_with_plain_msgpack_in_vllms_layout() -> None:
     try:
         _joined(pub, sub, BS)
         bm = BlockManager(num_blocks=8, block_size=BS)
-        log = bm.record_block_events()
+        log = bm.record_events()
         root = prefix_root("adapter-fp")
         prompt = list(range(1, 10))
         bm.allocate_slots(1, len(prompt), 0)

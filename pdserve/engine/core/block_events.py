@@ -1,9 +1,11 @@
-"""The prefix cache's changes in the order they happened: the feed behind the KV events
-a worker publishes in vLLM's format (`--kv-events-config`, pdserve/worker/vllm_events/).
+"""The prefix cache's changes in the order they happened: the one log of them, which
+both feeds read after every tick: the KV events a worker publishes in vLLM's format
+(`--kv-events-config`, pdserve/worker/vllm_events/) as it is, and the gateway's KV
+index netted per key (`CacheEvents.netted`, cache_events.py).
 
-Unlike `CacheEventLog` (netted per key, for the gateway's index), this log keeps every
-change in order, with what an external router needs to name a block itself: the
-parent of a run of newly cached blocks and their token ids. The block manager calls:
+It keeps every change in order, with what an external router needs to name a block
+itself: the parent of a run of newly cached blocks and their token ids. The block
+manager calls:
 
 - `stored(digest, parent, token_ids, root)` when a digest is registered; consecutive
   registrations of one chain (each block's parent the previous block) join one

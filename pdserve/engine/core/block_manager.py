@@ -32,7 +32,6 @@ from typing import NamedTuple
 from pdserve.common.block_hash import ROOT_DIGEST, block_hash, block_key
 from pdserve.common.kv_layout import NULL_BLOCK
 from pdserve.engine.core.block_events import BlockEventLog
-from pdserve.engine.core.cache_events import CacheEventLog
 
 __all__ = ["ROOT_DIGEST", "BlockManager", "block_hash"]
 
@@ -88,11 +87,9 @@ class BlockManager:
         self._tables: dict[int, list[int]] = {}
         # Digest chain of each owner's leading full, computed blocks.
         self._hashes: dict[int, list[bytes]] = {}
-        # Stored/evicted feed for KV-aware routing; None: nobody listens (`record_events`).
-        self.events: CacheEventLog | None = None
-        # The same changes in order, with parents and token ids, for the KV events a
-        # worker publishes in vLLM's format; None: nobody listens (`record_block_events`).
-        self.block_events: BlockEventLog | None = None
+        # Every registration, eviction and reset in order, with parents and token ids: the
+        # feed of KV-aware routing and of vLLM-format KV events; None: nobody listens.
+        self.events: BlockEventLog | None = None
         # (digest, block id) of each block registered since the last drain, for the KV
         # tiers to copy out (`record_stored`); None: no tiers.
         self.stored: list[tuple[bytes, int]] | None = None
@@ -130,17 +127,12 @@ class BlockManager:
         """The control-plane key of every cached block (a snapshot for the gateway)."""
         return [block_key(h) for h in self._cached]
 
-    def record_events(self) -> CacheEventLog:
-        """Start recording stored/evicted blocks (drained by the worker every tick)."""
+    def record_events(self) -> BlockEventLog:
+        """Start recording stored/removed/cleared events in order (the worker drains the
+        log after every tick); every call returns the same log."""
         if self.events is None:
-            self.events = CacheEventLog()
+            self.events = BlockEventLog(self.block_size)
         return self.events
-
-    def record_block_events(self) -> BlockEventLog:
-        """Start recording ordered stored/removed/cleared events (drained every tick)."""
-        if self.block_events is None:
-            self.block_events = BlockEventLog(self.block_size)
-        return self.block_events
 
     def record_stored(self) -> None:
         """Start listing newly registered blocks in `stored` (the engine drains it)."""
@@ -245,9 +237,7 @@ class BlockManager:
                 block.token_ids = chunk
                 self._cached[h] = block.block_id
                 if self.events is not None:
-                    self.events.stored(h)
-                if self.block_events is not None:
-                    self.block_events.stored(h, parent, chunk, root)
+                    self.events.stored(h, parent, chunk, root)
                 if self.stored is not None:
                     self.stored.append((h, block.block_id))
 
@@ -295,8 +285,6 @@ class BlockManager:
         self._cached.clear()
         if self.events is not None:
             self.events.cleared()
-        if self.block_events is not None:
-            self.block_events.cleared()
 
     # ---------------------------------------------------------------- internals
     def _acquire(self, block_id: int) -> None:
@@ -323,9 +311,7 @@ class BlockManager:
             if block.block_hash is not None and self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
                 if self.events is not None:
-                    self.events.evicted(block.block_hash)
-                if self.block_events is not None:
-                    self.block_events.removed(block.block_hash)
+                    self.events.removed(block.block_hash)
             block.block_hash = None
             block.token_ids = ()
         self._blocks[block_id].ref_count = 1

@@ -85,6 +85,7 @@ class EngineStats(NamedTuple):
     num_running: int
     num_waiting: int
     num_waiting_for_kv: int
+    num_waiting_for_grammar: int  # held off the scheduler until their grammar compiles
     num_free_blocks: int
     num_total_blocks: int  # allocatable blocks (the null block excluded)
     kv_usage: float
@@ -98,12 +99,14 @@ class EngineStats(NamedTuple):
 
 
 def engine_stats(s: Scheduler, bm: BlockManager, num_generated: int, num_steps: int,
-                 spec: SpecStats | None, lora: LoraStats | None = None) -> EngineStats:
-    """The engine's load figures from its scheduler and block manager."""
+                 spec: SpecStats | None, lora: LoraStats | None = None, num_compiling: int = 0) -> EngineStats:
+    """The engine's load figures from its scheduler and block manager, and how many
+    requests wait for their grammar (`num_compiling`: held outside the scheduler)."""
     return EngineStats(
         num_running=len(s.running),
         num_waiting=len(s.waiting),
         num_waiting_for_kv=len(s.waiting_for_kv),
+        num_waiting_for_grammar=num_compiling,
         num_free_blocks=bm.num_free_blocks,
         num_total_blocks=bm.num_allocatable,
         kv_usage=bm.usage,

@@ -55,79 +55,124 @@ TARGET INLINE __m512 widen16(const uint16_t *p) {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* Where a sequence's key rows lie in the pool: its block table, the block size, the elements
+ * between a block's consecutive keys and the offset of KV head h in a row. */
+typedef struct {
+    const int64_t *table;
+    int64_t bs, row_stride, hD;
+} pool_rows;
+
+/* A walk over a sequence's keys in order: the block-table index and offset of the next key. */
+typedef struct {
+    int64_t bi, off;
+} key_cursor;
+
+INLINE key_cursor cursor_at(const pool_rows *pr, int64_t t) { return (key_cursor){t / pr->bs, t % pr->bs}; }
+
+/* The row of the cursor's key in `base` (the K or V pool); moves the cursor to the next key. */
+INLINE const uint16_t *next_row(const uint16_t *base, const pool_rows *pr, key_cursor *c) {
+    const uint16_t *r = base + (pr->table[c->bi] * pr->bs + c->off) * pr->row_stride + pr->hD;
+    if (++c->off == pr->bs)
+        c->off = 0, c->bi++;
+    return r;
+}
+
+INLINE void prefetch_row(const uint16_t *row, const int D) {
+    for (int line = 0; line < D * 2; line += 64)
+        _mm_prefetch((const char *)row + line, _MM_HINT_T0);
+}
+
+/* PD_ERR_BLOCK if the block id of any of the first L keys lies outside the pool: checked
+ * for every block before any is read. */
+INLINE int check_blocks(const pool_rows *pr, int64_t L, int64_t num_blocks) {
+    for (int64_t t = 0; t < L; t += pr->bs) {
+        int64_t blk = pr->table[t / pr->bs];
+        if (blk < 0 || blk >= num_blocks)
+            return PD_ERR_BLOCK;
+    }
+    return PD_OK;
+}
+
+/* The K rows of keys t0 .. t0 + 15 of L into kr (NULL past L); prefetches the next 16 keys'
+ * rows (a block jump the hardware cannot guess). Returns how many of the 16 keys exist. */
+INLINE int64_t key_rows(const uint16_t **kr, const uint16_t *k, const pool_rows *pr, int64_t t0, int64_t L,
+                        const int D) {
+    int64_t n = L - t0 < 16 ? L - t0 : 16;
+    key_cursor c = cursor_at(pr, t0);
+    for (int i = 0; i < 16; i++)
+        kr[i] = i < n ? next_row(k, pr, &c) : NULL;
+    if (t0 + 16 < L) {
+        int64_t nn = L - t0 - 16 < 16 ? L - t0 - 16 : 16;
+        for (int i = 0; i < nn; i++)
+            prefetch_row(next_row(k, pr, &c), D);
+    }
+    return n;
+}
+
+/* The scaled scores q . k of the first n (<= 16) of 16 keys' rows kr into dst[0 .. n): each
+ * key's dpbf16 partial vector over the D / 32 q vectors, the 16 summed across lanes together. */
+TARGET INLINE void score16(const uint16_t *q, const uint16_t *const *kr, int64_t n, float scale, float *dst,
+                           const int D) {
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 qv[4], part[16];
+    for (int j = 0; j < D / 32; j++)
+        qv[j] = _mm512_loadu_ps(q + 32 * j);
+    for (int i = 0; i < 16; i++) {
+        if (i >= n) {
+            part[i] = zero;
+            continue;
+        }
+        __m512 a = dot(zero, qv[0], _mm512_loadu_ps(kr[i]));
+        for (int j = 1; j < D / 32; j++)
+            a = dot(a, qv[j], _mm512_loadu_ps(kr[i] + 32 * j));
+        part[i] = a;
+    }
+    __m512 r = _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(dst, (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1u), r);
+}
+
+/* Key t's V row of L widened into row[0 .. D / 16); prefetches the row PREFETCH_KEYS keys
+ * ahead. `at` walks the keys, `ahead` the keys PREFETCH_KEYS later. */
+TARGET INLINE void v_row(__m512 *row, const uint16_t *v, const pool_rows *pr, int64_t t, int64_t L, key_cursor *at,
+                         key_cursor *ahead, const int D) {
+    const uint16_t *vr = next_row(v, pr, at);
+    if (t + PREFETCH_KEYS < L)
+        prefetch_row(next_row(v, pr, ahead), D);
+    for (int j = 0; j < D / 16; j++)
+        row[j] = widen16(vr + 16 * j);
+}
+
+/* n accumulators rounded to bf16 (nearest even) at out, 16 values each. */
+TARGET INLINE void store_bf16(uint16_t *out, const __m512 *acc, int n) {
+    for (int j = 0; j < n; j++)
+        _mm256_storeu_si256((__m256i *)(out + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[j]));
+}
+
 TARGET INLINE int attend_d(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                            const int64_t *table, int64_t L, int64_t num_blocks, int64_t h, int64_t G,
                            int64_t KVH, int64_t bs, float scale, uint16_t *out, float *sc,
                            const int D) {
-    const int DV = D / 32, GB = 16 / (D / 16); /* k vectors per row; heads per p.V pass */
-    const __m512 zero = _mm512_setzero_ps();
-    for (int64_t t = 0; t < L; t += bs) { /* every block id, before any is read */
-        int64_t blk = table[t / bs];
-        if (blk < 0 || blk >= num_blocks)
-            return PD_ERR_BLOCK;
-    }
-    const int64_t row_stride = KVH * D; /* elements between a block's consecutive keys */
+    const int GB = 16 / (D / 16); /* heads per p.V pass */
+    const pool_rows pr = {table, bs, KVH * D, h * D};
+    if (check_blocks(&pr, L, num_blocks) != PD_OK)
+        return PD_ERR_BLOCK;
     for (int64_t t0 = 0; t0 < L; t0 += 16) { /* 16 keys at a time, every head over them */
         const uint16_t *kr[16];
-        int64_t bi = t0 / bs, off = t0 % bs, n = L - t0 < 16 ? L - t0 : 16;
-        for (int i = 0; i < 16; i++) {
-            kr[i] = i < n ? k + (table[bi] * bs + off) * row_stride + h * D : NULL;
-            if (++off == bs)
-                off = 0, bi++;
-        }
-        if (t0 + 16 < L) { /* the next 16 keys' rows: a block jump the hardware cannot guess */
-            int64_t nbi = (t0 + 16) / bs, noff = (t0 + 16) % bs, nn = L - t0 - 16 < 16 ? L - t0 - 16 : 16;
-            for (int i = 0; i < nn; i++) {
-                const char *p = (const char *)(k + (table[nbi] * bs + noff) * row_stride + h * D);
-                for (int line = 0; line < D * 2; line += 64)
-                    _mm_prefetch(p + line, _MM_HINT_T0);
-                if (++noff == bs)
-                    noff = 0, nbi++;
-            }
-        }
-        for (int64_t g = 0; g < G; g++) {
-            __m512 qv[4], part[16];
-            for (int j = 0; j < DV; j++)
-                qv[j] = _mm512_loadu_ps(q + g * D + 32 * j);
-            for (int i = 0; i < 16; i++) {
-                if (i >= n) {
-                    part[i] = zero;
-                    continue;
-                }
-                __m512 a = dot(zero, qv[0], _mm512_loadu_ps(kr[i]));
-                for (int j = 1; j < DV; j++)
-                    a = dot(a, qv[j], _mm512_loadu_ps(kr[i] + 32 * j));
-                part[i] = a;
-            }
-            __m512 r = _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale));
-            _mm512_mask_storeu_ps(sc + g * L + t0, (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1u), r);
-        }
+        int64_t n = key_rows(kr, k, &pr, t0, L, D);
+        for (int64_t g = 0; g < G; g++)
+            score16(q + g * D, kr, n, scale, sc + g * L + t0, D);
     }
     softmax_rows(sc, G, L);
     for (int64_t g0 = 0; g0 < G; g0 += GB) {
-        __m512 acc[16];
+        __m512 acc[16], row[8];
         int64_t gn = pv_pass_begin(acc, G, g0, GB);
-        int64_t bi = 0, off = 0, pbi = PREFETCH_KEYS / bs, poff = PREFETCH_KEYS % bs;
+        key_cursor at = cursor_at(&pr, 0), ahead = cursor_at(&pr, PREFETCH_KEYS);
         for (int64_t t = 0; t < L; t++) {
-            const uint16_t *vr = v + (table[bi] * bs + off) * row_stride + h * D;
-            if (++off == bs)
-                off = 0, bi++;
-            if (t + PREFETCH_KEYS < L) { /* the V row PREFETCH_KEYS keys ahead */
-                const char *p = (const char *)(v + (table[pbi] * bs + poff) * row_stride + h * D);
-                for (int line = 0; line < D * 2; line += 64)
-                    _mm_prefetch(p + line, _MM_HINT_T0);
-                if (++poff == bs)
-                    poff = 0, pbi++;
-            }
-            __m512 row[8];
-            for (int j = 0; j < D / 16; j++)
-                row[j] = widen16(vr + 16 * j);
+            v_row(row, v, &pr, t, L, &at, &ahead, D);
             pv_accumulate(acc, row, sc, L, t, g0, gn, GB, D / 16, 1.0f);
         }
         for (int64_t g = 0; g < gn; g++)
-            for (int j = 0; j < D / 16; j++)
-                _mm256_storeu_si256((__m256i *)(out + (g0 + g) * D + 16 * j),
-                                    (__m256i)_mm512_cvtneps_pbh(acc[g * (D / 16) + j]));
+            store_bf16(out + (g0 + g) * D, acc + g * (D / 16), D / 16);
     }
     return PD_OK;
 }
@@ -136,11 +181,10 @@ TARGET INLINE int attend_d(const uint16_t *q, const uint16_t *k, const uint16_t 
  * reads row r's probabilities for head g and adds each V row of its L0 + r keys, in key
  * order, into its own D / 16 accumulators, exactly as attend_d's pass does for that row;
  * each V row is widened once for all UN units. */
-TARGET INLINE void pv_rows(const uint16_t *v, const int64_t *table, int64_t bs, int64_t row_stride, int64_t h,
-                           const float *sc, int64_t Lmax, int64_t L0, int64_t G, int64_t u0, uint16_t *out,
-                           int64_t out_stride, const int UN, const int D) {
+TARGET INLINE void pv_rows(const uint16_t *v, const pool_rows *pr, const float *sc, int64_t Lmax, int64_t L0,
+                           int64_t G, int64_t u0, uint16_t *out, int64_t out_stride, const int UN, const int D) {
     const int DV = D / 16;
-    __m512 acc[24];
+    __m512 acc[24], row[8];
     const float *p[6];
     int64_t len[6];
     uint16_t *o[6];
@@ -152,21 +196,10 @@ TARGET INLINE void pv_rows(const uint16_t *v, const int64_t *table, int64_t bs, 
     }
     for (int i = 0; i < UN * DV; i++)
         acc[i] = _mm512_setzero_ps();
-    int64_t L = len[UN - 1], bi = 0, off = 0, pbi = PREFETCH_KEYS / bs, poff = PREFETCH_KEYS % bs;
+    int64_t L = len[UN - 1];
+    key_cursor at = cursor_at(pr, 0), ahead = cursor_at(pr, PREFETCH_KEYS);
     for (int64_t t = 0; t < L; t++) {
-        const uint16_t *vr = v + (table[bi] * bs + off) * row_stride + h * D;
-        if (++off == bs)
-            off = 0, bi++;
-        if (t + PREFETCH_KEYS < L) {
-            const char *pf = (const char *)(v + (table[pbi] * bs + poff) * row_stride + h * D);
-            for (int line = 0; line < D * 2; line += 64)
-                _mm_prefetch(pf + line, _MM_HINT_T0);
-            if (++poff == bs)
-                poff = 0, pbi++;
-        }
-        __m512 row[8];
-        for (int j = 0; j < DV; j++)
-            row[j] = widen16(vr + 16 * j);
+        v_row(row, v, pr, t, L, &at, &ahead, D);
         for (int i = 0; i < UN; i++) {
             if (t >= len[i])
                 continue;
@@ -176,8 +209,7 @@ TARGET INLINE void pv_rows(const uint16_t *v, const int64_t *table, int64_t bs, 
         }
     }
     for (int i = 0; i < UN; i++)
-        for (int j = 0; j < DV; j++)
-            _mm256_storeu_si256((__m256i *)(o[i] + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[i * DV + j]));
+        store_bf16(o[i], acc + i * DV, DV);
 }
 
 /* R consecutive query rows of one sequence and KV head: row r (q + r * q_stride, out + r *
@@ -189,54 +221,17 @@ TARGET INLINE int attend_rows_d(const uint16_t *q, int64_t q_stride, const uint1
                                 const int64_t *table, int64_t L0, int64_t R, int64_t num_blocks, int64_t h,
                                 int64_t G, int64_t KVH, int64_t bs, float scale, uint16_t *out,
                                 int64_t out_stride, float *sc, const int D) {
-    const int DV = D / 32;
-    const __m512 zero = _mm512_setzero_ps();
-    const int64_t Lmax = L0 + R - 1, row_stride = KVH * D;
-    for (int64_t t = 0; t < Lmax; t += bs) {
-        int64_t blk = table[t / bs];
-        if (blk < 0 || blk >= num_blocks)
-            return PD_ERR_BLOCK;
-    }
+    const int64_t Lmax = L0 + R - 1;
+    const pool_rows pr = {table, bs, KVH * D, h * D};
+    if (check_blocks(&pr, Lmax, num_blocks) != PD_OK)
+        return PD_ERR_BLOCK;
     for (int64_t t0 = 0; t0 < Lmax; t0 += 16) {
         const uint16_t *kr[16];
-        int64_t bi = t0 / bs, off = t0 % bs, n = Lmax - t0 < 16 ? Lmax - t0 : 16;
-        for (int i = 0; i < 16; i++) {
-            kr[i] = i < n ? k + (table[bi] * bs + off) * row_stride + h * D : NULL;
-            if (++off == bs)
-                off = 0, bi++;
-        }
-        if (t0 + 16 < Lmax) {
-            int64_t nbi = (t0 + 16) / bs, noff = (t0 + 16) % bs, nn = Lmax - t0 - 16 < 16 ? Lmax - t0 - 16 : 16;
-            for (int i = 0; i < nn; i++) {
-                const char *pf = (const char *)(k + (table[nbi] * bs + noff) * row_stride + h * D);
-                for (int line = 0; line < D * 2; line += 64)
-                    _mm_prefetch(pf + line, _MM_HINT_T0);
-                if (++noff == bs)
-                    noff = 0, nbi++;
-            }
-        }
+        key_rows(kr, k, &pr, t0, Lmax, D);
         for (int64_t r = 0; r < R; r++) {
             int64_t L = L0 + r, nr = L - t0 < 16 ? L - t0 : 16;
-            if (nr <= 0)
-                continue;
-            for (int64_t g = 0; g < G; g++) {
-                __m512 qv[4], part[16];
-                for (int j = 0; j < DV; j++)
-                    qv[j] = _mm512_loadu_ps(q + r * q_stride + g * D + 32 * j);
-                for (int i = 0; i < 16; i++) {
-                    if (i >= nr) {
-                        part[i] = zero;
-                        continue;
-                    }
-                    __m512 a = dot(zero, qv[0], _mm512_loadu_ps(kr[i]));
-                    for (int j = 1; j < DV; j++)
-                        a = dot(a, qv[j], _mm512_loadu_ps(kr[i] + 32 * j));
-                    part[i] = a;
-                }
-                __m512 sv = _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale));
-                _mm512_mask_storeu_ps(sc + r * G * Lmax + g * L + t0, (__mmask16)(nr >= 16 ? 0xFFFF : (1u << nr) - 1u),
-                                      sv);
-            }
+            for (int64_t g = 0; nr > 0 && g < G; g++)
+                score16(q + r * q_stride + g * D, kr, nr, scale, sc + r * G * Lmax + g * L + t0, D);
         }
     }
     for (int64_t r = 0; r < R; r++)
@@ -245,7 +240,7 @@ TARGET INLINE int attend_rows_d(const uint16_t *q, int64_t q_stride, const uint1
     for (int64_t u0 = 0; u0 < units; u0 += UP) {
         int64_t un = units - u0 < UP ? units - u0 : UP;
         switch (un) {
-#define UNITS(U) case U: pv_rows(v, table, bs, row_stride, h, sc, Lmax, L0, G, u0, out, out_stride, U, D); break;
+#define UNITS(U) case U: pv_rows(v, &pr, sc, Lmax, L0, G, u0, out, out_stride, U, D); break;
             UNITS(1) UNITS(2) UNITS(3) UNITS(4) UNITS(5) UNITS(6)
 #undef UNITS
         }
