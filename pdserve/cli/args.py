@@ -29,6 +29,7 @@ from pdserve.planner.capacity import PlanError, parse_size
 from pdserve.worker.vllm_events.config import KVEventsConfig
 
 T = TypeVar("T")
+N = TypeVar("N", int, float)
 
 
 class Parser(argparse.ArgumentParser):
@@ -63,38 +64,6 @@ def _int(text: str, expected: str) -> int:
         _bad(expected, text)
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (counts, sizes in tokens, threads)."""
-    value = _int(text, "an integer >= 1")
-    if value < 1:
-        _bad("an integer >= 1", text)
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An integer >= 0 (where 0 means "none" or "no cap")."""
-    value = _int(text, "an integer >= 0")
-    if value < 0:
-        _bad("an integer >= 0", text)
-    return value
-
-
-def port(text: str) -> int:
-    """A TCP port to listen on or connect to: 1..65535."""
-    value = _int(text, "a port 1..65535")
-    if not 1 <= value <= 65535:
-        _bad("a port 1..65535", text)
-    return value
-
-
-def port_or_zero(text: str) -> int:
-    """A TCP port, or 0 for one the OS picks."""
-    value = _int(text, "a port 1..65535, or 0 for a free one")
-    if not 0 <= value <= 65535:
-        _bad("a port 1..65535, or 0 for a free one", text)
-    return value
-
-
 def _float(text: str, expected: str) -> float:
     try:
         value = float(text)
@@ -105,36 +74,25 @@ def _float(text: str, expected: str) -> float:
     return value
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0 (seconds)."""
-    value = _float(text, "a number > 0")
-    if value <= 0:
-        _bad("a number > 0", text)
-    return value
+def _bounded(number: Callable[[str, str], N], expected: str, ok: Callable[[N], bool]) -> Callable[[str], N]:
+    """An argparse type: `number` (`_int` or `_float`) read from the text, refused as
+    "expected `expected`" unless `ok` holds for it."""
+    def conv(text: str) -> N:
+        value = number(text, expected)
+        if not ok(value):
+            _bad(expected, text)
+        return value
+    return conv
 
 
-def non_negative_float(text: str) -> float:
-    """A finite number >= 0."""
-    value = _float(text, "a number >= 0")
-    if value < 0:
-        _bad("a number >= 0", text)
-    return value
-
-
-def fraction(text: str) -> float:
-    """A share of something: 0 <= x < 1."""
-    value = _float(text, "a fraction 0 <= x < 1")
-    if not 0 <= value < 1:
-        _bad("a fraction 0 <= x < 1", text)
-    return value
-
-
-def memory_fraction(text: str) -> float:
-    """A share of a device's memory: 0 < x <= 1."""
-    value = _float(text, "a fraction 0 < x <= 1")
-    if not 0 < value <= 1:
-        _bad("a fraction 0 < x <= 1", text)
-    return value
+positive_int = _bounded(_int, "an integer >= 1", lambda v: v >= 1)  # counts, sizes in tokens, threads
+non_negative_int = _bounded(_int, "an integer >= 0", lambda v: v >= 0)  # where 0 means "none" or "no cap"
+port = _bounded(_int, "a port 1..65535", lambda v: 1 <= v <= 65535)  # to listen on or connect to
+port_or_zero = _bounded(_int, "a port 1..65535, or 0 for a free one", lambda v: 0 <= v <= 65535)  # 0: the OS picks
+positive_float = _bounded(_float, "a number > 0", lambda v: v > 0)  # finite, as every float here (seconds)
+non_negative_float = _bounded(_float, "a number >= 0", lambda v: v >= 0)
+fraction = _bounded(_float, "a fraction 0 <= x < 1", lambda v: 0 <= v < 1)  # a share of something
+memory_fraction = _bounded(_float, "a fraction 0 < x <= 1", lambda v: 0 < v <= 1)  # a share of a device's memory
 
 
 def byte_size(text: str) -> int:
