@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from kv_transfer.api import TransferState
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import DONE, InboxLink, Parts, Sent
 from kv_transfer.pool.shm import ShmPool
-from kv_transfer.receiver.core import ReceiverCore, ReceiverStats
+from kv_transfer.receiver.core import CoreReceiver, ReceiverCore
 from kv_transfer.sender.sender import Sender
 from pdserve.common.kv_layout import KVLayout
 from pdserve.common.parallel_layout import ParallelLayout
@@ -91,7 +91,7 @@ def fake_sender(layout: KVLayout, pool: np.ndarray, fabric: FakeFabric, **kwargs
     return Sender(layout, pool, links=FakeLinkFactory(fabric), **kwargs)
 
 
-class FakeReceiver:
+class FakeReceiver(CoreReceiver):
     """Implements `kv_transfer.api.KVReceiver` without sockets or threads."""
 
     def __init__(self, layout: KVLayout, pool: np.ndarray | ShmPool, fabric: FakeFabric, *,
@@ -109,10 +109,6 @@ class FakeReceiver:
         self._address = ("shm+" if shm else "") + endpoint
         self._endpoint = endpoint
 
-    @property
-    def address(self) -> str:
-        return self._address
-
     def _deliver(self, link: _FakeLink, parts: Parts) -> None:
         """Called by a sender's I/O thread: the fake's 'network receive'."""
         self._links[link.key] = link
@@ -127,33 +123,11 @@ class FakeReceiver:
                 link.inbox.append([memoryview(wire.encode(msg))])
                 link.wake()
 
-    def expect(self, transfer_id: str, request_id: str, dst_block_ids: Sequence[int],
-               lease_s: float, claim_lease_s: float | None = None) -> None:
-        self.core.expect(transfer_id, request_id, dst_block_ids, lease_s, claim_lease_s)
-
     def poll(self, transfer_id: str) -> TransferState:
         self.core.tick()
         state = self.core.poll(transfer_id)
         self._route()
         return state
 
-    def reason(self, transfer_id: str) -> str:
-        return self.core.reason(transfer_id)
-
-    def cancel(self, transfer_id: str) -> None:
-        self.core.cancel(transfer_id)
-
-    def forget(self, transfer_id: str) -> None:
-        self.core.forget(transfer_id)
-
-    def stats(self) -> ReceiverStats:
-        return self.core.stats()
-
     def close(self) -> None:
         self._fabric.unregister(self._endpoint)
-
-    def __enter__(self) -> FakeReceiver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -61,6 +61,7 @@ CANCEL_RESEND_S = 0.5
 REFUSED = "compatibility hash mismatch"
 # How often descriptors on gone senders' liveness locks are closed.
 LIVENESS_SWEEP_S = 1.0
+_R = TypeVar("_R", bound="CoreReceiver")
 
 
 @dataclass(frozen=True)
@@ -379,3 +380,43 @@ class ReceiverCore:
         if res is None:
             raise UnknownTransfer(transfer_id)
         return res
+
+
+class CoreReceiver:
+    """A `kv_transfer.api.KVReceiver` whose calls the `ReceiverCore` answers: a transport
+    sets `core` and `_address` and writes its own `close`."""
+
+    core: ReceiverCore
+    _address: str
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def expect(self, transfer_id: str, request_id: str, dst_block_ids: Sequence[int],
+               lease_s: float, claim_lease_s: float | None = None) -> None:
+        self.core.expect(transfer_id, request_id, dst_block_ids, lease_s, claim_lease_s)
+
+    def poll(self, transfer_id: str) -> TransferState:
+        return self.core.poll(transfer_id)
+
+    def reason(self, transfer_id: str) -> str:
+        return self.core.reason(transfer_id)
+
+    def cancel(self, transfer_id: str) -> None:
+        self.core.cancel(transfer_id)
+
+    def forget(self, transfer_id: str) -> None:
+        self.core.forget(transfer_id)
+
+    def stats(self) -> ReceiverStats:
+        return self.core.stats()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _R) -> _R:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

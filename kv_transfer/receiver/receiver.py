@@ -26,20 +26,18 @@ import os
 import secrets
 import tempfile
 import threading
-from collections.abc import Sequence
 
 import numpy as np
 import zmq
 
 from kv_transfer import auth, wire
-from kv_transfer.api import TransferState
 from kv_transfer.faults import FaultConfig
 from kv_transfer.links import Waker, tune_socket
 from kv_transfer.pool.copy_threads import DEFAULT_COPY_THREADS
 from kv_transfer.pool.cuda_ipc import CudaPool
 from kv_transfer.pool.shm import ShmPool
 from kv_transfer.pool.staging import HiddenHostPool
-from kv_transfer.receiver.core import ReceiverCore, ReceiverStats
+from kv_transfer.receiver.core import CoreReceiver, ReceiverCore
 from pdserve.common.kv_layout import KVLayout
 from pdserve.common.parallel_layout import ParallelLayout
 from pdserve.common.transport import limit_incoming
@@ -50,7 +48,7 @@ TICK_MS = 20
 MAX_MESSAGES_PER_ROUND = 256
 
 
-class ZmqReceiver:
+class ZmqReceiver(CoreReceiver):
     """Implements `kv_transfer.api.KVReceiver`. Call `close()` (or use `with`)."""
 
     def __init__(self, layout: KVLayout, pool: np.ndarray | ShmPool | CudaPool | HiddenHostPool, *,
@@ -123,29 +121,6 @@ class ZmqReceiver:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._ipc_path)
 
-    @property
-    def address(self) -> str:
-        return self._address
-
-    def expect(self, transfer_id: str, request_id: str, dst_block_ids: Sequence[int],
-               lease_s: float, claim_lease_s: float | None = None) -> None:
-        self.core.expect(transfer_id, request_id, dst_block_ids, lease_s, claim_lease_s)
-
-    def poll(self, transfer_id: str) -> TransferState:
-        return self.core.poll(transfer_id)
-
-    def reason(self, transfer_id: str) -> str:
-        return self.core.reason(transfer_id)
-
-    def cancel(self, transfer_id: str) -> None:
-        self.core.cancel(transfer_id)
-
-    def forget(self, transfer_id: str) -> None:
-        self.core.forget(transfer_id)
-
-    def stats(self) -> ReceiverStats:
-        return self.core.stats()
-
     def close(self) -> None:
         if self._stop.is_set():
             return
@@ -153,12 +128,6 @@ class ZmqReceiver:
         self._waker.wake()
         self._thread.join()
         self._release()
-
-    def __enter__(self) -> ZmqReceiver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _run(self) -> None:
         poller = zmq.Poller()
