@@ -33,6 +33,7 @@ import numpy as np
 from kv_transfer.pool.blocks import check_pool, numpy_dtype
 from kv_transfer.wire import ShmDescriptor
 from pdserve.common.kv_layout import KVLayout
+from pdserve.common.pids import pid_alive
 
 _DEV_SHM = "/dev/shm"
 _PREFIX = "pdkv"
@@ -151,16 +152,6 @@ def lock_holder_gone(fd: int) -> bool:
     return True
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
-
-
 def sweep_stale_segments(shm_dir: str = _DEV_SHM) -> list[str]:
     """Unlink pool segments (`pdkv_<pid>_<hex>`) and liveness locks whose creator process
     is gone; return their names.
@@ -168,13 +159,13 @@ def sweep_stale_segments(shm_dir: str = _DEV_SHM) -> list[str]:
     A live pid keeps its segment, even if the pid was reused by an unrelated
     process: a leaked segment is cheaper than unlinking one a live worker owns.
     Names of any other pattern are never touched."""
-    return _sweep(shm_dir, lambda pid: not _pid_alive(pid))
+    return _sweep(shm_dir, lambda pid: not pid_alive(pid))
 
 
 def remove_segments_of(pid: int, shm_dir: str = _DEV_SHM) -> list[str]:
     """`sweep_stale_segments` for one dead process only: the pool segments and liveness
     locks `pid` created (a worker killed with -9 cannot unlink them); none while it lives."""
-    return _sweep(shm_dir, lambda creator: creator == pid and not _pid_alive(pid))
+    return _sweep(shm_dir, lambda creator: creator == pid and not pid_alive(pid))
 
 
 def _sweep(shm_dir: str, dead: Callable[[int], bool]) -> list[str]:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from kv_transfer.tiers.base import TierStats
 from kv_transfer.tiers.record import MissReason
+from pdserve.common.pids import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -173,17 +174,5 @@ class FileTier:
                 parts = entry.name.split(".")
                 pid = int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else 0
                 with contextlib.suppress(OSError):
-                    if not _alive(pid) or now - entry.stat().st_mtime > STALE_TMP_S:
+                    if not pid_alive(pid) or now - entry.stat().st_mtime > STALE_TMP_S:
                         os.unlink(entry.path)
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import zmq
 
+from pdserve.common.pids import pid_alive
+
 GATEWAY = "gateway"
 WORKER = "worker"
 AUTHORIZED = "authorized"
@@ -112,20 +114,10 @@ def sweep_stale(tmp_dir: str) -> list[str]:
                 continue
         except OSError:
             continue
-        if not _alive(int(pid_text)):
+        if not pid_alive(int(pid_text)):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove(keys: ClusterKeys) -> None:
