@@ -252,47 +252,23 @@ class LlamaForCausalLM(nn.Module):
         for i in range(c.num_layers):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
             lp = f"layers.{i}."
-            specs.append(_spec(lp + "input_layernorm.weight", p + "input_layernorm.weight", (hd,)))
-            specs.append(
-                _spec(
-                    lp + "post_attention_layernorm.weight",
-                    p + "post_attention_layernorm.weight",
-                    (hd,),
-                )
-            )
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                specs.append(_spec(f"{lp}{norm}.weight", f"{p}{norm}.weight", (hd,)))
             qkv = ((a + "q_proj", c.q_size), (a + "k_proj", c.kv_size), (a + "v_proj", c.kv_size))
-            specs.append(
-                WeightSpec(
-                    lp + "self_attn.qkv_weight", tuple((n + ".weight", (o, hd)) for n, o in qkv)
-                )
-            )
+            specs.append(_fused(lp + "self_attn.qkv_weight", qkv, ".weight", hd))
             if c.attention_bias:
-                specs.append(
-                    WeightSpec(
-                        lp + "self_attn.qkv_bias", tuple((n + ".bias", (o,)) for n, o in qkv)
-                    )
-                )
+                specs.append(_fused(lp + "self_attn.qkv_bias", qkv, ".bias"))
             specs.append(_spec(lp + "self_attn.o_weight", a + "o_proj.weight", (hd, c.q_size)))
             if c.o_proj_bias:
                 specs.append(_spec(lp + "self_attn.o_bias", a + "o_proj.bias", (hd,)))
             if c.qk_norm:
-                specs.append(
-                    _spec(lp + "self_attn.q_norm.weight", a + "q_norm.weight", (c.head_dim,))
-                )
-                specs.append(
-                    _spec(lp + "self_attn.k_norm.weight", a + "k_norm.weight", (c.head_dim,))
-                )
+                for norm in ("q_norm", "k_norm"):
+                    specs.append(_spec(f"{lp}self_attn.{norm}.weight", f"{a}{norm}.weight", (c.head_dim,)))
             m = p + "mlp."
             gu = ((m + "gate_proj", inter), (m + "up_proj", inter))
-            specs.append(
-                WeightSpec(
-                    lp + "mlp.gate_up_weight", tuple((n + ".weight", (o, hd)) for n, o in gu)
-                )
-            )
+            specs.append(_fused(lp + "mlp.gate_up_weight", gu, ".weight", hd))
             if c.mlp_bias:
-                specs.append(
-                    WeightSpec(lp + "mlp.gate_up_bias", tuple((n + ".bias", (o,)) for n, o in gu))
-                )
+                specs.append(_fused(lp + "mlp.gate_up_bias", gu, ".bias"))
                 specs.append(_spec(lp + "mlp.down_bias", m + "down_proj.bias", (hd,)))
             specs.append(_spec(lp + "mlp.down_weight", m + "down_proj.weight", (hd, inter)))
         specs.append(_spec("norm.weight", "model.norm.weight", (hd,)))
@@ -307,3 +283,9 @@ def _no_reduce(x: torch.Tensor) -> torch.Tensor:
 
 def _spec(param: str, name: str, shape: tuple[int, ...]) -> WeightSpec:
     return WeightSpec(param, ((name, shape),))
+
+
+def _fused(param: str, parts: tuple[tuple[str, int], ...], suffix: str, cols: int | None = None) -> WeightSpec:
+    """`param` as the checkpoint's `parts` (module name, output rows) stacked: their
+    `suffix` tensors, each [rows, cols] (a weight) or [rows] (a bias, no `cols`)."""
+    return WeightSpec(param, tuple((n + suffix, (o,) if cols is None else (o, cols)) for n, o in parts))
