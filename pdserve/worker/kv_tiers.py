@@ -79,22 +79,18 @@ class TierCollector(Collector):
                                    "KV tiers (lookups that found at least one)", labels=names)
         load.add_metric(values, snap.loads, snap.load_seconds)
         yield load
-        blocks = CounterMetricFamily("llm_kv_tier_loaded_blocks", "Blocks loaded from the KV tiers",
-                                     labels=names)
-        blocks.add_metric(values, snap.loaded_blocks)
-        yield blocks
-        dropped = CounterMetricFamily("llm_kv_tier_dropped_writes", "Blocks not written down because the "
-                                      "write queue was full (the step loop never waits)", labels=names)
-        dropped.add_metric(values, snap.dropped_writes)
-        yield dropped
-        queued = GaugeMetricFamily("llm_kv_tier_queued_writes", "Blocks queued for (or being) written down",
-                                   labels=names)
-        queued.add_metric(values, snap.queued_writes)
-        yield queued
-        timeouts = CounterMetricFamily("llm_kv_tier_load_timeouts", "Loads from the KV tiers not landed in "
-                                       "time: given up, their blocks recomputed", labels=names)
-        timeouts.add_metric(values, snap.load_timeouts)
-        yield timeouts
+        for kind, name, doc, value in (
+            (CounterMetricFamily, "llm_kv_tier_loaded_blocks", "Blocks loaded from the KV tiers", snap.loaded_blocks),
+            (CounterMetricFamily, "llm_kv_tier_dropped_writes", "Blocks not written down because the write "
+             "queue was full (the step loop never waits)", snap.dropped_writes),
+            (GaugeMetricFamily, "llm_kv_tier_queued_writes", "Blocks queued for (or being) written down",
+             snap.queued_writes),
+            (CounterMetricFamily, "llm_kv_tier_load_timeouts", "Loads from the KV tiers not landed in time: "
+             "given up, their blocks recomputed", snap.load_timeouts),
+        ):
+            one = family(kind, name, doc, ())
+            one.add_metric(values, value)
+            yield one
 
 
 def tier_infos(engine: LLMEngine) -> tuple[KvTierInfo, ...]:
