@@ -121,13 +121,19 @@ async def slow_phase(c: Cluster, n_headers: int, n_bodies: int, pid: int,
 
 
 def never_reading(port: int, model: str, i: int) -> socket.socket:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": f"stall {i}"}],
-                       "max_tokens": 1500, "n": 8, "logprobs": True, "top_logprobs": 20,
-                       "ignore_eos": True, "stream": True})
+    return unread_post(port, "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": f"stall {i}"}], "max_tokens": 1500, "n": 8,
+        "logprobs": True, "top_logprobs": 20, "ignore_eos": True, "stream": True})
+
+
+def unread_post(port: int, path: str, payload: dict[str, Any]) -> socket.socket:
+    """POST `payload` to 127.0.0.1:`port``path` from a socket with a 4 KiB receive buffer that
+    is never read: a big stream backs up in the gateway's writes within seconds."""
+    body = json.dumps(payload)
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", port))
-    s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
     return s
 

@@ -45,8 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import background, machine_line, parser, write_json
-from bench.slow_clients import MIB, dribbler, rss_bytes
+from bench.slow_clients import MIB, dribbler, rss_bytes, unread_post
 from pdserve.common.transport import free_port
+from pdserve.loadgen.launch import stop_group
 from tests.e2e import peers
 from tests.e2e.cluster import ROOT, http
 
@@ -83,13 +84,7 @@ class Up:
         return next(pid for pid in peers.children(self.proc.pid) if "gateway" in peers.cmdline(pid))
 
     def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_group(self.proc, 60.0)
 
 
 def normal_request(url: str, model: str, i: int) -> str:
@@ -197,14 +192,8 @@ class Load:
 def never_reading(port: int, model: str, i: int) -> socket.socket:
     """A stream whose client never reads: ~1 MB of SSE (2 choices, 300 tokens, 20 top
     logprobs each) against a 4 KiB receive buffer, so the gateway's writes stall."""
-    body = json.dumps({"model": model, "prompt": f"stall {i}", "max_tokens": 300, "n": 2, "logprobs": 20,
-                       "ignore_eos": True, "stream": True})
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.connect(("127.0.0.1", port))
-    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
-    return s
+    return unread_post(port, "/v1/completions", {"model": model, "prompt": f"stall {i}", "max_tokens": 300,
+                                                 "n": 2, "logprobs": 20, "ignore_eos": True, "stream": True})
 
 
 def kill_a_decode_worker(up: Up) -> int:

@@ -85,7 +85,8 @@ def _ready(base_url: str) -> bool:
         return False
 
 
-def _stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    """SIGTERM the process group `proc` leads, SIGKILL it after `grace_s`."""
     if proc.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
@@ -142,4 +143,4 @@ def serve_command(
             print(f"[{name}] serving at {base_url}", file=sys.stderr, flush=True)
             yield ServerHandle(name, base_url, proc.pid, log.name)
         finally:
-            _stop(proc)
+            stop_group(proc)
