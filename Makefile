@@ -39,7 +39,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # Flake hunt (not part of `make test`): the process-level suites LOOPS times in a row;
 # BUSY=1 keeps every core busy with another process meanwhile.
