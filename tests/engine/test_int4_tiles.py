@@ -5,14 +5,15 @@ rows are the same bits in the 1-4 row bucket (the GEMV) and the 5+ one; against 
 reference of the exact dequantized weight within the GEMV's bound (tests/engine/test_int4_gemv.py);
 routed by the kernel table for 5 to `INT4_VNNI_ROWS` rows where the CPU (as masked) has
 AVX-512 VNNI, VBMI and BF16, and never the aten fallback there; gone under `avx2` and
-`portable`, where those rows run aten's kernel."""
+`portable`, where those rows run aten's kernel; and an int4 bf16 engine whose decoded
+logprobs are the bits a re-prefill of the same text gives."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,40 @@ def test_the_per_layer_bench_times_it() -> None:
     at8 = _row(128, 256, 8, reps=2)
     assert "vnni" in at8 and "gemv" not in at8 and set(at8) <= {"bf16", *PATHS}
     assert {"gemv", "vnni"} <= set(_row(128, 256, 4, reps=2)) and all(t > 0 for t in at8.values())
+
+
+def test_an_int4_bf16_engine_decodes_the_bits_a_re_prefill_gives(
+    tiny_model_dir: Callable[..., Path],
+) -> None:
+    """End to end (engine, int4 weights, bf16, a bf16 LM head): each generated token's
+    logprob, computed by a decode step (1 row: the GEMV), equals the prompt logprob of
+    the same position when prompt + generated is prefilled at once (tens of rows: the
+    tiles), bit for bit; and a batch of prompts prefilled together gives each the tokens
+    and logprobs it gets alone. What a recovery (re-prefill on another worker) relies on."""
+    from pdserve.common.sampling_params import SamplingParams
+    from pdserve.engine.core.config import CacheConfig, EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(
+        model_dir=str(tiny_model_dir("llama")),
+        dtype="bfloat16",
+        num_threads=1,
+        quantization="int4",
+        lm_head_quantization="none",
+        cache=CacheConfig(block_size=16, num_blocks=64),
+    )
+    engine = LLMEngine(config)
+    prompts = [[1, *range(40, 60)], [1, *range(90, 102)], [1, 5, 6, 7, 8, 9, 10]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+    alone = [engine.generate([p], params)[0] for p in prompts]
+    together = engine.generate(prompts, params)
+    for a, t in zip(alone, together, strict=True):
+        assert t.choices[0] == a.choices[0]
+    first = alone[0]
+    text = prompts[0] + list(first.token_ids)
+    again = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
+    (full,) = LLMEngine(config).generate([text], again)  # a fresh engine: no prefix cache
+    assert full.prompt_logprobs is not None
+    decoded = [lp.logprob for lp in first.choices[0].logprobs or ()]
+    prefilled = [lp.logprob for lp in full.prompt_logprobs[len(prompts[0]) :]]  # type: ignore[union-attr]
+    assert prefilled == decoded
