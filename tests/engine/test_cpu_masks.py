@@ -139,8 +139,10 @@ def test_every_route_runs_under_every_mask(mask: frozenset[str]) -> None:
 
 def test_disabled_kernels_fall_through_to_the_next_entry() -> None:
     spec = LinearSpec("int4", "bfloat16", "cpu", 256, 128, 128)
-    plan = kernel_table.plan(spec, disabled={"int4_gemv", "int4_gemm_amx"})
+    plan = kernel_table.plan(spec, disabled={"int4_gemv", "int4_gemm_amx", "int4_gemm_vnni"})
     assert plan.names() == ((1, 32, "int4_aten"), (33, kernel_table.INF, "int4_dequant"))
+    if kernel_table.available_features() >= kernel_table.INT4_Q16:  # AMX off: the next entry takes 5+
+        assert kernel_table.plan(spec, disabled={"int4_gemm_amx"}).kernel_for(5).name == "int4_gemm_vnni"
     assert kernel_table.plan(bf16_gemv.SPEC, disabled=set(bf16_gemv.NATIVE)).names() == (
         (1, kernel_table.INF, "bf16_aten"),)
     assert not kernel_table.plan(bf16_gemv.SPEC, disabled=set(bf16_gemv.NATIVE)).invariant

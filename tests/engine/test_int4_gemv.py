@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from pdserve.engine.kernels.table import INT4_VNNI_ROWS
 from pdserve.engine.quant import int4_kernel
 from pdserve.engine.quant.linear import INT4_KERNEL_ROWS, Int4Linear, quantize_weight
 from pdserve.engine.quant.pack import quantize_int4
@@ -102,13 +103,14 @@ def test_nan_in_a_row_reaches_only_that_row() -> None:
 
 
 def test_the_layer_runs_the_route_the_kernel_table_gives_each_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GEMV up to 4 rows; above, the AMX GEMM where this CPU (as masked) has it, else
-    aten's kernel up to 32 rows and unpack + matmul above (pdserve/engine/kernels/table.py)."""
+    """The GEMV up to 4 rows; above, the AMX GEMM where this CPU (as masked) has it, else the
+    GEMV's arithmetic in register tiles (`int4_gemm_vnni`, to `INT4_VNNI_ROWS` rows) and
+    unpack + matmul past it (pdserve/engine/kernels/table.py)."""
     layer = _layer(128, 256, seed=6)
     routes = layer.plan(torch.bfloat16)
-    gemm_amx = int4_kernel.available()
-    expected = {1: "int4_gemv", 4: "int4_gemv", 5: "int4_gemm_amx" if gemm_amx else "int4_aten",
-                40: "int4_gemm_amx" if gemm_amx else "int4_dequant"}
+    many = "int4_gemm_amx" if int4_kernel.available() else "int4_gemm_vnni"
+    past = "int4_gemm_amx" if int4_kernel.available() else "int4_dequant"
+    expected = {1: "int4_gemv", 4: "int4_gemv", 5: many, 40: many, INT4_VNNI_ROWS + 1: past}
     assert {m: routes.kernel_for(m).name for m in expected} == expected
     calls: list[tuple[str, int]] = []
 
@@ -118,23 +120,23 @@ def test_the_layer_runs_the_route_the_kernel_table_gives_each_row_count(monkeypa
             return fn(x, *args)
         return run
 
-    gemm = int4_kernel.matmul
-    monkeypatch.setattr(int4_kernel, "gemv", spy("int4_gemv", int4_kernel.gemv))
-    monkeypatch.setattr(int4_kernel, "matmul", spy("int4_gemm_amx", gemm))
-    for rows in (1, 2, 3, 4, 5, 16, 40):
+    kernels = {"int4_gemv": int4_kernel.gemv, "int4_gemm_amx": int4_kernel.matmul, "int4_gemm_vnni": int4_kernel.tiles}
+    monkeypatch.setattr(int4_kernel, "gemv", spy("int4_gemv", kernels["int4_gemv"]))
+    monkeypatch.setattr(int4_kernel, "matmul", spy("int4_gemm_amx", kernels["int4_gemm_amx"]))
+    monkeypatch.setattr(int4_kernel, "tiles", spy("int4_gemm_vnni", kernels["int4_gemm_vnni"]))
+    counts = (1, 2, 3, 4, 5, 16, 40, INT4_VNNI_ROWS + 1)
+    for rows in counts:
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-        y = layer(x)
-        if rows <= 4:
-            _assert_within_bound(y, x, _exact_weight(layer))
-        elif gemm_amx:  # the layer adds nothing to the kernel's result
-            assert torch.equal(y, gemm(x, layer.packed, layer.scales_and_zeros, layer.group))
+        y, name = layer(x), routes.kernel_for(rows).name
+        if name in kernels:  # the layer adds nothing to the kernel's result
+            assert torch.equal(y, kernels[name](x, layer.packed, layer.scales_and_zeros, layer.group))
         else:
-            assert torch.equal(y, torch._weight_int4pack_mm_for_cpu(x, layer.packed, layer.group,
-                                                                     layer.scales_and_zeros)) if rows <= 32 \
-                else torch.equal(y, torch.nn.functional.linear(x, layer.dense_weight(torch.bfloat16)))
+            assert torch.equal(y, torch.nn.functional.linear(x, layer.dense_weight(torch.bfloat16)))
+        if rows <= 4 or name == "int4_gemm_vnni":
+            _assert_within_bound(y, x, _exact_weight(layer))
     assert INT4_KERNEL_ROWS == 4
-    native = [(routes.kernel_for(m).name, m) for m in (1, 2, 3, 4, 5, 16, 40)]
-    assert calls == [c for c in native if c[0] in ("int4_gemv", "int4_gemm_amx")]
+    native = [(routes.kernel_for(m).name, m) for m in counts]
+    assert calls == [c for c in native if c[0] in kernels]
 
 
 def test_gemv_rejects_what_it_cannot_run() -> None:

@@ -42,6 +42,16 @@ def test_int8_routes_of_each_cpu_kind_are_named() -> None:
     assert numerics("cpu", "bfloat16", "none", "int8", features=AVX2) == names[AVX2]
 
 
+def test_int4_rows_of_the_gemv_and_its_many_row_tiles_share_a_name_and_aten_does_not() -> None:
+    """Without AMX, 1-4 int4 rows run the GEMV and 5 up the same arithmetic in tiles (same
+    bits: one name); under avx2 aten's kernel takes those rows (other bits: another hash)."""
+    names = {f: numerics("cpu", "bfloat16", "int4", features=f) for f in (AMX_HOST, AVX512_BF16, AVX2)}
+    assert names[AVX512_BF16] == "bf16:bf16_avx512,int4:int4_dequant+int4_gemv"
+    assert names[AVX2] == "bf16:bf16_avx512,int4:int4_aten+int4_dequant"
+    assert "int4_gemm_amx" in names[AMX_HOST]
+    assert len({_hash(n) for n in names.values()}) == 3
+
+
 @pytest.mark.parametrize("device, dtype", [("cpu", "float32"), ("cuda", "bfloat16"), ("cuda", "float32")])
 def test_float32_and_gpu_pools_keep_the_hash_they_had(device: str, dtype: str) -> None:
     for f in (AMX_HOST, AVX2):

@@ -15,7 +15,6 @@ from pdserve.engine.core.config import CacheConfig, EngineConfig
 from pdserve.engine.kernels import native as native_kernels
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loading.loader import CheckpointError, load_model_with
-from pdserve.engine.quant import int4_kernel
 from pdserve.engine.quant.formats import (
     PrequantConfig,
     QuantizationError,
@@ -89,7 +88,8 @@ def test_the_native_unpacking_gives_the_dequantized_int4_weight(
     w = _weight(200, 256, seed=2).to(dtype)  # N padded to 256: 4 blocks of the packed layout
     layer = quantize_weight(w, "int4")
     assert isinstance(layer, Int4Linear) and INT4_DEQUANT_ROWS < 64
-    monkeypatch.setattr(int4_kernel, "_AVAILABLE", False)  # the path without the AMX kernel
+    # the route without a native GEMM for these rows (pdserve/engine/kernels/table.py)
+    monkeypatch.setenv("PDSERVE_DISABLED_KERNELS", "int4_gemm_amx,int4_gemm_vnni")
     dense = layer.dense_weight(dtype)
     assert dense.shape == (256, 256) and dense.dtype == dtype
     want = quantize_int4(w.float(), 128).dequantize().to(dtype)
@@ -99,6 +99,7 @@ def test_the_native_unpacking_gives_the_dequantized_int4_weight(
         assert ((dense[:200].float() - want.float()).abs() <= 2 ** -7 * want.float().abs() + 2e-3).all()
     assert not dense[200:].any()  # the padding rows are zero weights
     x = torch.randn(64, 256).to(dtype)
+    assert layer.plan(dtype).kernel_for(64).name == "int4_dequant"
     assert torch.equal(layer(x), torch.nn.functional.linear(x, dense)[:, :200])
 
 

@@ -70,6 +70,8 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("pd_int4_gemv_bf16", (P, I64, I64, P, P, C_INT, I64, I64, P, C_INT), C_INT),
     Symbol("pd_int4_gemv_supported", (), C_INT),
     Symbol("pd_int4_gemv_rows", (), C_INT),
+    Symbol("pd_int4_tiles_bf16", (P, I64, I64, P, P, C_INT, I64, I64, P, C_INT), C_INT),
+    Symbol("pd_int4_tiles_supported", (), C_INT),
 )
 """Every entry point's signature. A library built before an optional one existed goes
 without it (callers test `hasattr(LIB, name)`); one that lacks a required one is stale

@@ -8,7 +8,8 @@ right within bf16 rounding, but their pair would give neither's, and a stream re
 from one on the other would change mid-way. So the kernels a worker's bf16, int8 and int4
 layers route to are part of what two pools must share to exchange blocks; kernels that
 give the same bits share a name (`bf16_emulated` computes `vdpbf16ps` step for step,
-tests/engine/test_cpu_masks.py). float32 runs aten's kernels on every kind and is left out,
+tests/engine/test_cpu_masks.py; `int4_gemm_vnni` is the int4 GEMV's arithmetic over more rows,
+tests/engine/test_int4_tiles.py). float32 runs aten's kernels on every kind and is left out,
 as is a GPU (one device kind per pool there)."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Iterable
 from pdserve.engine.kernels import table
 
 # Kernels whose results are bit-identical: one name in the hash.
-SAME_BITS = {"bf16_emulated": "bf16_avx512"}
+SAME_BITS = {"bf16_emulated": "bf16_avx512", "int4_gemm_vnni": "int4_gemv"}
 INT4_SCHEMES = ("int4", "awq", "gptq")
 
 

@@ -11,7 +11,9 @@ handed a shape or a CPU it refuses, and a route never depends on anything but th
 count's bucket (as vLLM's `choose_mp_linear_kernel`). The bf16 kernels are all
 row-invariant (pdserve/engine/kernels/_bf16_gemv.c): a row's bits do not depend on the rows beside it,
 so bf16 takes one kernel for every row count; `invariant` says which entries promise it
-(docs/determinism.md). `python -m bench.kernel_table` prints the routes of this host.
+(docs/determinism.md). int4's GEMV and `int4_gemm_vnni` (its arithmetic over more rows) give
+one row the same bits in either (pdserve/engine/kernels/numerics.py names them alike).
+`python -m bench.kernel_table` prints the routes of this host.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def _native(symbol: str) -> Callable[[LinearSpec], str | None]:
     return lambda spec: _lib(symbol)
 
 
-def _int4_gemv_shape(spec: LinearSpec) -> str | None:
+def _int4_q16_shape(spec: LinearSpec) -> str | None:
     k, n, g = spec.in_features, spec.out_features, spec.group
     if k % 32 or k % g or not (g == 32 or g % 64 == 0) or n % 64:
         return f"needs K % 32 == K % group == 0, group 32 or k*64, N % 64 == 0 (K {k}, N {n}, group {g})"
@@ -121,15 +123,20 @@ F = frozenset
 BF16 = F({"avx512", "avx512_bf16"})
 AMX = BF16 | F({"amx_bf16", "amx_int8", "avx512_vbmi"})
 INT8 = BF16 | F({"avx512_vnni"})
+INT4_Q16 = INT8 | F({"avx512_vbmi"})  # the int4 integer dot products (pdserve/engine/kernels/_int4_q16.h)
+INT4_VNNI_ROWS = 384
+"""Up to here `int4_gemm_vnni` (the GEMV's bits) beats unpacking the weight for aten's
+bf16 matmul on an AMD EPYC (Zen 4), 1 thread (`python -m bench.int4_gemm`, bench/README.md)."""
 
 TABLE: tuple[Kernel, ...] = (
     Kernel("bf16_amx", "bf16", 1, INF, BF16 | F({"amx_bf16"}), True, _all(_cpu_bf16, _native("pd_bf16_gemv")), 2),
     Kernel("bf16_avx512", "bf16", 1, INF, BF16, True, _all(_cpu_bf16, _native("pd_bf16_gemv")), 1),
     Kernel("bf16_emulated", "bf16", 1, INF, F(), True, _all(_cpu_bf16, _native("pd_bf16_gemv")), 3),
     Kernel("bf16_aten", "bf16", 1, INF, F(), False, _any),
-    Kernel("int4_gemv", "int4", 1, 4, INT8 | F({"avx512_vbmi"}), False,
-           _all(_cpu_bf16, _native("pd_int4_gemv_bf16"), _int4_gemv_shape)),
+    Kernel("int4_gemv", "int4", 1, 4, INT4_Q16, True, _all(_cpu_bf16, _native("pd_int4_gemv_bf16"), _int4_q16_shape)),
     Kernel("int4_gemm_amx", "int4", 5, INF, AMX, False, _all(_cpu_bf16, _native("pd_int4_gemm_bf16"), _int4_gemm_shape)),
+    Kernel("int4_gemm_vnni", "int4", 5, INT4_VNNI_ROWS, INT4_Q16, True,
+           _all(_cpu_bf16, _native("pd_int4_tiles_bf16"), _int4_q16_shape)),
     Kernel("int4_dequant", "int4", 33, INF, F(), False, _all(_dequant_dtype, _native("pd_int4_dequant"))),
     Kernel("int4_aten", "int4", 1, INF, F(), False, _any),
     Kernel("int8_vnni", "int8", 1, 4, INT8, False, _all(_cpu_bf16, _native("pd_int8_gemm_bf16")), 5),

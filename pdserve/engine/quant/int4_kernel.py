@@ -17,7 +17,9 @@ point per group of 64 k (pdserve/engine/kernels/_act_q16.h; each element off by 
 largest), the codes never widen, and each group's integer sums are scaled in float32 with
 the weights exact ((q - 8) * scale + offset, not rounded to bf16). `gemv_runs` is its check
 (AVX-512 VBMI, VNNI and BF16; group 32 or a multiple of 64); the layer keeps aten's
-`_weight_int4pack_mm_for_cpu` where it is False.
+`_weight_int4pack_mm_for_cpu` where it is False. `tiles` (pdserve/engine/kernels/_int4_tiles.c) is the
+same arithmetic blocked for many rows, the CPU-without-AMX GEMM: every row comes out in the
+GEMV's bits whatever the row count (pdserve/engine/kernels/_int4_q16.h holds what the two share).
 """
 
 from __future__ import annotations
@@ -60,6 +62,19 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, 
     """x [M, K] bf16 (M <= `GEMV_ROWS`) @ dequant(packed, scales_and_zeros)^T -> [M, N] bf16,
     over fixed-point rows (see the module's docstring)."""
     return _call("pd_int4_gemv_bf16", "int4 GEMV", x, packed, scales_and_zeros, group)
+
+
+def tiles_available() -> bool:
+    """The library has the GEMV's arithmetic for many rows (pdserve/engine/kernels/_int4_tiles.c) and this
+    CPU can run it."""
+    lib = native_kernels.LIB
+    return lib is not None and hasattr(lib, "pd_int4_tiles_bf16") and bool(lib.pd_int4_tiles_supported())
+
+
+def tiles(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] bf16, any M, @ dequant(packed, scales_and_zeros)^T -> [M, N] bf16: `gemv`'s
+    bits for every row whatever M (the module's docstring), register tiles over the rows."""
+    return _call("pd_int4_tiles_bf16", "int4 GEMM (VNNI)", x, packed, scales_and_zeros, group)
 
 
 def runs(x: torch.Tensor, scales_and_zeros: torch.Tensor, group: int) -> bool:

@@ -21,17 +21,19 @@ than `INT8_KERNEL_ROWS` rows converts its weight to the compute dtype for that c
 runs the ordinary matmul, scaling the output per channel (exact: x @ (q s)^T =
 (x @ q^T) s). An int4 layer on CPU given 1 to `INT4_KERNEL_ROWS` (4) bf16 rows (decode) runs
 the native int4 GEMV (pdserve/engine/kernels/_int4_gemv.c: integer dot products over the packed codes and
-rows in 15-bit fixed point); given more, it runs
+rows in 15-bit fixed point); given more, on a CPU with AMX, it runs
 the native int4 GEMM (pdserve/engine/quant/int4_kernel.py, pdserve/engine/kernels/_int4_gemm.c) over the same packed
 codes the aten kernel reads: per 64 output channels it widens the codes to bf16 once per call
 into AMX B tiles that stay in cache and multiplies every row against them, so no dense weight
 is written or read (prefill about as fast as bf16's, batched decode faster;
-`python -m bench.int4_gemm` per layer, `python -m bench.quant` end to end). Without it
-(float32 activations, no AMX, no native library) a layer given more than `INT4_DEQUANT_ROWS`
+`python -m bench.int4_gemm` per layer, `python -m bench.quant` end to end). Without AMX, 5 to
+`INT4_VNNI_ROWS` (384) rows run the GEMV's arithmetic in register tiles
+(pdserve/engine/kernels/_int4_tiles.c: each row the bits it has in the GEMV). Otherwise
+(float32 activations, no native kernel for the rows) a layer given more than `INT4_DEQUANT_ROWS`
 (32) rows unpacks its codes into a dense weight of the compute dtype (`pd_int4_dequant`,
 pdserve/engine/kernels/_cpu_kernels.c) and runs the ordinary matmul; without the library it stays on the aten
-kernel. CPU int4 weights are padded to N % 64 == 0, the block the packed layout is uniform
-over.
+kernel. pdserve/engine/kernels/table.py holds these routes. CPU int4 weights are padded to
+N % 64 == 0, the block the packed layout is uniform over.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from pdserve.engine.quant.pack import Int4Parts, Int8Parts, quantize_int4, quant
 _N_ALIGN = 16
 _N_ALIGN_CPU = 64
 INT8_KERNEL_ROWS = kernel_table.BY_NAME["int8_aten"].max_rows
-INT4_KERNEL_ROWS = kernel_table.BY_NAME["int4_gemv"].max_rows  # the native GEMV up to here; the AMX GEMM above
+INT4_KERNEL_ROWS = kernel_table.BY_NAME["int4_gemv"].max_rows  # the native GEMV up to here; a native GEMM above
 INT4_DEQUANT_ROWS = kernel_table.BY_NAME["int4_dequant"].min_rows - 1  # without it: aten up to here, then unpack
 
 
@@ -150,6 +152,8 @@ class Int4Linear(nn.Module):
             return int4_kernel.gemv(x2, self.packed, self.scales_and_zeros, self.group)
         if name == "int4_gemm_amx":
             return int4_kernel.matmul(x2, self.packed, self.scales_and_zeros, self.group)
+        if name == "int4_gemm_vnni":
+            return int4_kernel.tiles(x2, self.packed, self.scales_and_zeros, self.group)
         if name == "int4_dequant":
             return F.linear(x2, self.dense_weight(x2.dtype))
         return torch._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group, self.scales_and_zeros)
