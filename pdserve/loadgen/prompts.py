@@ -38,6 +38,10 @@ _WORD_TEXT = """
 WORDS: tuple[str, ...] = tuple(dict.fromkeys(_WORD_TEXT.split()))
 
 
+MIN_DISTINCT_WORDS = 64  # fewer distinct one-token words than this: take them from the vocabulary
+VOCAB_WORDS = 1024  # how many to take from the vocabulary then
+
+
 class Prompt(NamedTuple):
     text: str
     tokens: int  # exact with a tokenizer, else the word count
@@ -56,7 +60,29 @@ class TokenCounter:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no tokenizer.json at {tokenizer_dir}")
         self._tok: Any = Tokenizer.from_file(path)
-        self.single_token_words = tuple(w for w in WORDS if len(self.encode(" " + w)) == 1)
+        self.single_token_words = self._distinct_single_tokens()
+
+    def _distinct_single_tokens(self) -> tuple[str, ...]:
+        """Words that are one token each and no two the same token: WORDS first, then, when
+        fewer than MIN_DISTINCT_WORDS of those qualify, the tokenizer's own vocabulary. A
+        word-level tokenizer maps every word it does not know to one unknown token: those
+        words would all be one token, so every random prompt would be the same prompt (and a
+        prefix-cache hit)."""
+        by_id: dict[int, list[str]] = {}
+        for w in WORDS:
+            ids = self.encode(" " + w)
+            if len(ids) == 1:
+                by_id.setdefault(ids[0], []).append(w)
+        words = {tid: ws[0] for tid, ws in by_id.items() if len(ws) == 1}
+        seen = set(by_id)
+        if len(words) < MIN_DISTINCT_WORDS:
+            for token, tid in sorted(self._tok.get_vocab().items(), key=lambda kv: kv[1]):
+                if len(words) >= VOCAB_WORDS:
+                    break
+                if tid not in seen and token.isalnum() and self.encode(" " + token) == [tid]:
+                    words[tid] = token
+                    seen.add(tid)
+        return tuple(words.values())
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)

@@ -114,3 +114,20 @@ def test_exact_token_sizing_with_tokenizer(tokenizer_dir: Path) -> None:
 def test_missing_tokenizer_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         TokenCounter(str(tmp_path))
+
+
+def test_a_word_level_tokenizer_gets_prompts_of_distinct_tokens(tmp_path: Path) -> None:
+    """bench/README.md's vs-vLLM model has a word-level tokenizer over w0..wN: every English
+    word of WORDS is its one unknown token. Prompts then come from its own vocabulary, so
+    two random prompts are not the same prompt (which would be a prefix-cache hit)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(["<unk>", *(f"w{i}" for i in range(2000))])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    counter = TokenCounter(str(tmp_path))
+    assert len(counter.single_token_words) >= 64 and "the" not in counter.single_token_words
+    rng = np.random.default_rng(0)
+    a, b = (counter.encode(make_prompt(1500, rng, counter).text) for _ in range(2))
+    assert len(a) == len(b) == 1500 and a != b and 0 not in a and len(set(a)) > 500
