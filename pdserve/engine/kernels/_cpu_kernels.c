@@ -355,12 +355,11 @@ PD_AVX512_BW static void silu_mul_row16(const uint16_t *g, const uint16_t *u, in
 void pd_silu_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t inter, int64_t stride,
                       uint16_t *out, int num_threads) {
     int threads = rows * inter < (1 << 16) || num_threads < 1 ? 1 : num_threads;
+    void (*row)(const uint16_t *, const uint16_t *, int64_t, uint16_t *) =
+        pd_cpu_has(PD_CPU_AVX512F) ? silu_mul_row16 : silu_mul_row;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++)
-        if (pd_cpu_has(PD_CPU_AVX512F))
-            silu_mul_row16(gate_up + r * stride, gate_up + r * stride + inter, inter, out + r * inter);
-        else
-            silu_mul_row(gate_up + r * stride, gate_up + r * stride + inter, inter, out + r * inter);
+        row(gate_up + r * stride, gate_up + r * stride + inter, inter, out + r * inter);
 }
 
 /* Rotary embedding in place on the first `nheads` heads of each row of x (bf16):
