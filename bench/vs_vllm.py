@@ -42,6 +42,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from bench import harness
+from bench.vllm_cpu import DEFAULT_PYTHON, KV_SPACE_ENV, vllm_up
 from pdserve.loadgen.compare import Column, Target, format_comparison
 from pdserve.loadgen.config import (
     BenchConfig,
@@ -51,7 +52,7 @@ from pdserve.loadgen.config import (
     WorkloadConfig,
     WorkloadKind,
 )
-from pdserve.loadgen.launch import ServerHandle, free_port, pdserve_up, serve_command
+from pdserve.loadgen.launch import ServerHandle, pdserve_up
 from pdserve.loadgen.runner import run_benchmark
 
 COLUMNS: dict[str, tuple[Column, ...]] = {
@@ -84,7 +85,7 @@ SHAPES = {"colocated": ["--colocated"], "1p1d": ["--prefill", "1", "--decode", "
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = harness.parser(__doc__, model_help="HF model dir served by both (default: built-in)",
                         tokenizer=True)
-    ap.add_argument("--vllm-python", default="/tmp/vllm/bin/python")
+    ap.add_argument("--vllm-python", default=DEFAULT_PYTHON)
     ap.add_argument("--configs", default="vllm,colocated,1p1d",
                     help=f"from {','.join(CONFIGS)}; ratios are to the first")
     ap.add_argument("--workloads", default="c1,c16,mixed")
@@ -122,10 +123,7 @@ def server(config: str, args: argparse.Namespace, model: str) -> Iterator[Server
     common = ["--model", model, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
     extra = harness.up_args(args.up_extra, None)
     if config == "vllm":
-        port = free_port()
-        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", *common,
-               "--port", str(port)]
-        with serve_command("vllm", cmd, port, env={"VLLM_CPU_KVCACHE_SPACE": args.kv_space_gib}) as s:
+        with vllm_up(args.vllm_python, common, env={KV_SPACE_ENV: args.kv_space_gib}) as s:
             yield s
     else:
         with pdserve_up(config, [*common, *SHAPES[config], *extra]) as s:

@@ -42,6 +42,7 @@ from typing import Any
 
 from bench import harness
 from bench.lora import write_adapter
+from bench.vllm_cpu import DEFAULT_PYTHON, KV_SPACE_ENV, bind_env, vllm_up
 from pdserve.loadgen.compare import Column, Target, format_comparison
 from pdserve.loadgen.config import (
     BenchConfig,
@@ -50,7 +51,7 @@ from pdserve.loadgen.config import (
     WorkloadConfig,
     WorkloadKind,
 )
-from pdserve.loadgen.launch import ServerHandle, free_port, pdserve_up, serve_command
+from pdserve.loadgen.launch import ServerHandle, pdserve_up
 from pdserve.loadgen.runner import run_benchmark
 
 COLUMNS = (Column("out tok/s", ("output_throughput",), scale=1), Column("ITL p50 ms", ("itl", "p50")),
@@ -61,7 +62,7 @@ NAMES = {"vllm": "vLLM", "pdserve": "pdserve"}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = harness.parser(__doc__, model_help="HF model dir served by both (default: built-in)", tokenizer=True)
-    ap.add_argument("--vllm-python", default="/tmp/vllm/bin/python")
+    ap.add_argument("--vllm-python", default=DEFAULT_PYTHON)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="compute threads (cores) of each server")
     ap.add_argument("--adapters", type=int, default=4)
@@ -88,9 +89,7 @@ def lora_flags(args: argparse.Namespace, adapters: dict[str, Path]) -> list[str]
 
 
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
-    cores = sorted(os.sched_getaffinity(0))[:args.threads]
-    return {"VLLM_CPU_KVCACHE_SPACE": args.kv_space_gib,
-            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+    return {KV_SPACE_ENV: args.kv_space_gib, **bind_env(args.threads)}
 
 
 @contextmanager
@@ -98,10 +97,7 @@ def server(config: str, args: argparse.Namespace, model: str, adapters: dict[str
     common = ["--model", model, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
               *lora_flags(args, adapters)]
     if config == "vllm":
-        port = free_port()
-        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", *common, "--port", str(port),
-               *harness.up_args(args.vllm_extra, None)]
-        with serve_command("vllm", cmd, port, env=vllm_env(args)) as s:
+        with vllm_up(args.vllm_python, [*common, *harness.up_args(args.vllm_extra, None)], env=vllm_env(args)) as s:
             yield s
     else:
         extra = harness.up_args(args.up_extra, None)

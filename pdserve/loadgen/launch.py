@@ -104,6 +104,14 @@ def _log_tail(path: str, lines: int = 30) -> str:
         return "".join(f.readlines()[-lines:])
 
 
+def child_env(env: dict[str, str], unset: Sequence[str] = ()) -> dict[str, str]:
+    """A started server's environment: this process's, the admin token, `env`, less `unset`."""
+    out = {**os.environ, "PDSERVE_ADMIN_TOKEN": ADMIN_TOKEN, **env}
+    for key in unset:
+        out.pop(key, None)
+    return out
+
+
 @contextlib.contextmanager
 def pdserve_up(
     name: str, up_args: Sequence[str], ready_timeout_s: float = 600.0
@@ -118,18 +126,18 @@ def pdserve_up(
 @contextlib.contextmanager
 def serve_command(
     name: str, cmd: Sequence[str], port: int, env: dict[str, str] | None = None,
-    ready_timeout_s: float = 600.0,
+    ready_timeout_s: float = 600.0, unset: Sequence[str] = (),
 ) -> Iterator[ServerHandle]:
     """Any OpenAI-compatible server started by `cmd` (listening on 127.0.0.1:`port`) in
-    its own process group; yields once it serves, stops the group on exit."""
+    its own process group, in this process's environment plus `env` and less the
+    variables `unset`; yields once it serves, stops the group on exit."""
     base_url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile(
         prefix=f"pdserve-{name}-", suffix=".log", delete=False
     ) as log:  # kept after the run for post-mortems
         print(f"[{name}] starting: {' '.join(cmd)} (log {log.name})", file=sys.stderr, flush=True)
         proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True,
-                                env={**os.environ, "PDSERVE_ADMIN_TOKEN": ADMIN_TOKEN, **(env or {})})
+                                start_new_session=True, env=child_env(env or {}, unset))
         try:
             deadline = time.monotonic() + ready_timeout_s
             while not _ready(base_url):
