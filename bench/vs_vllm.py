@@ -43,7 +43,7 @@ from typing import Any
 
 from bench import harness
 from bench.vllm_cpu import DEFAULT_PYTHON, KV_SPACE_ENV, vllm_up
-from pdserve.loadgen.compare import Column, Target, format_comparison
+from pdserve.loadgen.compare import Column, Target, column_ratio, format_comparison
 from pdserve.loadgen.config import (
     BenchConfig,
     EndpointConfig,
@@ -155,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n## {w}\n{format_comparison(COLUMNS[w], rows, ratios)}")
     for config, w, t in TARGETS:
         if (config, w) in medians and ("vLLM", w) in medians:
-            col = next(c for c in COLUMNS[w] if c.header == t.header)
-            num, den = col.value(medians[(config, w)]), col.value(medians[("vLLM", w)])
-            r = None if num is None or not den else num / den
+            r = column_ratio(COLUMNS[w], t.header, medians[(config, w)], medians[("vLLM", w)])
             print(f"target {config} {w} {t.header}: {t.check(r)}")
     harness.write_json(args.output_json, {"args": vars(args),
                                            "medians": {f"{c}|{w}": m for (c, w), m in medians.items()}})

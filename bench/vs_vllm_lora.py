@@ -43,7 +43,7 @@ from typing import Any
 from bench import harness
 from bench.lora import write_adapter
 from bench.vllm_cpu import DEFAULT_PYTHON, KV_SPACE_ENV, bind_env, vllm_up
-from pdserve.loadgen.compare import Column, Target, format_comparison
+from pdserve.loadgen.compare import Column, Target, column_ratio, format_comparison
 from pdserve.loadgen.config import (
     BenchConfig,
     EndpointConfig,
@@ -139,9 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [(name, medians[name]) for name in ("vLLM", "pdserve")]
     print(format_comparison(COLUMNS, rows, [("pdserve/vLLM", "pdserve", "vLLM")]))
     for t in TARGETS:
-        col = next(c for c in COLUMNS if c.header == t.header)
-        num, den = col.value(medians["pdserve"]), col.value(medians["vLLM"])
-        print(f"target pdserve/vLLM {t.header}: {t.check(None if num is None or not den else num / den)}")
+        print(f"target pdserve/vLLM {t.header}: "
+              f"{t.check(column_ratio(COLUMNS, t.header, medians['pdserve'], medians['vLLM']))}")
     harness.write_json(args.output_json, {"args": vars(args), "runs": runs, "medians": medians})
     return 0
 
