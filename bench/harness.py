@@ -142,6 +142,20 @@ def engine_wave(engine: LLMEngine, prompts: list[list[int]], params: SamplingPar
     return Wave(prefill_s, watch.lap(), steps, tokens)
 
 
+def random_wave(model: str | None, threads: int, batch: int, prompt_len: int, output_len: int, seed: int) -> Wave:
+    """`engine_wave` on a fresh reference engine: `batch` greedy requests of `prompt_len`
+    random tokens and `output_len` output tokens, after one more of them as the warm-up."""
+    import numpy as np
+
+    from pdserve.common.sampling_params import SamplingParams
+
+    engine = reference_engine(model, threads)
+    rng = np.random.default_rng(seed)
+    prompts = [[int(x) for x in rng.integers(10, engine.vocab_size, prompt_len)] for _ in range(batch + 1)]
+    greedy = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    return engine_wave(engine, prompts[1:], greedy, warmup=prompts[0])
+
+
 def write_json(path: str | None, result: dict[str, Any]) -> None:
     """Write `result` to `path` (no-op without one)."""
     if path:

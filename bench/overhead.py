@@ -35,15 +35,7 @@ def measure_engine(
     model_dir: str | None, batch: int, prompt_len: int, output_len: int, threads: int
 ) -> EngineDecode:
     """Decode rate of the single-process engine at `batch` (imports torch)."""
-    import numpy as np
-
-    from pdserve.common.sampling_params import SamplingParams
-
-    eng = harness.reference_engine(model_dir, threads)
-    rng = np.random.default_rng(batch)
-    prompts = [[int(x) for x in rng.integers(10, eng.vocab_size, prompt_len)] for _ in range(batch + 1)]
-    greedy = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    w = harness.engine_wave(eng, prompts[1:], greedy, warmup=prompts[0])
+    w = harness.random_wave(model_dir, threads, batch, prompt_len, output_len, seed=batch)
     return EngineDecode(batch, w.decode_s / max(1, w.decode_steps), w.decode_tokens / w.decode_s if w.decode_s else 0.0)
 
 

@@ -38,15 +38,7 @@ class EngineRates:
 
 def measure_engine(model_dir: str | None, args: argparse.Namespace, salt: int) -> EngineRates:
     """Prefill and decode tokens/s of the engine on one wave of `concurrency` requests."""
-    import numpy as np
-
-    from pdserve.common.sampling_params import SamplingParams
-
-    eng = harness.reference_engine(model_dir, args.threads)
-    rng = np.random.default_rng(salt)
-    prompts = [[int(x) for x in rng.integers(10, eng.vocab_size, args.input_len)] for _ in range(args.concurrency + 1)]
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    w = harness.engine_wave(eng, prompts[1:], params, warmup=prompts[0])
+    w = harness.random_wave(model_dir, args.threads, args.concurrency, args.input_len, args.output_len, seed=salt)
     return EngineRates(args.concurrency * args.input_len / w.prefill_s, w.decode_tokens / w.decode_s)
 
 
