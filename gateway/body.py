@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from aiohttp import web
 
+from gateway.config import GatewayConfig
 from gateway.errors import APIError
-from gateway.validation import too_large
+from gateway.validation import check_content_type, decode_body, too_large
+
+
+async def json_body(request: web.Request, config: GatewayConfig) -> dict[str, Any]:
+    """A JSON endpoint's body as an object: content type, size, arrival time and JSON checked."""
+    check_content_type(request.headers.get("Content-Type", ""))
+    raw = await read_body(request, config.limits.max_body_bytes, config.connections.body_timeout_s)
+    return decode_body(raw, config.limits)
 
 
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from gateway import sse
 from gateway.backend import BackendError, GenerateRequest
-from gateway.body import read_body
+from gateway.body import json_body
 from gateway.errors import APIError, from_backend, unavailable
 from gateway.formatting import ResponseBuilder, usage
 from gateway.generation import ChoiceUpdate, Generation
@@ -38,9 +38,7 @@ from gateway.validation import (
     CHAT,
     COMPLETION,
     ParsedRequest,
-    check_content_type,
     check_prompt,
-    decode_body,
     parse_request,
 )
 from pdserve.common.lora import LoraRef
@@ -168,9 +166,7 @@ class RequestRun:
 
     async def _parse(self) -> ParsedRequest:
         config = self.state.config
-        check_content_type(self.request.headers.get("Content-Type", ""))
-        raw = await read_body(self.request, config.limits.max_body_bytes, config.connections.body_timeout_s)
-        body = decode_body(raw, config.limits)
+        body = await json_body(self.request, config)
         loras = self.state.loras
         return parse_request(self.kind, body, config, self.request.headers.get(PRIORITY_HEADER),
                              loras if loras is not None else ())

@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.body import read_body
+from gateway.body import json_body
 from gateway.chat_prompt import encode_chat
 from gateway.config import GatewayConfig
 from gateway.errors import excerpt, invalid
@@ -29,7 +29,7 @@ from gateway.fields import bool_field
 from gateway.prompts import text_chars
 from gateway.state import STATE
 from gateway.tokenizer import Tokenizer
-from gateway.validation import check_content_type, check_model, decode_body, parse_messages
+from gateway.validation import check_model, parse_messages
 
 _PROMPT_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 _CHAT_FIELDS = {"model", "messages", "add_generation_prompt", "add_special_tokens", "return_token_strs"}
@@ -48,7 +48,7 @@ class TokenizeRequest:
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     config = state.config
-    req = parse_tokenize(await _body(request, config), config)
+    req = parse_tokenize(await json_body(request, config), config)
     chars = text_chars(req.prompt) + text_chars(req.messages)
     ids = await state.prompts.run(chars, lambda: tokenize_ids(req, state.tokenizer, config.special_tokens_in_content))
     strs = [state.tokenizer.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
@@ -57,7 +57,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    tokens = parse_detokenize(await _body(request, state.config), state.config, state.tokenizer.vocab_size)
+    tokens = parse_detokenize(await json_body(request, state.config), state.config, state.tokenizer.vocab_size)
     return _json({"prompt": state.tokenizer.decode(tokens, skip_special_tokens=False)})
 
 
@@ -109,12 +109,6 @@ def parse_detokenize(body: Mapping[str, Any], config: GatewayConfig, vocab_size:
     if any(not 0 <= t < vocab_size for t in tokens):
         raise invalid("tokens", f"token ids must be in [0, {vocab_size})", "invalid_token_id")
     return tokens
-
-
-async def _body(request: web.Request, config: GatewayConfig) -> dict[str, Any]:
-    check_content_type(request.headers.get("Content-Type", ""))
-    raw = await read_body(request, config.limits.max_body_bytes, config.connections.body_timeout_s)
-    return decode_body(raw, config.limits)
 
 
 def _check_fields(body: Mapping[str, Any], known: set[str]) -> None:

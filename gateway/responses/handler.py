@@ -18,10 +18,11 @@ from prometheus_client import Counter
 
 from gateway import sse
 from gateway.backend import BackendError
+from gateway.body import json_body
 from gateway.errors import APIError, from_backend
 from gateway.formatting import ResponseBuilder
 from gateway.generation import ChoiceUpdate
-from gateway.openai_api import PRIORITY_HEADER, REQUEST_ID_HEADER, RequestRun, read_body
+from gateway.openai_api import PRIORITY_HEADER, REQUEST_ID_HEADER, RequestRun
 from gateway.responses.events import ResponseEvents
 from gateway.responses.output import (
     ResponseShell,
@@ -33,7 +34,7 @@ from gateway.responses.output import (
 from gateway.responses.request import ResponsesRequest, renamed, translate
 from gateway.responses.store import ResponseStore, StoredResponse
 from gateway.state import STATE
-from gateway.validation import CHAT, ParsedRequest, check_content_type, decode_body, parse_request
+from gateway.validation import CHAT, ParsedRequest, parse_request
 
 STORE: web.AppKey[ResponseStore] = web.AppKey("pdserve_responses_store", ResponseStore)
 
@@ -81,10 +82,7 @@ class _ResponsesRun(RequestRun):
 
     async def _parse(self) -> ParsedRequest:
         config = self.state.config
-        check_content_type(self.request.headers.get("Content-Type", ""))
-        raw = await read_body(self.request, config.limits.max_body_bytes, config.connections.body_timeout_s)
-        body = decode_body(raw, config.limits)
-        self.req = req = translate(body, self.store.get)
+        self.req = req = translate(await json_body(self.request, config), self.store.get)
         try:
             parsed = parse_request(CHAT, req.chat_body, config, self.request.headers.get(PRIORITY_HEADER))
         except APIError as e:
