@@ -11,7 +11,6 @@ compatibility hash a worker registers with) check the admin token instead
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from collections.abc import Sequence
 
 from gateway.errors import APIError
@@ -25,16 +24,6 @@ def is_protected(path: str, metrics_protected: bool) -> bool:
     if path in ALWAYS_OPEN or path in ADMIN_PATHS or path.startswith(ADMIN_PREFIX):
         return False
     return not (path == "/metrics" and not metrics_protected)
-
-
-def is_loopback(host: str) -> bool:
-    """True for a listen address only this machine can reach (127.0.0.0/8, ::1, localhost)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve beyond loopback
 
 
 def key_matches(presented: str, keys: Sequence[str]) -> bool:

@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.admin_roles import check_admin
 from gateway.admission import AdmissionController
-from gateway.auth import check_authorization, is_loopback, is_protected
+from gateway.auth import check_authorization, is_protected
 from gateway.backend import GenerationBackend
 from gateway.config import GatewayConfig
 from gateway.connections import GatewayRunner
@@ -44,6 +44,7 @@ from gateway.responses.handler import install_responses
 from gateway.state import STATE, GatewayState
 from gateway.tokenize_api import detokenize, tokenize
 from gateway.tokenizer import Tokenizer
+from pdserve.common.hosts import is_loopback
 from pdserve.common.tracing import Tracer
 
 log = logging.getLogger("pdserve.gateway")

@@ -20,7 +20,6 @@ public key (kv_transfer/auth.py).
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
 import secrets
@@ -38,6 +37,7 @@ from kv_transfer.pool.cuda_ipc import CudaPool
 from kv_transfer.pool.shm import ShmPool
 from kv_transfer.pool.staging import HiddenHostPool
 from kv_transfer.receiver.core import CoreReceiver, ReceiverCore
+from pdserve.common.hosts import is_loopback
 from pdserve.common.kv_layout import KVLayout
 from pdserve.common.parallel_layout import ParallelLayout
 from pdserve.common.transport import limit_incoming
@@ -161,17 +161,10 @@ class ZmqReceiver(CoreReceiver):
 
 def log_binding(endpoint: str, curve: bool) -> None:
     """Say where the receiver listens; warn when it is reachable off-host without CURVE."""
-    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    exposed = endpoint.startswith("tcp://") and not _loopback(host)
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    exposed = endpoint.startswith("tcp://") and not is_loopback(host)
     if exposed and not curve:
         log.warning("KV receiver bound to %s without CURVE: any host that can reach it can "
                     "send KV (set --curve-key, or keep --kv-host on a private network)", endpoint)
     else:
         log.info("KV receiver bound to %s (CURVE %s)", endpoint, "on" if curve else "off")
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"

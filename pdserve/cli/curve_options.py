@@ -11,11 +11,11 @@ users can connect, and `pdserve up` gives its own processes keys anyway.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 from urllib.parse import urlparse
 
 from pdserve.cli.args import UsageError
+from pdserve.common.hosts import is_loopback
 from pdserve.common.roles import Role
 
 log = logging.getLogger("pdserve.security")
@@ -26,17 +26,6 @@ INSECURE_HELP = ("serve the control/KV plane off loopback without CURVE keys: an
 
 def add_insecure_arg(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
-
-
-def is_loopback(host: str) -> bool:
-    """A loopback address or `localhost`; any other name may resolve off-host."""
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_gateway_exposure(args: argparse.Namespace) -> None:

@@ -18,10 +18,10 @@ An endpoint off loopback (a wildcard, another host) needs the worker's `--insecu
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from dataclasses import dataclass, replace
 
+from pdserve.common.hosts import is_loopback
 from pdserve.common.json_flags import json_object, to_json
 
 PUBLISHERS = ("null", "zmq")
@@ -103,13 +103,8 @@ def endpoint_host(endpoint: str) -> str:
 
 def is_local(endpoint: str) -> bool:
     """An ipc path or a loopback tcp address: only this host's users can connect."""
-    host = endpoint_host(endpoint).strip("[]")
-    if host in ("", "localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a wildcard, or a name that may resolve off-host
+    host = endpoint_host(endpoint)
+    return host == "" or is_loopback(host)  # a wildcard or another name may reach off-host
 
 
 def binds(endpoint: str) -> bool:
