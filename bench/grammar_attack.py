@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.client import at_once
-from bench.harness import background, machine_line, parser, verdict, write_json
+from bench.harness import background, machine_line, parser, percentile, verdict, write_json
 from tests.e2e.cluster import Cluster, http
 
 FIRST_N = 150  # the first attack regex's repeat count; each later one adds 1
@@ -61,11 +61,6 @@ class Attackers:
             status, _ = http("POST", self.url, {"model": self.model, "prompt": "attack", "max_tokens": 8,
                                                 "structured_outputs": {"regex": regex}}, timeout=120)
             self.statuses.append(status)
-
-
-def p99(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(len(s) * 0.99))]
 
 
 def phase(url: str, model: str, streams: int, tokens: int) -> list[float]:
@@ -110,7 +105,7 @@ def main() -> None:
             base.append(b * 1e3)
             attack.append(a * 1e3)
             ratios.append(a / b)
-            p99s.append((p99(b_all) * 1e3, p99(a_all) * 1e3))
+            p99s.append((percentile(b_all, 0.99) * 1e3, percentile(a_all, 0.99) * 1e3))
             print(f"rep {rep}: ITL p50 baseline {b * 1e3:.1f} ms, with {args.attackers} pathological regexes "
                   f"{a * 1e3:.1f} ms ({a / b:.2f}x); p99 {p99s[-1][0]:.0f} -> {p99s[-1][1]:.0f} ms; attack statuses {sorted(set(attackers.statuses))}",
                   file=sys.stderr)

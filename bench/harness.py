@@ -259,6 +259,12 @@ def medians(fns: Mapping[K, Callable[[], object]], reps: int, *, warmup: int = 1
     return {k: statistics.median(ts) for k, ts in times.items()}
 
 
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The nearest-rank `q` quantile (0..1) of `xs`: a value that occurred."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(len(s) * q))]
+
+
 def median_of(records: Sequence[R]) -> R:
     """A record (NamedTuple, dataclass or dict) whose every field is the median of that
     field over `records`."""

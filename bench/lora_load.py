@@ -39,11 +39,6 @@ from pdserve.common.sampling_params import SamplingParams
 PHASES = ("held", "runtime", "on-loop")
 
 
-def _p(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def build(model: str, threads: int, max_loras: int, rank: int) -> tuple[Any, Any]:
     """(the loader-wrapped colocated node, its sent messages)."""
     from pdserve.common.roles import Role
@@ -132,7 +127,7 @@ def main() -> None:
                 prompts = [[rng.randrange(5, vocab) for _ in range(args.prompt_len)] for _ in range(args.streams)]
                 late = [adapter(f"r{r}-{name}-{i}", 1000 * (r + 1) + 10 * k + i, load_rank) for i in range(args.loads)]
                 itls = phase(node, out, name, prompts, streams, late, args.output_len, every)
-                got[name] = {"p99": _p(itls, 0.99), "p50": _p(itls, 0.5), "n": len(itls)}
+                got[name] = {"p99": harness.percentile(itls, 0.99), "p50": harness.percentile(itls, 0.5), "n": len(itls)}
             ratio = got["runtime"]["p99"] / got["held"]["p99"]
             rounds.append({**got, "ratio_p99": ratio, "on_loop_ratio_p99": got["on-loop"]["p99"] / got["held"]["p99"]})
             print(f"round {r}: " + ", ".join(f"{n} ITL p99 {got[n]['p99'] * 1e3:.2f} ms (p50 {got[n]['p50'] * 1e3:.2f})"

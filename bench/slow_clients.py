@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import machine_line, parser, verdict
+from bench.harness import machine_line, parser, percentile, verdict
 from tests.e2e.cluster import Cluster, metric_value
 from tests.e2e.cluster import http as http_call
 
@@ -61,11 +61,6 @@ def health_probe(url: str, n: int) -> list[float]:
 
 def probe_pool() -> cf.ProcessPoolExecutor:
     return cf.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(len(s) * q))]
 
 
 async def dribbler(port: int, head: bytes, drip: bytes, closed: list[float], t0: float,
@@ -117,7 +112,7 @@ async def slow_phase(c: Cluster, n_headers: int, n_bodies: int, pid: int,
             # own life, connect to close: the timeouts bound the second.
             "all_closed_after_s": max(closed), "longest_open_s": max(lived, default=0.0),
             "peak_rss_mib": peak / MIB,
-            "health_p50_ms": pct(during, 0.5) * 1e3, "health_p99_ms": pct(during, 0.99) * 1e3}
+            "health_p50_ms": percentile(during, 0.5) * 1e3, "health_p99_ms": percentile(during, 0.99) * 1e3}
 
 
 def never_reading(port: int, model: str, i: int) -> socket.socket:
@@ -197,10 +192,10 @@ def main() -> None:
         print(f"slow phase: {slow}; {args.stalled} stalled streams ...", file=sys.stderr)
         stalled = stalled_phase(c, args.stalled) if args.stalled else {}
         result = {
-            "baseline": {"health_p50_ms": pct(base, 0.5) * 1e3, "health_p99_ms": pct(base, 0.99) * 1e3,
+            "baseline": {"health_p50_ms": percentile(base, 0.5) * 1e3, "health_p99_ms": percentile(base, 0.99) * 1e3,
                          "rss_mib": rss0 / MIB},
             "slow": {**slow, "rss_after_mib": rss1 / MIB, "read_timeout_s": args.read_timeout,
-                     "health_p99_ratio": slow["health_p99_ms"] / max(pct(base, 0.99) * 1e3, 1e-3)},
+                     "health_p99_ratio": slow["health_p99_ms"] / max(percentile(base, 0.99) * 1e3, 1e-3)},
             "stalled": {**stalled, "idle_write_timeout_s": args.idle_write_timeout},
         }
         print(json.dumps(result, indent=2))

@@ -67,6 +67,12 @@ def test_write_json_only_with_a_path(tmp_path: Path) -> None:
     assert json.loads(out.read_text()) == {"args": {"x": 1}, "rows": [1.5]}
 
 
+def test_percentile_is_the_nearest_rank_value() -> None:
+    xs = [float(x) for x in range(100, 0, -1)]  # unsorted on purpose
+    assert harness.percentile(xs, 0.5) == 51.0 and harness.percentile(xs, 0.99) == 100.0
+    assert harness.percentile(xs, 1.0) == 100.0 and harness.percentile([3.0], 0.99) == 3.0
+
+
 def test_prefill_all_stops_once_every_request_has_its_first_token(
         tiny_model_dir: Callable[..., Path], one_torch_thread: None) -> None:
     engine = make_engine(tiny_model_dir("llama"), budget=32)  # 3 x 40 tokens: several steps
