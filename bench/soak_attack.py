@@ -84,7 +84,7 @@ class Up:
         return next(pid for pid in peers.children(self.proc.pid) if "gateway" in peers.cmdline(pid))
 
     def stop(self) -> None:
-        stop_group(self.proc, 60.0)
+        stop_group(self.proc, grace_s=60.0)
 
 
 def normal_request(url: str, model: str, i: int) -> str:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -15,7 +13,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
-from pdserve.loadgen.launch import free_port, pdserve_command
+from pdserve.loadgen.launch import free_port, log_tail, pdserve_command, stop_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,26 +43,11 @@ def stack_commands(cfg: StackConfig, port: int, control_port: int) -> list[list[
     return [gateway, *workers]
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 20.0) -> None:
-    """SIGTERM each process group this script created, SIGKILL what outlives the grace."""
-    for p in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
 def _wait_ready(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float, log: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
-            raise SystemExit(f"a serving process exited during start-up; log {log}:\n{_tail(log)}")
+            raise SystemExit(f"a serving process exited during start-up; log {log}:\n{log_tail(log, 40)}")
         with (
             contextlib.suppress(OSError, ValueError),  # 503 while not ready is an OSError
             urllib.request.urlopen(f"{url}/ready", timeout=2) as r,
@@ -72,12 +55,7 @@ def _wait_ready(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float
             if json.load(r).get("ready"):
                 return
         time.sleep(0.5)
-    raise SystemExit(f"the stack was not ready after {timeout_s:.0f} s; log {log}:\n{_tail(log)}")
-
-
-def _tail(path: str, lines: int = 40) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
+    raise SystemExit(f"the stack was not ready after {timeout_s:.0f} s; log {log}:\n{log_tail(log, 40)}")
 
 
 @contextlib.contextmanager
@@ -94,5 +72,5 @@ def serving_stack(cfg: StackConfig) -> Iterator[str]:
             _wait_ready(url, procs, cfg.ready_timeout_s, log.name)
             yield url
         finally:
-            _stop(procs[1:])  # workers first: they drain and deregister
-            _stop(procs[:1])
+            stop_group(*procs[1:], grace_s=20.0)  # workers first: they drain and deregister
+            stop_group(*procs[:1], grace_s=20.0)

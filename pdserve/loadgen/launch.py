@@ -85,21 +85,24 @@ def _ready(base_url: str) -> bool:
         return False
 
 
-def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
-    """SIGTERM the process group `proc` leads, SIGKILL it after `grace_s`."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)  # the group this module created
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=grace_s)
+def stop_group(*procs: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    """SIGTERM the process groups `procs` lead, all at once (each exit is mostly waiting),
+    then SIGKILL the groups that outlive `grace_s`."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)  # a group its starter created
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=grace_s)
 
 
-def _log_tail(path: str, lines: int = 30) -> str:
+def log_tail(path: str, lines: int = 30) -> str:
     with open(path, errors="replace") as f:
         return "".join(f.readlines()[-lines:])
 
@@ -143,7 +146,7 @@ def serve_command(
             while not _ready(base_url):
                 if proc.poll() is not None:
                     raise RuntimeError(
-                        f"[{name}] exited with {proc.returncode}:\n{_log_tail(log.name)}"
+                        f"[{name}] exited with {proc.returncode}:\n{log_tail(log.name)}"
                     )
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"[{name}] not serving after {ready_timeout_s}s")

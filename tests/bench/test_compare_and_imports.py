@@ -31,3 +31,17 @@ def test_loadgen_does_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_stop_group_terminates_every_group_and_kills_what_ignores_it() -> None:
+    from pdserve.loadgen.launch import stop_group
+
+    polite = subprocess.Popen(["sleep", "100"], start_new_session=True)
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                 "signal.SIG_IGN); print('ready', flush=True); time.sleep(100)"],
+                                stdout=subprocess.PIPE, start_new_session=True)
+    assert stubborn.stdout is not None and stubborn.stdout.readline() == b"ready\n"  # SIGTERM ignored from here
+    done = subprocess.Popen(["true"], start_new_session=True)
+    done.wait()
+    stop_group(polite, stubborn, done, grace_s=1.0)
+    assert (polite.returncode, stubborn.returncode, done.returncode) == (-15, -9, 0)
