@@ -13,20 +13,17 @@ starts, so the two never compete for cores. Target (issue 4): >= 0.8 at C=16.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 
 from bench import harness
+from bench.client import served_model
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.transport import free_port
+from pdserve.loadgen.launch import pdserve_up
 
 
 @dataclass(frozen=True)
@@ -85,20 +82,6 @@ async def gateway_decode_tps(url: str, model: str, shape: Shape) -> float:
     return tokens / max(end - start, 1e-9)
 
 
-def start_up(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--threads", str(args.threads),
-           "--num-blocks", str(args.num_blocks)]
-    cmd += ["--colocated"] if args.colocated else []
-    cmd += ["--model", args.model] if args.model else []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline().decode()
-    if not line.startswith("pdserve ready"):
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise SystemExit(f"pdserve up failed: {line!r}")
-    return proc
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = harness.parser(__doc__, model_help="model dir (default: built-in); also passed to `pdserve up`")
     ap.add_argument("--concurrency", default="1,16")
@@ -111,20 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = harness.model_dir(args.model)
     shapes = [Shape(int(c), args.prompt_len, args.output_len) for c in args.concurrency.split(",")]
     engine = {s.concurrency: engine_decode_tps(model_dir, s, args.threads) for s in shapes}
-    port = free_port()
-    proc = start_up(args, port)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        with urllib.request.urlopen(f"{url}/v1/models") as r:
-            model = json.load(r)["data"][0]["id"]
-        rows = []
+    up = ["--threads", str(args.threads), "--num-blocks", str(args.num_blocks), *(["--colocated"] if args.colocated else [])]
+    rows = []
+    with pdserve_up("serve", up + harness.up_args("", args.model)) as server:
+        model = served_model(server.base_url)
         for s in shapes:
-            tps = asyncio.run(gateway_decode_tps(url, model, s))
+            tps = asyncio.run(gateway_decode_tps(server.base_url, model, s))
             rows.append({"concurrency": s.concurrency, "engine_decode_tps": round(engine[s.concurrency], 1),
                          "gateway_decode_tps": round(tps, 1), "ratio": round(tps / engine[s.concurrency], 3)})
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
     print(f"{harness.machine_line()}\n{'C':>4} {'engine tok/s':>13} {'gateway tok/s':>14} {'ratio':>6}")
     for r in rows:
         print(f"{r['concurrency']:>4} {r['engine_decode_tps']:>13} {r['gateway_decode_tps']:>14} {r['ratio']:>6}")
