@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.client import served_model
 from bench.harness import model_dir
 from bench.soak_faults import end_hang, hang_task, log, restart_task
 from bench.soak_procs import kv_usage, print_table, sample_all
@@ -82,11 +83,6 @@ def gateway_counters(cluster: Cluster) -> dict[str, Any]:
                         key = smp.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items())) + "}"
                         out[key] = int(smp.value)
     return out
-
-
-def get_model(cluster: Cluster) -> str:
-    with urllib.request.urlopen(f"{cluster.url}/v1/models", timeout=10) as r:
-        return str(json.loads(r.read())["data"][0]["id"])
 
 
 @dataclass(frozen=True)
@@ -170,7 +166,7 @@ def twin_check(args: argparse.Namespace, info: dict[str, Any], traffic: Traffic,
 
 
 async def soak(args: argparse.Namespace, cluster: Cluster, procs: dict[str, Proc]) -> int:
-    model = get_model(cluster)
+    model = served_model(cluster.url)
     await warm_up(args, cluster, model)
     names_by_pid = {p.popen.pid: n for n, p in procs.items()}
     start = sample_all(procs)
