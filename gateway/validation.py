@@ -243,7 +243,7 @@ def _message(m: Any, where: str) -> dict[str, Any]:
     content = m.get("content")
     if content is None and role == "assistant":
         content = ""
-    out: dict[str, Any] = {"role": role, "content": _content(content, f"{where}.content")}
+    out: dict[str, Any] = {"role": role, "content": text_content(content, f"{where}.content")}
     out.update(tool_message_fields(m, where))
     name = m.get("name")
     if name is not None:
@@ -253,15 +253,18 @@ def _message(m: Any, where: str) -> dict[str, Any]:
     return out
 
 
-def _content(content: Any, where: str) -> str:
+def text_content(content: Any, where: str, parts: Container[str] = ("text",),
+                 refused: str = "only text content parts are supported", code: str = "invalid_value") -> str:
+    """A message's content as one string: a string, or a non-empty array of text parts of
+    the `parts` types, joined (another part: 400 `refused`, with `code`)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
         raise invalid(where, "content must be a string or a non-empty array of text parts", "invalid_type")
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise invalid(f"{where}[{j}]", "only text content parts are supported", "invalid_value")
+        if not isinstance(part, dict) or part.get("type") not in parts or not isinstance(part.get("text"), str):
+            raise invalid(f"{where}[{j}]", refused, code)
         texts.append(part["text"])
     return "".join(texts)
 

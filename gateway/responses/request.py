@@ -19,6 +19,7 @@ from typing import Any
 
 from gateway.errors import APIError, excerpt, invalid
 from gateway.responses.store import StoredResponse
+from gateway.validation import text_content
 
 # Responses fields that map onto chat fields of the same meaning.
 _SAME = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stream", "parallel_tool_calls", "user",
@@ -32,6 +33,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_PARTS_REFUSED = ("only input_text and output_text parts are supported", "unsupported_value")
 # Chat parameter prefix -> the Responses parameter it came from (error messages).
 _RENAMES = (("max_tokens", "max_output_tokens"), ("response_format.json_schema.schema", "text.format.schema"),
             ("response_format", "text.format"), ("tool_choice.function.name", "tool_choice.name"),
@@ -154,7 +156,7 @@ def _item(item: Any, where: str, out: list[dict[str, Any]]) -> None:
             raise invalid(f"{where}.role", f"role must be one of {', '.join(_ROLES)}", "invalid_value")
         # developer is the Responses API's name for system turns; chat templates know system.
         role = "system" if role == "developer" else role
-        out.append({"role": role, "content": _content(item.get("content"), f"{where}.content")})
+        out.append({"role": role, "content": text_content(item.get("content"), f"{where}.content", _TEXT_PARTS, *_PARTS_REFUSED)})
     elif kind == "function_call":
         call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments")
         if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(args, str)):
@@ -173,23 +175,10 @@ def _item(item: Any, where: str, out: list[dict[str, Any]]) -> None:
         call_id, output = item.get("call_id"), item.get("output")
         if not isinstance(call_id, str):
             raise invalid(f"{where}.call_id", "a function_call_output item needs a call_id string", "invalid_type")
-        out.append({"role": "tool", "tool_call_id": call_id, "content": _content(output, f"{where}.output")})
+        out.append({"role": "tool", "tool_call_id": call_id, "content": text_content(output, f"{where}.output", _TEXT_PARTS, *_PARTS_REFUSED)})
     else:
         raise invalid(f"{where}.type", f"input items of type {excerpt(kind, 40)} are not supported; use message, "
                       "function_call or function_call_output", "unsupported_value")
-
-
-def _content(value: Any, where: str) -> str:
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list) or not value:
-        raise invalid(where, "content must be a string or a non-empty array of text parts", "invalid_type")
-    texts = []
-    for j, part in enumerate(value):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise invalid(f"{where}[{j}]", "only input_text and output_text parts are supported", "unsupported_value")
-        texts.append(part["text"])
-    return "".join(texts)
 
 
 def _text_format(value: Any) -> dict[str, Any] | None:
