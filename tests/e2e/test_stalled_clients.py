@@ -4,11 +4,11 @@ idle), and a normal request is then served, with every slot of `--max-in-flight`
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 from pathlib import Path
 
+from bench.slow_clients import unread_post
 from tests.e2e.cluster import Cluster, metric_value
 from tests.e2e.cluster import http as http_call
 
@@ -18,15 +18,9 @@ IDLE_WRITE_S = 2.0
 def _never_reading_chat(port: int, model: str, i: int) -> socket.socket:
     """A chat stream with big chunks (8 choices, 20 top logprobs each) whose client has a
     tiny receive window and never reads: the gateway's output backs up within seconds."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": f"stall {i}"}],
-                       "max_tokens": 1500, "n": 8, "logprobs": True, "top_logprobs": 20,
-                       "temperature": 0, "ignore_eos": True, "stream": True})
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.connect(("127.0.0.1", port))
-    s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
-    return s
+    return unread_post(port, "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": f"stall {i}"}], "max_tokens": 1500, "n": 8,
+        "logprobs": True, "top_logprobs": 20, "temperature": 0, "ignore_eos": True, "stream": True})
 
 
 def test_streams_never_read_are_cut_and_free_their_kv(log_dir: Path) -> None:
