@@ -13,7 +13,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from typing import Any
+
+from pdserve.common.transport import free_port
 
 # The admin token of the servers this process starts (`GET /v1/workers` needs it); a
 # PDSERVE_ADMIN_TOKEN already set is used as it is.
@@ -42,12 +43,6 @@ class ServerHandle:
     base_url: str
     pid: int
     log_path: str
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def pdserve_command() -> list[str]:
