@@ -30,22 +30,31 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* sum16's tree, one level at a time: each level adds two vectors' partials lane-wise after
+ * a shuffle, so lane i of the last level holds vector i's sum. Level 1 (two vectors a, b):
+ * per 128-bit block a0+a2, b0+b2, a1+a3, b1+b3. */
+PD_SIMD_INLINE __m512 sum_level1(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+
+/* Level 2 (two level-1 results): per 128-bit block, vectors 4j..4j+3's lane partials. */
+PD_SIMD_INLINE __m512 sum_level2(__m512 s0, __m512 s1) {
+    __m512d a = _mm512_castps_pd(s0), b = _mm512_castps_pd(s1);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+/* Levels 3 and 4 (two results of the level below): 128-bit blocks paired across them. */
+PD_SIMD_INLINE __m512 sum_level34(__m512 u0, __m512 u1) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 /* r[i] = the sum of v[i]'s 16 lanes, for 16 vectors. */
-PD_SIMD_INLINE __m512 sum16(__m512 *v) {
-    __m512 s[8], u[4], w[2];
-    for (int j = 0; j < 8; j++) /* per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 */
-        s[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
-                             _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-    for (int j = 0; j < 4; j++) { /* per 128-bit lane: vectors 4j..4j+3's lane partials */
-        __m512d a = _mm512_castps_pd(s[2 * j]), b = _mm512_castps_pd(s[2 * j + 1]);
-        u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    for (int j = 0; j < 2; j++)
-        w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+PD_SIMD_INLINE __m512 sum16(const __m512 *v) {
+    __m512 u[4];
+    for (int j = 0; j < 4; j++)
+        u[j] = sum_level2(sum_level1(v[4 * j], v[4 * j + 1]), sum_level1(v[4 * j + 2], v[4 * j + 3]));
+    return sum_level34(sum_level34(u[0], u[1]), sum_level34(u[2], u[3]));
 }
 
 /* e^x for x <= 0 (Cephes expf's reduction and polynomial; 2^n applied by scalef). */

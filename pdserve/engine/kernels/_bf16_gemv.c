@@ -82,6 +82,7 @@ TARGET INLINE void tile(const uint16_t *x, int64_t ldx, int64_t m0, const uint16
                         int64_t n0, const uint16_t *bias, uint16_t *y, int64_t ldy, const int MB,
                         const int NB) {
     __m512 acc[MAX_NB * PD_BF16_ROW_BLOCK];
+#pragma GCC unroll 64 /* register moves, not a `rep stos` of a stack copy (_bf16_tiles.c's tile) */
     for (int i = 0; i < NB * MB; i++)
         acc[i] = _mm512_setzero_ps();
     const uint16_t *wr = w + n0 * K, *xr = x + m0 * ldx;

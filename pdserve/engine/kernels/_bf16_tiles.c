@@ -133,6 +133,7 @@ TARGET INLINE void store_tile(const __m512 *acc, const uint16_t *bias, uint16_t 
 TARGET INLINE void tile(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K, const uint16_t *bias,
                         uint16_t *y, int64_t ldy) {
     __m512 acc[TM * TN];
+#pragma GCC unroll 24 /* register moves: as a loop, GCC zeroes a stack copy with `rep stos` every tile */
     for (int i = 0; i < TM * TN; i++)
         acc[i] = _mm512_setzero_ps();
     int64_t k = 0;

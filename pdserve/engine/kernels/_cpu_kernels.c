@@ -165,7 +165,9 @@ int pd_paged_decode(int dtype, const void *q, int64_t q_stride, const void *k, c
  * keys [0, start + i] of the pool (already written), into out [n, H, D]. Each row has the
  * bits of pd_paged_decode at its position, whatever n, start or the thread count: work
  * items are (PREFILL_ROWS consecutive rows, KV head), each row computed in its own order
- * (_attn_bf16.c's row tiles share only the loads; elsewhere `attend`, row by row). */
+ * (_attn_bf16.c's row tiles share only the loads; elsewhere `attend`, row by row). Items
+ * run KV head by KV head, so one head's K and V (~200 KB at 1,500 tokens) stay in L2 across
+ * its row tiles instead of all heads' taking turns through L3 (~10% of the attention). */
 int pd_paged_prefill(int dtype, const void *q, int64_t q_stride, const void *k, const void *v,
                      const int64_t *table, int64_t table_len, int64_t start, int64_t n, int64_t H,
                      int64_t KVH, int64_t D, int64_t bs, int64_t num_blocks, float scale, void *out,
@@ -189,7 +191,7 @@ int pd_paged_prefill(int dtype, const void *q, int64_t q_stride, const void *k, 
                 err = PD_ERR_MEM;
                 continue;
             }
-            int64_t r0 = i / KVH * PREFILL_ROWS, h = i % KVH, rows = n - r0 < PREFILL_ROWS ? n - r0 : PREFILL_ROWS;
+            int64_t r0 = i % tiles * PREFILL_ROWS, h = i / tiles, rows = n - r0 < PREFILL_ROWS ? n - r0 : PREFILL_ROWS;
             int rc = PD_ATTN_UNHANDLED;
             if (dtype == 1)
                 rc = pd_attend_bf16_rows((const uint16_t *)q + r0 * q_stride + h * G * D, q_stride, k, v, table,

@@ -65,7 +65,9 @@ TARGET __attribute__((always_inline)) static inline void tile_rows(
     int64_t valid, const int MB) {
     const int SETS = MB <= 2 ? 4 : MB <= 8 ? 2 : 1;
     __m512 acc[4][ROW_BLOCK];
+#pragma GCC unroll 4 /* register moves, not a `rep stos` of a stack copy (_bf16_tiles.c's tile) */
     for (int s = 0; s < SETS; s++)
+#pragma GCC unroll 16
         for (int m = 0; m < MB; m++)
             acc[s][m] = _mm512_setzero_ps();
     int64_t pairs = (K + 1) / 2, p = 0;
