@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.cli import shared_flags
 from pdserve.cli.args import (
-    DOWNLOAD_DIR_HELP,
     MODEL_HELP,
-    REVISION_HELP,
     non_negative_float,
     non_negative_int,
     port_or_zero,
@@ -44,8 +43,8 @@ class GatewayArgs(ArgGroup):
     host: str = flag("127.0.0.1", type=host_name)
     port: int = flag(8000, "0: a free one (the `listening` log event names it)", type=port_or_zero, up=False)
     model: str | None = flag(None, MODEL_HELP + " (for the tokenizer)", up=False)  # `up` passes its directory
-    revision: str | None = flag(None, REVISION_HELP, up=False)
-    download_dir: Path | None = flag(None, DOWNLOAD_DIR_HELP, type=Path, up=False)
+    revision: str | None = shared_flags.revision()
+    download_dir: Path | None = shared_flags.download_dir()
     served_model_name: tuple[str, ...] | None = flag(
         None, "model name(s) requests may use; the first is reported in responses (default: the dir name)",
         nargs="+", metavar="NAME", up_help="gateway: model name(s) requests may use; the first is reported")
@@ -147,21 +146,15 @@ class GatewayArgs(ArgGroup):
     responses_store_size: int | None = flag(
         None, "stored /v1/responses kept for previous_response_id, least recently used evicted first "
         "(default 1024; 0: store nothing)", type=non_negative_int, metavar="N", up=False, group=LIMITS)
-    enable_lora: bool = flag(False, "serve LoRA adapters on the base model", action="store_true")
-    max_loras: int = flag(1, "LoRA adapters resident per worker, so at most this many in one step",
-                          type=positive_int)
-    max_lora_rank: int = flag(16, "largest LoRA rank served", type=positive_int)
+    enable_lora: bool = shared_flags.enable_lora()
+    max_loras: int = shared_flags.max_loras()
+    max_lora_rank: int = shared_flags.max_lora_rank()
     lora_modules: tuple[tuple[str, str], ...] = flag(
         (), 'PEFT adapters served from the start; a request selects one with "model": NAME', nargs="+",
         type=lora_module, metavar="NAME=PATH", render=lambda m: f"{m[0]}={m[1]}")
     lora_dir: str | None = flag(None, "POST /v1/load_lora_adapter only loads adapters under this directory",
                                 metavar="DIR")
-    otlp_traces_endpoint: str | None = flag(
-        None, "OpenTelemetry: export this process's spans to this OTLP collector (vLLM's flag; default: "
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing); protocol, headers, service name and sampler from "
-        "the standard OTEL_* variables. Needs pdserve[otel]", metavar="URL",
-        up_help="gateway and workers: export OpenTelemetry spans to this OTLP collector (the OTEL_* variables "
-        "pass to every process)")
+    otlp_traces_endpoint: str | None = shared_flags.otlp_traces_endpoint()
     curve_secret_key: str | None = flag(None, "CURVE: the gateway's secret certificate (encrypts the control "
                                         "plane)", up=False)
     curve_authorized_keys: str | None = flag(None, "CURVE: directory of worker public certificates allowed to "

@@ -8,10 +8,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.cli import shared_flags
 from pdserve.cli.args import (
-    DOWNLOAD_DIR_HELP,
     MODEL_HELP,
-    REVISION_HELP,
     byte_size_text,
     checked,
     device,
@@ -61,8 +60,8 @@ class WorkerArgs(ArgGroup):
                                     "A record, re-resolved); repeat for several gateways", type=checked(gateway_address),
                                     action="append", required=True, up=False)
     model: str | None = flag(None, MODEL_HELP, up=False)  # `up` passes the directory it resolved
-    revision: str | None = flag(None, REVISION_HELP, up=False)
-    download_dir: Path | None = flag(None, DOWNLOAD_DIR_HELP, type=Path, up=False)
+    revision: str | None = shared_flags.revision()
+    download_dir: Path | None = shared_flags.download_dir()
     device: str = flag("cpu", "cpu | cuda | cuda:N", type=device)
     dtype: str = flag("auto", DTYPE_HELP, type=dtype,
                       up_help="workers' weight and KV dtype, each resolved on its own host; " + DTYPE_HELP)
@@ -94,18 +93,12 @@ class WorkerArgs(ArgGroup):
                                        type=byte_size_text, metavar="SIZE")
     kv_remote_url: str | None = flag(None, "remote KV tier shared across hosts: a Redis (pip install "
                                      "'pdserve[redis]')", metavar="redis://HOST:PORT/DB")
-    enable_lora: bool = flag(False, "serve LoRA adapters on the base model", action="store_true")
-    max_loras: int = flag(1, "LoRA adapters resident per worker, so at most this many in one step",
-                          type=positive_int)
-    max_lora_rank: int = flag(16, "largest LoRA rank served", type=positive_int)
+    enable_lora: bool = shared_flags.enable_lora()
+    max_loras: int = shared_flags.max_loras()
+    max_lora_rank: int = shared_flags.max_lora_rank()
     max_cpu_loras: int | None = flag(None, "LoRA adapters kept in host memory per worker (LRU; default: "
                                      "--max-loras)", type=positive_int)
-    otlp_traces_endpoint: str | None = flag(
-        None, "OpenTelemetry: export this process's spans to this OTLP collector (vLLM's flag; default: "
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing); protocol, headers, service name and sampler from "
-        "the standard OTEL_* variables. Needs pdserve[otel]", metavar="URL",
-        up_help="gateway and workers: export OpenTelemetry spans to this OTLP collector (the OTEL_* variables "
-        "pass to every process)")
+    otlp_traces_endpoint: str | None = shared_flags.otlp_traces_endpoint()
     kv_cache_memory: str | None = flag(None, "KV pool bytes, e.g. 256MiB", type=byte_size_text,
                                        up_help="per-worker KV pool bytes, e.g. 256MiB")
     gpu_memory_utilization: float | None = flag(None, GPU_MEMORY_HELP + "0.9", type=memory_fraction, metavar="FRACTION",
