@@ -11,5 +11,6 @@ from __future__ import annotations
 
 from kv_transfer.tiers.cache import CacheSnapshot, TieredKVCache
 from kv_transfer.tiers.config import KVOffloadConfig, build_tier_cache
+from kv_transfer.tiers.events import TierBlocks, TierEventLog
 
-__all__ = ["CacheSnapshot", "KVOffloadConfig", "TieredKVCache", "build_tier_cache"]
+__all__ = ["CacheSnapshot", "KVOffloadConfig", "TierBlocks", "TierEventLog", "TieredKVCache", "build_tier_cache"]

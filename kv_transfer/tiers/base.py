@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,6 +43,11 @@ class KVTier(Protocol):
 
     def discard(self, key: bytes) -> None:
         """Drop what is stored under `key` (a bad record, so a sound one can replace it)."""
+
+    def watch_evictions(self, sink: Callable[[list[bytes]], None]) -> bool:
+        """Call `sink` with the keys of the records this process's bound enforcement
+        deletes (on the thread that wrote); False for a tier whose evictions this process
+        never sees (remote: the server's own)."""
 
     def close(self) -> None: ...
 

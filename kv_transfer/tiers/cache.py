@@ -22,12 +22,18 @@ ends the run that is returned (counted as that tier's miss: absent, corrupt, ...
 `offer` never blocks: the block joins a bounded queue; when the queue is full the
 block is dropped (counted) rather than make a step wait. The writer thread encodes
 each block once and writes it to every tier that lacks it.
+
+With an event log (`events`, tiers/events.py; the worker's `--kv-events-config`) the
+writer also reports each block it stored in a tier, once the write succeeded, and the
+blocks this process's bound enforcement evicted from a file tier (host, disk) among
+those it reported stored. Without one nothing is recorded.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -39,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kv_transfer.tiers.base import KVTier, TierSnapshot
+from kv_transfer.tiers.events import TierEventLog
 from kv_transfer.tiers.record import (
     RecordMiss,
     block_payload_bytes,
@@ -70,17 +77,18 @@ class CacheSnapshot:
 
 
 class _Write:
-    __slots__ = ("key", "payload", "record", "tiers")
+    __slots__ = ("digest", "key", "payload", "record", "tiers")
 
-    def __init__(self, key: bytes, payload: np.ndarray | None, record: bytes | None,
+    def __init__(self, digest: bytes, key: bytes, payload: np.ndarray | None, record: bytes | None,
                  tiers: Sequence[KVTier]) -> None:
-        self.key, self.payload, self.record, self.tiers = key, payload, record, tiers
+        self.digest, self.key, self.payload, self.record, self.tiers = digest, key, payload, record, tiers
 
 
 class TieredKVCache:
     """Tiers in lookup order; the writer thread starts with the cache."""
 
-    def __init__(self, layout: KVLayout, tiers: Sequence[KVTier], max_queued: int = 256) -> None:
+    def __init__(self, layout: KVLayout, tiers: Sequence[KVTier], max_queued: int = 256,
+                 events: TierEventLog | None = None) -> None:
         if not tiers:
             raise ValueError("a tiered KV cache needs at least one tier")
         self.layout = layout
@@ -92,6 +100,14 @@ class TieredKVCache:
         self._lock = threading.Lock()
         self._loads = self._loaded_blocks = self._dropped = self._timeouts = 0
         self._load_seconds = 0.0
+        self._events = events
+        # Per tier whose evictions this process sees: key -> digest of each block reported
+        # stored and not yet evicted (writer thread only), so an eviction names digests.
+        self._reported: dict[str, dict[bytes, bytes]] = {}
+        if events is not None:
+            for tier in self.tiers:
+                if tier.watch_evictions(functools.partial(self._evicted, tier.name)):
+                    self._reported[tier.name] = {}
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-tier-loader")
@@ -105,7 +121,7 @@ class TieredKVCache:
         t0 = time.perf_counter()
         out: list[np.ndarray] = []
         for digest in digests:
-            payload = self._load_one(self.key(digest))
+            payload = self._load_one(self.key(digest), digest)
             if payload is None:
                 break
             out.append(payload)
@@ -134,7 +150,7 @@ class TieredKVCache:
         with self._lock:
             self._timeouts += 1
 
-    def _load_one(self, key: bytes) -> np.ndarray | None:
+    def _load_one(self, key: bytes, digest: bytes) -> np.ndarray | None:
         for i, tier in enumerate(self.tiers):
             record = tier.get(key)
             if record is None:
@@ -146,14 +162,14 @@ class TieredKVCache:
                 continue
             tier.stats.hit(len(record))
             if i:
-                self._enqueue(_Write(key, None, bytes(record), self.tiers[:i]))
+                self._enqueue(_Write(digest, key, None, bytes(record), self.tiers[:i]))
             return got
         return None
 
     def offer(self, digest: bytes, payload: np.ndarray) -> bool:
         """Queue one computed block (its raw bytes, owned by the cache from now on) for
         the tiers; False if the queue was full and it was dropped (counted)."""
-        return self._enqueue(_Write(self.key(digest), payload, None, self.tiers))
+        return self._enqueue(_Write(digest, self.key(digest), payload, None, self.tiers))
 
     def _enqueue(self, item: _Write) -> bool:
         try:
@@ -189,7 +205,24 @@ class TieredKVCache:
             if record is None:
                 assert item.payload is not None
                 record = encode_record(item.key, item.payload, self.num_rows)
-            tier.put(item.key, record)
+            if tier.put(item.key, record) and self._events is not None:
+                self._stored(tier.name, item.key, item.digest)
+
+    def _stored(self, tier: str, key: bytes, digest: bytes) -> None:
+        assert self._events is not None
+        reported = self._reported.get(tier)
+        if reported is not None:
+            reported[key] = digest
+        self._events.stored(tier, digest)
+
+    def _evicted(self, tier: str, keys: list[bytes]) -> None:
+        """A file tier's bound enforcement deleted `keys` (writer thread, inside `put`):
+        the blocks among them this cache reported stored are reported removed."""
+        assert self._events is not None
+        reported = self._reported[tier]
+        digests = [d for k in keys if (d := reported.pop(k, None)) is not None]
+        if digests:
+            self._events.removed(tier, digests)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued block is written (tests, shutdown); False on timeout."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from kv_transfer.tiers.base import KVTier
 from kv_transfer.tiers.cache import TieredKVCache
+from kv_transfer.tiers.events import TierEventLog
 from kv_transfer.tiers.files import FileTier
 from pdserve.common.kv_layout import KVLayout
 
@@ -46,8 +47,10 @@ class KVOffloadConfig:
         return bool(self.memory_bytes or self.disk_dir or self.remote_url)
 
 
-def build_tier_cache(config: KVOffloadConfig, layout: KVLayout) -> TieredKVCache | None:
-    """The configured tiers in lookup order (host, disk, remote), or None if none are."""
+def build_tier_cache(config: KVOffloadConfig, layout: KVLayout,
+                     events: TierEventLog | None = None) -> TieredKVCache | None:
+    """The configured tiers in lookup order (host, disk, remote), or None if none are;
+    with `events`, the writer reports what it stores and evicts there (tiers/events.py)."""
     if not config.enabled:
         return None
     tiers: list[KVTier] = []
@@ -59,4 +62,4 @@ def build_tier_cache(config: KVOffloadConfig, layout: KVLayout) -> TieredKVCache
         from kv_transfer.tiers.remote import RedisTier
 
         tiers.append(RedisTier(config.remote_url))
-    return TieredKVCache(layout, tiers, config.max_queued_writes)
+    return TieredKVCache(layout, tiers, config.max_queued_writes, events)

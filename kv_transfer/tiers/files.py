@@ -24,6 +24,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kv_transfer.tiers.base import TierStats
@@ -52,6 +53,7 @@ class FileTier:
         self.stats = TierStats(name)
         self._estimate = 0
         self._since_scan = 0
+        self._on_evicted: Callable[[list[bytes]], None] | None = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._estimate = self._scan(clean=True)
@@ -115,6 +117,10 @@ class FileTier:
             self._enforce_bound()
         return True
 
+    def watch_evictions(self, sink: Callable[[list[bytes]], None]) -> bool:
+        self._on_evicted = sink
+        return True
+
     def close(self) -> None:
         pass
 
@@ -147,7 +153,8 @@ class FileTier:
             self.stats.write_failed(f"cannot scan {self.root}: {e}")
             return
         total = sum(size for _, size, _ in files)
-        removed = freed = 0
+        removed: list[Path] = []
+        freed = 0
         if total > self.capacity:
             goal = int(self.capacity * 0.9)
             for _, size, path in sorted(files):
@@ -155,11 +162,13 @@ class FileTier:
                     break
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
-                    removed += 1
+                    removed.append(path)
                 freed += size
         self.stats.set_stored(total)
         if removed:
-            self.stats.evicted(removed, freed)
+            self.stats.evicted(len(removed), freed)
+            if self._on_evicted is not None:
+                self._on_evicted(_keys(removed))
         self._estimate = total - freed
         self._since_scan = 0
 
@@ -176,3 +185,12 @@ class FileTier:
                 with contextlib.suppress(OSError):
                     if not pid_alive(pid) or now - entry.stat().st_mtime > STALE_TMP_S:
                         os.unlink(entry.path)
+
+
+def _keys(paths: list[Path]) -> list[bytes]:
+    """The keys of record files (`<64 hex>.kv`); a name that is not one is skipped."""
+    out = []
+    for path in paths:
+        with contextlib.suppress(ValueError):
+            out.append(bytes.fromhex(path.name[: -len(SUFFIX)]))
+    return out

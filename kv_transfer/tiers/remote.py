@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kv_transfer.tiers.base import TierStats
@@ -112,6 +113,9 @@ class RedisTier:
             return False
         self.stats.wrote(len(record))
         return True
+
+    def watch_evictions(self, sink: Callable[[list[bytes]], None]) -> bool:
+        return False  # Redis evicts (maxmemory, TTL) on its own: this process never sees it
 
     def close(self) -> None:
         with contextlib.suppress(*self._errors):

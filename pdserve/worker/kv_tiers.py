@@ -18,7 +18,13 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from kv_transfer.tiers import CacheSnapshot, KVOffloadConfig, TieredKVCache, build_tier_cache
+from kv_transfer.tiers import (
+    CacheSnapshot,
+    KVOffloadConfig,
+    TieredKVCache,
+    TierEventLog,
+    build_tier_cache,
+)
 from kv_transfer.tiers.record import HEADER_BYTES
 from pdserve.common.protocol import KvTierInfo
 from pdserve.engine.llm_engine import LLMEngine
@@ -27,15 +33,16 @@ from pdserve.worker.metrics import WorkerMetrics
 log = logging.getLogger(__name__)
 
 
-def attach_tiers(config: KVOffloadConfig | None, engine: LLMEngine,
-                 metrics: WorkerMetrics) -> list[Callable[[], Any]]:
-    """Give `engine` the configured tiers; the cleanup that flushes and closes them."""
+def attach_tiers(config: KVOffloadConfig | None, engine: LLMEngine, metrics: WorkerMetrics,
+                 events: TierEventLog | None = None) -> list[Callable[[], Any]]:
+    """Give `engine` the configured tiers; the cleanup that flushes and closes them.
+    With `events` (KV events on) the tiers' writer reports what it stores and evicts."""
     if config is None or not config.enabled:
         return []
     if engine.config.tensor_parallel_size > 1 or engine.config.pipeline_parallel_size > 1:
         log.warning("KV tiers are off: not supported with tensor or pipeline parallelism yet")
         return []
-    cache = build_tier_cache(config, engine.runner.layout)
+    cache = build_tier_cache(config, engine.runner.layout, events)
     assert cache is not None
     engine.attach_tiers(cache)
     metrics.registry.register(TierCollector(cache.snapshot, metrics.labels))

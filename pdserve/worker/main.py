@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kv_transfer.auth import CurveKeys, load_keys
+from kv_transfer.tiers import TierEventLog
 from pdserve.common.roles import Role
 from pdserve.common.tracing import make_tracer
 from pdserve.common.transport import new_worker_id
@@ -42,11 +43,13 @@ def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder
                            curve=opts.curve, kv_events=opts.kv_events)
     faults = injected_faults(opts.fault_injection)
     tracer = make_tracer(opts.otlp_traces_endpoint, opts.role, worker_id)
+    # What the tiers' writer stored and evicted, for the KV events; kept across role flips.
+    tier_events = TierEventLog() if opts.kv_events is not None and opts.kv_events.enabled else None
 
     def parts_for(role: Role) -> NodeParts:
         metrics = WorkerMetrics(role, worker_id)
         metrics.torch_threads.set(engine_cfg.num_threads or 0)  # a governed node keeps it current
-        return NodeParts(worker_id, channel, metrics, faults.kv, tracer)
+        return NodeParts(worker_id, channel, metrics, faults.kv, tracer, tier_events)
 
     governor = governor_for(engine_cfg.num_threads or 1) if opts.thread_policy == "adaptive" else None
 
@@ -59,7 +62,7 @@ def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder
     node = switcher.build(opts.role)
     assert switcher.metrics is not None
     runtime = WorkerRuntime(rt_cfg, channel, switcher.metrics, faults.worker,
-                            switcher if flip_builders else None)
+                            switcher if flip_builders else None, tier_events)
     if opts.core_share:
         node = share_cores(node, opts.core_share, opts.cpu_cores, opts.borrow_cores,
                            governed_grant(governor) if governor is not None else apply_grant)
@@ -79,7 +82,7 @@ def build_colocated(engine_cfg: EngineConfig, opts: WorkerOptions,
     from pdserve.worker.kv_tiers import attach_tiers
 
     engine, runner = build_engine(engine_cfg)
-    tiers = attach_tiers(opts.kv_offload, engine, parts.metrics)
+    tiers = attach_tiers(opts.kv_offload, engine, parts.metrics, parts.tier_events)
     node = ColocatedNode(parts.worker_id, engine, runner, parts.send, parts.metrics, parts.traces)
     return node, [*tiers, runner.close]
 

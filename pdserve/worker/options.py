@@ -9,7 +9,7 @@ from typing import Any
 
 from kv_transfer.auth import KVCurve
 from kv_transfer.faults import FaultConfig
-from kv_transfer.tiers import KVOffloadConfig
+from kv_transfer.tiers import KVOffloadConfig, TierEventLog
 from pdserve.common.roles import Role
 from pdserve.common.tracing import Tracer
 from pdserve.common.transport import CurveClient
@@ -50,11 +50,14 @@ class WorkerOptions:
 class NodeParts:
     """What a role builder gets: the worker's id, its reply channel, its metrics, the
     KV faults its sender or receiver injects (none unless fault injection is on) and
-    the spans of its traced requests (`traces`; inert unless tracing is on)."""
+    the spans of its traced requests (`traces`; inert unless tracing is on), and the log
+    its KV tiers' writer reports to (`tier_events`; None unless KV events are on)."""
 
     def __init__(self, worker_id: str, channel: GatewayLinks, metrics: WorkerMetrics,
-                 kv_faults: FaultConfig, tracer: Tracer | None = None) -> None:
+                 kv_faults: FaultConfig, tracer: Tracer | None = None,
+                 tier_events: TierEventLog | None = None) -> None:
         self.worker_id = worker_id
+        self.tier_events = tier_events
         self.send = channel.send
         self.metrics = metrics
         self.kv_faults = kv_faults

@@ -24,7 +24,9 @@ back on the channel its request came from. After every tick it also broadcasts t
 prefix-cache blocks stored and evicted (`KvEvents`, pdserve/worker/kv_events.py) for the
 gateways' KV-aware routing. With `--kv-events-config` it also hands the tick's ordered
 block events to the vLLM-format publisher (pdserve/worker/vllm_events/), which sends
-them from its own thread: the step loop never waits on a subscriber.
+them from its own thread: the step loop never waits on a subscriber. The same batch
+carries, after the pool's, what the KV tiers' writer stored and evicted since
+(`TierEventLog`, kv_transfer/tiers/events.py), each in its tier's medium.
 
 `SwitchRole` flips the worker's role live (pdserve/worker/role_switch.py): drain, rebuild
 the node for the other role, register again.
@@ -45,6 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kv_transfer.tiers import TierEventLog
 from pdserve.common import protocol as p
 from pdserve.common.roles import Role
 from pdserve.common.transport import LOOPBACK, CurveClient, WorkerChannel, host_id, transport_kind
@@ -87,8 +90,10 @@ class LoadSnapshot:
 
 class WorkerRuntime:
     def __init__(self, config: RuntimeConfig, channel: GatewayLinks, metrics: WorkerMetrics,
-                 faults: WorkerFaults | None = None, switcher: RoleSwitcher | None = None) -> None:
+                 faults: WorkerFaults | None = None, switcher: RoleSwitcher | None = None,
+                 tier_events: TierEventLog | None = None) -> None:
         self.config = config
+        self.tier_events = tier_events  # the KV tiers' writes and evictions (None: events off)
         self.switcher = switcher  # None: this worker keeps its role
         self._switch_to: Role | None = None  # a SwitchRole's role, acted on after the tick that read it
         self.channel = channel
@@ -226,14 +231,20 @@ class WorkerRuntime:
 
     def _publish_block_events(self, node: Node) -> None:
         """The tick's block events, in order, to both feeds: netted to the gateways' KV
-        index, as they are to vLLM-format subscribers."""
+        index, as they are to vLLM-format subscribers, followed there by the tiers' writes
+        and evictions. The pool's log is drained first: a block's tier write, offered after
+        the step that registered it, lands in this batch or a later one, never before the
+        pool's BlockStored."""
         log = node.block_event_log()
         events = log.drain()
         batch = self.cache.next_batch(node, events)
         if batch is not None:
             self.channel.broadcast(batch)
-        if self.events is not None and events:
-            self.events.publish(events, log.block_size)
+        if self.events is None:
+            return
+        tiers = self.tier_events.drain() if self.tier_events is not None else []
+        if events or tiers:
+            self.events.publish([*events, *tiers], log.block_size)
 
     def _follow_gateways(self, node: Node, metrics_port: int) -> None:
         """Register with gateways that appeared (not while draining); abort the requests

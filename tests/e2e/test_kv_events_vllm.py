@@ -2,7 +2,10 @@
 a ZeroMQ SUB in the test, decoding with plain msgpack in vLLM's layout, sees the blocks
 of a request's prompt stored (their chained keys, parent, token ids), then removed when
 other prompts evict them, in batches numbered one after another; the replay endpoint then
-resends the whole stream from 0, which starts with `AllBlocksCleared`."""
+resends the whole stream from 0, which starts with `AllBlocksCleared`. With a host and a
+disk tier the same stream tells where else the blocks are: stored in medium "CPU" and
+"DISK" (after the pool's "GPU") once the tier writer wrote them, removed from "CPU" when
+the host tier's bound evicts them."""
 
 from __future__ import annotations
 
@@ -69,6 +72,26 @@ def worker(log_dir: Path) -> Iterator[tuple[Cluster, str, str]]:
         c.stop()
 
 
+@pytest.fixture()
+def tiered_worker(log_dir: Path, tmp_path: Path, reference: Reference) -> Iterator[tuple[Cluster, str, Path]]:
+    """A worker with a host tier of 12 blocks (a temp dir stands in for /dev/shm) and a disk tier."""
+    from kv_transfer.tiers.record import HEADER_BYTES, block_payload_bytes
+
+    record = HEADER_BYTES + block_payload_bytes(reference.engine.runner.layout)
+    c = Cluster(log_dir)
+    endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    config = {"enable_kv_cache_events": True, "endpoint": endpoint, "topic": "pd"}
+    host = tmp_path / "host-tier"
+    try:
+        c.start_gateway()
+        c.add_worker("worker", "--kv-events-config", json.dumps(config), "--kv-offload-memory", str(12 * record),
+                     "--kv-offload-memory-dir", str(host), "--kv-offload-dir", str(tmp_path / "disk-tier"))
+        c.wait_roles(colocated=1)
+        yield c, endpoint, host
+    finally:
+        c.stop()
+
+
 def complete(c: Cluster, model: str, prompt: str) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
     status, out = http("POST", f"{c.url}/v1/completions", body, timeout=120)
@@ -125,6 +148,51 @@ def test_a_request_publishes_its_prompt_blocks_then_their_eviction(
         assert replayed[0] == (0, [["AllBlocksCleared"]])  # a worker starts its stream with a clear
         assert [seq for seq, _ in replayed] == list(range(len(replayed)))
         assert dict(replayed).items() >= dict(sub.batches).items()  # what the SUB got, resent as it was
+    finally:
+        sub.sock.close()
+
+
+def test_tier_writes_and_evictions_are_published_in_the_tiers_mediums(
+        tiered_worker: tuple[Cluster, str, Path], reference: Reference) -> None:
+    c, endpoint, host = tiered_worker
+    sub = Subscriber(endpoint)
+    try:
+        for seed in range(100, 140):  # warm up until the subscription took hold
+            complete(c, reference.model_name, text(seed, 6))
+            sub.drain(500)
+            if sub.batches:
+                break
+        assert sub.batches, "no KV events reached the subscriber"
+
+        prompt = text(1, 14)
+        keys = prefix_block_keys(reference.completion_ids(prompt), BLOCK)
+        assert len(keys) >= 2
+        complete(c, reference.model_name, prompt)
+
+        def hashes(tag: str, medium: str) -> list[int]:
+            return [h for e in sub.events(tag) if e[-1] == medium for h in e[1]]
+
+        sub.until(lambda: set(keys) <= set(hashes("BlockStored", "CPU")) and
+                  set(keys) <= set(hashes("BlockStored", "DISK")), "the prompt's blocks stored in the tiers")
+        assert set(keys) <= set(hashes("BlockStored", "GPU"))  # the same hashes as the pool's
+        order = [(e[0], e[-1], h) for _, evs in sub.batches for e in evs if e[0] != "AllBlocksCleared"
+                 for h in e[1]]
+        for h in keys:  # a tier's stored after the pool's
+            assert order.index(("BlockStored", "GPU", h)) < order.index(("BlockStored", "CPU", h))
+            assert order.index(("BlockStored", "GPU", h)) < order.index(("BlockStored", "DISK", h))
+        cpu = next(e for e in sub.events("BlockStored") if e[-1] == "CPU" and keys[0] in e[1])
+        assert cpu[2:6] == [None, [], BLOCK, None]  # by hash only, as vLLM's offloading connector
+
+        for seed in range(2, 12):  # other prompts fill the 12-block host tier; the first's go
+            complete(c, reference.model_name, text(seed, 26))
+            sub.drain(300)
+            if set(keys) <= set(hashes("BlockRemoved", "CPU")):
+                break
+        sub.until(lambda: set(keys) <= set(hashes("BlockRemoved", "CPU")), "the prompt's blocks evicted from CPU")
+        removed = set(hashes("BlockRemoved", "CPU"))
+        assert removed <= set(hashes("BlockStored", "CPU"))  # only what it said it stored
+        assert not hashes("BlockRemoved", "DISK")  # the disk tier (16GiB by default) evicted nothing
+        assert len(list(host.rglob("*.kv"))) <= 12
     finally:
         sub.sock.close()
 

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import zmq
@@ -34,9 +34,8 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from pdserve.common.queues import drained
-from pdserve.engine.core.block_events import BlockEvent
 from pdserve.worker.vllm_events.config import KVEventsConfig, binds
-from pdserve.worker.vllm_events.wire import END_SEQ, encode_batch, seq_frame
+from pdserve.worker.vllm_events.wire import END_SEQ, WireEvent, encode_batch, seq_frame
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ REPLAY_REQUEST_LIMIT = 256  # bytes: a replay request is an identity, a delimite
 class _Batch(NamedTuple):
     seq: int
     ts: float
-    events: list[BlockEvent]
+    events: Sequence[WireEvent]
     block_size: int
 
 
@@ -85,7 +84,7 @@ class KVEventPublisher:
                  f", replay on {self.replay_endpoint}" if self.replay_endpoint else "")
 
     # ---------------------------------------------------------------- main loop
-    def publish(self, events: list[BlockEvent], block_size: int) -> bool:
+    def publish(self, events: Sequence[WireEvent], block_size: int) -> bool:
         """Queue one batch (the events now belong to the publisher); False if dropped."""
         if not events:
             return True

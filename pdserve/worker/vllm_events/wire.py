@@ -17,8 +17,24 @@ gateway's KV index uses. `token_ids` are the tokens of the stored blocks, in ord
 (block_size per block); `parent_block_hash` is nil for a sequence's first block.
 `lora_id` is nil for the base model; under a LoRA adapter it is the key of the
 adapter's chain root (prefix_root), so blocks of different adapters never match.
-`medium` is "GPU" for the worker's own pool: vLLM's name for the engine's pool
-(its CPU backend sends it too), whatever the device; a router ranks it first.
+`medium` says where the blocks are, in the order a router ranks the cost of getting
+them:
+
+    "GPU"     the worker's own pool: vLLM's name for the engine's pool (its CPU backend
+              sends it too), whatever the device
+    "CPU"     the host tier: shared memory every worker of the host reads (vLLM's
+              offloading connector calls its host memory "CPU")
+    "DISK"    the disk tier: block files kept across restarts (`--kv-offload-dir`)
+    "REMOTE"  the remote tier: a Redis shared across hosts (`--kv-remote-url`)
+
+A tier's BlockStored is sent once the worker's tier writer has written the block
+(a block written down from the pool, or copied up from a lower tier), after the pool's
+BlockStored of that block; it names the blocks by hash only, as vLLM's offloading
+connector does: `parent_block_hash` nil, `token_ids` empty, `lora_id` nil (the hash
+already covers the adapter). A tier's BlockRemoved is sent when this worker's own
+bound enforcement deletes blocks it reported stored (host and disk LRU). Not seen, so
+never sent: blocks another worker sharing the tier evicts, and the remote tier's
+evictions (Redis's own maxmemory and TTL).
 """
 
 from __future__ import annotations
@@ -28,15 +44,22 @@ from typing import Any
 
 import msgpack
 
+from kv_transfer.tiers.events import TierBlocks
 from pdserve.common.block_hash import ROOT_DIGEST, block_key
 from pdserve.engine.core.block_events import AllCleared, BlockEvent, BlocksRemoved, BlocksStored
 
 MEDIUM_POOL = "GPU"
+TIER_MEDIUMS = {"host": "CPU", "disk": "DISK", "remote": "REMOTE"}  # KVTier.name -> medium
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # a replay's last frame pair: (END_SEQ, b"")
 
 
-def event_array(event: BlockEvent, block_size: int, medium: str = MEDIUM_POOL) -> list[Any]:
-    """One event as vLLM's tagged array."""
+WireEvent = BlockEvent | TierBlocks  # the pool's events, and the tier writer's
+
+
+def event_array(event: WireEvent, block_size: int, medium: str = MEDIUM_POOL) -> list[Any]:
+    """One event as vLLM's tagged array (a pool event in `medium`, a tier's in its own)."""
+    if isinstance(event, TierBlocks):
+        return tier_array(event, block_size)
     if isinstance(event, BlocksStored):
         lora_id = None if event.root == ROOT_DIGEST else block_key(event.root)
         return ["BlockStored", [block_key(d) for d in event.digests],
@@ -48,7 +71,14 @@ def event_array(event: BlockEvent, block_size: int, medium: str = MEDIUM_POOL) -
     return ["AllBlocksCleared"]
 
 
-def encode_batch(ts: float, events: Sequence[BlockEvent], block_size: int, data_parallel_rank: int = 0) -> bytes:
+def tier_array(event: TierBlocks, block_size: int) -> list[Any]:
+    keys, medium = [block_key(d) for d in event.digests], TIER_MEDIUMS[event.tier]
+    if event.stored:
+        return ["BlockStored", keys, None, [], block_size, None, medium]
+    return ["BlockRemoved", keys, medium]
+
+
+def encode_batch(ts: float, events: Sequence[WireEvent], block_size: int, data_parallel_rank: int = 0) -> bytes:
     """The payload frame of one batch."""
     body = [ts, [event_array(e, block_size) for e in events], data_parallel_rank]
     return msgpack.packb(body, use_bin_type=True)
