@@ -29,8 +29,13 @@ class KVTier(Protocol):
     capacity: int  # bytes it holds at most; 0: the store's own bound
     stats: TierStats
 
-    def get(self, key: bytes) -> bytes | None:
-        """The record stored under `key`, or None (absent or unreadable: counted)."""
+    def get(self, key: bytes, into: memoryview | None = None) -> bytes | memoryview | None:
+        """The record stored under `key`, or None (absent or unreadable: counted).
+
+        `into`: a buffer of a sound record's size the caller owns; a tier that can read
+        straight into it does so and returns (a view of) it, saving an allocation and a
+        copy per block. Any other tier, or a stored record of another size, returns
+        bytes as without it; either way the caller checks what came back."""
 
     def put(self, key: bytes, record: bytes) -> bool:
         """Store `record` under `key` (evicting as the bound needs); False if it could

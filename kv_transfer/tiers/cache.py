@@ -1,16 +1,17 @@
 """The tiers below a worker's KV pool, as one store the engine asks (pdserve/engine/pool_blocks.py).
 
     cache = TieredKVCache(layout, [host, disk, remote])
-    payloads = cache.load(digests)   # the longest leading run found, checked, in order
+    payloads = cache.load(digests)   # the longest leading run found, checked: a row per block
     cache.offer(digest, payload)     # returns at once; the writer thread stores it
 
 `load` asks the tiers in order (host, disk, remote) for each block of the chain and
 stops at the first block none has, so what it returns is always a prefix. Every record
-is decoded against the key it was asked for and the pool's block size
-(tiers/record.py): a corrupt, truncated or foreign record is a miss of that tier,
-counted, and the next tier is asked. A block found below the first tier is copied up
-(promoted) by the writer; a bad record is discarded, so the recomputed block replaces
-it.
+is read into its row of one buffer the load owns (a file tier reads straight into it:
+no allocation or copy per block) and checked there against the key it was asked for
+and the pool's block size (tiers/record.py): a corrupt, truncated or foreign record is
+a miss of that tier, counted, and the next tier is asked. A block found below the
+first tier is copied up (promoted) by the writer once the run is read; a bad record is
+discarded, so the recomputed block replaces it.
 
 The engine never calls `load` on its step loop: `present` (which leading blocks some
 tier has, by a cheap existence check; a tier that cannot be asked, such as Redis down,
@@ -47,11 +48,12 @@ import numpy as np
 from kv_transfer.tiers.base import KVTier, TierSnapshot
 from kv_transfer.tiers.events import TierEventLog
 from kv_transfer.tiers.record import (
-    RecordMiss,
+    HEADER_BYTES,
     block_payload_bytes,
     block_rows,
-    decode_record,
+    check_record,
     encode_record,
+    record_bytes,
     tier_key,
     tier_namespace,
 )
@@ -79,7 +81,7 @@ class CacheSnapshot:
 class _Write:
     __slots__ = ("digest", "key", "payload", "record", "tiers")
 
-    def __init__(self, digest: bytes, key: bytes, payload: np.ndarray | None, record: bytes | None,
+    def __init__(self, digest: bytes, key: bytes, payload: np.ndarray | None, record: bytes | memoryview | None,
                  tiers: Sequence[KVTier]) -> None:
         self.digest, self.key, self.payload, self.record, self.tiers = digest, key, payload, record, tiers
 
@@ -95,6 +97,7 @@ class TieredKVCache:
         self.tiers = list(tiers)
         self.namespace = tier_namespace(layout)
         self.payload_bytes = block_payload_bytes(layout)
+        self.record_bytes = record_bytes(layout)
         self.num_rows = block_rows(layout)
         self._queue: queue.Queue[_Write | None] = queue.Queue(max_queued)
         self._lock = threading.Lock()
@@ -116,21 +119,34 @@ class TieredKVCache:
         return tier_key(self.namespace, digest)
 
     # ------------------------------------------------------- engine (and loader)
-    def load(self, digests: Sequence[bytes]) -> list[np.ndarray]:
-        """Payloads of the longest leading run of `digests` some tier holds, checked."""
+    def load(self, digests: Sequence[bytes]) -> np.ndarray:
+        """Payloads of the longest leading run of `digests` some tier holds, checked: one
+        row per block, [blocks, payload bytes] uint8 (rows of one buffer the caller owns)."""
         t0 = time.perf_counter()
-        out: list[np.ndarray] = []
+        # Every record is read straight into its row of one buffer and checked there: no
+        # allocation or copy per block (each was a fresh ~200 KB buffer to fault in).
+        records = np.empty((len(digests), self.record_bytes), np.uint8)
+        promote: list[tuple[bytes, bytes, int, int]] = []  # (digest, key, row, tier): below the top
+        n = 0
         for digest in digests:
-            payload = self._load_one(self.key(digest), digest)
-            if payload is None:
+            key = self.key(digest)
+            served = self._load_one(key, records[n])
+            if served is None:
                 break
-            out.append(payload)
-        if out:
+            if served:
+                promote.append((digest, key, n, served))
+            n += 1
+        # Promotions are queued once the whole run is read, so the writer's work never
+        # competes with this read; it copies each checked record out of the read buffer,
+        # which nobody writes once the load returns (the engine only copies it out).
+        for digest, key, row, served in promote:
+            self._enqueue(_Write(digest, key, None, records[row].data.toreadonly(), self.tiers[:served]))
+        if n:
             with self._lock:
                 self._loads += 1
-                self._loaded_blocks += len(out)
+                self._loaded_blocks += n
                 self._load_seconds += time.perf_counter() - t0
-        return out
+        return records[:n, HEADER_BYTES:]
 
     def present(self, digests: Sequence[bytes]) -> int:
         """How many leading `digests` some tier holds (an existence check, not a read)."""
@@ -140,7 +156,7 @@ class TieredKVCache:
                 return n
         return len(digests)
 
-    def load_async(self, digests: Sequence[bytes]) -> concurrent.futures.Future[list[np.ndarray]]:
+    def load_async(self, digests: Sequence[bytes]) -> concurrent.futures.Future[np.ndarray]:
         """`load(digests)` on the loader thread."""
         return self._loader.submit(self.load, list(digests))
 
@@ -150,20 +166,23 @@ class TieredKVCache:
         with self._lock:
             self._timeouts += 1
 
-    def _load_one(self, key: bytes, digest: bytes) -> np.ndarray | None:
+    def _load_one(self, key: bytes, row: np.ndarray) -> int | None:
+        """Fill `row` (one record's bytes) with `key`'s record from the first tier that
+        has a sound one: that tier's index; None if none has."""
+        into = row.data
         for i, tier in enumerate(self.tiers):
-            record = tier.get(key)
+            record = tier.get(key, into)
             if record is None:
                 continue
-            got = decode_record(record, key, self.payload_bytes, self.num_rows)
-            if isinstance(got, RecordMiss):
-                tier.stats.miss(got.reason, f"key {key.hex()[:16]}")
+            miss = check_record(record, key, self.payload_bytes, self.num_rows)
+            if miss is not None:
+                tier.stats.miss(miss, f"key {key.hex()[:16]}")
                 tier.discard(key)  # the recomputed block takes its place
                 continue
+            if record is not into:  # the tier's own bytes (immutable, so still the checked ones)
+                row[:] = np.frombuffer(record, np.uint8)
             tier.stats.hit(len(record))
-            if i:
-                self._enqueue(_Write(digest, key, None, bytes(record), self.tiers[:i]))
-            return got
+            return i
         return None
 
     def offer(self, digest: bytes, payload: np.ndarray) -> bool:
@@ -198,7 +217,8 @@ class TieredKVCache:
                 self._queue.task_done()
 
     def _write(self, item: _Write) -> None:
-        record = item.record
+        # A promoted record is a view of a load's buffer: copied here, off the loader.
+        record = item.record.tobytes() if isinstance(item.record, memoryview) else item.record
         for tier in item.tiers:
             if tier.contains(item.key):
                 continue

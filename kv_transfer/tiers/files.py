@@ -20,6 +20,7 @@ the least recently used files (a hit refreshes its file's mtime) down to 90%.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import secrets
@@ -65,11 +66,11 @@ class FileTier:
         h = key.hex()
         return self.root / h[:2] / f"{h}{SUFFIX}"
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes, into: memoryview | None = None) -> bytes | memoryview | None:
         p = self.path(key)
         try:
-            with open(p, "rb") as f:
-                data = f.read()
+            with open(p, "rb", buffering=0) as f:
+                data = _read(f, into)
         except FileNotFoundError:
             self.stats.miss(MissReason.ABSENT)
             return None
@@ -194,3 +195,18 @@ def _keys(paths: list[Path]) -> list[bytes]:
         with contextlib.suppress(ValueError):
             out.append(bytes.fromhex(path.name[: -len(SUFFIX)]))
     return out
+
+
+def _read(f: io.FileIO, into: memoryview | None) -> bytes | memoryview:
+    """The whole file: into `into` when it is the file's size (a record is immutable once
+    renamed into place, so what fstat saw is what is read; a short read is returned
+    short and checked as truncated), else as new bytes."""
+    if into is None or os.fstat(f.fileno()).st_size != len(into):
+        return f.readall()
+    got = 0
+    while got < len(into):
+        n = f.readinto(into[got:])
+        if not n:
+            return into[:got]
+        got += n
+    return into

@@ -7,8 +7,9 @@ digest (pdserve/common/block_hash.py) salted with a namespace that names everyth
 changes the KV bytes (`tier_namespace`). The checksum is the KV plane's row checksum
 (kv_transfer/checksum.py) over the payload's `num_rows` rows (each layer's K and V of
 the block). A reader passes the key it expects and the payload length its pool needs;
-a record that does not match in every respect decodes as a `RecordMiss` with the
-reason, never as KV.
+a record that does not match in every respect is a miss with the reason, never KV
+(`check_record` checks a buffer the reader owns in place, `decode_record` copies the
+payload out).
 """
 
 from __future__ import annotations
@@ -76,20 +77,37 @@ def encode_record(key: bytes, payload: np.ndarray, num_rows: int) -> bytes:
     return b"".join((header, raw.data))  # one copy of the payload
 
 
+def record_bytes(layout: KVLayout) -> int:
+    """The stored size of one sound record of `layout`'s blocks."""
+    return HEADER_BYTES + block_payload_bytes(layout)
+
+
+def check_record(data: bytes | memoryview, key: bytes, payload_bytes: int,
+                 num_rows: int) -> MissReason | None:
+    """None if `data` is a sound record of `key` with a `payload_bytes` payload of
+    `num_rows` rows, else why not. Checks `data` in place: the caller must own it (a
+    buffer nobody else writes) for the answer to hold for the bytes it then uses."""
+    if len(data) < HEADER_BYTES:
+        return MissReason.TRUNCATED
+    magic, got_key, rows, length, checksum = _HEADER.unpack_from(data, 0)
+    if magic != MAGIC:
+        return MissReason.CORRUPT
+    if len(data) != HEADER_BYTES + length:
+        return MissReason.TRUNCATED
+    if got_key != key or length != payload_bytes or rows != num_rows:
+        return MissReason.FOREIGN
+    payload = np.frombuffer(data, np.uint8, count=length, offset=HEADER_BYTES)
+    if frame_checksum(payload, num_rows) != checksum:
+        return MissReason.CORRUPT
+    return None
+
+
 def decode_record(data: bytes | memoryview, key: bytes, payload_bytes: int,
                   num_rows: int) -> np.ndarray | RecordMiss:
     """The payload (uint8, a copy the caller owns) if `data` is a sound record of `key`
     with a `payload_bytes` payload of `num_rows` rows, else why not."""
-    if len(data) < HEADER_BYTES:
-        return RecordMiss(MissReason.TRUNCATED)
-    magic, got_key, rows, length, checksum = _HEADER.unpack_from(data, 0)
-    if magic != MAGIC:
-        return RecordMiss(MissReason.CORRUPT)
-    if len(data) != HEADER_BYTES + length:
-        return RecordMiss(MissReason.TRUNCATED)
-    if got_key != key or length != payload_bytes or rows != num_rows:
-        return RecordMiss(MissReason.FOREIGN)
-    payload = np.frombuffer(data, np.uint8, count=length, offset=HEADER_BYTES).copy()
-    if frame_checksum(payload, num_rows) != checksum:
-        return RecordMiss(MissReason.CORRUPT)
-    return payload
+    owned = bytes(data)  # checked and copied from one snapshot of the bytes
+    miss = check_record(owned, key, payload_bytes, num_rows)
+    if miss is not None:
+        return RecordMiss(miss)
+    return np.frombuffer(owned, np.uint8, count=payload_bytes, offset=HEADER_BYTES).copy()

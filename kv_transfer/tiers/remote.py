@@ -63,7 +63,8 @@ class RedisTier:
         with self._lock:
             self._down_until = time.monotonic() + self.retry_s
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes, into: memoryview | None = None) -> bytes | None:
+        # `into` is not used: the client hands back its own bytes.
         if not self._up():
             self.stats.miss(MissReason.UNAVAILABLE)
             return None

@@ -40,15 +40,28 @@ def copy_blocks(pool: KVPool, copies: Sequence[BlockCopy]) -> None:
 
 
 def write_loads(pool: KVPool, loads: Sequence[BlockLoad]) -> None:
-    """Copy every load's payloads into its pool blocks (all layers, K and V)."""
-    ids = [b for load in loads for b in load.block_ids]
-    if not ids:
-        return
+    """Copy every load's payloads into its pool blocks (all layers, K and V): one strided
+    copy per run of consecutive block ids, straight from the tiers' read buffer."""
     kv = pool.kv
-    raw = np.stack([p for load in loads for p in load.payloads])
-    blocks = torch.from_numpy(raw).view(kv.dtype).view(len(ids), *kv.shape[:2], *kv.shape[3:])
-    dst = torch.tensor(ids, dtype=torch.long, device=kv.device)
-    kv[:, :, dst] = blocks.to(kv.device).movedim(0, 2)
+    for load in loads:
+        n = len(load.block_ids)
+        if not n:
+            continue
+        raw = torch.from_numpy(load.payloads[:n])  # rows may be strided: records with headers
+        blocks = raw.view(kv.dtype).view(n, *kv.shape[:2], *kv.shape[3:]).movedim(0, 2)
+        for pos, first, length in _runs(load.block_ids):
+            kv[:, :, first:first + length].copy_(blocks[:, :, pos:pos + length])
+
+
+def _runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """`(position, first id, length)` of each run of consecutive ids, in order."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((start, ids[start], i - start))
+            start = i
+    return runs
 
 
 def read_blocks(pool: KVPool, block_ids: Sequence[int]) -> list[np.ndarray]:

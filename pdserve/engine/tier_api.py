@@ -1,7 +1,7 @@
 """What the torch-free scheduler knows of the KV tiers below the pool: a store it asks
 which blocks of a prefix it holds, the reads it asks the engine to start, and the loads
 it hands the engine (pdserve/engine/pool_blocks.py does the copying). Payloads are opaque
-byte arrays here."""
+byte arrays here (numpy only in annotations: the scheduler never touches them)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 class PrefixTiers(Protocol):
     """The store the engine reads and writes (kv_transfer.tiers.TieredKVCache)."""
 
-    def load(self, digests: Sequence[bytes]) -> list[np.ndarray]:
-        """Payloads of the longest leading run of `digests` found, each checked."""
+    def load(self, digests: Sequence[bytes]) -> np.ndarray:
+        """Payloads of the longest leading run of `digests` found, each checked: one row
+        per block ([blocks, payload bytes], uint8)."""
 
     def offer(self, digest: bytes, payload: np.ndarray) -> bool:
         """Queue one block for writing without blocking; False if it was dropped."""
@@ -26,7 +27,7 @@ class PrefixTiers(Protocol):
     def present(self, digests: Sequence[bytes]) -> int:
         """How many leading `digests` some tier holds (an existence check, not a read)."""
 
-    def load_async(self, digests: Sequence[bytes]) -> Future[list[np.ndarray]]:
+    def load_async(self, digests: Sequence[bytes]) -> Future[np.ndarray]:
         """`load(digests)` off the calling thread."""
 
     def timed_out(self, digests: Sequence[bytes]) -> None:
@@ -46,8 +47,5 @@ class BlockLoad(NamedTuple):
     """Bytes from the tiers for pool blocks `block_ids`, written before the step runs."""
 
     block_ids: tuple[int, ...]
-    payloads: tuple[np.ndarray, ...]
+    payloads: np.ndarray  # [len(block_ids), payload bytes] uint8: row i is block_ids[i]'s
     digests: tuple[bytes, ...]  # their prefix digests (already in the tiers: not offered back)
-
-
-NO_LOAD = BlockLoad((), (), ())

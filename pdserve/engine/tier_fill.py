@@ -38,13 +38,15 @@ from typing import Generic, NamedTuple, TypeVar
 import numpy as np
 
 from pdserve.engine.pool_blocks import TierLink
-from pdserve.engine.tier_api import NO_LOAD, BlockLoad
+from pdserve.engine.tier_api import BlockLoad
 
 log = logging.getLogger(__name__)
 
 READ_TIMEOUT_S = 10.0  # a tier read not landed by then is recomputed instead
 
 K = TypeVar("K", bound=Hashable)
+
+NO_LOAD = BlockLoad((), np.empty((0, 0), np.uint8), ())  # nothing arrived
 
 
 class FillState(enum.Enum):
@@ -62,7 +64,7 @@ class FillResult(NamedTuple):
 
 
 class _Fill(NamedTuple):
-    future: concurrent.futures.Future[list[np.ndarray]]
+    future: concurrent.futures.Future[np.ndarray]
     block_ids: tuple[int, ...]
     digests: tuple[bytes, ...]
     deadline: float
@@ -118,7 +120,7 @@ class TierFills(Generic[K]):
         except Exception:  # the tiers never raise; a cancelled or broken loader is a failed fill
             return FillResult(FillState.FAILED)
         n = min(len(payloads), len(fill.digests))
-        load = BlockLoad(fill.block_ids[:n], tuple(payloads[:n]), fill.digests[:n])
+        load = BlockLoad(fill.block_ids[:n], payloads[:n], fill.digests[:n])
         return FillResult(FillState.DONE if n == len(fill.digests) else FillState.FAILED, load)
 
     def state(self, key: K) -> FillState:

@@ -55,11 +55,11 @@ class GatedTier:
         self.gate = threading.Event()
         self.reading = threading.Event()
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes, into: memoryview | None = None) -> bytes | memoryview | None:
         self.reading.set()
         if not self.gate.wait(GATE_S):
             raise TimeoutError("the test never opened the gate")
-        return self.tier.get(key)
+        return self.tier.get(key, into)
 
     def put(self, key: bytes, record: bytes) -> bool:
         return self.tier.put(key, record)

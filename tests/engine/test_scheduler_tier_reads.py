@@ -21,7 +21,8 @@ from pdserve.common.kv_layout import KVLayout
 from pdserve.engine.core.block_manager import NO_HIT
 from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.core.sequence import SequenceStatus
-from pdserve.engine.tier_api import NO_LOAD, BlockLoad, TierRead
+from pdserve.engine.tier_api import BlockLoad, TierRead
+from pdserve.engine.tier_fill import NO_LOAD
 from tests.engine.test_scheduler import BS, make, run_step, seq, shape
 
 LAYOUT = KVLayout("cfg", 2, 2, 8, BS, "float32", weights="w")
@@ -42,8 +43,8 @@ def tiered(tmp_path: Path) -> Iterator[tuple[Scheduler, TieredKVCache, list[byte
     cache.close()
 
 
-def payloads(n: int) -> tuple[np.ndarray, ...]:
-    return tuple(np.full(block_payload_bytes(LAYOUT), i, np.uint8) for i in range(n))
+def payloads(n: int) -> np.ndarray:
+    return np.stack([np.full(block_payload_bytes(LAYOUT), i, np.uint8) for i in range(n)])
 
 
 def test_admission_parks_the_prompt_and_asks_for_one_read_without_taking_budget(

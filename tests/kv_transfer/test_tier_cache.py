@@ -12,7 +12,7 @@ import numpy as np
 
 from kv_transfer.tiers.cache import TieredKVCache
 from kv_transfer.tiers.files import FileTier
-from kv_transfer.tiers.record import block_payload_bytes
+from kv_transfer.tiers.record import block_payload_bytes, decode_record
 from pdserve.common.kv_layout import KVLayout
 
 LAYOUT = KVLayout("cfg", 2, 2, 8, 4, "float32", weights="w")
@@ -58,11 +58,33 @@ def test_load_stops_at_the_first_missing_block_and_falls_through_bad_records(tmp
     assert cache.flush()
     host.path(cache.key(digests[1])).write_bytes(b"junk")  # host's copy of block 1 is bad
     got = cache.load(digests)
-    assert [int(p[0]) for p in got] == [0, 1]
+    assert got.shape == (2, SIZE) and [int(p[0]) for p in got] == [0, 1]
+    assert all((got[i] == payload(i)).all() for i in range(2))  # every byte, not just the first
     assert host.stats.snapshot().misses == {"truncated": 1, "absent": 1}  # blocks 1 and 2
     assert disk.stats.snapshot().hits == 1  # block 1 came from the disk tier
     assert cache.flush()
-    assert host.get(cache.key(digests[1])) is not None  # ... and was promoted back up
+    promoted = host.get(cache.key(digests[1]))  # ... and was promoted back up, sound
+    assert promoted is not None
+    assert (decode_record(promoted, cache.key(digests[1]), SIZE, cache.num_rows) == payload(1)).all()
+    cache.close()
+
+
+def test_a_load_reads_each_record_into_its_row_and_a_bad_one_ends_the_run(tmp_path: Path) -> None:
+    host = FileTier("host", tmp_path, 1 << 30)
+    cache = TieredKVCache(LAYOUT, [host])
+    digests = [bytes([i]) * 32 for i in range(4)]
+    for i, d in enumerate(digests):
+        cache.offer(d, payload(i + 1))
+    assert cache.flush()
+    path = host.path(cache.key(digests[2]))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # same size, one flipped bit: read into its row, then found corrupt
+    path.write_bytes(bytes(data))
+    got = cache.load(digests)
+    assert got.shape == (2, SIZE) and all((got[i] == payload(i + 1)).all() for i in range(2))
+    assert host.stats.snapshot().misses == {"corrupt": 1}
+    assert not path.exists()  # discarded: the recomputed block takes its place
+    assert cache.load([]).shape == (0, SIZE)
     cache.close()
 
 

@@ -42,6 +42,17 @@ def test_put_get_and_lru_eviction_down_to_the_bound(tmp_path: Path) -> None:
     assert tier.get(key(1)) is None and tier.stats.snapshot().misses == {"absent": 1}
 
 
+def test_a_record_of_the_expected_size_is_read_into_the_callers_buffer(tmp_path: Path) -> None:
+    tier = FileTier("host", tmp_path, capacity=1 << 20)
+    assert tier.put(key(0), bytes(range(200)) * 5)
+    buf = bytearray(1000)
+    into = memoryview(buf)
+    assert tier.get(key(0), into) is into and bytes(buf) == bytes(range(200)) * 5
+    other = memoryview(bytearray(999))  # another size: the file's own bytes, buffer untouched
+    assert tier.get(key(0), other) == bytes(range(200)) * 5 and bytes(other) == bytes(999)
+    assert tier.get(key(1), into) is None and tier.stats.snapshot().misses == {"absent": 1}
+
+
 def test_two_processes_writing_one_directory_leave_only_sound_files(tmp_path: Path) -> None:
     code = f"""
         from kv_transfer.tiers.files import FileTier
