@@ -100,3 +100,31 @@ def test_the_writer_thread_runs_at_the_lowest_priority(tmp_path: Path) -> None:
     assert nice == 19
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # only the writer
     cache.close()
+
+
+def test_a_read_buffer_is_reused_only_once_nothing_references_it() -> None:
+    import torch
+
+    from kv_transfer.tiers.cache import ReadBuffers
+
+    # Whatever a load hands out keeps its buffer from the next load: payload rows, a
+    # promotion's record view, a tensor made of the rows.
+    holds = (lambda b: b[:2, 8:], lambda b: b[1].data.toreadonly(), lambda b: torch.from_numpy(b[:, 8:]))
+    for hold in holds:
+        bufs = ReadBuffers(record_bytes=64, max_spare_bytes=64 * 8)
+        held = hold(bufs.take(4))
+        other = bufs.take(4)
+        assert not np.shares_memory(other, np.asarray(held))
+        address = other.ctypes.data
+        del other, held
+        again = bufs.take(3)  # nothing references the spare now: reused
+        assert again.ctypes.data == address and again.shape == (3, 64)
+        assert not np.shares_memory(bufs.take(3), again)  # ... but not while `again` lives
+    bufs = ReadBuffers(record_bytes=64, max_spare_bytes=64 * 8)
+    big = bufs.take(9)  # over the bound: never kept as the spare
+    assert big.shape == (9, 64) and bufs._spare is None
+    del big
+    small = bufs.take(2)
+    address = small.ctypes.data
+    del small
+    assert bufs.take(2).ctypes.data == address  # the small one is the spare
