@@ -30,7 +30,7 @@ def build_decode(engine_cfg: EngineConfig, opts: WorkerOptions,
         """The engine over `kv_buffer` (None: its own pool), a receiver for `pool` (None:
         the engine's pool) over `transport`, and the node."""
         engine, runner = build_engine(engine_cfg, kv_buffer=kv_buffer, layout=layout, pool_name=kv_shm)
-        tiers.extend(attach_tiers(opts.kv_offload, engine, parts.metrics, parts.tier_events))  # the reused prefix's source too
+        tiers.extend(attach_tiers(opts.kv_offload, engine, parts.metrics, parts.tier_events, parts.wake))  # the reused prefix's source too
         receiver = make_receiver(runner.layout, pool_array(runner) if pool is None else pool, transport,
                                  host=opts.kv_host, port=opts.kv_port, faults=parts.kv_faults,
                                  curve=curve, parallel=ParallelLayout.of(

@@ -33,7 +33,7 @@ def build_prefill(engine_cfg: EngineConfig, opts: WorkerOptions,
     from prefill_node.node import PrefillNode
 
     engine, runner = build_engine(prefill_engine_config(engine_cfg))
-    tiers = attach_tiers(opts.kv_offload, engine, parts.metrics, parts.tier_events)
+    tiers = attach_tiers(opts.kv_offload, engine, parts.metrics, parts.tier_events, parts.wake)
     sender = make_sender(runner.layout, pool_array(runner), faults=parts.kv_faults,
                          curve=kv_keys(opts), parallel=ParallelLayout.of(
                              engine_cfg.tensor_parallel_size, engine_cfg.pipeline_parallel_size, runner.layout))

@@ -128,12 +128,15 @@ class LLMEngine:
         self.tier_fills: TierFills[str] | None = None  # decode reservations' blocks, by request id
         self.tier_reads: TierFills[int] | None = None  # parked admissions' blocks, by seq id
 
-    def attach_tiers(self, tiers: PrefixTiers, read_timeout_s: float = READ_TIMEOUT_S) -> None:
+    def attach_tiers(self, tiers: PrefixTiers, read_timeout_s: float = READ_TIMEOUT_S,
+                     on_read_done: Callable[[], None] | None = None) -> None:
         """Read the KV tiers below the pool on admission (off the loop) and write computed
-        blocks down; a read not landed within `read_timeout_s` is given up (recomputed)."""
+        blocks down; a read not landed within `read_timeout_s` is given up (recomputed).
+        `on_read_done` is called on the loader thread as each read ends (a worker's loop
+        wakes from its idle wait)."""
         self.tier_link = TierLink(tiers, self.runner.pool, self.block_manager)
-        self.tier_fills = TierFills(self.tier_link, read_timeout_s)
-        self.tier_reads = TierFills(self.tier_link, read_timeout_s)
+        self.tier_fills = TierFills(self.tier_link, read_timeout_s, on_done=on_read_done)
+        self.tier_reads = TierFills(self.tier_link, read_timeout_s, on_done=on_read_done)
         self.scheduler.tiers = tiers
 
     # ---------------------------------------------------------------- requests

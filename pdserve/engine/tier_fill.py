@@ -21,7 +21,9 @@ on. Two callers, one `TierFills` each, keyed their own way:
   has the rest recomputed.
 
 Only the loop ever writes the pool: a read's bytes are copied in on the loop, and a
-dropped read (its request ended) never is. A read that has not landed within
+dropped read (its request ended) never is. `on_done` (a worker's: the wake-up of its
+main loop's idle wait) runs on the loader thread as each read ends, so an idle loop
+takes the bytes at once. A read that has not landed within
 `timeout_s` is given up (FAILED, nothing arrived) and logged once; its thread's
 result, when it comes, is ignored.
 """
@@ -78,12 +80,14 @@ class TierFills(Generic[K]):
         link: TierLink,
         timeout_s: float = READ_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"the tier read timeout must be > 0, got {timeout_s}")
         self.link = link
         self.timeout_s = timeout_s
         self.clock = clock
+        self.on_done = on_done  # called on the loader thread as each read ends
         self.num_timeouts = 0
         self._fills: dict[K, _Fill] = {}
 
@@ -99,6 +103,9 @@ class TierFills(Generic[K]):
         self._fills[key] = _Fill(
             future, tuple(block_ids), tuple(digests), self.clock() + self.timeout_s
         )
+        if self.on_done is not None:
+            on_done = self.on_done
+            future.add_done_callback(lambda _: on_done())
 
     def pending(self, key: K) -> bool:
         return key in self._fills

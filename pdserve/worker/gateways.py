@@ -19,7 +19,9 @@ Routing invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -108,6 +110,10 @@ class GatewayLinks:
         self._retiring: dict[str, float] = {}  # address -> when it vanished
         self._origin: dict[str, str] = {}  # request id -> gateway address (insertion ordered)
         self._poller = zmq.Poller()
+        # Another thread's `wake` (a KV tier read landed) ends the loop's idle wait at once.
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_lock = threading.Lock()
+        self._poller.register(self._wake_fd, zmq.POLLIN)
         self.addresses: tuple[str, ...] = ()
         self._lookup_done = threading.Event()
         self._stop = threading.Event()
@@ -200,11 +206,19 @@ class GatewayLinks:
             del self._origin[next(iter(self._origin))]
 
     def wait(self, timeout_ms: int) -> bool:
-        """Block up to `timeout_ms` for a message on any channel."""
-        if not self._channels:
-            time.sleep(timeout_ms / 1000)
-            return False
-        return bool(self._poller.poll(timeout_ms))
+        """Block up to `timeout_ms` for a message on any channel or a `wake`; True if
+        either came."""
+        events = dict(self._poller.poll(timeout_ms))
+        if self._wake_fd in events:
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(self._wake_fd)
+        return bool(events)
+
+    def wake(self) -> None:
+        """From any thread: end the current (or the next) `wait` now (after `close`: nothing)."""
+        with self._wake_lock:  # never a write to a closed (maybe reused) descriptor number
+            if self._wake_fd >= 0:
+                os.eventfd_write(self._wake_fd, 1)
 
     def send(self, msg: p.Message) -> None:
         """A node's reply: to the gateway its request came from (all when unknown)."""
@@ -247,3 +261,8 @@ class GatewayLinks:
         for addr in list(self._channels):
             self._close(addr)
         self.addresses = ()
+        with self._wake_lock:
+            if self._wake_fd >= 0:
+                self._poller.unregister(self._wake_fd)
+                os.close(self._wake_fd)
+                self._wake_fd = -1

@@ -34,9 +34,12 @@ log = logging.getLogger(__name__)
 
 
 def attach_tiers(config: KVOffloadConfig | None, engine: LLMEngine, metrics: WorkerMetrics,
-                 events: TierEventLog | None = None) -> list[Callable[[], Any]]:
+                 events: TierEventLog | None = None,
+                 wake: Callable[[], None] | None = None) -> list[Callable[[], Any]]:
     """Give `engine` the configured tiers; the cleanup that flushes and closes them.
-    With `events` (KV events on) the tiers' writer reports what it stores and evicts."""
+    With `events` (KV events on) the tiers' writer reports what it stores and evicts.
+    `wake` (the main loop's, `NodeParts.wake`) is called on the loader thread as each
+    read ends, so an idle loop takes the blocks at once rather than at its next tick."""
     if config is None or not config.enabled:
         return []
     if engine.config.tensor_parallel_size > 1 or engine.config.pipeline_parallel_size > 1:
@@ -44,7 +47,7 @@ def attach_tiers(config: KVOffloadConfig | None, engine: LLMEngine, metrics: Wor
         return []
     cache = build_tier_cache(config, engine.runner.layout, events)
     assert cache is not None
-    engine.attach_tiers(cache)
+    engine.attach_tiers(cache, on_read_done=wake)
     metrics.registry.register(TierCollector(cache.snapshot, metrics.labels))
     log.info("KV tiers below the pool: %s", ", ".join(t.name for t in cache.tiers))
     return [cache.close]

@@ -82,7 +82,7 @@ def build_colocated(engine_cfg: EngineConfig, opts: WorkerOptions,
     from pdserve.worker.kv_tiers import attach_tiers
 
     engine, runner = build_engine(engine_cfg)
-    tiers = attach_tiers(opts.kv_offload, engine, parts.metrics, parts.tier_events)
+    tiers = attach_tiers(opts.kv_offload, engine, parts.metrics, parts.tier_events, parts.wake)
     node = ColocatedNode(parts.worker_id, engine, runner, parts.send, parts.metrics, parts.traces)
     return node, [*tiers, runner.close]
 

@@ -48,10 +48,11 @@ class WorkerOptions:
 
 
 class NodeParts:
-    """What a role builder gets: the worker's id, its reply channel, its metrics, the
-    KV faults its sender or receiver injects (none unless fault injection is on) and
-    the spans of its traced requests (`traces`; inert unless tracing is on), and the log
-    its KV tiers' writer reports to (`tier_events`; None unless KV events are on)."""
+    """What a role builder gets: the worker's id, its reply channel and the wake-up of
+    the main loop's idle wait, its metrics, the KV faults its sender or receiver
+    injects (none unless fault injection is on) and the spans of its traced requests
+    (`traces`; inert unless tracing is on), and the log its KV tiers' writer reports
+    to (`tier_events`; None unless KV events are on)."""
 
     def __init__(self, worker_id: str, channel: GatewayLinks, metrics: WorkerMetrics,
                  kv_faults: FaultConfig, tracer: Tracer | None = None,
@@ -59,6 +60,7 @@ class NodeParts:
         self.worker_id = worker_id
         self.tier_events = tier_events
         self.send = channel.send
+        self.wake = channel.wake  # from any thread: the main loop's idle wait ends now
         self.metrics = metrics
         self.kv_faults = kv_faults
         self.traces = WorkerTraces(tracer, worker_id)  # empty and inert without a tracer

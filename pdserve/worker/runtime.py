@@ -6,7 +6,7 @@ The node (prefill, decode or colocated) supplies the work; the loop is:
     while running:
         handle every control message that arrived
         node.step()                     # one engine step, if there is work
-        (idle: wait for a message, briefly)
+        (idle: wait for a message or a wake-up, briefly)
 
 After every tick the loop publishes a `LoadSnapshot` (the node's load and the
 worker's gauges, set right there), so `/metrics` is current at every scrape.

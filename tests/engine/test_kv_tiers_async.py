@@ -187,6 +187,25 @@ def test_other_requests_step_while_a_tier_read_is_held_then_the_hit_equals_a_rec
     assert_idle(engine)
 
 
+def test_the_loop_is_woken_as_a_read_ends_and_takes_its_blocks_at_the_next_step(
+    gated: tuple[LLMEngine, GatedTier, TieredKVCache],
+    reference: Callable[[list[int], SamplingParams], tuple[int, ...]],
+) -> None:
+    engine, tier, cache = gated
+    woken = threading.Event()
+    engine.attach_tiers(cache, on_read_done=woken.set)  # a worker's: its idle wait ends
+    streams = Streams(engine)
+    start_held(engine, tier, streams)
+    assert not woken.is_set()  # the read is held inside the tier
+    tier.gate.set()
+    assert woken.wait(GATE_S)  # called on the loader thread once the read ended
+    streams.step()  # the very next step admits it, computing only the rest
+    assert streams.cached["tiered"] == 5 * BS and engine.stats().num_waiting_for_kv == 0
+    streams.drain()
+    assert tuple(streams.tokens["tiered"]) == reference(BASE, GREEDY)
+    assert_idle(engine)
+
+
 @pytest.mark.parametrize("how", ["corrupt", "gone"])
 def test_a_block_gone_bad_while_the_read_waits_is_a_counted_miss_and_recomputed(
     gated: tuple[LLMEngine, GatedTier, TieredKVCache],

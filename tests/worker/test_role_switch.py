@@ -22,6 +22,7 @@ class _Node:
 
 class _Links:
     def send(self, msg: p.Message) -> None: ...
+    def wake(self) -> None: ...
 
 
 def _switcher(log: list[str], fail: str = "", **opts: Any) -> RoleSwitcher:

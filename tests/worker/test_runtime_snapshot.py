@@ -6,6 +6,7 @@ lists each request that arrived once, in the first heartbeat whose load counts i
 from __future__ import annotations
 
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
 
@@ -166,3 +167,19 @@ def test_heartbeats_report_each_arrival_once_with_a_load_that_counts_it() -> Non
         run_in_main_thread(runtime, node, body)
     finally:
         router.close(linger=0)
+
+
+def test_a_wake_from_another_thread_ends_the_idle_wait_at_once() -> None:
+    links = GatewayLinks((f"tcp://127.0.0.1:{free_port()}",), "wake-test")  # nothing listens
+    try:
+        assert links.wait(0) is False  # nothing came
+        t = threading.Thread(target=links.wake)  # a KV tier read landing on the loader thread
+        t.start()
+        t.join(30)
+        started = time.monotonic()
+        assert links.wait(60_000) is True  # level-triggered: a wake before the wait counts too
+        assert time.monotonic() - started < 30
+        assert links.wait(0) is False  # drained: one wake ends one wait
+    finally:
+        links.close()
+    links.wake()  # after close: nothing, never an error on the loader thread
