@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kv_transfer.pool.runs import block_runs
+from pdserve.common.block_runs import block_runs
 
 
 def word_dtype(row_bytes: int) -> np.dtype:

@@ -18,7 +18,7 @@ import numpy as np
 from kv_transfer.checksum import word_dtype
 from kv_transfer.pool import hostcopy
 from kv_transfer.pool.copy_threads import CopyThreads, Work
-from kv_transfer.pool.runs import Run, block_runs
+from pdserve.common.block_runs import Run, block_runs
 from pdserve.common.kv_layout import NULL_BLOCK, KVLayout
 
 # numpy has no bfloat16: such pools are handled as their raw 16-bit patterns. Quantized

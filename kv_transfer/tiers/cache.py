@@ -2,6 +2,7 @@
 
     cache = TieredKVCache(layout, [host, disk, remote])
     payloads = cache.load(digests)   # the longest leading run found, checked: a row per block
+    cache.release(payloads)          # copied into the pool: the read buffer may be reused
     cache.offer(digest, payload)     # returns at once; the writer thread stores it
 
 `load` asks the tiers in order (host, disk, remote) for each block of the chain and
@@ -25,9 +26,11 @@ block is dropped (counted) rather than make a step wait. The writer thread encod
 each block once and writes it to every tier that lacks it.
 
 With an event log (`events`, tiers/events.py; the worker's `--kv-events-config`) the
-writer also reports each block it stored in a tier, once the write succeeded, and the
-blocks this process's bound enforcement evicted from a file tier (host, disk) among
-those it reported stored. Without one nothing is recorded.
+writer also reports each block it stored in a tier, once the write succeeded; and of
+those it reported stored in a file tier (host, disk), the ones this process's bound
+enforcement evicted, the bad records the loader discarded, and the oldest once more
+were reported than the tier holds (`ReportedBlocks`: another worker sharing the tier
+evicted it). Without one nothing is recorded.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ import functools
 import logging
 import os
 import queue
-import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -81,39 +84,96 @@ class CacheSnapshot:
 
 
 class _Write:
-    __slots__ = ("digest", "key", "payload", "record", "tiers")
+    __slots__ = ("buffer", "digest", "key", "payload", "record", "tiers")
 
     def __init__(self, digest: bytes, key: bytes, payload: np.ndarray | None, record: bytes | memoryview | None,
-                 tiers: Sequence[KVTier]) -> None:
+                 tiers: Sequence[KVTier], buffer: np.ndarray | None = None) -> None:
         self.digest, self.key, self.payload, self.record, self.tiers = digest, key, payload, record, tiers
+        self.buffer = buffer  # the read buffer a promotion's `record` views (ReadBuffers.promoted)
+
+
+def owner_of(view: np.ndarray) -> np.ndarray:
+    """The array that owns `view`'s memory (numpy points every view's `base` at it)."""
+    return view if view.base is None else view.base  # type: ignore[return-value]
 
 
 class ReadBuffers:
-    """The loads' read buffers: one spare, reused once nothing references it any more.
+    """The loads' read buffers: one spare, reused once every reader of it said it is done.
 
     Reading into fresh memory faults in every page first (on the 2-core VM a 24 MB
     load read in ~5 ms into memory used before, 15-55 ms into fresh), and the loader
-    reads one load at a time, so one spare covers the steady state. Whether the spare
-    is free is its reference count: every view of it (a load's payload rows, a
-    promotion's record, a tensor made from them) holds a reference to it, so a spare
-    only the pool references has no reader left (CPython's reference counting)."""
+    reads one load at a time, so one spare covers the steady state. A buffer `take`
+    hands out has two readers, and each says when it is done with it: the engine, which
+    copies the load into its pool and then `release`s the payloads (TieredKVCache.release,
+    from pdserve/engine/pool_blocks.py), and the writer, which copies each promoted
+    record out of it (`promoting` counts them, `promoted` each one written). Until both
+    are done the next load reads into a fresh buffer, which becomes the spare; a load the
+    engine never copies in (its read timed out, its request ended) only keeps its buffer
+    from being reused, and the garbage collector frees it with its last view."""
 
     def __init__(self, record_bytes: int, max_spare_bytes: int = SPARE_READ_BUFFER_BYTES) -> None:
         self.record_bytes = record_bytes
         self.max_spare_bytes = max_spare_bytes
         self._spare: np.ndarray | None = None
+        self._leased = False  # the spare is handed out and the engine has not released it
+        self._promotions = 0  # the spare's promoted records the writer has not copied yet
         self._lock = threading.Lock()  # check-then-take: two loads never share a buffer
 
     def take(self, rows: int) -> np.ndarray:
         """A [rows, record bytes] uint8 buffer nothing else uses (its contents undefined)."""
         with self._lock:
-            if (self._spare is not None and self._spare.shape[0] >= rows
-                    and sys.getrefcount(self._spare) == 2):  # the attribute and the call's argument
-                return self._spare[:rows]
+            spare = self._spare
+            free = spare is not None and not self._leased and not self._promotions
+            if free and spare is not None and spare.shape[0] >= rows:
+                self._leased = True
+                return spare[:rows]
             buf = np.empty((rows, self.record_bytes), np.uint8)
-            if buf.nbytes <= self.max_spare_bytes and (self._spare is None or rows >= self._spare.shape[0]):
-                self._spare = buf
+            if buf.nbytes <= self.max_spare_bytes and (spare is None or not free or rows >= spare.shape[0]):
+                self._spare, self._leased, self._promotions = buf, True, 0
             return buf
+
+    def release(self, view: np.ndarray) -> None:
+        """The engine is done with the load `view` is (part of)."""
+        with self._lock:
+            if owner_of(view) is self._spare:
+                self._leased = False
+
+    def promoting(self, buffer: np.ndarray, records: int) -> None:
+        """`records` promotions viewing `buffer` go to the writer."""
+        with self._lock:
+            if buffer is self._spare:
+                self._promotions += records
+
+    def promoted(self, buffer: np.ndarray) -> None:
+        """The writer is done with one promotion from `buffer` (written or not)."""
+        with self._lock:
+            if buffer is self._spare:
+                self._promotions -= 1
+
+
+class ReportedBlocks:
+    """Key -> digest of the blocks reported stored in one tier, oldest first, at most
+    `limit` (thread-safe: the writer adds and evicts, the loader discards)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def add(self, key: bytes, digest: bytes) -> bytes | None:
+        """Remember `key`; the digest of the oldest block it pushed out, if any."""
+        with self._lock:
+            self._blocks[key] = digest
+            self._blocks.move_to_end(key)
+            return self._blocks.popitem(last=False)[1] if len(self._blocks) > self.limit else None
+
+    def pop(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Forget `keys`: the digests of those remembered."""
+        with self._lock:
+            return [d for k in keys if (d := self._blocks.pop(k, None)) is not None]
 
 
 class TieredKVCache:
@@ -135,12 +195,14 @@ class TieredKVCache:
         self._load_seconds = 0.0
         self._events = events
         # Per tier whose evictions this process sees: key -> digest of each block reported
-        # stored and not yet evicted (writer thread only), so an eviction names digests.
-        self._reported: dict[str, dict[bytes, bytes]] = {}
+        # stored and not yet evicted or discarded, so a removal names digests. At most as
+        # many as the tier holds records: past that, the oldest was evicted by another
+        # worker on the store (reported removed then).
+        self._reported: dict[str, ReportedBlocks] = {}
         if events is not None:
             for tier in self.tiers:
                 if tier.watch_evictions(functools.partial(self._evicted, tier.name)):
-                    self._reported[tier.name] = {}
+                    self._reported[tier.name] = ReportedBlocks(max(1, tier.capacity // self.record_bytes))
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-tier-loader")
@@ -152,7 +214,8 @@ class TieredKVCache:
     # ------------------------------------------------------- engine (and loader)
     def load(self, digests: Sequence[bytes]) -> np.ndarray:
         """Payloads of the longest leading run of `digests` some tier holds, checked: one
-        row per block, [blocks, payload bytes] uint8 (rows of one buffer the caller owns)."""
+        row per block, [blocks, payload bytes] uint8 (rows of a read buffer: `release`
+        them once copied, so the next load may reuse it)."""
         t0 = time.perf_counter()
         # Every record is read straight into its row of one buffer and checked there: no
         # allocation or copy per block (each was a fresh ~200 KB buffer to fault in).
@@ -170,14 +233,21 @@ class TieredKVCache:
         # Promotions are queued once the whole run is read, so the writer's work never
         # competes with this read; it copies each checked record out of the read buffer,
         # which nobody writes once the load returns (the engine only copies it out).
+        owner = owner_of(records)
+        self._buffers.promoting(owner, len(promote))
         for digest, key, row, served in promote:
-            self._enqueue(_Write(digest, key, None, records[row].data.toreadonly(), self.tiers[:served]))
+            if not self._enqueue(_Write(digest, key, None, records[row].data.toreadonly(), self.tiers[:served], owner)):
+                self._buffers.promoted(owner)  # dropped: the writer never sees it
         if n:
             with self._lock:
                 self._loads += 1
                 self._loaded_blocks += n
                 self._load_seconds += time.perf_counter() - t0
         return records[:n, HEADER_BYTES:]
+
+    def release(self, payloads: np.ndarray) -> None:
+        """The engine copied a load's `payloads` into its pool: their buffer may be reused."""
+        self._buffers.release(payloads)
 
     def present(self, digests: Sequence[bytes]) -> int:
         """How many leading `digests` some tier holds (an existence check, not a read)."""
@@ -209,6 +279,8 @@ class TieredKVCache:
             if miss is not None:
                 tier.stats.miss(miss, f"key {key.hex()[:16]}")
                 tier.discard(key)  # the recomputed block takes its place
+                if tier.name in self._reported:
+                    self._evicted(tier.name, [key])
                 continue
             if record is not into:  # the tier's own bytes (immutable, so still the checked ones)
                 row[:] = np.frombuffer(record, np.uint8)
@@ -245,34 +317,37 @@ class TieredKVCache:
             except Exception:  # a writer that dies would silently stop all write-down
                 log.exception("KV tier writer: a block was not written")
             finally:
+                if item is not None and item.buffer is not None:
+                    self._buffers.promoted(item.buffer)
+                item = None
                 self._queue.task_done()
-                item = None  # a promotion's view of a read buffer: let the buffer be reused
 
     def _write(self, item: _Write) -> None:
-        # A promoted record is a view of a load's buffer: copied here, off the loader.
-        record = item.record.tobytes() if isinstance(item.record, memoryview) else item.record
+        record = item.record
         for tier in item.tiers:
             if tier.contains(item.key):
                 continue
             if record is None:
                 assert item.payload is not None
                 record = encode_record(item.key, item.payload, self.num_rows)
+            elif isinstance(record, memoryview):  # a promotion's view of a read buffer: copied here, off the loader
+                record = record.tobytes()
             if tier.put(item.key, record) and self._events is not None:
                 self._stored(tier.name, item.key, item.digest)
 
     def _stored(self, tier: str, key: bytes, digest: bytes) -> None:
         assert self._events is not None
-        reported = self._reported.get(tier)
-        if reported is not None:
-            reported[key] = digest
         self._events.stored(tier, digest)
+        reported = self._reported.get(tier)
+        if reported is not None and (oldest := reported.add(key, digest)) is not None:
+            self._events.removed(tier, [oldest])
 
     def _evicted(self, tier: str, keys: list[bytes]) -> None:
-        """A file tier's bound enforcement deleted `keys` (writer thread, inside `put`):
-        the blocks among them this cache reported stored are reported removed."""
+        """A file tier's bound enforcement deleted `keys` (writer thread, inside `put`), or
+        the loader discarded a bad record: the blocks among them this cache reported
+        stored are reported removed."""
         assert self._events is not None
-        reported = self._reported[tier]
-        digests = [d for k in keys if (d := reported.pop(k, None)) is not None]
+        digests = self._reported[tier].pop(keys)
         if digests:
             self._events.removed(tier, digests)
 

@@ -21,6 +21,9 @@ class PrefixTiers(Protocol):
         """Payloads of the longest leading run of `digests` found, each checked: one row
         per block ([blocks, payload bytes], uint8)."""
 
+    def release(self, payloads: np.ndarray) -> None:
+        """The caller copied a load's `payloads` (or rows of them) and reads them no more."""
+
     def offer(self, digest: bytes, payload: np.ndarray) -> bool:
         """Queue one block for writing without blocking; False if it was dropped."""
 

@@ -49,8 +49,9 @@ from typing import Any
 
 from kv_transfer.tiers import TierEventLog
 from pdserve.common import protocol as p
+from pdserve.common.hosts import LOOPBACK
 from pdserve.common.roles import Role
-from pdserve.common.transport import LOOPBACK, CurveClient, WorkerChannel, host_id, transport_kind
+from pdserve.common.transport import CurveClient, WorkerChannel, host_id, transport_kind
 from pdserve.engine.core.block_events import AllCleared
 from pdserve.worker.arrivals import ArrivalCursor, ArrivalLog, Arrivals
 from pdserve.worker.faults import FaultInjector, WorkerFaults
@@ -234,7 +235,8 @@ class WorkerRuntime:
         index, as they are to vLLM-format subscribers, followed there by the tiers' writes
         and evictions. The pool's log is drained first: a block's tier write, offered after
         the step that registered it, lands in this batch or a later one, never before the
-        pool's BlockStored."""
+        pool's BlockStored (a block copied up from a lower tier is queued as its read
+        lands, so its host-tier BlockStored may come first)."""
         log = node.block_event_log()
         events = log.drain()
         batch = self.cache.next_batch(node, events)

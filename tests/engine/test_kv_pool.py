@@ -130,6 +130,7 @@ def test_block_table_entries_past_the_context_are_ignored(
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tier_loads_land_in_their_blocks_from_strided_rows_whatever_runs_the_ids_form(dtype: str) -> None:
+    from kv_transfer.tiers.record import HEADER_BYTES as H
     from pdserve.engine.pool_blocks import read_blocks, write_loads
     from pdserve.engine.tier_api import BlockLoad
 
@@ -137,13 +138,14 @@ def test_tier_loads_land_in_their_blocks_from_strided_rows_whatever_runs_the_ids
     pool = KVPool(layout, num_blocks=12)
     size = layout.block_bytes_per_layer * layout.num_layers
     rng = np.random.default_rng(0)
-    # Rows of a tiers' read buffer: each record's payload after a 64-byte header (strided).
-    records = rng.integers(0, 255, (5, 64 + size), dtype=np.uint8)
+    # Rows of a tiers' read buffer: each record's payload after its header (strided, and
+    # only as aligned as the real header leaves it).
+    records = rng.integers(0, 255, (5, H + size), dtype=np.uint8)
     if dtype == "bfloat16":  # keep the bytes finite bfloat16 values: exponent bits never all ones
-        records[:, 65::2] &= 0x3F
+        records[:, H + 1::2] &= 0x3F
     ids = (7, 8, 2, 3, 4)  # two runs, out of order
     before = read_blocks(pool, [1, 5, 6, 9, 10, 11])
-    write_loads(pool, [BlockLoad(ids, records[:, 64:], ()), BlockLoad((), records[:0, 64:], ())])
+    write_loads(pool, [BlockLoad(ids, records[:, H:], ()), BlockLoad((), records[:0, H:], ())])
     got = read_blocks(pool, ids)
-    assert all((got[i] == records[i, 64:]).all() for i in range(5))
+    assert all((got[i] == records[i, H:]).all() for i in range(5))
     assert all((a == b).all() for a, b in zip(before, read_blocks(pool, [1, 5, 6, 9, 10, 11]), strict=True))

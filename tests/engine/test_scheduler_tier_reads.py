@@ -22,10 +22,10 @@ from pdserve.engine.core.block_manager import NO_HIT
 from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.core.sequence import SequenceStatus
 from pdserve.engine.tier_api import BlockLoad, TierRead
-from pdserve.engine.tier_fill import NO_LOAD
 from tests.engine.test_scheduler import BS, make, run_step, seq, shape
 
 LAYOUT = KVLayout("cfg", 2, 2, 8, BS, "float32", weights="w")
+NO_LOAD = BlockLoad((), np.empty((0, 0), np.uint8), ())  # nothing arrived (the scheduler test stays torch-free)
 PROMPT = list(range(13))  # 3 full blocks a hit may cover (never the last token)
 
 

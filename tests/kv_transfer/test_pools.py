@@ -181,7 +181,7 @@ def test_fused_copy_and_checksum_match_the_plain_ones(monkeypatch: pytest.Monkey
 
 
 def test_block_runs_coalesce_ids_that_step_together() -> None:
-    from kv_transfer.pool.runs import Run, block_runs
+    from pdserve.common.block_runs import Run, block_runs
 
     assert block_runs([5, 6, 7, 2, 3, 9]) == [Run(0, 3, 5, 0), Run(3, 2, 2, 3), Run(5, 1, 9, 5)]
     # with destination ids, a run needs both sides to step by one

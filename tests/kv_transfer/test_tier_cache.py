@@ -102,29 +102,67 @@ def test_the_writer_thread_runs_at_the_lowest_priority(tmp_path: Path) -> None:
     cache.close()
 
 
-def test_a_read_buffer_is_reused_only_once_nothing_references_it() -> None:
-    import torch
+def test_a_read_buffer_is_reused_only_once_the_engine_and_the_writer_are_done() -> None:
+    from kv_transfer.tiers.cache import ReadBuffers, owner_of
 
-    from kv_transfer.tiers.cache import ReadBuffers
-
-    # Whatever a load hands out keeps its buffer from the next load: payload rows, a
-    # promotion's record view, a tensor made of the rows.
-    holds = (lambda b: b[:2, 8:], lambda b: b[1].data.toreadonly(), lambda b: torch.from_numpy(b[:, 8:]))
-    for hold in holds:
-        bufs = ReadBuffers(record_bytes=64, max_spare_bytes=64 * 8)
-        held = hold(bufs.take(4))
-        other = bufs.take(4)
-        assert not np.shares_memory(other, np.asarray(held))
-        address = other.ctypes.data
-        del other, held
-        again = bufs.take(3)  # nothing references the spare now: reused
-        assert again.ctypes.data == address and again.shape == (3, 64)
-        assert not np.shares_memory(bufs.take(3), again)  # ... but not while `again` lives
     bufs = ReadBuffers(record_bytes=64, max_spare_bytes=64 * 8)
-    big = bufs.take(9)  # over the bound: never kept as the spare
+    first = bufs.take(4)
+    owner = owner_of(first)
+    bufs.promoting(owner, 2)  # two promoted records view it
+    assert not np.shares_memory(bufs.take(4), first)  # leased: a fresh buffer (now the spare)
+    bufs = ReadBuffers(record_bytes=64, max_spare_bytes=64 * 8)
+    first = bufs.take(4)
+    owner = owner_of(first)
+    bufs.promoting(owner, 2)
+    bufs.release(first[:2, 8:])  # the engine copied the load in (a view of it, as the engine holds)
+    bufs.promoted(owner)
+    assert not np.shares_memory(bufs.take(3), first)  # one promotion still queued
+    bufs = ReadBuffers(record_bytes=64, max_spare_bytes=64 * 8)
+    first = bufs.take(4)
+    owner = owner_of(first)
+    bufs.promoting(owner, 2)
+    bufs.release(first[:2, 8:])
+    bufs.promoted(owner)
+    bufs.promoted(owner)
+    again = bufs.take(3)
+    assert np.shares_memory(again, first) and again.shape == (3, 64)  # both done: reused
+    assert not np.shares_memory(bufs.take(3), again)  # ... and leased again
+    # A released view of some other buffer frees nothing.
+    bufs = ReadBuffers(record_bytes=64, max_spare_bytes=64 * 8)
+    held = bufs.take(4)
+    bufs.release(np.empty((4, 64), np.uint8))
+    assert not np.shares_memory(bufs.take(4), held)
+    # Over the bound: never kept as the spare; a smaller one is.
+    bufs = ReadBuffers(record_bytes=64, max_spare_bytes=64 * 8)
+    big = bufs.take(9)
     assert big.shape == (9, 64) and bufs._spare is None
-    del big
     small = bufs.take(2)
-    address = small.ctypes.data
-    del small
-    assert bufs.take(2).ctypes.data == address  # the small one is the spare
+    bufs.release(small)
+    assert np.shares_memory(bufs.take(2), small)  # the small one is the spare
+
+
+def test_a_load_keeps_its_buffer_until_released_and_its_promotions_are_written(tmp_path: Path) -> None:
+    """Through the cache: a disk hit is promoted to the host tier from the read buffer, so
+    the next load reads elsewhere until the engine released the first and the writer copied
+    the promotions; the second load's bytes never overwrite the first's."""
+    host, disk = FileTier("host", tmp_path / "h", 1 << 30), FileTier("disk", tmp_path / "d", 1 << 30)
+    writer = TieredKVCache(LAYOUT, [disk])
+    digests = [bytes([i]) * 32 for i in range(3)]
+    for i, d in enumerate(digests):
+        assert writer.offer(d, payload(i))
+    assert writer.flush()
+    writer.close()
+    cache = TieredKVCache(LAYOUT, [host, FileTier("disk", tmp_path / "d", 1 << 30)])
+    want = np.stack([payload(i) for i in range(3)])
+    first = cache.load(digests[:2])  # from disk: both promoted to the host tier
+    assert cache.flush()  # promotions written, but the engine has not released it
+    second = cache.load(digests[1:])  # block 2 from disk: promoted from this buffer
+    assert not np.shares_memory(first, second)  # a fresh buffer, now the spare
+    cache.release(second)
+    assert cache.flush()
+    third = cache.load(digests[:2])  # released, its promotion written: the spare is reused
+    assert np.shares_memory(second, third)
+    assert np.array_equal(first, want[:2]) and np.array_equal(third, want[:2])
+    assert cache.flush()
+    assert all(host.contains(cache.key(d)) for d in digests)
+    cache.close()

@@ -18,8 +18,8 @@ from kv_transfer.tiers.events import TierBlocks, TierEventLog
 from kv_transfer.tiers.files import FileTier
 from kv_transfer.tiers.record import HEADER_BYTES, block_payload_bytes
 from pdserve.common.block_hash import block_key
+from pdserve.common.hosts import free_port
 from pdserve.common.kv_layout import KVLayout
-from pdserve.common.transport import free_port
 from pdserve.engine.core.block_events import AllCleared
 from pdserve.worker.vllm_events.config import KVEventsConfig
 from pdserve.worker.vllm_events.publisher import KVEventPublisher
@@ -149,3 +149,53 @@ def test_the_log_joins_runs_and_drops_past_its_bound_counted() -> None:
     assert log.drain() == [TierBlocks("host", True, [digest(1), digest(2)]), TierBlocks("disk", True, [digest(1)])]
     log.removed("host", [digest(1)])
     assert log.drain() == [TierBlocks("host", False, [digest(1)])]
+
+
+def test_a_discarded_bad_record_is_reported_removed(tmp_path: Path) -> None:
+    host = FileTier("host", tmp_path / "shm", 1 << 30)
+    log = TierEventLog()
+    cache = TieredKVCache(LAYOUT, [host], events=log)
+    try:
+        assert cache.offer(digest(3), payload(3)) and cache.flush()
+        assert log.drain() == [TierBlocks("host", True, [digest(3)])]
+        path = host.path(cache.key(digest(3)))
+        path.write_bytes(path.read_bytes()[:-1] + b"\xff")  # one payload byte flipped: the checksum fails
+        assert len(cache.load([digest(3)])) == 0
+        assert not path.exists()  # discarded, so the recomputed block takes its place
+        assert log.drain() == [TierBlocks("host", False, [digest(3)])]
+    finally:
+        cache.close()
+
+
+def test_the_reported_blocks_of_a_tier_are_bounded_oldest_out_first() -> None:
+    from kv_transfer.tiers.cache import ReportedBlocks
+
+    reported = ReportedBlocks(limit=2)
+    assert reported.add(b"k1", digest(1)) is None and reported.add(b"k2", digest(2)) is None
+    assert reported.add(b"k1", digest(1)) is None  # stored again: now the newest
+    assert reported.add(b"k3", digest(3)) == digest(2)  # past the bound: the oldest goes
+    assert len(reported) == 2
+    assert reported.pop([b"k1", b"k9"]) == [digest(1)]  # only what it remembers
+    assert reported.pop([b"k1"]) == [] and len(reported) == 1
+
+
+def test_blocks_another_worker_evicted_from_a_shared_tier_are_reported_removed_past_its_size(
+        tmp_path: Path) -> None:
+    """Two workers on one host tier of 4 records: the second's writes evict the first's
+    blocks, which the first never sees; the first still reports them removed once it has
+    reported more blocks stored than the tier can hold."""
+    a_log, b_log = TierEventLog(), TierEventLog()
+    a = TieredKVCache(LAYOUT, [FileTier("host", tmp_path, 4 * RECORD)], events=a_log)
+    b = TieredKVCache(LAYOUT, [FileTier("host", tmp_path, 4 * RECORD)], events=b_log)
+    try:
+        for i in range(4):
+            assert a.offer(digest(i), payload(i)) and a.flush()
+        for i in range(10, 16):
+            assert b.offer(digest(i), payload(i)) and b.flush()
+        a_log.drain()
+        assert a.offer(digest(20), payload(20)) and a.flush()
+        removed = [d for e in a_log.drain() if not e.stored for d in e.digests]
+        assert digest(0) in removed  # pushed out of the first worker's map: reported gone
+    finally:
+        a.close()
+        b.close()

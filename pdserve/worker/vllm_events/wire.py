@@ -27,14 +27,18 @@ them:
     "DISK"    the disk tier: block files kept across restarts (`--kv-offload-dir`)
     "REMOTE"  the remote tier: a Redis shared across hosts (`--kv-remote-url`)
 
-A tier's BlockStored is sent once the worker's tier writer has written the block
-(a block written down from the pool, or copied up from a lower tier), after the pool's
-BlockStored of that block; it names the blocks by hash only, as vLLM's offloading
-connector does: `parent_block_hash` nil, `token_ids` empty, `lora_id` nil (the hash
-already covers the adapter). A tier's BlockRemoved is sent when this worker's own
-bound enforcement deletes blocks it reported stored (host and disk LRU). Not seen, so
-never sent: blocks another worker sharing the tier evicts, and the remote tier's
-evictions (Redis's own maxmemory and TTL).
+A tier's BlockStored is sent once the worker's tier writer has written the block. A
+block written down from the pool comes after the pool's BlockStored of it; a block
+copied up from a lower tier (read from disk or Redis, so written to the host tier) is
+queued as the read lands, so its host-tier BlockStored may come before the pool's, or
+with no pool event at all when the read's request ended first. It names the blocks by
+hash only, as vLLM's offloading connector does: `parent_block_hash` nil, `token_ids`
+empty, `lora_id` nil (the hash already covers the adapter). A tier's BlockRemoved is
+sent when this worker's own bound enforcement deletes blocks it reported stored (host
+and disk LRU), when it discards a bad record it reported, and, for the oldest of them,
+once it has reported more blocks stored in the tier than the tier holds (another
+worker sharing the tier must have evicted it). Not seen, so never sent: the remote
+tier's evictions (Redis's own maxmemory and TTL).
 """
 
 from __future__ import annotations
