@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import platform
 import statistics
@@ -260,9 +261,11 @@ def medians(fns: Mapping[K, Callable[[], object]], reps: int, *, warmup: int = 1
 
 
 def percentile(xs: Sequence[float], q: float) -> float:
-    """The nearest-rank `q` quantile (0..1) of `xs`: a value that occurred."""
+    """The nearest-rank `q` quantile (0..1) of `xs`: the smallest value with at least
+    q x n of them at or below it (rank ceil(q x n), counted from 1), a value that occurred."""
     s = sorted(xs)
-    return s[min(len(s) - 1, int(len(s) * q))]
+    rank = math.ceil(round(q * len(s), 9))  # 0.035 x 200 is 7.000000000000001 in floats
+    return s[min(len(s), max(rank, 1)) - 1]
 
 
 def median_of(records: Sequence[R]) -> R:

@@ -69,8 +69,11 @@ def test_write_json_only_with_a_path(tmp_path: Path) -> None:
 
 def test_percentile_is_the_nearest_rank_value() -> None:
     xs = [float(x) for x in range(100, 0, -1)]  # unsorted on purpose
-    assert harness.percentile(xs, 0.5) == 51.0 and harness.percentile(xs, 0.99) == 100.0
-    assert harness.percentile(xs, 1.0) == 100.0 and harness.percentile([3.0], 0.99) == 3.0
+    assert harness.percentile(xs, 0.5) == 50.0 and harness.percentile(xs, 0.99) == 99.0
+    assert harness.percentile(xs, 1.0) == 100.0 and harness.percentile(xs, 0.0) == 1.0
+    assert harness.percentile(xs, 0.035 * 2) == 7.0  # 0.07 x 100 in floats is 7.000000000000001
+    assert harness.percentile([3.0], 0.99) == 3.0
+    assert harness.percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0 and harness.percentile([1.0, 2.0, 3.0, 4.0], 0.51) == 3.0
 
 
 def test_prefill_all_stops_once_every_request_has_its_first_token(
