@@ -28,7 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.client import at_once
+from bench.client import at_once, served_model
 from bench.harness import background, machine_line, parser, percentile, verdict, write_json
 from tests.e2e.cluster import Cluster, http
 
@@ -86,7 +86,7 @@ def main() -> None:
         c.add_worker("decode")
         c.wait_gateway()
         c.wait_roles(prefill=1, decode=1)
-        model = http("GET", f"{c.url}/v1/models")[1]["data"][0]["id"]
+        model = served_model(c.url)
         url = f"{c.url}/v1/completions"
         phase(url, model, args.streams, 8)  # warm-up
         counter = itertools.count(FIRST_N)

@@ -58,7 +58,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from bench import harness, vllm_cpu
-from pdserve.common.transport import free_port
+from bench.client import served_model
+from pdserve.common.hosts import free_port
 from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.loadgen.launch import list_workers, pdserve_up
 
@@ -145,11 +146,6 @@ def first_token_s(base: str, model: str, prompt: str, max_tokens: int) -> Reply:
     return Reply(ttft, "".join(out), prompt_tokens, cached, statistics.median(gaps) if gaps else 0.0, completion)
 
 
-def model_name(base: str) -> str:
-    with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as r:
-        return str(json.load(r)["data"][0]["id"])
-
-
 def worker_metric(base: str, name: str, role: str = "") -> float:
     """Sum of `name` over the workers (of `role`, if given)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -222,7 +218,7 @@ def multiturn(args: argparse.Namespace, run: int, tiers: tuple[str, ...]) -> Mul
     server's answer to the history the next turn sends."""
     with up(args, "multiturn-tiers" if tiers else "multiturn", "--num-blocks", str(args.num_blocks), *tiers,
             layout=args.layout) as s:
-        model = model_name(s.base_url)
+        model = served_model(s.base_url)
         history = [text(run * 1000 + c, args.history_words) for c in range(args.conversations)]
         prompts, replies = [], []
         for turn in range(args.turns):
@@ -268,7 +264,7 @@ def multiturn_vllm(args: argparse.Namespace, config: ModelConfig, prompts: list[
               f"{args.block_size} tokens x {sizing.bytes_per_token:,} B/token ({sizing.tokens:,} tokens); "
               f"{sizing.expected_tokens(args.vllm_block_size):,} in its {args.vllm_block_size}-token blocks; "
               f"vLLM reported {'nothing' if reported is None else f'{reported:,} tokens'}", flush=True)
-        model = model_name(s.base_url)
+        model = served_model(s.base_url)
         n = args.conversations
         replies = [ask(args, s.base_url, model, p, f"vLLM turn {i // n} conv {i % n}") for i, p in enumerate(prompts)]
     return VllmPass(Multiturn(prompts, replies, n), sizing, reported)
@@ -311,7 +307,7 @@ def cross_and_restart(args: argparse.Namespace, run: int) -> tuple[float, float]
         prefix = [text(run * 100 + 90 + i, args.prefix_words) for i in range(4 * n)]
         cross_warm, restart_warm = prefix[:n], prefix[n:2 * n]
         with up(args, "worker-a", *host, "--kv-offload-dir", str(disk)) as a, up(args, "worker-b", *host) as b:
-            model = model_name(a.base_url)
+            model = served_model(a.base_url)
             for p in cross_warm + restart_warm:  # A computes them; B never sees them
                 first_token_s(a.base_url, model, p, 1)
             written_down(a.base_url)
@@ -360,7 +356,7 @@ def cross_host(args: argparse.Namespace, run: int) -> float:
     with tempfile.TemporaryDirectory() as work, redis_url(Path(work)) as url:
         remote = ("--kv-remote-url", url)
         with up(args, "host-a", *remote) as a, up(args, "host-b", *remote) as b:
-            model = model_name(a.base_url)
+            model = served_model(a.base_url)
             for p in prefix[:n]:
                 first_token_s(a.base_url, model, p, 1)
             written_down(a.base_url)
@@ -390,7 +386,7 @@ def overhead(args: argparse.Namespace, run: int) -> dict[str, float]:
         order = names[run % len(names):] + names[: run % len(names)]
         servers = {name: stack.enter_context(up(args, f"overhead-{name}", *arms[name])) for name in order}
         stack.enter_context(subscribed(json.loads(events)["endpoint"]))
-        model = model_name(servers["off"].base_url)
+        model = served_model(servers["off"].base_url)
         left = {name: iter(prompts) for name in order}
 
         def request(name: str) -> Callable[[], Reply]:

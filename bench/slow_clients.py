@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.client import served_model
 from bench.harness import machine_line, parser, percentile, verdict
 from tests.e2e.cluster import Cluster, metric_value
 from tests.e2e.cluster import http as http_call
@@ -116,9 +117,11 @@ async def slow_phase(c: Cluster, n_headers: int, n_bodies: int, pid: int,
 
 
 def never_reading(port: int, model: str, i: int) -> socket.socket:
+    """A greedy chat stream with big chunks (8 choices, 20 top logprobs each) whose client
+    has a tiny receive window and never reads: the gateway's output backs up within seconds."""
     return unread_post(port, "/v1/chat/completions", {
         "model": model, "messages": [{"role": "user", "content": f"stall {i}"}], "max_tokens": 1500, "n": 8,
-        "logprobs": True, "top_logprobs": 20, "ignore_eos": True, "stream": True})
+        "logprobs": True, "top_logprobs": 20, "temperature": 0, "ignore_eos": True, "stream": True})
 
 
 def unread_post(port: int, path: str, payload: dict[str, Any]) -> socket.socket:
@@ -137,7 +140,7 @@ def stalled_phase(c: Cluster, n: int) -> dict[str, Any]:
     """`n` streams never read. With --max-in-flight 8 they are admitted 8 at a time; those
     left waiting past --max-queue-wait get a 503 they never read either. Done when the
     gateway holds none of them (nothing in flight or queued) and the worker's KV is idle."""
-    model = http_call("GET", f"{c.url}/v1/models")[1]["data"][0]["id"]
+    model = served_model(c.url)
 
     def gateway_metric(name: str) -> float:
         return metric_value(str(http_call("GET", f"{c.url}/metrics")[1]), name)

@@ -44,9 +44,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.client import served_model
 from bench.harness import background, machine_line, parser, write_json
 from bench.slow_clients import MIB, dribbler, rss_bytes, unread_post
-from pdserve.common.transport import free_port
+from pdserve.common.hosts import free_port
 from pdserve.loadgen.launch import stop_group
 from tests.e2e import peers
 from tests.e2e.cluster import ROOT, http
@@ -227,7 +228,7 @@ def main() -> None:
     log = Path(f"/tmp/pdserve-soak-attack-{os.getpid()}.log")
     up = Up(args.decode, log, secrets.token_hex(16))
     try:
-        model = http("GET", f"{up.url}/v1/models")[1]["data"][0]["id"]
+        model = served_model(up.url)
         for i in range(4):  # warm-up, then the RSS the end is compared with
             normal_request(up.url, model, -1 - i)
         gateway = up.gateway_pid()

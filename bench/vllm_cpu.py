@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from pdserve.common.kv_layout import DTYPE_BYTES
+from pdserve.common.kv_layout import KVLayout
 from pdserve.engine.loading.model_config import ModelConfig
 from pdserve.loadgen.launch import ServerHandle, free_port, serve_command
 
@@ -65,8 +65,10 @@ class KVSizing(NamedTuple):
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: str) -> int:
-    """2 (K and V) x layers x KV heads x head_dim x the dtype's bytes."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * DTYPE_BYTES[dtype]
+    """2 (K and V) x layers x KV heads x head_dim x the dtype's bytes: the pool's own
+    arithmetic (`KVLayout.kv_bytes_per_token`)."""
+    return KVLayout(config.architecture, config.num_layers, config.num_kv_heads, config.head_dim, 16,
+                    dtype).kv_bytes_per_token
 
 
 def kv_sizing(config: ModelConfig, dtype: str, num_blocks: int, block_size: int) -> KVSizing:

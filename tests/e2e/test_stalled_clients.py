@@ -8,19 +8,12 @@ import socket
 import time
 from pathlib import Path
 
-from bench.slow_clients import unread_post
+from bench.client import served_model
+from bench.slow_clients import never_reading
 from tests.e2e.cluster import Cluster, metric_value
 from tests.e2e.cluster import http as http_call
 
 IDLE_WRITE_S = 2.0
-
-
-def _never_reading_chat(port: int, model: str, i: int) -> socket.socket:
-    """A chat stream with big chunks (8 choices, 20 top logprobs each) whose client has a
-    tiny receive window and never reads: the gateway's output backs up within seconds."""
-    return unread_post(port, "/v1/chat/completions", {
-        "model": model, "messages": [{"role": "user", "content": f"stall {i}"}], "max_tokens": 1500, "n": 8,
-        "logprobs": True, "top_logprobs": 20, "temperature": 0, "ignore_eos": True, "stream": True})
 
 
 def test_streams_never_read_are_cut_and_free_their_kv(log_dir: Path) -> None:
@@ -32,8 +25,8 @@ def test_streams_never_read_are_cut_and_free_their_kv(log_dir: Path) -> None:
         c.add_worker("decode")
         c.wait_gateway()
         workers = c.wait_roles(prefill=1, decode=1)
-        model = http_call("GET", f"{c.url}/v1/models")[1]["data"][0]["id"]
-        sockets += [_never_reading_chat(c.port, model, i) for i in range(3)]
+        model = served_model(c.url)
+        sockets += [never_reading(c.port, model, i) for i in range(3)]
 
         def busy() -> bool:
             return any(w["free_blocks"] < w["total_blocks"] for w in c.worker_list() if w["role"] == "decode")
