@@ -26,14 +26,13 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.auth import check_authorization
-from gateway.body import read_body
+from gateway.body import json_object
 from gateway.control_plane import ControlPlane
 from gateway.errors import APIError
 from gateway.registry import WorkerInfo
@@ -149,14 +148,8 @@ def _flips(request: web.Request) -> RoleFlips:
 
 async def set_role(request: web.Request) -> web.Response:
     flips = _flips(request)
-    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-        raise APIError(413, "request body too large", code="request_too_large")
-    body = await read_body(request, MAX_BODY_BYTES, request.app[STATE].config.connections.body_timeout_s)
-    try:
-        data: Any = json.loads(body or b"null")
-    except ValueError:
-        raise APIError(400, "body is not JSON", code="bad_request") from None
-    role = data.get("role") if isinstance(data, dict) else None
+    data = await json_object(request, MAX_BODY_BYTES, request.app[STATE].config.connections.body_timeout_s)
+    role = data.get("role")
     if not isinstance(role, str):
         raise APIError(400, 'expected {"role": "prefill" | "decode"}', param="role", code="bad_request")
     result = flips.request(request.match_info["worker_id"], role)

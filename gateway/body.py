@@ -13,10 +13,15 @@ from gateway.validation import check_content_type, decode_body, too_large
 
 
 async def json_body(request: web.Request, config: GatewayConfig) -> dict[str, Any]:
-    """A JSON endpoint's body as an object: content type, size, arrival time and JSON checked."""
+    """An OpenAI endpoint's body as an object: content type, size, arrival time and JSON checked."""
     check_content_type(request.headers.get("Content-Type", ""))
-    raw = await read_body(request, config.limits.max_body_bytes, config.connections.body_timeout_s)
-    return decode_body(raw, config.limits)
+    return await json_object(request, config.limits.max_body_bytes, config.connections.body_timeout_s)
+
+
+async def json_object(request: web.Request, limit: int, timeout_s: float) -> dict[str, Any]:
+    """The body as a JSON object, at most `limit` bytes arriving within `timeout_s` (any
+    content type: the admin and LoRA endpoints take what vLLM's clients send)."""
+    return decode_body(await read_body(request, limit, timeout_s), limit)
 
 
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:

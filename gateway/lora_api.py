@@ -15,7 +15,6 @@ all in OpenAI's error shape; the gateway keeps serving the others. Without
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -24,6 +23,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.body import json_object
 from gateway.errors import APIError
 from gateway.lora_adapters import LoraAdapters
 from gateway.state import STATE
@@ -40,15 +40,7 @@ def _adapters(request: web.Request) -> LoraAdapters:
 
 
 async def _body(request: web.Request, fields: tuple[str, ...]) -> dict[str, str]:
-    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-        raise APIError(413, "request body too large", code="request_too_large")
-    raw = await request.content.read(MAX_BODY_BYTES + 1)
-    try:
-        data: Any = json.loads(raw or b"null")
-    except ValueError:
-        raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    data = await json_object(request, MAX_BODY_BYTES, request.app[STATE].config.connections.body_timeout_s)
     out = {}
     for f in fields:
         v = data.get(f)

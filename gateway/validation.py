@@ -94,10 +94,10 @@ def check_content_type(content_type: str) -> None:
         )
 
 
-def decode_body(raw: bytes, limits: RequestLimits) -> dict[str, Any]:
-    """Bytes -> JSON object, rejecting oversize bodies, invalid UTF-8, NaN/Infinity and non-objects."""
-    if len(raw) > limits.max_body_bytes:
-        raise too_large(limits.max_body_bytes)
+def decode_body(raw: bytes, limit: int) -> dict[str, Any]:
+    """Bytes -> JSON object, rejecting bodies over `limit` bytes, invalid UTF-8, NaN/Infinity and non-objects."""
+    if len(raw) > limit:
+        raise too_large(limit)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -197,6 +197,36 @@ def test_slow_body_gets_408_within_the_body_timeout(tok: Tokenizer, sockets: lis
             assert json.loads(body)["error"]["code"] == "body_timeout"
 
 
+ADMIN_TOKEN = "admin-token-for-tests-0123"
+
+
+@pytest.mark.parametrize("route", ["admin", "lora"])
+def test_the_admin_and_lora_routes_bound_their_body_in_time_too(tok: Tokenizer, route: str) -> None:
+    """Their bodies are read as the OpenAI routes' are: a client that sends one byte of
+    one and stops is answered 408 (OpenAI's shape) and closed after the body timeout."""
+    from gateway.cluster import ClusterBackend
+    from gateway.lora_adapters import GatewayLoraConfig
+
+    conns = ConnectionLimits(body_timeout_s=1.0)
+    if route == "admin":
+        config = GatewayConfig(model_name=MODEL, max_model_len=256, admin_token=ADMIN_TOKEN, connections=conns)
+        backend: object = ClusterBackend()
+        path, auth = "/admin/workers/d1/role", f"Authorization: Bearer {ADMIN_TOKEN}\r\n"
+    else:
+        config = GatewayConfig(model_name=MODEL, max_model_len=256, lora=GatewayLoraConfig(), connections=conns)
+        backend, path, auth = LocalBackend(tok), "/v1/load_lora_adapter", ""
+    with GatewayThread(config, backend, tok) as gw, socket.create_connection(("127.0.0.1", gw.port)) as s:  # type: ignore[arg-type]
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+                  "Content-Length: 100\r\n\r\n{".encode())
+        s.settimeout(DEADLINE_S)  # the reply is due after the 1 s body timeout
+        reply = b""
+        while chunk := s.recv(65536):  # until the gateway closes the connection
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), head
+    assert json.loads(body)["error"]["code"] == "body_timeout"
+
+
 def test_connections_past_the_cap_get_503_and_the_cap_frees(tok: Tokenizer, sockets: list[socket.socket]) -> None:
     with gateway(tok, LocalBackend(tok), connections=ConnectionLimits(max_connections=4)) as gw:
         assert isinstance(gw._runner, GatewayRunner)
