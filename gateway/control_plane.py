@@ -34,9 +34,9 @@ from gateway.kv_index import KvIndex
 from gateway.kv_router import RouterConfig
 from gateway.registry import WorkerInfo, WorkerRegistry
 from pdserve.common import protocol as p
+from pdserve.common.hosts import LOOPBACK
 from pdserve.common.roles import Role
 from pdserve.common.transport import (
-    LOOPBACK,
     CurveServer,
     ZapLog,
     apply_curve_server,

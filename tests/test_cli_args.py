@@ -307,7 +307,7 @@ def _group_gone(pgid: int, within_s: float) -> bool:
 
 def test_wait_ready_ends_at_the_first_exit_with_the_childs_last_line() -> None:
     from pdserve.cli.supervise import Child, Readiness, stop, wait_ready
-    from pdserve.common.transport import free_port
+    from pdserve.common.hosts import free_port
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens: never ready
     alive = Child.start("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"])
@@ -325,7 +325,7 @@ def test_wait_ready_ends_at_the_first_exit_with_the_childs_last_line() -> None:
 def test_a_stop_asked_for_during_start_up_is_clean_not_a_failure() -> None:
     """SIGTERM/Ctrl-C before the cluster is ready: `up` stops cleanly and exits 0."""
     from pdserve.cli.supervise import Child, Readiness, stop, wait_ready
-    from pdserve.common.transport import free_port
+    from pdserve.common.hosts import free_port
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens: never ready
     alive = Child.start("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"])

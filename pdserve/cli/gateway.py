@@ -65,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
     from gateway.config import GatewayConfig
     from gateway.server import run_gateway
     from gateway.tokenizer import Tokenizer
+    from pdserve.common.hosts import free_port
     from pdserve.common.tracing import make_tracer
-    from pdserve.common.transport import CurveServer, free_port
+    from pdserve.common.transport import CurveServer
 
     max_model_len = check_args(args)
     if args.api_key:

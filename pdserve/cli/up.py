@@ -252,7 +252,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.cli import cluster_keys
-    from pdserve.common.transport import free_ports
+    from pdserve.common.hosts import free_ports
 
     check_args(args)
     # Keys for this `up`'s own processes only: its control and KV planes refuse any

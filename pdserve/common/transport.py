@@ -23,7 +23,6 @@ from pdserve.common.protocol import Message, ProtocolError
 
 log = logging.getLogger(__name__)
 
-LOOPBACK = "127.0.0.1"
 # A peer that has not finished the ZeroMQ (and CURVE) handshake by then is dropped;
 # libzmq's default is 30 s, long enough for a flood of half-open connections to pile up.
 HANDSHAKE_IVL_MS = 5000
@@ -35,21 +34,6 @@ def limit_incoming(sock: zmq.Socket[Any], max_message_bytes: int) -> None:
     too late: the frame is already in memory), and one that stalls its handshake."""
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port free right now on `host` (the OS picks it)."""
-    return free_ports(1, host)[0]
-
-
-def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
-    """`n` distinct TCP ports free right now on `host`: all held open while the OS picks, so
-    two calls in a row cannot be handed the same port (as two `free_port()` calls can)."""
-    with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
-        for s in socks:
-            s.bind((host, 0))
-        return [int(s.getsockname()[1]) for s in socks]
 
 
 def host_id() -> str:

@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pdserve.common.transport import free_port
+from pdserve.common.hosts import free_port
 
 # The admin token of the servers this process starts (`GET /v1/workers` needs it); a
 # PDSERVE_ADMIN_TOKEN already set is used as it is.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from pdserve.common.transport import free_ports
+from pdserve.common.hosts import free_ports
 
 
 def test_free_ports_are_distinct_and_bindable() -> None:

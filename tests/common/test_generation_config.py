@@ -115,7 +115,7 @@ def test_bad_served_names_and_generation_config_are_refused_before_starting(
     argv: list[str], message: str
 ) -> None:
     from pdserve.cli import gateway, up
-    from pdserve.common.transport import free_port
+    from pdserve.common.hosts import free_port
 
     with pytest.raises(UsageError, match=message):
         up.check_args(build_parser().parse_args(["up", "--port", str(free_port()), *argv]))

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pdserve.cli import cluster_keys
-from pdserve.common.transport import free_ports
+from pdserve.common.hosts import free_ports
 from pdserve.engine.loading.dtype import host_cpu_flags, resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from pdserve.common.block_hash import prefix_block_keys
-from pdserve.common.transport import free_ports
+from pdserve.common.hosts import free_ports
 from tests.e2e.cluster import Cluster, http, metric_value, wait_for, worker_metrics
 from tests.e2e.conftest import Reference
 

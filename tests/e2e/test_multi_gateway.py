@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from pdserve.common import protocol as p
-from pdserve.common.transport import free_port
+from pdserve.common.hosts import free_port
 from pdserve.worker.gateways import GatewayLinks, parse_gateway, resolve
 from tests.e2e.cluster import Cluster, Proc, http, start, wait_for
 from tests.e2e.conftest import Reference

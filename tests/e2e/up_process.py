@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.common.transport import free_port
+from pdserve.common.hosts import free_port
 from tests.e2e.cluster import ROOT, _env
 
 

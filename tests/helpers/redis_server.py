@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.common.transport import free_port
+from pdserve.common.hosts import free_port
 
 
 def redis_binary() -> str:

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.common.transport import free_port
+from pdserve.common.hosts import free_port
 from tests.observability.obs import json_payloads, scrape, value, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

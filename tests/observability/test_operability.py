@@ -120,7 +120,7 @@ def test_prefill_workers_may_get_their_own_kv_pool() -> None:
 
 def test_kv_receiver_binds_a_fixed_port() -> None:
     from kv_transfer.receiver.receiver import ZmqReceiver
-    from pdserve.common.transport import free_port
+    from pdserve.common.hosts import free_port
     from tests.kv_transfer.harness import TINY, random_pool
 
     port = free_port()

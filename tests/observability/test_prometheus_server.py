@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.common.transport import free_port
+from pdserve.common.hosts import free_port
 from tests.e2e.cluster import Cluster, http
 from tests.observability.obs import MODEL, scrape, value, wait_until
 

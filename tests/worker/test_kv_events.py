@@ -12,7 +12,7 @@ import zmq
 
 from pdserve.common import protocol as p
 from pdserve.common.block_hash import ROOT_DIGEST
-from pdserve.common.transport import free_port
+from pdserve.common.hosts import free_port
 from pdserve.engine.core.block_events import (
     AllCleared,
     BlockEvent,

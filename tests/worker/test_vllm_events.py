@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from pdserve.common.block_hash import ROOT_DIGEST, prefix_block_keys, prefix_root
-from pdserve.common.transport import free_port
+from pdserve.common.hosts import free_port
 from pdserve.engine.core.block_events import AllCleared, BlockEvent, BlocksStored
 from pdserve.engine.core.block_manager import BlockManager
 from pdserve.worker.vllm_events.config import KVEventsConfig, binds, is_local
