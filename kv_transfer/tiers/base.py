@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,10 +41,14 @@ class KVTier(Protocol):
         """Store `record` under `key` (evicting as the bound needs); False if it could
         not be written (counted). Writing a key another writer stored is harmless."""
 
-    def contains(self, key: bytes, lookup: bool = False) -> bool:
-        """Whether `key` is stored: a cheap check before a write, or (`lookup`) the
-        existence check that promises a block before it is read (`TieredKVCache.present`),
-        where a tier that cannot be asked counts an unavailable miss, as `get` does."""
+    def contains(self, key: bytes) -> bool:
+        """Whether `key` is stored: the writer's cheap check before a write."""
+
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of `keys` is stored: the existence check that promises blocks
+        before they are read (`TieredKVCache.present`, on the engine's step loop), so one
+        round trip for all of them where the store is remote; a tier that cannot be asked
+        counts an unavailable miss, as `get` does, and has none of them."""
 
     def discard(self, key: bytes) -> None:
         """Drop what is stored under `key` (a bad record, so a sound one can replace it)."""

@@ -15,7 +15,8 @@ first tier is copied up (promoted) by the writer once the run is read; a bad rec
 discarded, so the recomputed block replaces it.
 
 The engine never calls `load` on its step loop: `present` (which leading blocks some
-tier has, by a cheap existence check; a tier that cannot be asked, such as Redis down,
+tier has, by a cheap existence check: each tier asked once, `KVTier.lookup`, one
+round trip to Redis; a tier that cannot be asked, such as Redis down,
 counts an unavailable miss) and `load_async` (the same `load` on the loader thread) let
 an admission or a decode reservation promise the blocks at once and read them while
 the loop steps on (pdserve/engine/tier_fill.py); a block that is gone or bad by then
@@ -250,12 +251,18 @@ class TieredKVCache:
         self._buffers.release(payloads)
 
     def present(self, digests: Sequence[bytes]) -> int:
-        """How many leading `digests` some tier holds (an existence check, not a read)."""
-        for n, digest in enumerate(digests):
-            key = self.key(digest)
-            if not any(tier.contains(key, lookup=True) for tier in self.tiers):
-                return n
-        return len(digests)
+        """How many leading `digests` some tier holds (an existence check, not a read):
+        each tier is asked once, for the blocks the tiers above it lack (one round trip
+        to Redis whatever the prefix's length)."""
+        keys = [self.key(d) for d in digests]
+        found = [False] * len(keys)
+        for tier in self.tiers:
+            ask = [i for i, f in enumerate(found) if not f]
+            if not ask:
+                break
+            for i, has in zip(ask, tier.lookup([keys[i] for i in ask]), strict=True):
+                found[i] = has
+        return found.index(False) if False in found else len(found)
 
     def load_async(self, digests: Sequence[bytes]) -> concurrent.futures.Future[np.ndarray]:
         """`load(digests)` on the loader thread."""

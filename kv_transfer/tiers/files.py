@@ -25,7 +25,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kv_transfer.tiers.base import TierStats
@@ -81,7 +81,13 @@ class FileTier:
             os.utime(p)  # recently used: evicted last
         return data
 
-    def contains(self, key: bytes, lookup: bool = False) -> bool:
+    def contains(self, key: bytes) -> bool:
+        return self._exists(key, lookup=False)
+
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        return [self._exists(k, lookup=True) for k in keys]  # a stat each: microseconds
+
+    def _exists(self, key: bytes, lookup: bool) -> bool:
         p = self.path(key)
         try:
             os.stat(p)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kv_transfer.tiers.base import TierStats
@@ -82,18 +82,35 @@ class RedisTier:
             return None
         return value
 
-    def contains(self, key: bytes, lookup: bool = False) -> bool:
+    def contains(self, key: bytes) -> bool:
         if not self._up():
-            if lookup:
-                self.stats.miss(MissReason.UNAVAILABLE)
             return False
         try:
             return bool(self._client.exists(PREFIX + key.hex().encode()))
+        except self._errors:
+            self._failed()
+            return False
+
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        """One pipelined round trip of EXISTS for all `keys` (the step loop waits on it)."""
+        if not keys:
+            return []
+        if not self._up():
+            self.stats.miss(MissReason.UNAVAILABLE)
+            return [False] * len(keys)
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(PREFIX + key.hex().encode())
+            answers = pipe.execute()
         except self._errors as e:
             self._failed()
-            if lookup:
-                self.stats.miss(MissReason.UNAVAILABLE, f"{self.url}: {e}")
-            return False
+            self.stats.miss(MissReason.UNAVAILABLE, f"{self.url}: {e}")
+            return [False] * len(keys)
+        if len(answers) != len(keys):  # a server answering garbage: none of them
+            self.stats.miss(MissReason.UNAVAILABLE, f"{self.url}: {len(answers)} answers to {len(keys)} EXISTS")
+            return [False] * len(keys)
+        return [a == 1 for a in answers]
 
     def discard(self, key: bytes) -> None:
         if self._up():

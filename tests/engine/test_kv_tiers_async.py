@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -64,8 +64,11 @@ class GatedTier:
     def put(self, key: bytes, record: bytes) -> bool:
         return self.tier.put(key, record)
 
-    def contains(self, key: bytes, lookup: bool = False) -> bool:
-        return self.tier.contains(key, lookup)
+    def contains(self, key: bytes) -> bool:
+        return self.tier.contains(key)
+
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.tier.lookup(keys)
 
     def discard(self, key: bytes) -> None:
         self.tier.discard(key)

@@ -5,10 +5,12 @@ the text stays exact, and a dead server does not make every request wait."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kv_transfer.tiers.cache import TieredKVCache
@@ -140,3 +142,92 @@ def test_redis_going_down_while_a_read_waits_is_an_unavailable_miss_and_a_recomp
     assert snap.misses.get("unavailable") == 1 and snap.hits == 0
     assert_idle(b)
     cb.close()
+
+
+class CountingProxy:
+    """A TCP proxy in front of the Redis that counts the client's writes it forwards:
+    a request sent and its answer awaited before the next is one write per command, a
+    pipeline is one (or a few) writes for all of them."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+        import threading
+
+        self.writes = 0
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._target = port
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self._target))
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, src: object, dst: object, count: bool) -> None:
+        import socket
+
+        assert isinstance(src, socket.socket) and isinstance(dst, socket.socket)
+        try:
+            while chunk := src.recv(1 << 16):
+                if count:
+                    with self._lock:
+                        self.writes += 1
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_the_existence_check_asks_redis_once_for_the_whole_prefix(redis_url: str, tmp_path: Path) -> None:
+    """`present` runs on the step loop: a prefix of 64 blocks that only Redis holds is
+    one pipelined round trip, not 64 (through a proxy that counts the client's writes;
+    64 single checks through it count 64, so the count measures round trips)."""
+    import redis
+
+    from kv_transfer.tiers.files import FileTier
+    from pdserve.common.kv_layout import KVLayout
+
+    layout = KVLayout("cfg", 2, 2, 8, 4, "float32", weights="w")
+    digests = [bytes([i]) * 32 for i in range(64)]
+    host = FileTier("host", tmp_path / "host", 1 << 30)
+    direct = TieredKVCache(layout, [RedisTier(redis_url)])
+    for d in digests[:60]:  # the first 60 in Redis, of which block 5 in the host tier too
+        assert direct.offer(d, np.full(direct.payload_bytes, 1, np.uint8))
+    assert direct.flush()
+    direct.close()
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = CountingProxy(port)
+    remote = RedisTier(f"redis://127.0.0.1:{proxy.port}/0")
+    cache = TieredKVCache(layout, [host, remote])
+    try:
+        assert host.put(cache.key(digests[5]), redis.Redis.from_url(redis_url).get(
+            PREFIX + cache.key(digests[5]).hex().encode()))
+        assert remote.contains(cache.key(digests[0]))  # connected: the connection's own setup is not counted
+        before = proxy.writes
+        assert cache.present(digests) == 60
+        pipelined = proxy.writes - before
+        before = proxy.writes
+        assert all(remote.contains(cache.key(d)) for d in digests[:60])
+        single = proxy.writes - before
+        assert single == 60 and pipelined <= 3, (pipelined, single)
+        assert cache.present(digests[60:]) == 0 and cache.present([]) == 0
+        assert remote.stats.snapshot().misses == {}  # absent blocks are not misses of the check
+    finally:
+        cache.close()
+        proxy.close()
