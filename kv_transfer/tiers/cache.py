@@ -69,6 +69,11 @@ log = logging.getLogger(__name__)
 
 WRITER_NICE = 19  # the writer thread's nice value (lowest priority)
 SPARE_READ_BUFFER_BYTES = 64 << 20  # the largest read buffer kept for the next load
+# The write queue's default bound, in bytes of queued blocks (at least 256 blocks): a burst
+# of long prompts whose blocks wait for the writer (at nice 19 beside the step loop's busy
+# threads) is kept, not dropped; 256 blocks were ~3 prompts of 2,000 tokens of a small model.
+WRITE_QUEUE_BYTES = 256 << 20
+MIN_QUEUED_WRITES = 256
 
 
 @dataclass(frozen=True)
@@ -180,7 +185,7 @@ class ReportedBlocks:
 class TieredKVCache:
     """Tiers in lookup order; the writer thread starts with the cache."""
 
-    def __init__(self, layout: KVLayout, tiers: Sequence[KVTier], max_queued: int = 256,
+    def __init__(self, layout: KVLayout, tiers: Sequence[KVTier], max_queued: int = 0,
                  events: TierEventLog | None = None) -> None:
         if not tiers:
             raise ValueError("a tiered KV cache needs at least one tier")
@@ -190,7 +195,8 @@ class TieredKVCache:
         self.payload_bytes = block_payload_bytes(layout)
         self.record_bytes = record_bytes(layout)
         self.num_rows = block_rows(layout)
-        self._queue: queue.Queue[_Write | None] = queue.Queue(max_queued)
+        self.max_queued = max_queued or max(MIN_QUEUED_WRITES, WRITE_QUEUE_BYTES // self.record_bytes)
+        self._queue: queue.Queue[_Write | None] = queue.Queue(self.max_queued)
         self._lock = threading.Lock()
         self._loads = self._loaded_blocks = self._dropped = self._timeouts = 0
         self._load_seconds = 0.0

@@ -34,7 +34,7 @@ class KVOffloadConfig:
     disk_dir: str = ""  # "": no disk tier
     disk_bytes: int = DEFAULT_DISK_BYTES
     remote_url: str = ""  # redis://HOST:PORT/DB; "": no remote tier
-    max_queued_writes: int = 256
+    max_queued_writes: int = 0  # blocks the write queue holds; 0: WRITE_QUEUE_BYTES of them (at least 256)
 
     def __post_init__(self) -> None:
         if self.memory_bytes < 0 or self.disk_bytes <= 0:
