@@ -91,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the multiturn servers: one colocated worker, or 1 prefill + 1 decode")
     ap.add_argument("--control", action="store_true", help="overhead: no tiers anywhere: the second server "
                     "is an A/A control (its ratio is the machine's noise), the third has only the KV events")
+    ap.add_argument("--no-core-borrowing", action="store_true",
+                    help="1p1d: neither worker runs on the other's idle core (pdserve up --no-core-borrowing)")
     ap.add_argument("--thread-policy", default="auto", choices=("auto", "adaptive", "fixed"),
                     help="the servers' --thread-policy (fixed: no per-server governor state to differ)")
     ap.add_argument("--cases", type=lambda t: tuple(t.split(",")), default=("multiturn", "cross", "remote"),
@@ -173,7 +175,8 @@ def written_down(base: str, timeout_s: float = 60.0) -> None:
 def up(args: argparse.Namespace, name: str, *extra: str, layout: str = "colocated") -> contextlib.AbstractContextManager[Any]:
     roles = ["--colocated"] if layout == "colocated" else ["--prefill", "1", "--decode", "1"]
     flags = [*roles, "--threads", str(args.threads), "--block-size", str(args.block_size),
-             "--max-model-len", str(args.max_model_len), "--dtype", args.dtype, "--thread-policy", args.thread_policy, *extra]
+             "--max-model-len", str(args.max_model_len), "--dtype", args.dtype, "--thread-policy", args.thread_policy,
+             *(["--no-core-borrowing"] if args.no_core_borrowing else []), *extra]
     return pdserve_up(name, harness.up_args(shlex.join(flags), args.model))  # a JSON flag keeps its quotes
 
 

@@ -48,7 +48,7 @@ from pdserve.engine.tier_fill import FillState
 from pdserve.worker.draft_kv import DraftReceipts
 from pdserve.worker.engine_glue import wire_deltas
 from pdserve.worker.metrics import WorkerMetrics
-from pdserve.worker.node_api import NodeLoad, NodeRegistration, Sender
+from pdserve.worker.node_api import CoreDemand, NodeLoad, NodeRegistration, Sender
 from pdserve.worker.node_base import EngineNode, node_registration
 from pdserve.worker.tracing import Child, WorkerTraces
 from pdserve.worker.transfers import FAILED_STATES, RESERVATION_LEASE_S, TRANSFER_LEASE_S, Transfers
@@ -334,6 +334,12 @@ class DecodeNode(EngineNode):
     def busy(self) -> bool:
         return bool(self._incoming or self._running or self._held) or self.transfers.cancelling() or (
             self.drafts is not None and self.drafts.cancelling())
+
+    def core_demand(self) -> CoreDemand:
+        """Its cores while it decodes or a prefilled request's KV is arriving; a reservation
+        whose prompt is still being prefilled leaves them to the prefill worker."""
+        arriving = any(inc.first_at or inc.complete_at for inc in self._incoming.values())
+        return CoreDemand(keep=bool(self._running) or arriving, borrow=bool(self._running))
 
     def close(self) -> None:
         self._held.clear()

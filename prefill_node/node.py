@@ -46,7 +46,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.worker.draft_kv import DraftShipper, Shipped
 from pdserve.worker.metrics import WorkerMetrics
-from pdserve.worker.node_api import NodeLoad, Sender
+from pdserve.worker.node_api import CoreDemand, NodeLoad, Sender
 from pdserve.worker.node_base import EngineNode
 from pdserve.worker.tracing import Child, WorkerTraces
 from pdserve.worker.transfers import FAILED_STATES, TRANSFER_LEASE_S, Transfers
@@ -373,6 +373,13 @@ class PrefillNode(EngineNode):
     def busy(self) -> bool:
         return bool(self._jobs) or self.transfers.cancelling() or (
             self.drafts is not None and self.drafts.cancelling())
+
+    def core_demand(self) -> CoreDemand:
+        """Its cores while it holds a job (a prefilled one's KV is still being sent); the
+        decode worker's too only while none of its prompts is done: a finished one's
+        decode starts there meanwhile."""
+        jobs = list(self._jobs.values())
+        return CoreDemand(keep=bool(jobs), borrow=bool(jobs) and not any(j.prefilled for j in jobs))
 
     def close(self) -> None:
         for rid in list(self._jobs):

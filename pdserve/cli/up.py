@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,8 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "thread or all), fixed keeps --threads; auto: each worker's default (adaptive "
                     "on CPU with more than one thread or borrowed cores)")
     ap.add_argument("--no-core-borrowing", action="store_true",
-                    help="with one pinned prefill and one decode worker, do not let the decode "
-                    "worker use the prefill worker's cores while prefill is idle")
+                    help="with one pinned prefill and one decode worker, do not let either run "
+                    "on the other's cores while the other has nothing to compute")
     ap.add_argument("--prefill-tp", type=positive_int, default=1,
                     help="tensor-parallel ranks per prefill worker")
     ap.add_argument("--decode-tp", type=positive_int, default=1,
@@ -114,7 +115,7 @@ def _thread_counts(args: argparse.Namespace) -> list[int]:
 
 
 def _worker_cmds(args: argparse.Namespace, control: str,
-                 share_file: str | None = None) -> list[list[str]]:
+                 share_dir: str | None = None) -> list[list[str]]:
     """Each worker's command line: the flags `up` passes on, and what it sets per worker."""
     roles, counts = _roles(args), _thread_counts(args)
     # Threads that fit the cores may spin between parallel regions (see workers.py).
@@ -126,7 +127,7 @@ def _worker_cmds(args: argparse.Namespace, control: str,
     spec = args.speculative_config
     cmds = []
     events = base.kv_events_config
-    for i, (role, n, cores) in enumerate(zip(roles, counts, core_settings(args, roles, share_file), strict=True)):
+    for i, (role, n, cores) in enumerate(zip(roles, counts, core_settings(args, roles, share_dir), strict=True)):
         tp, pp = _parallel(args, role)
         child = replace(base, threads=n, tensor_parallel_size=tp, pipeline_parallel_size=pp, **cores,
                         kv_events_config=events.for_worker(i) if events is not None else None,
@@ -166,21 +167,21 @@ def core_plan(args: argparse.Namespace) -> list[tuple[int, ...]] | None:
 
 
 def borrows_cores(args: argparse.Namespace) -> bool:
-    """One pinned prefill and one decode worker: the decode worker may borrow."""
+    """One pinned prefill and one decode worker: each may borrow the other's cores."""
     return (not args.colocated and args.prefill == 1 and args.decode == 1
             and not args.no_core_borrowing and core_plan(args) is not None)
 
 
 def core_settings(args: argparse.Namespace, roles: list[Role],
-                  share_file: str | None) -> list[dict[str, Any]]:
-    """Each worker's cores (and core-sharing file), as `WorkerArgs` fields."""
+                  share_dir: str | None) -> list[dict[str, Any]]:
+    """Each worker's cores (and core-sharing directory), as `WorkerArgs` fields."""
     plan = core_plan(args)
     if plan is None:
         return [{} for _ in roles]
     settings: list[dict[str, Any]] = [{"cpu_cores": c} for c in plan]
-    if share_file is not None:
-        settings[0]["core_share"] = share_file
-        settings[1].update(core_share=share_file, borrow_cores=plan[0])
+    if share_dir is not None:  # one prefill, one decode worker: each borrows the other's
+        settings[0].update(core_share=share_dir, borrow_cores=plan[1])
+        settings[1].update(core_share=share_dir, borrow_cores=plan[0])
     return settings
 
 
@@ -274,11 +275,11 @@ def _run(args: argparse.Namespace, keys: ClusterKeys, control_port: int) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    share_file = new_share_file() if borrows_cores(args) else None
+    share_dir = new_share_dir() if borrows_cores(args) else None
     gateway = supervise.Child.start("gateway", [*_gateway_cmd(args, control_port), *keys.gateway_flags()],
                                     stdout=subprocess.DEVNULL, env=gateway_env(args))
     names = _role_names(args)
-    cmds = [[*cmd, *keys.worker_flags()] for cmd in _worker_cmds(args, control, share_file)]
+    cmds = [[*cmd, *keys.worker_flags()] for cmd in _worker_cmds(args, control, share_dir)]
     workers = [supervise.Child.start(name, cmd) for name, cmd in zip(names, cmds, strict=True)]
     children = [gateway, *workers]
     url = f"http://{args.host}:{args.port}"
@@ -306,8 +307,8 @@ def _run(args: argparse.Namespace, keys: ClusterKeys, control_port: int) -> int:
     finally:
         supervise.stop(workers)
         supervise.stop([gateway])
-        if share_file is not None:
-            os.unlink(share_file)
+        if share_dir is not None:
+            shutil.rmtree(share_dir, ignore_errors=True)
 
 
 def _restart(workers: list[supervise.Child], i: int, cmd: list[str], restarts: supervise.RestartBudget) -> bool:
@@ -331,14 +332,15 @@ def _restart(workers: list[supervise.Child], i: int, cmd: list[str], restarts: s
     return True
 
 
-def new_share_file() -> str:
-    """The core-sharing file of this `up` (its pid and a random suffix in the name)."""
+def new_share_dir(parent: str | None = None) -> str:
+    """The core-sharing directory of this `up` (its pid and a random suffix in the name), in
+    `parent` (default: /dev/shm where there is one, else the temporary directory)."""
     import tempfile
 
-    from pdserve.worker.core_sharing import create_share_file
+    from pdserve.worker.core_sharing import create_share_dir
 
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    fd, path = tempfile.mkstemp(prefix=f"pdserve-cores-{os.getpid()}-", dir=shm)
-    os.close(fd)
-    create_share_file(path)
+    if parent is None and os.path.isdir("/dev/shm"):
+        parent = "/dev/shm"
+    path = tempfile.mkdtemp(prefix=f"pdserve-cores-{os.getpid()}-", dir=parent)
+    create_share_dir(path)
     return path

@@ -139,12 +139,12 @@ class WorkerArgs(ArgGroup):
     cpu_cores: tuple[int, ...] | None = flag(None, "pin the worker's threads to these cores, e.g. 0-3 (default: "
                                              "unpinned); --threads then defaults to their count", type=checked(parse_cpu_list),
                                              metavar="LIST", render=format_cpu_list, up=False)
-    core_share: str | None = flag(None, "prefill/decode: the file `pdserve up` made so the decode worker may use "
-                                  "the prefill worker's cores while it has no work", metavar="FILE", roles=P_D,
-                                  up=False)
-    borrow_cores: tuple[int, ...] | None = flag(None, "decode, with --core-share and --cpu-cores: the prefill "
-                                                "worker's cores", type=checked(parse_cpu_list), metavar="LIST", render=format_cpu_list,
-                                                roles=(Role.DECODE,), up=False)
+    core_share: str | None = flag(None, "prefill/decode: the directory `pdserve up` made so that a prefill and "
+                                  "a decode worker may run on each other's cores while the other has nothing to "
+                                  "compute", metavar="DIR", roles=P_D, up=False)
+    borrow_cores: tuple[int, ...] | None = flag(None, "with --core-share and --cpu-cores: the other worker's cores, "
+                                                "run on while it is idle", type=checked(parse_cpu_list), metavar="LIST",
+                                                render=format_cpu_list, roles=P_D, up=False)
     metrics_host: str = flag("127.0.0.1", type=host, up=False)
     metrics_port: int = flag(0, "worker /health and /metrics (0: free)", type=port_or_zero, up=False)
     heartbeat: float = flag(0.5, "seconds between heartbeats", type=positive_float, up=False)

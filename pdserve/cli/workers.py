@@ -32,7 +32,7 @@ from pdserve.cli.worker_args import WorkerArgs, default_threads
 from pdserve.common import envs
 from pdserve.common.logs import configure_logging
 from pdserve.common.roles import FLIP_ROLES, Role
-from pdserve.worker.cpu_cores import format_cpu_list, pin_process
+from pdserve.worker.cpu_cores import format_cpu_list, pin_at_start
 
 if TYPE_CHECKING:
     from kv_transfer.auth import KVCurve
@@ -119,17 +119,35 @@ def check_gpu_args(args: argparse.Namespace) -> None:
 def check_core_args(args: argparse.Namespace) -> None:
     if args.core_share and args.role == Role.COLOCATED:
         raise UsageError("--core-share", "is for a prefill and a decode worker")
-    if args.core_share and not os.path.isfile(args.core_share):
-        raise UsageError("--core-share", f"no such file: {args.core_share}")
-    if args.borrow_cores and (args.role != Role.DECODE or not args.core_share or not args.cpu_cores):
-        raise UsageError("--borrow-cores", "needs a decode worker with --core-share and --cpu-cores")
-    if args.core_share and args.role == Role.DECODE and not args.borrow_cores:
-        raise UsageError("--core-share", "a decode worker needs --borrow-cores and --cpu-cores too")
+    if args.core_share:
+        from pdserve.worker.core_sharing import SHARING_ROLES, share_path
+
+        missing = [share_path(args.core_share, r) for r in SHARING_ROLES
+                   if not os.path.isfile(share_path(args.core_share, r))]
+        if missing:
+            raise UsageError("--core-share", f"not a core-sharing directory (no {missing[0]})")
+    if args.borrow_cores and (not args.core_share or not args.cpu_cores):
+        raise UsageError("--borrow-cores", "needs --core-share and --cpu-cores")
     allowed = os.sched_getaffinity(0)
     for flag, cores in (("--cpu-cores", args.cpu_cores), ("--borrow-cores", args.borrow_cores)):
         if cores and not set(cores) <= allowed:
             raise UsageError(flag, f"cores {format_cpu_list(sorted(set(cores) - allowed))} are not "
                              f"among this process's cores ({format_cpu_list(sorted(allowed))})")
+
+
+BORROWER_SPIN_COUNT = 20_000  # libgomp spin rounds of a core-borrowing worker (~0.4 ms on Zen 5)
+
+
+def openmp_waits(spin_wait: bool, borrows: bool) -> dict[str, str]:
+    """How the worker's OpenMP threads wait between parallel regions (set before torch
+    loads, where the environment does not say): passively unless `spin_wait`; a worker
+    that borrows cores spins only briefly. A borrowed team's idle thread, narrowed back
+    onto its own worker's cores, would otherwise spin for libgomp's default 300,000
+    rounds (~6 ms on Zen): into the other worker's next step, whose widened team then
+    waits for it at every region. A short spin still bridges one step's regions."""
+    if not spin_wait:
+        return {"OMP_WAIT_POLICY": "PASSIVE"}
+    return {"GOMP_SPINCOUNT": str(BORROWER_SPIN_COUNT)} if borrows else {}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,11 +157,11 @@ def run(args: argparse.Namespace) -> int:
     # from 3 ms to 74 ms under contention). But passive waiting costs every parallel
     # region a futex wake-up (~20% of a decode step on dedicated cores), so `pdserve up`
     # passes --spin-wait when the workers' threads fit the cores. Set before torch loads.
-    if not args.spin_wait:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    for name, value in openmp_waits(args.spin_wait, bool(args.borrow_cores)).items():
+        os.environ.setdefault(name, value)
     check_args(args)
     if args.cpu_cores:  # before torch starts its threads: they inherit the mask
-        pin_process(args.cpu_cores)
+        pin_at_start(args.cpu_cores, args.borrow_cores or ())
     kv_curve = kv_curve_option(args)
     w = WorkerArgs.from_namespace(args)
     kv_offload = tier_config(args)

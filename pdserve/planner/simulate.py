@@ -41,7 +41,7 @@ Pure Python, no I/O, deterministic. It models what the real system does
    starts or ends), as unpinned workers share a host's cores under the kernel's
    scheduler. Not modelled: other load on the machine (the profile's step times carry
    whatever it was then), the clients' CPU, the gateway's per-token work, and a 1P+1D
-   decode worker borrowing the idle prefill worker's cores (pdserve/worker/core_sharing.py).
+   pair running on each other's idle cores (pdserve/worker/core_sharing.py).
 
 Reported per P:D split (pdserve/planner/report.py): TTFT and inter-token latency
 percentiles (nearest rank; ITL over every token gap), and goodput = requests meeting

@@ -23,7 +23,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner.model_runner import ModelRunner
 from pdserve.worker.engine_glue import wire_deltas
 from pdserve.worker.metrics import WorkerMetrics
-from pdserve.worker.node_api import NodeLoad, Sender
+from pdserve.worker.node_api import CoreDemand, NodeLoad, Sender
 from pdserve.worker.node_base import EngineNode
 from pdserve.worker.tracing import Child, WorkerTraces
 
@@ -92,6 +92,9 @@ class ColocatedNode(EngineNode):
 
     def busy(self) -> bool:
         return self.engine.has_unfinished()
+
+    def core_demand(self) -> CoreDemand:
+        return CoreDemand(keep=self.busy(), borrow=self.busy())
 
     def close(self) -> None:
         for rid in list(self._live):

@@ -7,11 +7,15 @@ Policy (`pdserve up --cpu-affinity`, see docs/internals.md):
    then decode workers). When the threads do not fit, nothing is pinned: the
    kernel's scheduler then shares the cores, which beats forcing two busy
    workers onto one core.
-2. A worker pins itself at start (`pin_process`), before torch starts its
-   thread pool, so every thread it ever makes inherits the mask.
-3. With one prefill and one decode worker, the decode worker may also run on
-   the prefill worker's cores while the prefill worker has no work
-   (`borrow_grant`; the hand-over protocol is in pdserve/worker/core_sharing.py).
+2. A worker pins itself at start (`pin_at_start`), before torch starts its
+   thread pool, so every thread it ever makes inherits the mask. A worker that
+   may borrow cores is first pinned to its own and the borrowable ones while
+   torch loads: libgomp counts the cores it may use once, at load, and a team
+   wider than that count barely spins (it waits on a futex at every parallel
+   region), which made a borrowed core slower than none on short steps.
+3. With one prefill and one decode worker, each may also run on the other's
+   cores while the other has nothing to compute (`borrow_grant`; the hand-over
+   protocol is in pdserve/worker/core_sharing.py).
 
 Pure functions here are what the tests check; `apply_grant` is the one place
 that touches the process.
@@ -78,7 +82,7 @@ def plan_cores(host_cores: Sequence[int], threads: Sequence[int]) -> list[tuple[
 
 
 def borrow_grant(own: Sequence[int], lendable: Sequence[int], lender_idle: bool) -> CoreGrant:
-    """The decode worker's cores: its own, plus the prefill worker's while that one is idle."""
+    """A borrowing worker's cores: its own, plus the lender's while that one is idle."""
     cores = tuple(own) + (tuple(c for c in lendable if c not in own) if lender_idle else ())
     return CoreGrant(cores, len(cores))
 
@@ -88,6 +92,17 @@ def pin_process(cores: Sequence[int]) -> None:
     for tid in _thread_ids():
         with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
             os.sched_setaffinity(tid, cores)
+
+
+def pin_at_start(own: Sequence[int], borrowable: Sequence[int] = ()) -> None:
+    """Pin this process to `own`, having loaded torch (and its OpenMP runtime) while
+    pinned to `own` and `borrowable`, so that OpenMP counts the cores a borrowed grant adds."""
+    wide = borrow_grant(own, borrowable, lender_idle=True).cores
+    pin_process(wide)
+    if len(wide) > len(own):
+        import torch  # noqa: F401  # libgomp reads the affinity mask when it loads
+
+        pin_process(own)
 
 
 def apply_grant(grant: CoreGrant) -> None:

@@ -65,7 +65,8 @@ def run_worker(engine_cfg: EngineConfig, opts: WorkerOptions, build: NodeBuilder
                             switcher if flip_builders else None, tier_events)
     if opts.core_share:
         node = share_cores(node, opts.core_share, opts.cpu_cores, opts.borrow_cores,
-                           governed_grant(governor) if governor is not None else apply_grant)
+                           governed_grant(governor) if governor is not None else apply_grant,
+                           switcher.metrics.core_borrows.inc)
     try:
         return runtime.run(node)
     finally:

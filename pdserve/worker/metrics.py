@@ -86,6 +86,8 @@ class WorkerMetrics:
         self._thread_switches = Counter(
             "llm_thread_switches", "Thread-count changes the governor made (--thread-policy adaptive), "
             "by reason: contention, probe_won, recovered", [*names, "reason"], registry=r)
+        self.core_borrows = counter("llm_core_borrows", "Times this worker widened onto the other worker's idle "
+                                    "cores (one prefill and one decode worker sharing cores, pdserve up)")
         self.role_flips = counter("llm_role_flips", "Live role flips this worker made (its role label is the new role)")
         self._lora_info = Gauge("llm_lora_requests_info", "LoRA adapters of running and waiting sequences "
                                 "(vLLM's vllm:lora_requests_info; value: the time it was set)",

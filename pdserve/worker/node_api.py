@@ -34,6 +34,14 @@ class NodeLoad(NamedTuple):
     loras: tuple[str, ...] = ()  # fingerprints of the LoRA adapters held (Heartbeat.loras)
 
 
+class CoreDemand(NamedTuple):
+    """What a node asks of the cores now (pdserve/worker/core_sharing.py)."""
+
+    keep: bool  # its own cores stay its own: it computes, or its work is on the way in or out
+    borrow: bool  # it may run on an idle neighbour's cores too: a step now computes, and no
+    # work of its is on the way to that neighbour (whose step would start meanwhile)
+
+
 class Node(Protocol):
     role: Role
 
@@ -51,6 +59,10 @@ class Node(Protocol):
 
     def busy(self) -> bool:
         """True while the node holds requests (draining waits for False)."""
+        ...
+
+    def core_demand(self) -> CoreDemand:
+        """Whether a step now would compute, for the core hand-over between workers."""
         ...
 
     def cached_keys(self) -> list[int]:
@@ -88,6 +100,9 @@ class NodeWrapper:
 
     def busy(self) -> bool:
         return self.node.busy()
+
+    def core_demand(self) -> CoreDemand:
+        return self.node.core_demand()
 
     def cached_keys(self) -> list[int]:
         return self.node.cached_keys()

@@ -35,9 +35,9 @@ class WorkerOptions:
     curve: CurveClient | None = None
     fault_injection: bool = False  # honour PDSERVE_FAULTS / PDSERVE_KV_FAULTS (tests only)
     kv_curve: KVCurve | None = None  # CURVE on the KV sockets (prefill and decode)
-    core_share: str | None = None  # prefill lends / decode borrows cores (pdserve/worker/core_sharing.py)
+    core_share: str | None = None  # keeps / borrows cores with the other role (pdserve/worker/core_sharing.py)
     cpu_cores: tuple[int, ...] = ()  # the cores this worker is pinned to
-    borrow_cores: tuple[int, ...] = ()  # decode: the prefill worker's cores
+    borrow_cores: tuple[int, ...] = ()  # the other worker's cores, run on while it is idle
     thread_policy: str = "fixed"  # adaptive: the thread governor picks 1 or N threads per step
     kv_offload: KVOffloadConfig | None = None  # KV tiers below the pool (every role)
     otlp_traces_endpoint: str | None = None  # None: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing

@@ -49,6 +49,7 @@ _WORKER = frozenset(
         "llm_role_flips_total",
         "llm_torch_threads",  # --thread-policy adaptive keeps it current
         "llm_thread_switches_total",  # label: reason
+        "llm_core_borrows_total",  # 1P+1D core sharing: widenings onto the other worker's cores
     }
 )
 
