@@ -107,7 +107,10 @@ class RedisTier:
             self._failed()
             self.stats.miss(MissReason.UNAVAILABLE, f"{self.url}: {e}")
             return [False] * len(keys)
-        return [a == 1 for a in answers]  # redis-py answers each command or raises
+        if len(answers) != len(keys):  # a server answering garbage: none of them
+            self.stats.miss(MissReason.UNAVAILABLE, f"{self.url}: {len(answers)} answers to {len(keys)} EXISTS")
+            return [False] * len(keys)
+        return [a == 1 for a in answers]
 
     def discard(self, key: bytes) -> None:
         if self._up():

@@ -18,7 +18,10 @@ Before each step:
 1. borrowing and the owner's flag is up: back to its own cores, release the lock;
 2. `keep` and not holding its own lock: raise its flag, take the lock, waiting at most
    `max_wait_s`. The borrower gives the cores back before its next step, so the wait
-   is at most one of its steps; past the bound (a hung worker) it runs anyway. While
+   is at most one of its steps; past the bound it runs anyway (a hung worker, or a
+   borrowing prefill step longer than the bound: work that reaches the decode worker
+   other than through that prefill worker's handoff, a local prefill or a request
+   the gateway re-routes, can wait that long). While
    it waits, and once more after, it still gives back what it borrowed from a waiting
    owner, so two workers each holding the other's cores never wait out the bound;
 3. `borrow`, not borrowing and the other's flag down: try the other's lock without
@@ -26,7 +29,7 @@ Before each step:
    overrun: it finds the lock taken and waits for step 1), then widen to both sets.
 
 After each step:
-4. no `keep`: lower its flag and release its lock;
+4. no `keep`: lower its flag and release its lock (the next claim waits its bound again);
 5. no `borrow`: back to its own cores, release the other's lock.
 
 So a step never runs on cores whose owner has work, except after the bounded wait.
@@ -159,6 +162,7 @@ class CoreKeeper:
         self.gave_up = False
 
     def release(self) -> None:
+        self.gave_up = False  # the next claim waits its bound again
         if self.wanted:
             self.share.set_want(False)
             self.wanted = False

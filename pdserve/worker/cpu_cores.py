@@ -12,7 +12,7 @@ Policy (`pdserve up --cpu-affinity`, see docs/internals.md):
    may borrow cores is first pinned to its own and the borrowable ones while
    torch loads: libgomp counts the cores it may use once, at load, and a team
    wider than that count barely spins (it waits on a futex at every parallel
-   region), which made a borrowed core slower than none on short steps.
+   region).
 3. With one prefill and one decode worker, each may also run on the other's
    cores while the other has nothing to compute (`borrow_grant`; the hand-over
    protocol is in pdserve/worker/core_sharing.py).

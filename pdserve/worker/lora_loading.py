@@ -29,7 +29,7 @@ from pdserve.common import protocol as p
 from pdserve.common.logs import request_fields
 from pdserve.common.lora import LoraRef
 from pdserve.engine.lora.loader import LoadDone, LoraLoader
-from pdserve.worker.node_api import Node, NodeLoad, NodeWrapper
+from pdserve.worker.node_api import CoreDemand, Node, NodeLoad, NodeWrapper
 from pdserve.worker.node_base import EngineNode
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,12 @@ class LoraLoadingNode(NodeWrapper):
 
     def busy(self) -> bool:
         return bool(self._parked) or self.node.busy()
+
+    def core_demand(self) -> CoreDemand:
+        """A parked request starts computing in the step its adapter is installed: its
+        worker keeps its cores meanwhile (and borrows none until then)."""
+        inner = self.node.core_demand()
+        return inner._replace(keep=inner.keep or bool(self._parked))
 
     def load(self) -> NodeLoad:
         load = self.node.load()

@@ -38,8 +38,7 @@ class CoreDemand(NamedTuple):
     """What a node asks of the cores now (pdserve/worker/core_sharing.py)."""
 
     keep: bool  # its own cores stay its own: it computes, or its work is on the way in or out
-    borrow: bool  # it may run on an idle neighbour's cores too: a step now computes, and no
-    # work of its is on the way to that neighbour (whose step would start meanwhile)
+    borrow: bool  # it may run on an idle neighbour's cores: it computes, none of its work on the way there
 
 
 class Node(Protocol):

@@ -16,7 +16,7 @@ The policy (`--thread-policy adaptive`), per step, from the outcome only:
    `window` times; its median is its level, and a level is *fresh* while its newest
    time is younger than `fresh_s`.
 2. Two modes compete: the ceiling N spinning (the worker's threads, or the core
-   grant of a decode worker borrowing the prefill worker's cores) and the low
+   grant of a 1P+1D worker borrowing the other's idle cores) and the low
    state (below). The one in use is *home*, the other *away*.
 3. Collapse: `collapse_steps` (3) home steps in a row each above `collapse` (3x)
    their bucket's home median start a probe of away at once (unless a probe ended

@@ -44,7 +44,7 @@ def wait_allowed(pid: int, want: set[int], timeout: float = 60.0) -> None:
 
 def test_pinned_workers_each_running_on_the_others_idle_core(tmp_path: Path, reference: Reference) -> None:
     host = sorted(os.sched_getaffinity(0))
-    lend, own = {host[0]}, {host[-1]}  # prefill's core, decode's; the same one on a 1-core host
+    prefill_core, decode_core = {host[0]}, {host[-1]}  # the same one on a 1-core host
     share = str(tmp_path / "cores")
     create_share_dir(share)
     short, long = "The capital of France is", TEXT
@@ -52,13 +52,13 @@ def test_pinned_workers_each_running_on_the_others_idle_core(tmp_path: Path, ref
     c = Cluster(tmp_path)
     try:
         c.start_gateway("--local-prefill-threshold", "24")  # the short prompt runs on decode alone
-        prefill = c.add_worker("prefill", "--cpu-cores", format_cpu_list(lend), "--core-share", share,
-                               "--borrow-cores", format_cpu_list(own))
-        decode = c.add_worker("decode", "--cpu-cores", format_cpu_list(own), "--core-share", share,
-                              "--borrow-cores", format_cpu_list(lend))
+        prefill = c.add_worker("prefill", "--cpu-cores", format_cpu_list(prefill_core), "--core-share", share,
+                               "--borrow-cores", format_cpu_list(decode_core))
+        decode = c.add_worker("decode", "--cpu-cores", format_cpu_list(decode_core), "--core-share", share,
+                              "--borrow-cores", format_cpu_list(prefill_core))
         workers = {w["role"]: w for w in c.wait_roles(prefill=1, decode=1)}
-        wait_allowed(prefill.popen.pid, lend)  # idle: each on its own core
-        wait_allowed(decode.popen.pid, own)
+        wait_allowed(prefill.popen.pid, prefill_core)  # idle: each on its own core
+        wait_allowed(decode.popen.pid, decode_core)
 
         def borrows(role: str) -> float:
             return metric_value(worker_metrics(workers[role]), "llm_core_borrows_total")
@@ -72,8 +72,8 @@ def test_pinned_workers_each_running_on_the_others_idle_core(tmp_path: Path, ref
             assert borrows(borrower) >= 1, f"the {borrower} worker never ran on the other's core"
         assert borrows("decode") >= 1  # the second request did not take it away
         c.wait_idle()
-        wait_allowed(prefill.popen.pid, lend)  # idle again: each back on its own core, and
-        wait_allowed(decode.popen.pid, own)  # threads made while widened are narrowed too
+        wait_allowed(prefill.popen.pid, prefill_core)  # idle again: each back on its own core, and
+        wait_allowed(decode.popen.pid, decode_core)  # threads made while widened are narrowed too
         assert prefill.alive() and decode.alive()
         # both widen, so both thread policies default to adaptive: each exports the threads
         # its steps ran with (1, or the 2 of a grant) and its switch counter

@@ -141,8 +141,11 @@ def test_a_request_aborted_while_its_adapter_is_read_never_runs(lora_model: Any)
     late = lora_ref("late", adapters["all-r16"])
     n = Node(base)
     n.run("late", PROMPTS[0], late)
+    # It computes in the step its adapter is installed: a core-sharing worker keeps its cores.
+    assert n.node.core_demand().keep and not n.node.node.core_demand().keep
+    assert not n.node.core_demand().borrow
     n.node.handle(p.Abort(["late"], "client gone"))
-    assert n.node.waiting() == () and not n.node.busy()
+    assert n.node.waiting() == () and not n.node.busy() and not n.node.core_demand().keep
     n.gate.open.set()
     registry = n.engine.loras
     assert registry is not None

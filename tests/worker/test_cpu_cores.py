@@ -242,6 +242,15 @@ def test_a_worker_that_never_yields_delays_the_owner_only_by_the_bound(tmp_path:
     prefill.before_step(COMPUTING)
     assert prefill.keeper.share.held and not prefill.keeper.gave_up
 
+    prefill.after_step(IDLE)
+    decode.before_step(COMPUTING)  # borrows again, then hangs
+    prefill.before_step(COMPUTING)
+    assert prefill.keeper.gave_up
+    prefill.after_step(IDLE)  # its work ended: the next claim waits the bound again
+    waited = threading.Event()
+    prefill.keeper.reclaim(waited.set)  # set from inside the wait loop only
+    assert waited.is_set() and prefill.keeper.gave_up
+
 
 def test_two_workers_each_holding_the_others_cores_both_get_their_own_back(tmp_path: Path) -> None:
     """Each waits for its own cores while the other holds them (a state only the bounded
