@@ -89,7 +89,7 @@ def test_a_worker_args_value_round_trips_through_its_command_line() -> None:
     colocated = _parse_child(["python", "-m", "pdserve", "worker", "--colocated", *full.to_argv("colocated")])
     # role-scoped flags stay off the other roles' command lines
     assert colocated == as_seen_by("colocated")
-    assert as_seen_by("colocated").kv_transport == "auto" and as_seen_by("prefill").borrow_cores is None
+    assert as_seen_by("colocated").kv_transport == "auto" and as_seen_by("colocated").borrow_cores is None
 
 
 def test_defaults_are_not_emitted() -> None:
