@@ -104,9 +104,9 @@ class CoreBorrower:
     """Runs on another worker's cores too while it holds that worker's lock."""
 
     def __init__(self, share: CoreShareFile, own: Sequence[int], lendable: Sequence[int],
-                 apply: Callable[[CoreGrant], None] = apply_grant, widened: Callable[[], None] | None = None) -> None:
+                 apply: Callable[[CoreGrant], None] = apply_grant, widened: Callable[[], None] = _nothing) -> None:
         self.share, self.own, self.lendable, self.apply = share, tuple(own), tuple(lendable), apply
-        self.widened = widened if widened is not None else _nothing  # counts each widening
+        self.widened = widened  # counts each widening
         self.grant = borrow_grant(self.own, self.lendable, lender_idle=False)
 
     def give_back_if_wanted(self) -> None:
@@ -181,10 +181,10 @@ class CoreSharing:
             self.borrower.give_back_if_wanted()
         if demand.keep:
             self.keeper.reclaim(self.borrower.give_back_if_wanted if self.borrower is not None else _nothing)
-        if self.borrower is not None:
-            self.borrower.give_back_if_wanted()  # an owner that raised its flag while this one waited
-            if demand.borrow:
-                self.borrower.try_borrow()
+            if self.borrower is not None:
+                self.borrower.give_back_if_wanted()  # an owner that raised its flag while this one waited
+        if demand.borrow and self.borrower is not None:
+            self.borrower.try_borrow()
 
     def after_step(self, demand: CoreDemand) -> None:
         if not demand.keep:
@@ -219,7 +219,7 @@ class SharedCoresNode(NodeWrapper):
 
 
 def share_cores(node: Node, directory: str, own: Sequence[int], borrow: Sequence[int],
-                apply: Callable[[CoreGrant], None] = apply_grant, widened: Callable[[], None] | None = None) -> Node:
+                apply: Callable[[CoreGrant], None] = apply_grant, widened: Callable[[], None] = _nothing) -> Node:
     """`node` keeping its cores through `directory` and, with `borrow` (the other worker's
     cores), running on those too while the other computes nothing (each grant applied
     with `apply`, each widening counted by `widened`)."""

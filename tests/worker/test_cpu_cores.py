@@ -142,9 +142,10 @@ def _workers(tmp_path: Path, events: list[str], max_wait_s: float = 60.0,
 
     def side(role: Role, own: int, other: Role) -> CoreSharing:
         keeper = CoreKeeper(CoreShareFile(share_path(directory, role)), max_wait_s=max_wait_s)
-        widened = (lambda: borrowed.append(role.value)) if borrowed is not None else None
         borrower = CoreBorrower(CoreShareFile(share_path(directory, other)), own=(own,), lendable=(1 - own,),
-                                apply=Recorder(role.value, events), widened=widened)
+                                apply=Recorder(role.value, events))
+        if borrowed is not None:
+            borrower.widened = lambda: borrowed.append(role.value)
         return CoreSharing(keeper, borrower)
 
     return side(Role.PREFILL, 0, Role.DECODE), side(Role.DECODE, 1, Role.PREFILL)
