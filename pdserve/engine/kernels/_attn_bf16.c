@@ -18,8 +18,11 @@
  * the tile shares: each block of 16 keys is transposed once by bf16 pair (`keys_by_pair`),
  * so every (row, head) of the tile gets its 16 scores from the same vdpbf16ps per lane and
  * the same tree of adds as the decode's, done across registers with no shuffle
- * (`score_by_pair`: ~2 instead of ~4.5 cycles a score); and each V row's widening, once per
- * key for up to 6 (row, head) pairs of accumulators.
+ * (`score_by_pair`: ~2 instead of ~4.5 cycles a score, each block's K vectors loaded once
+ * for 4 (row, head) pairs); and each V row's load, once per key for up to 6 (row, head) pairs
+ * of accumulators, split into its bf16 pairs' even and odd elements (a shift and a mask, not
+ * a widening shuffle: `v_row_pairs`; each element's sum is the decode's, in another lane),
+ * with no per-key context check over the keys every row of the pass reads (`pv_keys`).
  *
  * The output is rounded to bf16 once, to nearest even. Returns PD_OK, PD_ERR_BLOCK for a
  * block id outside the pool, or PD_ATTN_UNHANDLED (the caller runs its generic loop).
@@ -181,36 +184,46 @@ TARGET INLINE void keys_by_pair(const uint16_t *const *kr, __m512 *kt, const int
     }
 }
 
-/* Lane l of every key's dpbf16 partial vector (score16's `part[i]` lane l, the same two
- * or four vdpbf16ps in the same order), the keys across the lanes. */
-TARGET INLINE __m512 lane_partial(const uint16_t *q, const __m512 *kt, int l, const int D) {
-    __m512 a = dot_pair(_mm512_setzero_ps(), kt[l], q + 2 * l);
-    for (int j = 1; j < D / 32; j++)
-        a = dot_pair(a, kt[16 * j + l], q + 32 * j + 2 * l);
-    return a;
-}
-
-/* Block c's share of 16 keys' scores, sum16's levels 1 and 2 on lanes 4c .. 4c + 3:
- * (lane 4c + lane 4c + 2) + (lane 4c + 1 + lane 4c + 3). */
-TARGET INLINE __m512 block_sum(const uint16_t *q, const __m512 *kt, int c, const int D) {
-    __m512 x0 = _mm512_add_ps(lane_partial(q, kt, 4 * c, D), lane_partial(q, kt, 4 * c + 2, D));
-    __m512 x1 = _mm512_add_ps(lane_partial(q, kt, 4 * c + 1, D), lane_partial(q, kt, 4 * c + 3, D));
-    return _mm512_add_ps(x0, x1);
-}
-
 /* score16 with the keys transposed (kt, keys_by_pair) for U query rows q[u], into
  * dst[u][0 .. n[u]): the same bits, as the same adds of sum16's tree are made one lane of
- * all 16 keys at a time, with no shuffle: blocks (0 + 1) + (2 + 3) of block_sum. The
- * transposition is shared by every row of a tile. */
+ * all 16 keys at a time, with no shuffle. Lane l's partial (score16's `part[i]` lane l: the
+ * same D / 32 vdpbf16ps in the same order) has the keys across its lanes; block c's share
+ * is (l0 + l2) + (l1 + l3) of its lanes 4c .. 4c + 3 (sum16's levels 1 and 2), the blocks
+ * then (b0 + b1) + (b2 + b3). Each block's K vectors are loaded once for all U rows, so a
+ * vdpbf16ps costs one broadcast load and 1 / U of a K load. The transposition is shared by
+ * every row of a tile. */
 TARGET INLINE void score_by_pair(const uint16_t *const *q, const __m512 *kt, const int64_t *n, float scale,
                                  float *const *dst, const int U, const int D) {
-    __m512 low[4];
-    for (int u = 0; u < U; u++)
-        low[u] = _mm512_add_ps(block_sum(q[u], kt, 0, D), block_sum(q[u], kt, 1, D));
-    for (int u = 0; u < U; u++) {
-        __m512 sums = _mm512_add_ps(low[u], _mm512_add_ps(block_sum(q[u], kt, 2, D), block_sum(q[u], kt, 3, D)));
-        _mm512_mask_storeu_ps(dst[u], (__mmask16)(n[u] >= 16 ? 0xFFFF : (1u << n[u]) - 1u),
-                              _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 low[4], mid[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        __m512 kl[4][4];
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < D / 32; j++)
+                kl[i][j] = kt[16 * j + 4 * c + i];
+#pragma GCC unroll 4
+        for (int u = 0; u < U; u++) {
+            __m512 lp[4];
+            for (int i = 0; i < 4; i++) {
+                const int l = 4 * c + i;
+                __m512 a = dot_pair(zero, kl[i][0], q[u] + 2 * l);
+                for (int j = 1; j < D / 32; j++)
+                    a = dot_pair(a, kl[i][j], q[u] + 32 * j + 2 * l);
+                lp[i] = a;
+            }
+            __m512 bs = _mm512_add_ps(_mm512_add_ps(lp[0], lp[2]), _mm512_add_ps(lp[1], lp[3]));
+            if (c == 0)
+                low[u] = bs;
+            else if (c == 1)
+                low[u] = _mm512_add_ps(low[u], bs);
+            else if (c == 2)
+                mid[u] = bs;
+            else
+                _mm512_mask_storeu_ps(dst[u], (__mmask16)(n[u] >= 16 ? 0xFFFF : (1u << n[u]) - 1u),
+                                      _mm512_mul_ps(_mm512_add_ps(low[u], _mm512_add_ps(mid[u], bs)),
+                                                    _mm512_set1_ps(scale)));
+        }
     }
 }
 
@@ -286,14 +299,62 @@ TARGET INLINE int attend_d(const uint16_t *q, const uint16_t *k, const uint16_t 
     return PD_OK;
 }
 
+/* Key t's V row of L as float32 in deinterleaved order into row[0 .. D / 16): row[2c] lane i
+ * is element 32c + 2i, row[2c + 1] lane i element 32c + 2i + 1 (the bf16 pair's low and high
+ * halves, one shift or mask each, no widening shuffle); prefetches as v_row. */
+TARGET INLINE void v_row_pairs(__m512 *row, const uint16_t *v, const pool_rows *pr, int64_t t, int64_t L,
+                               key_cursor *at, key_cursor *ahead, const int D) {
+    const uint16_t *vr = next_row(v, pr, at);
+    if (t + PREFETCH_KEYS < L)
+        prefetch_row(next_row(v, pr, ahead), D);
+    for (int c = 0; c < D / 32; c++) {
+        __m512i x = _mm512_loadu_si512((const void *)(vr + 32 * c));
+        row[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        row[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+    }
+}
+
+/* acc in v_row_pairs' order rounded to bf16 (nearest even) at out in element order: D values. */
+TARGET INLINE void store_pairs_bf16(uint16_t *out, const __m512 *acc, const int D) {
+    for (int c = 0; c < D / 32; c++) {
+        __m512i lo = _mm512_castps_si512(acc[2 * c]), hi = _mm512_castps_si512(acc[2 * c + 1]);
+        __m256i l16 = (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(lo));
+        __m256i h16 = (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(hi));
+        __m512i both = _mm512_or_si512(_mm512_cvtepu16_epi32(l16), _mm512_slli_epi32(_mm512_cvtepu16_epi32(h16), 16));
+        _mm512_storeu_si512((void *)(out + 32 * c), both);
+    }
+}
+
+/* Keys [t0, t1) of a p . V pass into acc (v_row_pairs' order): unit i adds p[i][t] x V row t
+ * for each key in order, one float32 FMA per element, as attend_d's pass does for that row.
+ * ALL: every unit's context covers [t0, t1) (no per-key check). */
+TARGET INLINE void pv_keys(__m512 *acc, const uint16_t *v, const pool_rows *pr, const float *const *p,
+                           const int64_t *len, int64_t t0, int64_t t1, int64_t L, const int UN, const int D,
+                           const int ALL) {
+    const int DV = D / 16;
+    __m512 row[8];
+    key_cursor at = cursor_at(pr, t0), ahead = cursor_at(pr, t0 + PREFETCH_KEYS);
+    for (int64_t t = t0; t < t1; t++) {
+        v_row_pairs(row, v, pr, t, L, &at, &ahead, D);
+        for (int i = 0; i < UN; i++) {
+            if (!ALL && t >= len[i])
+                continue;
+            __m512 pg = _mm512_set1_ps(p[i][t] * 1.0f); /* pv_accumulate's weight of a plain pool */
+            for (int j = 0; j < DV; j++)
+                acc[i * DV + j] = _mm512_fmadd_ps(pg, row[j], acc[i * DV + j]);
+        }
+    }
+}
+
 /* p . V of `UN` (query row, head) units u0.. of a row tile (attend_rows_d): unit u = r * G + g
  * reads row r's probabilities for head g and adds each V row of its L0 + r keys, in key
- * order, into its own D / 16 accumulators, exactly as attend_d's pass does for that row;
- * each V row is widened once for all UN units. */
+ * order, into its own D / 16 accumulators, exactly as attend_d's pass does for that row
+ * (each output element's sum is the same; only its lane differs, v_row_pairs); each V row
+ * is loaded once for all UN units, the keys every unit reads without a per-key check. */
 TARGET INLINE void pv_rows(const uint16_t *v, const pool_rows *pr, const float *sc, int64_t Lmax, int64_t L0,
                            int64_t G, int64_t u0, uint16_t *out, int64_t out_stride, const int UN, const int D) {
     const int DV = D / 16;
-    __m512 acc[24], row[8];
+    __m512 acc[24];
     const float *p[6];
     int64_t len[6];
     uint16_t *o[6];
@@ -307,19 +368,10 @@ TARGET INLINE void pv_rows(const uint16_t *v, const pool_rows *pr, const float *
     for (int i = 0; i < UN * DV; i++)
         acc[i] = _mm512_setzero_ps();
     int64_t L = len[UN - 1];
-    key_cursor at = cursor_at(pr, 0), ahead = cursor_at(pr, PREFETCH_KEYS);
-    for (int64_t t = 0; t < L; t++) {
-        v_row(row, v, pr, t, L, &at, &ahead, D);
-        for (int i = 0; i < UN; i++) {
-            if (t >= len[i])
-                continue;
-            __m512 pg = _mm512_set1_ps(p[i][t] * 1.0f); /* pv_accumulate's weight of a plain pool */
-            for (int j = 0; j < DV; j++)
-                acc[i * DV + j] = _mm512_fmadd_ps(pg, row[j], acc[i * DV + j]);
-        }
-    }
+    pv_keys(acc, v, pr, p, len, 0, len[0], L, UN, D, 1);
+    pv_keys(acc, v, pr, p, len, len[0], L, L, UN, D, 0);
     for (int i = 0; i < UN; i++)
-        store_bf16(o[i], acc + i * DV, DV);
+        store_pairs_bf16(o[i], acc + i * DV, D);
 }
 
 /* R consecutive query rows of one sequence and KV head: row r (q + r * q_stride, out + r *

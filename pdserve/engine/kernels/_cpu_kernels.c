@@ -327,28 +327,44 @@ PD_AVX512_BW_INLINE __m512i pd_round_bf16x16(__m512 f) {
     return _mm512_mask_mov_epi32(r, nan, q);
 }
 
-PD_AVX512_BW static void silu_mul_row16(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *out) {
+/* 16 bf16 at p as float32 (exact), a full vector. */
+PD_AVX512_BW_INLINE __m512 pd_bf16x16_full(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* silu(x) * y of 16 lanes, as silu_mul_row, bf16 bits in the low half of each lane. */
+PD_AVX512_BW_INLINE __m512i silu_mul16(__m512 x, __m512 y) {
     const __m512 shift = _mm512_set1_ps(0x1.8p23f);
     const float c[7] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
-    for (int64_t j = 0; j < n; j += 16) {
-        __mmask16 k = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
-        __m512 x = pd_bf16x16(g + j, k);
-        __m512 m = _mm512_sub_ps(_mm512_setzero_ps(), x);
-        m = _mm512_max_ps(m, _mm512_set1_ps(-87.0f)); /* NaN: any finite m; x / ... stays NaN */
-        m = _mm512_min_ps(m, _mm512_set1_ps(89.0f));
-        __m512 t = _mm512_add_ps(_mm512_mul_ps(m, _mm512_set1_ps(1.44269504088896341f)), shift);
-        __m512 nn = _mm512_sub_ps(t, shift);
-        __m512 r = _mm512_sub_ps(m, _mm512_mul_ps(nn, _mm512_set1_ps(0.693145751953125f)));
-        r = _mm512_sub_ps(r, _mm512_mul_ps(nn, _mm512_set1_ps(1.428606765330187e-06f)));
-        __m512 p = _mm512_set1_ps(c[0]);
-        for (int i = 1; i < 7; i++)
-            p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c[i]));
-        __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(nn), _mm512_set1_epi32(127)), 23);
-        __m512 ex = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-        __m512 sg = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), ex));
-        __m512i sb = _mm512_slli_epi32(pd_round_bf16x16(sg), 16);
-        __m512 prod = _mm512_mul_ps(_mm512_castsi512_ps(sb), pd_bf16x16(u + j, k));
-        _mm256_mask_storeu_epi16(out + j, k, _mm512_cvtepi32_epi16(pd_round_bf16x16(prod)));
+    __m512 m = _mm512_sub_ps(_mm512_setzero_ps(), x);
+    m = _mm512_max_ps(m, _mm512_set1_ps(-87.0f)); /* NaN: any finite m; x / ... stays NaN */
+    m = _mm512_min_ps(m, _mm512_set1_ps(89.0f));
+    __m512 t = _mm512_add_ps(_mm512_mul_ps(m, _mm512_set1_ps(1.44269504088896341f)), shift);
+    __m512 nn = _mm512_sub_ps(t, shift);
+    __m512 r = _mm512_sub_ps(m, _mm512_mul_ps(nn, _mm512_set1_ps(0.693145751953125f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(nn, _mm512_set1_ps(1.428606765330187e-06f)));
+    __m512 p = _mm512_set1_ps(c[0]);
+    for (int i = 1; i < 7; i++)
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c[i]));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(nn), _mm512_set1_epi32(127)), 23);
+    __m512 ex = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    __m512 sg = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), ex));
+    __m512i sb = _mm512_slli_epi32(pd_round_bf16x16(sg), 16);
+    return pd_round_bf16x16(_mm512_mul_ps(_mm512_castsi512_ps(sb), y));
+}
+
+/* Full vectors with plain loads and stores, the tail masked: masking every vector took
+ * 1.5-1.7x the time a row on Zen 5 (the same bits). */
+PD_AVX512_BW static void silu_mul_row16(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *out) {
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        _mm256_storeu_si256((__m256i *)(out + j),
+                            _mm512_cvtepi32_epi16(silu_mul16(pd_bf16x16_full(g + j), pd_bf16x16_full(u + j))));
+    if (j < n) {
+        __mmask16 k = (__mmask16)((1u << (n - j)) - 1u);
+        _mm256_mask_storeu_epi16(out + j, k,
+                                 _mm512_cvtepi32_epi16(silu_mul16(pd_bf16x16(g + j, k), pd_bf16x16(u + j, k))));
     }
 }
 
