@@ -10,7 +10,8 @@
  * (or +0.0) added in float32, rounded to bf16 once, nearest even. Only the blocking
  * differs, and blocking over rows and channels changes no (row, channel) pair's order:
  *
- * - a channel block of CB channels (CB x K x 2 bytes ~ TILE_L2_BYTES) is walked by every
+ * - a channel block of CB channels (CB x K x 2 bytes <= TILE_L2_BYTES, the blocks a multiple
+ *   of the threads and near-equal) is walked by every
  *   row, TM rows at a time: the TM rows' x (TM x K x 2 bytes) stays in L1 across the
  *   block's CB / TN tiles, the block's weights in L2 across the M / TM row blocks;
  * - each 32-k step loads TN weight vectors and TM x vectors for TM x TN `vdpbf16ps`
