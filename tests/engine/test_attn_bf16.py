@@ -112,7 +112,7 @@ def test_prefill_rows_are_the_bits_of_the_decode_at_their_position(
         native: NativeAttention, shape: tuple[int, int, int], loop: str, request: pytest.FixtureRequest) -> None:
     """`prefill` attends a few consecutive rows per work item (_attn_bf16.c's row tiles, up to
     6 (row, head) pairs per p.V pass): each row has the bits of a decode at its position, for
-    any start (a prefix-cache hit) and row count (tiles of 4 with ragged ends), thread count,
+    any start (a prefix-cache hit) and row count (tiles of 8 with ragged ends), thread count,
     and on the generic loop (head size 96, or the fast loop switched off)."""
     if loop == "generic":
         request.getfixturevalue("generic_loop")

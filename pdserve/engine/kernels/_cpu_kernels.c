@@ -158,7 +158,8 @@ int pd_paged_decode(int dtype, const void *q, int64_t q_stride, const void *k, c
     return err;
 }
 
-#define PREFILL_ROWS 4 /* query rows a prefill work item attends together (_attn_bf16.c) */
+#define PREFILL_ROWS 8 /* query rows a prefill work item attends together (_attn_bf16.c): 1.06-1.14x
+                         * as fast as 4 at 1,500 rows on Zen 5; scratch 8 x G x context floats */
 
 /* Prefill attention for one sequence: its n query rows q [n, H, D] (rows q_stride apart)
  * at positions start .. start + n - 1 of the block table (table_len ids), row i attending
