@@ -172,7 +172,7 @@ TARGET static void channel_block(const uint16_t *x, int64_t M, int64_t K, int64_
     int64_t per_tile = tiles > 0 ? (TM * line_per_row + tiles - 1) / tiles : 0;
     /* Only where both row blocks' x and a tile's weights fit L1 together: past that (the down
      * projection's K = 2048) the prefetched lines evict the x and weights the tile is reading
-     * (0.69 -> 0.78x aten's rate at K = 2048 without it, the same at K <= 1024). */
+     * (0.66 -> 0.77x aten's rate at K = 2048 without it, one thread, Zen 5). */
     const int prefetch = (2 * TM + TN) * K * 2 <= PREFETCH_L1_BYTES;
     for (; m + TM <= M; m += TM) {
         const uint16_t *xr = x + m * ldx;
@@ -194,8 +194,9 @@ TARGET static void channel_block(const uint16_t *x, int64_t M, int64_t K, int64_
 TARGET void pd_bf16_avx_tiles(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
                               int64_t N, const uint16_t *bias, uint16_t *y, int64_t ldy, int threads) {
     /* As many channels a block as fit TILE_L2_BYTES, then evened out so that the blocks
-     * are a multiple of the threads, of near-equal size (7 blocks of 126 channels on 2
-     * threads ran 0.8x the time of 8 of 96). */
+     * are a multiple of the threads, of near-equal size: on 2 threads the down projection's
+     * 7 blocks of 126 channels (4 on one thread, 3 on the other) ran at 0.58-0.66x aten's
+     * rate, its 8 of 96 at 0.84-0.88x (Zen 5). */
     int64_t cb = TILE_L2_BYTES / (K * 2) / TN * TN;
     cb = cb < TN ? TN : cb;
     int64_t blocks = (N + cb - 1) / cb;
