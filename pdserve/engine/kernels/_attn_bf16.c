@@ -55,12 +55,6 @@ TARGET INLINE __m512 dot(__m512 acc, __m512 a, __m512 b) { /* see _bf16_gemv.c: 
     return acc;
 }
 
-/* 16 bf16 at p as float32 (exact). */
-TARGET INLINE __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 /* Where a sequence's key rows lie in the pool: its block table, the block size, the elements
  * between a block's consecutive keys and the offset of KV head h in a row. */
 typedef struct {

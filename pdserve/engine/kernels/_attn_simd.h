@@ -30,6 +30,12 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* 16 bf16 at p as float32 (exact). */
+PD_SIMD_INLINE __m512 widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
 /* sum16's tree, one level at a time: each level adds two vectors' partials lane-wise after
  * a shuffle, so lane i of the last level holds vector i's sum. Level 1 (two vectors a, b):
  * per 128-bit block a0+a2, b0+b2, a1+a3, b1+b3. */

@@ -328,12 +328,6 @@ PD_AVX512_BW_INLINE __m512i pd_round_bf16x16(__m512 f) {
     return _mm512_mask_mov_epi32(r, nan, q);
 }
 
-/* 16 bf16 at p as float32 (exact), a full vector. */
-PD_AVX512_BW_INLINE __m512 pd_bf16x16_full(const uint16_t *p) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 /* silu(x) * y of 16 lanes, as silu_mul_row, bf16 bits in the low half of each lane. */
 PD_AVX512_BW_INLINE __m512i silu_mul16(__m512 x, __m512 y) {
     const __m512 shift = _mm512_set1_ps(0x1.8p23f);
@@ -361,7 +355,7 @@ PD_AVX512_BW static void silu_mul_row16(const uint16_t *g, const uint16_t *u, in
     int64_t j = 0;
     for (; j + 16 <= n; j += 16)
         _mm256_storeu_si256((__m256i *)(out + j),
-                            _mm512_cvtepi32_epi16(silu_mul16(pd_bf16x16_full(g + j), pd_bf16x16_full(u + j))));
+                            _mm512_cvtepi32_epi16(silu_mul16(widen16(g + j), widen16(u + j))));
     if (j < n) {
         __mmask16 k = (__mmask16)((1u << (n - j)) - 1u);
         _mm256_mask_storeu_epi16(out + j, k,
