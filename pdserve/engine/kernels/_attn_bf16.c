@@ -9,8 +9,16 @@
  *   instead of one horizontal sum per score.
  * - softmax: max, exp and sum 16 scores at a time; exp is a degree-6 polynomial after
  *   range reduction (relative error ~2e-7, as expf's float32 result is within rounding).
- * - p . V: up to 16 float32 accumulators (4 heads x 64, or 2 x 128) stay in registers
- *   over the whole context; each V row is widened from bf16 once per head group.
+ *   The normalized probabilities are rounded to bf16 (nearest even), as Hugging Face's
+ *   eager attention and FlashAttention round them before p . V.
+ * - p . V: `_mm512_dpbf16_ps` over pairs of keys (t, t + 1), t even: one dword of the two
+ *   bf16 probabilities broadcast against the two V rows interleaved by element (one
+ *   unpack per 32 elements, `v_pair`), half the float32 FMAs of widened rows; a context of
+ *   odd length ends on a pair whose second probability and V half are zero. Up to 24
+ *   float32 accumulators (6 heads x 64, or 3 x 128) stay in registers over the whole
+ *   context (`pv_units`). Against float32 probabilities this adds at most 2^-9 of
+ *   sum_t p_t |v_t| to an output's error (tests/engine/test_attn_bf16.py holds both loops to
+ *   that bound).
  *
  * A prefill (pd_paged_prefill in _cpu_kernels.c) runs a few consecutive query rows of one KV
  * head together (`attend_rows_d`): each row's scores, softmax and p . V are computed in
@@ -19,10 +27,9 @@
  * so every (row, head) of the tile gets its 16 scores from the same vdpbf16ps per lane and
  * the same tree of adds as the decode's, done across registers with no shuffle
  * (`score_by_pair`: ~2 instead of ~4.5 cycles a score, each block's K vectors loaded once
- * for 4 (row, head) pairs); and each V row's load, once per key for up to 6 (row, head) pairs
- * of accumulators, split into its bf16 pairs' even and odd elements (a shift and a mask, not
- * a widening shuffle: `v_row_pairs`; each element's sum is the decode's, in another lane),
- * with no per-key context check over the keys every row of the pass reads (`pv_keys`).
+ * for 4 (row, head) pairs); the V-row pointers are found once (`v_rows`); and each V pair's
+ * loads and unpacks serve up to 6 (row, head) units of a pass, with no per-unit check over
+ * the pairs every unit reads whole (`pv_units`, the same function the decode's heads use).
  *
  * The output is rounded to bf16 once, to nearest even. Returns PD_OK, PD_ERR_BLOCK for a
  * block id outside the pool, or PD_ATTN_UNHANDLED (the caller runs its generic loop).
@@ -39,6 +46,7 @@
 
 #include "_pd_cpu.h"
 #define PREFETCH_KEYS 8 /* how far ahead p.V prefetches V rows */
+#define PV_ACCS 24 /* float32 accumulators a p . V pass holds in registers */
 
 static int enabled = 1;
 
@@ -247,28 +255,134 @@ TARGET INLINE void pair_add(pair_batch *b, const uint16_t *q, int64_t n, float *
         pair_flush(b, kt, scale, D);
 }
 
-/* Key t's V row of L widened into row[0 .. D / 16); prefetches the row PREFETCH_KEYS keys
- * ahead. `at` walks the keys, `ahead` the keys PREFETCH_KEYS later. */
-TARGET INLINE void v_row(__m512 *row, const uint16_t *v, const pool_rows *pr, int64_t t, int64_t L, key_cursor *at,
-                         key_cursor *ahead, const int D) {
-    const uint16_t *vr = next_row(v, pr, at);
-    if (t + PREFETCH_KEYS < L)
-        prefetch_row(next_row(v, pr, ahead), D);
-    for (int j = 0; j < D / 16; j++)
-        row[j] = widen16(vr + 16 * j);
+/* Softmax in place over each of G rows of L scores (`sc`, L apart), each row's
+ * probabilities then written over its own start as bf16 (nearest even; Hugging Face's eager
+ * attention rounds them so too before p . V), with a zero after the last when L is odd, so
+ * every pair (t, t + 1), t even, is one dword for vdpbf16ps. The bf16 store at t never
+ * reaches a float not yet read (2t + 32 <= 4 (t + 16) bytes); L bf16 and the pad fit the
+ * row's 4L bytes. */
+TARGET INLINE void softmax_rows_bf16(float *sc, int64_t G, int64_t L) {
+    for (int64_t g = 0; g < G; g++) {
+        float *s = sc + g * L;
+        uint16_t *pb = (uint16_t *)s;
+        __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int64_t t0 = 0; t0 < L; t0 += 16) {
+            __mmask16 m = (__mmask16)(L - t0 >= 16 ? 0xFFFF : (1u << (L - t0)) - 1u);
+            mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, s + t0));
+        }
+        __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        for (int64_t t0 = 0; t0 < L; t0 += 16) {
+            __mmask16 m = (__mmask16)(L - t0 >= 16 ? 0xFFFF : (1u << (L - t0)) - 1u);
+            __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t0), mv)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_mask_storeu_ps(s + t0, m, e);
+        }
+        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+        for (int64_t t0 = 0; t0 < L; t0 += 16) {
+            __mmask16 m = (__mmask16)(L - t0 >= 16 ? 0xFFFF : (1u << (L - t0)) - 1u);
+            __m256i pbh = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t0), inv));
+            _mm256_mask_storeu_epi16(pb + t0, m, pbh);
+        }
+        if (L & 1)
+            pb[L] = 0;
+    }
 }
 
-/* n accumulators rounded to bf16 (nearest even) at out, 16 values each. */
-TARGET INLINE void store_bf16(uint16_t *out, const __m512 *acc, int n) {
-    for (int j = 0; j < n; j++)
-        _mm256_storeu_si256((__m256i *)(out + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[j]));
+/* V rows a and b (keys t, t + 1) as bf16 pairs: vp[2c] lane 4j + i holds element 32c + 8j + i
+ * of a (low half) and of b (high half), vp[2c + 1] the same for element 32c + 8j + 4 + i (one
+ * unpack each). ZERO_B: b's halves zeroed instead (the pair past a context's last key: p's pad
+ * is +0 too, so the product is +0 whatever b holds). */
+TARGET INLINE void v_pair(__m512i *vp, const uint16_t *a, const uint16_t *b, const int D) {
+    for (int c = 0; c < D / 32; c++) {
+        __m512i x = _mm512_loadu_si512((const void *)(a + 32 * c)), y = _mm512_loadu_si512((const void *)(b + 32 * c));
+        vp[2 * c] = _mm512_unpacklo_epi16(x, y);
+        vp[2 * c + 1] = _mm512_unpackhi_epi16(x, y);
+    }
+}
+
+/* vp with each pair's high (key t + 1) half zeroed. */
+TARGET INLINE void first_of_pair(__m512i *dst, const __m512i *vp, const int D) {
+    for (int j = 0; j < D / 16; j++)
+        dst[j] = _mm512_and_si512(vp[j], _mm512_set1_epi32(0xFFFF));
+}
+
+/* Accumulators lo, hi (v_pair's vp[2c], vp[2c + 1] lane order) rounded to bf16 (nearest even)
+ * at out in element order: 32 values (qword j of the low and high halves' bf16 interleaved).
+ * By value, so the callers' accumulator arrays never have their address taken and stay in
+ * registers. */
+TARGET INLINE void store_pair_bf16(uint16_t *out, __m512 lo, __m512 hi) {
+    const __m512i idx = _mm512_set_epi64(11, 3, 10, 2, 9, 1, 8, 0);
+    __m512i l = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(lo));
+    __m512i h = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(hi));
+    _mm512_storeu_si512((void *)out, _mm512_permutex2var_epi64(l, idx, h));
+}
+
+/* The V-row table's place in the scratch: after the n floats of probabilities, 8-byte aligned
+ * (the 2 floats of slack in PD_ATTN_BF16_SCRATCH). */
+INLINE const uint16_t **v_row_table(float *sc, int64_t n) {
+    return (const uint16_t **)(((uintptr_t)(sc + n) + 7) & ~(uintptr_t)7);
+}
+
+/* The V rows of keys [0, L) of the sequence: vr[t] is key t's (one block-table walk shared by
+ * every p . V pass of a call, so a pass's loop holds only its pointers and t). */
+INLINE void v_rows(const uint16_t **vr, const uint16_t *v, const pool_rows *pr, int64_t L) {
+    key_cursor c = cursor_at(pr, 0);
+    for (int64_t t = 0; t < L; t++)
+        vr[t] = next_row(v, pr, &c);
+}
+
+/* The p . V of UN units over V rows vr[0 .. L) into out[i] (D bf16 each), L the longest
+ * unit's context (len[UN - 1]), len[0] the shortest: unit i adds, for each key pair (t, t + 1)
+ * of its context in order, one vdpbf16ps per accumulator of its bf16 probabilities p[i] + t
+ * and the two V rows, exactly as attend_d's pass does for that row; the pair at a unit's last
+ * key has its second half zeroed, as the decode's does (past L, key t's row stands in). The
+ * pairs every unit reads whole need no per-unit check. One loop with acc local to it, fully
+ * unrolled: every accumulator stays a register. Prefetches the pair PREFETCH_KEYS keys ahead. */
+TARGET INLINE void pv_units(uint16_t *const *out, const uint16_t *const *vr, const uint16_t *const *p,
+                            const int64_t *len, const int UN, const int D) {
+    const int DV = D / 16;
+    const int64_t L = len[UN - 1], whole = len[0] & ~(int64_t)1;
+    __m512 acc[24];
+    __m512i vp[8], vz[8];
+#pragma GCC unroll 24 /* register moves, not a `rep stos` of a stack copy (_bf16_tiles.c's tile) */
+    for (int i = 0; i < UN * DV; i++)
+        acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; t += 2) {
+        if (t + PREFETCH_KEYS + 1 < L) {
+            prefetch_row(vr[t + PREFETCH_KEYS], D);
+            prefetch_row(vr[t + PREFETCH_KEYS + 1], D);
+        }
+        v_pair(vp, vr[t], vr[t + 1 < L ? t + 1 : t], D);
+        if (t < whole) {
+#pragma GCC unroll 8 /* whole, so every accumulator is a register (not an indexed stack slot) */
+            for (int i = 0; i < UN; i++)
+#pragma GCC unroll 8
+                for (int j = 0; j < DV; j++)
+                    acc[i * DV + j] = dot_pair(acc[i * DV + j], _mm512_castsi512_ps(vp[j]), p[i] + t);
+            continue;
+        }
+        first_of_pair(vz, vp, D);
+#pragma GCC unroll 8
+        for (int i = 0; i < UN; i++) {
+            if (t >= len[i])
+                continue;
+            const int last = t + 1 == len[i];
+#pragma GCC unroll 8
+            for (int j = 0; j < DV; j++)
+                acc[i * DV + j] = dot_pair(acc[i * DV + j], _mm512_castsi512_ps(last ? vz[j] : vp[j]), p[i] + t);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < UN; i++)
+#pragma GCC unroll 4
+        for (int c = 0; c < D / 32; c++)
+            store_pair_bf16(out[i] + 32 * c, acc[i * DV + 2 * c], acc[i * DV + 2 * c + 1]);
 }
 
 TARGET INLINE int attend_d(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                            const int64_t *table, int64_t L, int64_t num_blocks, int64_t h, int64_t G,
                            int64_t KVH, int64_t bs, float scale, uint16_t *out, float *sc,
                            const int D) {
-    const int GB = 16 / (D / 16); /* heads per p.V pass */
     const pool_rows pr = {table, bs, KVH * D, h * D};
     if (check_blocks(&pr, L, num_blocks) != PD_OK)
         return PD_ERR_BLOCK;
@@ -278,95 +392,61 @@ TARGET INLINE int attend_d(const uint16_t *q, const uint16_t *k, const uint16_t 
         for (int64_t g = 0; g < G; g++)
             score16(q + g * D, kr, n, scale, sc + g * L + t0, D);
     }
-    softmax_rows(sc, G, L);
-    for (int64_t g0 = 0; g0 < G; g0 += GB) {
-        __m512 acc[16], row[8];
-        int64_t gn = pv_pass_begin(acc, G, g0, GB);
-        key_cursor at = cursor_at(&pr, 0), ahead = cursor_at(&pr, PREFETCH_KEYS);
-        for (int64_t t = 0; t < L; t++) {
-            v_row(row, v, &pr, t, L, &at, &ahead, D);
-            pv_accumulate(acc, row, sc, L, t, g0, gn, GB, D / 16, 1.0f);
+    softmax_rows_bf16(sc, G, L);
+    const uint16_t **vr = v_row_table(sc, G * L);
+    v_rows(vr, v, &pr, L);
+    const int UP = PV_ACCS / (D / 16); /* heads per p . V pass, as pv_rows' units */
+    for (int64_t g0 = 0; g0 < G; g0 += UP) {
+        const uint16_t *p[6];
+        int64_t len[6];
+        uint16_t *o[6];
+        int64_t gn = G - g0 < UP ? G - g0 : UP;
+        for (int g = 0; g < gn; g++)
+            p[g] = (const uint16_t *)(sc + (g0 + g) * L), len[g] = L, o[g] = out + (g0 + g) * D;
+        switch (gn) {
+#define HEADS(U)                                    \
+    case U:                                         \
+        if (U * (D / 16) <= PV_ACCS)                \
+            pv_units(o, vr, p, len, U, D);          \
+        break;
+            HEADS(1) HEADS(2) HEADS(3) HEADS(4) HEADS(5) HEADS(6)
+#undef HEADS
         }
-        for (int64_t g = 0; g < gn; g++)
-            store_bf16(out + (g0 + g) * D, acc + g * (D / 16), D / 16);
     }
     return PD_OK;
 }
 
-/* Key t's V row of L as float32 in deinterleaved order into row[0 .. D / 16): row[2c] lane i
- * is element 32c + 2i, row[2c + 1] lane i element 32c + 2i + 1 (the bf16 pair's low and high
- * halves, one shift or mask each, no widening shuffle); prefetches as v_row. */
-TARGET INLINE void v_row_pairs(__m512 *row, const uint16_t *v, const pool_rows *pr, int64_t t, int64_t L,
-                               key_cursor *at, key_cursor *ahead, const int D) {
-    const uint16_t *vr = next_row(v, pr, at);
-    if (t + PREFETCH_KEYS < L)
-        prefetch_row(next_row(v, pr, ahead), D);
-    for (int c = 0; c < D / 32; c++) {
-        __m512i x = _mm512_loadu_si512((const void *)(vr + 32 * c));
-        row[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-        row[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
-    }
-}
-
-/* acc in v_row_pairs' order rounded to bf16 (nearest even) at out in element order: D values. */
-TARGET INLINE void store_pairs_bf16(uint16_t *out, const __m512 *acc, const int D) {
-    for (int c = 0; c < D / 32; c++) {
-        __m512i lo = _mm512_castps_si512(acc[2 * c]), hi = _mm512_castps_si512(acc[2 * c + 1]);
-        __m256i l16 = (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(lo));
-        __m256i h16 = (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(hi));
-        __m512i both = _mm512_or_si512(_mm512_cvtepu16_epi32(l16), _mm512_slli_epi32(_mm512_cvtepu16_epi32(h16), 16));
-        _mm512_storeu_si512((void *)(out + 32 * c), both);
-    }
-}
-
-/* Keys [t0, t1) of a p . V pass into acc (v_row_pairs' order): unit i adds p[i][t] x V row t
- * for each key in order, one float32 FMA per element, as attend_d's pass does for that row.
- * ALL: every unit's context covers [t0, t1) (no per-key check). */
-TARGET INLINE void pv_keys(__m512 *acc, const uint16_t *v, const pool_rows *pr, const float *const *p,
-                           const int64_t *len, int64_t t0, int64_t t1, int64_t L, const int UN, const int D,
-                           const int ALL) {
-    const int DV = D / 16;
-    __m512 row[8];
-    key_cursor at = cursor_at(pr, t0), ahead = cursor_at(pr, t0 + PREFETCH_KEYS);
-    for (int64_t t = t0; t < t1; t++) {
-        v_row_pairs(row, v, pr, t, L, &at, &ahead, D);
-        for (int i = 0; i < UN; i++) {
-            if (!ALL && t >= len[i])
-                continue;
-            __m512 pg = _mm512_set1_ps(p[i][t] * 1.0f); /* pv_accumulate's weight of a plain pool */
-            for (int j = 0; j < DV; j++)
-                acc[i * DV + j] = _mm512_fmadd_ps(pg, row[j], acc[i * DV + j]);
-        }
-    }
-}
-
 /* p . V of `UN` (query row, head) units u0.. of a row tile (attend_rows_d): unit u = r * G + g
- * reads row r's probabilities for head g and adds each V row of its L0 + r keys, in key
+ * reads row r's bf16 probabilities for head g and adds each V pair of its L0 + r keys, in key
  * order, into its own D / 16 accumulators, exactly as attend_d's pass does for that row
- * (each output element's sum is the same; only its lane differs, v_row_pairs); each V row
- * is loaded once for all UN units, the keys every unit reads without a per-key check. */
-TARGET INLINE void pv_rows(const uint16_t *v, const pool_rows *pr, const float *sc, int64_t Lmax, int64_t L0,
+ * (pv_keys); each V pair is loaded once for all UN units, the pairs every unit reads whole
+ * without a per-key check. */
+TARGET INLINE void pv_rows(const uint16_t *const *vr, const float *sc, int64_t Lmax, int64_t L0,
                            int64_t G, int64_t u0, uint16_t *out, int64_t out_stride, const int UN, const int D) {
-    const int DV = D / 16;
-    __m512 acc[24];
-    const float *p[6];
+    const uint16_t *p[6];
     int64_t len[6];
     uint16_t *o[6];
     for (int i = 0; i < UN; i++) {
         int64_t r = (u0 + i) / G, g = (u0 + i) % G;
         len[i] = L0 + r;
-        p[i] = sc + r * G * Lmax + g * len[i];
+        p[i] = (const uint16_t *)(sc + r * G * Lmax + g * len[i]);
         o[i] = out + r * out_stride + g * D;
     }
-#pragma GCC unroll 24 /* register moves, not a `rep stos` of a stack copy (_bf16_tiles.c's tile) */
-    for (int i = 0; i < UN * DV; i++)
-        acc[i] = _mm512_setzero_ps();
-    int64_t L = len[UN - 1];
-    pv_keys(acc, v, pr, p, len, 0, len[0], L, UN, D, 1);
-    pv_keys(acc, v, pr, p, len, len[0], L, L, UN, D, 0);
-    for (int i = 0; i < UN; i++)
-        store_pairs_bf16(o[i], acc + i * DV, D);
+    pv_units(o, vr, p, len, UN, D);
 }
+
+/* pv_rows for each unit count and head size, each its own function: its loop's 24
+ * accumulators then stay in registers (inlined into attend_rows_d, GCC spilled 4 of them to
+ * keep the caller's constants live). */
+#define PV_ROWS_FN(U, D)                                                                                  \
+    __attribute__((noinline)) TARGET static void pv_rows_##U##_##D(const uint16_t *const *vr, const float *sc, \
+                                                                   int64_t Lmax, int64_t L0, int64_t G, int64_t u0, \
+                                                                   uint16_t *out, int64_t out_stride) {        \
+        pv_rows(vr, sc, Lmax, L0, G, u0, out, out_stride, U, D);                                          \
+    }
+PV_ROWS_FN(1, 64) PV_ROWS_FN(2, 64) PV_ROWS_FN(3, 64) PV_ROWS_FN(4, 64) PV_ROWS_FN(5, 64) PV_ROWS_FN(6, 64)
+PV_ROWS_FN(1, 128) PV_ROWS_FN(2, 128) PV_ROWS_FN(3, 128)
+#undef PV_ROWS_FN
 
 /* R consecutive query rows of one sequence and KV head: row r (q + r * q_stride, out + r *
  * out_stride) attends its first L0 + r keys, each row's scores, softmax and p . V computed
@@ -381,6 +461,7 @@ TARGET INLINE int attend_rows_d(const uint16_t *q, int64_t q_stride, const uint1
     const pool_rows pr = {table, bs, KVH * D, h * D};
     if (check_blocks(&pr, Lmax, num_blocks) != PD_OK)
         return PD_ERR_BLOCK;
+#ifndef SKIP_SCORE
     for (int64_t t0 = 0; t0 < Lmax; t0 += 16) {
         const uint16_t *kr[16];
         __m512 kt[64];
@@ -394,14 +475,23 @@ TARGET INLINE int attend_rows_d(const uint16_t *q, int64_t q_stride, const uint1
         }
         pair_flush(&b, kt, scale, D);
     }
+#endif
+#ifndef SKIP_SM
     for (int64_t r = 0; r < R; r++)
-        softmax_rows(sc + r * G * Lmax, G, L0 + r);
-    const int64_t UP = 24 / (D / 16), units = R * G;
+        softmax_rows_bf16(sc + r * G * Lmax, G, L0 + r);
+#endif
+#ifdef SKIP_PV
+    return PD_OK;
+#endif
+    const uint16_t **vr = v_row_table(sc, R * G * Lmax);
+    v_rows(vr, v, &pr, Lmax);
+    const int64_t UP = PV_ACCS / (D / 16), units = R * G;
     for (int64_t u0 = 0; u0 < units; u0 += UP) {
         int64_t un = units - u0 < UP ? units - u0 : UP;
-        switch (un) {
-#define UNITS(U) case U: pv_rows(v, &pr, sc, Lmax, L0, G, u0, out, out_stride, U, D); break;
-            UNITS(1) UNITS(2) UNITS(3) UNITS(4) UNITS(5) UNITS(6)
+        switch (D == 64 ? un : 10 + un) {
+#define UNITS(U, DD) case (DD == 64 ? U : 10 + U): pv_rows_##U##_##DD(vr, sc, Lmax, L0, G, u0, out, out_stride); break;
+            UNITS(1, 64) UNITS(2, 64) UNITS(3, 64) UNITS(4, 64) UNITS(5, 64) UNITS(6, 64)
+            UNITS(1, 128) UNITS(2, 128) UNITS(3, 128)
 #undef UNITS
         }
     }
