@@ -46,6 +46,7 @@
 
 #include "_pd_cpu.h"
 #define PREFETCH_KEYS 8 /* how far ahead p.V prefetches V rows */
+#define PAIR_UNITS 6 /* (query row, head) units per score_by_pair call */
 #define PV_ACCS 24 /* float32 accumulators a p . V pass holds in registers */
 
 static int enabled = 1;
@@ -117,28 +118,6 @@ INLINE int64_t key_rows(const uint16_t **kr, const uint16_t *k, const pool_rows 
     return n;
 }
 
-/* The scaled scores q . k of the first n (<= 16) of 16 keys' rows kr into dst[0 .. n): each
- * key's dpbf16 partial vector over the D / 32 q vectors, the 16 summed across lanes together. */
-TARGET INLINE void score16(const uint16_t *q, const uint16_t *const *kr, int64_t n, float scale, float *dst,
-                           const int D) {
-    const __m512 zero = _mm512_setzero_ps();
-    __m512 qv[4], part[16];
-    for (int j = 0; j < D / 32; j++)
-        qv[j] = _mm512_loadu_ps(q + 32 * j);
-    for (int i = 0; i < 16; i++) {
-        if (i >= n) {
-            part[i] = zero;
-            continue;
-        }
-        __m512 a = dot(zero, qv[0], _mm512_loadu_ps(kr[i]));
-        for (int j = 1; j < D / 32; j++)
-            a = dot(a, qv[j], _mm512_loadu_ps(kr[i] + 32 * j));
-        part[i] = a;
-    }
-    __m512 r = _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale));
-    _mm512_mask_storeu_ps(dst, (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1u), r);
-}
-
 /* vdpbf16ps with a's pair (two bf16, one dword) broadcast to every lane from memory. A lane's
  * arithmetic does not depend on which operand holds which factor, so this is `dot`'s. */
 TARGET INLINE __m512 dot_pair(__m512 acc, __m512 b, const uint16_t *a) {
@@ -186,50 +165,34 @@ TARGET INLINE void keys_by_pair(const uint16_t *const *kr, __m512 *kt, const int
     }
 }
 
-/* score16 with the keys transposed (kt, keys_by_pair) for U query rows q[u], into
- * dst[u][0 .. n[u]): the same bits, as the same adds of sum16's tree are made one lane of
- * all 16 keys at a time, with no shuffle. Lane l's partial (score16's `part[i]` lane l: the
- * same D / 32 vdpbf16ps in the same order) has the keys across its lanes; block c's share
- * is (l0 + l2) + (l1 + l3) of its lanes 4c .. 4c + 3 (sum16's levels 1 and 2), the blocks
- * then (b0 + b1) + (b2 + b3). Each block's K vectors are loaded once for all U rows, so a
- * vdpbf16ps costs one broadcast load and 1 / U of a K load. The transposition is shared by
- * every row of a tile. */
+/* The scaled scores q . k of 16 keys (transposed by pair in kt, keys_by_pair) for U query rows
+ * q[u], into dst[u][0 .. n[u]): lane i of chain c of row u sums, in pair order, the products of
+ * the pairs p = c, c + 4, c + 8, ... of q and key i (one vdpbf16ps each: the pair broadcast
+ * from q, key i's pair p in lane i); the score is ((c0 + c1) + (c2 + c3)) x scale. Four chains,
+ * so even a decode's few heads keep the vdpbf16ps pipes busy; each kt vector is loaded once
+ * for all U rows. This order is the one every score has, decode or prefill. */
 TARGET INLINE void score_by_pair(const uint16_t *const *q, const __m512 *kt, const int64_t *n, float scale,
                                  float *const *dst, const int U, const int D) {
-    const __m512 zero = _mm512_setzero_ps();
-    __m512 low[4], mid[4];
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; c++) {
-        __m512 kl[4][4];
-        for (int i = 0; i < 4; i++)
-            for (int j = 0; j < D / 32; j++)
-                kl[i][j] = kt[16 * j + 4 * c + i];
-#pragma GCC unroll 4
-        for (int u = 0; u < U; u++) {
-            __m512 lp[4];
-            for (int i = 0; i < 4; i++) {
-                const int l = 4 * c + i;
-                __m512 a = dot_pair(zero, kl[i][0], q[u] + 2 * l);
-                for (int j = 1; j < D / 32; j++)
-                    a = dot_pair(a, kl[i][j], q[u] + 32 * j + 2 * l);
-                lp[i] = a;
-            }
-            __m512 bs = _mm512_add_ps(_mm512_add_ps(lp[0], lp[2]), _mm512_add_ps(lp[1], lp[3]));
-            if (c == 0)
-                low[u] = bs;
-            else if (c == 1)
-                low[u] = _mm512_add_ps(low[u], bs);
-            else if (c == 2)
-                mid[u] = bs;
-            else
-                _mm512_mask_storeu_ps(dst[u], (__mmask16)(n[u] >= 16 ? 0xFFFF : (1u << n[u]) - 1u),
-                                      _mm512_mul_ps(_mm512_add_ps(low[u], _mm512_add_ps(mid[u], bs)),
-                                                    _mm512_set1_ps(scale)));
-        }
+    __m512 a[PAIR_UNITS][4];
+#pragma GCC unroll 8
+    for (int u = 0; u < U; u++)
+        for (int c = 0; c < 4; c++)
+            a[u][c] = _mm512_setzero_ps();
+#pragma GCC unroll 64
+    for (int p = 0; p < D / 2; p++) {
+        const __m512 kv = kt[p];
+#pragma GCC unroll 8
+        for (int u = 0; u < U; u++)
+            a[u][p % 4] = dot_pair(a[u][p % 4], kv, q[u] + 2 * p);
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < U; u++) {
+        __m512 sc = _mm512_add_ps(_mm512_add_ps(a[u][0], a[u][1]), _mm512_add_ps(a[u][2], a[u][3]));
+        _mm512_mask_storeu_ps(dst[u], (__mmask16)(n[u] >= 16 ? 0xFFFF : (1u << n[u]) - 1u),
+                              _mm512_mul_ps(sc, _mm512_set1_ps(scale)));
     }
 }
 
-#define PAIR_UNITS 4 /* query rows per score_by_pair call */
 
 /* Query rows gathered for score_by_pair. */
 typedef struct {
@@ -239,10 +202,23 @@ typedef struct {
     int cnt;
 } pair_batch;
 
+/* score_by_pair for each unit count and head size, each its own function: kt is then read
+ * from memory, and its 24 accumulators stay in registers (inlined beside keys_by_pair, GCC kept
+ * the transposed keys in registers and spilled the accumulators). */
+#define SCORE_FN(U, D)                                                                                     \
+    __attribute__((noinline)) TARGET static void score_##U##_##D(const uint16_t *const *q, const __m512 *kt, \
+                                                                 const int64_t *n, float scale, float *const *dst) { \
+        score_by_pair(q, kt, n, scale, dst, U, D);                                                          \
+    }
+SCORE_FN(1, 64) SCORE_FN(2, 64) SCORE_FN(3, 64) SCORE_FN(4, 64) SCORE_FN(5, 64) SCORE_FN(6, 64)
+SCORE_FN(1, 128) SCORE_FN(2, 128) SCORE_FN(3, 128) SCORE_FN(4, 128) SCORE_FN(5, 128) SCORE_FN(6, 128)
+#undef SCORE_FN
+
 TARGET INLINE void pair_flush(pair_batch *b, const __m512 *kt, float scale, const int D) {
-    switch (b->cnt) {
-#define BATCH(U) case U: score_by_pair(b->q, kt, b->n, scale, b->dst, U, D); break;
-        BATCH(1) BATCH(2) BATCH(3) BATCH(4)
+    switch (D == 64 ? b->cnt : 10 + b->cnt) {
+#define BATCH(U, DD) case (DD == 64 ? U : 10 + U): score_##U##_##DD(b->q, kt, b->n, scale, b->dst); break;
+        BATCH(1, 64) BATCH(2, 64) BATCH(3, 64) BATCH(4, 64) BATCH(5, 64) BATCH(6, 64)
+        BATCH(1, 128) BATCH(2, 128) BATCH(3, 128) BATCH(4, 128) BATCH(5, 128) BATCH(6, 128)
 #undef BATCH
     }
     b->cnt = 0;
@@ -255,37 +231,36 @@ TARGET INLINE void pair_add(pair_batch *b, const uint16_t *q, int64_t n, float *
         pair_flush(b, kt, scale, D);
 }
 
-/* Softmax in place over each of G rows of L scores (`sc`, L apart), each row's
- * probabilities then written over its own start as bf16 (nearest even; Hugging Face's eager
- * attention rounds them so too before p . V), with a zero after the last when L is odd, so
- * every pair (t, t + 1), t even, is one dword for vdpbf16ps. The bf16 store at t never
- * reaches a float not yet read (2t + 32 <= 4 (t + 16) bytes); L bf16 and the pad fit the
- * row's 4L bytes. */
-TARGET INLINE void softmax_rows_bf16(float *sc, int64_t G, int64_t L) {
-    for (int64_t g = 0; g < G; g++) {
-        float *s = sc + g * L;
-        uint16_t *pb = (uint16_t *)s;
-        __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-        for (int64_t t0 = 0; t0 < L; t0 += 16) {
-            __mmask16 m = (__mmask16)(L - t0 >= 16 ? 0xFFFF : (1u << (L - t0)) - 1u);
-            mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, s + t0));
-        }
-        __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        for (int64_t t0 = 0; t0 < L; t0 += 16) {
-            __mmask16 m = (__mmask16)(L - t0 >= 16 ? 0xFFFF : (1u << (L - t0)) - 1u);
-            __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t0), mv)));
-            sum = _mm512_add_ps(sum, e);
-            _mm512_mask_storeu_ps(s + t0, m, e);
-        }
-        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-        for (int64_t t0 = 0; t0 < L; t0 += 16) {
-            __mmask16 m = (__mmask16)(L - t0 >= 16 ? 0xFFFF : (1u << (L - t0)) - 1u);
-            __m256i pbh = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t0), inv));
-            _mm256_mask_storeu_epi16(pb + t0, m, pbh);
-        }
-        if (L & 1)
-            pb[L] = 0;
+/* Softmax of one unit's L scores at s (64-byte aligned), in place: e_t = exp(s_t - max) written
+ * over the row's start as bf16 (nearest even), with a zero after the last when L is odd, so
+ * every pair (t, t + 1), t even, is one dword for vdpbf16ps; returns 1 / sum_t e_t (the float32
+ * e_t summed), which p . V applies to its sums (as FlashAttention does: the weights p_t =
+ * bf16(e_t) / sum have the error of bf16(e_t / sum)). The bf16 store at t never reaches a float
+ * not yet read (2t + 32 <= 4 (t + 16) bytes); L bf16 and the pad fit the row's 4L bytes.
+ * Whole vectors unmasked, the tail masked. */
+TARGET INLINE float softmax_row_bf16(float *s, int64_t L) {
+    uint16_t *pb = (uint16_t *)s;
+    const int64_t whole = L & ~(int64_t)15;
+    const __mmask16 m = (__mmask16)((1u << (L & 15)) - 1u);
+    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < whole; t0 += 16)
+        mx = _mm512_max_ps(mx, _mm512_load_ps(s + t0));
+    if (m)
+        mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_load_ps(m, s + whole));
+    const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    for (int64_t t0 = 0; t0 < whole; t0 += 16) {
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_load_ps(s + t0), mv));
+        sum = _mm512_add_ps(sum, e);
+        _mm256_storeu_si256((__m256i *)(pb + t0), (__m256i)_mm512_cvtneps_pbh(e));
     }
+    if (m) {
+        __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_load_ps(m, s + whole), mv)));
+        sum = _mm512_add_ps(sum, e);
+        _mm256_mask_storeu_epi16(pb + whole, m, (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    if (L & 1)
+        pb[L] = 0;
+    return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
 /* V rows a and b (keys t, t + 1) as bf16 pairs: vp[2c] lane 4j + i holds element 32c + 8j + i
@@ -306,21 +281,34 @@ TARGET INLINE void first_of_pair(__m512i *dst, const __m512i *vp, const int D) {
         dst[j] = _mm512_and_si512(vp[j], _mm512_set1_epi32(0xFFFF));
 }
 
-/* Accumulators lo, hi (v_pair's vp[2c], vp[2c + 1] lane order) rounded to bf16 (nearest even)
+/* Accumulators lo, hi (v_pair's vp[2c], vp[2c + 1] lane order) times inv rounded to bf16 (nearest even)
  * at out in element order: 32 values (qword j of the low and high halves' bf16 interleaved).
  * By value, so the callers' accumulator arrays never have their address taken and stay in
  * registers. */
-TARGET INLINE void store_pair_bf16(uint16_t *out, __m512 lo, __m512 hi) {
+TARGET INLINE void store_pair_bf16(uint16_t *out, __m512 lo, __m512 hi, __m512 inv) {
     const __m512i idx = _mm512_set_epi64(11, 3, 10, 2, 9, 1, 8, 0);
-    __m512i l = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(lo));
-    __m512i h = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(hi));
+    __m512i l = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(lo, inv)));
+    __m512i h = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(hi, inv)));
     _mm512_storeu_si512((void *)out, _mm512_permutex2var_epi64(l, idx, h));
 }
 
-/* The V-row table's place in the scratch: after the n floats of probabilities, 8-byte aligned
- * (the 2 floats of slack in PD_ATTN_BF16_SCRATCH). */
-INLINE const uint16_t **v_row_table(float *sc, int64_t n) {
-    return (const uint16_t **)(((uintptr_t)(sc + n) + 7) & ~(uintptr_t)7);
+/* A call's scratch (PD_ATTN_BF16_SCRATCH floats at sc) for `units` (row, head) units over L keys:
+ * unit u's scores, then its bf16 probabilities, at scores + u * stride (64-byte aligned, the
+ * stride L rounded up to 16 floats, so each 16-key vector is one aligned line); 1 / its softmax
+ * sum at inv[u]; the V-row pointers of the L keys at vr. */
+typedef struct {
+    float *scores, *inv;
+    int64_t stride;
+    const uint16_t **vr;
+} tile_scratch;
+
+INLINE tile_scratch tile_scratch_at(float *sc, int64_t units, int64_t L) {
+    tile_scratch t;
+    t.scores = (float *)(((uintptr_t)sc + 63) & ~(uintptr_t)63);
+    t.stride = (L + 15) & ~(int64_t)15;
+    t.inv = t.scores + units * t.stride;
+    t.vr = (const uint16_t **)(((uintptr_t)(t.inv + units) + 7) & ~(uintptr_t)7);
+    return t;
 }
 
 /* The V rows of keys [0, L) of the sequence: vr[t] is key t's (one block-table walk shared by
@@ -331,7 +319,7 @@ INLINE void v_rows(const uint16_t **vr, const uint16_t *v, const pool_rows *pr, 
         vr[t] = next_row(v, pr, &c);
 }
 
-/* The p . V of UN units over V rows vr[0 .. L) into out[i] (D bf16 each), L the longest
+/* The p . V of UN units over V rows vr[0 .. L) into out[i] (D bf16 each, the sums times inv[i]), L the longest
  * unit's context (len[UN - 1]), len[0] the shortest: unit i adds, for each key pair (t, t + 1)
  * of its context in order, one vdpbf16ps per accumulator of its bf16 probabilities p[i] + t
  * and the two V rows, exactly as attend_d's pass does for that row; the pair at a unit's last
@@ -339,7 +327,7 @@ INLINE void v_rows(const uint16_t **vr, const uint16_t *v, const pool_rows *pr, 
  * pairs every unit reads whole need no per-unit check. One loop with acc local to it, fully
  * unrolled: every accumulator stays a register. Prefetches the pair PREFETCH_KEYS keys ahead. */
 TARGET INLINE void pv_units(uint16_t *const *out, const uint16_t *const *vr, const uint16_t *const *p,
-                            const int64_t *len, const int UN, const int D) {
+                            const float *inv, const int64_t *len, const int UN, const int D) {
     const int DV = D / 16;
     const int64_t L = len[UN - 1], whole = len[0] & ~(int64_t)1;
     __m512 acc[24];
@@ -376,73 +364,36 @@ TARGET INLINE void pv_units(uint16_t *const *out, const uint16_t *const *vr, con
     for (int i = 0; i < UN; i++)
 #pragma GCC unroll 4
         for (int c = 0; c < D / 32; c++)
-            store_pair_bf16(out[i] + 32 * c, acc[i * DV + 2 * c], acc[i * DV + 2 * c + 1]);
+            store_pair_bf16(out[i] + 32 * c, acc[i * DV + 2 * c], acc[i * DV + 2 * c + 1], _mm512_set1_ps(inv[i]));
 }
 
-TARGET INLINE int attend_d(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                           const int64_t *table, int64_t L, int64_t num_blocks, int64_t h, int64_t G,
-                           int64_t KVH, int64_t bs, float scale, uint16_t *out, float *sc,
-                           const int D) {
-    const pool_rows pr = {table, bs, KVH * D, h * D};
-    if (check_blocks(&pr, L, num_blocks) != PD_OK)
-        return PD_ERR_BLOCK;
-    for (int64_t t0 = 0; t0 < L; t0 += 16) { /* 16 keys at a time, every head over them */
-        const uint16_t *kr[16];
-        int64_t n = key_rows(kr, k, &pr, t0, L, D);
-        for (int64_t g = 0; g < G; g++)
-            score16(q + g * D, kr, n, scale, sc + g * L + t0, D);
-    }
-    softmax_rows_bf16(sc, G, L);
-    const uint16_t **vr = v_row_table(sc, G * L);
-    v_rows(vr, v, &pr, L);
-    const int UP = PV_ACCS / (D / 16); /* heads per p . V pass, as pv_rows' units */
-    for (int64_t g0 = 0; g0 < G; g0 += UP) {
-        const uint16_t *p[6];
-        int64_t len[6];
-        uint16_t *o[6];
-        int64_t gn = G - g0 < UP ? G - g0 : UP;
-        for (int g = 0; g < gn; g++)
-            p[g] = (const uint16_t *)(sc + (g0 + g) * L), len[g] = L, o[g] = out + (g0 + g) * D;
-        switch (gn) {
-#define HEADS(U)                                    \
-    case U:                                         \
-        if (U * (D / 16) <= PV_ACCS)                \
-            pv_units(o, vr, p, len, U, D);          \
-        break;
-            HEADS(1) HEADS(2) HEADS(3) HEADS(4) HEADS(5) HEADS(6)
-#undef HEADS
-        }
-    }
-    return PD_OK;
-}
 
 /* p . V of `UN` (query row, head) units u0.. of a row tile (attend_rows_d): unit u = r * G + g
  * reads row r's bf16 probabilities for head g and adds each V pair of its L0 + r keys, in key
  * order, into its own D / 16 accumulators, exactly as attend_d's pass does for that row
  * (pv_keys); each V pair is loaded once for all UN units, the pairs every unit reads whole
  * without a per-key check. */
-TARGET INLINE void pv_rows(const uint16_t *const *vr, const float *sc, int64_t Lmax, int64_t L0,
-                           int64_t G, int64_t u0, uint16_t *out, int64_t out_stride, const int UN, const int D) {
+TARGET INLINE void pv_rows(const tile_scratch *ts, int64_t L0, int64_t G, int64_t u0, uint16_t *out,
+                           int64_t out_stride, const int UN, const int D) {
     const uint16_t *p[6];
     int64_t len[6];
     uint16_t *o[6];
     for (int i = 0; i < UN; i++) {
         int64_t r = (u0 + i) / G, g = (u0 + i) % G;
         len[i] = L0 + r;
-        p[i] = (const uint16_t *)(sc + r * G * Lmax + g * len[i]);
+        p[i] = (const uint16_t *)(ts->scores + (u0 + i) * ts->stride);
         o[i] = out + r * out_stride + g * D;
     }
-    pv_units(o, vr, p, len, UN, D);
+    pv_units(o, ts->vr, p, ts->inv + u0, len, UN, D);
 }
 
 /* pv_rows for each unit count and head size, each its own function: its loop's 24
  * accumulators then stay in registers (inlined into attend_rows_d, GCC spilled 4 of them to
  * keep the caller's constants live). */
 #define PV_ROWS_FN(U, D)                                                                                  \
-    __attribute__((noinline)) TARGET static void pv_rows_##U##_##D(const uint16_t *const *vr, const float *sc, \
-                                                                   int64_t Lmax, int64_t L0, int64_t G, int64_t u0, \
-                                                                   uint16_t *out, int64_t out_stride) {        \
-        pv_rows(vr, sc, Lmax, L0, G, u0, out, out_stride, U, D);                                          \
+    __attribute__((noinline)) TARGET static void pv_rows_##U##_##D(const tile_scratch *ts, int64_t L0, int64_t G,  \
+                                                                   int64_t u0, uint16_t *out, int64_t out_stride) { \
+        pv_rows(ts, L0, G, u0, out, out_stride, U, D);                                                    \
     }
 PV_ROWS_FN(1, 64) PV_ROWS_FN(2, 64) PV_ROWS_FN(3, 64) PV_ROWS_FN(4, 64) PV_ROWS_FN(5, 64) PV_ROWS_FN(6, 64)
 PV_ROWS_FN(1, 128) PV_ROWS_FN(2, 128) PV_ROWS_FN(3, 128)
@@ -457,11 +408,11 @@ TARGET INLINE int attend_rows_d(const uint16_t *q, int64_t q_stride, const uint1
                                 const int64_t *table, int64_t L0, int64_t R, int64_t num_blocks, int64_t h,
                                 int64_t G, int64_t KVH, int64_t bs, float scale, uint16_t *out,
                                 int64_t out_stride, float *sc, const int D) {
-    const int64_t Lmax = L0 + R - 1;
+    const int64_t Lmax = L0 + R - 1, units = R * G;
     const pool_rows pr = {table, bs, KVH * D, h * D};
     if (check_blocks(&pr, Lmax, num_blocks) != PD_OK)
         return PD_ERR_BLOCK;
-#ifndef SKIP_SCORE
+    const tile_scratch ts = tile_scratch_at(sc, units, Lmax);
     for (int64_t t0 = 0; t0 < Lmax; t0 += 16) {
         const uint16_t *kr[16];
         __m512 kt[64];
@@ -471,25 +422,18 @@ TARGET INLINE int attend_rows_d(const uint16_t *q, int64_t q_stride, const uint1
         for (int64_t r = 0; r < R; r++) {
             int64_t L = L0 + r, nr = L - t0 < 16 ? L - t0 : 16;
             for (int64_t g = 0; nr > 0 && g < G; g++)
-                pair_add(&b, q + r * q_stride + g * D, nr, sc + r * G * Lmax + g * L + t0, kt, scale, D);
+                pair_add(&b, q + r * q_stride + g * D, nr, ts.scores + (r * G + g) * ts.stride + t0, kt, scale, D);
         }
         pair_flush(&b, kt, scale, D);
     }
-#endif
-#ifndef SKIP_SM
-    for (int64_t r = 0; r < R; r++)
-        softmax_rows_bf16(sc + r * G * Lmax, G, L0 + r);
-#endif
-#ifdef SKIP_PV
-    return PD_OK;
-#endif
-    const uint16_t **vr = v_row_table(sc, R * G * Lmax);
-    v_rows(vr, v, &pr, Lmax);
-    const int64_t UP = PV_ACCS / (D / 16), units = R * G;
+    for (int64_t u = 0; u < units; u++)
+        ts.inv[u] = softmax_row_bf16(ts.scores + u * ts.stride, L0 + u / G);
+    v_rows(ts.vr, v, &pr, Lmax);
+    const int64_t UP = PV_ACCS / (D / 16);
     for (int64_t u0 = 0; u0 < units; u0 += UP) {
         int64_t un = units - u0 < UP ? units - u0 : UP;
         switch (D == 64 ? un : 10 + un) {
-#define UNITS(U, DD) case (DD == 64 ? U : 10 + U): pv_rows_##U##_##DD(vr, sc, Lmax, L0, G, u0, out, out_stride); break;
+#define UNITS(U, DD) case (DD == 64 ? U : 10 + U): pv_rows_##U##_##DD(&ts, L0, G, u0, out, out_stride); break;
             UNITS(1, 64) UNITS(2, 64) UNITS(3, 64) UNITS(4, 64) UNITS(5, 64) UNITS(6, 64)
             UNITS(1, 128) UNITS(2, 128) UNITS(3, 128)
 #undef UNITS
@@ -518,9 +462,10 @@ TARGET int pd_attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                           int64_t bs, float scale, uint16_t *out, float *sc) {
     if (!enabled || !bf16_ok() || L < 1)
         return PD_ATTN_UNHANDLED;
+    /* a decode is a prefill of one row: the same scores, softmax and p . V, so the same bits */
     if (D == 64)
-        return attend_d(q, k, v, table, L, num_blocks, h, G, KVH, bs, scale, out, sc, 64);
+        return attend_rows_d(q, 0, k, v, table, L, 1, num_blocks, h, G, KVH, bs, scale, out, 0, sc, 64);
     if (D == 128)
-        return attend_d(q, k, v, table, L, num_blocks, h, G, KVH, bs, scale, out, sc, 128);
+        return attend_rows_d(q, 0, k, v, table, L, 1, num_blocks, h, G, KVH, bs, scale, out, 0, sc, 128);
     return PD_ATTN_UNHANDLED;
 }

@@ -141,7 +141,7 @@ int pd_paged_decode(int dtype, const void *q, int64_t q_stride, const void *k, c
 #pragma omp parallel num_threads(threads) reduction(max : err)
     {
         /* Every thread must reach the `omp for`; one without scratch only reports it. */
-        float *work = malloc((size_t)(2 * G * D + D + PD_ATTN_BF16_SCRATCH(G * max_len, max_len)) * sizeof(float));
+        float *work = malloc((size_t)(2 * G * D + D + PD_ATTN_BF16_SCRATCH(G, max_len)) * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; i++) {
             if (work == NULL) {
@@ -180,9 +180,9 @@ int pd_paged_prefill(int dtype, const void *q, int64_t q_stride, const void *k, 
     int threads = num_threads < 1 ? 1 : num_threads;
     if (threads > items)
         threads = (int)items;
-    int64_t scratch = 2 * G * D + D + PD_ATTN_BF16_SCRATCH(G * max_len, max_len);
-    if (PD_ATTN_BF16_SCRATCH(PREFILL_ROWS * G * max_len, max_len) > scratch)
-        scratch = PD_ATTN_BF16_SCRATCH(PREFILL_ROWS * G * max_len, max_len);
+    int64_t scratch = 2 * G * D + D + PD_ATTN_BF16_SCRATCH(G, max_len);
+    if (PD_ATTN_BF16_SCRATCH(PREFILL_ROWS * G, max_len) > scratch)
+        scratch = PD_ATTN_BF16_SCRATCH(PREFILL_ROWS * G, max_len);
     int err = PD_OK;
 #pragma omp parallel num_threads(threads) reduction(max : err)
     {
