@@ -1,35 +1,28 @@
-/* The bf16 inner loop of the in-place paged decode attention (`attend` in _cpu_kernels.c
- * calls it for one (sequence, KV head) when it applies): head size 64 or 128, a CPU with
- * AVX-512 BF16. The G query heads sharing the KV head read each K and V row once between
- * them, from the pool in place, as the generic loop does; what changes is the arithmetic:
+/* The bf16 paged attention of one (sequence, KV head) on a CPU with AVX-512 BF16, head size 64
+ * or 128 (`attend` and pd_paged_prefill in _cpu_kernels.c call it where it applies; elsewhere
+ * their generic loop runs). A decode is a prefill of one row: every row, whichever call it is
+ * in, is computed by `attend_rows_d` in the one order below, so a prefill row has the bits of
+ * the decode at its position. K and V are read in place from the pool.
  *
- * - q . k: `_mm512_dpbf16_ps` over the bf16 q and k rows as stored (products exact in
- *   float32, float32 sums), the scale applied to the sum. Sixteen keys' partial vectors
- *   are summed across lanes together (one transposing tree, ~3 instructions a score)
- *   instead of one horizontal sum per score.
- * - softmax: max, exp and sum 16 scores at a time; exp is a degree-6 polynomial after
- *   range reduction (relative error ~2e-7, as expf's float32 result is within rounding).
- *   The normalized probabilities are rounded to bf16 (nearest even), as Hugging Face's
- *   eager attention and FlashAttention round them before p . V.
- * - p . V: `_mm512_dpbf16_ps` over pairs of keys (t, t + 1), t even: one dword of the two
- *   bf16 probabilities broadcast against the two V rows interleaved by element (one
- *   unpack per 32 elements, `v_pair`), half the float32 FMAs of widened rows; a context of
- *   odd length ends on a pair whose second probability and V half are zero. Up to 24
- *   float32 accumulators (6 heads x 64, or 3 x 128) stay in registers over the whole
- *   context (`pv_units`). Against float32 probabilities this adds at most 2^-9 of
- *   sum_t p_t |v_t| to an output's error (tests/engine/test_attn_bf16.py holds both loops to
- *   that bound).
+ * - q . k: 16 keys at a time, transposed by bf16 pair once per call (`keys_by_pair`); a
+ *   score's lane sums, in pair order, one `vdpbf16ps` per pair of q and the key (products
+ *   exact in float32) in four chains (pairs p mod 4), added (c0 + c1) + (c2 + c3), times the
+ *   scale (`score_by_pair`; up to 6 (row, head) units a call share each K vector load, and 24
+ *   independent chains keep the two vdpbf16ps pipes busy).
+ * - softmax: max, exp and sum 16 scores at a time, the exp a degree-6 polynomial after range
+ *   reduction (relative error ~2e-7). e = exp(s - max) is rounded to bf16 (nearest even) in
+ *   place and 1 / sum applied to p . V's sums (as FlashAttention does).
+ * - p . V: `vdpbf16ps` over key pairs (t, t + 1), t even: the two bf16 weights broadcast as
+ *   one dword against the two V rows interleaved by element (`v_pair`, one unpack per 32
+ *   elements): half the float32 FMAs of widened rows. A context of odd length ends on a pair
+ *   whose second weight and V half are zero. Up to 24 float32 accumulators (6 units x 64, or
+ *   3 x 128) stay in registers over the whole context (`pv_units`); the V-row pointers are
+ *   found once a call (`v_rows`).
  *
- * A prefill (pd_paged_prefill in _cpu_kernels.c) runs a few consecutive query rows of one KV
- * head together (`attend_rows_d`): each row's scores, softmax and p . V are computed in
- * exactly the order above, so a prefill row has the bits of the decode at its position. What
- * the tile shares: each block of 16 keys is transposed once by bf16 pair (`keys_by_pair`),
- * so every (row, head) of the tile gets its 16 scores from the same vdpbf16ps per lane and
- * the same tree of adds as the decode's, done across registers with no shuffle
- * (`score_by_pair`: ~2 instead of ~4.5 cycles a score, each block's K vectors loaded once
- * for 4 (row, head) pairs); the V-row pointers are found once (`v_rows`); and each V pair's
- * loads and unpacks serve up to 6 (row, head) units of a pass, with no per-unit check over
- * the pairs every unit reads whole (`pv_units`, the same function the decode's heads use).
+ * Against float32 weights, the bf16 ones add at most 2^-9 of sum_t p_t |v_t| to an output's
+ * error, the order Hugging Face's eager attention rounds in too (tests/engine/test_attn_bf16.py
+ * holds both loops to that bound against float64). A prefill call takes a tile of consecutive
+ * rows (PREFILL_ROWS): its K transpositions and V pair loads serve every (row, head) of it.
  *
  * The output is rounded to bf16 once, to nearest even. Returns PD_OK, PD_ERR_BLOCK for a
  * block id outside the pool, or PD_ATTN_UNHANDLED (the caller runs its generic loop).
@@ -319,13 +312,14 @@ INLINE void v_rows(const uint16_t **vr, const uint16_t *v, const pool_rows *pr, 
         vr[t] = next_row(v, pr, &c);
 }
 
-/* The p . V of UN units over V rows vr[0 .. L) into out[i] (D bf16 each, the sums times inv[i]), L the longest
- * unit's context (len[UN - 1]), len[0] the shortest: unit i adds, for each key pair (t, t + 1)
- * of its context in order, one vdpbf16ps per accumulator of its bf16 probabilities p[i] + t
- * and the two V rows, exactly as attend_d's pass does for that row; the pair at a unit's last
- * key has its second half zeroed, as the decode's does (past L, key t's row stands in). The
- * pairs every unit reads whole need no per-unit check. One loop with acc local to it, fully
- * unrolled: every accumulator stays a register. Prefetches the pair PREFETCH_KEYS keys ahead. */
+/* The p . V of UN units over V rows vr[0 .. L) into out[i] (D bf16 each, the sums times
+ * inv[i]), L the longest unit's context (len[UN - 1]), len[0] the shortest: unit i adds, for
+ * each key pair (t, t + 1) of its context in order, one vdpbf16ps per accumulator of its bf16
+ * weights p[i] + t and the two V rows, whichever other units share the pass; the pair at a
+ * unit's last key has its second half zeroed (past L, key t's row stands in), so a unit's bits
+ * do not depend on which rows follow it. The pairs every unit reads whole need no per-unit
+ * check. One loop with acc local to it, fully unrolled: every accumulator stays a register.
+ * Prefetches the pair PREFETCH_KEYS keys ahead. */
 TARGET INLINE void pv_units(uint16_t *const *out, const uint16_t *const *vr, const uint16_t *const *p,
                             const float *inv, const int64_t *len, const int UN, const int D) {
     const int DV = D / 16;
@@ -367,12 +361,8 @@ TARGET INLINE void pv_units(uint16_t *const *out, const uint16_t *const *vr, con
             store_pair_bf16(out[i] + 32 * c, acc[i * DV + 2 * c], acc[i * DV + 2 * c + 1], _mm512_set1_ps(inv[i]));
 }
 
-
 /* p . V of `UN` (query row, head) units u0.. of a row tile (attend_rows_d): unit u = r * G + g
- * reads row r's bf16 probabilities for head g and adds each V pair of its L0 + r keys, in key
- * order, into its own D / 16 accumulators, exactly as attend_d's pass does for that row
- * (pv_keys); each V pair is loaded once for all UN units, the pairs every unit reads whole
- * without a per-key check. */
+ * reads row r's bf16 weights for head g (its scratch row) over its L0 + r keys (pv_units). */
 TARGET INLINE void pv_rows(const tile_scratch *ts, int64_t L0, int64_t G, int64_t u0, uint16_t *out,
                            int64_t out_stride, const int UN, const int D) {
     const uint16_t *p[6];
@@ -400,10 +390,11 @@ PV_ROWS_FN(1, 128) PV_ROWS_FN(2, 128) PV_ROWS_FN(3, 128)
 #undef PV_ROWS_FN
 
 /* R consecutive query rows of one sequence and KV head: row r (q + r * q_stride, out + r *
- * out_stride) attends its first L0 + r keys, each row's scores, softmax and p . V computed
- * exactly as attend_d computes that row alone (so a prefill row has the bits of the decode
- * of its position), but each K row is loaded once for the R x G (row, head) pairs and each V
- * row widened once per pass of up to 24 / (D / 16) pairs. sc: R * G * (L0 + R - 1) floats. */
+ * out_stride) attends its first L0 + r keys, each row's scores, softmax and p . V in the one
+ * order of the file's comment (R = 1 is a decode, so a prefill row has the bits of the decode
+ * of its position); each K block is transposed once for the R x G (row, head) units and each V
+ * pair loaded once per pass of up to PV_ACCS / (D / 16) units. sc: PD_ATTN_BF16_SCRATCH(R * G,
+ * L0 + R - 1) floats. */
 TARGET INLINE int attend_rows_d(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
                                 const int64_t *table, int64_t L0, int64_t R, int64_t num_blocks, int64_t h,
                                 int64_t G, int64_t KVH, int64_t bs, float scale, uint16_t *out,

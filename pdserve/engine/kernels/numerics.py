@@ -9,8 +9,11 @@ from one on the other would change mid-way. So the kernels a worker's bf16, int8
 layers route to are part of what two pools must share to exchange blocks; kernels that
 give the same bits share a name (`bf16_emulated` computes `vdpbf16ps` step for step,
 tests/engine/test_cpu_masks.py; `int4_gemm_vnni` is the int4 GEMV's arithmetic over more rows,
-tests/engine/test_int4_tiles.py). float32 runs aten's kernels on every kind and is left out,
-as is a GPU (one device kind per pool there)."""
+tests/engine/test_int4_tiles.py). The paged attention is named too: on AVX-512 BF16 its loop
+rounds the softmax weights to bf16 and sums by `vdpbf16ps` (pdserve/engine/kernels/_attn_bf16.c),
+elsewhere a float32 loop runs, so the emulation's linears pair with `bf16_avx512` but its
+attention does not. float32 runs aten's kernels on every kind and is left out, as is a GPU
+(one device kind per pool there)."""
 
 from __future__ import annotations
 
@@ -45,4 +48,15 @@ def numerics(device_type: str, dtype: str, quantization: str = "none", lm_head: 
     for op in ops:
         names = {SAME_BITS.get(r.kernel.name, r.kernel.name) for r in table.plan(_spec(op, dtype), features).routes}
         parts.append(f"{op}:{'+'.join(sorted(names))}")
+    parts.append(f"attn:{attention(dtype, features)}")
     return ",".join(parts)
+
+
+def attention(dtype: str, features: Iterable[str] | None = None) -> str:
+    """The paged attention's arithmetic on a CPU with `features` (None: this process's):
+    `vdpbf16ps` (bf16 weights, pdserve/engine/kernels/_attn_bf16.c) where AVX-512 BF16 runs a bf16
+    model, else `float32` (the generic loop, or torch's for float16). Head sizes the fast loop
+    does not take (other than 64 and 128) run the generic loop on every kind: named by the
+    CPU all the same, which refuses pairs that would agree rather than admit any that would not."""
+    feats = frozenset(table.available_features() if features is None else features)
+    return "vdpbf16ps" if dtype == "bfloat16" and "avx512_bf16" in feats else "float32"
