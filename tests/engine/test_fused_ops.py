@@ -38,6 +38,40 @@ def test_bf16_fused_add_norm_rounds_where_the_torch_ops_round(rows: int) -> None
     assert (got != want).float().mean().item() < 1e-3
 
 
+
+def test_bf16_fused_add_norm_has_the_same_bits_on_every_cpu_kind_and_for_every_row() -> None:
+    """The AVX-512 elementwise loops (`residual_add16`, `scale_row16`) and the scalar ones
+    (AVX2 and baseline clones) give the same residual and output bits, special values and a
+    masked tail (dim 1000) included, and a row's bits do not depend on the rows beside it."""
+    assert native_kernels.LIB is not None
+    g = torch.Generator().manual_seed(11)
+    norm = RMSNorm(1000, 1e-5, torch.bfloat16, torch.device("cpu"))
+    norm.weight.data = torch.randn(1000, generator=g).bfloat16()
+    h = (torch.randn(37, 1000, generator=g) * 4).bfloat16()
+    delta = torch.randn(37, 1000, generator=g).bfloat16()
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40,
+                            3.0e38]).bfloat16()
+    h[0, : special.numel()] = special
+    delta[1, 990:998] = special
+
+    def normed(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        got_h, got = fused_ops.add_rms_norm(h[rows].clone(), delta[rows].clone(), norm.weight, norm.eps, norm)
+        return got_h.view(torch.int16), got.view(torch.int16)
+
+    want_h, want = normed(slice(None))
+    assert torch.equal(want_h, (h + delta).view(torch.int16))
+    for row in (0, 1, 36):
+        alone_h, alone = normed(slice(row, row + 1))
+        assert torch.equal(alone_h, want_h[row: row + 1]) and torch.equal(alone, want[row: row + 1])
+    host = native_kernels.features()
+    for kind in ("avx2", "portable"):
+        previous = native_kernels.set_features(cpu_features.effective(kind) & host)
+        try:
+            got_h, got = normed(slice(None))
+            assert torch.equal(got_h, want_h) and torch.equal(got, want), kind
+        finally:
+            native_kernels.set_features(previous)
+
 def test_float32_and_a_missing_library_take_the_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(0)
     norm = _norm(torch.float32)
@@ -69,6 +103,36 @@ def test_bf16_rope_in_place_equals_the_torch_rotation(tokens: int) -> None:
     assert q.data_ptr() == x.data_ptr()  # rotated in place in the projection's output
     assert torch.equal(x[:, 16 * 64 :], qkv[:, 16 * 64 :])  # v untouched
 
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])  # 40: each half's 20 elements end in a masked tail
+def test_bf16_rope_has_the_same_bits_on_every_cpu_kind(head_dim: int) -> None:
+    """The AVX-512 rotation (`rope_row16`) and the scalar one (AVX2 and baseline clones) give
+    the same bits, special values included (NaN, infinities, signed zeros, denormals)."""
+    assert native_kernels.LIB is not None
+    tokens, heads = 33, 12 + 4
+    tables = RopeTables(head_dim, 500000.0, None, 2048, torch.bfloat16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(head_dim)
+    cos, sin = tables.lookup(torch.randint(0, 2048, (tokens,), generator=g))
+    qkv = (torch.randn(tokens, (heads + 4) * head_dim, generator=g) * 3).bfloat16()
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40,
+                            3.0e38, -3.0e38, 1e-30]).bfloat16()
+    qkv[0, : special.numel()] = special
+    qkv[-1, head_dim // 2: head_dim // 2 + special.numel()] = special.flip(0)
+
+    def rotated() -> torch.Tensor:
+        x = qkv.clone()
+        assert fused_ops.rope_qk(x, 12, 4, head_dim, cos, sin) is not None
+        return x.view(torch.int16)
+
+    want, host = rotated(), native_kernels.features()
+    assert not torch.equal(want, qkv.view(torch.int16))  # it rotated
+    for kind in ("avx2", "portable"):
+        previous = native_kernels.set_features(cpu_features.effective(kind) & host)
+        try:
+            assert torch.equal(rotated(), want), kind
+        finally:
+            native_kernels.set_features(previous)
 
 def _gate_up(rows: int, inter: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
