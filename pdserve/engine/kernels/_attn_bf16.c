@@ -4,11 +4,12 @@
  * in, is computed by `attend_rows_d` in the one order below, so a prefill row has the bits of
  * the decode at its position. K and V are read in place from the pool.
  *
- * - q . k: 16 keys at a time, transposed by bf16 pair once per call (`keys_by_pair`); a
- *   score's lane sums, in pair order, one `vdpbf16ps` per pair of q and the key (products
- *   exact in float32) in four chains (pairs p mod 4), added (c0 + c1) + (c2 + c3), times the
- *   scale (`score_by_pair`; up to 6 (row, head) units a call share each K vector load, and 24
- *   independent chains keep the two vdpbf16ps pipes busy).
+ * - q . k: 32 keys at a time (two blocks of 16, one at the end), transposed by bf16 pair once
+ *   per call (`keys_by_pair`); a score's lane sums, in pair order, one `vdpbf16ps` per pair of
+ *   q and the key (products exact in float32) in two chains (pairs p mod 2), added, times the
+ *   scale (`score_by_pair`: up to 6 (row, head) units a call share each K vector load, each q
+ *   pair is broadcast once for both blocks, and up to 24 independent chains keep the two
+ *   vdpbf16ps pipes busy, a decode's 3 heads 12).
  * - softmax: max, exp and sum 16 scores at a time, the exp a degree-6 polynomial after range
  *   reduction (relative error ~2e-7). e = exp(s - max) is rounded to bf16 (nearest even) in
  *   place and 1 / sum applied to p . V's sums (as FlashAttention does).
@@ -30,6 +31,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "_attn_bf16.h"
 #include "_attn_simd.h"
@@ -158,34 +160,44 @@ TARGET INLINE void keys_by_pair(const uint16_t *const *kr, __m512 *kt, const int
     }
 }
 
-/* The scaled scores q . k of 16 keys (transposed by pair in kt, keys_by_pair) for U query rows
- * q[u], into dst[u][0 .. n[u]): lane i of chain c of row u sums, in pair order, the products of
- * the pairs p = c, c + 4, c + 8, ... of q and key i (one vdpbf16ps each: the pair broadcast
- * from q, key i's pair p in lane i); the score is ((c0 + c1) + (c2 + c3)) x scale. Four chains,
- * so even a decode's few heads keep the vdpbf16ps pipes busy; each kt vector is loaded once
- * for all U rows. This order is the one every score has, decode or prefill. */
+/* The scaled scores q . k of NB blocks of 16 keys (block j transposed by pair at kt + j * D / 2,
+ * keys_by_pair) for U query rows q[u], into dst[u][0 .. n[u]) (n[u] <= 16 NB): lane i of chain
+ * c of (row u, block j) sums, in pair order, the products of the pairs p = c, c + 2, c + 4, ...
+ * of q and key i (one vdpbf16ps each: the pair broadcast from q, key i's pair p in lane i); the
+ * score is (c0 + c1) x scale. Each q pair is broadcast once for the NB blocks and each kt vector
+ * loaded once for the U rows: 1 + NB / U loads per NB vdpbf16ps. A score's arithmetic is the
+ * same whatever NB, U or the other rows: the one order every score has, decode or prefill. */
 TARGET INLINE void score_by_pair(const uint16_t *const *q, const __m512 *kt, const int64_t *n, float scale,
-                                 float *const *dst, const int U, const int D) {
-    __m512 a[PAIR_UNITS][4];
+                                 float *const *dst, const int U, const int NB, const int D) {
+    __m512 a[PAIR_UNITS][2][2];
 #pragma GCC unroll 8
     for (int u = 0; u < U; u++)
-        for (int c = 0; c < 4; c++)
-            a[u][c] = _mm512_setzero_ps();
+        for (int j = 0; j < NB; j++)
+            a[u][j][0] = a[u][j][1] = _mm512_setzero_ps();
 #pragma GCC unroll 64
     for (int p = 0; p < D / 2; p++) {
-        const __m512 kv = kt[p];
+        __m512 kv[2];
+        for (int j = 0; j < NB; j++)
+            kv[j] = kt[j * (D / 2) + p];
 #pragma GCC unroll 8
-        for (int u = 0; u < U; u++)
-            a[u][p % 4] = dot_pair(a[u][p % 4], kv, q[u] + 2 * p);
+        for (int u = 0; u < U; u++) {
+            int32_t pair;
+            memcpy(&pair, q[u] + 2 * p, sizeof pair);
+            const __m512 qp = _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+            for (int j = 0; j < NB; j++)
+                a[u][j][p % 2] = dot(a[u][j][p % 2], qp, kv[j]);
+        }
     }
 #pragma GCC unroll 8
-    for (int u = 0; u < U; u++) {
-        __m512 sc = _mm512_add_ps(_mm512_add_ps(a[u][0], a[u][1]), _mm512_add_ps(a[u][2], a[u][3]));
-        _mm512_mask_storeu_ps(dst[u], (__mmask16)(n[u] >= 16 ? 0xFFFF : (1u << n[u]) - 1u),
-                              _mm512_mul_ps(sc, _mm512_set1_ps(scale)));
-    }
+    for (int u = 0; u < U; u++)
+        for (int j = 0; j < NB; j++) {
+            int64_t m = n[u] - 16 * j;
+            if (m <= 0)
+                continue;
+            __m512 sc = _mm512_mul_ps(_mm512_add_ps(a[u][j][0], a[u][j][1]), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(dst[u] + 16 * j, (__mmask16)(m >= 16 ? 0xFFFF : (1u << m) - 1u), sc);
+        }
 }
-
 
 /* Query rows gathered for score_by_pair. */
 typedef struct {
@@ -195,33 +207,41 @@ typedef struct {
     int cnt;
 } pair_batch;
 
-/* score_by_pair for each unit count and head size, each its own function: kt is then read
- * from memory, and its 24 accumulators stay in registers (inlined beside keys_by_pair, GCC kept
- * the transposed keys in registers and spilled the accumulators). */
-#define SCORE_FN(U, D)                                                                                     \
-    __attribute__((noinline)) TARGET static void score_##U##_##D(const uint16_t *const *q, const __m512 *kt, \
-                                                                 const int64_t *n, float scale, float *const *dst) { \
-        score_by_pair(q, kt, n, scale, dst, U, D);                                                          \
+/* score_by_pair for each unit count, block count and head size, each its own function: kt is
+ * then read from memory, and its up to 24 accumulators stay in registers (inlined beside
+ * keys_by_pair, GCC kept the transposed keys in registers and spilled the accumulators). */
+#define SCORE_FN(U, NB, D)                                                                                      \
+    __attribute__((noinline)) TARGET static void score_##U##_##NB##_##D(const uint16_t *const *q, const __m512 *kt, \
+                                                                        const int64_t *n, float scale,            \
+                                                                        float *const *dst) {                      \
+        score_by_pair(q, kt, n, scale, dst, U, NB, D);                                                           \
     }
-SCORE_FN(1, 64) SCORE_FN(2, 64) SCORE_FN(3, 64) SCORE_FN(4, 64) SCORE_FN(5, 64) SCORE_FN(6, 64)
-SCORE_FN(1, 128) SCORE_FN(2, 128) SCORE_FN(3, 128) SCORE_FN(4, 128) SCORE_FN(5, 128) SCORE_FN(6, 128)
+#define SCORE_FNS(NB, D) SCORE_FN(1, NB, D) SCORE_FN(2, NB, D) SCORE_FN(3, NB, D) SCORE_FN(4, NB, D) \
+    SCORE_FN(5, NB, D) SCORE_FN(6, NB, D)
+SCORE_FNS(1, 64) SCORE_FNS(2, 64) SCORE_FNS(1, 128) SCORE_FNS(2, 128)
+#undef SCORE_FNS
 #undef SCORE_FN
 
-TARGET INLINE void pair_flush(pair_batch *b, const __m512 *kt, float scale, const int D) {
-    switch (D == 64 ? b->cnt : 10 + b->cnt) {
-#define BATCH(U, DD) case (DD == 64 ? U : 10 + U): score_##U##_##DD(b->q, kt, b->n, scale, b->dst); break;
-        BATCH(1, 64) BATCH(2, 64) BATCH(3, 64) BATCH(4, 64) BATCH(5, 64) BATCH(6, 64)
-        BATCH(1, 128) BATCH(2, 128) BATCH(3, 128) BATCH(4, 128) BATCH(5, 128) BATCH(6, 128)
+TARGET INLINE void pair_flush(pair_batch *b, const __m512 *kt, float scale, const int NB, const int D) {
+    switch (b->cnt + 10 * NB + (D == 64 ? 0 : 100)) {
+#define BATCH(U, NN, DD)                                                   \
+    case U + 10 * NN + (DD == 64 ? 0 : 100):                               \
+        score_##U##_##NN##_##DD(b->q, kt, b->n, scale, b->dst);            \
+        break;
+#define BATCHES(NN, DD) BATCH(1, NN, DD) BATCH(2, NN, DD) BATCH(3, NN, DD) BATCH(4, NN, DD) BATCH(5, NN, DD) \
+    BATCH(6, NN, DD)
+        BATCHES(1, 64) BATCHES(2, 64) BATCHES(1, 128) BATCHES(2, 128)
+#undef BATCHES
 #undef BATCH
     }
     b->cnt = 0;
 }
 
 TARGET INLINE void pair_add(pair_batch *b, const uint16_t *q, int64_t n, float *dst, const __m512 *kt, float scale,
-                            const int D) {
+                            const int NB, const int D) {
     b->q[b->cnt] = q, b->n[b->cnt] = n, b->dst[b->cnt] = dst;
     if (++b->cnt == PAIR_UNITS)
-        pair_flush(b, kt, scale, D);
+        pair_flush(b, kt, scale, NB, D);
 }
 
 /* Softmax of one unit's L scores at s (64-byte aligned), in place: e_t = exp(s_t - max) written
@@ -404,18 +424,31 @@ TARGET INLINE int attend_rows_d(const uint16_t *q, int64_t q_stride, const uint1
     if (check_blocks(&pr, Lmax, num_blocks) != PD_OK)
         return PD_ERR_BLOCK;
     const tile_scratch ts = tile_scratch_at(sc, units, Lmax);
-    for (int64_t t0 = 0; t0 < Lmax; t0 += 16) {
+    for (int64_t t0 = 0; t0 < Lmax; t0 += 32) { /* two blocks of 16 keys a pass (one at the end) */
         const uint16_t *kr[16];
-        __m512 kt[64];
+        __m512 kt[2 * 64];
+        const int two = t0 + 16 < Lmax;
         key_rows(kr, k, &pr, t0, Lmax, D);
         keys_by_pair(kr, kt, D);
+        if (two) {
+            key_rows(kr, k, &pr, t0 + 16, Lmax, D);
+            keys_by_pair(kr, kt + D / 2, D);
+        }
         pair_batch b = {.cnt = 0};
         for (int64_t r = 0; r < R; r++) {
-            int64_t L = L0 + r, nr = L - t0 < 16 ? L - t0 : 16;
-            for (int64_t g = 0; nr > 0 && g < G; g++)
-                pair_add(&b, q + r * q_stride + g * D, nr, ts.scores + (r * G + g) * ts.stride + t0, kt, scale, D);
+            int64_t L = L0 + r, nr = L - t0 < 32 ? L - t0 : 32;
+            for (int64_t g = 0; nr > 0 && g < G; g++) {
+                float *dst = ts.scores + (r * G + g) * ts.stride + t0;
+                if (two)
+                    pair_add(&b, q + r * q_stride + g * D, nr, dst, kt, scale, 2, D);
+                else
+                    pair_add(&b, q + r * q_stride + g * D, nr, dst, kt, scale, 1, D);
+            }
         }
-        pair_flush(&b, kt, scale, D);
+        if (two)
+            pair_flush(&b, kt, scale, 2, D);
+        else
+            pair_flush(&b, kt, scale, 1, D);
     }
     for (int64_t u = 0; u < units; u++)
         ts.inv[u] = softmax_row_bf16(ts.scores + u * ts.stride, L0 + u / G);
