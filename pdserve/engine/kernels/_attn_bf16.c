@@ -43,6 +43,7 @@
 #define PREFETCH_KEYS 8 /* how far ahead p.V prefetches V rows */
 #define PAIR_UNITS 6 /* (query row, head) units per score_by_pair call */
 #define PV_ACCS 24 /* float32 accumulators a p . V pass holds in registers */
+#define PV_UNITS (PV_ACCS / 4) /* (row, head) units a p . V pass takes at most (head size 64) */
 
 static int enabled = 1;
 
@@ -278,8 +279,7 @@ TARGET INLINE float softmax_row_bf16(float *s, int64_t L) {
 
 /* V rows a and b (keys t, t + 1) as bf16 pairs: vp[2c] lane 4j + i holds element 32c + 8j + i
  * of a (low half) and of b (high half), vp[2c + 1] the same for element 32c + 8j + 4 + i (one
- * unpack each). ZERO_B: b's halves zeroed instead (the pair past a context's last key: p's pad
- * is +0 too, so the product is +0 whatever b holds). */
+ * unpack each). */
 TARGET INLINE void v_pair(__m512i *vp, const uint16_t *a, const uint16_t *b, const int D) {
     for (int c = 0; c < D / 32; c++) {
         __m512i x = _mm512_loadu_si512((const void *)(a + 32 * c)), y = _mm512_loadu_si512((const void *)(b + 32 * c));
@@ -288,7 +288,8 @@ TARGET INLINE void v_pair(__m512i *vp, const uint16_t *a, const uint16_t *b, con
     }
 }
 
-/* vp with each pair's high (key t + 1) half zeroed. */
+/* vp with each pair's high (key t + 1) half zeroed: the pair at a context's last key (its
+ * weight pad is +0 too, so the product is +0 whatever the next row holds). */
 TARGET INLINE void first_of_pair(__m512i *dst, const __m512i *vp, const int D) {
     for (int j = 0; j < D / 16; j++)
         dst[j] = _mm512_and_si512(vp[j], _mm512_set1_epi32(0xFFFF));
@@ -344,7 +345,7 @@ TARGET INLINE void pv_units(uint16_t *const *out, const uint16_t *const *vr, con
                             const float *inv, const int64_t *len, const int UN, const int D) {
     const int DV = D / 16;
     const int64_t L = len[UN - 1], whole = len[0] & ~(int64_t)1;
-    __m512 acc[24];
+    __m512 acc[PV_ACCS];
     __m512i vp[8], vz[8];
 #pragma GCC unroll 24 /* register moves, not a `rep stos` of a stack copy (_bf16_tiles.c's tile) */
     for (int i = 0; i < UN * DV; i++)
@@ -385,9 +386,9 @@ TARGET INLINE void pv_units(uint16_t *const *out, const uint16_t *const *vr, con
  * reads row r's bf16 weights for head g (its scratch row) over its L0 + r keys (pv_units). */
 TARGET INLINE void pv_rows(const tile_scratch *ts, int64_t L0, int64_t G, int64_t u0, uint16_t *out,
                            int64_t out_stride, const int UN, const int D) {
-    const uint16_t *p[6];
-    int64_t len[6];
-    uint16_t *o[6];
+    const uint16_t *p[PV_UNITS];
+    int64_t len[PV_UNITS];
+    uint16_t *o[PV_UNITS];
     for (int i = 0; i < UN; i++) {
         int64_t r = (u0 + i) / G, g = (u0 + i) % G;
         len[i] = L0 + r;
@@ -409,6 +410,27 @@ PV_ROWS_FN(1, 64) PV_ROWS_FN(2, 64) PV_ROWS_FN(3, 64) PV_ROWS_FN(4, 64) PV_ROWS_
 PV_ROWS_FN(1, 128) PV_ROWS_FN(2, 128) PV_ROWS_FN(3, 128)
 #undef PV_ROWS_FN
 
+/* The scores of keys [t0, t0 + 16 NB) for every (row, head) unit of a tile whose context
+ * reaches them: the NB blocks transposed once, then score_by_pair PAIR_UNITS units a call. */
+TARGET INLINE void score_keys(const uint16_t *q, int64_t q_stride, const uint16_t *k, const pool_rows *pr,
+                              const tile_scratch *ts, int64_t t0, int64_t L0, int64_t R, int64_t G, float scale,
+                              const int NB, const int D) {
+    const int64_t Lmax = L0 + R - 1;
+    const uint16_t *kr[16];
+    __m512 kt[2 * 64];
+    for (int j = 0; j < NB; j++) {
+        key_rows(kr, k, pr, t0 + 16 * j, Lmax, D);
+        keys_by_pair(kr, kt + j * (D / 2), D);
+    }
+    pair_batch b = {.cnt = 0};
+    for (int64_t r = 0; r < R; r++) {
+        int64_t L = L0 + r, nr = L - t0 < 16 * NB ? L - t0 : 16 * NB;
+        for (int64_t g = 0; nr > 0 && g < G; g++)
+            pair_add(&b, q + r * q_stride + g * D, nr, ts->scores + (r * G + g) * ts->stride + t0, kt, scale, NB, D);
+    }
+    pair_flush(&b, kt, scale, NB, D);
+}
+
 /* R consecutive query rows of one sequence and KV head: row r (q + r * q_stride, out + r *
  * out_stride) attends its first L0 + r keys, each row's scores, softmax and p . V in the one
  * order of the file's comment (R = 1 is a decode, so a prefill row has the bits of the decode
@@ -425,30 +447,10 @@ TARGET INLINE int attend_rows_d(const uint16_t *q, int64_t q_stride, const uint1
         return PD_ERR_BLOCK;
     const tile_scratch ts = tile_scratch_at(sc, units, Lmax);
     for (int64_t t0 = 0; t0 < Lmax; t0 += 32) { /* two blocks of 16 keys a pass (one at the end) */
-        const uint16_t *kr[16];
-        __m512 kt[2 * 64];
-        const int two = t0 + 16 < Lmax;
-        key_rows(kr, k, &pr, t0, Lmax, D);
-        keys_by_pair(kr, kt, D);
-        if (two) {
-            key_rows(kr, k, &pr, t0 + 16, Lmax, D);
-            keys_by_pair(kr, kt + D / 2, D);
-        }
-        pair_batch b = {.cnt = 0};
-        for (int64_t r = 0; r < R; r++) {
-            int64_t L = L0 + r, nr = L - t0 < 32 ? L - t0 : 32;
-            for (int64_t g = 0; nr > 0 && g < G; g++) {
-                float *dst = ts.scores + (r * G + g) * ts.stride + t0;
-                if (two)
-                    pair_add(&b, q + r * q_stride + g * D, nr, dst, kt, scale, 2, D);
-                else
-                    pair_add(&b, q + r * q_stride + g * D, nr, dst, kt, scale, 1, D);
-            }
-        }
-        if (two)
-            pair_flush(&b, kt, scale, 2, D);
+        if (t0 + 16 < Lmax)
+            score_keys(q, q_stride, k, &pr, &ts, t0, L0, R, G, scale, 2, D);
         else
-            pair_flush(&b, kt, scale, 1, D);
+            score_keys(q, q_stride, k, &pr, &ts, t0, L0, R, G, scale, 1, D);
     }
     for (int64_t u = 0; u < units; u++)
         ts.inv[u] = softmax_row_bf16(ts.scores + u * ts.stride, L0 + u / G);

@@ -216,46 +216,34 @@ int pd_paged_prefill(int dtype, const void *q, int64_t q_stride, const void *k, 
  *   h   <- bf16(h + delta)                       (in place; delta NULL: h as it is)
  *   out  = bf16(w * bf16(h * rsqrt(mean(h^2) + eps)))   mean and rsqrt in float32
  * One pass over h per row instead of ~9 torch ops (add, cast, pow, mean, add, rsqrt,
- * mul, cast, mul), each a dispatch and a full pass over the row. */
-static void residual_add16(uint16_t *h, const uint16_t *delta, int64_t dim);
-static void scale_row16(const uint16_t *h, const uint16_t *w, int64_t dim, float inv, uint16_t *out);
+ * mul, cast, mul), each a dispatch and a full pass over the row. On AVX-512 the elementwise
+ * loops run 16 lanes at a time (add_rms_norm_row16, below), with the same bits. */
 
-PD_CLONES(void, add_rms_norm_row, (uint16_t *h, const uint16_t *delta, const uint16_t *w,
-          int64_t dim, float eps, uint16_t *out),
-          (h, delta, w, dim, eps, out)) {
+/* sum_j h[j]^2 of a row in float32, the order GCC's `omp simd` reduction gives each clone (the
+ * same bits on every kind: tests/engine/test_fused_ops.py). */
+PD_CLONES(float, sum_squares, (const uint16_t *h, int64_t dim), (h, dim)) {
     float ss = 0.0f;
-    const int wide = pd_cpu_has(PD_CPU_AVX512F); /* the elementwise loops 16 lanes at a time */
-    if (delta != NULL && wide) {
-        residual_add16(h, delta, dim);
-    } else if (delta != NULL) {
-        for (int64_t j = 0; j < dim; j++)
-            h[j] = f32_to_bf16(bf16_to_f32(h[j]) + bf16_to_f32(delta[j]));
-    }
 #pragma omp simd reduction(+ : ss)
     for (int64_t j = 0; j < dim; j++) {
         float x = bf16_to_f32(h[j]);
         ss += x * x;
     }
-    float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-    if (wide) {
-        scale_row16(h, w, dim, inv, out);
-        return;
+    return ss;
+}
+
+static void add_rms_norm_row(uint16_t *h, const uint16_t *delta, const uint16_t *w, int64_t dim, float eps,
+                             uint16_t *out) {
+    if (delta != NULL) {
+        for (int64_t j = 0; j < dim; j++)
+            h[j] = f32_to_bf16(bf16_to_f32(h[j]) + bf16_to_f32(delta[j]));
     }
+    float inv = 1.0f / sqrtf(sum_squares(h, dim) / (float)dim + eps);
     for (int64_t j = 0; j < dim; j++) {
         float n = bf16_to_f32(f32_to_bf16(bf16_to_f32(h[j]) * inv));
         out[j] = f32_to_bf16(bf16_to_f32(w[j]) * n);
     }
 }
 
-void pd_add_rms_norm_bf16(uint16_t *h, const uint16_t *delta, const uint16_t *w, int64_t rows,
-                          int64_t dim, float eps, uint16_t *out, int num_threads) {
-    /* A decode batch's few rows are not worth waking the thread team for. */
-    int threads = rows * dim < (1 << 16) || num_threads < 1 ? 1 : num_threads;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        add_rms_norm_row(h + r * dim, delta == NULL ? NULL : delta + r * dim, w, dim, eps,
-                         out + r * dim);
-}
 
 /* exp(x) in float32 for x in [-87, 89] (the caller clamps): x = n ln2 + r, |r| <= ln2/2,
  * exp(r) by its degree-6 Taylor polynomial (error under 2 ulp), times 2^n built in the
@@ -356,6 +344,25 @@ PD_AVX512_BW static void scale_row16(const uint16_t *h, const uint16_t *w, int64
         __m512 n = _mm512_castsi512_ps(_mm512_slli_epi32(pd_round_bf16x16(_mm512_mul_ps(pd_bf16x16(h + j, k), s)), 16));
         _mm256_mask_storeu_epi16(out + j, k, _mm512_cvtepi32_epi16(pd_round_bf16x16(_mm512_mul_ps(pd_bf16x16(w + j, k), n))));
     }
+}
+
+/* add_rms_norm_row with its elementwise loops 16 lanes at a time: the same bits. */
+PD_AVX512_BW static void add_rms_norm_row16(uint16_t *h, const uint16_t *delta, const uint16_t *w, int64_t dim,
+                                            float eps, uint16_t *out) {
+    if (delta != NULL)
+        residual_add16(h, delta, dim);
+    scale_row16(h, w, dim, 1.0f / sqrtf(sum_squares(h, dim) / (float)dim + eps), out);
+}
+
+void pd_add_rms_norm_bf16(uint16_t *h, const uint16_t *delta, const uint16_t *w, int64_t rows,
+                          int64_t dim, float eps, uint16_t *out, int num_threads) {
+    /* A decode batch's few rows are not worth waking the thread team for. */
+    int threads = rows * dim < (1 << 16) || num_threads < 1 ? 1 : num_threads;
+    void (*row)(uint16_t *, const uint16_t *, const uint16_t *, int64_t, float, uint16_t *) =
+        pd_cpu_has(PD_CPU_AVX512F) ? add_rms_norm_row16 : add_rms_norm_row;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        row(h + r * dim, delta == NULL ? NULL : delta + r * dim, w, dim, eps, out + r * dim);
 }
 
 /* silu(x) * y of 16 lanes, as silu_mul_row, bf16 bits in the low half of each lane. */
